@@ -1,0 +1,408 @@
+"""Capture a JAX function into a flat `Graph` and fingerprint it.
+
+All access to `jax.extend.core` lives in this module, so that drift in JAX's
+jaxpr API is fixed in one place. Nested `jit`/`pjit`, `closed_call`, `remat`
+and `custom_jvp_call` (primal) are inlined; control flow (`cond`, `while`,
+`scan`) and everything else stays one opaque node.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+# Primitives whose body is inlined into the graph, with the parameter holding it.
+_INLINE_PARAM = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+@dataclass(frozen=True)
+class Aval:
+    """Shape and dtype of a value (a hashable, JAX-independent record)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __str__(self) -> str:
+        return f"{np.dtype(self.dtype).name}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Lit:
+    """A literal scalar operand of a node."""
+
+    value: Any
+    aval: Aval
+
+
+Atom = int | Lit  # an int names a value of the graph
+
+
+@dataclass
+class Node:
+    """One equation: a primitive applied to atoms, producing values."""
+
+    id: int
+    primitive: Any  # jax.extend.core.Primitive
+    params: dict
+    inputs: tuple[Atom, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclass
+class Graph:
+    """A program as a DAG: nodes in topological order, values with avals."""
+
+    nodes: list[Node]
+    avals: dict[int, Aval]
+    inputs: list[int]
+    outputs: list[Atom]
+    consts: dict[int, np.ndarray]
+    in_tree: Any
+    out_tree: Any
+    static_repr: str = ""
+    extra: dict = field(default_factory=dict)
+
+    # ---- structure ---------------------------------------------------------
+    @cached_property
+    def producer(self) -> dict[int, int]:
+        """value id -> id of the node that produces it."""
+        return {v: n.id for n in self.nodes for v in n.outputs}
+
+    @cached_property
+    def consumers(self) -> dict[int, list[int]]:
+        """value id -> ids of nodes reading it (in order, no duplicates)."""
+        out: dict[int, list[int]] = {}
+        for n in self.nodes:
+            for a in n.inputs:
+                if isinstance(a, int):
+                    lst = out.setdefault(a, [])
+                    if not lst or lst[-1] != n.id:
+                        lst.append(n.id)
+        return out
+
+    @cached_property
+    def node_index(self) -> dict[int, Node]:
+        return {n.id: n for n in self.nodes}
+
+    @cached_property
+    def output_values(self) -> frozenset[int]:
+        return frozenset(a for a in self.outputs if isinstance(a, int))
+
+    def preds(self, node_id: int) -> list[int]:
+        """Ids of the nodes whose outputs `node_id` reads."""
+        prod = self.producer
+        return sorted({prod[a] for a in self.node_index[node_id].inputs if isinstance(a, int) and a in prod})
+
+    def succs(self, node_id: int) -> list[int]:
+        cons = self.consumers
+        return sorted({c for v in self.node_index[node_id].outputs for c in cons.get(v, ())})
+
+    def aval(self, atom: Atom) -> Aval:
+        return atom.aval if isinstance(atom, Lit) else self.avals[atom]
+
+    # ---- evaluation --------------------------------------------------------
+    def evaluate(self, flat_args: Sequence[Any], override: Callable[[Node, list], list | None] | None = None) -> list:
+        """Run the graph with plain JAX primitives (the XLA path)."""
+        env: dict[int, Any] = dict(zip(self.inputs, flat_args))
+        env.update(self.consts)
+        for node in self.nodes:
+            ins = [read_atom(env, a) for a in node.inputs]
+            outs = override(node, ins) if override else None
+            if outs is None:
+                outs = bind_node(node, ins)
+            env.update(zip(node.outputs, outs))
+        return [read_atom(env, a) for a in self.outputs]
+
+    # ---- identity ----------------------------------------------------------
+    @cached_property
+    def fingerprint(self) -> str:
+        """Stable hash of ops, params, shapes, dtypes, constants and pytree structure."""
+        h = hashlib.sha256()
+        h.update(f"in_tree={self.in_tree};out_tree={self.out_tree};static={self.static_repr}\n".encode())
+        h.update(("inputs=" + ",".join(str(self.avals[v]) for v in self.inputs) + "\n").encode())
+        for v in sorted(self.consts):
+            c = np.asarray(self.consts[v])
+            h.update(f"const {v} {c.dtype} {c.shape} ".encode() + hashlib.sha256(c.tobytes()).digest() + b"\n")
+        for n in self.nodes:
+            h.update(node_text(n, self.avals).encode() + b"\n")
+        h.update(("outputs=" + ",".join(atom_text(a) for a in self.outputs)).encode())
+        return h.hexdigest()[:32]
+
+    def signature(self) -> dict:
+        """Input/output shapes and dtypes, for people and for the store."""
+        return {
+            "inputs": [str(self.avals[v]) for v in self.inputs],
+            "outputs": [str(self.aval(a)) for a in self.outputs],
+        }
+
+
+# ---------------------------------------------------------------------------
+# Canonical text, shared by graph and group fingerprints.
+_ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def atom_text(a: Atom) -> str:
+    if isinstance(a, Lit):
+        return f"lit({np.asarray(a.value).item()!r}:{a.aval})"
+    return f"%{a}"
+
+
+def _param_text(v: Any) -> str:
+    if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+        return _ADDR.sub("", str(v))
+    if isinstance(v, np.ndarray) or hasattr(v, "__array__") and hasattr(v, "dtype") and hasattr(v, "shape"):
+        arr = np.asarray(v)
+        return f"array({arr.dtype},{arr.shape},{hashlib.sha256(arr.tobytes()).hexdigest()[:16]})"
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(_param_text(x) for x in v) + ")"
+    if callable(v) and not isinstance(v, type):
+        return f"<callable {getattr(v, '__name__', type(v).__name__)}>"
+    return _ADDR.sub("", repr(v))
+
+
+def node_text(n: Node, avals: dict[int, Aval], rename: dict[int, int] | None = None) -> str:
+    """Canonical text of a node; `rename` maps value ids to local numbers."""
+    def ref(a: Atom) -> str:
+        if isinstance(a, Lit) or rename is None:
+            return atom_text(a)
+        return f"%{rename.get(a, a)}"
+
+    params = ";".join(f"{k}={_param_text(n.params[k])}" for k in sorted(n.params))
+    ins = ",".join(ref(a) for a in n.inputs)
+    outs = ",".join(f"{ref(v)}:{avals[v]}" for v in n.outputs)
+    return f"{outs} = {n.name}[{params}]({ins})"
+
+
+def read_atom(env: dict[int, Any], a: Atom) -> Any:
+    return a.value if isinstance(a, Lit) else env[a]
+
+
+def bind_node(node: Node, ins: Sequence[Any]) -> list:
+    """Re-run one equation the way `jax.core.eval_jaxpr` does."""
+    subfuns, bind_params = node.primitive.get_bind_params(node.params)
+    out = node.primitive.bind(*subfuns, *ins, **bind_params)
+    return list(out) if node.primitive.multiple_results else [out]
+
+
+# ---------------------------------------------------------------------------
+# Capture.
+def _to_aval(a: Any) -> Aval:
+    return Aval(tuple(int(d) for d in a.shape), np.dtype(a.dtype))
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.avals: dict[int, Aval] = {}
+        self.consts: dict[int, np.ndarray] = {}
+
+    def new_value(self, aval: Any) -> int:
+        vid = len(self.avals)
+        self.avals[vid] = _to_aval(aval)
+        return vid
+
+    def atom(self, env: dict, x: Any) -> Atom:
+        if isinstance(x, jcore.Literal):
+            return Lit(x.val, _to_aval(x.aval))
+        return env[x]
+
+    def add_consts(self, env: dict, constvars: Sequence[Any], consts: Sequence[Any]) -> None:
+        for var, c in zip(constvars, consts):
+            vid = self.new_value(var.aval)
+            self.consts[vid] = np.asarray(c)
+            env[var] = vid
+
+    def walk(self, jaxpr: Any, in_atoms: Sequence[Atom], env: dict | None = None) -> list[Atom]:
+        env = {} if env is None else env
+        for var, a in zip(jaxpr.invars, in_atoms):
+            env[var] = a
+        for eqn in jaxpr.eqns:
+            ins = [self.atom(env, x) for x in eqn.invars]
+            key = _INLINE_PARAM.get(eqn.primitive.name)
+            inner = eqn.params.get(key) if key else None
+            if inner is not None:
+                outs = self._inline(inner, ins, eqn)
+            else:
+                outs = [self.new_value(v.aval) for v in eqn.outvars]
+                self.nodes.append(Node(len(self.nodes), eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs)))
+            for var, a in zip(eqn.outvars, outs):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = a
+        return [self.atom(env, x) for x in jaxpr.outvars]
+
+    def _inline(self, inner: Any, ins: list[Atom], eqn: Any) -> list[Atom]:
+        sub_env: dict = {}
+        if isinstance(inner, jcore.ClosedJaxpr):
+            self.add_consts(sub_env, inner.jaxpr.constvars, inner.consts)
+            inner = inner.jaxpr
+        if eqn.primitive.name == "custom_jvp_call":
+            ins = ins[: len(inner.invars)] if len(ins) > len(inner.invars) else ins
+        return self.walk(inner, ins, sub_env)
+
+
+def _split_static(fn: Callable, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]):
+    """Return (dynamic args, dynamic kwargs, a function of the dynamic ones, repr of statics)."""
+    static_argnums = tuple(i % len(args) if args else i for i in static_argnums)
+    if static_argnames and not static_argnums:
+        try:  # like jax.jit: a static name given positionally is static too
+            names = list(inspect.signature(fn).parameters)
+            static_argnums = tuple(names.index(n) for n in static_argnames if n in names and names.index(n) < len(args))
+        except (TypeError, ValueError):
+            pass
+    static_pos = {i: args[i] for i in static_argnums if i < len(args)}
+    static_kw = {k: v for k, v in kwargs.items() if k in set(static_argnames)}
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
+
+    def dyn_fn(d_args: tuple, d_kwargs: dict):
+        it = iter(d_args)
+        full = [static_pos[i] if i in static_pos else next(it) for i in range(len(args))]
+        return fn(*full, **d_kwargs, **static_kw)
+
+    static_repr = repr(sorted(static_pos.items())) + repr(sorted(static_kw.items()))
+    return dyn_args, dyn_kwargs, dyn_fn, _ADDR.sub("", static_repr)
+
+
+def capture(fn: Callable, *args: Any, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), **kwargs: Any) -> Graph:
+    """Trace `fn(*args, **kwargs)` into a `Graph`.
+
+    Arguments are pytrees of arrays or `jax.ShapeDtypeStruct`s; those named in
+    `static_argnums`/`static_argnames` are treated as compile-time constants,
+    as with `jax.jit`.
+    """
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    dyn_args, dyn_kwargs, dyn_fn, static_repr = _split_static(fn, args, kwargs, static_argnums, static_argnames)
+    leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    specs = [jax.ShapeDtypeStruct(np.shape(x), _leaf_dtype(x)) for x in leaves]
+    out_tree_box: list = []
+
+    def flat_fn(*flat):
+        d_args, d_kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+        out = dyn_fn(d_args, d_kwargs)
+        out_flat, out_tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(out_tree)
+        return out_flat
+
+    closed = jax.make_jaxpr(flat_fn)(*specs)
+    b = _Builder()
+    env: dict = {}
+    b.add_consts(env, closed.jaxpr.constvars, closed.consts)
+    in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
+    outs = b.walk(closed.jaxpr, in_ids, env)
+    return Graph(b.nodes, b.avals, in_ids, outs, b.consts, in_tree, out_tree_box[-1], static_repr)
+
+
+def _leaf_dtype(x: Any) -> np.dtype:
+    if hasattr(x, "dtype"):
+        return np.dtype(x.dtype)
+    return np.asarray(x).dtype if not isinstance(x, (int, float, bool)) else jax.numpy.asarray(x).dtype
+
+
+def flatten_args(graph: Graph, args: tuple, kwargs: dict, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> list:
+    """The dynamic leaves of a call, in the order of `graph.inputs`."""
+    dyn_args, dyn_kwargs, _, _ = _split_static(lambda *a, **k: None, args, kwargs, static_argnums, static_argnames)
+    leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    if tree != graph.in_tree:
+        raise ValueError(f"argument structure {tree} does not match the captured {graph.in_tree}")
+    return leaves
+
+
+def is_jaxpr_param(v: Any) -> bool:
+    return isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))
+
+
+# ---------------------------------------------------------------------------
+# Sub-graphs.
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A set of nodes of a graph, seen as one function of its external inputs.
+
+    `inputs` are the values read from outside (graph inputs, constants or
+    other nodes' outputs), in order of first use; `outputs` are the values it
+    produces that something outside reads (or that the graph returns).
+    """
+
+    graph: Graph
+    node_ids: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @staticmethod
+    def of(graph: Graph, node_ids: Sequence[int]) -> "Group":
+        ids = tuple(sorted(set(node_ids)))
+        members = set(ids)
+        produced = {v for i in ids for v in graph.node_index[i].outputs}
+        inputs: list[int] = []
+        for i in ids:
+            for a in graph.node_index[i].inputs:
+                if isinstance(a, int) and a not in produced and a not in inputs:
+                    inputs.append(a)
+        cons = graph.consumers
+        outs = [
+            v
+            for i in ids
+            for v in graph.node_index[i].outputs
+            if v in graph.output_values or any(c not in members for c in cons.get(v, ()))
+        ]
+        return Group(graph, ids, tuple(inputs), tuple(outs))
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [self.graph.node_index[i] for i in self.node_ids]
+
+    @cached_property
+    def signature(self) -> str:
+        """Fingerprint of the group's own computation (ids renamed locally), for reuse across graphs."""
+        rename: dict[int, int] = {v: k for k, v in enumerate(self.inputs)}
+        for n in self.nodes:
+            for v in n.outputs:
+                rename.setdefault(v, len(rename))
+        h = hashlib.sha256()
+        h.update(",".join(str(self.graph.avals[v]) for v in self.inputs).encode())
+        for n in self.nodes:
+            h.update(node_text(n, self.graph.avals, rename).encode())
+        h.update(",".join(str(rename[v]) for v in self.outputs).encode())
+        return h.hexdigest()[:20]
+
+    def evaluate(self, ins: Sequence[Any]) -> list:
+        """Run the group with plain JAX primitives (its XLA reference)."""
+        env: dict[int, Any] = dict(zip(self.inputs, ins))
+        for node in self.nodes:
+            env.update(zip(node.outputs, bind_node(node, [read_atom(env, a) for a in node.inputs])))
+        return [env[v] for v in self.outputs]
+
+    def input_avals(self) -> list[Aval]:
+        return [self.graph.avals[v] for v in self.inputs]
+
+    def output_avals(self) -> list[Aval]:
+        return [self.graph.avals[v] for v in self.outputs]

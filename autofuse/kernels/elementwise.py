@@ -1,0 +1,58 @@
+"""Template `elementwise`: elementwise work and broadcasts over a 2-D grid of tiles.
+
+All outputs share one shape S; inputs may be full, row or column vectors, or
+scalars. Multi-output groups are fine.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..graph import Group
+from ..ops import OpClass, op_class
+from .tiling import NoMatch, TileConfig, TileSpec, analyze, next_pow2, pallas_callable
+
+NAME = "elementwise"
+PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
+
+
+def match(group: Group) -> TileSpec | None:
+    """A tiling of the group, or None if this template cannot run it."""
+    if any(op_class(n.name) in (OpClass.REDUCTION, OpClass.CONTRACTION, OpClass.OPAQUE) for n in group.nodes):
+        return None
+    shapes = {group.graph.avals[v].shape for v in group.outputs}
+    if len(shapes) != 1:
+        return None
+    (S,) = shapes
+    if not S or min(S) == 0:
+        return None
+    for split in range(len(S) - 1, -1, -1):
+        try:
+            return analyze(group, S, split)
+        except NoMatch:
+            continue
+    return None
+
+
+def default_config(spec: TileSpec) -> dict:
+    bn = min(next_pow2(spec.C), 1024)
+    bm = max(1, min(next_pow2(spec.R), 2048 // bn))
+    return {"block_rows": bm, "block_cols": bn, "num_warps": 4, "num_stages": 1}
+
+
+def space(group: Group, spec: TileSpec | None = None) -> dict:
+    """Tunable parameters: their choices and the default."""
+    spec = spec or match(group)
+    cols = [c for c in (32, 64, 128, 256, 512, 1024, 2048, 4096) if c <= max(32, next_pow2(spec.C))]
+    rows = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= next_pow2(spec.R)]
+    return {
+        "params": {"block_rows": rows, "block_cols": cols, "num_warps": [1, 2, 4, 8, 16], "num_stages": [1, 2]},
+        "default": default_config(spec),
+    }
+
+
+def build(group: Group, config: dict, *, interpret: bool = False, spec: TileSpec | None = None) -> Callable:
+    spec = spec or match(group)
+    if spec is None:
+        raise NoMatch("elementwise does not match this group")
+    cfg = TileConfig(**{k: int(config[k]) for k in PARAMS})
+    return pallas_callable(spec, cfg, name=f"autofuse_elementwise_{group.signature[:8]}", interpret=interpret, two_d_grid=True)

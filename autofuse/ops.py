@@ -1,0 +1,136 @@
+"""The primitive table: what each primitive is, and how to run it on a tile.
+
+An allow-list: a primitive not named here is opaque and stays in XLA. The
+classes drive partitioning; `eval_on_tile` is how a generated kernel runs one
+equation of the group's own jaxpr on register tiles.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class OpClass(enum.Enum):
+    ELEMENTWISE = "elementwise"
+    BROADCAST = "broadcast"
+    LAYOUT = "layout"
+    REDUCTION = "reduction"
+    CONTRACTION = "contraction"
+    SOURCE = "source"  # iota: a value computed from indices
+    OPAQUE = "opaque"
+
+
+_ELEMENTWISE = {
+    # unary
+    "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
+    "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil", "is_finite", "not", "square",
+    "integer_pow", "convert_element_type", "stop_gradient", "reduce_precision", "copy", "copy_p",
+    "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+    # binary / n-ary
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
+    "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp",
+    "shift_left", "shift_right_logical", "shift_right_arithmetic",
+}
+_BROADCAST = {"broadcast_in_dim"}
+_LAYOUT = {"reshape", "squeeze", "expand_dims"}
+_REDUCTION = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
+_CONTRACTION = {"dot_general"}
+_SOURCE = {"iota"}
+
+# Math that needs floating point at least float32 inside a kernel.
+_LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def op_class(name: str) -> OpClass:
+    if name in _ELEMENTWISE:
+        return OpClass.ELEMENTWISE
+    if name in _BROADCAST:
+        return OpClass.BROADCAST
+    if name in _LAYOUT:
+        return OpClass.LAYOUT
+    if name in _REDUCTION:
+        return OpClass.REDUCTION
+    if name in _CONTRACTION:
+        return OpClass.CONTRACTION
+    if name in _SOURCE:
+        return OpClass.SOURCE
+    return OpClass.OPAQUE
+
+
+FUSIBLE = {OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE}
+
+
+def reduction_kind(name: str) -> str:
+    return _REDUCTION[name]
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype a value is held in inside a kernel: low floats widen to float32."""
+    d = np.dtype(dtype)
+    return np.dtype(np.float32) if d in _LOW_FLOATS else d
+
+
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """Cast a kernel-held value to `dtype` and back to its compute dtype (keeps rounding exact)."""
+    d = np.dtype(dtype)
+    if d in _LOW_FLOATS:
+        return x.astype(d).astype(jnp.float32)
+    return x.astype(d)
+
+
+def reduction_identity(kind: str, dtype: Any) -> Any:
+    d = np.dtype(dtype)
+    if kind == "sum":
+        return np.array(0, d)
+    if np.issubdtype(d, np.floating):
+        return np.array(-np.inf if kind == "max" else np.inf, d)
+    info = np.iinfo(d)
+    return np.array(info.min if kind == "max" else info.max, d)
+
+
+def reduce_tile(kind: str, x: jax.Array, axis: int) -> jax.Array:
+    fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind]
+    return fn(x, axis=axis, keepdims=True)
+
+
+def combine(kind: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Merge two partial reductions."""
+    return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[kind](a, b)
+
+
+def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]) -> jax.Array:
+    """Run an elementwise primitive on tiles held in compute dtypes.
+
+    Operands are broadcast to a common tile shape first (tiles of row or
+    column vectors are kept unbroadcast until they meet a full tile).
+    """
+    name = prim.name
+    if name == "convert_element_type":
+        return round_to(ins[0], out_dtype) if np.dtype(out_dtype) in _LOW_FLOATS else ins[0].astype(compute_dtype(out_dtype))
+    if name in ("stop_gradient", "copy", "copy_p"):
+        return ins[0]
+    if name == "reduce_precision":
+        return prim.bind(ins[0], **params)
+    shapes = [jnp.shape(x) for x in ins]
+    common = jnp.broadcast_shapes(*shapes)
+    ops = []
+    for x in ins:
+        x = jnp.asarray(x)
+        ops.append(jnp.broadcast_to(x, common) if x.shape != common else x)
+    if name == "select_n":
+        pred, *cases = ops
+        dt = jnp.result_type(*cases)
+        cases = [c.astype(dt) for c in cases]
+        if pred.dtype == jnp.bool_:
+            return jnp.where(pred, cases[1], cases[0]) if len(cases) == 2 else jax.lax.select_n(pred, *cases)
+        return jax.lax.select_n(pred, *cases)
+    if name == "square":
+        return ops[0] * ops[0]
+    params = {k: v for k, v in params.items() if not (k == "out_dtype" and v is None)}
+    if name in ("exp", "log", "tanh", "logistic", "exp2", "log1p", "expm1", "sin", "cos") and "accuracy" in params:
+        params = {**params, "accuracy": None}
+    return prim.bind(*ops, **params)
