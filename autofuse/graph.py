@@ -206,7 +206,8 @@ def read_atom(env: dict[int, Any], a: Atom) -> Any:
 
 def bind_node(node: Node, ins: Sequence[Any]) -> list:
     """Re-run one equation the way `jax.core.eval_jaxpr` does."""
-    subfuns, bind_params = node.primitive.get_bind_params(node.params)
+    bp = node.primitive.get_bind_params(node.params)
+    subfuns, bind_params = bp if isinstance(bp, tuple) else ((), bp)  # older JAX returned (subfuns, params)
     out = node.primitive.bind(*subfuns, *ins, **bind_params)
     return list(out) if node.primitive.multiple_results else [out]
 
@@ -328,9 +329,9 @@ def _leaf_dtype(x: Any) -> np.dtype:
     return np.asarray(x).dtype if not isinstance(x, (int, float, bool)) else jax.numpy.asarray(x).dtype
 
 
-def flatten_args(graph: Graph, args: tuple, kwargs: dict, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> list:
-    """The dynamic leaves of a call, in the order of `graph.inputs`."""
-    dyn_args, dyn_kwargs, _, _ = _split_static(lambda *a, **k: None, args, kwargs, static_argnums, static_argnames)
+def flatten_args(graph: Graph, fn: Callable, args: tuple, kwargs: dict, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> list:
+    """The dynamic leaves of a call of `fn`, in the order of `graph.inputs`."""
+    dyn_args, dyn_kwargs, _, _ = _split_static(fn, args, kwargs, static_argnums, static_argnames)
     leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
     if tree != graph.in_tree:
         raise ValueError(f"argument structure {tree} does not match the captured {graph.in_tree}")

@@ -1,0 +1,86 @@
+"""An analytic roofline model of a named GPU, for planning without one.
+
+Time of a kernel = max(bytes moved / bandwidth, flops / peak) + launch cost.
+Used where no GPU is present (`measure="model"`), and on the GPU to order
+and prune the tile search before anything is timed. Its numbers are
+estimates and are always labelled as such.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ops
+from .graph import Graph, Group
+from .ops import OpClass
+
+
+@dataclass(frozen=True)
+class GPUModel:
+    name: str
+    bandwidth_Bps: float  # device copy, bytes read + written per second
+    flops_bf16: float
+    flops_f32: float
+    launch_s: float
+    smem_bytes: int
+
+
+# Measured on the project's H200 (GPU_NOTES.md).
+H200 = GPUModel("NVIDIA H200", 4.26e12, 790e12, 361e12, 3e-6, 227 * 1024)
+MODELS = {"h200": H200}
+
+
+def get_model(name: str = "h200") -> GPUModel:
+    try:
+        return MODELS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU model {name!r}; known: {sorted(MODELS)}") from None
+
+
+def node_flops(graph: Graph, node_id: int) -> float:
+    nd = graph.node_index[node_id]
+    cls = ops.op_class(nd.name)
+    if cls is OpClass.CONTRACTION:
+        dims = nd.params["dimension_numbers"]
+        (lc, _), (lb, _) = dims
+        a = graph.aval(nd.inputs[0])
+        out = graph.avals[nd.outputs[0]]
+        k = int(np.prod([a.shape[d] for d in lc])) if lc else 1
+        return 2.0 * out.size * k
+    if cls is OpClass.ELEMENTWISE:
+        return float(graph.avals[nd.outputs[0]].size)
+    if cls is OpClass.REDUCTION:
+        return float(graph.aval(nd.inputs[0]).size)
+    return 0.0
+
+
+def kernel_time_ms(bytes_moved: float, flops: float, model: GPUModel = H200, low_precision: bool = True) -> float:
+    peak = model.flops_bf16 if low_precision else model.flops_f32
+    return 1e3 * (max(bytes_moved / model.bandwidth_Bps, flops / peak) + model.launch_s)
+
+
+def group_bytes(group: Group, passes: int = 1) -> float:
+    """Fewest bytes a fused kernel moves: inputs read (`passes` times), outputs written once."""
+    return passes * sum(a.nbytes for a in group.input_avals()) + sum(a.nbytes for a in group.output_avals())
+
+
+def group_time_ms(group: Group, model: GPUModel = H200, passes: int = 1) -> float:
+    flops = sum(node_flops(group.graph, i) for i in group.node_ids)
+    return kernel_time_ms(group_bytes(group, passes), flops, model)
+
+
+def node_time_ms(graph: Graph, node_id: int, model: GPUModel = H200) -> float:
+    """A node run alone: reads its operands and writes its results."""
+    nd = graph.node_index[node_id]
+    if ops.op_class(nd.name) in (OpClass.BROADCAST, OpClass.LAYOUT):
+        return 0.0  # XLA folds these into their consumers
+    b = sum(graph.aval(a).nbytes for a in nd.inputs if isinstance(a, int)) + sum(graph.avals[v].nbytes for v in nd.outputs)
+    return kernel_time_ms(b, node_flops(graph, node_id), model)
+
+
+def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
+    """The memory/compute floor of the whole program: inputs read once, outputs written once."""
+    b = sum(graph.avals[v].nbytes for v in graph.inputs) + sum(graph.aval(a).nbytes for a in graph.outputs)
+    flops = sum(node_flops(graph, n.id) for n in graph.nodes if ops.op_class(n.name) is OpClass.CONTRACTION)
+    return 1e3 * max(b / model.bandwidth_Bps, flops / model.flops_bf16)

@@ -1,0 +1,154 @@
+"""Correctness checks against the XLA reference (and, later, device timing).
+
+A candidate is checked on fresh random inputs (several seeds, never zeros)
+against plain `jax.jit` of the same computation. Errors are relative error
+norms in float64 with dtype-aware tolerances; NaN and infinity positions
+must match exactly; integer and boolean results must be equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .graph import Aval
+
+# Relative error-norm tolerances: ‖out − ref‖ / ‖ref‖.
+TOLERANCE = {
+    np.dtype("float64"): 1e-9,
+    np.dtype("float32"): 2e-5,
+    np.dtype(jnp.float16): 4e-3,
+    np.dtype(jnp.bfloat16): 2e-2,
+}
+
+
+def tolerance(dtype: Any) -> float:
+    return TOLERANCE.get(np.dtype(dtype), 0.0)
+
+
+def random_inputs(avals: Sequence[Aval], seed: int) -> list[np.ndarray]:
+    """Fresh random inputs: normal floats, small integers, random booleans (never zeros)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in avals:
+        d = np.dtype(a.dtype)
+        if np.issubdtype(d, np.floating) or d in (np.dtype(jnp.bfloat16),):
+            x = rng.standard_normal(a.shape, dtype=np.float32).astype(d)
+        elif d == np.bool_:
+            x = rng.random(a.shape) < 0.5
+        elif np.issubdtype(d, np.integer):
+            hi = min(np.iinfo(d).max, 64)
+            x = rng.integers(0 if np.issubdtype(d, np.unsignedinteger) else -hi, hi, a.shape).astype(d)
+        else:
+            raise TypeError(f"cannot make random inputs of dtype {d}")
+        out.append(x)
+    return out
+
+
+@dataclass
+class CheckResult:
+    ok: bool
+    max_error: float = 0.0  # worst relative error norm over outputs and seeds
+    tolerance: dict = field(default_factory=dict)  # dtype -> tolerance used
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "max_error": self.max_error, "tolerance": self.tolerance, "reason": self.reason}
+
+
+def compare(out: Any, ref: Any) -> tuple[bool, float, str]:
+    """One output against its reference."""
+    o = np.asarray(jnp.asarray(out).astype(jnp.float32) if jnp.asarray(out).dtype == jnp.bfloat16 else out)
+    r = np.asarray(jnp.asarray(ref).astype(jnp.float32) if jnp.asarray(ref).dtype == jnp.bfloat16 else ref)
+    dt = np.dtype(jnp.asarray(ref).dtype)
+    if o.shape != r.shape:
+        return False, float("inf"), f"shape {o.shape} != {r.shape}"
+    if not (np.issubdtype(dt, np.floating) or dt == np.dtype(jnp.bfloat16)):
+        bad = int(np.sum(o != r))
+        return bad == 0, float(bad > 0), f"{bad} integer/boolean elements differ" if bad else ""
+    o64, r64 = o.astype(np.float64), r.astype(np.float64)
+    if not np.array_equal(np.isnan(o64), np.isnan(r64)):
+        return False, float("inf"), "NaN positions differ"
+    inf_o, inf_r = np.isinf(o64), np.isinf(r64)
+    if not np.array_equal(inf_o, inf_r) or not np.array_equal(o64[inf_o], r64[inf_r]):
+        return False, float("inf"), "infinity positions differ"
+    fin = np.isfinite(r64)
+    diff = np.linalg.norm((o64 - r64)[fin])
+    scale = np.linalg.norm(r64[fin])
+    err = float(diff / scale) if scale > 0 else float(diff)
+    tol = tolerance(dt)
+    return err <= tol, err, "" if err <= tol else f"relative error {err:.3g} > {tol:.3g} ({dt.name})"
+
+
+def check(candidate: Callable[..., Sequence[Any]], reference: Callable[..., Sequence[Any]], avals: Sequence[Aval], seeds: Sequence[int] = (1, 2, 3)) -> CheckResult:
+    """Run candidate and reference on fresh random inputs per seed and compare every output."""
+    worst, tols = 0.0, {}
+    for seed in seeds:
+        args = [jnp.asarray(x) for x in random_inputs(avals, seed)]
+        try:
+            outs = jax.block_until_ready(candidate(*args))
+        except Exception as e:  # a kernel that fails to build or run fails the check
+            return CheckResult(False, float("inf"), tols, f"{type(e).__name__}: {e}")
+        refs = jax.block_until_ready(reference(*args))
+        if len(outs) != len(refs):
+            return CheckResult(False, float("inf"), tols, f"{len(outs)} outputs, expected {len(refs)}")
+        for k, (o, r) in enumerate(zip(outs, refs)):
+            tols[str(np.dtype(jnp.asarray(r).dtype))] = tolerance(jnp.asarray(r).dtype)
+            ok, err, why = compare(o, r)
+            worst = max(worst, err)
+            if not ok:
+                return CheckResult(False, worst, tols, f"output {k}, seed {seed}: {why}")
+    return CheckResult(True, worst, tols)
+
+
+# ---------------------------------------------------------------------------
+# Device timing.
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    q1_ms: float
+    q3_ms: float
+    calls_per_sync: int
+    repeats: int
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median."""
+        return (self.q3_ms - self.q1_ms) / self.median_ms if self.median_ms else 0.0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("median_ms", "min_ms", "max_ms", "q1_ms", "q3_ms", "calls_per_sync", "repeats")}
+
+
+def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0, warmup: int = 2) -> Timing:
+    """Median time of one call: many back-to-back calls per sync, rotating input sets.
+
+    `fn` must already be compiled or compile on its first call (which is not
+    timed). Each repeat issues enough calls to last about `target_ms`, so host
+    dispatch overlaps device work; inputs rotate through `arg_sets` so caches
+    do not flatter the result (use ≥ 3 sets larger than L2 together).
+    """
+    import time
+
+    jax.block_until_ready(fn(*arg_sets[0]))
+    t0 = time.perf_counter()
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
+    calls = max(len(arg_sets), min(2000, int(target_ms / max(one, 1e-3))))
+    samples = []
+    for r in range(warmup + repeats):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        if r >= warmup:
+            samples.append((time.perf_counter() - t0) / calls * 1e3)
+    s = np.array(samples)
+    return Timing(float(np.median(s)), float(s.min()), float(s.max()), float(np.percentile(s, 25)), float(np.percentile(s, 75)), calls, repeats)

@@ -1,0 +1,263 @@
+"""Enumerate candidate groups and choose the cheapest cover of the graph.
+
+Enumeration: from every fusible node (a seed) a group grows one neighbour at
+a time, the lowest-numbered first, each step closed under convexity (every
+node on a path between two members joins, so no path leaves the group and
+re-enters it). Every step that a template can implement is a candidate.
+Bounds: a group holds at most `max_group_size` nodes and the whole
+enumeration yields at most `max_candidates` groups, so the work is
+O(nodes x max_group_size) closure steps, each a few big-int operations.
+
+Selection: each node is covered by exactly one chosen option (a fused group,
+or XLA); the cheapest such cover is an exact 0/1 program solved by HiGHS
+(`scipy.optimize.milp`). A cover whose groups would depend on each other in a
+cycle is cut off and the program solved again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from . import ops
+from .graph import Graph, Group
+from .kernels import match_template
+from .ops import OpClass
+
+MAX_GROUP_SIZE = 64
+MAX_CANDIDATES = 5000
+_FUSIBLE_DTYPES = {np.dtype(d) for d in ("float32", "bfloat16", "float16", "int32", "uint32", "int8", "uint8", "bool")}
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """A group that a template can implement, with the template's match data."""
+
+    group: Group
+    template: str
+    spec: object
+
+    @property
+    def nodes(self) -> frozenset[int]:
+        return frozenset(self.group.node_ids)
+
+
+class _Reach:
+    """Ancestor/descendant sets of every node as bitmasks."""
+
+    def __init__(self, graph: Graph):
+        self.n = len(graph.nodes)
+        self.anc = [0] * self.n
+        for nd in graph.nodes:
+            m = 0
+            for p in graph.preds(nd.id):
+                m |= self.anc[p] | (1 << p)
+            self.anc[nd.id] = m
+        self.desc = [0] * self.n
+        for nd in reversed(graph.nodes):
+            m = 0
+            for s in graph.succs(nd.id):
+                m |= self.desc[s] | (1 << s)
+            self.desc[nd.id] = m
+
+    def closure(self, members: int) -> int:
+        """Members plus every node on a path between two members."""
+        a = d = 0
+        m = members
+        while m:
+            low = m & -m
+            i = low.bit_length() - 1
+            a |= self.anc[i]
+            d |= self.desc[i]
+            m ^= low
+        return members | (a & d)
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def is_fusible(graph: Graph, node_id: int) -> bool:
+    nd = graph.node_index[node_id]
+    if ops.op_class(nd.name) not in ops.FUSIBLE:
+        return False
+    vals = [graph.aval(a) for a in nd.inputs] + [graph.avals[v] for v in nd.outputs]
+    return all(np.dtype(a.dtype) in _FUSIBLE_DTYPES for a in vals)
+
+
+def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, max_candidates: int = MAX_CANDIDATES) -> list[Candidate]:
+    """Connected, convex groups of fusible nodes that some template implements."""
+    reach = _Reach(graph)
+    fusible = 0
+    for nd in graph.nodes:
+        if is_fusible(graph, nd.id):
+            fusible |= 1 << nd.id
+    neighbours = [0] * len(graph.nodes)
+    for nd in graph.nodes:
+        for o in graph.preds(nd.id) + graph.succs(nd.id):
+            neighbours[nd.id] |= 1 << o
+    seen: set[int] = set()
+    found: list[Candidate] = []
+    for seed in _bits(fusible):
+        cur = 1 << seed
+        while True:
+            if cur not in seen:
+                seen.add(cur)
+                cand = _candidate(graph, cur)
+                if cand is not None:
+                    found.append(cand)
+                    if len(found) >= max_candidates:
+                        return found
+            grown = None
+            frontier = 0
+            for i in _bits(cur):
+                frontier |= neighbours[i]
+            for nb in _bits(frontier & fusible & ~cur):
+                new = reach.closure(cur | (1 << nb))
+                if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
+                    grown = new
+                    break
+            if grown is None:
+                break
+            cur = grown
+    return found
+
+
+def _candidate(graph: Graph, mask: int) -> Candidate | None:
+    ids = _bits(mask)
+    if not any(ops.op_class(graph.node_index[i].name) in (OpClass.ELEMENTWISE, OpClass.REDUCTION) for i in ids):
+        return None
+    group = Group.of(graph, ids)
+    if not group.outputs:
+        return None
+    m = match_template(group)
+    if m is None:
+        return None
+    return Candidate(group, m[0], m[1])
+
+
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One way to run a set of nodes, at a cost (ms)."""
+
+    nodes: frozenset[int]
+    cost: float
+    label: object = None
+
+
+def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, float], *, max_rounds: int = 50) -> list[Option]:
+    """The cheapest exact cover: chosen options are disjoint; uncovered nodes run alone at `node_cost`.
+
+    Exact (HiGHS MILP). Covers whose groups form a dependency cycle are excluded
+    by a cut and the problem re-solved.
+    """
+    opts = [o for o in options if o.nodes]
+    singles = [Option(frozenset([nd.id]), float(node_cost.get(nd.id, 0.0)), "xla-node") for nd in graph.nodes]
+    allopts = opts + singles
+    if not opts:
+        return []
+    n_nodes = len(graph.nodes)
+    A = np.zeros((n_nodes, len(allopts)))
+    for j, o in enumerate(allopts):
+        for i in o.nodes:
+            A[i, j] = 1.0
+    c = np.array([o.cost for o in allopts])
+    cuts: list[np.ndarray] = []
+    for _ in range(max_rounds):
+        cons = [LinearConstraint(A, 1, 1)]
+        for cut in cuts:
+            cons.append(LinearConstraint(cut[None, :], -np.inf, cut.sum() - 1))
+        res = milp(c, constraints=cons, integrality=np.ones(len(allopts)), bounds=Bounds(0, 1))
+        if res.x is None:
+            raise RuntimeError(f"cover selection failed: {res.message}")
+        chosen = [j for j in range(len(opts)) if res.x[j] > 0.5]
+        cyc = _cycle(graph, [opts[j].nodes for j in chosen])
+        if cyc is None:
+            return [opts[j] for j in chosen]
+        cut = np.zeros(len(allopts))
+        for k in cyc:
+            cut[chosen[k]] = 1.0
+        cuts.append(cut)
+    raise RuntimeError("cover selection: too many cyclic covers")
+
+
+def _cycle(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int] | None:
+    """Indices of groups on a cycle of the contracted graph, or None if it is acyclic."""
+    owner = {i: ("g", k) for k, grp in enumerate(groups) for i in grp}
+    key = lambda i: owner.get(i, ("n", i))  # noqa: E731
+    edges: dict = {}
+    for nd in graph.nodes:
+        for p in graph.preds(nd.id):
+            a, b = key(p), key(nd.id)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+    color: dict = {}
+    stack_path: list = []
+
+    def dfs(u) -> list | None:
+        color[u] = 1
+        stack_path.append(u)
+        for v in edges.get(u, ()):
+            if color.get(v) == 1:
+                cyc = stack_path[stack_path.index(v):]
+                return [x[1] for x in cyc if x[0] == "g"]
+            if v not in color:
+                r = dfs(v)
+                if r is not None:
+                    return r
+        stack_path.pop()
+        color[u] = 2
+        return None
+
+    import sys
+
+    sys.setrecursionlimit(max(10000, 4 * len(graph.nodes)))
+    for u in list(edges):
+        if u not in color:
+            r = dfs(u)
+            if r is not None:
+                return r
+    return None
+
+
+def execution_order(graph: Graph, groups: Sequence[frozenset[int]]) -> list[tuple[str, object]]:
+    """Topological order of the graph with each group contracted: ('node', id) or ('group', index)."""
+    owner = {i: k for k, grp in enumerate(groups) for i in grp}
+    units: list[tuple[str, object]] = []
+    index: dict = {}
+    for nd in graph.nodes:
+        u = ("group", owner[nd.id]) if nd.id in owner else ("node", nd.id)
+        if u not in index:
+            index[u] = len(units)
+            units.append(u)
+    deps: dict = {u: set() for u in units}
+    for nd in graph.nodes:
+        u = ("group", owner[nd.id]) if nd.id in owner else ("node", nd.id)
+        for p in graph.preds(nd.id):
+            pu = ("group", owner[p]) if p in owner else ("node", p)
+            if pu != u:
+                deps[u].add(pu)
+    order, done = [], set()
+    pending = list(units)
+    while pending:
+        progressed = False
+        rest = []
+        for u in pending:
+            if deps[u] <= done:
+                order.append(u)
+                done.add(u)
+                progressed = True
+            else:
+                rest.append(u)
+        if not progressed:
+            raise ValueError("fused groups depend on each other in a cycle")
+        pending = rest
+    return order

@@ -1,0 +1,162 @@
+"""The `Plan` (which groups run as which template with which config) and its executor.
+
+A plan is data: versioned JSON, validated on load, never pickle, so loading
+one never executes stored code. The executor turns a graph and a plan into
+one function: fused groups as `pallas_call`s, every other node re-bound as
+its original primitive. Wrap it in `jax.jit`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .graph import Graph, Group, bind_node, read_atom
+from .kernels import TEMPLATES
+from .partition import execution_order
+
+SCHEMA_VERSION = 1
+BACKENDS = ("triton",)
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or does not fit the program it is applied to."""
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    nodes: tuple[int, ...]
+    template: str
+    config: dict
+    signature: str
+
+    def to_dict(self) -> dict:
+        return {"nodes": list(self.nodes), "template": self.template, "config": dict(self.config), "signature": self.signature}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A fused program: the groups to run as generated kernels; everything else runs in XLA."""
+
+    fingerprint: str
+    groups: tuple[FusedGroup, ...] = ()
+    backend: str = "triton"
+    provenance: dict = field(default_factory=dict)  # how it was made: {"measure": "device"|"model"|"default", ...}
+
+    @property
+    def is_xla(self) -> bool:
+        return not self.groups
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "fingerprint": self.fingerprint,
+            "backend": self.backend,
+            "groups": [g.to_dict() for g in self.groups],
+            "provenance": self.provenance,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+        return Plan.from_dict(data)
+
+    @staticmethod
+    def from_dict(data: Any) -> "Plan":
+        _expect(isinstance(data, dict), "plan must be a JSON object")
+        version = data.get("schema_version")
+        _expect(version == SCHEMA_VERSION, f"unknown plan schema_version {version!r} (this autofuse reads {SCHEMA_VERSION})")
+        extra = set(data) - {"schema_version", "fingerprint", "backend", "groups", "provenance"}
+        _expect(not extra, f"unknown plan keys {sorted(extra)}")
+        _expect(isinstance(data.get("fingerprint"), str) and data["fingerprint"], "plan.fingerprint must be a non-empty string")
+        _expect(data.get("backend") in BACKENDS, f"plan.backend must be one of {BACKENDS}, got {data.get('backend')!r}")
+        _expect(isinstance(data.get("provenance", {}), dict), "plan.provenance must be an object")
+        groups = data.get("groups")
+        _expect(isinstance(groups, list), "plan.groups must be a list")
+        out, seen = [], set()
+        for k, g in enumerate(groups):
+            where = f"plan.groups[{k}]"
+            _expect(isinstance(g, dict) and set(g) == {"nodes", "template", "config", "signature"}, f"{where} must have exactly nodes, template, config, signature")
+            nodes = g["nodes"]
+            _expect(isinstance(nodes, list) and nodes and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nodes), f"{where}.nodes must be a non-empty list of node ids")
+            _expect(not (set(nodes) & seen), f"{where} overlaps another group")
+            seen |= set(nodes)
+            _expect(g["template"] in TEMPLATES, f"{where}.template {g['template']!r} is not a known template {sorted(TEMPLATES)}")
+            cfg = g["config"]
+            _expect(isinstance(cfg, dict) and all(isinstance(v, (int, float, str, bool)) for v in cfg.values()), f"{where}.config must map names to scalars")
+            _expect(isinstance(g["signature"], str), f"{where}.signature must be a string")
+            out.append(FusedGroup(tuple(sorted(nodes)), g["template"], dict(cfg), g["signature"]))
+        return Plan(data["fingerprint"], tuple(out), data["backend"], dict(data.get("provenance", {})))
+
+
+def _expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise PlanError(msg)
+
+
+def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
+    """Check that `plan` was made for `graph` and return its groups on it."""
+    if plan.fingerprint != graph.fingerprint:
+        raise PlanError(f"plan is for program {plan.fingerprint}, not {graph.fingerprint}")
+    out = []
+    for fg in plan.groups:
+        if max(fg.nodes) >= len(graph.nodes):
+            raise PlanError(f"plan group names node {max(fg.nodes)} but the program has {len(graph.nodes)}")
+        group = Group.of(graph, fg.nodes)
+        if group.signature != fg.signature:
+            raise PlanError(f"plan group {list(fg.nodes)} does not match the program (signature {group.signature} != {fg.signature})")
+        missing = set(TEMPLATES[fg.template].PARAMS) - set(fg.config)
+        if missing:
+            raise PlanError(f"plan group {list(fg.nodes)}: config lacks {sorted(missing)}")
+        out.append((group, fg))
+    return out
+
+
+def default_interpret() -> bool:
+    """Pallas runs compiled (Triton) on a GPU, interpreted elsewhere."""
+    return jax.default_backend() != "gpu"
+
+
+def build_group(group: Group, template: str, config: dict, *, interpret: bool | None = None) -> Callable:
+    mod = TEMPLATES[template]
+    spec = mod.match(group)
+    if spec is None:
+        raise PlanError(f"template {template} does not match group {list(group.node_ids)}")
+    return mod.build(group, config, interpret=default_interpret() if interpret is None else interpret, spec=spec)
+
+
+def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Callable[[Sequence[Any]], list]:
+    """A function of the flat inputs that runs the graph under `plan` (trace it under `jax.jit`)."""
+    bound = bind_plan(graph, plan)
+    kernels = [build_group(g, fg.template, fg.config, interpret=interpret) for g, fg in bound]
+    order = execution_order(graph, [frozenset(g.node_ids) for g, _ in bound])
+
+    def run(flat_args: Sequence[Any]) -> list:
+        env: dict[int, Any] = dict(zip(graph.inputs, flat_args))
+        env.update(graph.consts)
+        for kind, ref in order:
+            if kind == "node":
+                nd = graph.node_index[ref]
+                env.update(zip(nd.outputs, bind_node(nd, [read_atom(env, a) for a in nd.inputs])))
+            else:
+                group = bound[ref][0]
+                env.update(zip(group.outputs, kernels[ref](*[env[v] for v in group.inputs])))
+        return [read_atom(env, a) for a in graph.outputs]
+
+    return run
+
+
+def plan_from_choices(graph: Graph, choices: Sequence[tuple[Group, str, dict]], provenance: dict | None = None) -> Plan:
+    groups = tuple(
+        FusedGroup(tuple(g.node_ids), template, dict(cfg), g.signature)
+        for g, template, cfg in sorted(choices, key=lambda c: c[0].node_ids)
+    )
+    return Plan(graph.fingerprint, groups, "triton", dict(provenance or {}))

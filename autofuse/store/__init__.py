@@ -1,0 +1,9 @@
+"""The autofuse plan store: runs, candidates, trials and plans in SQL.
+
+Imports nothing from JAX. See :class:`PlanStore`.
+"""
+
+from autofuse.store.db import StoreError
+from autofuse.store.store import LookupResult, PlanStore
+
+__all__ = ["LookupResult", "PlanStore", "StoreError"]

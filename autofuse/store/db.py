@@ -1,0 +1,391 @@
+"""Engines, URL resolution, schema creation/upgrade and error translation.
+
+* URL: an explicit SQLAlchemy URL, else ``$AUTOFUSE_DB``, else the SQLite file
+  ``autofuse/autofuse.db`` in the per-user data directory
+  (``$XDG_DATA_HOME`` or ``~/.local/share``).
+* SQLite: WAL journal, a busy timeout, foreign keys on, and write
+  transactions opened with ``BEGIN IMMEDIATE`` so that concurrent writers wait
+  for the lock instead of failing on a stale read snapshot.
+* Schema: our Alembic migrations live inside the package; the Alembic
+  ``Config`` is built programmatically (no ``alembic.ini`` needed at run time)
+  and the version table is ``autofuse_alembic_version`` so that Optuna's
+  ``alembic_version`` in the same database is never touched. A database
+  stamped with a revision this code does not know is refused, never
+  downgraded.
+
+Alembic is imported lazily: opening an up-to-date database does not load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine.url import URL
+
+ENV_VAR = "AUTOFUSE_DB"
+VERSION_TABLE = "autofuse_alembic_version"
+#: The newest schema revision this code knows; a test checks it equals the
+#: Alembic head, so the fast path of opening a database needs no Alembic.
+HEAD_REVISION = "0001"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+DEFAULT_TIMEOUT_S = 30.0
+# Any constant: serialises schema migrations between processes on PostgreSQL.
+_PG_MIGRATION_LOCK = 0x6175746F66  # "autof"
+
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """A plan-store problem with a message meant for the user."""
+
+
+# --------------------------------------------------------------------------- URLs
+
+
+def data_dir() -> Path:
+    """The per-user autofuse data directory (not created)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "autofuse"
+
+
+def default_url() -> str:
+    """``$AUTOFUSE_DB`` if set, else the SQLite file in :func:`data_dir`."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return env
+    return f"sqlite:///{data_dir() / 'autofuse.db'}"
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The URL to use: *url* if given, else :func:`default_url`.
+
+    A bare filesystem path (no ``://``) is taken as a SQLite file.
+    """
+    if url is None or url == "":
+        url = default_url()
+    if "://" not in url:
+        url = f"sqlite:///{Path(url).expanduser().resolve()}"
+    return url
+
+
+def display_url(url: str | URL) -> str:
+    """The URL with any password masked, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return str(url)
+
+
+def sqlite_path(url: str | URL) -> str | None:
+    """The file path of a SQLite URL, or None (not SQLite, or in memory)."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite":
+        return None
+    db = u.database
+    if not db or db == ":memory:" or db.startswith("file:") and "mode=memory" in db:
+        return None
+    return db
+
+
+# ------------------------------------------------------------------------ engines
+
+
+def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> Engine:
+    """A configured engine for *url* (resolved with :func:`resolve_url`).
+
+    Creates the parent directory of a SQLite file. Raises :class:`StoreError`
+    for a malformed URL or a missing database driver.
+    """
+    url = resolve_url(url)
+    try:
+        u = make_url(url)
+    except exc.ArgumentError as e:
+        raise StoreError(f"invalid database URL {url!r}: {e}") from None
+    path = sqlite_path(u)
+    if path is not None:
+        try:
+            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the directory of database file {path}: {e.strerror}") from None
+    try:
+        if u.get_backend_name() == "sqlite":
+            engine = sa.create_engine(u, connect_args={"timeout": timeout})
+            _configure_sqlite(engine, timeout)
+        else:
+            engine = sa.create_engine(u, pool_pre_ping=True)
+    except (ModuleNotFoundError, ImportError, exc.NoSuchModuleError) as e:
+        raise StoreError(f"no database driver for {display_url(u)}: {e}") from None
+    except exc.ArgumentError as e:
+        raise StoreError(f"invalid database URL {display_url(u)}: {e}") from None
+    return engine
+
+
+def _configure_sqlite(engine: Engine, timeout: float) -> None:
+    """WAL, busy timeout, foreign keys, and BEGIN / BEGIN IMMEDIATE control."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event below emit BEGIN itself.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            cur.execute("PRAGMA foreign_keys = ON")
+            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+            if mode.lower() not in ("wal", "memory"):
+                cur.execute("PRAGMA journal_mode = WAL")
+            # Durable against process crashes in WAL mode; only an OS crash or
+            # power loss can drop the last transactions.
+            cur.execute("PRAGMA synchronous = NORMAL")
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        if conn.get_execution_options().get("autofuse_write"):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            conn.exec_driver_sql("BEGIN")
+
+
+@contextlib.contextmanager
+def transaction(engine: Engine, *, write: bool) -> Iterator[Connection]:
+    """A connection inside one transaction, committed on success.
+
+    On SQLite a write transaction takes the write lock up front
+    (``BEGIN IMMEDIATE``), waiting up to the busy timeout for it.
+    """
+    with engine.connect() as conn:
+        if write:
+            conn.execution_options(autofuse_write=True)
+        with conn.begin():
+            yield conn
+
+
+# ------------------------------------------------------------------------ errors
+
+
+def _first_line(e: BaseException) -> str:
+    orig = getattr(e, "orig", None) or e
+    text = str(orig).strip() or type(orig).__name__
+    return text.splitlines()[0]
+
+
+def translate_error(e: BaseException, url: str | URL) -> StoreError | None:
+    """A :class:`StoreError` for a known, user-facing database failure, else None."""
+    if isinstance(e, StoreError):
+        return e
+    msg = _first_line(e)
+    low = msg.lower()
+    path = sqlite_path(url)
+    if path is not None:
+        if "file is not a database" in low or "malformed" in low or "not a database" in low:
+            return StoreError(f"file is not an autofuse database or is corrupt: {path}")
+        if "unable to open database file" in low:
+            return StoreError(f"cannot open database file {path} (check the path and its permissions)")
+        if "readonly database" in low or "read-only" in low:
+            return StoreError(f"database file is read-only: {path}")
+        if "disk i/o error" in low:
+            return StoreError(f"disk I/O error on database file {path}")
+        return None
+    if isinstance(e, (exc.OperationalError, exc.InterfaceError)) or isinstance(e, exc.DBAPIError) and e.connection_invalidated:
+        connect_words = ("connect", "could not", "refused", "timeout", "timed out", "resolve", "host", "server")
+        if any(w in low for w in connect_words):
+            return StoreError(f"cannot reach database server {display_url(url)}: {msg}")
+    if isinstance(e, (ModuleNotFoundError, exc.NoSuchModuleError)):
+        return StoreError(f"no database driver for {display_url(url)}: {msg}")
+    return None
+
+
+def is_retryable(e: BaseException) -> bool:
+    """A transient lock / serialisation conflict worth retrying."""
+    if not isinstance(e, (exc.DBAPIError, sqlite3.Error)):
+        return False
+    low = _first_line(e).lower()
+    if "database is locked" in low or "database table is locked" in low or "database is busy" in low:
+        return True
+    code = getattr(getattr(e, "orig", None), "sqlstate", None) or getattr(getattr(e, "orig", None), "pgcode", None)
+    return code in ("40001", "40P01")  # serialization_failure, deadlock_detected
+
+
+def with_retry(
+    fn: Callable[[], T],
+    *,
+    url: str | URL,
+    deadline_s: float = 120.0,
+    retry_integrity: bool = False,
+) -> T:
+    """Run *fn* (one whole transaction), retrying transient lock conflicts.
+
+    With *retry_integrity*, an ``IntegrityError`` is retried a few times too
+    (get-or-create races between processes on a server database).
+    """
+    start = time.monotonic()
+    attempt = 0
+    integrity_left = 3
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except exc.IntegrityError:
+            if not retry_integrity or integrity_left <= 0:
+                raise
+            integrity_left -= 1
+        except (exc.DBAPIError, sqlite3.Error) as e:
+            if not is_retryable(e) or time.monotonic() - start > deadline_s:
+                err = translate_error(e, url)
+                if err is not None:
+                    raise err from None
+                raise
+        time.sleep(min(1.0, 0.01 * 2**attempt) * (0.5 + random.random()))
+
+
+# ------------------------------------------------------------------------ schema
+
+
+def alembic_config(connection: Connection | None = None) -> Any:
+    """An Alembic ``Config`` for our migrations, built without alembic.ini."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("version_table", VERSION_TABLE)
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def known_revisions() -> dict[str, Any]:
+    """All revisions of our migration scripts, by id."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config())
+    return {s.revision: s for s in script.walk_revisions()}
+
+
+def head_revision() -> str:
+    """The Alembic head revision of our migration scripts."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def read_revisions(conn: Connection) -> set[str] | None:
+    """The revisions in ``autofuse_alembic_version``; None if the table is absent."""
+    if not sa.inspect(conn).has_table(VERSION_TABLE):
+        return None
+    rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    return set(rows)
+
+
+def _check_known(revs: set[str] | None, url: str | URL) -> None:
+    if not revs:
+        return
+    unknown = revs - set(known_revisions())
+    if unknown:
+        raise StoreError(
+            f"database {display_url(url)} has autofuse schema revision "
+            f"{', '.join(sorted(unknown))}: created by a newer autofuse; upgrade autofuse "
+            f"(this version knows revisions up to {HEAD_REVISION})"
+        )
+
+
+def _migration_lock(conn: Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+
+
+def _migrate(engine: Engine, direction: str, revision: str) -> tuple[set[str], set[str]]:
+    from alembic import command
+
+    url = engine.url
+
+    def run() -> tuple[set[str], set[str]]:
+        with transaction(engine, write=True) as conn:
+            _migration_lock(conn)
+            before = read_revisions(conn) or set()
+            _check_known(before, url)
+            cfg = alembic_config(conn)
+            if direction == "upgrade":
+                command.upgrade(cfg, revision)
+            else:
+                command.downgrade(cfg, revision)
+            after = read_revisions(conn) or set()
+        return before, after
+
+    return with_retry(run, url=url)
+
+
+def upgrade(engine: Engine, revision: str = "head") -> tuple[set[str], set[str]]:
+    """Upgrade our schema to *revision*; returns (revisions before, after)."""
+    return _migrate(engine, "upgrade", revision)
+
+
+def downgrade(engine: Engine, revision: str) -> tuple[set[str], set[str]]:
+    """Downgrade our schema to *revision* (``base`` drops all autofuse tables)."""
+    return _migrate(engine, "downgrade", revision)
+
+
+def current(engine: Engine) -> set[str]:
+    """The schema revisions the database is stamped with (empty: no schema)."""
+    with transaction(engine, write=False) as conn:
+        return read_revisions(conn) or set()
+
+
+def history() -> list[dict[str, Any]]:
+    """Our migrations, newest first: revision, down_revision, message."""
+    out = []
+    for rev, s in known_revisions().items():
+        out.append({"revision": rev, "down_revision": s.down_revision, "message": s.doc})
+    return out
+
+
+def ensure_schema(engine: Engine) -> None:
+    """Create or upgrade our schema if needed; refuse a newer one.
+
+    Fast path (an up-to-date database): one small query, no Alembic import.
+    """
+    url = engine.url
+
+    def check() -> set[str] | None:
+        with transaction(engine, write=False) as conn:
+            return read_revisions(conn)
+
+    revs = with_retry(check, url=url)
+    if revs == {HEAD_REVISION}:
+        return
+    _check_known(revs, url)
+    upgrade(engine, "head")
+
+
+def open_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S, migrate: bool = True) -> Engine:
+    """:func:`create_engine` plus :func:`ensure_schema`, errors as :class:`StoreError`."""
+    engine = create_engine(url, timeout=timeout)
+    try:
+        if migrate:
+            ensure_schema(engine)
+        else:
+            with transaction(engine, write=False) as conn:
+                conn.execute(sa.text("SELECT 1"))
+    except StoreError:
+        engine.dispose()
+        raise
+    except Exception as e:
+        engine.dispose()
+        err = translate_error(e, engine.url)
+        if err is not None:
+            raise err from None
+        raise
+    return engine

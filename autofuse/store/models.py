@@ -1,0 +1,237 @@
+"""SQLAlchemy 2 ORM models of the autofuse plan store.
+
+All tables are prefixed ``autofuse_`` so that they can share one database
+file with Optuna's RDB storage (which owns ``alembic_version``, ``studies``,
+``trials``, ...). The schema is created and changed only by the Alembic
+migrations in :mod:`autofuse.store.migrations`; a test checks that these models
+and the migrated schema agree.
+
+Timestamps are stored as naive UTC and come back as timezone-aware UTC
+``datetime`` objects on every backend.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+RUN_STATUSES = ("running", "finished", "interrupted", "failed")
+MEASURES = ("device", "model")
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> _dt.datetime:
+    """The current time, timezone-aware UTC."""
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+class UTCDateTime(sa.types.TypeDecorator):
+    """A datetime stored as naive UTC, returned as aware UTC.
+
+    Naive datetimes given to it are taken to be UTC already.
+    """
+
+    impl = sa.DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: _dt.datetime | None, dialect: Any) -> _dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is not None:
+            value = value.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: _dt.datetime | None, dialect: Any) -> _dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=_dt.timezone.utc)
+        return value.astimezone(_dt.timezone.utc)
+
+
+# JSON that stores Python None as SQL NULL rather than the JSON literal null.
+JSONType = sa.JSON(none_as_null=True)
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Program(Base):
+    """A captured JAX program, identified by its graph fingerprint."""
+
+    __tablename__ = "autofuse_programs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(sa.String(128), unique=True, index=True)
+    name: Mapped[str] = mapped_column(sa.String(255))
+    signature: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    size: Mapped[int] = mapped_column(sa.Integer)
+    created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Device(Base):
+    """A device kind (not one physical card): name plus capabilities."""
+
+    __tablename__ = "autofuse_devices"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(255), index=True)
+    compute_capability: Mapped[str | None] = mapped_column(sa.String(32))
+    sm_count: Mapped[int | None] = mapped_column(sa.Integer)
+    memory_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+
+    # NULLs are distinct in a plain UNIQUE constraint on every backend, so the
+    # key is enforced by an expression index that maps NULL to a sentinel.
+    __table_args__ = (
+        sa.Index(
+            "uq_autofuse_devices_key",
+            "name",
+            sa.func.coalesce(sa.column("compute_capability"), ""),
+            sa.func.coalesce(sa.column("sm_count"), -1),
+            sa.func.coalesce(sa.column("memory_bytes"), -1),
+            unique=True,
+        ),
+    )
+
+
+class Software(Base):
+    """The software stack a measurement was made with."""
+
+    __tablename__ = "autofuse_software"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    jax: Mapped[str] = mapped_column(sa.String(64))
+    jaxlib: Mapped[str] = mapped_column(sa.String(64))
+    autofuse: Mapped[str] = mapped_column(sa.String(64))
+    backend: Mapped[str] = mapped_column(sa.String(64), index=True)
+
+    __table_args__ = (sa.UniqueConstraint("jax", "jaxlib", "autofuse", "backend"),)
+
+
+class Run(Base):
+    """One tuning job for one program on one device and software stack."""
+
+    __tablename__ = "autofuse_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    program_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_programs.id"), index=True)
+    device_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_devices.id"), index=True)
+    software_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_software.id"))
+    budget: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    seed: Mapped[int] = mapped_column(sa.Integer)
+    sampler: Mapped[str] = mapped_column(sa.String(64))
+    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    measure: Mapped[str] = mapped_column(sa.String(16))
+    started_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    ended_at: Mapped[_dt.datetime | None] = mapped_column(UTCDateTime())
+    baseline_ms: Mapped[float | None] = mapped_column(sa.Float)
+    best_ms: Mapped[float | None] = mapped_column(sa.Float)
+    speedup: Mapped[float | None] = mapped_column(sa.Float)
+    host: Mapped[str | None] = mapped_column(sa.String(255))
+    pid: Mapped[int | None] = mapped_column(sa.Integer)
+    optuna_storage: Mapped[str | None] = mapped_column(sa.Text)
+    optuna_study_prefix: Mapped[str] = mapped_column(sa.String(255), default="")
+    error: Mapped[str | None] = mapped_column(sa.Text)
+
+    __table_args__ = (
+        sa.CheckConstraint(
+            "status IN ('running', 'finished', 'interrupted', 'failed')", name="status"
+        ),
+        sa.CheckConstraint("measure IN ('device', 'model')", name="measure"),
+    )
+
+
+class Candidate(Base):
+    """A candidate fused group of a run, with the best tile config found."""
+
+    __tablename__ = "autofuse_candidates"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("autofuse_runs.id", ondelete="CASCADE"), index=True
+    )
+    signature: Mapped[str] = mapped_column(sa.String(128))
+    template: Mapped[str] = mapped_column(sa.String(64))
+    nodes: Mapped[list[int]] = mapped_column(JSONType)
+    best_config: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    best_ms: Mapped[float | None] = mapped_column(sa.Float)
+    xla_ms: Mapped[float | None] = mapped_column(sa.Float)
+    status: Mapped[str] = mapped_column(sa.String(32), default="pending")
+    n_trials: Mapped[int] = mapped_column(sa.Integer, default=0)
+
+    __table_args__ = (sa.UniqueConstraint("run_id", "signature", "template"),)
+
+
+class Trial(Base):
+    """One measured (or failed) config of a candidate."""
+
+    __tablename__ = "autofuse_trials"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    candidate_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("autofuse_candidates.id", ondelete="CASCADE")
+    )
+    number: Mapped[int] = mapped_column(sa.Integer)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    median_ms: Mapped[float | None] = mapped_column(sa.Float)
+    min_ms: Mapped[float | None] = mapped_column(sa.Float)
+    max_ms: Mapped[float | None] = mapped_column(sa.Float)
+    status: Mapped[str] = mapped_column(sa.String(32))
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    optuna_trial_id: Mapped[int | None] = mapped_column(sa.Integer)
+    created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    # Also the index that serves "trials of a candidate, in order".
+    __table_args__ = (sa.UniqueConstraint("candidate_id", "number"),)
+
+
+class Plan(Base):
+    """A validated fusion plan for (program, device, software).
+
+    At most one row per key has ``is_current`` set; a partial unique index
+    enforces it and serves :meth:`PlanStore.lookup`.
+    """
+
+    __tablename__ = "autofuse_plans"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    program_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_programs.id"))
+    device_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_devices.id"))
+    software_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_software.id"))
+    run_id: Mapped[int | None] = mapped_column(
+        sa.ForeignKey("autofuse_runs.id", ondelete="SET NULL"), index=True
+    )
+    plan_json: Mapped[str] = mapped_column(sa.Text)
+    measured_ms: Mapped[float] = mapped_column(sa.Float)
+    baseline_ms: Mapped[float] = mapped_column(sa.Float)
+    speedup: Mapped[float] = mapped_column(sa.Float)
+    measure: Mapped[str] = mapped_column(sa.String(16))
+    tolerance: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    max_error: Mapped[float] = mapped_column(sa.Float)
+    is_current: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+    __table_args__ = (
+        sa.CheckConstraint("measure IN ('device', 'model')", name="measure"),
+        sa.Index("ix_autofuse_plans_key", "program_id", "device_id", "software_id"),
+        sa.Index(
+            "uq_autofuse_plans_current",
+            "program_id",
+            "device_id",
+            "software_id",
+            unique=True,
+            sqlite_where=sa.text("is_current = 1"),
+            postgresql_where=sa.text("is_current"),
+        ),
+    )

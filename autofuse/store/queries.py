@@ -1,0 +1,318 @@
+"""Read queries of the plan store, as SQLAlchemy Core selects.
+
+Every value reaches the database as a bound parameter. Each function returns a
+statement; :mod:`autofuse.store.store` executes it and turns rows into dicts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import aliased
+from sqlalchemy.sql import Select
+
+from autofuse.store.models import Candidate, Device, Plan, Program, Run, Software, Trial
+
+
+def parse_since(since: str | _dt.date | _dt.datetime | None) -> _dt.datetime | None:
+    """``YYYY-MM-DD`` (or an ISO datetime, date, datetime) as an aware UTC datetime.
+
+    Naive values are taken to be UTC. Raises ValueError for other strings.
+    """
+    if since is None or since == "":
+        return None
+    if isinstance(since, _dt.datetime):
+        value = since
+    elif isinstance(since, _dt.date):
+        value = _dt.datetime(since.year, since.month, since.day)
+    else:
+        try:
+            value = _dt.datetime.fromisoformat(str(since).strip())
+        except ValueError:
+            raise ValueError(f"invalid date {since!r}: expected YYYY-MM-DD") from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=_dt.timezone.utc)
+    return value.astimezone(_dt.timezone.utc)
+
+
+def _program_filter(program: str) -> Any:
+    """Program name, or fingerprint (full or a prefix)."""
+    return sa.or_(Program.name == program, Program.fingerprint.startswith(program, autoescape=True))
+
+
+def _device_filter(device: str) -> Any:
+    """Case-insensitive substring of the device name ("h200" matches "NVIDIA H200")."""
+    return Device.name.icontains(device, autoescape=True)
+
+
+def _software_columns() -> list[Any]:
+    return [Software.jax, Software.jaxlib, Software.autofuse, Software.backend]
+
+
+def run_columns() -> list[Any]:
+    n_candidates = (
+        sa.select(sa.func.count(Candidate.id)).where(Candidate.run_id == Run.id).scalar_subquery()
+    )
+    n_trials = (
+        sa.select(sa.func.count(Trial.id))
+        .join(Candidate, Candidate.id == Trial.candidate_id)
+        .where(Candidate.run_id == Run.id)
+        .scalar_subquery()
+    )
+    return [
+        Run.id,
+        Program.name.label("program"),
+        Program.fingerprint,
+        Device.name.label("device"),
+        *_software_columns(),
+        Run.status,
+        Run.measure,
+        Run.sampler,
+        Run.seed,
+        Run.budget,
+        Run.started_at,
+        Run.ended_at,
+        Run.baseline_ms,
+        Run.best_ms,
+        Run.speedup,
+        n_candidates.label("n_candidates"),
+        n_trials.label("n_trials"),
+        Run.host,
+        Run.pid,
+        Run.optuna_storage,
+        Run.optuna_study_prefix,
+        Run.error,
+        Run.program_id,
+        Run.device_id,
+        Run.software_id,
+    ]
+
+
+def _run_base() -> Select[Any]:
+    return (
+        sa.select(*run_columns())
+        .join(Program, Program.id == Run.program_id)
+        .join(Device, Device.id == Run.device_id)
+        .join(Software, Software.id == Run.software_id)
+    )
+
+
+def runs(
+    program: str | None = None,
+    device: str | None = None,
+    since: _dt.datetime | None = None,
+    min_speedup: float | None = None,
+    statuses: tuple[str, ...] | None = None,
+) -> Select[Any]:
+    """Runs, newest first, with program/device/software names and counts."""
+    q = _run_base()
+    if program:
+        q = q.where(_program_filter(program))
+    if device:
+        q = q.where(_device_filter(device))
+    if since is not None:
+        q = q.where(Run.started_at >= since)
+    if min_speedup is not None:
+        q = q.where(Run.speedup >= min_speedup)
+    if statuses:
+        q = q.where(Run.status.in_(statuses))
+    return q.order_by(Run.started_at.desc(), Run.id.desc())
+
+
+def run(run_id: int) -> Select[Any]:
+    """One run with everything :func:`runs` shows, plus the program signature/size."""
+    return _run_base().add_columns(Program.signature, Program.size).where(Run.id == run_id)
+
+
+def plan_columns() -> list[Any]:
+    return [
+        Plan.id,
+        Program.name.label("program"),
+        Program.fingerprint,
+        Device.name.label("device"),
+        *_software_columns(),
+        Plan.run_id,
+        Plan.measured_ms,
+        Plan.baseline_ms,
+        Plan.speedup,
+        Plan.measure,
+        Plan.tolerance,
+        Plan.max_error,
+        Plan.is_current,
+        Plan.created_at,
+        Plan.program_id,
+        Plan.device_id,
+        Plan.software_id,
+    ]
+
+
+def _plan_base() -> Select[Any]:
+    return (
+        sa.select(*plan_columns())
+        .join(Program, Program.id == Plan.program_id)
+        .join(Device, Device.id == Plan.device_id)
+        .join(Software, Software.id == Plan.software_id)
+    )
+
+
+def plans(
+    program: str | None = None,
+    device: str | None = None,
+    since: _dt.datetime | None = None,
+    min_speedup: float | None = None,
+    current_only: bool = False,
+) -> Select[Any]:
+    """Plans, newest first."""
+    q = _plan_base()
+    if program:
+        q = q.where(_program_filter(program))
+    if device:
+        q = q.where(_device_filter(device))
+    if since is not None:
+        q = q.where(Plan.created_at >= since)
+    if min_speedup is not None:
+        q = q.where(Plan.speedup >= min_speedup)
+    if current_only:
+        q = q.where(Plan.is_current == sa.true())
+    return q.order_by(Plan.created_at.desc(), Plan.id.desc())
+
+
+def plan(plan_id: int) -> Select[Any]:
+    """One plan with its JSON text and program details."""
+    return _plan_base().add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id)
+
+
+def compare(
+    program: str | None = None,
+    device: str | None = None,
+    since: _dt.datetime | None = None,
+    min_speedup: float | None = None,
+) -> Select[Any]:
+    """One row per (program, device, software) with a current plan.
+
+    ``speedup`` is the current plan's; ``best_speedup`` the best of every plan
+    ever saved for the key; ``n_plans`` how many were saved.
+    """
+    other = aliased(Plan)
+    key = sa.and_(
+        other.program_id == Plan.program_id,
+        other.device_id == Plan.device_id,
+        other.software_id == Plan.software_id,
+    )
+    n_plans = sa.select(sa.func.count(other.id)).where(key).scalar_subquery()
+    best = sa.select(sa.func.max(other.speedup)).where(key).scalar_subquery()
+    q = (
+        sa.select(
+            Program.name.label("program"),
+            Program.fingerprint,
+            Device.name.label("device"),
+            *_software_columns(),
+            Plan.id.label("plan_id"),
+            Plan.speedup,
+            Plan.measured_ms,
+            Plan.baseline_ms,
+            Plan.measure,
+            Plan.created_at,
+            best.label("best_speedup"),
+            n_plans.label("n_plans"),
+        )
+        .join(Program, Program.id == Plan.program_id)
+        .join(Device, Device.id == Plan.device_id)
+        .join(Software, Software.id == Plan.software_id)
+        .where(Plan.is_current == sa.true())
+    )
+    if program:
+        q = q.where(_program_filter(program))
+    if device:
+        q = q.where(_device_filter(device))
+    if since is not None:
+        q = q.where(Plan.created_at >= since)
+    if min_speedup is not None:
+        q = q.where(Plan.speedup >= min_speedup)
+    return q.order_by(
+        Program.name, Program.fingerprint, Device.name, Software.backend, Plan.speedup.desc(), Plan.id
+    )
+
+
+def candidates(run_id: int) -> Select[Any]:
+    """Candidates of a run, in insertion order."""
+    return (
+        sa.select(
+            Candidate.id,
+            Candidate.run_id,
+            Candidate.signature,
+            Candidate.template,
+            Candidate.nodes,
+            Candidate.best_config,
+            Candidate.best_ms,
+            Candidate.xla_ms,
+            Candidate.status,
+            Candidate.n_trials,
+        )
+        .where(Candidate.run_id == run_id)
+        .order_by(Candidate.id)
+    )
+
+
+def trials(run_id: int, status: str | None = None) -> Select[Any]:
+    """Trials of a run joined with their candidate, by candidate then number."""
+    q = (
+        sa.select(
+            Trial.id,
+            Trial.candidate_id,
+            Candidate.signature,
+            Candidate.template,
+            Trial.number,
+            Trial.status,
+            Trial.median_ms,
+            Trial.min_ms,
+            Trial.max_ms,
+            Trial.config,
+            Trial.error,
+            Trial.optuna_trial_id,
+            Trial.created_at,
+        )
+        .join(Candidate, Candidate.id == Trial.candidate_id)
+        .where(Candidate.run_id == run_id)
+    )
+    if status:
+        q = q.where(Trial.status == status)
+    return q.order_by(Candidate.id, Trial.number)
+
+
+def lookup(fingerprint: str, device_name: str, software: dict[str, str]) -> Select[Any]:
+    """The current plan for fingerprint + device name + backend, exact versions first.
+
+    One query over unique/partial indexes: program by fingerprint, devices by
+    name, software by backend, plans by the current-plan index.
+    """
+    exact = sa.and_(
+        Software.jax == software["jax"],
+        Software.jaxlib == software["jaxlib"],
+        Software.autofuse == software["autofuse"],
+    )
+    return (
+        sa.select(
+            Plan.id,
+            Plan.plan_json,
+            Plan.speedup,
+            Plan.measured_ms,
+            Plan.measure,
+            Plan.tolerance,
+            *_software_columns(),
+            sa.case((exact, 1), else_=0).label("exact"),
+        )
+        .join(Program, Program.id == Plan.program_id)
+        .join(Device, Device.id == Plan.device_id)
+        .join(Software, Software.id == Plan.software_id)
+        .where(
+            Program.fingerprint == fingerprint,
+            Device.name == device_name,
+            Software.backend == software["backend"],
+            Plan.is_current == sa.true(),
+        )
+        .order_by(sa.desc("exact"), Plan.created_at.desc(), Plan.id.desc())
+        .limit(1)
+    )

@@ -1,0 +1,699 @@
+"""``PlanStore``: the public API of the autofuse plan store.
+
+Example::
+
+    from autofuse.store import PlanStore
+
+    store = PlanStore()                      # $AUTOFUSE_DB or ~/.local/share/autofuse/autofuse.db
+    store.mark_interrupted()                 # at the start of every tuning job
+    prog = store.program("9f3a...", "mlp", {"inputs": [["f32", [128, 512]]]}, size=12)
+    dev = store.device("NVIDIA H200", "9.0", 132, 150_000_000_000)
+    sw = store.software("0.10.2", "0.10.2", "0.1.0", "triton")
+    run = store.start_run(prog, dev, sw, budget={"trials": 64}, seed=0, sampler="tpe", measure="device")
+    cand = store.add_candidate(run, "c81e...", "row_reduce", [3, 4, 5])
+    store.add_trial(cand, 0, {"block_rows": 8}, "ok", median_ms=0.12, min_ms=0.11, max_ms=0.14)
+    store.update_candidate(cand, best_config={"block_rows": 8}, best_ms=0.12, xla_ms=0.2, status="done", n_trials=1)
+    store.save_plan(prog, dev, sw, plan.to_json_dict(), run_id=run, measured_ms=1.0, baseline_ms=1.3,
+                    speedup=1.3, measure="device", tolerance={"rtol": 1e-3, "atol": 1e-3}, max_error=2e-4)
+    store.finish_run(run, "finished", baseline_ms=1.3, best_ms=1.0, speedup=1.3)
+
+    hit = store.lookup("9f3a...", "NVIDIA H200",
+                       {"jax": "0.10.2", "jaxlib": "0.10.2", "autofuse": "0.1.0", "backend": "triton"})
+    if hit is not None and hit.match == "exact":
+        ...
+
+Every write is one short transaction (on SQLite: ``BEGIN IMMEDIATE`` with a
+busy timeout, retried on "database is locked"), so several tuning processes
+can share one SQLite file on one host. Imports nothing from JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from autofuse.store import db, queries
+from autofuse.store.db import StoreError
+from autofuse.store.models import (
+    MEASURES,
+    RUN_STATUSES,
+    Candidate,
+    Device,
+    Plan,
+    Program,
+    Run,
+    Software,
+    Trial,
+    utcnow,
+)
+
+T = TypeVar("T")
+
+SOFTWARE_KEYS = ("jax", "jaxlib", "autofuse", "backend")
+UNFINISHED_STATUSES = ("running", "interrupted")
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupResult:
+    """A plan found by :meth:`PlanStore.lookup`.
+
+    ``match`` is ``"exact"`` (same jax, jaxlib, autofuse and backend) or
+    ``"version"`` (same backend, other versions: the caller should re-verify
+    the plan against ``tolerance`` before trusting it).
+    """
+
+    plan_id: int
+    plan_json: dict[str, Any]
+    match: Literal["exact", "version"]
+    speedup: float
+    measured_ms: float
+    software: dict[str, str]
+    measure: str = "device"
+    tolerance: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class PlanStore:
+    """Runs, candidates, trials and plans in one SQL database.
+
+    ``url``: any SQLAlchemy URL (``sqlite:////abs/path.db``,
+    ``postgresql+psycopg://user@host/db``) or a bare file path; None means
+    ``$AUTOFUSE_DB``, else ``autofuse/autofuse.db`` in ``$XDG_DATA_HOME`` (or
+    ``~/.local/share``). Directories are created and the schema is created or
+    upgraded on first use. Raises :class:`StoreError` for a file that is not
+    a database, a schema from a newer autofuse, or an unreachable server.
+    """
+
+    def __init__(self, url: str | None = None, *, timeout: float = db.DEFAULT_TIMEOUT_S) -> None:
+        self.url: str = db.resolve_url(url)
+        self._timeout = timeout
+        self._engine: Engine = db.open_engine(self.url, timeout=timeout)
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------ plumbing
+
+    def __repr__(self) -> str:
+        return f"PlanStore({db.display_url(self.url)!r})"
+
+    def __enter__(self) -> PlanStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release pooled connections (the store can still be used after)."""
+        self._engine.dispose()
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine (after a fork, a fresh pool for this process)."""
+        if os.getpid() != self._pid:
+            # Never share pooled connections across fork().
+            self._engine.dispose(close=False)
+            self._pid = os.getpid()
+        return self._engine
+
+    def _guard(self, fn: Callable[[], T], *, retry_integrity: bool = False) -> T:
+        try:
+            return db.with_retry(fn, url=self.url, retry_integrity=retry_integrity)
+        except (exc.SQLAlchemyError, OSError) as e:
+            err = db.translate_error(e, self.url)
+            if err is not None:
+                raise err from None
+            raise
+
+    def _write(self, fn: Callable[[Session], T], *, retry_integrity: bool = False) -> T:
+        """Run ``fn(session)`` in one write transaction, retried on lock conflicts."""
+
+        def attempt() -> T:
+            with self.engine.connect() as conn:
+                conn.execution_options(autofuse_write=True)
+                with Session(bind=conn, expire_on_commit=False, autoflush=True) as s, s.begin():
+                    return fn(s)
+
+        return self._guard(attempt, retry_integrity=retry_integrity)
+
+    def _read(self, stmt: Any) -> list[dict[str, Any]]:
+        def attempt() -> list[dict[str, Any]]:
+            with db.transaction(self.engine, write=False) as conn:
+                return [dict(r._mapping) for r in conn.execute(stmt)]
+
+        return self._guard(attempt)
+
+    @staticmethod
+    def _require(s: Session, model: type, ident: int, what: str) -> Any:
+        obj = s.get(model, ident)
+        if obj is None:
+            raise KeyError(f"no {what} with id {ident}")
+        return obj
+
+    # ------------------------------------------------------- dimension rows
+
+    def program(self, fingerprint: str, name: str, signature: dict[str, Any], size: int) -> int:
+        """Id of the program with *fingerprint*, created if new.
+
+        An existing program keeps its first name, signature and size.
+        """
+        if not fingerprint:
+            raise ValueError("program fingerprint must be a non-empty string")
+
+        def fn(s: Session) -> int:
+            found = s.scalar(sa.select(Program.id).where(Program.fingerprint == fingerprint))
+            if found is not None:
+                return found
+            row = Program(fingerprint=fingerprint, name=name, signature=signature, size=int(size))
+            s.add(row)
+            s.flush()
+            return row.id
+
+        return self._write(fn, retry_integrity=True)
+
+    def device(
+        self,
+        name: str,
+        compute_capability: str | None = None,
+        sm_count: int | None = None,
+        memory_bytes: int | None = None,
+    ) -> int:
+        """Id of the device row with exactly these fields (NULLs included), created if new."""
+
+        def fn(s: Session) -> int:
+            found = s.scalar(
+                sa.select(Device.id).where(
+                    Device.name == name,
+                    Device.compute_capability.is_not_distinct_from(compute_capability),
+                    Device.sm_count.is_not_distinct_from(sm_count),
+                    Device.memory_bytes.is_not_distinct_from(memory_bytes),
+                )
+            )
+            if found is not None:
+                return found
+            row = Device(
+                name=name, compute_capability=compute_capability, sm_count=sm_count, memory_bytes=memory_bytes
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+
+        return self._write(fn, retry_integrity=True)
+
+    def software(self, jax: str, jaxlib: str, autofuse: str, backend: str) -> int:
+        """Id of the software row (jax, jaxlib, autofuse versions + backend), created if new."""
+
+        def fn(s: Session) -> int:
+            found = s.scalar(
+                sa.select(Software.id).where(
+                    Software.jax == jax,
+                    Software.jaxlib == jaxlib,
+                    Software.autofuse == autofuse,
+                    Software.backend == backend,
+                )
+            )
+            if found is not None:
+                return found
+            row = Software(jax=jax, jaxlib=jaxlib, autofuse=autofuse, backend=backend)
+            s.add(row)
+            s.flush()
+            return row.id
+
+        return self._write(fn, retry_integrity=True)
+
+    # ------------------------------------------------------------------ runs
+
+    def start_run(
+        self,
+        program_id: int,
+        device_id: int,
+        software_id: int,
+        *,
+        budget: dict[str, Any],
+        seed: int,
+        sampler: str,
+        measure: str,
+        host: str | None = None,
+        pid: int | None = None,
+        optuna_storage: str | None = None,
+    ) -> int:
+        """Record a new run in status ``running``; returns its id.
+
+        *host* and *pid* default to this process (so that
+        :meth:`mark_interrupted` can tell when it died). The run's
+        ``optuna_study_prefix`` is ``autofuse-run<id>-``.
+        """
+        _check_measure(measure)
+        if host is None and pid is None:
+            host, pid = socket.gethostname(), os.getpid()
+
+        def fn(s: Session) -> int:
+            self._require(s, Program, program_id, "program")
+            self._require(s, Device, device_id, "device")
+            self._require(s, Software, software_id, "software")
+            run = Run(
+                program_id=program_id,
+                device_id=device_id,
+                software_id=software_id,
+                budget=dict(budget),
+                seed=int(seed),
+                sampler=sampler,
+                status="running",
+                measure=measure,
+                started_at=utcnow(),
+                host=host,
+                pid=pid,
+                optuna_storage=optuna_storage,
+                optuna_study_prefix="",
+            )
+            s.add(run)
+            s.flush()
+            run.optuna_study_prefix = f"autofuse-run{run.id}-"
+            return run.id
+
+        return self._write(fn)
+
+    def finish_run(
+        self,
+        run_id: int,
+        status: str,
+        *,
+        baseline_ms: float | None = None,
+        best_ms: float | None = None,
+        speedup: float | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Close a run with *status* (finished, interrupted or failed) and its results.
+
+        Fields left as None keep their stored value.
+        """
+        if status not in RUN_STATUSES or status == "running":
+            raise ValueError(f"invalid final run status {status!r}: expected finished, interrupted or failed")
+
+        def fn(s: Session) -> None:
+            run = self._require(s, Run, run_id, "run")
+            run.status = status
+            run.ended_at = utcnow()
+            for field, value in (("baseline_ms", baseline_ms), ("best_ms", best_ms), ("speedup", speedup)):
+                if value is not None:
+                    setattr(run, field, float(value))
+            if error is not None:
+                run.error = error
+
+        self._write(fn)
+
+    def resume_run(self, run_id: int, *, host: str | None = None, pid: int | None = None) -> dict[str, Any]:
+        """Mark an unfinished run ``running`` again, owned by this process; returns :meth:`get_run`.
+
+        For ``autofuse tune --resume RUN``: budget, seed, sampler, measure,
+        optuna_storage and optuna_study_prefix are in the returned dict.
+        Refuses (ValueError) a run that is finished or still running
+        elsewhere.
+        """
+        if host is None and pid is None:
+            host, pid = socket.gethostname(), os.getpid()
+
+        def fn(s: Session) -> None:
+            run = self._require(s, Run, run_id, "run")
+            if run.status == "finished":
+                raise ValueError(f"run {run_id} is finished; nothing to resume")
+            if run.status == "running" and not (run.host == host and run.pid == pid):
+                if run.host == socket.gethostname() and run.pid is not None and not _pid_alive(
+                    run.pid, run.started_at
+                ):
+                    pass  # its process is gone: take it over
+                else:
+                    raise ValueError(f"run {run_id} is still running (host {run.host}, pid {run.pid})")
+            run.status = "running"
+            run.ended_at = None
+            run.host, run.pid = host, pid
+
+        self._write(fn)
+        return self.get_run(run_id)
+
+    def mark_interrupted(self) -> list[int]:
+        """Mark ``running`` runs of this host whose process is gone as ``interrupted``.
+
+        Call at the start of every tuning job. Runs of other hosts (whose
+        processes cannot be checked) are left alone. A pid reused by a newer
+        process counts as gone (Linux: process start time after the run's).
+        Returns the ids marked.
+        """
+        host = socket.gethostname()
+
+        def fn(s: Session) -> list[int]:
+            rows = s.execute(
+                sa.select(Run.id, Run.pid, Run.started_at).where(
+                    Run.status == "running", Run.host == host, Run.pid.is_not(None)
+                )
+            ).all()
+            dead = [r.id for r in rows if not _pid_alive(r.pid, r.started_at)]
+            if dead:
+                s.execute(
+                    sa.update(Run)
+                    .where(Run.id.in_(dead), Run.status == "running")
+                    .values(status="interrupted", ended_at=utcnow(), error="process died (marked by mark_interrupted)")
+                )
+            return dead
+
+        return self._write(fn)
+
+    # ------------------------------------------------------ candidates/trials
+
+    def add_candidate(self, run_id: int, signature: str, template: str, nodes: list[int]) -> int:
+        """Id of the candidate (run, signature, template), created if new.
+
+        Idempotent so that a resumed run finds its candidates again.
+        """
+
+        def fn(s: Session) -> int:
+            found = s.scalar(
+                sa.select(Candidate.id).where(
+                    Candidate.run_id == run_id, Candidate.signature == signature, Candidate.template == template
+                )
+            )
+            if found is not None:
+                return found
+            self._require(s, Run, run_id, "run")
+            row = Candidate(
+                run_id=run_id,
+                signature=signature,
+                template=template,
+                nodes=[int(n) for n in nodes],
+                status="pending",
+                n_trials=0,
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+
+        return self._write(fn, retry_integrity=True)
+
+    def update_candidate(
+        self,
+        cand_id: int,
+        *,
+        best_config: dict[str, Any] | None = None,
+        best_ms: float | None = None,
+        xla_ms: float | None = None,
+        status: str | None = None,
+        n_trials: int | None = None,
+    ) -> None:
+        """Set the given fields of a candidate (None: unchanged)."""
+
+        def fn(s: Session) -> None:
+            c = self._require(s, Candidate, cand_id, "candidate")
+            if best_config is not None:
+                c.best_config = dict(best_config)
+            if best_ms is not None:
+                c.best_ms = float(best_ms)
+            if xla_ms is not None:
+                c.xla_ms = float(xla_ms)
+            if status is not None:
+                c.status = status
+            if n_trials is not None:
+                c.n_trials = int(n_trials)
+
+        self._write(fn)
+
+    def add_trial(
+        self,
+        cand_id: int,
+        number: int,
+        config: dict[str, Any],
+        status: str,
+        *,
+        median_ms: float | None = None,
+        min_ms: float | None = None,
+        max_ms: float | None = None,
+        error: str | None = None,
+        optuna_trial_id: int | None = None,
+    ) -> int:
+        """Record trial *number* of a candidate; returns its id.
+
+        *status*: ok, infeasible, compile_error, resource_exhausted,
+        wrong_result, nan, timeout, crashed, ... Recording the same number
+        again replaces that trial's values (a resumed run re-running it).
+        """
+        values = dict(
+            config=dict(config),
+            status=status,
+            median_ms=_float(median_ms),
+            min_ms=_float(min_ms),
+            max_ms=_float(max_ms),
+            error=error,
+            optuna_trial_id=optuna_trial_id,
+        )
+
+        def fn(s: Session) -> int:
+            found = s.scalar(sa.select(Trial).where(Trial.candidate_id == cand_id, Trial.number == number))
+            if found is not None:
+                for k, v in values.items():
+                    setattr(found, k, v)
+                return found.id
+            self._require(s, Candidate, cand_id, "candidate")
+            row = Trial(candidate_id=cand_id, number=int(number), created_at=utcnow(), **values)
+            s.add(row)
+            s.flush()
+            return row.id
+
+        return self._write(fn, retry_integrity=True)
+
+    # ----------------------------------------------------------------- plans
+
+    def save_plan(
+        self,
+        program_id: int,
+        device_id: int,
+        software_id: int,
+        plan_json: dict[str, Any] | str,
+        *,
+        run_id: int | None = None,
+        measured_ms: float,
+        baseline_ms: float,
+        speedup: float,
+        measure: str,
+        tolerance: dict[str, Any],
+        max_error: float,
+        current: bool = True,
+    ) -> int:
+        """Store a plan (a JSON-able dict, or JSON text); returns its id.
+
+        With *current* (the default) it becomes the one current plan of its
+        (program, device, software) key: the previous one loses the flag in
+        the same transaction.
+        """
+        _check_measure(measure)
+        if isinstance(plan_json, str):
+            text = plan_json
+            if not isinstance(json.loads(text), dict):
+                raise ValueError("plan_json must be a JSON object")
+        else:
+            text = json.dumps(plan_json)
+
+        def fn(s: Session) -> int:
+            self._require(s, Program, program_id, "program")
+            self._require(s, Device, device_id, "device")
+            self._require(s, Software, software_id, "software")
+            if run_id is not None:
+                self._require(s, Run, run_id, "run")
+            if current:
+                s.execute(
+                    sa.update(Plan)
+                    .where(
+                        Plan.program_id == program_id,
+                        Plan.device_id == device_id,
+                        Plan.software_id == software_id,
+                        Plan.is_current == sa.true(),
+                    )
+                    .values(is_current=False)
+                )
+            row = Plan(
+                program_id=program_id,
+                device_id=device_id,
+                software_id=software_id,
+                run_id=run_id,
+                plan_json=text,
+                measured_ms=float(measured_ms),
+                baseline_ms=float(baseline_ms),
+                speedup=float(speedup),
+                measure=measure,
+                tolerance=dict(tolerance),
+                max_error=float(max_error),
+                is_current=bool(current),
+                created_at=utcnow(),
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+
+        # IntegrityError: a concurrent writer made another plan current for the
+        # same key between our UPDATE and INSERT (server databases); retry.
+        return self._write(fn, retry_integrity=True)
+
+    def lookup(self, fingerprint: str, device_name: str, software: dict[str, str]) -> LookupResult | None:
+        """The current plan for this program on this device, graded.
+
+        * ``match="exact"``: same fingerprint, device name, jax, jaxlib,
+          autofuse and backend;
+        * ``match="version"``: same fingerprint, device and backend, other
+          versions (newest such plan; the caller re-verifies it);
+        * None otherwise.
+
+        One indexed query.
+        """
+        missing = [k for k in SOFTWARE_KEYS if k not in software]
+        if missing:
+            raise ValueError(f"software dict lacks {', '.join(missing)} (needs {', '.join(SOFTWARE_KEYS)})")
+        rows = self._read(queries.lookup(fingerprint, device_name, software))
+        if not rows:
+            return None
+        r = rows[0]
+        return LookupResult(
+            plan_id=r["id"],
+            plan_json=json.loads(r["plan_json"]),
+            match="exact" if r["exact"] else "version",
+            speedup=r["speedup"],
+            measured_ms=r["measured_ms"],
+            software={k: r[k] for k in SOFTWARE_KEYS},
+            measure=r["measure"],
+            tolerance=r["tolerance"] or {},
+        )
+
+    # --------------------------------------------------------------- listings
+
+    def runs(
+        self,
+        program: str | None = None,
+        device: str | None = None,
+        since: str | _dt.date | None = None,
+        min_speedup: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Runs, newest first. *program*: name or fingerprint (prefix);
+        *device*: case-insensitive part of the name; *since*: ``YYYY-MM-DD``
+        or a date/datetime (UTC); *min_speedup*: runs with speedup >= it."""
+        return self._read(queries.runs(program, device, queries.parse_since(since), min_speedup))
+
+    def unfinished_runs(self, program: str | None = None, device: str | None = None) -> list[dict[str, Any]]:
+        """Runs in status running or interrupted (candidates for ``tune --resume``), newest first."""
+        return self._read(queries.runs(program, device, statuses=UNFINISHED_STATUSES))
+
+    def plans(
+        self,
+        program: str | None = None,
+        device: str | None = None,
+        since: str | _dt.date | None = None,
+        min_speedup: float | None = None,
+        current_only: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Plans (without their JSON), newest first; filters as in :meth:`runs`."""
+        return self._read(queries.plans(program, device, queries.parse_since(since), min_speedup, current_only))
+
+    def candidates(self, run_id: int) -> list[dict[str, Any]]:
+        """Candidates of a run, with ``speedup`` = xla_ms / best_ms where both are known."""
+        rows = self._read(queries.candidates(run_id))
+        for r in rows:
+            r["speedup"] = _ratio(r["xla_ms"], r["best_ms"])
+        return rows
+
+    def trials(self, run_id: int, status: str | None = None) -> list[dict[str, Any]]:
+        """Trials of a run (optionally of one status), joined with candidate signature and template."""
+        return self._read(queries.trials(run_id, status))
+
+    def get_run(self, run_id: int) -> dict[str, Any]:
+        """One run with program, device and software details; KeyError if absent."""
+        rows = self._read(queries.run(run_id))
+        if not rows:
+            raise KeyError(f"no run with id {run_id} in {db.display_url(self.url)}")
+        return rows[0]
+
+    def get_plan(self, plan_id: int) -> dict[str, Any]:
+        """One plan; ``plan`` holds the parsed plan JSON, ``plan_json`` the text; KeyError if absent."""
+        rows = self._read(queries.plan(plan_id))
+        if not rows:
+            raise KeyError(f"no plan with id {plan_id} in {db.display_url(self.url)}")
+        r = rows[0]
+        r["plan"] = json.loads(r["plan_json"])
+        return r
+
+    def compare(
+        self,
+        program: str | None = None,
+        device: str | None = None,
+        since: str | _dt.date | None = None,
+        min_speedup: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """One row per program x device x software that has a current plan:
+        its speedup, the best speedup ever saved for the key, and the number of plans."""
+        return self._read(queries.compare(program, device, queries.parse_since(since), min_speedup))
+
+    # ---------------------------------------------------------------- schema
+
+    def schema_revision(self) -> str | None:
+        """The autofuse schema revision of the database."""
+        revs = self._guard(lambda: db.current(self.engine))
+        return ",".join(sorted(revs)) or None
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _check_measure(measure: str) -> None:
+    if measure not in MEASURES:
+        raise ValueError(f"invalid measure {measure!r}: expected one of {', '.join(MEASURES)}")
+
+
+def _float(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def _pid_alive(pid: int, started_at: _dt.datetime | None = None) -> bool:
+    """Whether *pid* is a live process on this host that may be the run's own.
+
+    Zombies count as dead; on Linux a process that started more than a few
+    seconds after *started_at* is a reused pid, so also dead.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    except OSError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        text = stat.read_text()
+    except OSError:
+        return True  # not Linux, or raced with its exit: trust kill(0)
+    fields = text[text.rfind(")") + 2 :].split()
+    if fields and fields[0] in ("Z", "X"):
+        return False
+    if started_at is not None and len(fields) > 19:
+        try:
+            ticks = int(fields[19])  # field 22 of /proc/PID/stat: start time, clock ticks after boot
+            btime = next(
+                int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+            )
+            proc_start = btime + ticks / os.sysconf("SC_CLK_TCK")
+            if proc_start > started_at.timestamp() + 5.0:
+                return False
+        except (OSError, ValueError, StopIteration):
+            pass
+    return True
