@@ -1,0 +1,602 @@
+"""The ``autofuse`` command line.
+
+    autofuse runs [--program NAME] [--device NAME] [--since YYYY-MM-DD] [--min-speedup X] [--json|--csv]
+    autofuse plans [...same filters...] [--current]
+    autofuse trials RUN [--status S]
+    autofuse show run ID | show plan ID
+    autofuse compare [...filters...]
+    autofuse report RUN --out DIR
+    autofuse db upgrade|downgrade|current|history
+    autofuse tune ...                (added by the search side, see _add_tune_parser)
+
+Every command takes ``--db URL`` (else ``$AUTOFUSE_DB``, else the per-user
+SQLite file). Errors are one line on stderr and exit status 2; set
+``AUTOFUSE_DEBUG=1`` for a traceback. Nothing here imports JAX at module
+level, and the store is imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PROG = "autofuse"
+
+
+# --------------------------------------------------------------------- output
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, _dt.datetime):
+        return value.isoformat()
+    if isinstance(value, _dt.date):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _cell(value: Any) -> str:
+    """A value as one CSV cell: JSON for lists/dicts, ISO for datetimes."""
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(_jsonable(value), separators=(",", ":"))
+    if isinstance(value, (_dt.datetime, _dt.date)):
+        return value.isoformat()
+    return str(value)
+
+
+def _fmt_ms(v: Any) -> str:
+    return "" if v is None else f"{v:.4g}"
+
+
+def _fmt_x(v: Any) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def _fmt_time(v: Any) -> str:
+    if v is None:
+        return ""
+    return v.astimezone(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _fmt_short(n: int) -> Callable[[Any], str]:
+    def f(v: Any) -> str:
+        if v is None:
+            return ""
+        s = v if isinstance(v, str) else json.dumps(_jsonable(v), separators=(",", ":"))
+        s = " ".join(s.split())
+        return s if len(s) <= n else s[: n - 1] + "…"
+
+    return f
+
+
+def _fmt_bool(v: Any) -> str:
+    return "*" if v else ""
+
+
+Column = tuple[str, str, Callable[[Any], str] | None]  # header, key, formatter (None: str)
+_NUMERIC = (int, float)
+
+
+def _table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """An aligned text table (numbers right-aligned)."""
+    cells = []
+    for r in rows:
+        line = []
+        for _h, key, fmt in columns:
+            v = r.get(key)
+            line.append((fmt(v) if fmt else ("" if v is None else str(v)), isinstance(v, _NUMERIC)))
+        cells.append(line)
+    widths = [len(h) for h, _k, _f in columns]
+    for line in cells:
+        for i, (text, _num) in enumerate(line):
+            widths[i] = max(widths[i], len(text))
+    right = [any(line[i][1] for line in cells) for i in range(len(columns))]
+    out = []
+    header = [h.rjust(w) if r else h.ljust(w) for (h, _k, _f), w, r in zip(columns, widths, right)]
+    out.append("  ".join(header).rstrip())
+    out.append("  ".join("-" * w for w in widths))
+    for line in cells:
+        out.append(
+            "  ".join(t.rjust(w) if r else t.ljust(w) for (t, _n), w, r in zip(line, widths, right)).rstrip()
+        )
+    return "\n".join(out)
+
+
+def _emit(args: argparse.Namespace, rows: list[dict[str, Any]], columns: Sequence[Column], what: str) -> int:
+    """Print rows as JSON, CSV (all fields) or an aligned table (chosen columns)."""
+    if getattr(args, "json", False):
+        print(json.dumps([_jsonable(r) for r in rows], indent=2))
+    elif getattr(args, "csv", False):
+        buf = io.StringIO()
+        keys = list(rows[0].keys()) if rows else [k for _h, k, _f in columns]
+        w = csv.DictWriter(buf, fieldnames=keys, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _cell(r.get(k)) for k in keys})
+        sys.stdout.write(buf.getvalue())
+    elif not rows:
+        print(f"no {what} match", file=sys.stderr)
+    else:
+        print(_table(rows, columns))
+    return 0
+
+
+# ------------------------------------------------------------------- arguments
+
+
+def _date_arg(text: str) -> str:
+    try:
+        _dt.date.fromisoformat(text) if len(text) == 10 else _dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid date {text!r}: expected YYYY-MM-DD") from None
+    return text
+
+
+def _db_parent() -> argparse.ArgumentParser:
+    """``--db URL``, shared by every subcommand (``tune`` included)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--db",
+        metavar="URL",
+        default=argparse.SUPPRESS,
+        help="database URL (sqlite:////path/file.db, postgresql+psycopg://...) or a file path; "
+        "default: $AUTOFUSE_DB, else ~/.local/share/autofuse/autofuse.db",
+    )
+    return p
+
+
+def _format_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json", action="store_true", help="print a JSON list of objects (all fields)")
+    g.add_argument("--csv", action="store_true", help="print CSV with a header row (all fields)")
+    return p
+
+
+def _filter_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--program", metavar="NAME", help="program name, or fingerprint (or a prefix of it)")
+    p.add_argument("--device", metavar="NAME", help="device name, case-insensitive substring (e.g. h200)")
+    p.add_argument("--since", metavar="YYYY-MM-DD", type=_date_arg, help="only on or after this date (UTC)")
+    p.add_argument("--min-speedup", metavar="X", type=float, help="only with speedup >= X")
+    return p
+
+
+# ------------------------------------------------------------------ commands
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from autofuse.store import PlanStore
+
+    return PlanStore(getattr(args, "db", None))
+
+
+RUN_COLUMNS: list[Column] = [
+    ("id", "id", None),
+    ("started", "started_at", _fmt_time),
+    ("program", "program", _fmt_short(24)),
+    ("fingerprint", "fingerprint", _fmt_short(12)),
+    ("device", "device", None),
+    ("backend", "backend", None),
+    ("status", "status", None),
+    ("measure", "measure", None),
+    ("cands", "n_candidates", None),
+    ("trials", "n_trials", None),
+    ("baseline_ms", "baseline_ms", _fmt_ms),
+    ("best_ms", "best_ms", _fmt_ms),
+    ("speedup", "speedup", _fmt_x),
+]
+
+PLAN_COLUMNS: list[Column] = [
+    ("id", "id", None),
+    ("created", "created_at", _fmt_time),
+    ("program", "program", _fmt_short(24)),
+    ("fingerprint", "fingerprint", _fmt_short(12)),
+    ("device", "device", None),
+    ("jax", "jax", None),
+    ("backend", "backend", None),
+    ("measure", "measure", None),
+    ("ms", "measured_ms", _fmt_ms),
+    ("baseline_ms", "baseline_ms", _fmt_ms),
+    ("speedup", "speedup", _fmt_x),
+    ("max_error", "max_error", lambda v: "" if v is None else f"{v:.2g}"),
+    ("current", "is_current", _fmt_bool),
+    ("run", "run_id", None),
+]
+
+TRIAL_COLUMNS: list[Column] = [
+    ("cand", "candidate_id", None),
+    ("template", "template", None),
+    ("signature", "signature", _fmt_short(12)),
+    ("#", "number", None),
+    ("status", "status", None),
+    ("median_ms", "median_ms", _fmt_ms),
+    ("min_ms", "min_ms", _fmt_ms),
+    ("max_ms", "max_ms", _fmt_ms),
+    ("config", "config", _fmt_short(48)),
+    ("error", "error", _fmt_short(40)),
+]
+
+CANDIDATE_COLUMNS: list[Column] = [
+    ("id", "id", None),
+    ("template", "template", None),
+    ("signature", "signature", _fmt_short(12)),
+    ("nodes", "nodes", _fmt_short(24)),
+    ("status", "status", None),
+    ("trials", "n_trials", None),
+    ("best_ms", "best_ms", _fmt_ms),
+    ("xla_ms", "xla_ms", _fmt_ms),
+    ("speedup", "speedup", _fmt_x),
+    ("best_config", "best_config", _fmt_short(48)),
+]
+
+COMPARE_COLUMNS: list[Column] = [
+    ("program", "program", _fmt_short(24)),
+    ("fingerprint", "fingerprint", _fmt_short(12)),
+    ("device", "device", None),
+    ("jax", "jax", None),
+    ("jaxlib", "jaxlib", None),
+    ("autofuse", "autofuse", None),
+    ("backend", "backend", None),
+    ("plan", "plan_id", None),
+    ("measure", "measure", None),
+    ("speedup", "speedup", _fmt_x),
+    ("best", "best_speedup", _fmt_x),
+    ("plans", "n_plans", None),
+]
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    rows = _store(args).runs(args.program, args.device, args.since, args.min_speedup)
+    if args.status:
+        rows = [r for r in rows if r["status"] == args.status]
+    return _emit(args, rows, RUN_COLUMNS, "runs")
+
+
+def _cmd_plans(args: argparse.Namespace) -> int:
+    rows = _store(args).plans(args.program, args.device, args.since, args.min_speedup, current_only=args.current)
+    return _emit(args, rows, PLAN_COLUMNS, "plans")
+
+
+def _cmd_trials(args: argparse.Namespace) -> int:
+    store = _store(args)
+    store.get_run(args.run)  # KeyError for an unknown run
+    return _emit(args, store.trials(args.run, args.status), TRIAL_COLUMNS, "trials")
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    rows = _store(args).compare(args.program, args.device, args.since, args.min_speedup)
+    return _emit(args, rows, COMPARE_COLUMNS, "programs with plans")
+
+
+def _print_fields(d: dict[str, Any], skip: Sequence[str] = ()) -> None:
+    width = max(len(k) for k in d)
+    for k, v in d.items():
+        if k in skip:
+            continue
+        if isinstance(v, _dt.datetime):
+            text = v.isoformat()
+        elif isinstance(v, (dict, list)):
+            text = json.dumps(_jsonable(v), separators=(", ", ": "))
+        else:
+            text = "" if v is None else str(v)
+        print(f"{k.ljust(width)}  {text}")
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    store = _store(args)
+    if args.kind == "run":
+        run = store.get_run(args.id)
+        cands = store.candidates(args.id)
+        trials = store.trials(args.id)
+        counts: dict[str, int] = {}
+        for t in trials:
+            counts[t["status"]] = counts.get(t["status"], 0) + 1
+        plans = [p for p in store.plans(run["fingerprint"]) if p["run_id"] == args.id]
+        if args.json:
+            out = dict(run, candidates=cands, trial_status=counts, plans=plans)
+            print(json.dumps(_jsonable(out), indent=2))
+            return 0
+        _print_fields(run)
+        print()
+        print(f"candidates ({len(cands)}):")
+        print(_table(cands, CANDIDATE_COLUMNS) if cands else "  (none)")
+        print()
+        print("trials by status: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "(none)"))
+        if plans:
+            print()
+            print(f"plans saved by this run ({len(plans)}):")
+            print(_table(plans, PLAN_COLUMNS))
+        return 0
+    plan = store.get_plan(args.id)
+    if args.json:
+        out = {k: v for k, v in plan.items() if k != "plan_json"}
+        print(json.dumps(_jsonable(out), indent=2))
+        return 0
+    _print_fields(plan, skip=("plan", "plan_json", "signature"))
+    print(f"signature  {json.dumps(_jsonable(plan['signature']))}")
+    print()
+    print(json.dumps(plan["plan"], indent=2))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from autofuse.report import write_report
+
+    path = write_report(_store(args), args.run, args.out)
+    print(path)
+    return 0
+
+
+def _cmd_db(args: argparse.Namespace) -> int:
+    from autofuse.store import db
+
+    if args.action == "history":
+        for h in db.history():
+            head = " (head)" if h["revision"] == db.HEAD_REVISION else ""
+            print(f"{h['down_revision'] or '<base>'} -> {h['revision']}{head}, {h['message']}")
+        return 0
+    engine = db.create_engine(getattr(args, "db", None))
+    try:
+        if args.action == "current":
+            revs = _db_call(engine, lambda: db.current(engine))
+            if not revs:
+                print("(no autofuse schema)")
+            known = set(db.known_revisions()) if revs else set()
+            for rev in sorted(revs):
+                if rev == db.HEAD_REVISION:
+                    print(f"{rev} (head)")
+                elif rev in known:
+                    print(f"{rev} (upgrade available: autofuse db upgrade)")
+                else:
+                    print(f"{rev} (unknown: created by a newer autofuse)")
+            return 0
+        if args.action == "upgrade":
+            before, after = _db_call(engine, lambda: db.upgrade(engine, args.revision))
+        else:
+            if not args.yes:
+                raise _CliError(
+                    "refusing to downgrade without --yes (a downgrade drops autofuse tables and their data)"
+                )
+            before, after = _db_call(engine, lambda: db.downgrade(engine, args.revision))
+        b = ",".join(sorted(before)) or "<base>"
+        a = ",".join(sorted(after)) or "<base>"
+        print(f"autofuse schema: {b} -> {a}" if before != after else f"autofuse schema already at {a}")
+        return 0
+    finally:
+        engine.dispose()
+
+
+def _db_call(engine: Any, fn: Callable[[], Any]) -> Any:
+    from autofuse.store import db
+
+    try:
+        return fn()
+    except db.StoreError:
+        raise
+    except Exception as e:
+        err = db.translate_error(e, engine.url)
+        if err is not None:
+            raise err from None
+        raise
+
+
+class _CliError(Exception):
+    """A usage problem reported as one line."""
+
+
+# ------------------------------------------------------------------ parser
+
+
+def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
+    """HOOK for the ``tune`` subcommand, filled in by the search side.
+
+    Add it as the other commands are added, e.g.::
+
+        p = sub.add_parser("tune", parents=[_db_parent()], help="...", description="...")
+        p.add_argument(...)
+        p.add_argument("--resume", metavar="RUN", type=int, help="continue an interrupted run")
+        p.set_defaults(func=_cmd_tune)
+
+    with ``_cmd_tune(args) -> int`` importing JAX and ``autofuse.search``
+    inside the function (never at module level, so that ``autofuse runs``
+    etc. stay fast and work without a GPU). ``getattr(args, "db", None)`` is
+    the store URL; ``PlanStore.mark_interrupted()``, ``unfinished_runs()``,
+    ``resume_run(run_id)`` and ``get_run(run_id)`` give what ``--resume``
+    needs (budget, seed, sampler, measure, optuna_storage,
+    optuna_study_prefix). Raise ``StoreError``/``KeyError``/``ValueError``
+    for one-line errors (exit 2).
+    """
+    # --- tune subcommand goes here (search side) ---
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autofuse`` argument parser."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    dbp, outp, filt = _db_parent(), _format_parent(), _filter_parent()
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=fmt,
+        description="Auto-tuned kernel fusion for JAX: tune programs, and inspect the plan store "
+        "(runs, candidates, trials and plans).",
+        epilog="Database: --db URL, else $AUTOFUSE_DB, else ~/.local/share/autofuse/autofuse.db "
+        "(created on first use). Run 'autofuse COMMAND --help' for each command.",
+    )
+    parser.add_argument("--db", metavar="URL", default=None, help="database URL (also accepted after the command)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    _add_tune_parser(sub)
+
+    p = sub.add_parser(
+        "runs",
+        parents=[dbp, outp, filt],
+        formatter_class=fmt,
+        help="list tuning runs",
+        description="List tuning runs, newest first: program, device, status, candidates and trials "
+        "measured, baseline (XLA) and best times, and speedup.",
+        epilog="example: autofuse runs --device h200 --since 2026-01-01 --min-speedup 1.1",
+    )
+    p.add_argument("--status", choices=["running", "finished", "interrupted", "failed"], help="only runs in this status")
+    p.set_defaults(func=_cmd_runs)
+
+    p = sub.add_parser(
+        "plans",
+        parents=[dbp, outp, filt],
+        formatter_class=fmt,
+        help="list stored plans",
+        description="List stored fusion plans, newest first, with their measured time, baseline and "
+        "speedup. The current plan of each (program, device, software) is marked '*'; it is the one "
+        "autofuse.jit uses.",
+        epilog="example: autofuse plans --program mlp --current --json",
+    )
+    p.add_argument("--current", action="store_true", help="only current plans")
+    p.set_defaults(func=_cmd_plans)
+
+    p = sub.add_parser(
+        "trials",
+        parents=[dbp, outp],
+        formatter_class=fmt,
+        help="list the trials of a run",
+        description="List every trial of a run (one tile config of one candidate): status "
+        "(ok, infeasible, compile_error, wrong_result, timeout, ...), median/min/max time, config, error.",
+        epilog="example: autofuse trials 12 --status compile_error",
+    )
+    p.add_argument("run", metavar="RUN", type=int, help="run id (see 'autofuse runs')")
+    p.add_argument("--status", help="only trials with this status")
+    p.set_defaults(func=_cmd_trials)
+
+    p = sub.add_parser(
+        "show",
+        parents=[dbp],
+        formatter_class=fmt,
+        help="show one run or plan in detail",
+        description="Show one run (fields, candidates, trial status counts, plans it saved) or one "
+        "plan (fields and the plan JSON).",
+        epilog="examples: autofuse show run 12 ; autofuse show plan 3 --json",
+    )
+    p.add_argument("kind", choices=["run", "plan"], help="what to show")
+    p.add_argument("id", metavar="ID", type=int, help="run or plan id")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser(
+        "compare",
+        parents=[dbp, outp, filt],
+        formatter_class=fmt,
+        help="compare current plans across devices and software",
+        description="One row per program x device x software (jax, jaxlib, autofuse, backend) that has "
+        "a current plan: its speedup over XLA, the best speedup ever stored for it, and how many plans "
+        "were stored.",
+        epilog="example: autofuse compare --program mlp",
+    )
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser(
+        "report",
+        parents=[dbp],
+        formatter_class=fmt,
+        help="write a Markdown report with plots for a run",
+        description="Write DIR/report.md for a run, with PNG plots: search convergence (best-so-far "
+        "time per candidate vs trial) and per-candidate speedup over XLA. Prints the report path.",
+        epilog="example: autofuse report 12 --out reports/run12",
+    )
+    p.add_argument("run", metavar="RUN", type=int, help="run id")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory (created)")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "db",
+        parents=[dbp],
+        formatter_class=fmt,
+        help="manage the database schema (upgrade, current, history)",
+        description="Manage the autofuse schema (Alembic; version table autofuse_alembic_version, so "
+        "Optuna tables in the same database are untouched). The schema is also created/upgraded "
+        "automatically on first use.",
+    )
+    dsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    a = dsub.add_parser("upgrade", parents=[dbp], help="upgrade the schema (default: to head)",
+                        description="Create or upgrade the autofuse tables to REVISION (default head).")
+    a.add_argument("revision", nargs="?", default="head", help="target revision (default: head)")
+    a = dsub.add_parser("downgrade", parents=[dbp], help="downgrade the schema (drops data; needs --yes)",
+                        description="Downgrade the autofuse tables to REVISION; 'base' drops them all. "
+                        "Optuna's tables are never touched.")
+    a.add_argument("revision", help="target revision, or 'base'")
+    a.add_argument("--yes", action="store_true", help="really downgrade (data in dropped tables is lost)")
+    dsub.add_parser("current", parents=[dbp], help="print the schema revision of the database",
+                    description="Print the autofuse schema revision stored in the database.")
+    dsub.add_parser("history", parents=[dbp], help="list the schema migrations this autofuse knows",
+                    description="List the migrations of this autofuse version, newest first.")
+    p.set_defaults(func=_cmd_db)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``autofuse`` command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error (status 2)
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # Output piped into e.g. `head`: not an error.
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        except OSError:
+            pass
+        return 0
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get("AUTOFUSE_DEBUG"):
+            raise
+        message = _error_message(e)
+        if message is None:
+            raise
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _error_message(e: BaseException) -> str | None:
+    """One line for expected failures; None for a bug (traceback wanted)."""
+    from autofuse.store.db import StoreError
+
+    if isinstance(e, KeyError):
+        text = str(e.args[0]) if e.args else "not found"
+    elif isinstance(e, (StoreError, ValueError, _CliError, OSError)):
+        text = str(e)
+    else:
+        try:
+            from sqlalchemy.exc import SQLAlchemyError
+        except ImportError:  # pragma: no cover
+            return None
+        if not isinstance(e, SQLAlchemyError):
+            return None
+        orig = getattr(e, "orig", None)
+        text = f"database error: {orig if orig is not None else e}"
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
