@@ -1,0 +1,70 @@
+"""The public benchmark suite: patterns where fusion matters, at realistic sizes.
+
+Each workload is (name, function, argument shapes and dtype). Sizes follow
+GPU_NOTES.md; `small=True` gives CPU-sized versions of the same programs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def log_relu_bias(x, b):
+    return jnp.log(jax.nn.relu(x + b))
+
+
+def softmax(x):
+    return jax.nn.softmax(x, axis=-1)
+
+
+def layer_norm(x, scale, shift):
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + 1e-5)
+    return (y * scale + shift).astype(x.dtype)
+
+
+def rms_norm(x, scale):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6)
+    return (y * scale).astype(x.dtype)
+
+
+def logsumexp(x):
+    return jax.nn.logsumexp(x, axis=-1)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    fn: Callable
+    shapes: tuple  # argument shapes; every argument has the workload dtype
+
+
+WORKLOADS = [
+    Workload("log_relu_bias", log_relu_bias, ((8192, 8192), (8192,))),
+    Workload("softmax", softmax, ((16384, 4096),)),
+    Workload("layer_norm", layer_norm, ((65536, 1024), (1024,), (1024,))),
+    Workload("rms_norm", rms_norm, ((16384, 4096), (4096,))),
+    Workload("logsumexp", logsumexp, ((16384, 4096),)),
+]
+
+SMALL = {
+    "log_relu_bias": ((100, 77), (77,)),
+    "softmax": ((64, 300),),
+    "layer_norm": ((96, 200), (200,), (200,)),
+    "rms_norm": ((64, 130), (130,)),
+    "logsumexp": ((50, 333),),
+}
+
+
+def workloads(small: bool = False) -> list[Workload]:
+    return [Workload(w.name, w.fn, SMALL[w.name]) if small else w for w in WORKLOADS]
+
+
+def specs(w: Workload, dtype) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(s, dtype) for s in w.shapes]
