@@ -105,28 +105,37 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             neighbours[nd.id] |= 1 << o
     seen: set[int] = set()
     found: list[Candidate] = []
-    for seed in _bits(fusible):
-        cur = 1 << seed
-        while True:
-            if cur not in seen:
-                seen.add(cur)
-                cand = _candidate(graph, cur)
-                if cand is not None:
-                    found.append(cand)
-                    if len(found) >= max_candidates:
-                        return found
-            grown = None
-            frontier = 0
-            for i in _bits(cur):
-                frontier |= neighbours[i]
-            for nb in _bits(frontier & fusible & ~cur):
-                new = reach.closure(cur | (1 << nb))
-                if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
-                    grown = new
-                    break
-            if grown is None:
-                break
-            cur = grown
+
+    def grow(cur: int) -> int | None:
+        frontier = 0
+        for i in _bits(cur):
+            frontier |= neighbours[i]
+        for nb in _bits(frontier & fusible & ~cur):
+            new = reach.closure(cur | (1 << nb))
+            if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
+                return new
+        return None
+
+    # All seeds grow in step (one node per round), so when the budget runs out
+    # it cuts the largest groups everywhere, not every seed after the first few.
+    # Growth is a function of the current set, so a chain that reaches a set
+    # another chain has already visited would only repeat it: drop it.
+    chains = [1 << seed for seed in _bits(fusible)]
+    while chains:
+        nxt = []
+        for cur in chains:
+            if cur in seen:
+                continue
+            seen.add(cur)
+            cand = _candidate(graph, cur)
+            if cand is not None:
+                found.append(cand)
+                if len(found) >= max_candidates:
+                    return found
+            grown = grow(cur)
+            if grown is not None:
+                nxt.append(grown)
+        chains = nxt
     return found
 
 
