@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .graph import Graph, capture, flatten_args
+from .graph import Graph, _split_static, capture, flatten_args
 from .plan import Plan, PlanError, executor
 
 log = logging.getLogger("autofuse")
@@ -33,8 +33,10 @@ class AutofuseFunction:
         functools.update_wrapper(self, fn)
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        return tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) if hasattr(x, "shape") or isinstance(x, (int, float, complex, bool)) else ("static", repr(x)) for x in leaves)
+        # Static arguments by value (as capture sees them), dynamic leaves by shape and dtype.
+        dyn_args, dyn_kwargs, _, static_repr = _split_static(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        return tree, static_repr, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) if hasattr(x, "shape") or isinstance(x, (int, float, complex, bool)) else ("static", repr(x)) for x in leaves)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = self._key(args, kwargs)
