@@ -270,13 +270,15 @@ class _Builder:
 
 def _split_static(fn: Callable, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]):
     """Return (dynamic args, dynamic kwargs, a function of the dynamic ones, repr of statics)."""
-    static_argnums = tuple(i % len(args) if args else i for i in static_argnums)
-    if static_argnames and not static_argnums:
-        try:  # like jax.jit: a static name given positionally is static too
-            names = list(inspect.signature(fn).parameters)
-            static_argnums = tuple(names.index(n) for n in static_argnames if n in names and names.index(n) < len(args))
-        except (TypeError, ValueError):
-            pass
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    if static_argnames and not static_argnums:  # like jax.jit: a static name given positionally is static too
+        static_argnums = tuple(names.index(n) for n in static_argnames if n in names and names.index(n) < len(args))
+    elif static_argnums and not static_argnames:  # and a static position given by keyword
+        static_argnames = tuple(names[i] for i in static_argnums if 0 <= i < len(names))
+    static_argnums = tuple(i + len(args) if i < 0 else i for i in static_argnums)
     static_pos = {i: args[i] for i in static_argnums if i < len(args)}
     static_kw = {k: v for k, v in kwargs.items() if k in set(static_argnames)}
     dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
