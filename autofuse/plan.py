@@ -73,7 +73,7 @@ class Plan:
     def from_dict(data: Any) -> "Plan":
         _expect(isinstance(data, dict), "plan must be a JSON object")
         version = data.get("schema_version")
-        _expect(version == SCHEMA_VERSION, f"unknown plan schema_version {version!r} (this autofuse reads {SCHEMA_VERSION})")
+        _expect(type(version) is int and version == SCHEMA_VERSION, f"unknown plan schema_version {version!r} (this autofuse reads {SCHEMA_VERSION})")
         extra = set(data) - {"schema_version", "fingerprint", "backend", "groups", "provenance"}
         _expect(not extra, f"unknown plan keys {sorted(extra)}")
         _expect(isinstance(data.get("fingerprint"), str) and data["fingerprint"], "plan.fingerprint must be a non-empty string")
