@@ -116,6 +116,10 @@ def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
         missing = set(TEMPLATES[fg.template].PARAMS) - set(fg.config)
         if missing:
             raise PlanError(f"plan group {list(fg.nodes)}: config lacks {sorted(missing)}")
+        for k in TEMPLATES[fg.template].PARAMS:
+            v = fg.config[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()) or v < 1:
+                raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} must be a positive integer")
         out.append((group, fg))
     return out
 
