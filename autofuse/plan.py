@@ -121,6 +121,10 @@ def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()) or v < 1:
                 raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} must be a positive integer")
         out.append((group, fg))
+    try:
+        execution_order(graph, [frozenset(g.node_ids) for g, _ in out])
+    except ValueError as e:
+        raise PlanError(f"plan groups cannot be ordered ({e}): a group is not convex, or two groups need each other's outputs") from None
     return out
 
 
