@@ -122,7 +122,10 @@ def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
             engine = sa.create_engine(u, connect_args={"timeout": timeout})
             _configure_sqlite(engine, timeout)
         else:
-            engine = sa.create_engine(u, pool_pre_ping=True)
+            connect_args: dict[str, Any] = {}
+            if u.get_backend_name() == "postgresql" and "connect_timeout" not in u.query:
+                connect_args["connect_timeout"] = max(1, int(timeout))
+            engine = sa.create_engine(u, pool_pre_ping=True, connect_args=connect_args)
     except (ModuleNotFoundError, ImportError, exc.NoSuchModuleError) as e:
         raise StoreError(f"no database driver for {display_url(u)}: {e}") from None
     except exc.ArgumentError as e:
