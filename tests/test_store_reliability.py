@@ -114,6 +114,13 @@ WRITER = textwrap.dedent(
 
 
 def test_two_processes_write_concurrently(tmp_path: Path) -> None:
+    """Both writers start the same instant on a fresh file (racing to create the
+    schema), then interleave short write transactions; every row must land.
+
+    SQLite's busy handler is not fair: a writer in a zero-gap loop can starve the
+    other until it finishes (still correct, just serial), so the writers pause 1 ms
+    between trials, like a real job pauses to measure.
+    """
     path = tmp_path / "concurrent.db"
     url = f"sqlite:///{path}"
     go = tmp_path / "go"
