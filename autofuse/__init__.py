@@ -1,11 +1,37 @@
 """autofuse: auto-tuned kernel fusion for JAX on NVIDIA GPUs.
 
-`autofuse.jit(fn, plan=...)` runs a fused plan; `autofuse.capture` turns a
-function into the graph that plans are made for.
+`autofuse.tune(fn, *args)` searches fused plans; `autofuse.jit(fn)` runs the
+tuned plan (or plain `jax.jit`); `autofuse.PlanStore(url)` answers questions
+about past runs. Attributes load lazily so that the store and the CLI's
+query commands start without importing JAX.
 """
-from .api import AutofuseFunction, jit
-from .graph import Graph, capture
-from .plan import Plan, PlanError
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["AutofuseFunction", "Graph", "Plan", "PlanError", "capture", "jit", "__version__"]
+
+_LAZY = {
+    "jit": "autofuse.api",
+    "AutofuseFunction": "autofuse.api",
+    "tune": "autofuse.search",
+    "TuneReport": "autofuse.search",
+    "capture": "autofuse.graph",
+    "Graph": "autofuse.graph",
+    "Plan": "autofuse.plan",
+    "PlanError": "autofuse.plan",
+    "PlanStore": "autofuse.store",
+    "StoreError": "autofuse.store",
+}
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -403,26 +403,88 @@ class _CliError(Exception):
 
 
 def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
-    """HOOK for the ``tune`` subcommand, filled in by the search side.
+    p = sub.add_parser(
+        "tune",
+        parents=[_db_parent()],
+        help="tune a JAX function: search fused kernels, validate against jax.jit, store the plan",
+        description=(
+            "Capture MODULE:FUNCTION with the example arguments returned by --inputs MODULE:FACTORY, "
+            "enumerate fusible groups, search tile configs with Optuna (each trial built, checked against XLA "
+            "and timed), choose the cheapest exact cover, validate the whole plan against jax.jit and store it. "
+            "On a machine with no GPU, candidates are ranked with an analytic model of an H200 (said up front, "
+            "and marked as modelled in the output and the store)."
+        ),
+        epilog="example: autofuse tune examples.norms:forward --inputs examples.norms:example_inputs --trials 40",
+    )
+    p.add_argument("target", metavar="MODULE:FUNCTION", help="the function to tune (importable from the current directory)")
+    p.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
+                   help="a function returning the example arguments: a tuple of positional args (arrays or jax.ShapeDtypeStruct pytrees)")
+    p.add_argument("--trials", type=int, default=None, help="trial budget for the whole job (default 48 when no --time-budget)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="time budget for the whole job, in seconds")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed and budget: same trials in the same order)")
+    p.add_argument("--measure", choices=["device", "model"], default=None, help="time on the GPU or rank with the analytic model (default: device if a GPU is present)")
+    p.add_argument("--static-argnums", default="", metavar="I,J", help="positions of arguments that are static (as jax.jit)")
+    p.add_argument("--name", default=None, help="program name in the store (default: the function name)")
+    p.add_argument("--resume", metavar="RUN", type=int, default=None, help="continue an interrupted run (its seed and budget are reused)")
+    p.add_argument("--no-store", action="store_true", help="keep the result in memory only")
+    p.add_argument("--no-isolate", action="store_true", help="run trials in this process (no crash isolation)")
+    p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S", help="per-trial time limit (default 300 s)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-candidate lines")
+    p.set_defaults(func=_cmd_tune)
 
-    Add it as the other commands are added, e.g.::
 
-        p = sub.add_parser("tune", parents=[_db_parent()], help="...", description="...")
-        p.add_argument(...)
-        p.add_argument("--resume", metavar="RUN", type=int, help="continue an interrupted run")
-        p.set_defaults(func=_cmd_tune)
+def _import_ref(ref: str) -> Any:
+    import importlib
 
-    with ``_cmd_tune(args) -> int`` importing JAX and ``autofuse.search``
-    inside the function (never at module level, so that ``autofuse runs``
-    etc. stay fast and work without a GPU). ``getattr(args, "db", None)`` is
-    the store URL; ``PlanStore.mark_interrupted()``, ``unfinished_runs()``,
-    ``resume_run(run_id)`` and ``get_run(run_id)`` give what ``--resume``
-    needs (budget, seed, sampler, measure, optuna_storage,
-    optuna_study_prefix). Raise ``StoreError``/``KeyError``/``ValueError``
-    for one-line errors (exit 2).
-    """
-    # --- tune subcommand goes here (search side) ---
-    return None
+    if ":" not in ref:
+        raise ValueError(f"expected MODULE:NAME, got {ref!r}")
+    mod, _, attr = ref.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {mod!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {mod!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from autofuse.search import tune
+
+    fn = _import_ref(args.target)
+    factory = _import_ref(args.inputs)
+    example = factory()
+    example = example if isinstance(example, tuple) else (example,)
+    statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
+    store = None
+    trials, budget, seed = args.trials, args.time_budget, args.seed
+    if not args.no_store:
+        from autofuse.store import PlanStore
+
+        store = PlanStore(getattr(args, "db", None))
+        if args.resume is not None:
+            run = store.get_run(args.resume)
+            if run["status"] == "finished":
+                raise ValueError(f"run {args.resume} already finished")
+            b = run.get("budget") or {}
+            trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
+    elif args.resume is not None:
+        raise ValueError("--resume needs the store (drop --no-store)")
+    report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
+                  measure=args.measure, quiet=args.quiet, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
+                  static_argnums=statics, resume=args.resume)
+    if args.json:
+        print(json.dumps({"name": report.name, "fingerprint": report.fingerprint, "measure": report.measure,
+                          "baseline_ms": report.baseline_ms, "tuned_ms": report.tuned_ms, "speedup": report.speedup,
+                          "run_id": report.run_id, "plan_id": report.plan_id, "plan": report.plan.to_dict()}, indent=2))
+    else:
+        print(report.table())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -74,14 +74,6 @@ def compute_dtype(dtype: Any) -> np.dtype:
     return np.dtype(np.float32) if d in _LOW_FLOATS else d
 
 
-def round_to(x: jax.Array, dtype: Any) -> jax.Array:
-    """Cast a kernel-held value to `dtype` and back to its compute dtype (keeps rounding exact)."""
-    d = np.dtype(dtype)
-    if d in _LOW_FLOATS:
-        return x.astype(d).astype(jnp.float32)
-    return x.astype(d)
-
-
 def reduction_identity(kind: str, dtype: Any) -> Any:
     d = np.dtype(dtype)
     if kind == "sum":
@@ -109,8 +101,8 @@ def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]
     column vectors are kept unbroadcast until they meet a full tile).
     """
     name = prim.name
-    if name == "convert_element_type":
-        return round_to(ins[0], out_dtype) if np.dtype(out_dtype) in _LOW_FLOATS else ins[0].astype(compute_dtype(out_dtype))
+    if name == "convert_element_type":  # to a low float: kept in float32 (excess precision, as XLA)
+        return ins[0].astype(compute_dtype(out_dtype))
     if name in ("stop_gradient", "copy", "copy_p"):
         return ins[0]
     if name == "reduce_precision":

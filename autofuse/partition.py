@@ -3,7 +3,9 @@
 Enumeration: from every fusible node (a seed) a group grows one neighbour at
 a time, the lowest-numbered first, each step closed under convexity (every
 node on a path between two members joins, so no path leaves the group and
-re-enters it). Every step that a template can implement is a candidate.
+re-enters it). Along each growth path, the largest group of each run of
+steps that one template implements is a candidate (so a layer norm yields
+the whole norm, and its elementwise tail on its own, not every prefix).
 Bounds: a group holds at most `max_group_size` nodes and the whole
 enumeration yields at most `max_candidates` groups, so the work is
 O(nodes x max_group_size) closure steps, each a few big-int operations.
@@ -103,40 +105,39 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     for nd in graph.nodes:
         for o in graph.preds(nd.id) + graph.succs(nd.id):
             neighbours[nd.id] |= 1 << o
-    seen: set[int] = set()
+    cache: dict[int, Candidate | None] = {}
+    emitted: set[int] = set()
     found: list[Candidate] = []
 
-    def grow(cur: int) -> int | None:
-        frontier = 0
-        for i in _bits(cur):
-            frontier |= neighbours[i]
-        for nb in _bits(frontier & fusible & ~cur):
-            new = reach.closure(cur | (1 << nb))
-            if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
-                return new
-        return None
+    def emit(c: Candidate | None) -> None:
+        mask = sum(1 << i for i in c.group.node_ids) if c else 0
+        if c is not None and mask not in emitted:
+            emitted.add(mask)
+            found.append(c)
 
-    # All seeds grow in step (one node per round), so when the budget runs out
-    # it cuts the largest groups everywhere, not every seed after the first few.
-    # Growth is a function of the current set, so a chain that reaches a set
-    # another chain has already visited would only repeat it: drop it.
-    chains = [1 << seed for seed in _bits(fusible)]
-    while chains:
-        nxt = []
-        for cur in chains:
-            if cur in seen:
-                continue
-            seen.add(cur)
-            cand = _candidate(graph, cur)
-            if cand is not None:
-                found.append(cand)
-                if len(found) >= max_candidates:
-                    return found
-            grown = grow(cur)
-            if grown is not None:
-                nxt.append(grown)
-        chains = nxt
-    return found
+    for seed in _bits(fusible):
+        cur, run = 1 << seed, None  # run: the largest matching group of the current template on this path
+        while len(found) < max_candidates:
+            if cur not in cache:
+                cache[cur] = _candidate(graph, cur)
+            cand = cache[cur]
+            if cand is None or (run is not None and run.template != cand.template):
+                emit(run)
+            run = cand if cand is not None else None
+            grown = None
+            frontier = 0
+            for i in _bits(cur):
+                frontier |= neighbours[i]
+            for nb in _bits(frontier & fusible & ~cur):
+                new = reach.closure(cur | (1 << nb))
+                if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
+                    grown = new
+                    break
+            if grown is None:
+                break
+            cur = grown
+        emit(run)
+    return found[:max_candidates]
 
 
 def _candidate(graph: Graph, mask: int) -> Candidate | None:

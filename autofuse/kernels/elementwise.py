@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..graph import Group
 from ..ops import OpClass, op_class
-from .tiling import NoMatch, TileConfig, TileSpec, analyze, next_pow2, pallas_callable
+from .tiling import NoMatch, TileConfig, TileSpec, analyze, next_pow2, pallas_callable, template_space
 
 NAME = "elementwise"
 PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
@@ -40,14 +40,9 @@ def default_config(spec: TileSpec) -> dict:
 
 
 def space(group: Group, spec: TileSpec | None = None) -> dict:
-    """Tunable parameters: their choices and the default."""
+    """Tunable parameters (search_spaces/elementwise.yaml), the default config and the constraint facts."""
     spec = spec or match(group)
-    cols = [c for c in (32, 64, 128, 256, 512, 1024, 2048, 4096) if c <= max(32, next_pow2(spec.C))]
-    rows = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= next_pow2(spec.R)]
-    return {
-        "params": {"block_rows": rows, "block_cols": cols, "num_warps": [1, 2, 4, 8, 16], "num_stages": [1, 2]},
-        "default": default_config(spec),
-    }
+    return template_space(NAME, spec, default_config(spec))
 
 
 def build(group: Group, config: dict, *, interpret: bool = False, spec: TileSpec | None = None) -> Callable:

@@ -6,6 +6,8 @@ is then a register tile that varies along rows, columns, both, or neither:
 broadcasts stay lazy (a bias is a [1, bn] tile until it meets a full tile),
 and a reduction over the columns leaves a [bm, 1] tile. The arithmetic is the
 group's own jaxpr, re-run equation by equation on tiles (`ops.py`).
+Low-precision floats are held in float32 inside the kernel and rounded only
+when stored, as XLA does by default (`xla_allow_excess_precision`).
 
 Rows and columns that run past the array are masked (GPU_NOTES: no automatic
 edge masking on the GPU); every tile has power-of-two sides.
@@ -69,6 +71,36 @@ class TileSpec:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x - 1).bit_length())
+
+
+def facts(spec: TileSpec, smem_bytes: int = 227 * 1024) -> dict:
+    """What search-space constraints may refer to besides the parameters."""
+    g = spec.group
+    avals = g.input_avals() + g.output_avals()
+    return {
+        "R": spec.R,
+        "C": spec.C,
+        "itemsize": max(np.dtype(a.dtype).itemsize for a in avals),
+        "n_inputs": len(g.inputs),
+        "n_outputs": len(g.outputs),
+        "n_reductions": len(spec.reductions),
+        "smem_bytes": smem_bytes,
+    }
+
+
+def template_space(template: str, spec: TileSpec, default: dict) -> dict:
+    """A template's search space (from its YAML file), with the default config and the group's facts."""
+    from ..spaces import load_spaces
+
+    space = load_spaces()[template]
+    snapped = {k: _snap(v, space.params[k]) if k in space.params else v for k, v in default.items()}
+    return {"params": space.params, "default": snapped, "facts": facts(spec), "space": space}
+
+
+def _snap(value: int, choices: list) -> int:
+    """The nearest choice at or above `value` (else the largest)."""
+    above = [c for c in sorted(choices) if c >= value]
+    return above[0] if above else max(choices)
 
 
 # ---------------------------------------------------------------------------
@@ -281,12 +313,11 @@ class _Body:
         if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
             env[out] = self.atom(env, nd.inputs[0])
         elif cls is OpClass.ELEMENTWISE:
-            r = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs])
-            env[out] = ops.round_to(r, odt) if r.dtype != ops.compute_dtype(odt) or np.dtype(odt) != r.dtype else r
+            env[out] = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs])
         elif cls is OpClass.SOURCE:
             env[out] = self.iota(nd, r0, c0)
         elif cls is OpClass.REDUCTION:
-            env[out] = ops.round_to(self.reduce_partial(nd, env, colmask), odt)
+            env[out] = self.reduce_partial(nd, env, colmask)
         else:  # pragma: no cover - analysis rejects these
             raise NoMatch(nd.name)
 
@@ -409,7 +440,7 @@ def _staged(body: _Body, spec: TileSpec, in_refs: dict, out_refs: dict, r0, nchu
 
         res = col_loop({nd.inputs[0] for nd in reds}, acc, init)
         for nd, r in zip(reds, res):
-            env[nd.outputs[0]] = ops.round_to(r, group.graph.avals[nd.outputs[0]].dtype)
+            env[nd.outputs[0]] = r
             done.add(nd.id)
         row_pass()
 

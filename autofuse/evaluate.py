@@ -1,0 +1,137 @@
+"""One trial, one XLA baseline, one plan validation: build → check → time.
+
+Runs inside the trial worker (`worker.py`) or inline. `measure="device"`
+compiles and times on the accelerator; `measure="model"` builds the kernel,
+runs the CUDA lowering guard where there is no GPU, and costs it with the
+roofline model. Results are plain dicts (they cross a process boundary).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from . import costmodel
+from .graph import Graph, Group
+from .kernels import TEMPLATES
+from .measure import check, cone_tolerances, random_inputs, time_fn
+from .plan import Plan, build_group, default_interpret, executor
+
+STATUSES = ("ok", "infeasible", "compile_error", "resource_exhausted", "wrong_result", "nan", "timeout", "crashed", "error", "duplicate")
+
+
+def classify_compile_error(e: BaseException) -> str:
+    msg = str(e)
+    low = msg.lower()
+    if "resource_exhausted" in low or "out of resource" in low or "shared memory" in low:
+        return "resource_exhausted"
+    return "compile_error"
+
+
+def _short(e: BaseException, n: int = 400) -> str:
+    s = f"{type(e).__name__}: {e}"
+    return s if len(s) <= n else s[:n] + "..."
+
+
+class Evaluator:
+    """Answers trial requests for one program."""
+
+    def __init__(self, graph: Graph, *, measure: str = "device", model: str = "h200", seeds: Sequence[int] = (1, 2, 3),
+                 interpret: bool | None = None, n_input_sets: int = 3, repeats: int = 10):
+        if measure not in ("device", "model"):
+            raise ValueError(f"measure must be 'device' or 'model', got {measure!r}")
+        self.graph, self.measure = graph, measure
+        self.model = costmodel.get_model(model)
+        self.seeds = tuple(seeds)
+        self.interpret = default_interpret() if interpret is None else interpret
+        self.n_input_sets, self.repeats = n_input_sets, repeats
+        self._sets: dict[tuple, list] = {}
+
+    def handle(self, req: dict) -> dict:
+        op = req.get("op")
+        if op == "xla":
+            return self.xla(req["nodes"])
+        if op == "trial":
+            return self.trial(req["nodes"], req["template"], req["config"], check_result=req.get("check", self.measure == "device"))
+        if op == "validate":
+            return self.validate(Plan.from_json(req["plan"]))
+        if op == "ping":
+            return {"status": "ok"}
+        raise ValueError(f"unknown request {op!r}")
+
+    # helpers ---------------------------------------------------------------
+    def _input_sets(self, avals: Sequence[Any]) -> list[list]:
+        key = tuple((a.shape, str(a.dtype)) for a in avals)
+        if key not in self._sets:
+            self._sets[key] = [[jnp.asarray(x) for x in random_inputs(avals, 1000 + k)] for k in range(self.n_input_sets)]
+        return self._sets[key]
+
+    def _time(self, fn: Callable, avals: Sequence[Any]) -> dict:
+        t = time_fn(fn, self._input_sets(avals), repeats=self.repeats)
+        return {"status": "ok", **t.to_dict()}
+
+    # requests ----------------------------------------------------------------
+    def xla(self, nodes: Sequence[int]) -> dict:
+        group = Group.of(self.graph, nodes)
+        if self.measure == "model":
+            ms = costmodel.xla_group_time_ms(group, self.model)
+            return {"status": "ok", "median_ms": ms, "min_ms": ms, "max_ms": ms, "model": True}
+        ref = jax.jit(lambda *a: group.evaluate(a))
+        return self._time(ref, group.input_avals())
+
+    def trial(self, nodes: Sequence[int], template: str, config: dict, *, check_result: bool = True) -> dict:
+        group = Group.of(self.graph, nodes)
+        mod = TEMPLATES[template]
+        spec = mod.match(group)
+        if spec is None:
+            return {"status": "error", "error": f"template {template} does not match group"}
+        avals = group.input_avals()
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        try:
+            kernel = build_group(group, template, config, interpret=self.interpret)
+            fn = jax.jit(lambda *a: kernel(*a))
+            if self.measure == "device" or not self.interpret:
+                fn = fn.lower(*structs).compile()
+            elif jax.default_backend() == "cpu":
+                lowering_guard(kernel, structs)
+        except Exception as e:
+            return {"status": classify_compile_error(e), "error": _short(e)}
+        out: dict = {"status": "ok"}
+        if check_result:
+            ref = jax.jit(lambda *a: group.evaluate(a))
+            res = check(fn, ref, avals, self.seeds, cone_tolerances(self.graph, group.node_ids, group.outputs))
+            out["max_error"] = res.max_error
+            if not res.ok:
+                return {"status": "nan" if "NaN" in res.reason else "wrong_result", "error": res.reason, "max_error": res.max_error}
+        if self.measure == "model":
+            ms = costmodel.template_time_ms(template, spec, config, self.model)
+            return {**out, "median_ms": ms, "min_ms": ms, "max_ms": ms, "model": True}
+        try:
+            return {**out, **self._time(fn, avals)}
+        except Exception as e:
+            return {"status": "error", "error": _short(e)}
+
+    def validate(self, plan: Plan) -> dict:
+        """The whole plan against jax.jit of the whole program: correctness, then both timed."""
+        g = self.graph
+        avals = [g.avals[v] for v in g.inputs]
+        run = executor(g, plan, interpret=self.interpret)
+        fused = jax.jit(lambda *a: run(a))
+        ref = jax.jit(lambda *a: g.evaluate(a))
+        res = check(fused, ref, avals, self.seeds, cone_tolerances(g, [n.id for n in g.nodes], g.outputs))
+        out = {"status": "ok" if res.ok else "wrong_result", "max_error": res.max_error, "tolerance": res.tolerance, "error": res.reason}
+        if not res.ok or self.measure == "model":
+            return out
+        out["baseline"] = self._time(ref, avals)
+        out["plan"] = self._time(fused, avals)
+        return out
+
+
+def lowering_guard(kernel: Callable, structs: Sequence[Any]) -> None:
+    """Run the real Triton lowering for CUDA without a GPU (GPU_NOTES.md); raises on unsupported kernels."""
+    jax.export.export(
+        jax.jit(lambda *a: kernel(*a)),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*structs)

@@ -1,0 +1,163 @@
+"""Declarative search spaces (`search_spaces/*.yaml`): parameters, choices, constraints.
+
+Loaded and validated once; a malformed file raises `SpaceError` naming the
+file and the key. Constraints are small arithmetic expressions over the
+parameters and facts about the group (R, C, itemsize, ...), parsed with `ast`
+and evaluated with no access to Python builtins beyond a few math helpers.
+They are checked before anything is compiled.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+_FUNCS = {"next_pow2": lambda x: 1 << max(0, int(x - 1).bit_length()), "min": min, "max": max, "log2": math.log2, "ceil_div": lambda a, b: -(-a // b)}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Div: operator.truediv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
+
+
+class SpaceError(ValueError):
+    """A search-space file that is malformed."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    expr: str
+    why: str
+    tree: Any
+
+    def holds(self, names: dict) -> bool:
+        return bool(_eval(self.tree.body, names))
+
+
+@dataclass(frozen=True)
+class Space:
+    template: str
+    params: dict[str, list]
+    constraints: tuple[Constraint, ...]
+    path: str
+
+    def violated(self, config: dict, facts: dict) -> list[str]:
+        """The constraints `config` breaks (empty: feasible)."""
+        names = {**facts, **config}
+        out = []
+        for name, choices in self.params.items():
+            if config.get(name) not in choices:
+                out.append(f"{name}={config.get(name)!r} not in {choices}")
+        for c in self.constraints:
+            try:
+                ok = c.holds(names)
+            except (KeyError, ZeroDivisionError, TypeError, ValueError) as e:
+                out.append(f"{c.expr}: {e}")
+                continue
+            if not ok:
+                out.append(f"{c.expr} ({c.why})")
+        return out
+
+
+def _eval(node: ast.AST, names: dict) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in names:
+            raise KeyError(f"unknown name {node.id!r}")
+        return names[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](_eval(node.left, names), _eval(node.right, names))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand, names)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return not _eval(node.operand, names)
+    if isinstance(node, ast.BoolOp):
+        vals = [_eval(v, names) for v in node.values]
+        return all(vals) if isinstance(node.op, ast.And) else any(vals)
+    if isinstance(node, ast.Compare):
+        left = _eval(node.left, names)
+        for op, comp in zip(node.ops, node.comparators):
+            right = _eval(comp, names)
+            if not _CMPOPS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS and not node.keywords:
+        return _FUNCS[node.func.id](*[_eval(a, names) for a in node.args])
+    raise ValueError(f"unsupported expression element {ast.dump(node)[:60]}")
+
+
+def _check_tree(node: ast.AST, where: str) -> None:
+    allowed = (ast.Expression, ast.Constant, ast.Name, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.Call, ast.Load,
+               ast.And, ast.Or, ast.USub, ast.Not, *_BINOPS, *_CMPOPS)
+    for sub in ast.walk(node):
+        if not isinstance(sub, allowed):
+            raise SpaceError(f"{where}: {type(sub).__name__} is not allowed in a constraint")
+        if isinstance(sub, ast.Call) and not (isinstance(sub.func, ast.Name) and sub.func.id in _FUNCS):
+            raise SpaceError(f"{where}: only {sorted(_FUNCS)} may be called")
+
+
+def parse_space(data: Any, path: str) -> Space:
+    if not isinstance(data, dict):
+        raise SpaceError(f"{path}: top level must be a mapping")
+    unknown = set(data) - {"template", "parameters", "constraints"}
+    if unknown:
+        raise SpaceError(f"{path}: unknown keys {sorted(unknown)}")
+    template = data.get("template")
+    if not isinstance(template, str):
+        raise SpaceError(f"{path}: key 'template' must be a string")
+    params = data.get("parameters")
+    if not isinstance(params, dict) or not params:
+        raise SpaceError(f"{path}: key 'parameters' must be a non-empty mapping")
+    out: dict[str, list] = {}
+    for name, p in params.items():
+        where = f"{path}: parameters.{name}"
+        if not isinstance(p, dict) or set(p) - {"choices", "power_of_two"} or "choices" not in p:
+            raise SpaceError(f"{where} must be a mapping with 'choices' (and optionally 'power_of_two')")
+        ch = p["choices"]
+        if not isinstance(ch, list) or not ch or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in ch):
+            raise SpaceError(f"{where}.choices must be a non-empty list of positive integers")
+        if p.get("power_of_two") and any(c & (c - 1) for c in ch):
+            raise SpaceError(f"{where}.choices must all be powers of two")
+        out[name] = list(ch)
+    cons = []
+    for i, c in enumerate(data.get("constraints") or []):
+        where = f"{path}: constraints[{i}]"
+        if not isinstance(c, dict) or not isinstance(c.get("expr"), str):
+            raise SpaceError(f"{where} must be a mapping with an 'expr' string")
+        try:
+            tree = ast.parse(c["expr"], mode="eval")
+        except SyntaxError as e:
+            raise SpaceError(f"{where}.expr does not parse: {e.msg}") from None
+        _check_tree(tree, f"{where}.expr")
+        cons.append(Constraint(c["expr"], str(c.get("why", "")), tree))
+    return Space(template, out, tuple(cons), path)
+
+
+def load_space_file(path: str | Path) -> Space:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpaceError(f"{path}: not valid YAML: {e}") from None
+    except OSError as e:
+        raise SpaceError(f"{path}: cannot read: {e}") from None
+    space = parse_space(data, str(path))
+    if space.template != path.stem:
+        raise SpaceError(f"{path}: key 'template' is {space.template!r} but the file is named for {path.stem!r}")
+    return space
+
+
+@functools.lru_cache(maxsize=None)
+def load_spaces(directory: str | None = None) -> dict[str, Space]:
+    """All search spaces, by template name."""
+    d = Path(directory) if directory else SPACES_DIR
+    if not d.is_dir():
+        raise SpaceError(f"search space directory {d} does not exist")
+    return {p.stem: load_space_file(p) for p in sorted(d.glob("*.yaml"))}

@@ -1,0 +1,1 @@
+"""Example programs to tune with autofuse."""
