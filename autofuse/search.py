@@ -14,11 +14,12 @@ One job (`tune`):
    keep it only if it is faster beyond the measured noise; otherwise the plan
    is "XLA" (recorded as such).
 
-Budget rule: every distinct candidate first gets its default config; the
-remaining trials are shared out in proportion to each candidate's XLA time
-(what it could save at most), by largest remainder, never more than its
-number of distinct configs. Candidates are visited largest XLA time first, so
-a time budget that runs out leaves undone what matters least.
+Budget rule: phase 1 gives every distinct candidate its template's default
+config, the largest groups first. Phase 2 shares the remaining trials, in
+rounds, among the contenders (candidates in the cheapest cover found so far,
+or within 25% of their XLA time) in proportion to their XLA time, by largest
+remainder, never more than a candidate's number of configs. A time budget
+that runs out therefore leaves undone what can matter least.
 """
 from __future__ import annotations
 
@@ -200,6 +201,7 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
     and the plan are written, and `resume=RUN` continues an interrupted run.
     """
     t_start = time.time()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the trial worker shares the GPU
     say = progress or (lambda s: None if quiet else print(s, flush=True))
     has_gpu = jax.default_backend() == "gpu"
     measure = measure or ("device" if has_gpu else "model")
@@ -237,22 +239,50 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
         for r in results:
             resp = runner.call({"op": "xla", "nodes": r.nodes})
             r.xla_ms = resp.get("median_ms") if resp.get("status") == "ok" else None
-        order = sorted(range(len(results)), key=lambda i: -(results[i].xla_ms or 0.0))
         spaces = {r.signature: TEMPLATES[r.template].space(by_sig[r.signature][0].group, by_sig[r.signature][0].spec) for r in results}
         caps = [math.prod(len(v) for v in spaces[r.signature]["params"].values()) for r in results]
-        alloc = allocate([r.xla_ms or 0.0 for r in results], caps, min(budget_trials, sum(caps)))
-        total = sum(alloc)
+        total = min(budget_trials, sum(caps))
         bar = _progress_bar(total, name, quiet or progress is not None)
-        deadline = t_start + time_budget_s if time_budget_s else None
-        for i in order:
+        ctx = _Ctx(runner, measure, optuna_storage or _in_memory_storage(), run_id, pstore, bar,
+                   t_start + time_budget_s if time_budget_s else None)
+        target = [0] * len(results)
+
+        def out_of_budget() -> bool:
+            return n_trials >= total or (ctx.deadline is not None and time.time() > ctx.deadline)
+
+        # phase 1: every candidate's default config, the largest groups first
+        for i in sorted(range(len(results)), key=lambda i: (-len(results[i].nodes), -(results[i].xla_ms or 0.0))):
+            if out_of_budget():
+                break
             r = results[i]
             if pstore is not None:
-                r.candidate_ids = [pstore.add_candidate(run_id, r.signature, r.template, list(c.group.node_ids)) for c in by_sig[r.signature][:1]]
-            n_trials += _study(r, spaces[r.signature], alloc[i], runner, seed + i, measure, optuna_storage, run_id, pstore, bar, deadline)
-            _finish_candidate(r, runner, measure, pstore)
-            say(f"  candidate {r.signature[:12]} {r.template:11} nodes={len(r.nodes):3d} x{r.instances}: "
-                f"xla {_f(r.xla_ms)} ms, best {_f(r.best_ms)} ms ({_x(r.speedup)}) after {len(r.trials)} trials [{r.status}]")
+                r.candidate_ids = [pstore.add_candidate(run_id, r.signature, r.template, r.nodes)]
+            target[i] = 1
+            n_trials += _study(r, spaces[r.signature], target[i], ctx, seed + i)
+            _update_best(r)
+        # phase 2: the rest of the budget to the candidates that can change the plan
+        while not out_of_budget():
+            cont = [i for i in _contenders(graph, by_sig, results, gmodel) if target[i] < caps[i]]
+            if not cont:
+                break
+            left = total - n_trials
+            extra = allocate([results[i].xla_ms or 0.0 for i in cont], [caps[i] - target[i] for i in cont], max(len(cont), left // 2))
+            got_any = 0
+            for i, k in zip(cont, extra):
+                if k and not out_of_budget():
+                    target[i] += k
+                    got = _study(results[i], spaces[results[i].signature], target[i], ctx, seed + i)
+                    n_trials += got
+                    got_any += got
+                    _update_best(results[i])
+            if not got_any:
+                break
         bar.close()
+        for r in results:
+            _finish_candidate(r, runner, measure, pstore)
+            if r.trials:
+                say(f"  candidate {r.signature[:12]} {r.template:11} nodes={len(r.nodes):3d} x{r.instances}: "
+                    f"xla {_f(r.xla_ms)} ms, best {_f(r.best_ms)} ms ({_x(r.speedup)}) after {len(r.trials)} trials [{r.status}]")
 
         # selection and validation -------------------------------------------------
         plan, est = _select(graph, by_sig, results, gmodel, measure)
@@ -283,19 +313,38 @@ def _progress_bar(total: int, name: str, disable: bool) -> Any:
     return tqdm(total=total, desc=f"tune {name}", unit="trial", disable=disable, leave=True)
 
 
-def _study(r: CandidateResult, space: dict, n: int, runner: TrialRunner, seed: int, measure: str, storage: Any,
-           run_id: int | None, pstore: Any, bar: Any, deadline: float | None) -> int:
-    """Run one candidate's Optuna study; returns trials run now."""
+@dataclass
+class _Ctx:
+    runner: TrialRunner
+    measure: str
+    storage: Any
+    run_id: int | None
+    pstore: Any
+    bar: Any
+    deadline: float | None
+
+
+def _in_memory_storage() -> Any:
+    import optuna
+
+    return optuna.storages.InMemoryStorage()
+
+
+def _study(r: CandidateResult, space: dict, n: int, ctx: _Ctx, seed: int) -> int:
+    """Bring one candidate's Optuna study to `n` measured configs; returns the trials run now.
+
+    The study lives in the job's storage, so a later call (or a resumed run) continues it.
+    """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     dist = {k: optuna.distributions.CategoricalDistribution(v) for k, v in space["params"].items()}
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(8, max(2, n // 3)),
-                                         constraints_func=lambda ft: [ft.system_attrs.get("constraints:violations", 0.0)])
-    study_name = f"autofuse-run{run_id}-{r.signature}" if run_id is not None else f"autofuse-{r.signature}"
-    study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage, study_name=study_name, load_if_exists=True)
+    sampler = optuna.samplers.TPESampler(seed=seed + len(r.trials), n_startup_trials=4)
+    study_name = f"autofuse-run{ctx.run_id}-{r.signature}" if ctx.run_id is not None else f"autofuse-{r.signature}"
+    study = optuna.create_study(direction="minimize", sampler=sampler, storage=ctx.storage, study_name=study_name, load_if_exists=True)
     tried: dict[tuple, dict] = {}
-    for t in study.trials:  # resuming: what this study already did counts
+    r.trials = []
+    for t in study.trials:  # what this study already did (earlier phase, or the run being resumed)
         if "result" in t.user_attrs:
             tried[tuple(sorted(t.params.items()))] = t.user_attrs["result"]
             r.trials.append(t.user_attrs["result"])
@@ -304,7 +353,7 @@ def _study(r: CandidateResult, space: dict, n: int, runner: TrialRunner, seed: i
     done_now, asks = 0, 0
     measured = lambda: sum(v["status"] != "infeasible" for v in tried.values())  # noqa: E731
     while measured() < n and asks < 6 * n + 16:
-        if deadline and time.time() > deadline:
+        if ctx.deadline and time.time() > ctx.deadline:
             break
         asks += 1
         t = study.ask(dist)
@@ -324,11 +373,13 @@ def _study(r: CandidateResult, space: dict, n: int, runner: TrialRunner, seed: i
         if violated:
             res = {"config": cfg, "status": "infeasible", "error": "; ".join(violated), "number": len(r.trials)}
             t.set_constraint("violations", float(len(violated)))
+            res["optuna_trial_id"] = t.number
             t.set_user_attr("result", res)
             study.tell(t, INFEASIBLE_VALUE)
         else:
-            resp = runner.call({"op": "trial", "nodes": r.nodes, "template": r.template, "config": cfg})
+            resp = ctx.runner.call({"op": "trial", "nodes": r.nodes, "template": r.template, "config": cfg})
             res = {"config": cfg, "number": len(r.trials), **{k: resp.get(k) for k in ("status", "median_ms", "min_ms", "max_ms", "error", "max_error")}}
+            res["optuna_trial_id"] = t.number
             t.set_constraint("violations", 0.0)
             t.set_user_attr("result", res)
             if resp.get("status") == "ok":
@@ -336,17 +387,30 @@ def _study(r: CandidateResult, space: dict, n: int, runner: TrialRunner, seed: i
             else:
                 study.tell(t, state=optuna.trial.TrialState.FAIL)
             done_now += 1
-            bar.update(1)
-        res["optuna_trial_id"] = t.number
+            ctx.bar.update(1)
         tried[key] = res
         r.trials.append(res)
-        if pstore is not None and r.candidate_ids:
-            pstore.add_trial(r.candidate_ids[0], res["number"], cfg, res["status"], median_ms=res.get("median_ms"), min_ms=res.get("min_ms"),
-                             max_ms=res.get("max_ms"), error=res.get("error"), optuna_trial_id=t.number)
+        if ctx.pstore is not None and r.candidate_ids:
+            ctx.pstore.add_trial(r.candidate_ids[0], res["number"], cfg, res["status"], median_ms=res.get("median_ms"), min_ms=res.get("min_ms"),
+                                 max_ms=res.get("max_ms"), error=res.get("error"), optuna_trial_id=t.number)
         best = [x for x in r.trials if x["status"] == "ok"]
         if best and r.xla_ms:
-            bar.set_postfix_str(f"{r.signature[:8]} best {r.xla_ms / min(x['median_ms'] for x in best):.2f}x")
+            ctx.bar.set_postfix_str(f"{r.signature[:8]} best {r.xla_ms / min(x['median_ms'] for x in best):.2f}x")
     return done_now
+
+
+def _update_best(r: CandidateResult) -> None:
+    ok = [t for t in r.trials if t["status"] == "ok"]
+    if ok:
+        b = min(ok, key=lambda t: t["median_ms"])
+        r.best_ms, r.best_config = b["median_ms"], b["config"]
+
+
+def _contenders(graph: Graph, by_sig: dict, results: list[CandidateResult], model: costmodel.GPUModel) -> list[int]:
+    """Candidates that can change the plan: in the cheapest cover so far, or within 25% of their XLA time."""
+    plan, _ = _select(graph, by_sig, results, model, "device")
+    chosen = {fg.signature for fg in plan.groups}
+    return [i for i, r in enumerate(results) if r.best_ms is not None and r.xla_ms and (r.signature in chosen or r.best_ms < 1.25 * r.xla_ms)]
 
 
 def _finish_candidate(r: CandidateResult, runner: TrialRunner, measure: str, pstore: Any) -> None:
