@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,7 +40,7 @@ class Aval:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # plain ints: np.prod here was 40% of candidate enumeration
 
     @property
     def nbytes(self) -> int:
