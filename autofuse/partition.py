@@ -4,8 +4,10 @@ Enumeration: from every fusible node (a seed) a group grows one neighbour at
 a time, the lowest-numbered first, each step closed under convexity (every
 node on a path between two members joins, so no path leaves the group and
 re-enters it). Along each growth path, the largest group of each run of
-steps that one template implements is a candidate (so a layer norm yields
-the whole norm, and its elementwise tail on its own, not every prefix).
+steps that one template implements with one loop structure (for row_reduce:
+one number of reductions) is a candidate (so a layer norm yields the whole
+norm, and its elementwise tail on its own, not every prefix; a stack of norms
+yields groups that end at each norm, not only at the size bound).
 Bounds: a group holds at most `max_group_size` nodes and the whole
 enumeration yields at most `max_candidates` groups, so the work is
 O(nodes x max_group_size) closure steps, each a few big-int operations.
@@ -115,28 +117,45 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             emitted.add(mask)
             found.append(c)
 
-    for seed in _bits(fusible):
-        cur, run = 1 << seed, None  # run: the largest matching group of the current template on this path
-        while len(found) < max_candidates:
+    def grow(cur: int) -> int | None:
+        frontier = 0
+        for i in _bits(cur):
+            frontier |= neighbours[i]
+        for nb in _bits(frontier & fusible & ~cur):
+            new = reach.closure(cur | (1 << nb))
+            if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
+                return new
+        return None
+
+    def kind(c: Candidate | None) -> tuple | None:
+        # A run is one template with one loop structure: a row_reduce that takes in
+        # another reduction needs another pass over the columns, so a run ends there.
+        return None if c is None else (c.template, len(getattr(c.spec, "reductions", ())))
+
+    # All seeds grow in step (one node per round), so a budget that runs out cuts
+    # the largest groups everywhere, not every seed after the first few. Growth is
+    # a function of the current set: a path that reaches a set another path has
+    # visited continues as that one (and ends its runs in the same sets), so it stops.
+    paths = [(1 << seed, None) for seed in _bits(fusible)]
+    visited: set[int] = set()
+    while paths and len(found) < max_candidates:
+        nxt = []
+        for cur, run in paths:
             if cur not in cache:
                 cache[cur] = _candidate(graph, cur)
             cand = cache[cur]
-            if cand is None or (run is not None and run.template != cand.template):
+            if cand is None or (run is not None and kind(run) != kind(cand)):
                 emit(run)
-            run = cand if cand is not None else None
-            grown = None
-            frontier = 0
-            for i in _bits(cur):
-                frontier |= neighbours[i]
-            for nb in _bits(frontier & fusible & ~cur):
-                new = reach.closure(cur | (1 << nb))
-                if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
-                    grown = new
-                    break
+            if cur in visited:
+                continue
+            visited.add(cur)
+            run = cand
+            grown = grow(cur)
             if grown is None:
-                break
-            cur = grown
-        emit(run)
+                emit(run)
+            else:
+                nxt.append((grown, run))
+        paths = nxt
     return found[:max_candidates]
 
 

@@ -16,8 +16,8 @@ One job (`tune`):
 
 Budget rule: phase 1 gives every distinct candidate its template's default
 config, the largest groups first. Phase 2 shares the remaining trials, in
-rounds, among the contenders (candidates in the cheapest cover found so far,
-or within 25% of their XLA time) in proportion to their XLA time, by largest
+rounds, among the contenders (the fused groups of the cheapest cover found so
+far; while that cover has none, the candidates within 25% of their XLA time) in proportion to their XLA time, by largest
 remainder, never more than a candidate's number of configs. A time budget
 that runs out therefore leaves undone what can matter least.
 """
@@ -407,10 +407,13 @@ def _update_best(r: CandidateResult) -> None:
 
 
 def _contenders(graph: Graph, by_sig: dict, results: list[CandidateResult], model: costmodel.GPUModel) -> list[int]:
-    """Candidates that can change the plan: in the cheapest cover so far, or within 25% of their XLA time."""
+    """Candidates that can change the plan: the fused groups of the cheapest cover so far; when it has none,
+    those within 25% of their XLA time."""
     plan, _ = _select(graph, by_sig, results, model, "device")
     chosen = {fg.signature for fg in plan.groups}
-    return [i for i, r in enumerate(results) if r.best_ms is not None and r.xla_ms and (r.signature in chosen or r.best_ms < 1.25 * r.xla_ms)]
+    if chosen:
+        return [i for i, r in enumerate(results) if r.signature in chosen]
+    return [i for i, r in enumerate(results) if r.best_ms is not None and r.xla_ms and r.best_ms < 1.25 * r.xla_ms]
 
 
 def _finish_candidate(r: CandidateResult, runner: TrialRunner, measure: str, pstore: Any) -> None:
