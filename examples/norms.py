@@ -24,7 +24,7 @@ def forward(params: dict, x: jax.Array) -> dict:
 
 
 def example_inputs(large: bool = False) -> tuple:
-    rows, cols = (16384, 4096) if large else (256, 384)
+    rows, cols = (16384, 4096) if large else (2048, 1024)
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     params = {
         "scale": 1.0 + 0.1 * jax.random.normal(k[0], (cols,), jnp.float32),
