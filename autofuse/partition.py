@@ -128,8 +128,8 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         return None
 
     def kind(c: Candidate | None) -> tuple | None:
-        # A run is one template with one loop structure: a row_reduce that takes in
-        # another reduction needs another pass over the columns, so a run ends there.
+        # A run is one template with one loop structure: a row_reduce that takes in one
+        # more reduction may need one more pass over the columns, so a run ends there.
         return None if c is None else (c.template, len(getattr(c.spec, "reductions", ())))
 
     # All seeds grow in step (one node per round), so a budget that runs out cuts
