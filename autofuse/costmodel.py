@@ -109,6 +109,11 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
 
 def template_time_ms(template: str, spec, config: dict, model: GPUModel = H200) -> float:
     """Modelled time of a generated kernel with `config`: floor x efficiency x config penalties."""
+    from .kernels import TEMPLATES
+
+    own = getattr(TEMPLATES.get(template), "model_time_ms", None)
+    if own is not None:  # a template may model itself
+        return own(spec, config, model)
     group = spec.group
     bm, bn, warps = int(config["block_rows"]), int(config["block_cols"]), int(config["num_warps"])
     R, C = spec.R, spec.C

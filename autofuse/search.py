@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -207,8 +208,8 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
     measure = measure or ("device" if has_gpu else "model")
     if measure == "device" and not has_gpu:
         raise RuntimeError("measure='device' needs a GPU; none is present (use measure='model')")
-    if measure == "model":
-        say(f"autofuse: no GPU measurement ({jax.default_backend()} backend): ranking with the analytic roofline model of "
+    if measure == "model":  # said even with quiet=True: a modelled plan must never pass for a measured one
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(f"autofuse: no GPU measurement ({jax.default_backend()} backend): ranking with the analytic roofline model of "
             f"{costmodel.get_model(model).name}; the times below are estimates, not measurements.")
     if trials is None and time_budget_s is None:
         trials = 48

@@ -88,11 +88,11 @@ def facts(spec: TileSpec, smem_bytes: int = 227 * 1024) -> dict:
     }
 
 
-def template_space(template: str, spec: TileSpec, default: dict) -> dict:
-    """A template's search space (from its YAML file), with the default config and the group's facts."""
+def template_space(template: str, spec: TileSpec, default: dict, space=None) -> dict:
+    """A template's search space (its YAML file, or `space` given), with the default config and the group's facts."""
     from ..spaces import load_spaces
 
-    space = load_spaces()[template]
+    space = space or load_spaces()[template]
     snapped = {k: _snap(v, space.params[k]) if k in space.params else v for k, v in default.items()}
     return {"params": space.params, "default": snapped, "facts": facts(spec), "space": space}
 

@@ -1,0 +1,150 @@
+"""The tuning engine on the CPU: real trials (interpret mode, model timing), real worker processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autofuse
+from autofuse import spaces
+from autofuse.measure import check
+from autofuse.search import allocate, tune
+from benchmarks.workloads import layer_norm, log_relu_bias
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ln_args(rows=2048, cols=1024, dtype=jnp.bfloat16):
+    return (jax.ShapeDtypeStruct((rows, cols), dtype), jax.ShapeDtypeStruct((cols,), dtype), jax.ShapeDtypeStruct((cols,), dtype))
+
+
+def test_tune_small_program_gives_valid_correct_plan(tmp_path):
+    rep = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True, store=f"sqlite:///{tmp_path}/s.db")
+    assert rep.measure == "model" and rep.plan.provenance["measure"] == "model"
+    assert not rep.plan.is_xla, rep.table()
+    assert [g.template for g in rep.plan.groups] == ["row_reduce"]
+    plan = autofuse.Plan.from_json(rep.plan.to_json())  # what the store keeps
+    fused = autofuse.jit(layer_norm, plan=plan)
+    g = autofuse.capture(layer_norm, *_ln_args())
+    res = check(lambda *a: [fused(*a)], lambda *a: [jax.jit(layer_norm)(*a)], [g.avals[v] for v in g.inputs], seeds=(5,))
+    assert res.ok, res.reason
+    store = autofuse.PlanStore(f"sqlite:///{tmp_path}/s.db")
+    (run,) = store.runs()
+    assert run["status"] == "finished" and run["measure"] == "model"
+    assert len(store.trials(rep.run_id)) == sum(len(c.trials) for c in rep.candidates)
+
+
+def test_infeasible_configs_never_reach_the_worker(monkeypatch):
+    sent = []
+    from autofuse import worker
+
+    orig = worker.TrialRunner.call
+
+    def spy(self, req):
+        if req["op"] == "trial":
+            sent.append(dict(req["config"]))
+        return orig(self, req)
+
+    monkeypatch.setattr(worker.TrialRunner, "call", spy)
+    rep = tune(log_relu_bias, jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32),
+               trials=40, seed=3, quiet=True, isolate=False)
+    infeasible = [t for c in rep.candidates for t in c.trials if t["status"] == "infeasible"]
+    assert infeasible, "the sampler should have proposed some infeasible configs in 40 trials"
+    space = spaces.load_spaces()["elementwise"]
+    for t in infeasible:
+        assert t["config"] not in sent
+        assert t["error"]
+    for cfg in sent:  # everything sent satisfies the constraints of its template's space
+        assert cfg["block_rows"] * cfg["block_cols"] <= 16384
+    assert space.constraints
+
+
+def test_same_seed_same_trials():
+    def run():
+        rep = tune(layer_norm, *_ln_args(512, 1024), trials=12, seed=7, quiet=True, isolate=False)
+        return [(c.signature, t["config"], t["status"]) for c in rep.candidates for t in c.trials]
+
+    assert run() == run()
+
+
+def _run_plugin_tune(plugin: str, tmp_path) -> str:
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp
+        from autofuse.search import tune
+        from benchmarks.workloads import log_relu_bias
+        rep = tune(log_relu_bias, jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32),
+                   trials=8, seed=0, quiet=True, measure="model")
+        print("TEMPLATES", sorted({{c.template for c in rep.candidates}}))
+        print("STATUSES", sorted({{t["status"] for c in rep.candidates for t in c.trials}}))
+        print("PLAN", [g.template for g in rep.plan.groups])
+    """)
+    env = dict(os.environ, AUTOFUSE_TEMPLATE_PLUGINS=plugin, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_wrong_kernel_is_never_selected(tmp_path):
+    out = _run_plugin_tune("tests.plugins.wrong_template", tmp_path)
+    assert "'wrong'" in out.split("TEMPLATES")[1].splitlines()[0]
+    assert "wrong_result" in out.split("STATUSES")[1].splitlines()[0]
+    assert "wrong" not in out.split("PLAN")[1]
+
+
+def test_crashing_kernel_fails_its_trial_and_the_job_goes_on(tmp_path):
+    out = _run_plugin_tune("tests.plugins.crashy_template", tmp_path)
+    assert "crashed" in out.split("STATUSES")[1].splitlines()[0], out
+    assert "PLAN" in out
+
+
+def test_allocate_shares_budget_in_proportion_and_respects_caps():
+    assert allocate([10.0, 1.0, 1.0], [100, 100, 100], 12) == [10, 1, 1]
+    assert allocate([10.0, 1.0], [3, 100], 12) == [3, 9]
+    assert allocate([5.0, 4.0, 3.0], [10, 10, 10], 2) == [1, 1, 0]
+    assert sum(allocate([1.0] * 5, [2] * 5, 100)) == 10
+
+
+@pytest.mark.parametrize("bad, key", [
+    ("template: elementwise\nparameters: {block_rows: {choices: [0]}}", "parameters.block_rows.choices"),
+    ("template: elementwise\nparameters: {block_rows: {choices: [3], power_of_two: true}}", "parameters.block_rows"),
+    ("template: elementwise\nparameters: {a: {choices: [1]}}\nconstraints: [{expr: '__import__(1)'}]", "constraints[0]"),
+    ("template: elementwise\nparameters: {a: {choices: [1]}}\nconstraints: [{expr: 'a <'}]", "constraints[0].expr"),
+    ("template: elementwise\nparameters: []", "parameters"),
+    ("template: other\nparameters: {a: {choices: [1]}}", "template"),
+    (": : :", "YAML"),
+])
+def test_malformed_space_file_names_file_and_key(tmp_path, bad, key):
+    p = tmp_path / "elementwise.yaml"
+    p.write_text(bad)
+    with pytest.raises(spaces.SpaceError) as e:
+        spaces.load_space_file(p)
+    assert str(p) in str(e.value) and key in str(e.value)
+
+
+def test_constraint_evaluation():
+    s = spaces.load_spaces()["row_reduce"]
+    facts = dict(R=16384, C=4096, itemsize=2, n_inputs=1, n_outputs=1, smem_bytes=227 * 1024, n_reductions=2)
+    assert s.violated({"block_rows": 1, "block_cols": 4096, "num_warps": 8, "num_stages": 1}, facts) == []
+    v = s.violated({"block_rows": 64, "block_cols": 4096, "num_warps": 8, "num_stages": 3}, facts)
+    assert any("16384" in x for x in v) and any("smem_bytes" in x for x in v)
+    assert s.violated({"block_rows": 3, "block_cols": 4096, "num_warps": 8, "num_stages": 1}, facts)
+
+
+def test_cli_tune_stores_and_lists(tmp_path):
+    db = f"sqlite:///{tmp_path}/cli.db"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", "examples.norms:forward", "--inputs", "examples.norms:example_inputs",
+                          "--trials", "6", "--db", db, "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MODELLED" in out.stdout and "speedup" in out.stdout
+    assert "no GPU measurement" in out.stderr
+    runs = subprocess.run([sys.executable, "-m", "autofuse.cli", "runs", "--db", db, "--json"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert runs.returncode == 0 and '"finished"' in runs.stdout
+    bad = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", "examples.norms:nope", "--inputs", "examples.norms:example_inputs", "--db", db],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
