@@ -1,84 +1,150 @@
-"""The small public surface: `jit` (and, with the search and store, `tune` and `PlanStore`)."""
+"""The small public surface: `jit` (with `tune` in `search` and `PlanStore` in `store`).
+
+`autofuse.jit(fn)` is a drop-in for `jax.jit`. At the first call for each
+input signature it captures the program, finds its plan (given directly, or
+looked up in the plan store for this device and software), builds one jitted
+function of generated kernels plus XLA, and caches it; later calls go
+straight to it. Anything wrong with a plan (missing, for another version and
+failing re-verification, malformed, no longer compiling) falls back to plain
+`jax.jit` with one logged warning, or raises with `on_miss="error"`.
+"""
 from __future__ import annotations
 
 import functools
 import logging
+import os
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from .graph import Graph, _split_static, capture, flatten_args
+from .graph import Graph, _split_static, capture
 from .plan import Plan, PlanError, executor
 
 log = logging.getLogger("autofuse")
 
 
-class AutofuseFunction:
-    """A drop-in for a `jax.jit`-ed function that runs a fused plan where it has one."""
+@dataclass
+class _Entry:
+    """A built signature: the function of the flat dynamic leaves, and how to rebuild outputs."""
 
-    def __init__(self, fn: Callable, *, plan: Plan | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
-                 donate_argnums: Sequence[int] = (), on_miss: str = "xla", interpret: bool | None = None):
+    flat: Callable | None  # None: plain jax.jit of the user function
+    out_tree: Any
+    status: str  # "plan", "plan-reverified", "xla", or "xla: <why>"
+
+
+class AutofuseFunction:
+    """A `jax.jit`-like callable that runs a fused plan where it has one."""
+
+    def __init__(self, fn: Callable, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
+                 static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
+                 on_version_mismatch: str = "verify", interpret: bool | None = None):
         if on_miss not in ("xla", "error"):
             raise ValueError(f"on_miss must be 'xla' or 'error', got {on_miss!r}")
+        if on_version_mismatch not in ("verify", "refuse"):
+            raise ValueError(f"on_version_mismatch must be 'verify' or 'refuse', got {on_version_mismatch!r}")
         self.fn = fn
         self.plan = plan
+        self.store = store
         self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        self.on_miss = on_miss
+        self.on_miss, self.on_version_mismatch = on_miss, on_version_mismatch
         self.interpret = interpret
-        self._cache: dict[Any, Callable] = {}
+        self._cache: dict[Any, _Entry] = {}
+        self._xla_fn = jax.jit(fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames, donate_argnums=self.donate_argnums)
         self.last_status: str = ""
         functools.update_wrapper(self, fn)
 
-    def _key(self, args: tuple, kwargs: dict) -> Any:
-        # Static arguments by value (as capture sees them), dynamic leaves by shape and dtype.
-        dyn_args, dyn_kwargs, _, static_repr = _split_static(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
-        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        return tree, static_repr, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) if hasattr(x, "shape") or isinstance(x, (int, float, complex, bool)) else ("static", repr(x)) for x in leaves)
-
+    # the hot path ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = self._key(args, kwargs)
-        fn = self._cache.get(key)
-        if fn is None:
-            fn = self._cache[key] = self._build(args, kwargs)
-        return fn(*args, **kwargs)
+        if self.static_argnums or self.static_argnames:
+            dyn_args, dyn_kwargs, _, static_repr = _split_static(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
+        else:
+            dyn_args, dyn_kwargs, static_repr = args, kwargs, ""
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        key = (tree, static_repr, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._cache[key] = self._build(args, kwargs)
+        self.last_status = entry.status
+        if entry.flat is None:
+            return self._xla_fn(*args, **kwargs)
+        return jax.tree_util.tree_unflatten(entry.out_tree, entry.flat(*leaves))
 
+    # building ------------------------------------------------------------------
     def capture(self, *args: Any, **kwargs: Any) -> Graph:
         return capture(self.fn, *args, static_argnums=self.static_argnums, static_argnames=self.static_argnames, **kwargs)
 
-    def _xla(self) -> Callable:
-        return jax.jit(self.fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames, donate_argnums=self.donate_argnums)
-
-    def _build(self, args: tuple, kwargs: dict) -> Callable:
+    def _build(self, args: tuple, kwargs: dict) -> _Entry:
         graph = self.capture(*args, **kwargs)
-        plan = self._find_plan(graph)
+        plan, status = self._find_plan(graph)
         if plan is None or plan.is_xla:
-            return self._xla()
-        run = executor(graph, plan, interpret=self.interpret)
-        donate = self._donated_leaves(args)
-        flat = jax.jit(lambda *leaves: run(leaves), donate_argnums=donate)
+            return _Entry(None, graph.out_tree, status)
+        try:
+            run = executor(graph, plan, interpret=self.interpret)
+            flat = jax.jit(lambda *leaves: run(leaves), donate_argnums=self._donated_leaves(args))
+            flat = flat.lower(*[jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype) for v in graph.inputs]).compile()
+        except Exception as e:  # a plan that no longer builds or compiles never breaks the program
+            return self._miss(graph, f"its plan does not build here ({type(e).__name__}: {str(e)[:300]})")
+        if status == "plan-version":
+            if not self._reverify(graph, flat):
+                return self._miss(graph, "its plan, made with other software versions, failed re-verification")
+            status = "plan-reverified"
+        return _Entry(flat, graph.out_tree, status)
 
-        def call(*a: Any, **k: Any) -> Any:
-            leaves = flatten_args(graph, self.fn, a, k, self.static_argnums, self.static_argnames)
-            return jax.tree_util.tree_unflatten(graph.out_tree, flat(*leaves))
+    def _miss(self, graph: Graph, why: str) -> _Entry:
+        msg = f"autofuse: program {graph.fingerprint}: {why}"
+        if self.on_miss == "error":
+            raise PlanError(msg)
+        log.warning("%s; running plain jax.jit", msg)
+        return _Entry(None, graph.out_tree, f"xla: {why}")
 
-        return call
-
-    def _find_plan(self, graph: Graph) -> Plan | None:
+    def _find_plan(self, graph: Graph) -> tuple[Plan | None, str]:
         if self.plan is not None:
             if self.plan.fingerprint == graph.fingerprint:
-                self.last_status = "plan"
-                return self.plan
-            msg = f"autofuse: the given plan is for program {self.plan.fingerprint}, this call is program {graph.fingerprint}"
-            if self.on_miss == "error":
-                raise PlanError(msg)
-            log.warning("%s; running plain jax.jit", msg)
-        elif self.on_miss == "error":
-            raise PlanError(f"autofuse: no plan for program {graph.fingerprint}")
-        self.last_status = "xla"
-        return None
+                return self.plan, "plan"
+            self._miss(graph, f"the given plan is for program {self.plan.fingerprint}")
+            return None, "xla: the given plan is for another program"
+        found = self._lookup(graph)
+        if isinstance(found, str):
+            self._miss(graph, found)
+            return None, f"xla: {found}"
+        return found
+
+    def _lookup(self, graph: Graph) -> tuple[Plan, str] | str:
+        """The stored plan for this program, device and software, or why there is none."""
+        store = _open_store(self.store)
+        if store is None:
+            return "no plan store (pass store= or set AUTOFUSE_DB)"
+        from .device import device_info, software
+
+        try:
+            hit = store.lookup(graph.fingerprint, device_info()["name"], software("triton"))
+        except Exception as e:
+            return f"the plan store cannot be read ({type(e).__name__}: {e})"
+        if hit is None:
+            return f"no stored plan for this program on {device_info()['name']}"
+        try:
+            plan = Plan.from_dict(hit.plan_json)
+        except PlanError as e:
+            return f"stored plan {hit.plan_id} is invalid: {e}"
+        if hit.match == "exact":
+            return plan, "plan"
+        if self.on_version_mismatch == "refuse":
+            return f"stored plan {hit.plan_id} was made with other software ({hit.software}) and on_version_mismatch='refuse'"
+        log.warning("autofuse: program %s: stored plan %s was made with other software (%s); re-verifying it once",
+                    graph.fingerprint, hit.plan_id, hit.software)
+        return plan, "plan-version"
+
+    def _reverify(self, graph: Graph, fused: Callable) -> bool:
+        from .measure import check, cone_tolerances
+
+        ref = jax.jit(lambda *a: graph.evaluate(a))
+        res = check(fused, ref, [graph.avals[v] for v in graph.inputs], (11, 12),
+                    cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs))
+        return res.ok
 
     def _donated_leaves(self, args: tuple) -> tuple[int, ...]:
         if not self.donate_argnums:
@@ -94,16 +160,48 @@ class AutofuseFunction:
         return tuple(out)
 
 
-def jit(fn: Callable | None = None, *, plan: Plan | None = None, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
-        donate_argnums: Sequence[int] = (), on_miss: str = "xla", interpret: bool | None = None) -> Any:
+def _open_store(store: Any) -> Any:
+    """A PlanStore from a store, a URL, or (None) $AUTOFUSE_DB / the default file if it exists."""
+    from .store import PlanStore
+    from .store.db import default_url
+
+    if isinstance(store, PlanStore):
+        return store
+    if store is None:
+        url = os.environ.get("AUTOFUSE_DB") or default_url()
+        if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///"):]):
+            return None  # deploy time never creates a database
+        store = url
+    try:
+        return _store_cache(store)
+    except Exception as e:
+        log.warning("autofuse: cannot open plan store %s: %s", store, e)
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _store_cache(url: str) -> Any:
+    from .store import PlanStore
+
+    return PlanStore(url)
+
+
+def jit(fn: Callable | None = None, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
+        static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
+        on_version_mismatch: str = "verify", interpret: bool | None = None) -> Any:
     """Like `jax.jit`, but runs the tuned plan for the program where there is one.
 
-    Usable as `autofuse.jit(f, plan=...)` or as a decorator `@autofuse.jit`.
-    Without a plan for the call's program it runs plain `jax.jit`
-    (`on_miss="xla"`) or raises (`on_miss="error"`).
+    The plan is `plan` if given, else the current plan in `store` (a `PlanStore`
+    or URL; default `$AUTOFUSE_DB` or the per-user file) for this program, device
+    and software. A plan made with other jax/jaxlib/autofuse versions is
+    re-verified once against `jax.jit` (`on_version_mismatch="verify"`) or not
+    used (`"refuse"`). Without a usable plan: plain `jax.jit` and one logged
+    warning (`on_miss="xla"`), or `PlanError` (`on_miss="error"`).
+    Usable as `autofuse.jit(f, ...)` or as a decorator `@autofuse.jit(...)`.
     """
     def wrap(f: Callable) -> AutofuseFunction:
-        return AutofuseFunction(f, plan=plan, static_argnums=static_argnums, static_argnames=static_argnames,
-                                donate_argnums=donate_argnums, on_miss=on_miss, interpret=interpret)
+        return AutofuseFunction(f, plan=plan, store=store, static_argnums=static_argnums, static_argnames=static_argnames,
+                                donate_argnums=donate_argnums, on_miss=on_miss, on_version_mismatch=on_version_mismatch,
+                                interpret=interpret)
 
     return wrap if fn is None else wrap(fn)

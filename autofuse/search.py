@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from . import costmodel
+from .device import device_info, software
 from .graph import Graph, capture
 from .kernels import TEMPLATES
 from .partition import Candidate, Option, enumerate_candidates, select_cover
@@ -165,25 +166,6 @@ def allocate(weights: Sequence[float], caps: Sequence[int], total: int) -> list[
     return alloc
 
 
-def _device_info() -> dict:
-    d = jax.devices()[0]
-    info = {"name": d.device_kind if d.platform == "gpu" else d.platform, "compute_capability": getattr(d, "compute_capability", None),
-            "sm_count": getattr(d, "core_count", None), "memory_bytes": None}
-    try:
-        info["memory_bytes"] = (d.memory_stats() or {}).get("bytes_limit")
-    except Exception:
-        pass
-    return info
-
-
-def _software(backend: str) -> dict:
-    import jaxlib
-
-    from . import __version__
-
-    return {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", jax.__version__), "autofuse": __version__, "backend": backend}
-
-
 def _spec_of(x: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") and hasattr(x, "shape") else x
 
@@ -248,8 +230,11 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
                    t_start + time_budget_s if time_budget_s else None)
         target = [0] * len(results)
 
+        def spent() -> int:  # measured trials so far, a resumed run's earlier ones included
+            return sum(t["status"] != "infeasible" for r in results for t in r.trials)
+
         def out_of_budget() -> bool:
-            return n_trials >= total or (ctx.deadline is not None and time.time() > ctx.deadline)
+            return spent() >= total or (ctx.deadline is not None and time.time() > ctx.deadline)
 
         # phase 1: every candidate's default config, the largest groups first
         for i in sorted(range(len(results)), key=lambda i: (-len(results[i].nodes), -(results[i].xla_ms or 0.0))):
@@ -266,7 +251,7 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
             cont = [i for i in _contenders(graph, by_sig, results, gmodel) if target[i] < caps[i]]
             if not cont:
                 break
-            left = total - n_trials
+            left = total - spent()
             extra = allocate([results[i].xla_ms or 0.0 for i in cont], [caps[i] - target[i] for i in cont], max(len(cont), left // 2))
             got_any = 0
             for i, k in zip(cont, extra):
@@ -301,7 +286,7 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
         runner.close()
         if status == "interrupted" and pstore is not None and run_id is not None:
             pstore.finish_run(run_id, "interrupted")
-    report.device = _device_info()["name"]
+    report.device = device_info()["name"]
     if pstore is not None:
         report.run_id = run_id
         report.plan_id = _save(pstore, ids, run_id, report)
@@ -500,11 +485,11 @@ def _open_store(store: Any, graph: Graph, name: str, measure: str, trials: int |
 
     pstore = store if isinstance(store, PlanStore) else PlanStore(store)
     pstore.mark_interrupted()
-    dev = _device_info()
+    dev = device_info()
     ids = {
         "program": pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes)),
-        "device": pstore.device(dev["name"], compute_capability=_cc(dev["compute_capability"]), sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
-        "software": pstore.software(**_software("triton")),
+        "device": pstore.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
+        "software": pstore.software(**software("triton")),
     }
     if resume is not None:
         run = pstore.get_run(resume)
@@ -515,10 +500,6 @@ def _open_store(store: Any, graph: Graph, name: str, measure: str, trials: int |
     run_id = pstore.start_run(ids["program"], ids["device"], ids["software"], budget={"trials": trials, "seconds": time_budget_s}, seed=seed,
                               sampler="TPESampler", measure=measure, host=socket.gethostname(), pid=os.getpid(), optuna_storage=pstore.url)
     return pstore, run_id, ids
-
-
-def _cc(cc: Any) -> str | None:
-    return None if cc is None else str(cc)
 
 
 def _optuna_storage(pstore: Any) -> Any:

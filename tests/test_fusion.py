@@ -253,7 +253,7 @@ def test_static_argument_selects_the_program():
     assert fused.last_status == "plan"
     # n=3 is another program: the plan for n=2 must not be reused for it.
     np.testing.assert_allclose(fused(x, 3), jax.jit(f, static_argnums=1)(x, 3), rtol=1e-6)
-    assert fused.last_status == "xla"
+    assert fused.last_status.startswith("xla")
     strict = autofuse.jit(f, plan=plan2, static_argnums=(1,), on_miss="error")
     with pytest.raises(autofuse.PlanError):
         strict(x, 3)

@@ -1,0 +1,27 @@
+"""What machine and software a plan is made for: part of every plan's lookup key."""
+from __future__ import annotations
+
+import jax
+
+
+def device_info() -> dict:
+    """The first device: its name (GPU model, or the platform), compute capability, SM count, memory."""
+    d = jax.devices()[0]
+    info = {"name": d.device_kind if d.platform == "gpu" else d.platform,
+            "compute_capability": getattr(d, "compute_capability", None),
+            "sm_count": getattr(d, "core_count", None), "memory_bytes": None}
+    try:
+        info["memory_bytes"] = (d.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # not every backend reports memory
+        pass
+    if info["compute_capability"] is not None:
+        info["compute_capability"] = str(info["compute_capability"])
+    return info
+
+
+def software(backend: str = "triton") -> dict:
+    import jaxlib
+
+    from . import __version__
+
+    return {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", jax.__version__), "autofuse": __version__, "backend": backend}
