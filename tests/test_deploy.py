@@ -1,0 +1,170 @@
+"""Deploy time: autofuse.jit finds stored plans (graded), and never crashes or goes wrong on a bad one."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autofuse
+from autofuse.device import device_info, software
+from autofuse.search import tune
+from benchmarks.workloads import layer_norm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = ((2048, 1024), (1024,), (1024,))
+
+
+def _specs(rows=2048):
+    return [jax.ShapeDtypeStruct((rows,) + s[1:] if i == 0 else s, jnp.bfloat16) for i, s in enumerate(SHAPES)]
+
+
+def _args(rows=2048, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s.shape), jnp.bfloat16) for s in _specs(rows)]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One real (model-mode) tuning job whose plan fuses the layer norm."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('deploy')}/plans.db"
+    rep = tune(layer_norm, *_specs(), trials=6, seed=0, quiet=True, store=url, name="layer_norm")
+    assert not rep.plan.is_xla, rep.table()
+    return url, rep
+
+
+def _close(a, b):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_new_process_finds_the_plan(tuned):
+    url, rep = tuned
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, numpy as np, autofuse
+        from benchmarks.workloads import layer_norm
+        rng = np.random.default_rng(3)
+        args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in {SHAPES!r}]
+        f = autofuse.jit(layer_norm, store={url!r})
+        out = f(*args)
+        ref = jax.jit(layer_norm)(*args)
+        err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+        print("STATUS", f.last_status, "ERR", err)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    status, err = out.stdout.split("STATUS")[1].split("ERR")
+    assert status.strip() == "plan"
+    assert float(err) < 2e-2
+
+
+def test_miss_runs_jax_jit_and_logs_once(tuned, caplog):
+    url, _ = tuned
+    f = autofuse.jit(layer_norm, store=url)
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        a = _args(rows=512)  # another shape: another program
+        _close(f(*a), jax.jit(layer_norm)(*a))
+        _close(f(*a), jax.jit(layer_norm)(*a))
+    assert f.last_status.startswith("xla: no stored plan")
+    assert len([r for r in caplog.records if "no stored plan" in r.message]) == 1
+    strict = autofuse.jit(layer_norm, store=url, on_miss="error")
+    fp = autofuse.capture(layer_norm, *_specs(512)).fingerprint
+    with pytest.raises(autofuse.PlanError, match=fp):
+        strict(*a)
+
+
+def _store_plan(url, plan_json, jax_version=None):
+    store = autofuse.PlanStore(url)
+    g = autofuse.capture(layer_norm, *_specs())
+    sw = software("triton")
+    if jax_version:
+        sw["jax"] = jax_version
+    dev = device_info()
+    pid = store.program(g.fingerprint, "layer_norm", g.signature(), len(g.nodes))
+    did = store.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"])
+    sid = store.software(**sw)
+    store.save_plan(pid, did, sid, plan_json, measured_ms=1.0, baseline_ms=1.1, speedup=1.1, measure="model", tolerance={}, max_error=0.0)
+    return store
+
+
+def test_other_software_version_is_reverified_or_refused(tuned, tmp_path):
+    _, rep = tuned
+    url = f"sqlite:///{tmp_path}/v.db"
+    _store_plan(url, rep.plan.to_dict(), jax_version="0.0.1")
+    a = _args()
+    f = autofuse.jit(layer_norm, store=url)
+    _close(f(*a), jax.jit(layer_norm)(*a))
+    assert f.last_status == "plan-reverified"
+    g = autofuse.jit(layer_norm, store=url, on_version_mismatch="refuse")
+    _close(g(*a), jax.jit(layer_norm)(*a))
+    assert g.last_status.startswith("xla") and "other software" in g.last_status
+
+
+@pytest.mark.parametrize("mutate, why", [
+    (lambda p: {**p, "schema_version": 99}, "invalid"),
+    (lambda p: {**p, "groups": [{**p["groups"][0], "template": "elementwise"}]}, "does not build"),
+    (lambda p: {**p, "groups": [{**p["groups"][0], "signature": "0" * 20}]}, "does not build"),
+])
+def test_bad_stored_plan_falls_back_to_xla(tuned, tmp_path, mutate, why):
+    _, rep = tuned
+    url = f"sqlite:///{tmp_path}/bad.db"
+    _store_plan(url, mutate(rep.plan.to_dict()))
+    a = _args()
+    f = autofuse.jit(layer_norm, store=url)
+    _close(f(*a), jax.jit(layer_norm)(*a))
+    assert f.last_status.startswith("xla") and why in f.last_status
+    with pytest.raises(autofuse.PlanError):
+        autofuse.jit(layer_norm, store=url, on_miss="error")(*a)
+
+
+def test_corrupt_database_at_deploy_falls_back(tmp_path):
+    p = tmp_path / "corrupt.db"
+    p.write_bytes(os.urandom(4096))
+    a = _args(rows=64)
+    f = autofuse.jit(layer_norm, store=f"sqlite:///{p}")
+    _close(f(*a), jax.jit(layer_norm)(*a))
+    assert f.last_status.startswith("xla")
+
+
+def test_sigkilled_tune_is_interrupted_then_resumed(tmp_path):
+    db = f"sqlite:///{tmp_path}/resume.db"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "autofuse.cli", "tune", "examples.norms:forward", "--inputs", "examples.norms:example_inputs",
+           "--trials", "14", "--db", db, "--quiet", "--seed", "4"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    store = autofuse.PlanStore(db)
+    deadline = time.time() + 600
+    n_before = 0
+    while time.time() < deadline:
+        runs = store.runs()
+        n_before = len(store.trials(runs[0]["id"])) if runs else 0
+        if n_before >= 4:
+            break
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert n_before >= 4
+    (run,) = store.runs()
+    before = [(t["signature"], json.dumps(t["config"], sort_keys=True)) for t in store.trials(run["id"])]
+    assert store.mark_interrupted() == [run["id"]]
+    assert store.get_run(run["id"])["status"] == "interrupted"
+    out = subprocess.run(cmd + ["--resume", str(run["id"])], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = store.get_run(run["id"])
+    assert final["status"] == "finished"
+    after = [(t["signature"], json.dumps(t["config"], sort_keys=True)) for t in store.trials(run["id"])]
+    assert after[: len(before)] == before or set(before) <= set(after)  # nothing written before the kill is lost
+    measured = [t for t in store.trials(run["id"]) if t["status"] != "infeasible"]
+    assert len(measured) <= 14 + 1  # the budget is shared with what ran before the kill, not started over
+    import optuna
+
+    names = [s.study_name for s in optuna.study.get_all_study_summaries(db)]
+    assert names and all(n.startswith(f"autofuse-run{run['id']}-") for n in names)
