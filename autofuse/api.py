@@ -64,7 +64,11 @@ class AutofuseFunction:
         else:
             dyn_args, dyn_kwargs, static_repr = args, kwargs, ""
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        key = (tree, static_repr, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+        try:
+            sig = tuple([(x.shape, x.dtype) for x in leaves])
+        except AttributeError:  # Python scalars among the leaves
+            sig = tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
+        key = (tree, static_repr, sig)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._cache[key] = self._build(args, kwargs)

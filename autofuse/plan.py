@@ -113,13 +113,18 @@ def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
         group = Group.of(graph, fg.nodes)
         if group.signature != fg.signature:
             raise PlanError(f"plan group {list(fg.nodes)} does not match the program (signature {group.signature} != {fg.signature})")
-        missing = set(TEMPLATES[fg.template].PARAMS) - set(fg.config)
+        mod = TEMPLATES[fg.template]
+        defaults = getattr(mod, "DEFAULTS", {})  # parameters added after plans were stored
+        missing = set(mod.PARAMS) - set(fg.config) - set(defaults)
         if missing:
             raise PlanError(f"plan group {list(fg.nodes)}: config lacks {sorted(missing)}")
-        for k in TEMPLATES[fg.template].PARAMS:
-            v = fg.config[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()) or v < 1:
-                raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} must be a positive integer")
+        if mod.match(group) is None:
+            raise PlanError(f"plan group {list(fg.nodes)}: template {fg.template} does not match group")
+        choices = mod.space(group)["params"]
+        for k in mod.PARAMS:
+            v = fg.config.get(k, defaults.get(k))
+            if isinstance(v, bool) or v not in choices.get(k, [v]):
+                raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} is not one of the search space's choices {choices.get(k)}")
         out.append((group, fg))
     try:
         execution_order(graph, [frozenset(g.node_ids) for g, _ in out])

@@ -121,8 +121,8 @@ def parse_space(data: Any, path: str) -> Space:
         if not isinstance(p, dict) or set(p) - {"choices", "power_of_two"} or "choices" not in p:
             raise SpaceError(f"{where} must be a mapping with 'choices' (and optionally 'power_of_two')")
         ch = p["choices"]
-        if not isinstance(ch, list) or not ch or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in ch):
-            raise SpaceError(f"{where}.choices must be a non-empty list of positive integers")
+        if not isinstance(ch, list) or not ch or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in ch):
+            raise SpaceError(f"{where}.choices must be a non-empty list of non-negative integers")
         if p.get("power_of_two") and any(c & (c - 1) for c in ch):
             raise SpaceError(f"{where}.choices must all be powers of two")
         out[name] = list(ch)

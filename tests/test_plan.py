@@ -230,7 +230,7 @@ def test_config_value_not_a_positive_integer(graph, plan, value):
     except PlanError as e:  # rejected on load (non-scalar values) ...
         assert "config" in str(e)
         return
-    _bind_rejects(graph, p, "block_cols", "positive integer")  # ... or when bound, never a crash inside a template
+    _bind_rejects(graph, p, "block_cols", "not one of the search space")  # ... or when bound, never a crash inside a template
 
 
 _EW = {"block_rows": 8, "block_cols": 64, "num_warps": 4, "num_stages": 1}

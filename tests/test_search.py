@@ -110,7 +110,7 @@ def test_allocate_shares_budget_in_proportion_and_respects_caps():
 
 
 @pytest.mark.parametrize("bad, key", [
-    ("template: elementwise\nparameters: {block_rows: {choices: [0]}}", "parameters.block_rows.choices"),
+    ("template: elementwise\nparameters: {block_rows: {choices: [-1]}}", "parameters.block_rows.choices"),
     ("template: elementwise\nparameters: {block_rows: {choices: [3], power_of_two: true}}", "parameters.block_rows"),
     ("template: elementwise\nparameters: {a: {choices: [1]}}\nconstraints: [{expr: '__import__(1)'}]", "constraints[0]"),
     ("template: elementwise\nparameters: {a: {choices: [1]}}\nconstraints: [{expr: 'a <'}]", "constraints[0].expr"),

@@ -12,7 +12,8 @@ from ..ops import OpClass, op_class
 from .tiling import NoMatch, TileConfig, TileSpec, analyze, next_pow2, pallas_callable, template_space
 
 NAME = "elementwise"
-PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
+PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages", "col_major")
+DEFAULTS = {"col_major": 0}  # plans stored before the parameter existed
 
 
 def match(group: Group) -> TileSpec | None:
@@ -36,7 +37,7 @@ def match(group: Group) -> TileSpec | None:
 def default_config(spec: TileSpec) -> dict:
     bn = min(next_pow2(spec.C), 1024)
     bm = max(1, min(next_pow2(spec.R), 2048 // bn))
-    return {"block_rows": bm, "block_cols": bn, "num_warps": 4, "num_stages": 1}
+    return {"block_rows": bm, "block_cols": bn, "num_warps": 4, "num_stages": 1, "col_major": 0}
 
 
 def space(group: Group, spec: TileSpec | None = None) -> dict:
@@ -49,5 +50,5 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: TileSpec
     spec = spec or match(group)
     if spec is None:
         raise NoMatch("elementwise does not match this group")
-    cfg = TileConfig(**{k: int(config[k]) for k in PARAMS})
+    cfg = TileConfig(**{k: int(config.get(k, 0)) for k in PARAMS})
     return pallas_callable(spec, cfg, name=f"autofuse_elementwise_{group.signature[:8]}", interpret=interpret, two_d_grid=True)

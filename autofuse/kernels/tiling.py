@@ -254,6 +254,7 @@ class TileConfig:
     block_cols: int
     num_warps: int
     num_stages: int
+    col_major: int = 0  # 2-D grids: 1 walks the column blocks of a row block first (contiguous memory)
 
 
 class _Body:
@@ -366,8 +367,9 @@ def make_kernel(spec: TileSpec, cfg: TileConfig, *, two_d_grid: bool) -> Callabl
     def kernel(*refs):
         in_refs = dict(zip(group.inputs, refs[:n_in]))
         out_refs = dict(zip(group.outputs, refs[n_in:]))
-        r0 = pl.program_id(0) * cfg.block_rows
-        c0 = pl.program_id(1) * cfg.block_cols if two_d_grid else 0
+        rows_axis, cols_axis = (1, 0) if two_d_grid and cfg.col_major else (0, 1)
+        r0 = pl.program_id(rows_axis) * cfg.block_rows
+        c0 = pl.program_id(cols_axis) * cfg.block_cols if two_d_grid else 0
         if single:
             env = {v: body.load(in_refs[v], v, r0, c0) for v in group.inputs}
             colmask = body.mask(Span(False, True), r0, c0)
@@ -480,6 +482,8 @@ def pallas_callable(spec: TileSpec, cfg: TileConfig, *, name: str, interpret: bo
     g = group.graph
     kernel = make_kernel(spec, cfg, two_d_grid=two_d_grid)
     grid = (-(-spec.R // cfg.block_rows),) + ((-(-spec.C // cfg.block_cols),) if two_d_grid else ())
+    if two_d_grid and cfg.col_major:
+        grid = grid[::-1]
     out_shape = [jax.ShapeDtypeStruct(spec.layout2d(v), g.avals[v].dtype) for v in group.outputs]
     call = pl.pallas_call(
         kernel,
