@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from . import costmodel
 from .graph import Graph, Group

@@ -22,7 +22,7 @@ import autofuse  # noqa: E402
 from autofuse import costmodel  # noqa: E402
 from autofuse.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.search import default_plan  # noqa: E402
-from benchmarks.workloads import specs, workloads  # noqa: E402
+from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 
 def main() -> None:
@@ -63,11 +63,7 @@ def main() -> None:
         sp = f"{tx.median_ms / tf.median_ms:.2f}x" if tf else "-"
         af = f"{tf.median_ms / floor:.2f}" if tf else "-"
         lines.append(f"| {name} | {dt} | {shape} | {ok} | {err} | {tx.median_ms:.4f} ({tx.q1_ms:.4f}-{tx.q3_ms:.4f}) | {fs} | {sp} | {floor:.4f} | {tx.median_ms / floor:.2f} | {af} | {kernels} |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 import autofuse  # noqa: E402
 from autofuse.measure import check, random_inputs, time_fn  # noqa: E402
-from benchmarks.workloads import specs, workloads  # noqa: E402
+from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 
 def dispatch_overhead_us(fn, x, n=2000, reps=7) -> float:
@@ -79,11 +79,7 @@ def main() -> None:
     for name, status, ok, stored, tx, tf in rows:
         lines.append(f"| {name} | {status} | {ok} | {stored:.2f}x | {tx.median_ms:.4f} | {tf.median_ms:.4f} | {tx.median_ms / tf.median_ms:.2f}x |")
     lines += ["", f"per-call wall time, 8x128 softmax, 2000 back-to-back calls: jax.jit {over_xla:.1f} µs, autofuse.jit (miss -> jax.jit) {over_af:.1f} µs"]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

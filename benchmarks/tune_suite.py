@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
 from autofuse import costmodel  # noqa: E402
-from benchmarks.workloads import specs, workloads  # noqa: E402
+from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 
 def main() -> None:
@@ -63,11 +63,7 @@ def main() -> None:
             f"{'' if rep.noise is None else f'±{rep.noise:.1%}'} | {floor:.4f} | {rep.baseline_ms / floor:.2f} | {rep.tuned_ms / floor:.2f} | "
             f"{rep.trials_run} | {wall:.0f} | {kern} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

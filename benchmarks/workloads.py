@@ -68,3 +68,12 @@ def workloads(small: bool = False) -> list[Workload]:
 
 def specs(w: Workload, dtype) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(s, dtype) for s in w.shapes]
+
+
+def emit(lines: list[str], out: str = "") -> None:
+    """Print a result table, and write it to `out` if given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

@@ -73,14 +73,14 @@ def test_same_seed_same_trials():
 
 
 def _run_plugin_tune(plugin: str, tmp_path) -> str:
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import jax, jax.numpy as jnp
         from autofuse.search import tune
         from benchmarks.workloads import log_relu_bias
         rep = tune(log_relu_bias, jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32),
                    trials=8, seed=0, quiet=True, measure="model")
-        print("TEMPLATES", sorted({{c.template for c in rep.candidates}}))
-        print("STATUSES", sorted({{t["status"] for c in rep.candidates for t in c.trials}}))
+        print("TEMPLATES", sorted({c.template for c in rep.candidates}))
+        print("STATUSES", sorted({t["status"] for c in rep.candidates for t in c.trials}))
         print("PLAN", [g.template for g in rep.plan.groups])
     """)
     env = dict(os.environ, AUTOFUSE_TEMPLATE_PLUGINS=plugin, PYTHONPATH=ROOT)

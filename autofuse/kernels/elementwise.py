@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..graph import Group
 from ..ops import OpClass, op_class
-from .tiling import NoMatch, TileConfig, TileSpec, analyze, next_pow2, pallas_callable, template_space
+from .tiling import NoMatch, TileSpec, analyze, build_template, next_pow2, template_space
 
 NAME = "elementwise"
 PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages", "col_major")
@@ -47,8 +47,4 @@ def space(group: Group, spec: TileSpec | None = None) -> dict:
 
 
 def build(group: Group, config: dict, *, interpret: bool = False, spec: TileSpec | None = None) -> Callable:
-    spec = spec or match(group)
-    if spec is None:
-        raise NoMatch("elementwise does not match this group")
-    cfg = TileConfig(**{k: int(config.get(k, 0)) for k in PARAMS})
-    return pallas_callable(spec, cfg, name=f"autofuse_elementwise_{group.signature[:8]}", interpret=interpret, two_d_grid=True)
+    return build_template(NAME, PARAMS, spec or match(group), group, config, interpret=interpret, two_d_grid=True, defaults=DEFAULTS)

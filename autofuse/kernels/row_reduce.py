@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..graph import Group
 from ..ops import OpClass, op_class
-from .tiling import NoMatch, TileConfig, TileSpec, analyze, next_pow2, pallas_callable, template_space
+from .tiling import NoMatch, TileSpec, analyze, build_template, next_pow2, template_space
 
 NAME = "row_reduce"
 PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
@@ -54,8 +54,4 @@ def space(group: Group, spec: TileSpec | None = None) -> dict:
 
 
 def build(group: Group, config: dict, *, interpret: bool = False, spec: TileSpec | None = None) -> Callable:
-    spec = spec or match(group)
-    if spec is None:
-        raise NoMatch("row_reduce does not match this group")
-    cfg = TileConfig(**{k: int(config[k]) for k in PARAMS})
-    return pallas_callable(spec, cfg, name=f"autofuse_row_reduce_{group.signature[:8]}", interpret=interpret, two_d_grid=False)
+    return build_template(NAME, PARAMS, spec or match(group), group, config, interpret=interpret, two_d_grid=False)

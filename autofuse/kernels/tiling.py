@@ -500,3 +500,13 @@ def pallas_callable(spec: TileSpec, cfg: TileConfig, *, name: str, interpret: bo
         return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, outs)]
 
     return run
+
+
+def build_template(name: str, params: Sequence[str], spec: TileSpec | None, group: Group, config: dict, *,
+                   interpret: bool, two_d_grid: bool, defaults: dict | None = None) -> Callable:
+    """A template's `build`: config to `TileConfig`, then the kernel (named after template and group)."""
+    if spec is None:
+        raise NoMatch(f"{name} does not match this group")
+    defaults = defaults or {}
+    cfg = TileConfig(**{k: int(config[k] if k in config else defaults[k]) for k in params})
+    return pallas_callable(spec, cfg, name=f"autofuse_{name}_{group.signature[:8]}", interpret=interpret, two_d_grid=two_d_grid)
