@@ -17,7 +17,6 @@ from .kernels import TEMPLATES
 from .measure import check, cone_tolerances, random_inputs, time_fn
 from .plan import Plan, build_group, default_interpret, executor
 
-STATUSES = ("ok", "infeasible", "compile_error", "resource_exhausted", "wrong_result", "nan", "timeout", "crashed", "error", "duplicate")
 
 
 def classify_compile_error(e: BaseException) -> str:

@@ -6,7 +6,9 @@ One job (`tune`):
 2. time each distinct candidate in XLA (its own kernels are always an option);
 3. run one Optuna study per distinct candidate (TPE, seeded, the template's
    default config enqueued first); a config that breaks a search-space
-   constraint is reported infeasible and never compiled; a failed build,
+   constraint is reported infeasible and never compiled; on the GPU, one the
+   roofline model puts at over 3x the default's time is pruned untimed (the
+   model orders the search, measurements decide it); a failed build,
    wrong result, crash or timeout is a failed trial, never a result;
 4. choose the cheapest exact cover of the graph from the measured costs
    (HiGHS MILP, `partition.select_cover`);
@@ -45,6 +47,8 @@ from .worker import ProgramSpec, TrialRunner
 
 log = logging.getLogger("autofuse")
 INFEASIBLE_VALUE = 1e9
+UNMEASURED = ("infeasible", "pruned")  # statuses decided before anything is compiled
+PRUNE_FACTOR = 3.0  # on the GPU, configs modelled this much slower than the default are not timed
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +226,11 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
         for r in results:
             resp = runner.call({"op": "xla", "nodes": r.nodes})
             r.xla_ms = resp.get("median_ms") if resp.get("status") == "ok" else None
-        spaces = {r.signature: TEMPLATES[r.template].space(by_sig[r.signature][0].group, by_sig[r.signature][0].spec) for r in results}
+        spaces = {}
+        for r in results:
+            c0 = by_sig[r.signature][0]
+            spaces[r.signature] = {**TEMPLATES[r.template].space(c0.group, c0.spec),
+                                   "model_ms": lambda cfg, c0=c0: model_cost_ms(c0, gmodel, cfg)}
         caps = [math.prod(len(v) for v in spaces[r.signature]["params"].values()) for r in results]
         total = min(budget_trials, sum(caps))
         bar = _progress_bar(total, name, quiet or progress is not None)
@@ -231,7 +239,7 @@ def tune(fn: Callable, *args: Any, trials: int | None = None, time_budget_s: flo
         target = [0] * len(results)
 
         def spent() -> int:  # measured trials so far, a resumed run's earlier ones included
-            return sum(t["status"] != "infeasible" for r in results for t in r.trials)
+            return sum(t["status"] not in UNMEASURED for r in results for t in r.trials)
 
         def out_of_budget() -> bool:
             return spent() >= total or (ctx.deadline is not None and time.time() > ctx.deadline)
@@ -337,7 +345,7 @@ def _study(r: CandidateResult, space: dict, n: int, ctx: _Ctx, seed: int) -> int
     if not study.trials:
         study.enqueue_trial(space["default"])
     done_now, asks = 0, 0
-    measured = lambda: sum(v["status"] != "infeasible" for v in tried.values())  # noqa: E731
+    measured = lambda: sum(v["status"] not in UNMEASURED for v in tried.values())  # noqa: E731
     while measured() < n and asks < 6 * n + 16:
         if ctx.deadline and time.time() > ctx.deadline:
             break
@@ -347,17 +355,20 @@ def _study(r: CandidateResult, space: dict, n: int, ctx: _Ctx, seed: int) -> int
         key = tuple(sorted(cfg.items()))
         if key in tried:  # TPE proposed a config already measured: tell it the known answer, spend nothing
             prev = tried[key]
-            t.set_constraint("violations", 0.0 if prev["status"] != "infeasible" else 1.0)
+            t.set_constraint("violations", 1.0 if prev["status"] == "infeasible" else 0.0)
             if prev["status"] == "ok":
                 study.tell(t, prev["median_ms"])
-            elif prev["status"] == "infeasible":
+            elif prev["status"] in UNMEASURED:
                 study.tell(t, INFEASIBLE_VALUE)
             else:
                 study.tell(t, state=optuna.trial.TrialState.FAIL)
             continue
         violated = space["space"].violated(cfg, space["facts"])
-        if violated:
-            res = {"config": cfg, "status": "infeasible", "error": "; ".join(violated), "number": len(r.trials)}
+        pruned = not violated and ctx.measure == "device" and _model_pruned(space, cfg)
+        if violated or pruned:  # never compiled, never timed, not counted against the budget
+            why = "; ".join(violated) if violated else (
+                f"modelled {space['model_ms'](cfg):.4f} ms > {PRUNE_FACTOR}x the default's {space['model_ms'](space['default']):.4f} ms")
+            res = {"config": cfg, "status": "infeasible" if violated else "pruned", "error": why, "number": len(r.trials)}
             t.set_constraint("violations", float(len(violated)))
             res["optuna_trial_id"] = t.number
             t.set_user_attr("result", res)
@@ -383,6 +394,11 @@ def _study(r: CandidateResult, space: dict, n: int, ctx: _Ctx, seed: int) -> int
         if best and r.xla_ms:
             ctx.bar.set_postfix_str(f"{r.signature[:8]} best {r.xla_ms / min(x['median_ms'] for x in best):.2f}x")
     return done_now
+
+
+def _model_pruned(space: dict, cfg: dict) -> bool:
+    """On the GPU, the roofline model prunes configs far worse than the default before anything is timed."""
+    return space["model_ms"](cfg) > PRUNE_FACTOR * space["model_ms"](space["default"])
 
 
 def _update_best(r: CandidateResult) -> None:

@@ -148,3 +148,12 @@ def test_cli_tune_stores_and_lists(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", "examples.norms:nope", "--inputs", "examples.norms:example_inputs", "--db", db],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_model_prunes_far_worse_configs_before_timing():
+    from autofuse.search import PRUNE_FACTOR, _model_pruned
+
+    space = {"default": {"block_rows": 1}, "model_ms": lambda cfg: float(cfg["block_rows"])}
+    assert not _model_pruned(space, {"block_rows": 1})
+    assert not _model_pruned(space, {"block_rows": PRUNE_FACTOR})
+    assert _model_pruned(space, {"block_rows": PRUNE_FACTOR + 1})
