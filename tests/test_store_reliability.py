@@ -1,6 +1,9 @@
 """Plan store reliability with real processes and real SQLite files (no mocks):
 Optuna sharing the database, concurrent writer processes, SIGKILLed runs,
-and the Alembic command line with the repository's alembic.ini."""
+and the Alembic command line with the repository's alembic.ini.
+
+The ``check_*`` functions take a database URL and are reused by
+``test_store_postgres.py`` against a real PostgreSQL server."""
 
 from __future__ import annotations
 
@@ -28,14 +31,23 @@ def _env() -> dict[str, str]:
 
 
 def test_optuna_and_autofuse_share_one_database(tmp_path: Path) -> None:
+    check_optuna_shares_database(f"sqlite:///{tmp_path / 'shared.db'}")
+
+
+def check_optuna_shares_database(url: str) -> None:
+    """Optuna's RDBStorage and our migrations in one (empty) database, both usable."""
     optuna = pytest.importorskip("optuna")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = f"sqlite:///{tmp_path / 'shared.db'}"
 
-    # Optuna first, then us, then Optuna again.
+    # Optuna first, then our schema upgrade and store, then Optuna again.
     storage = optuna.storages.RDBStorage(url)
     study = optuna.create_study(study_name="before", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
     study.optimize(lambda t: (t.suggest_float("x", -1, 1) - 0.3) ** 2, n_trials=4)
+    engine = db.create_engine(url)
+    try:
+        assert db.upgrade(engine) == (set(), {db.HEAD_REVISION})  # Optuna's alembic_version is not ours
+    finally:
+        engine.dispose()
 
     store = PlanStore(url)
     p = store.program("fp", "mlp", {}, 3)
@@ -75,12 +87,19 @@ def test_optuna_and_autofuse_share_one_database(tmp_path: Path) -> None:
     assert ours == [db.HEAD_REVISION]
     assert len(theirs) == 1 and theirs != ours
 
-    # Dropping our schema leaves Optuna's intact.
+    # Dropping our schema leaves Optuna's intact; recreating it too.
     store.close()
     db.downgrade(store.engine, "base")
     assert len(optuna.load_study(study_name="after", storage=url).trials) == 2
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == theirs
+    assert db.upgrade(store.engine) == (set(), {db.HEAD_REVISION})
+    assert store.lookup("fp", "cpu", SW) is None and store.schema_revision() == db.HEAD_REVISION
+    assert len(optuna.load_study(study_name=prefix + "sig", storage=url).trials) == 3
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == theirs
+    store.close()
+    storage.engine.dispose()
     engine.dispose()
 
 
@@ -121,8 +140,10 @@ def test_two_processes_write_concurrently(tmp_path: Path) -> None:
     other until it finishes (still correct, just serial), so the writers pause 1 ms
     between trials, like a real job pauses to measure.
     """
-    path = tmp_path / "concurrent.db"
-    url = f"sqlite:///{path}"
+    check_processes_write_concurrently(f"sqlite:///{tmp_path / 'concurrent.db'}", tmp_path)
+
+
+def check_processes_write_concurrently(url: str, tmp_path: Path) -> None:
     go = tmp_path / "go"
     n_runs, n_trials = 30, 8
     procs = [
@@ -185,7 +206,10 @@ KILLED = textwrap.dedent(
 
 
 def test_sigkilled_run_is_marked_interrupted(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'killed.db'}"
+    check_sigkilled_run(f"sqlite:///{tmp_path / 'killed.db'}")
+
+
+def check_sigkilled_run(url: str) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", KILLED, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
     )
@@ -217,14 +241,16 @@ def test_sigkilled_run_is_marked_interrupted(tmp_path: Path) -> None:
 
 def test_alembic_command_line_with_repo_ini(tmp_path: Path) -> None:
     """`alembic -c alembic.ini -x db=URL upgrade head / current / downgrade base` from another cwd."""
-    url = f"sqlite:///{tmp_path / 'alembic.db'}"
+    check_alembic_command_line(f"sqlite:///{tmp_path / 'alembic.db'}", tmp_path)
 
+
+def check_alembic_command_line(url: str, cwd: Path) -> None:
     def alembic(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "alembic", "-c", str(REPO / "alembic.ini"), "-x", f"db={url}", *args],
             capture_output=True,
             text=True,
-            cwd=tmp_path,
+            cwd=cwd,
             env=_env(),
             timeout=120,
         )

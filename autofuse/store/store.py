@@ -152,8 +152,14 @@ class PlanStore:
         return self._guard(attempt)
 
     @staticmethod
-    def _require(s: Session, model: type, ident: int, what: str) -> Any:
-        obj = s.get(model, ident)
+    def _require(s: Session, model: type, ident: int, what: str, *, lock: bool = False) -> Any:
+        """The row *ident* of *model*; KeyError if absent.
+
+        *lock*: also row-lock it until the transaction ends (``SELECT ... FOR NO KEY
+        UPDATE`` on PostgreSQL, which does not block other writers' foreign-key checks
+        against the row; SQLite ignores it, its writers are serialised already).
+        """
+        obj = s.get(model, ident, with_for_update={"key_share": True} if lock else None)
         if obj is None:
             raise KeyError(f"no {what} with id {ident}")
         return obj
@@ -500,7 +506,11 @@ class PlanStore:
             text = json.dumps(plan_json)
 
         def fn(s: Session) -> int:
-            self._require(s, Program, program_id, "program")
+            # Writers of one program's plans take turns (the program row's lock): on
+            # PostgreSQL (READ COMMITTED) two concurrent writers would otherwise each clear
+            # the old current flag, each insert a current plan, and one would fail the
+            # partial unique index; now the second waits, then sees and clears the first's.
+            self._require(s, Program, program_id, "program", lock=True)
             self._require(s, Device, device_id, "device")
             self._require(s, Software, software_id, "software")
             if run_id is not None:
@@ -535,8 +545,7 @@ class PlanStore:
             s.flush()
             return row.id
 
-        # IntegrityError: a concurrent writer made another plan current for the
-        # same key between our UPDATE and INSERT (server databases); retry.
+        # IntegrityError: should not happen with the lock above; retried as a last resort.
         return self._write(fn, retry_integrity=True)
 
     def lookup(self, fingerprint: str, device_name: str, software: dict[str, str]) -> LookupResult | None:
