@@ -94,15 +94,21 @@ def combine(kind: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[kind](a, b)
 
 
-def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]) -> jax.Array:
+def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any], in_dtypes: Sequence[Any] = ()) -> jax.Array:
     """Run an elementwise primitive on tiles held in compute dtypes.
 
     Operands are broadcast to a common tile shape first (tiles of row or
     column vectors are kept unbroadcast until they meet a full tile).
+    Low-precision values are held in float32 (excess precision, as XLA does)
+    except where the program converts one explicitly: there it is rounded to
+    its own type first, so `f32(bf16 value)` means what the program says.
     """
     name = prim.name
-    if name == "convert_element_type":  # to a low float: kept in float32 (excess precision, as XLA)
-        return ins[0].astype(compute_dtype(out_dtype))
+    if name == "convert_element_type":
+        x = ins[0]
+        if in_dtypes and np.dtype(in_dtypes[0]) in _LOW_FLOATS:
+            x = x.astype(in_dtypes[0]).astype(jnp.float32)
+        return x.astype(compute_dtype(out_dtype))
     if name in ("stop_gradient", "copy", "copy_p"):
         return ins[0]
     if name == "reduce_precision":

@@ -6,8 +6,8 @@ is then a register tile that varies along rows, columns, both, or neither:
 broadcasts stay lazy (a bias is a [1, bn] tile until it meets a full tile),
 and a reduction over the columns leaves a [bm, 1] tile. The arithmetic is the
 group's own jaxpr, re-run equation by equation on tiles (`ops.py`).
-Low-precision floats are held in float32 inside the kernel and rounded only
-when stored, as XLA does by default (`xla_allow_excess_precision`).
+Low-precision floats are held in float32 inside the kernel and rounded when
+stored or explicitly converted (XLA's `xla_allow_excess_precision` default).
 
 Rows and columns that run past the array are masked (GPU_NOTES: no automatic
 edge masking on the GPU); every tile has power-of-two sides.
@@ -314,7 +314,8 @@ class _Body:
         if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
             env[out] = self.atom(env, nd.inputs[0])
         elif cls is OpClass.ELEMENTWISE:
-            env[out] = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs])
+            env[out] = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs],
+                                            [self.g.aval(a).dtype for a in nd.inputs])
         elif cls is OpClass.SOURCE:
             env[out] = self.iota(nd, r0, c0)
         elif cls is OpClass.REDUCTION:
