@@ -1,23 +1,22 @@
 """The small public surface: `jit` (with `tune` in `search` and `PlanStore` in `store`).
 
-`autofuse.jit(fn)` is a drop-in for `jax.jit`. At the first call for each
-input signature it captures the program, finds its plan (given directly, or
-looked up in the plan store for this device and software), builds one jitted
-function of generated kernels plus XLA, and caches it; later calls go
-straight to it. Anything wrong with a plan (missing, for another version and
-failing re-verification, malformed, no longer compiling) falls back to plain
-`jax.jit` with one logged warning, or raises with `on_miss="error"`.
+`autofuse.jit(fn)` is a drop-in for `jax.jit`, and is a `jax.jit` underneath:
+calls dispatch through JAX's own fast path. When JAX traces a new input
+signature, autofuse captures the program, finds its plan (given directly, or
+looked up in the plan store for this device and software), checks that the
+fused program builds (and re-verifies plans made with other versions), and
+traces the fused program instead of `fn`. Anything wrong with a plan
+(missing, failing re-verification, malformed, no longer compiling) traces
+plain `fn` with one logged warning, or raises with `on_miss="error"`.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from .graph import Graph, _split_static, capture
 from .plan import Plan, PlanError, executor
@@ -25,17 +24,8 @@ from .plan import Plan, PlanError, executor
 log = logging.getLogger("autofuse")
 
 
-@dataclass
-class _Entry:
-    """A built signature: the function of the flat dynamic leaves, and how to rebuild outputs."""
-
-    flat: Callable | None  # None: plain jax.jit of the user function
-    out_tree: Any
-    status: str  # "plan", "plan-reverified", "xla", or "xla: <why>"
-
-
 class AutofuseFunction:
-    """A `jax.jit`-like callable that runs a fused plan where it has one."""
+    """A `jax.jit`-ed function that traces a fused plan where it has one."""
 
     def __init__(self, fn: Callable, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
                  static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
@@ -49,72 +39,63 @@ class AutofuseFunction:
         self.store = store
         self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.on_miss, self.on_version_mismatch = on_miss, on_version_mismatch
         self.interpret = interpret
-        self._cache: dict[Any, _Entry] = {}
-        self._xla_fn = jax.jit(fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames, donate_argnums=self.donate_argnums)
-        self.last_status: str = ""
+        self.last_status: str = ""  # what the most recently traced signature runs: "plan", "plan-reverified" or "xla: <why>"
+        self._jitted = jax.jit(self._traced, static_argnums=self.static_argnums, static_argnames=self.static_argnames,
+                               donate_argnums=donate_argnums)
         functools.update_wrapper(self, fn)
 
-    # the hot path ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.static_argnums or self.static_argnames:
-            dyn_args, dyn_kwargs, _, static_repr = _split_static(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
-        else:
-            dyn_args, dyn_kwargs, static_repr = args, kwargs, ""
-        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        try:
-            sig = tuple([(x.shape, x.dtype) for x in leaves])
-        except AttributeError:  # Python scalars among the leaves
-            sig = tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
-        key = (tree, static_repr, sig)
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._cache[key] = self._build(args, kwargs)
-        self.last_status = entry.status
-        if entry.flat is None:
-            return self._xla_fn(*args, **kwargs)
-        return jax.tree_util.tree_unflatten(entry.out_tree, entry.flat(*leaves))
+        return self._jitted(*args, **kwargs)
 
-    # building ------------------------------------------------------------------
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted.lower(*args, **kwargs)
+
+    # tracing a new signature ---------------------------------------------------
     def capture(self, *args: Any, **kwargs: Any) -> Graph:
         return capture(self.fn, *args, static_argnums=self.static_argnums, static_argnames=self.static_argnames, **kwargs)
 
-    def _build(self, args: tuple, kwargs: dict) -> _Entry:
+    def _traced(self, *args: Any, **kwargs: Any) -> Any:
         graph = self.capture(*args, **kwargs)
+        run, self.last_status = self._build(graph)
+        if run is None:
+            return self.fn(*args, **kwargs)
+        dyn_args, dyn_kwargs, _, _ = _split_static(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
+        leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        return jax.tree_util.tree_unflatten(graph.out_tree, run(leaves))
+
+    def _build(self, graph: Graph) -> tuple[Callable | None, str]:
         plan, status = self._find_plan(graph)
         if plan is None or plan.is_xla:
-            return _Entry(None, graph.out_tree, status)
+            return None, status
+        specs = [jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype) for v in graph.inputs]
         try:
             run = executor(graph, plan, interpret=self.interpret)
-            flat = jax.jit(lambda *leaves: run(leaves), donate_argnums=self._donated_leaves(args))
-            flat = flat.lower(*[jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype) for v in graph.inputs]).compile()
+            compiled = jax.jit(lambda *leaves: run(leaves)).lower(*specs).compile()
         except Exception as e:  # a plan that no longer builds or compiles never breaks the program
-            return self._miss(graph, f"its plan does not build here ({type(e).__name__}: {str(e)[:300]})")
+            return None, self._miss(graph, f"its plan does not build here ({type(e).__name__}: {str(e)[:300]})")
         if status == "plan-version":
-            if not self._reverify(graph, flat):
-                return self._miss(graph, "its plan, made with other software versions, failed re-verification")
+            if not self._reverify(graph, compiled):
+                return None, self._miss(graph, "its plan, made with other software versions, failed re-verification")
             status = "plan-reverified"
-        return _Entry(flat, graph.out_tree, status)
+        return run, status
 
-    def _miss(self, graph: Graph, why: str) -> _Entry:
+    def _miss(self, graph: Graph, why: str) -> str:
         msg = f"autofuse: program {graph.fingerprint}: {why}"
         if self.on_miss == "error":
             raise PlanError(msg)
         log.warning("%s; running plain jax.jit", msg)
-        return _Entry(None, graph.out_tree, f"xla: {why}")
+        return f"xla: {why}"
 
     def _find_plan(self, graph: Graph) -> tuple[Plan | None, str]:
         if self.plan is not None:
             if self.plan.fingerprint == graph.fingerprint:
                 return self.plan, "plan"
-            self._miss(graph, f"the given plan is for program {self.plan.fingerprint}")
-            return None, "xla: the given plan is for another program"
+            return None, self._miss(graph, f"the given plan is for program {self.plan.fingerprint}")
         found = self._lookup(graph)
         if isinstance(found, str):
-            self._miss(graph, found)
-            return None, f"xla: {found}"
+            return None, self._miss(graph, found)
         return found
 
     def _lookup(self, graph: Graph) -> tuple[Plan, str] | str:
@@ -143,25 +124,14 @@ class AutofuseFunction:
         return plan, "plan-version"
 
     def _reverify(self, graph: Graph, fused: Callable) -> bool:
+        """Check the fused program against jax.jit on fresh inputs, eagerly (this runs while JAX traces)."""
         from .measure import check, cone_tolerances
 
         ref = jax.jit(lambda *a: graph.evaluate(a))
-        res = check(fused, ref, [graph.avals[v] for v in graph.inputs], (11, 12),
-                    cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs))
+        with jax.ensure_compile_time_eval():
+            res = check(fused, ref, [graph.avals[v] for v in graph.inputs], (11, 12),
+                        cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs))
         return res.ok
-
-    def _donated_leaves(self, args: tuple) -> tuple[int, ...]:
-        if not self.donate_argnums:
-            return ()
-        out, pos = [], 0
-        for i, a in enumerate(args):
-            if i in self.static_argnums:
-                continue
-            n = len(jax.tree_util.tree_leaves(a))
-            if i in self.donate_argnums:
-                out.extend(range(pos, pos + n))
-            pos += n
-        return tuple(out)
 
 
 def _open_store(store: Any) -> Any:
