@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from .graph import Graph, _split_static, capture
+from .graph import Graph, capture, flatten_args
 from .plan import Plan, PlanError, executor
 
 log = logging.getLogger("autofuse")
@@ -61,8 +61,7 @@ class AutofuseFunction:
         run, self.last_status = self._build(graph)
         if run is None:
             return self.fn(*args, **kwargs)
-        dyn_args, dyn_kwargs, _, _ = _split_static(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
-        leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        leaves = flatten_args(graph, self.fn, args, kwargs, self.static_argnums, self.static_argnames)
         return jax.tree_util.tree_unflatten(graph.out_tree, run(leaves))
 
     def _build(self, graph: Graph) -> tuple[Callable | None, str]:

@@ -43,7 +43,7 @@ def node_flops(graph: Graph, node_id: int) -> float:
     cls = ops.op_class(nd.name)
     if cls is OpClass.CONTRACTION:
         dims = nd.params["dimension_numbers"]
-        (lc, _), (lb, _) = dims
+        (lc, _), _ = dims
         a = graph.aval(nd.inputs[0])
         out = graph.avals[nd.outputs[0]]
         k = int(np.prod([a.shape[d] for d in lc])) if lc else 1

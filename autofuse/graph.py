@@ -341,10 +341,6 @@ def flatten_args(graph: Graph, fn: Callable, args: tuple, kwargs: dict, static_a
     return leaves
 
 
-def is_jaxpr_param(v: Any) -> bool:
-    return isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr))
-
-
 # ---------------------------------------------------------------------------
 # Sub-graphs.
 @dataclass(frozen=True, eq=False)

@@ -158,11 +158,6 @@ class Timing:
     calls_per_sync: int
     repeats: int
 
-    @property
-    def spread(self) -> float:
-        """Interquartile range relative to the median."""
-        return (self.q3_ms - self.q1_ms) / self.median_ms if self.median_ms else 0.0
-
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("median_ms", "min_ms", "max_ms", "q1_ms", "q3_ms", "calls_per_sync", "repeats")}
 

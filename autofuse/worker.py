@@ -120,7 +120,6 @@ class TrialRunner:
         self._proc: Any = None
         self._in = self._out = -1
         self._inline: Evaluator | None = None
-        self.restarts = 0
 
     # lifecycle -------------------------------------------------------------
     def _start(self) -> None:
@@ -174,7 +173,6 @@ class TrialRunner:
                 return {"status": "error", "error": f"{type(e).__name__}: {e}"}
         if self._proc is None or self._proc.poll() is not None:
             if self._proc is not None:
-                self.restarts += 1
                 self._kill()
             self._start()
         try:
