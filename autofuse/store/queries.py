@@ -90,12 +90,13 @@ def run_columns() -> list[Any]:
     ]
 
 
-def _run_base() -> Select[Any]:
+def _with_names(columns: list[Any], model: type) -> Select[Any]:
+    """`columns` of `model` rows joined with their program, device and software."""
     return (
-        sa.select(*run_columns())
-        .join(Program, Program.id == Run.program_id)
-        .join(Device, Device.id == Run.device_id)
-        .join(Software, Software.id == Run.software_id)
+        sa.select(*columns)
+        .join(Program, Program.id == model.program_id)
+        .join(Device, Device.id == model.device_id)
+        .join(Software, Software.id == model.software_id)
     )
 
 
@@ -107,7 +108,7 @@ def runs(
     statuses: tuple[str, ...] | None = None,
 ) -> Select[Any]:
     """Runs, newest first, with program/device/software names and counts."""
-    q = _run_base()
+    q = _with_names(run_columns(), Run)
     if program:
         q = q.where(_program_filter(program))
     if device:
@@ -123,7 +124,7 @@ def runs(
 
 def run(run_id: int) -> Select[Any]:
     """One run with everything :func:`runs` shows, plus the program signature/size."""
-    return _run_base().add_columns(Program.signature, Program.size).where(Run.id == run_id)
+    return _with_names(run_columns(), Run).add_columns(Program.signature, Program.size).where(Run.id == run_id)
 
 
 def plan_columns() -> list[Any]:
@@ -148,15 +149,6 @@ def plan_columns() -> list[Any]:
     ]
 
 
-def _plan_base() -> Select[Any]:
-    return (
-        sa.select(*plan_columns())
-        .join(Program, Program.id == Plan.program_id)
-        .join(Device, Device.id == Plan.device_id)
-        .join(Software, Software.id == Plan.software_id)
-    )
-
-
 def plans(
     program: str | None = None,
     device: str | None = None,
@@ -165,7 +157,7 @@ def plans(
     current_only: bool = False,
 ) -> Select[Any]:
     """Plans, newest first."""
-    q = _plan_base()
+    q = _with_names(plan_columns(), Plan)
     if program:
         q = q.where(_program_filter(program))
     if device:
@@ -181,7 +173,7 @@ def plans(
 
 def plan(plan_id: int) -> Select[Any]:
     """One plan with its JSON text and program details."""
-    return _plan_base().add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id)
+    return _with_names(plan_columns(), Plan).add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id)
 
 
 def compare(

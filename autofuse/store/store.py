@@ -193,42 +193,20 @@ class PlanStore:
         memory_bytes: int | None = None,
     ) -> int:
         """Id of the device row with exactly these fields (NULLs included), created if new."""
-
-        def fn(s: Session) -> int:
-            found = s.scalar(
-                sa.select(Device.id).where(
-                    Device.name == name,
-                    Device.compute_capability.is_not_distinct_from(compute_capability),
-                    Device.sm_count.is_not_distinct_from(sm_count),
-                    Device.memory_bytes.is_not_distinct_from(memory_bytes),
-                )
-            )
-            if found is not None:
-                return found
-            row = Device(
-                name=name, compute_capability=compute_capability, sm_count=sm_count, memory_bytes=memory_bytes
-            )
-            s.add(row)
-            s.flush()
-            return row.id
-
-        return self._write(fn, retry_integrity=True)
+        return self._dimension(Device, name=name, compute_capability=compute_capability, sm_count=sm_count, memory_bytes=memory_bytes)
 
     def software(self, jax: str, jaxlib: str, autofuse: str, backend: str) -> int:
         """Id of the software row (jax, jaxlib, autofuse versions + backend), created if new."""
+        return self._dimension(Software, jax=jax, jaxlib=jaxlib, autofuse=autofuse, backend=backend)
+
+    def _dimension(self, model: type, **fields: Any) -> int:
+        """Id of the `model` row with exactly these field values (NULLs included), created if new."""
 
         def fn(s: Session) -> int:
-            found = s.scalar(
-                sa.select(Software.id).where(
-                    Software.jax == jax,
-                    Software.jaxlib == jaxlib,
-                    Software.autofuse == autofuse,
-                    Software.backend == backend,
-                )
-            )
+            found = s.scalar(sa.select(model.id).where(*(getattr(model, k).is_not_distinct_from(v) for k, v in fields.items())))
             if found is not None:
                 return found
-            row = Software(jax=jax, jaxlib=jaxlib, autofuse=autofuse, backend=backend)
+            row = model(**fields)
             s.add(row)
             s.flush()
             return row.id
