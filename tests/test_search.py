@@ -72,15 +72,15 @@ def test_same_seed_same_trials():
     assert run() == run()
 
 
-def _run_plugin_tune(plugin: str, tmp_path) -> str:
-    script = textwrap.dedent("""
+def _run_plugin_tune(plugin: str, tmp_path, timeout_s: float = 300.0) -> str:
+    script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
         from autofuse.search import tune
         from benchmarks.workloads import log_relu_bias
         rep = tune(log_relu_bias, jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32),
-                   trials=8, seed=0, quiet=True, measure="model")
-        print("TEMPLATES", sorted({c.template for c in rep.candidates}))
-        print("STATUSES", sorted({t["status"] for c in rep.candidates for t in c.trials}))
+                   trials=8, seed=0, quiet=True, measure="model", trial_timeout_s={timeout_s})
+        print("TEMPLATES", sorted({{c.template for c in rep.candidates}}))
+        print("STATUSES", sorted({{t["status"] for c in rep.candidates for t in c.trials}}))
         print("PLAN", [g.template for g in rep.plan.groups])
     """)
     env = dict(os.environ, AUTOFUSE_TEMPLATE_PLUGINS=plugin, PYTHONPATH=ROOT)
@@ -100,6 +100,35 @@ def test_crashing_kernel_fails_its_trial_and_the_job_goes_on(tmp_path):
     out = _run_plugin_tune("tests.plugins.crashy_template", tmp_path)
     assert "crashed" in out.split("STATUSES")[1].splitlines()[0], out
     assert "PLAN" in out
+
+
+def test_hanging_kernel_times_out_and_the_job_goes_on(tmp_path):
+    out = _run_plugin_tune("tests.plugins.sleepy_template", tmp_path, timeout_s=20.0)
+    assert "timeout" in out.split("STATUSES")[1].splitlines()[0], out
+    assert "PLAN" in out
+
+
+def test_two_tuning_processes_share_one_sqlite_file(tmp_path):
+    db = f"sqlite:///{tmp_path}/shared.db"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", "examples.norms:forward", "--inputs", "examples.norms:example_inputs",
+                          "--trials", "8", "--seed", str(k), "--name", f"job{k}", "--db", db, "--quiet"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k in range(2)
+    ]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    store = autofuse.PlanStore(db)
+    runs = store.runs()
+    assert len({r["program"] for r in runs}) == 1  # one program (same fingerprint), named by whichever job came first
+    assert [r["status"] for r in runs] == ["finished", "finished"]
+    for r in runs:  # every trial of both jobs was written
+        assert r["n_trials"] > 0
+        assert len(store.trials(r["id"])) == r["n_trials"]
+        assert sum(c["n_trials"] for c in store.candidates(r["id"])) == r["n_trials"]
+    assert len(store.plans()) == 2 and len(store.plans(current_only=True)) == 1
 
 
 def test_allocate_shares_budget_in_proportion_and_respects_caps():

@@ -4,11 +4,12 @@ when named in $AUTOFUSE_TEMPLATE_PLUGINS.
 `make("wrong")`: matches what `elementwise` matches and claims to be very fast, but
 its kernels add 1 to every output (a wrong result the search must never pick).
 `make("crashy", crash=True)`: the same, but building a kernel with block_rows == 2 kills the
-process (a crash the trial worker must absorb).
+process (a crash the trial worker must absorb); `make("sleepy", hang=True)` hangs there instead.
 """
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 from autofuse.kernels import elementwise
@@ -21,7 +22,7 @@ _SPACE = parse_space(
 )
 
 
-def make(name: str, crash: bool = False) -> SimpleNamespace:
+def make(name: str, crash: bool = False, hang: bool = False) -> SimpleNamespace:
     def space(group, spec=None):
         from autofuse.kernels.tiling import template_space
 
@@ -31,6 +32,8 @@ def make(name: str, crash: bool = False) -> SimpleNamespace:
     def build(group, config, *, interpret=False, spec=None):
         if crash and int(config["block_rows"]) == 2:
             os._exit(7)
+        if hang and int(config["block_rows"]) == 2:
+            time.sleep(3600)
         inner = elementwise.build(group, config, interpret=interpret, spec=spec)
         return lambda *a: [o + 1 for o in inner(*a)]
 
