@@ -456,11 +456,23 @@ def _import_ref(ref: str) -> Any:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from autofuse.search import tune
 
+    from autofuse.graph import capture
+
     fn = _import_ref(args.target)
     factory = _import_ref(args.inputs)
-    example = factory()
+    try:
+        example = factory()
+    except Exception as e:
+        raise ValueError(f"the --inputs factory {args.inputs} failed: {type(e).__name__}: {e}") from None
     example = example if isinstance(example, tuple) else (example,)
-    statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
+    try:
+        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
+    try:
+        capture(fn, *example, static_argnums=statics)
+    except Exception as e:
+        raise ValueError(f"tracing {args.target} with the example inputs failed: {type(e).__name__}: {e}") from None
     store = None
     trials, budget, seed = args.trials, args.time_budget, args.seed
     if not args.no_store:

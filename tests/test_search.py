@@ -186,3 +186,15 @@ def test_model_prunes_far_worse_configs_before_timing():
     assert not _model_pruned(space, {"block_rows": 1})
     assert not _model_pruned(space, {"block_rows": PRUNE_FACTOR})
     assert _model_pruned(space, {"block_rows": PRUNE_FACTOR + 1})
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["examples.norms:forward", "--inputs", "examples.norms:forward"], "--inputs factory"),
+    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--static-argnums", "a"], "--static-argnums"),
+    (["benchmarks.workloads:softmax", "--inputs", "examples.norms:example_inputs"], "tracing benchmarks.workloads:softmax"),
+    (["nosuch:fn", "--inputs", "examples.norms:example_inputs"], "cannot import module 'nosuch'"),
+])
+def test_cli_tune_bad_input_is_one_clear_line(tmp_path, argv, says):
+    out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", *argv, "--db", f"sqlite:///{tmp_path}/x.db", "--trials", "2"],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
