@@ -90,7 +90,7 @@ def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
 # medians of XLA/floor measured in results/core_default_h200.md (elementwise
 # chains ~1.2, row reductions ~1.35); generated kernels start at 1.1 and pay
 # for their config below.
-XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35}
+XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1}  # matmul: GPU_NOTES (XLA's GEMM fusions)
 PALLAS_FACTOR = 1.1
 _SMS = 132
 _RESIDENT_PROGRAMS = _SMS * 4  # SMs x programs resident per SM, roughly
@@ -98,7 +98,8 @@ _PROGRAM_OVERHEAD_S = 0.2e-6  # fitted to the default-config layer norm in resul
 
 
 def _kind(group: Group) -> str:
-    return "row_reduce" if any(ops.op_class(n.name) is OpClass.REDUCTION for n in group.nodes) else "elementwise"
+    classes = {ops.op_class(n.name) for n in group.nodes}
+    return "matmul" if OpClass.CONTRACTION in classes else "row_reduce" if OpClass.REDUCTION in classes else "elementwise"
 
 
 def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:

@@ -61,7 +61,7 @@ def op_class(name: str) -> OpClass:
     return OpClass.OPAQUE
 
 
-FUSIBLE = {OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE}
+FUSIBLE = {OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE, OpClass.CONTRACTION}
 
 
 def reduction_kind(name: str) -> str:

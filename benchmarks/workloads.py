@@ -38,6 +38,10 @@ def logsumexp(x):
     return jax.nn.logsumexp(x, axis=-1)
 
 
+def matmul_bias_gelu(x, w, b):
+    return jax.nn.gelu(x @ w + b, approximate=True)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -51,6 +55,7 @@ WORKLOADS = [
     Workload("layer_norm", layer_norm, ((65536, 1024), (1024,), (1024,))),
     Workload("rms_norm", rms_norm, ((16384, 4096), (4096,))),
     Workload("logsumexp", logsumexp, ((16384, 4096),)),
+    Workload("matmul_bias_gelu", matmul_bias_gelu, ((8192, 4096), (4096, 8192), (8192,))),
 ]
 
 SMALL = {
@@ -59,6 +64,7 @@ SMALL = {
     "layer_norm": ((96, 200), (200,), (200,)),
     "rms_norm": ((64, 130), (130,)),
     "logsumexp": ((50, 333),),
+    "matmul_bias_gelu": ((100, 70), (70, 90), (90,)),
 }
 
 

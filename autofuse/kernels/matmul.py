@@ -1,0 +1,202 @@
+"""Template `matmul`: a 2-D `dot_general` with its elementwise epilogue, in one kernel.
+
+Each program computes one [block_m, block_n] output tile: a loop over K in
+block_k steps accumulates in float32 (`jnp.dot`, so bf16/f16 operands use the
+tensor cores and float32 runs at the default TF32 precision, as XLA's own
+float32 matmul does), then the group's epilogue (bias, scale, residual,
+activations: whatever elementwise work the jaxpr applies to the product) is
+evaluated on the accumulator tile by the same tile evaluator as the other
+templates, and only the epilogue's results are written. Operands may come in
+either layout the jaxpr gives ([M, K] or [K, M]; [K, N] or [N, K]). Programs
+walk the output tiles in groups of `group_m` row blocks for L2 reuse.
+Batched dots, prologues and `precision=HIGHEST` stay in XLA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .. import costmodel
+from ..graph import Group, Node
+from ..ops import OpClass, op_class
+from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, analyze, template_space
+
+NAME = "matmul"
+PARAMS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
+_DTYPES = {np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
+
+
+@dataclass
+class MatmulSpec:
+    group: Group
+    dot: Node
+    a: int
+    b: int
+    M: int
+    N: int
+    K: int
+    a_km: bool  # A is stored [K, M]
+    b_nk: bool  # B is stored [N, K]
+    epi: TileSpec  # the epilogue on [M, N] tiles (its group excludes the dot)
+
+
+def match(group: Group) -> MatmulSpec | None:
+    """A matmul spec when the group is one plain 2-D dot plus an elementwise epilogue of it."""
+    g = group.graph
+    dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
+    if len(dots) != 1 or any(op_class(n.name) in (OpClass.REDUCTION, OpClass.OPAQUE, OpClass.SOURCE) for n in group.nodes):
+        return None
+    dot = dots[0]
+    a, b = dot.inputs
+    if not (isinstance(a, int) and isinstance(b, int) and a in group.inputs and b in group.inputs):
+        return None  # a prologue (work on an operand inside the group) is not handled yet
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    av, bv, ov = g.avals[a], g.avals[b], g.avals[dot.outputs[0]]
+    if lb or rb or len(av.shape) != 2 or len(bv.shape) != 2 or len(lc) != 1 or len(rc) != 1:
+        return None
+    prec = dot.params.get("precision")
+    if prec is not None and any(p is not None and "DEFAULT" not in str(p) for p in (prec if isinstance(prec, tuple) else (prec,))):
+        return None  # HIGHEST / HIGH precision: leave it to XLA
+    if av.dtype != bv.dtype or np.dtype(av.dtype) not in _DTYPES:
+        return None
+    a_km, b_nk = lc[0] == 0, rc[0] == 1
+    M, K = (av.shape[1], av.shape[0]) if a_km else av.shape
+    N = bv.shape[0] if b_nk else bv.shape[1]
+    if min(M, N, K) < 16:
+        return None
+    rest = [n.id for n in group.nodes if n.id != dot.id]
+    try:
+        epi = _epilogue_spec(group, dot, rest, (M, N))
+    except NoMatch:
+        return None
+    return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi)
+
+
+def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, int]) -> TileSpec:
+    out = dot.outputs[0]
+    sub = Group.of(group.graph, rest) if rest else None
+    if sub is None:
+        return TileSpec(group, S, 1, {out: (0, 1)}, {out: Span(True, True)}, [])
+    if {dot.inputs[0], dot.inputs[1]} & set(sub.inputs):
+        raise NoMatch("an operand of the dot is also read by the epilogue")
+    spec = analyze(sub, S, 1)
+    if spec.reductions:
+        raise NoMatch("reductions belong to matmul_reduce")
+    spec.axes[out], spec.span[out] = (0, 1), Span(True, True)
+    return spec
+
+
+def default_config(spec: MatmulSpec) -> dict:
+    small = min(spec.M, spec.N) < 128
+    return {"block_m": 64 if small else 128, "block_n": 64 if small else 128, "block_k": 32 if spec.K < 64 else 64,
+            "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
+
+
+def space(group: Group, spec: MatmulSpec | None = None) -> dict:
+    """Tunable parameters (search_spaces/matmul.yaml), the default config and the constraint facts."""
+    spec = spec or match(group)
+    out = template_space(NAME, spec.epi, default_config(spec))
+    itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
+    out["facts"] = {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": out["facts"]["smem_bytes"]}
+    return out
+
+
+def model_time_ms(spec: MatmulSpec, config: dict, model: costmodel.GPUModel = costmodel.H200) -> float:
+    """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs."""
+    bm, bn, bk = int(config["block_m"]), int(config["block_n"]), int(config["block_k"])
+    low = np.dtype(spec.group.graph.avals[spec.a].dtype) != np.dtype("float32")
+    flops = 2.0 * spec.M * spec.N * spec.K
+    eff = min(1.0, (bm * bn) / (128 * 256)) ** 0.5 * min(1.0, bk / 64) ** 0.25
+    tiles_m, tiles_n = -(-spec.M // bm), -(-spec.N // bn)
+    a_bytes = spec.M * spec.K * np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
+    bytes_moved = a_bytes * tiles_n / max(1, int(config["group_m"])) ** 0.5 + sum(a.nbytes for a in spec.group.output_avals())
+    return costmodel.kernel_time_ms(bytes_moved, flops / max(eff, 0.05), model, low) * max(1.0, 132 / max(1, tiles_m * tiles_n)) ** 0.5
+
+
+def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSpec | None = None) -> Callable:
+    spec = spec or match(group)
+    if spec is None:
+        raise NoMatch("matmul does not match this group")
+    bm, bn, bk = (int(config[k]) for k in ("block_m", "block_n", "block_k"))
+    gm = int(config["group_m"])
+    g = group.graph
+    cfg = TileConfig(bm, bn, int(config["num_warps"]), int(config["num_stages"]))
+    body = _Body(spec.epi, cfg, 0)
+    out_v = spec.dot.outputs[0]
+    epi_nodes = [n for n in group.nodes if n.id != spec.dot.id]
+    epi_inputs = [v for v in spec.epi.group.inputs if v != out_v] if epi_nodes else []
+    n_m, n_n, n_k = -(-spec.M // bm), -(-spec.N // bn), -(-spec.K // bk)
+    in_order = list(group.inputs)
+
+    def kernel(*refs):
+        ins = dict(zip(in_order, refs[: len(in_order)]))
+        outs = dict(zip(group.outputs, refs[len(in_order):]))
+        pid = pl.program_id(0)
+        per_group = gm * n_n
+        first_m = (pid // per_group) * gm
+        size_m = jnp.minimum(n_m - first_m, gm)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        r0, c0 = pid_m * bm, pid_n * bn
+        rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+
+        def step(kk, acc):
+            k0 = kk * bk
+            ks_r = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            ks_c = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            m_ok = rows < spec.M if spec.M % bm else None  # masks only where a block runs past the edge
+            n_ok = cols < spec.N if spec.N % bn else None
+            kr_ok, kc_ok = (ks_r < spec.K, ks_c < spec.K) if spec.K % bk else (None, None)
+            if spec.a_km:
+                a = _load(ins[spec.a].at[pl.ds(k0, bk), pl.ds(r0, bm)], kr_ok, None if m_ok is None else m_ok.T, (bk, bm)).T
+            else:
+                a = _load(ins[spec.a].at[pl.ds(r0, bm), pl.ds(k0, bk)], m_ok, kc_ok, (bm, bk))
+            if spec.b_nk:
+                b = _load(ins[spec.b].at[pl.ds(c0, bn), pl.ds(k0, bk)], None if n_ok is None else n_ok.T, kc_ok, (bn, bk)).T
+            else:
+                b = _load(ins[spec.b].at[pl.ds(k0, bk), pl.ds(c0, bn)], kr_ok, n_ok, (bk, bn))
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bm, bn), jnp.float32))
+        env = {out_v: acc}
+        for v in epi_inputs:
+            env[v] = body.load(ins[v], v, r0, c0)
+        colmask = body.mask(Span(False, True), r0, c0)
+        for nd in epi_nodes:
+            body.eval_node(nd, env, r0, c0, colmask)
+        for v in group.outputs:
+            body.store(outs[v], v, env[v], r0, c0)
+
+    out_shape = [jax.ShapeDtypeStruct(spec.epi.layout2d(v), g.avals[v].dtype) for v in group.outputs]
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(n_m * n_n,),
+        interpret=interpret,
+        name=f"autofuse_matmul_{group.signature[:8]}",
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+
+    def run(*xs):
+        env = dict(zip(group.inputs, xs))
+        args = [env[v] if v in (spec.a, spec.b) else jnp.reshape(env[v], spec.epi.layout2d(v)) for v in in_order]
+        res = call(*args)
+        return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, res)]
+
+    return run
+
+
+def _load(ref, row_ok, col_ok, shape):
+    """A masked tile load (no mask where neither side runs past the edge)."""
+    masks = [m for m in (row_ok, col_ok) if m is not None]
+    if not masks:
+        return plgpu.load(ref)
+    mask = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, shape), other=0)
