@@ -198,3 +198,21 @@ def test_cli_tune_bad_input_is_one_clear_line(tmp_path, argv, says):
     out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", *argv, "--db", f"sqlite:///{tmp_path}/x.db", "--trials", "2"],
                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
+
+
+def test_second_trial_is_the_models_best_config():
+    from autofuse.search import _model_best
+
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=40, seed=1, quiet=True, isolate=False)
+    main = max((c for c in rep.candidates if len(c.trials) >= 2), key=lambda c: len(c.nodes))
+    g = autofuse.capture(layer_norm, *_ln_args(512, 1024))
+    from autofuse.kernels import TEMPLATES
+    from autofuse.partition import enumerate_candidates
+    from autofuse.search import model_cost_ms
+
+    cand = next(c for c in enumerate_candidates(g) if c.group.signature == main.signature)
+    space = {**TEMPLATES[cand.template].space(cand.group, cand.spec), "model_ms": lambda cfg: model_cost_ms(cand, config=cfg)}
+    best = _model_best(space)
+    assert main.trials[0]["config"] == space["default"]
+    assert best != space["default"] and main.trials[1]["config"] == best
+    assert all(not space["space"].violated(t["config"], space["facts"]) for t in main.trials[:2])
