@@ -57,7 +57,7 @@ def match(group: Group) -> MatmulSpec | None:
     if not (isinstance(a, int) and isinstance(b, int) and a in group.inputs and b in group.inputs):
         return None  # a prologue (work on an operand inside the group) is not handled yet
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
-    av, bv, ov = g.avals[a], g.avals[b], g.avals[dot.outputs[0]]
+    av, bv = g.avals[a], g.avals[b]
     if lb or rb or len(av.shape) != 2 or len(bv.shape) != 2 or len(lc) != 1 or len(rc) != 1:
         return None
     prec = dot.params.get("precision")

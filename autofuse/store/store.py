@@ -44,7 +44,6 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from autofuse.store import db, queries
-from autofuse.store.db import StoreError
 from autofuse.store.models import (
     MEASURES,
     RUN_STATUSES,
