@@ -100,6 +100,20 @@ def _with_names(columns: list[Any], model: type) -> Select[Any]:
     )
 
 
+def _filtered(q: Select[Any], model: type, created: Any, program: str | None, device: str | None,
+              since: _dt.datetime | None, min_speedup: float | None) -> Select[Any]:
+    """The listing filters shared by runs, plans and compare."""
+    if program:
+        q = q.where(_program_filter(program))
+    if device:
+        q = q.where(_device_filter(device))
+    if since is not None:
+        q = q.where(created >= since)
+    if min_speedup is not None:
+        q = q.where(model.speedup >= min_speedup)
+    return q
+
+
 def runs(
     program: str | None = None,
     device: str | None = None,
@@ -109,14 +123,7 @@ def runs(
 ) -> Select[Any]:
     """Runs, newest first, with program/device/software names and counts."""
     q = _with_names(run_columns(), Run)
-    if program:
-        q = q.where(_program_filter(program))
-    if device:
-        q = q.where(_device_filter(device))
-    if since is not None:
-        q = q.where(Run.started_at >= since)
-    if min_speedup is not None:
-        q = q.where(Run.speedup >= min_speedup)
+    q = _filtered(q, Run, Run.started_at, program, device, since, min_speedup)
     if statuses:
         q = q.where(Run.status.in_(statuses))
     return q.order_by(Run.started_at.desc(), Run.id.desc())
@@ -158,14 +165,7 @@ def plans(
 ) -> Select[Any]:
     """Plans, newest first."""
     q = _with_names(plan_columns(), Plan)
-    if program:
-        q = q.where(_program_filter(program))
-    if device:
-        q = q.where(_device_filter(device))
-    if since is not None:
-        q = q.where(Plan.created_at >= since)
-    if min_speedup is not None:
-        q = q.where(Plan.speedup >= min_speedup)
+    q = _filtered(q, Plan, Plan.created_at, program, device, since, min_speedup)
     if current_only:
         q = q.where(Plan.is_current == sa.true())
     return q.order_by(Plan.created_at.desc(), Plan.id.desc())
@@ -195,34 +195,22 @@ def compare(
     )
     n_plans = sa.select(sa.func.count(other.id)).where(key).scalar_subquery()
     best = sa.select(sa.func.max(other.speedup)).where(key).scalar_subquery()
-    q = (
-        sa.select(
-            Program.name.label("program"),
-            Program.fingerprint,
-            Device.name.label("device"),
-            *_software_columns(),
-            Plan.id.label("plan_id"),
-            Plan.speedup,
-            Plan.measured_ms,
-            Plan.baseline_ms,
-            Plan.measure,
-            Plan.created_at,
-            best.label("best_speedup"),
-            n_plans.label("n_plans"),
-        )
-        .join(Program, Program.id == Plan.program_id)
-        .join(Device, Device.id == Plan.device_id)
-        .join(Software, Software.id == Plan.software_id)
-        .where(Plan.is_current == sa.true())
-    )
-    if program:
-        q = q.where(_program_filter(program))
-    if device:
-        q = q.where(_device_filter(device))
-    if since is not None:
-        q = q.where(Plan.created_at >= since)
-    if min_speedup is not None:
-        q = q.where(Plan.speedup >= min_speedup)
+    columns = [
+        Program.name.label("program"),
+        Program.fingerprint,
+        Device.name.label("device"),
+        *_software_columns(),
+        Plan.id.label("plan_id"),
+        Plan.speedup,
+        Plan.measured_ms,
+        Plan.baseline_ms,
+        Plan.measure,
+        Plan.created_at,
+        best.label("best_speedup"),
+        n_plans.label("n_plans"),
+    ]
+    q = _with_names(columns, Plan).where(Plan.is_current == sa.true())
+    q = _filtered(q, Plan, Plan.created_at, program, device, since, min_speedup)
     return q.order_by(
         Program.name, Program.fingerprint, Device.name, Software.backend, Plan.speedup.desc(), Plan.id
     )
