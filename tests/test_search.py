@@ -82,6 +82,7 @@ def _run_plugin_tune(plugin: str, tmp_path, timeout_s: float = 300.0) -> str:
         print("TEMPLATES", sorted({{c.template for c in rep.candidates}}))
         print("STATUSES", sorted({{t["status"] for c in rep.candidates for t in c.trials}}))
         print("PLAN", [g.template for g in rep.plan.groups])
+        print("CHECKED", [(c.template, c.best_ms) for c in rep.candidates if any(t["status"] == "wrong_result" for t in c.trials)])
     """)
     env = dict(os.environ, AUTOFUSE_TEMPLATE_PLUGINS=plugin, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -93,7 +94,9 @@ def test_wrong_kernel_is_never_selected(tmp_path):
     out = _run_plugin_tune("tests.plugins.wrong_template", tmp_path)
     assert "'wrong'" in out.split("TEMPLATES")[1].splitlines()[0]
     assert "wrong_result" in out.split("STATUSES")[1].splitlines()[0]
-    assert "wrong" not in out.split("PLAN")[1]
+    assert "wrong" not in out.split("PLAN")[1].splitlines()[0]
+    # a candidate whose best configs all failed their check offers no fused option at all
+    assert "('wrong', None)" in out.split("CHECKED")[1] and "('wrong', 0" not in out.split("CHECKED")[1]
 
 
 def test_crashing_kernel_fails_its_trial_and_the_job_goes_on(tmp_path):
