@@ -219,3 +219,15 @@ def test_second_trial_is_the_models_best_config():
     assert main.trials[0]["config"] == space["default"]
     assert best != space["default"] and main.trials[1]["config"] == best
     assert all(not space["space"].violated(t["config"], space["facts"]) for t in main.trials[:2])
+
+
+def test_concurrent_jobs_creating_optunas_tables_in_a_new_file(tmp_path):
+    """Optuna's schema creation races between processes opening a fresh file (its alembic_version row)."""
+    code = "import sys; from autofuse.store import PlanStore; from autofuse.search import _optuna_storage; _optuna_storage(PlanStore(sys.argv[1]))"
+    for k in range(4):
+        url = f"sqlite:///{tmp_path}/race{k}.db"
+        procs = [subprocess.Popen([sys.executable, "-c", code, url], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
