@@ -143,6 +143,10 @@ class Run(Base):
     optuna_storage: Mapped[str | None] = mapped_column(sa.Text)
     optuna_study_prefix: Mapped[str] = mapped_column(sa.String(255), default="")
     error: Mapped[str | None] = mapped_column(sa.Text)
+    # Runs shared by several workers (migration 0002): what a worker rebuilds the program from, and
+    # which worker (host:pid) won the one final selection.
+    job: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    selected_by: Mapped[str | None] = mapped_column(sa.String(255))
 
     __table_args__ = (
         sa.CheckConstraint(

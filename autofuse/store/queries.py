@@ -131,7 +131,7 @@ def runs(
 
 def run(run_id: int) -> Select[Any]:
     """One run with everything :func:`runs` shows, plus the program signature/size."""
-    return _with_names(run_columns(), Run).add_columns(Program.signature, Program.size).where(Run.id == run_id)
+    return _with_names(run_columns(), Run).add_columns(Program.signature, Program.size, Run.job, Run.selected_by).where(Run.id == run_id)
 
 
 def plan_columns() -> list[Any]:

@@ -61,6 +61,8 @@ T = TypeVar("T")
 
 SOFTWARE_KEYS = ("jax", "jaxlib", "autofuse", "backend")
 UNFINISHED_STATUSES = ("running", "interrupted")
+#: Trial statuses that spend no budget: decided without compiling, or lost with a dead worker (and retried).
+UNCOUNTED_TRIAL_STATUSES = ("infeasible", "pruned", "lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +320,7 @@ class PlanStore:
             run.status = "running"
             run.ended_at = None
             run.host, run.pid = host, pid
+            run.selected_by = None  # a worker that died while selecting: this process selects now
 
         self._write(fn)
         return self.get_run(run_id)
@@ -423,7 +426,8 @@ class PlanStore:
         """Record trial *number* of a candidate; returns its id.
 
         *status*: ok, infeasible, compile_error, resource_exhausted,
-        wrong_result, nan, timeout, crashed, ... Recording the same number
+        wrong_result, nan, timeout, crashed, ... (and, for runs shared by
+        workers, running and lost: see :meth:`claim_trial`). Recording the same number
         again replaces that trial's values (a resumed run re-running it).
         """
         values = dict(
@@ -449,6 +453,130 @@ class PlanStore:
             return row.id
 
         return self._write(fn, retry_integrity=True)
+
+    # ------------------------------------------------- runs shared by workers
+
+    def set_run_job(self, run_id: int, job: dict[str, Any]) -> None:
+        """Publish what workers need to join the run (set once its candidates and studies exist)."""
+
+        def fn(s: Session) -> None:
+            self._require(s, Run, run_id, "run").job = dict(job)
+
+        self._write(fn)
+
+    def claim_trial(
+        self,
+        run_id: int,
+        cand_id: int,
+        config: dict[str, Any],
+        optuna_trial_id: int,
+        *,
+        limit: int | None,
+        status: str = "running",
+        error: str | None = None,
+    ) -> tuple[str, Any]:
+        """Record that a worker is about to measure *config* of a candidate, if the run allows it.
+
+        One transaction, serialised per run (the run row's lock), so that
+        workers on any number of hosts keep the budget exactly and never
+        measure one config twice. Returns ``("ok", number)`` (a new trial row
+        in *status*, ``running`` by default), ``("duplicate", row)`` (the
+        config has a row that is not ``lost``), ``("spent", None)`` (the run's
+        *limit* of counted trials is reached: every trial except infeasible,
+        pruned and lost ones counts, those running included) or
+        ``("closed", None)`` (the run is no longer running, or its final
+        selection has begun). Give *limit* None for a trial that spends no
+        budget (infeasible, pruned).
+        """
+        cfg = dict(config)
+
+        def fn(s: Session) -> tuple[str, Any]:
+            run = self._require(s, Run, run_id, "run", lock=True)
+            if run.status != "running" or run.selected_by is not None:
+                return "closed", None
+            rows = s.execute(sa.select(Trial).where(Trial.candidate_id == cand_id)).scalars().all()
+            for r in rows:
+                if r.status != "lost" and r.config == cfg:
+                    return "duplicate", {"number": r.number, "status": r.status, "median_ms": r.median_ms, "error": r.error}
+            if limit is not None and self._counted_trials(s, run_id) >= limit:
+                return "spent", None
+            number = max((r.number for r in rows), default=-1) + 1
+            s.add(Trial(candidate_id=cand_id, number=number, config=cfg, status=status, error=error,
+                        optuna_trial_id=optuna_trial_id, created_at=utcnow()))
+            return "ok", number
+
+        return self._write(fn)
+
+    @staticmethod
+    def _counted_trials(s: Session, run_id: int) -> int:
+        q = (
+            sa.select(sa.func.count(Trial.id))
+            .join(Candidate, Candidate.id == Trial.candidate_id)
+            .where(Candidate.run_id == run_id, Trial.status.not_in(UNCOUNTED_TRIAL_STATUSES))
+        )
+        return int(s.scalar(q) or 0)
+
+    def finish_trial(
+        self,
+        cand_id: int,
+        number: int,
+        status: str,
+        *,
+        median_ms: float | None = None,
+        min_ms: float | None = None,
+        max_ms: float | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Record the result of a claimed (``running``) trial; False if it was meanwhile marked lost."""
+        values = dict(status=status, median_ms=_float(median_ms), min_ms=_float(min_ms), max_ms=_float(max_ms), error=error)
+
+        def fn(s: Session) -> bool:
+            res = s.execute(
+                sa.update(Trial)
+                .where(Trial.candidate_id == cand_id, Trial.number == number, Trial.status == "running")
+                .values(**values)
+            )
+            return res.rowcount == 1
+
+        return self._write(fn)
+
+    def mark_trial_lost(self, cand_id: int, optuna_trial_id: int, error: str) -> bool:
+        """A running trial whose worker died (its Optuna trial failed by heartbeat): ``lost``, no longer counted."""
+
+        def fn(s: Session) -> bool:
+            res = s.execute(
+                sa.update(Trial)
+                .where(Trial.candidate_id == cand_id, Trial.optuna_trial_id == optuna_trial_id, Trial.status == "running")
+                .values(status="lost", error=error)
+            )
+            return res.rowcount > 0
+
+        return self._write(fn)
+
+    def begin_selection(self, run_id: int, worker: str) -> bool:
+        """Compare-and-set: *worker* becomes the one that selects and saves the run's plan.
+
+        True for exactly one caller, and only while the run is running, its
+        selection not yet taken, and none of its trials is still running.
+        """
+
+        def fn(s: Session) -> bool:
+            run = self._require(s, Run, run_id, "run", lock=True)
+            if run.status != "running" or run.selected_by is not None:
+                return False
+            running = s.scalar(
+                sa.select(sa.func.count(Trial.id))
+                .join(Candidate, Candidate.id == Trial.candidate_id)
+                .where(Candidate.run_id == run_id, Trial.status == "running")
+            )
+            if running:
+                return False
+            res = s.execute(
+                sa.update(Run).where(Run.id == run_id, Run.status == "running", Run.selected_by.is_(None)).values(selected_by=worker)
+            )
+            return res.rowcount == 1
+
+        return self._write(fn)
 
     # ----------------------------------------------------------------- plans
 
