@@ -1,0 +1,894 @@
+"""Template `attention`: scores = q·k, elementwise work, softmax over keys, · v, as one flash-style kernel.
+
+The group is matched by its structure, not by a name: a `dot_general` whose
+output (the scores, axes [batch..., q, k]) feeds elementwise work (scale,
+bias, masks from inputs or from `iota`, soft-capping), a `reduce_max` and a
+`reduce_sum` over the key axis with the softmax wiring between them
+(`exp(x - max)`, divided or multiplied by a function of the sum), and a
+second `dot_general` contracting the probabilities with the values.
+Operands may reach the dots through broadcasts and merging reshapes (that is
+how `jnp.repeat` expresses grouped-query attention): the kernel reads the
+original arrays with the index arithmetic those ops imply.
+
+Kernel: one program per (batch position, block of queries); a loop over key
+blocks keeps a running max, a running sum and a float32 accumulator
+(FlashAttention-2). The score work is the group's own equations, evaluated on
+[block_q, block_k] tiles (`tiling._Body`); `iota` gives the tile's global
+query/key positions. Masks that depend on `iota` alone are evaluated once on
+the host over the whole [q, k] grid: key blocks that are masked out for a
+whole query block are never visited, and blocks without a masked position
+skip the mask arithmetic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .. import costmodel, ops
+from ..graph import Group, Lit, Node
+from ..ops import OpClass, op_class
+from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, _needed, _propagate, next_pow2
+
+NAME = "attention"
+PARAMS = ("block_q", "block_k", "num_warps", "num_stages")
+_DTYPES = {np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
+_NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
+_MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
+
+
+@dataclass
+class Operand:
+    """A dot operand read from a group input: for each input axis, its role and index arithmetic."""
+
+    value: int  # the group input
+    seq_axis: int  # input axis of the sequence (q or k)
+    d_axis: int  # input axis of the head dimension
+    batch: dict[int, list[tuple[int, int, int]]]  # input axis -> [(score batch axis, div, mod)]; index = sum((b // div) % mod)
+
+
+@dataclass
+class AttentionSpec:
+    group: Group
+    score_shape: tuple[int, ...]
+    q_axis: int
+    k_axis: int
+    batch_axes: tuple[int, ...]
+    q: Operand
+    k: Operand
+    v: Operand
+    D: int
+    Dv: int
+    dot1: Node
+    dot2: Node
+    max_node: Node
+    sum_node: Node
+    combine: Node  # div/mul of the exp branch by a function of the sum
+    x: int  # the value the max reduces (scores after their elementwise work)
+    sub_row: int  # the row value subtracted before exp
+    e_sum: int  # the value the sum reduces
+    e_dot: int  # the exp-branch operand of `combine`
+    e_first: bool  # whether that operand comes first in `combine`
+    l_row: int  # the other operand of `combine`
+    pre: list[Node]  # score work, per tile (no dependence on the max)
+    row_m: list[Node]  # row work on the max
+    exp_branch: list[Node]  # sub, exp, converts
+    row_l: list[Node]  # row work on the sum
+    post: list[Node]  # converts between dot2 and the group output
+    out: int  # the group's single output
+    out_roles: list  # per output axis: "q", "d", a score axis (batch index), or None (unit)
+    tile: TileSpec  # score-space tile spec for the evaluator
+    dot_dtype1: np.dtype
+    dot_dtype2: np.dtype
+    mask_selects: dict[int, int] = field(default_factory=dict)  # select node id -> value it takes where unmasked
+    mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
+    dead: np.ndarray | None = None  # [Lq, Lk] positions masked out regardless of runtime inputs
+    masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
+
+    @property
+    def Lq(self) -> int:
+        return self.score_shape[self.q_axis]
+
+    @property
+    def Lk(self) -> int:
+        return self.score_shape[self.k_axis]
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.score_shape[a] for a in self.batch_axes)
+
+
+# ---------------------------------------------------------------------------
+# Matching.
+def match(group: Group) -> AttentionSpec | None:
+    """The attention structure of `group`, or None."""
+    try:
+        return _match(group)
+    except NoMatch:
+        return None
+
+
+def _match(group: Group) -> AttentionSpec:
+    g = group.graph
+    dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
+    if len(dots) != 2:
+        raise NoMatch("needs two dots")
+    reds = [n for n in group.nodes if op_class(n.name) is OpClass.REDUCTION]
+    maxes = [n for n in reds if n.name == "reduce_max"]
+    sums = [n for n in reds if n.name == "reduce_sum"]
+    if len(maxes) != 1 or len(sums) != 1 or len(reds) != 2 or len(group.outputs) != 1:
+        raise NoMatch("needs one max, one sum and one output")
+    members = set(group.node_ids)
+    dep = _dependents(group)
+    d1, d2 = (dots[0], dots[1]) if dots[1].id in dep[dots[0].id] else (dots[1], dots[0])
+    if d2.id not in dep[d1.id]:
+        raise NoMatch("the dots are independent")
+    mx, sm = maxes[0], sums[0]
+    if not (mx.id in dep[d1.id] and sm.id in dep[mx.id] and d2.id in dep[sm.id]):
+        raise NoMatch("not a softmax between the dots")
+    prec = [d.params.get("precision") for d in (d1, d2)]
+    for p in prec:
+        if p is not None and any(x is not None and "DEFAULT" not in str(x) for x in (p if isinstance(p, tuple) else (p,))):
+            raise NoMatch("non-default precision")
+
+    # score space: the shape the softmax reduces (dot1's output up to unit axes)
+    x = mx.inputs[0]
+    S = tuple(g.avals[x].shape)
+    n = len(S)
+    (red_axis,) = mx.params["axes"]
+    if tuple(sm.params["axes"]) != (red_axis,) or g.aval(sm.inputs[0]).shape != S:
+        raise NoMatch("max and sum must reduce the scores over one axis")
+    k_axis = red_axis
+    d1_out = d1.outputs[0]
+    osh = g.avals[d1_out].shape
+    nu_s, nu_o = [d for d in range(n) if S[d] != 1], [d for d in range(len(osh)) if osh[d] != 1]
+    if [S[d] for d in nu_s] != [osh[d] for d in nu_o]:
+        raise NoMatch("the softmax is not over dot1's output")
+    seed: list = [None] * len(osh)
+    for do, ds in zip(nu_o, nu_s):
+        seed[do] = ds
+    (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
+    a_sh, b_sh = g.aval(d1.inputs[0]).shape, g.aval(d1.inputs[1]).shape
+    if len(lc) != 1 or len(a_sh) - len(lb) - 1 != 1 or len(b_sh) - len(rb) - 1 != 1:
+        raise NoMatch("dot1 is not [.., q, d] x [.., k, d]")
+    nb1 = len(lb)
+    if seed[nb1 + 1] == k_axis:
+        q_is_lhs, q_axis = True, seed[nb1]
+    elif seed[nb1] == k_axis:
+        q_is_lhs, q_axis = False, seed[nb1 + 1]
+    else:
+        raise NoMatch("softmax axis is not the key axis of dot1")
+    if q_axis is None:
+        raise NoMatch("a single query")
+    batch_axes = tuple(d for d in range(n) if d not in (q_axis, k_axis))
+    lhs_free = next(d for d in range(len(a_sh)) if d not in lb and d not in lc)
+    rhs_free = next(d for d in range(len(b_sh)) if d not in rb and d not in rc)
+    op_l = _operand(group, d1.inputs[0], {lb[i]: seed[i] for i in range(nb1)}, lhs_free, lc[0])
+    op_r = _operand(group, d1.inputs[1], {rb[i]: seed[i] for i in range(nb1)}, rhs_free, rc[0])
+    qo, ko = (op_l, op_r) if q_is_lhs else (op_r, op_l)
+    D = a_sh[lc[0]]
+
+    # dot2: P (derived from the scores) with V; then the output tail
+    (lc2, rc2), (lb2, rb2) = d2.params["dimension_numbers"]
+    p_idx = next((i for i, a in enumerate(d2.inputs) if isinstance(a, int) and g.producer.get(a) in members
+                  and _score_derived(group, a, d1)), None)
+    if p_idx is None or len(lc2) != 1:
+        raise NoMatch("dot2 does not contract the probabilities")
+    pc, vc = (lc2[0], rc2[0]) if p_idx == 0 else (rc2[0], lc2[0])
+    pb, vb = (lb2, rb2) if p_idx == 0 else (rb2, lb2)
+    p_val, v_atom = d2.inputs[p_idx], d2.inputs[1 - p_idx]
+    out = d2.outputs[0]
+    post = []
+    while out not in group.outputs:
+        cons = [c for c in g.consumers.get(out, ()) if c in members]
+        nd = g.node_index[cons[0]] if len(cons) == 1 else None
+        if nd is None or nd.name not in ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+            raise NoMatch("work after dot2 other than converts and unit axes")
+        post.append(nd)
+        out = nd.outputs[0]
+    skip = {d1.id, d2.id} | {nd.id for nd in post}
+    for atom in (d1.inputs[0], d1.inputs[1], v_atom):
+        skip |= set(_chain_nodes(group, atom))
+    score_nodes = [nd for nd in group.nodes if nd.id not in skip]
+    axes = _place(group, score_nodes, S, d1_out, tuple(seed))
+    p_axes = axes[p_val]
+    p_free = [d for d in range(len(p_axes)) if d not in pb and d != pc]
+    if p_axes[pc] != k_axis or len(p_free) != 1 or p_axes[p_free[0]] != q_axis:
+        raise NoMatch("dot2 contracts the wrong axis of the probabilities")
+    v_sh = g.aval(v_atom).shape
+    v_free = [d for d in range(len(v_sh)) if d not in vb and d != vc]
+    if len(v_free) != 1:
+        raise NoMatch("values are not [.., k, d]")
+    vo = _operand(group, v_atom, {vb[i]: p_axes[pb[i]] for i in range(len(vb))}, vc, v_free[0])
+    Dv = v_sh[v_free[0]]
+    if min(D, Dv) < 16 or D > 256 or Dv > 256:
+        raise NoMatch("head dims outside 16..256")
+    roles: list = [p_axes[d] for d in pb] + (["q", "d"] if p_idx == 0 else ["d", "q"])
+    for nd in post:
+        roles = _carry_roles(nd, roles, g)
+    dm, dl = dep[mx.id], dep[sm.id]
+    pre = [nd for nd in score_nodes if nd.id not in dm and nd.id != mx.id]
+    row_m = [nd for nd in score_nodes if nd.id in dm and nd.id not in dl and nd.id != sm.id and not _has_k(axes, nd, k_axis)]
+    exp_branch = [nd for nd in score_nodes if nd.id in dm and nd.id not in dl and nd.id != sm.id and _has_k(axes, nd, k_axis)]
+    row_l = [nd for nd in score_nodes if nd.id in dl and not _has_k(axes, nd, k_axis)]
+    full_l = [nd for nd in score_nodes if nd.id in dl and _has_k(axes, nd, k_axis)]
+    if any(op_class(nd.name) is OpClass.SOURCE for nd in row_m + exp_branch + row_l):
+        raise NoMatch("iota after the max")
+    # exp branch: sub(y, m_row) -> exp -> converts
+    if not exp_branch or exp_branch[0].name != "sub" or len(exp_branch) < 2 or exp_branch[1].name != "exp":
+        raise NoMatch("exp branch is not exp(x - max)")
+    sub, ex = exp_branch[0], exp_branch[1]
+    y, m_row = sub.inputs
+    if not (isinstance(y, int) and isinstance(m_row, int)) or ex.inputs[0] != sub.outputs[0]:
+        raise NoMatch("exp branch wiring")
+    if g.producer.get(m_row) not in {nd.id for nd in row_m} | {mx.id} or g.producer.get(y) in dm:
+        raise NoMatch("exp branch does not subtract the row max")
+    e_vals = [ex.outputs[0]]
+    for nd in exp_branch[2:]:
+        if nd.name != "convert_element_type" or nd.inputs[0] not in e_vals:
+            raise NoMatch("exp branch: only converts after exp")
+        e_vals.append(nd.outputs[0])
+    if sm.inputs[0] not in e_vals:
+        raise NoMatch("sum is not over the exp branch")
+    # combine: exactly one full-size node on the sum, then converts into dot2
+    if not full_l or full_l[0].name not in ("div", "mul"):
+        raise NoMatch("no normalisation by the sum")
+    comb = full_l[0]
+    a0, a1 = comb.inputs
+    if a0 in e_vals and isinstance(a1, int) and (g.producer.get(a1) in {nd.id for nd in row_l} | {sm.id}):
+        e_first, e_dot, l_row = True, a0, a1
+    elif comb.name == "mul" and a1 in e_vals and isinstance(a0, int) and (g.producer.get(a0) in {nd.id for nd in row_l} | {sm.id}):
+        e_first, e_dot, l_row = False, a1, a0
+    else:
+        raise NoMatch("normalisation is not exp-branch (div|mul) row value")
+    cur = comb.outputs[0]
+    for nd in full_l[1:]:
+        if nd.name not in ("convert_element_type", "squeeze", "reshape", "expand_dims") or nd.inputs[0] != cur:
+            raise NoMatch("work between normalisation and dot2")
+        cur = nd.outputs[0]
+    if cur != p_val:
+        raise NoMatch("normalised probabilities do not feed dot2")
+    if g.producer.get(x) in dm:
+        raise NoMatch("max of a max-dependent value")
+    _inputs_within(row_m, {mx.outputs[0]})
+    _inputs_within(row_l, {sm.outputs[0]})
+
+    dt_q, dt_k = g.avals[qo.value].dtype, g.avals[ko.value].dtype
+    dt_p, dt_v = g.avals[p_val].dtype, g.avals[vo.value].dtype
+    for dt in (dt_q, dt_k, dt_v):
+        if np.dtype(dt) not in _DTYPES:
+            raise NoMatch("operand dtype")
+    if np.dtype(dt_q) != np.dtype(dt_k):
+        raise NoMatch("q and k dtypes differ")
+    dot_dtype2 = np.dtype(dt_v) if np.dtype(dt_v) != np.dtype("float32") else np.dtype(dt_p)
+    if np.dtype(dot_dtype2) not in _DTYPES:
+        raise NoMatch("probability dtype")
+
+    span = {v: Span(q_axis in ax, k_axis in ax) for v, ax in axes.items()}
+    sub_group = Group.of(g, [nd.id for nd in score_nodes])
+    if not set(sub_group.inputs) <= set(group.inputs) | {d1.outputs[0]}:
+        raise NoMatch("score work reads an operand chain")
+    tile = TileSpec(sub_group, S, n - 1, axes, span, [])
+    spec = AttentionSpec(group, S, q_axis, k_axis, batch_axes, qo, ko, vo, D, Dv, d1, d2, mx, sm, comb, x, m_row,
+                         sm.inputs[0], e_dot, e_first, l_row, pre, row_m, exp_branch, row_l, post, out, roles,
+                         tile, np.dtype(dt_q), np.dtype(dot_dtype2))
+    return spec
+
+
+def _inputs_within(nodes: list[Node], allowed: set[int]) -> None:
+    """Row work at the end of the loop may read only its own chain (not per-tile values)."""
+    have = set(allowed) | {v for nd in nodes for v in nd.outputs}
+    if any(isinstance(a, int) and a not in have for nd in nodes for a in nd.inputs):
+        raise NoMatch("row work reads a per-tile value")
+
+
+def _dependents(group: Group) -> dict[int, set[int]]:
+    """node id -> ids of the group's nodes that (transitively) read it."""
+    g = group.graph
+    members = set(group.node_ids)
+    out: dict[int, set[int]] = {}
+    for nd in reversed(group.nodes):
+        s: set[int] = set()
+        for c in g.succs(nd.id):
+            if c in members:
+                s |= {c} | out[c]
+        out[nd.id] = s
+    return out
+
+
+def _score_derived(group: Group, v: int, d1: Node) -> bool:
+    g = group.graph
+    members = set(group.node_ids)
+    todo, seen = [v], set()
+    while todo:
+        x = todo.pop()
+        if x == d1.outputs[0]:
+            return True
+        p = g.producer.get(x)
+        if p is None or p not in members or x in seen:
+            continue
+        seen.add(x)
+        todo.extend(a for a in g.node_index[p].inputs if isinstance(a, int))
+    return False
+
+
+def _chain_nodes(group: Group, atom) -> list[int]:
+    """Broadcast/reshape nodes between a group input and a dot operand."""
+    g = group.graph
+    members = set(group.node_ids)
+    out = []
+    v = atom
+    while isinstance(v, int) and g.producer.get(v) in members:
+        nd = g.node_index[g.producer[v]]
+        if nd.name not in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims") or not isinstance(nd.inputs[0], int):
+            raise NoMatch(f"dot operand computed by {nd.name}")
+        if len(g.consumers.get(v, ())) != 1 or v in group.outputs:
+            raise NoMatch("an operand chain value is shared")
+        out.append(nd.id)
+        v = nd.inputs[0]
+    return out
+
+
+def _operand(group: Group, atom, batch_of: dict[int, int], seq_dim: int, d_dim: int) -> Operand:
+    """Follow broadcasts/merging reshapes back to a group input; map operand axes to input axes."""
+    g = group.graph
+    if not isinstance(atom, int):
+        raise NoMatch("literal dot operand")
+    chain = [g.node_index[i] for i in reversed(_chain_nodes(group, atom))]
+    src = chain[0].inputs[0] if chain else atom
+    if src not in group.inputs:
+        raise NoMatch("dot operand is not read from memory")
+    shape = g.avals[src].shape
+    # per current axis: [(source axis, div, mod)]: source index = (i // div) % mod
+    cur = [[(a, 1, s)] if s != 1 else [] for a, s in enumerate(shape)]
+    for nd in chain:
+        ish, osh = g.aval(nd.inputs[0]).shape, g.avals[nd.outputs[0]].shape
+        if nd.name == "broadcast_in_dim":
+            new = [[] for _ in osh]
+            for i, j in enumerate(nd.params["broadcast_dimensions"]):
+                if ish[i] == osh[j]:
+                    new[j] = cur[i]
+            cur = new
+        else:
+            if nd.name == "reshape" and nd.params.get("dimensions") is not None:
+                raise NoMatch("reshape with dimensions")
+            cur = _merge(cur, ish, osh)
+    op_shape = g.aval(atom).shape
+    roles = {}
+    for j, terms in enumerate(cur):
+        for a, div, mod in terms:
+            roles.setdefault(a, []).append((j, div, mod))
+    seq_axis = d_axis = None
+    batch: dict[int, list] = {}
+    for a, terms in roles.items():
+        if len(terms) != 1:
+            raise NoMatch("an input axis feeds two operand axes")
+        j, div, mod = terms[0]
+        if j in (seq_dim, d_dim):
+            if div != 1 or mod != op_shape[j] or mod != shape[a]:
+                raise NoMatch("sequence/head axis is not a plain input axis")
+            if j == seq_dim:
+                seq_axis = a
+            else:
+                d_axis = a
+        elif j in batch_of:
+            batch[a] = [(batch_of[j], div, mod)]
+        else:
+            raise NoMatch("operand axis of unknown role")
+    if seq_axis is None or d_axis is None:
+        raise NoMatch("operand lacks a sequence or head axis")
+    return Operand(src, seq_axis, d_axis, batch)
+
+
+def _merge(cur: list, ish: tuple, osh: tuple) -> list:
+    """Index terms through a reshape that only merges consecutive axes (and adds/drops unit axes)."""
+    i_nu = [d for d, s in enumerate(ish) if s != 1]
+    out: list = [[] for _ in osh]
+    i = 0
+    for j, s in enumerate(osh):
+        if s == 1:
+            continue
+        run, prod = [], 1
+        while prod < s and i < len(i_nu):
+            run.append(i_nu[i])
+            prod *= ish[i_nu[i]]
+            i += 1
+        if prod != s:
+            raise NoMatch("reshape splits an axis")
+        inner = 1
+        for d in reversed(run):  # out index x -> in index (x // inner) % ish[d]
+            for a, div, mod in cur[d]:
+                if div * mod != ish[d] and not (div == 1 and mod == ish[d]):
+                    raise NoMatch("reshape of a partially broadcast axis")
+                out[j].append((a, inner * div, mod))
+            inner *= ish[d]
+    return out
+
+
+def _carry_roles(nd: Node, roles: list, g) -> list:
+    """Output-axis roles through a convert or a unit-axis layout op."""
+    if nd.name == "convert_element_type":
+        return roles
+    ish, osh = g.aval(nd.inputs[0]).shape, g.avals[nd.outputs[0]].shape
+    if [s for s in ish if s != 1] != [s for s in osh if s != 1]:
+        raise NoMatch(f"{nd.name} after dot2 moves data")
+    kept = [r for r, s in zip(roles, ish) if s != 1]
+    it = iter(kept)
+    return [next(it) if s != 1 else None for s in osh]
+
+
+def _has_k(axes: dict, nd: Node, k_axis: int) -> bool:
+    return k_axis in axes[nd.outputs[0]]
+
+
+def _place(group: Group, nodes: list[Node], S: tuple, scores: int, seed: tuple) -> dict[int, tuple]:
+    """S-axis of every dim of every score-space value (as `tiling.analyze`, over these nodes only)."""
+    g = group.graph
+    n = len(S)
+    axes: dict[int, tuple] = {scores: seed}
+
+    def put(v: int, ax: tuple) -> bool:
+        old = axes.get(v)
+        if old is None:
+            axes[v] = ax
+            return True
+        if old != ax:
+            raise NoMatch(f"value %{v} maps to S-axes {old} and {ax}")
+        return False
+
+    vals = {a for nd in nodes for a in nd.inputs if isinstance(a, int)} | {v for nd in nodes for v in nd.outputs}
+    for v in vals:
+        av = g.avals[v]
+        if av.size == 1:
+            put(v, (None,) * len(av.shape))
+        elif len(av.shape) == n and all(s in (1, S[d]) for d, s in enumerate(av.shape)):
+            put(v, tuple(d if s != 1 else None for d, s in enumerate(av.shape)))
+    changed = True
+    while changed:
+        changed = False
+        for nd in nodes:
+            changed |= _propagate(nd, g.avals, axes, put)
+    for v in vals:
+        if v not in axes:
+            raise NoMatch(f"cannot place value %{v}")
+        ax = [a for a in axes[v] if a is not None]
+        if len(set(ax)) != len(ax):
+            raise NoMatch("a value repeats an axis")
+    return axes
+
+
+# ---------------------------------------------------------------------------
+# Masks known at build time.
+def _iota_only(spec: AttentionSpec) -> set[int]:
+    """Score-space values computed from iota and literals alone, constant over the batch axes."""
+    out: set[int] = set()
+    batchy: set[int] = set()
+    for nd in spec.pre:
+        ins = [a for a in nd.inputs if isinstance(a, int)]
+        if op_class(nd.name) in (OpClass.REDUCTION, OpClass.CONTRACTION) or not all(a in out for a in ins):
+            continue
+        v = nd.outputs[0]
+        if op_class(nd.name) is OpClass.SOURCE:
+            if spec.tile.axes[v][nd.params["dimension"]] in spec.batch_axes:
+                batchy.add(v)
+        elif any(a in batchy for a in ins):
+            batchy.add(v)
+        out.add(v)
+    return out - batchy
+
+
+def _host_values(spec: AttentionSpec, want: set[int]) -> dict[int, np.ndarray]:
+    """Evaluate iota-only values over the whole [Lq, Lk] grid on the host."""
+    nodes = _needed(spec.pre, want, set())
+    body = _AttnBody(spec, spec.Lq, spec.Lk)
+    env: dict = {}
+    with jax.ensure_compile_time_eval():
+        body.set_program([0] * len(spec.score_shape), 0, 0)
+        for nd in nodes:
+            body.eval_node(nd, env, 0, 0)
+        return {v: np.asarray(jnp.broadcast_to(env[v], (spec.Lq, spec.Lk))) for v in want}
+
+
+def _analyze_masks(spec: AttentionSpec) -> None:
+    """Positions masked out (for any runtime input) on the path from the scores to the max, and the mask ops.
+
+    A mask is a `select_n` with an iota-only predicate choosing a fill <= -1e4, or
+    the addition of an iota-only value that is <= -1e4 where masked. Being masked
+    survives converts, scaling by a positive literal, adding any other value, and
+    further selects whose other case is such a fill; anything else after a mask
+    (e.g. tanh soft-capping) could revive a masked score, and then nothing is skipped.
+    """
+    if spec.masks_known:
+        return
+    spec.masks_known = True
+    if spec.Lq * spec.Lk > _MAX_GRID:
+        return
+    iota = _iota_only(spec)
+    y = spec.exp_branch[0].inputs[0]
+    path = _needed(spec.pre, {spec.x, y}, set())
+    main = {spec.dot1.outputs[0]}
+    steps = []  # (kind, node, score operand, iota value, other)
+    for nd in path:
+        ins = list(nd.inputs)
+        m = [a for a in ins if isinstance(a, int) and a in main]
+        if not m:
+            continue
+        main.add(nd.outputs[0])
+        mv = m[0]
+        others = [a for a in ins if a != mv]
+        if nd.name == "select_n" and len(ins) == 3 and len(m) == 1 and ins[0] != mv:
+            other = ins[1] if ins[2] == mv else ins[2]
+            if isinstance(other, Lit) or other in iota:
+                steps.append(("select" if ins[0] in iota else "fill", nd, mv, ins[0], other))
+                continue
+        if nd.name == "add" and len(m) == 1 and isinstance(others[0], int) and others[0] in iota:
+            steps.append(("add", nd, mv, others[0], None))
+            continue
+        ok = (nd.name in ("convert_element_type", "stop_gradient") or op_class(nd.name) in (OpClass.BROADCAST, OpClass.LAYOUT)
+              or nd.name in ("add", "sub") and len(m) == 1 and ins[0] == mv
+              or nd.name == "add" and len(m) == 1
+              or nd.name in ("mul", "div") and len(m) == 1 and ins[0] == mv and isinstance(ins[1], Lit) and float(ins[1].value) > 0
+              or nd.name == "mul" and len(m) == 1 and isinstance(ins[0], Lit) and float(ins[0].value) > 0)
+        if not ok:
+            return
+    if not any(k in ("select", "add") for k, *_ in steps):
+        return
+    want = {st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
+    host = _host_values(spec, want)
+    dead = np.zeros((spec.Lq, spec.Lk), bool)
+    selects, adds = {}, {}
+
+    def fill_of(other) -> np.ndarray:
+        return np.broadcast_to(np.float32(other.value) if isinstance(other, Lit) else host[other].astype(np.float32), dead.shape)
+
+    for kind, nd, mv, a, other in steps:
+        if kind == "fill":  # a runtime predicate: only a very negative fill keeps masked scores masked
+            if not np.all(fill_of(other) <= _NEG):
+                return
+        elif kind == "select":  # select_n(pred, c0, c1): True picks c1
+            pred = host[a].astype(bool)
+            picks_fill = ~pred if nd.inputs[2] == mv else pred
+            fill = fill_of(other)
+            if np.any(picks_fill & (fill > _NEG)):
+                return  # a select that is not a mask
+            dead |= picks_fill
+            selects[nd.id] = mv
+        else:
+            bias = host[a].astype(np.float32)
+            d = bias <= _NEG
+            if np.all(bias[~d] == 0):
+                adds[nd.id] = mv
+            dead |= d
+    spec.dead, spec.mask_selects, spec.mask_adds = dead, selects, adds
+
+
+def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    """Per query block: [lo, full_lo, full_hi, hi) key blocks (live range; the mask-free middle), or None."""
+    _analyze_masks(spec)
+    if spec.dead is None:
+        return None
+    nq, nk = -(-spec.Lq // bq), -(-spec.Lk // bk)
+    dead = np.ones((nq * bq, nk * bk), bool)
+    dead[: spec.Lq, : spec.Lk] = spec.dead
+    ragged = np.zeros_like(dead)
+    ragged[spec.Lq:, :] = True
+    blk = dead.reshape(nq, bq, nk, bk)
+    live_pos = ~blk
+    any_live = live_pos.any(axis=(1, 3))
+    real_rows = (np.arange(nq * bq) < spec.Lq).reshape(nq, bq)[:, :, None, None]
+    all_live = (live_pos | ~real_rows).all(axis=(1, 3)) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
+    out = np.zeros((nq, 4), np.int32)
+    for i in range(nq):
+        idx = np.nonzero(any_live[i])[0]
+        lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+        full = np.nonzero(all_live[i, lo:hi])[0] + lo
+        flo, fhi = (int(full[0]), int(full[-1]) + 1) if len(full) and np.all(all_live[i, full[0]:full[-1] + 1]) else (lo, lo)
+        out[i] = (lo, flo, fhi, hi)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Tile evaluation.
+class _AttnBody(_Body):
+    """The tile evaluator with attention coordinates: iota gives global q/k positions and batch indices."""
+
+    def __init__(self, spec: AttentionSpec, bq: int, bk: int):
+        super().__init__(spec.tile, TileConfig(bq, bk, 4, 1), 0)
+        self.aspec = spec
+        self.bidx: list = []
+        self.q0 = self.k0 = 0
+
+    def set_program(self, bidx: list, q0, k0) -> None:
+        self.bidx, self.q0, self.k0 = bidx, q0, k0
+
+    def iota(self, nd: Node, r0, c0):
+        a = self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
+        dt = ops.compute_dtype(nd.params["dtype"])
+        if a == self.aspec.q_axis:
+            return (self.q0 + jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0)).astype(dt)
+        if a == self.aspec.k_axis:
+            return (self.k0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.bn), 1)).astype(dt)
+        if a is None:
+            return jnp.zeros((1, 1), dt)
+        return jnp.full((1, 1), self.bidx[a], jnp.int32).astype(dt)
+
+
+# ---------------------------------------------------------------------------
+# Search space, model.
+def default_config(spec: AttentionSpec) -> dict:
+    big = spec.Lq >= 128 and spec.Lk >= 128
+    return {"block_q": 128 if big else 64, "block_k": 64 if max(spec.D, spec.Dv) > 64 or not big else 128,
+            "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
+
+
+def space(group: Group, spec: AttentionSpec | None = None) -> dict:
+    """Tunable parameters (search_spaces/attention.yaml), the default config and the constraint facts."""
+    from ..spaces import load_spaces
+
+    spec = spec or match(group)
+    sp = load_spaces()[NAME]
+    default = {k: min((c for c in sorted(sp.params[k]) if c >= v), default=max(sp.params[k])) for k, v in default_config(spec).items()}
+    facts = {"Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv),
+             "itemsize": spec.dot_dtype1.itemsize, "smem_bytes": costmodel.H200.smem_bytes}
+    return {"params": sp.params, "default": default, "facts": facts, "space": sp}
+
+
+def live_fraction(spec: AttentionSpec, bq: int, bk: int) -> float:
+    """The share of [q-block, k-block] pairs the kernel visits."""
+    r = block_ranges(spec, bq, bk)
+    if r is None:
+        return 1.0
+    return float((r[:, 3] - r[:, 0]).sum()) / (len(r) * -(-spec.Lk // bk))
+
+
+def model_time_ms(spec: AttentionSpec, config: dict, model: costmodel.GPUModel = costmodel.H200) -> float:
+    """Flops of both dots over the visited blocks at an efficiency that grows with tile size; K/V re-read per q block."""
+    bq, bk, warps = int(config["block_q"]), int(config["block_k"]), int(config["num_warps"])
+    low = spec.dot_dtype1 != np.dtype("float32")
+    frac = live_fraction(spec, bq, bk)
+    flops = 2.0 * spec.batch * spec.Lq * spec.Lk * (spec.D + spec.Dv) * frac
+    eff = 0.55 * min(1.0, bq * bk / (128 * 64)) ** 0.3 * (1.0 if bq * bk <= 64 * 32 * warps * 2 else 0.6)
+    per_q = spec.Lk * (spec.D + spec.Dv) * spec.dot_dtype1.itemsize * frac
+    bytes_moved = spec.batch * (-(-spec.Lq // bq)) * per_q + sum(a.nbytes for a in spec.group.input_avals()) + sum(
+        a.nbytes for a in spec.group.output_avals())
+    programs = spec.batch * -(-spec.Lq // bq)
+    return costmodel.kernel_time_ms(bytes_moved, flops / eff, model, low) * max(1.0, 132 / max(1, programs)) ** 0.5
+
+
+# ---------------------------------------------------------------------------
+# Code generation.
+def build(group: Group, config: dict, *, interpret: bool = False, spec: AttentionSpec | None = None) -> Callable:
+    spec = spec or match(group)
+    if spec is None:
+        raise NoMatch("attention does not match this group")
+    g = group.graph
+    bq, bk = int(config["block_q"]), int(config["block_k"])
+    warps, stages = int(config["num_warps"]), int(config["num_stages"])
+    Lq, Lk, D, Dv = spec.Lq, spec.Lk, spec.D, spec.Dv
+    Dp, Dvp = next_pow2(D), next_pow2(Dv)
+    nq, nk = -(-Lq // bq), -(-Lk // bk)
+    S = spec.score_shape
+    bsizes = [S[a] for a in spec.batch_axes]
+    ranges = block_ranges(spec, bq, bk)
+    qkv = {spec.q.value, spec.k.value, spec.v.value}
+    extra = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]
+             and g.producer.get(v) not in {spec.dot1.id}]
+    body_in = [v for v in spec.tile.group.inputs if v in extra]
+    in_order = [spec.q.value, spec.k.value, spec.v.value] + [v for v in body_in if v not in qkv]
+    masked_nodes = {**spec.mask_selects, **spec.mask_adds}
+
+    def plan_nodes(nodes: list[Node], targets: set[int], unmasked: bool) -> list[Node]:
+        if not unmasked:
+            return _needed(nodes, targets, set())
+        # where nothing is masked, a mask op passes its score operand through
+        keep: set[int] = set()
+        prod = {nd.outputs[0]: nd for nd in nodes}
+        todo = list(targets)
+        while todo:
+            v = todo.pop()
+            nd = prod.get(v)
+            if nd is None or nd.id in keep:
+                continue
+            keep.add(nd.id)
+            todo.extend([masked_nodes[nd.id]] if nd.id in masked_nodes else [a for a in nd.inputs if isinstance(a, int)])
+        return [nd for nd in nodes if nd.id in keep]
+
+    exp_targets = {spec.e_sum, spec.e_dot}
+    step_nodes = {um: plan_nodes(spec.pre, {spec.x} | {a for nd in spec.exp_branch for a in nd.inputs if isinstance(a, int)}, um)
+                  for um in (False, True)}
+    ragged_k = Lk % bk != 0
+
+    def kernel(*refs):
+        n_in = len(in_order)
+        ins = dict(zip(in_order, refs[:n_in]))
+        tbl = refs[n_in] if ranges is not None else None
+        o_ref = refs[-1]
+        body = _AttnBody(spec, bq, bk)
+        qi = pl.program_id(0)
+        if ranges is not None:
+            qi = nq - 1 - qi  # the longest rows first
+        bflat = pl.program_id(1)
+        bidx = [None] * len(S)
+        rem = bflat
+        for a, s in zip(reversed(spec.batch_axes), reversed(bsizes)):
+            bidx[a] = rem % s
+            rem = rem // s
+        q0 = qi * bq
+        q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, bq, Lq, Dp, D, seq_first=True).astype(spec.dot_dtype1)
+        rows_ok = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq
+
+        def step(j, carry, unmasked):
+            acc, m_i, msub, l_i = carry
+            k0 = j * bk
+            body.set_program(bidx, q0, k0)
+            kt = _load_operand(ins[spec.k.value], spec.k, bidx, k0, bk, Lk, Dp, D, seq_first=False).astype(spec.dot_dtype1)
+            s = jnp.dot(q, kt, preferred_element_type=jnp.float32)
+            env = {spec.dot1.outputs[0]: s}
+            for v in body_in:
+                env[v] = _load_extra(ins[v], spec, v, bidx, q0, k0, bq, bk)
+            for nd in step_nodes[unmasked]:
+                if unmasked and nd.id in masked_nodes:
+                    env[nd.outputs[0]] = env[masked_nodes[nd.id]]
+                else:
+                    body.eval_node(nd, env, 0, 0)
+            x = jnp.broadcast_to(env[spec.x], (bq, bk)).astype(jnp.float32)
+            if ragged_k and not unmasked:
+                x = jnp.where((k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < Lk, x, -jnp.inf)
+                env[spec.x] = x
+            m_new = jnp.maximum(m_i, jnp.max(x, axis=1, keepdims=True))
+            env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            for nd in spec.row_m + spec.exp_branch:
+                body.eval_node(nd, env, 0, 0)
+            msub_new = jnp.broadcast_to(env[spec.sub_row], (bq, 1)).astype(jnp.float32)
+            alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(msub - msub_new))
+            e_sum = jnp.broadcast_to(env[spec.e_sum], (bq, bk)).astype(jnp.float32)
+            p = jnp.broadcast_to(env[spec.e_dot], (bq, bk))
+            if ragged_k and not unmasked:  # keys past the end weigh nothing
+                kok = (k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < Lk
+                e_sum, p = jnp.where(kok, e_sum, 0.0), jnp.where(kok, p, 0.0)
+            l_new = alpha * l_i + jnp.sum(e_sum, axis=1, keepdims=True)
+            p = p.astype(spec.dot_dtype2)
+            vt = _load_operand(ins[spec.v.value], spec.v, bidx, k0, bk, Lk, Dvp, Dv, seq_first=True).astype(spec.dot_dtype2)
+            acc = alpha * acc + jnp.dot(p, vt, preferred_element_type=jnp.float32)
+            return acc, m_new, msub_new, l_new
+
+        carry = (jnp.zeros((bq, Dvp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
+                 jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, 1), jnp.float32))
+        if ranges is None:
+            carry = jax.lax.fori_loop(0, nk, lambda j, c: step(j, c, False), carry)
+        else:
+            lo, flo, fhi, hi = (tbl[qi * 4 + t] for t in range(4))
+            carry = jax.lax.fori_loop(lo, flo, lambda j, c: step(j, c, False), carry)
+            carry = jax.lax.fori_loop(flo, fhi, lambda j, c: step(j, c, True), carry)
+            carry = jax.lax.fori_loop(fhi, hi, lambda j, c: step(j, c, False), carry)
+        acc, _, _, l_i = carry
+        env = {spec.sum_node.outputs[0]: l_i}
+        for nd in spec.row_l:
+            body.eval_node(nd, env, 0, 0)
+        c = env[spec.l_row]
+        args = [acc, c] if spec.e_first else [c, acc]
+        o = ops.eval_elementwise(spec.combine.primitive, spec.combine.params, jnp.float32, args)
+        odt = g.avals[spec.out].dtype
+        o = jnp.where(rows_ok, o, 0.0).astype(odt)
+        _store_out(o_ref, spec, bidx, o, q0, bq, Lq, Dvp, Dv)
+
+    out_aval = g.avals[spec.out]
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(out_aval.shape, out_aval.dtype),
+        grid=(nq, spec.batch),
+        interpret=interpret,
+        name=f"autofuse_attention_{group.signature[:8]}",
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+    )
+    table = None if ranges is None else jnp.asarray(ranges.reshape(-1))
+
+    def run(*xs):
+        env = dict(zip(group.inputs, xs))
+        args = []
+        for v in in_order:
+            x = env[v]
+            if x.dtype == jnp.bool_:
+                x = x.astype(jnp.int8)
+            if x.size == 1:
+                x = jnp.reshape(x, (1,))
+            args.append(x)
+        if table is not None:
+            args.append(table)
+        return [call(*args)]
+
+    return run
+
+
+def _load_operand(ref, op: Operand, bidx: list, s0, bs: int, L: int, Dp: int, D: int, *, seq_first: bool):
+    """A [bs, Dp] (seq_first) or [Dp, bs] tile of q/k/v: rows past L and head columns past D read as 0."""
+    idx: list = []
+    nd = len(ref.shape)
+    for a in range(nd):
+        if a == op.seq_axis:
+            idx.append(pl.ds(s0, bs))
+        elif a == op.d_axis:
+            idx.append(pl.ds(0, Dp))
+        elif a in op.batch:
+            i = 0
+            for sa, div, mod in op.batch[a]:
+                i = i + (bidx[sa] // div) % mod
+            idx.append(i)
+        else:
+            idx.append(jnp.int32(0))  # a Python int index breaks masked loads in interpret mode
+    seq_before = op.seq_axis < op.d_axis
+    sshape = (bs, 1) if seq_before else (1, bs)
+    dshape = (1, Dp) if seq_before else (Dp, 1)
+    sok = (s0 + jax.lax.broadcasted_iota(jnp.int32, sshape, 0 if seq_before else 1)) < L if L % bs else None
+    dok = jax.lax.broadcasted_iota(jnp.int32, dshape, 1 if seq_before else 0) < D if Dp != D else None
+    masks = [m for m in (sok, dok) if m is not None]
+    tshape = (bs, Dp) if seq_before else (Dp, bs)
+    if masks:
+        m = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+        t = plgpu.load(ref.at[tuple(idx)], mask=jnp.broadcast_to(m, tshape), other=0)
+    else:
+        t = plgpu.load(ref.at[tuple(idx)])
+    return t if seq_before == seq_first else t.T
+
+
+def _load_extra(ref, spec: AttentionSpec, v: int, bidx: list, q0, k0, bq: int, bk: int):
+    """A score-space input (bias, mask) as a [bq|1, bk|1] tile in its compute dtype."""
+    g = spec.group.graph
+    av = g.avals[v]
+    if av.size == 1:
+        x = plgpu.load(ref.at[pl.ds(0, 1)]).reshape(1, 1)
+    else:
+        ax = spec.tile.axes[v]
+        idx, kept = [], []
+        for d, a in enumerate(ax):
+            if a == spec.q_axis:
+                idx.append(pl.ds(q0, bq))
+                kept.append(a)
+            elif a == spec.k_axis:
+                idx.append(pl.ds(k0, bk))
+                kept.append(a)
+            elif a is None:
+                idx.append(jnp.int32(0))
+            else:
+                idx.append(bidx[a])
+        masks = []
+        for a in kept:
+            L, b, s0 = (spec.Lq, bq, q0) if a == spec.q_axis else (spec.Lk, bk, k0)
+            if L % b:
+                shp = [1] * len(kept)
+                shp[kept.index(a)] = b
+                masks.append((s0 + jax.lax.broadcasted_iota(jnp.int32, tuple(shp), kept.index(a))) < L)
+        tshape = tuple(bq if a == spec.q_axis else bk for a in kept)
+        if masks:
+            m = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+            x = plgpu.load(ref.at[tuple(idx)], mask=jnp.broadcast_to(m, tshape), other=0)
+        else:
+            x = plgpu.load(ref.at[tuple(idx)])
+        if kept == [spec.k_axis, spec.q_axis]:
+            x = x.T
+        x = x.reshape(bq if spec.q_axis in kept else 1, bk if spec.k_axis in kept else 1)
+    if av.dtype == np.bool_:
+        return x != 0
+    return x.astype(ops.compute_dtype(av.dtype))
+
+
+def _store_out(ref, spec: AttentionSpec, bidx: list, o, q0, bq: int, Lq: int, Dvp: int, Dv: int) -> None:
+    idx: list = []
+    for r in spec.out_roles:
+        idx.append(pl.ds(q0, bq) if r == "q" else pl.ds(0, Dvp) if r == "d" else jnp.int32(0) if r is None else bidx[r])
+    q_first = spec.out_roles.index("q") < spec.out_roles.index("d")
+    qok = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq if Lq % bq else None
+    dok = jax.lax.broadcasted_iota(jnp.int32, (1, Dvp), 1) < Dv if Dvp != Dv else None
+    masks = [m for m in (qok, dok) if m is not None]
+    m = None
+    if masks:
+        m = jnp.broadcast_to(masks[0] if len(masks) == 1 else masks[0] & masks[1], (bq, Dvp))
+    if not q_first:
+        o, m = o.T, (None if m is None else m.T)
+    plgpu.store(ref.at[tuple(idx)], o, mask=m)
