@@ -7,7 +7,8 @@
     autofuse compare [...filters...]
     autofuse report RUN --out DIR
     autofuse db upgrade|downgrade|current|history
-    autofuse tune ...                (added by the search side, see _add_tune_parser)
+    autofuse tune ... [--workers N]  (added by the search side, see _add_tune_parser)
+    autofuse worker RUN [--workers N]  (join a run tuned with workers, from another host)
 
 Every command takes ``--db URL`` (else ``$AUTOFUSE_DB``, else the per-user
 SQLite file). Errors are one line on stderr and exit status 2; set
@@ -429,6 +430,11 @@ def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
     p.add_argument("--no-store", action="store_true", help="keep the result in memory only")
     p.add_argument("--no-isolate", action="store_true", help="run trials in this process (no crash isolation)")
     p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S", help="per-trial time limit (default 300 s)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tune with N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), sharing the run's Optuna "
+                        "studies in the --db database; more can join from other hosts with 'autofuse worker RUN'")
+    p.add_argument("--heartbeat", type=int, default=10, metavar="S",
+                   help="with --workers: Optuna heartbeat interval; a worker silent for 3 intervals is dead and its trial retried (default 10)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-candidate lines")
     p.set_defaults(func=_cmd_tune)
@@ -487,15 +493,60 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
     elif args.resume is not None:
         raise ValueError("--resume needs the store (drop --no-store)")
+    if args.workers is not None and args.no_store:
+        raise ValueError("--workers share the run through the database: drop --no-store")
     report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
                   measure=args.measure, quiet=args.quiet, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
-                  static_argnums=statics, resume=args.resume)
+                  static_argnums=statics, resume=args.resume, workers=args.workers, heartbeat_s=args.heartbeat)
     if args.json:
         print(json.dumps({"name": report.name, "fingerprint": report.fingerprint, "measure": report.measure,
                           "baseline_ms": report.baseline_ms, "tuned_ms": report.tuned_ms, "speedup": report.speedup,
                           "run_id": report.run_id, "plan_id": report.plan_id, "plan": report.plan.to_dict()}, indent=2))
     else:
         print(report.table())
+    return 0
+
+
+def _add_worker_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
+    p = sub.add_parser(
+        "worker",
+        parents=[_db_parent()],
+        help="join a tuning run started with 'autofuse tune --workers' from another host",
+        description=(
+            "Start N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), that join run RUN: they take "
+            "trials from the run's Optuna studies in the --db database until its budget is spent; the last one to finish "
+            "selects and saves the plan. Run it from the same project directory (the function is imported by name). "
+            "Needs a server database (PostgreSQL): a SQLite file is for the workers of one host (autofuse tune --workers)."
+        ),
+        epilog="example: autofuse worker 12 --db postgresql+psycopg://tuner@db.example/autofuse --workers 8",
+    )
+    p.add_argument("run", metavar="RUN", type=int, help="run id (printed by 'autofuse tune --workers')")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes on this host, one per GPU (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no per-worker progress lines")
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from autofuse.store import db
+
+    url = db.resolve_url(getattr(args, "db", None))
+    if url.startswith("sqlite"):
+        raise _CliError("autofuse worker joins a run from another host and needs a server database (--db postgresql+psycopg://...); "
+                        "a SQLite file serves the workers of one host: autofuse tune ... --workers N")
+    if args.workers < 1:
+        raise _CliError(f"--workers must be at least 1, got {args.workers}")
+    from autofuse.distributed import start_workers, visible_gpus
+    from autofuse.store import PlanStore
+
+    run = PlanStore(url).get_run(args.run)  # KeyError (one line) for an unknown run
+    if run["status"] != "running":
+        raise _CliError(f"run {args.run} is {run['status']}: nothing to join")
+    gpus = visible_gpus()
+    if run["measure"] == "device" and args.workers > len(gpus):
+        raise _CliError(f"{args.workers} workers but {len(gpus)} visible GPU(s) here: one worker per GPU")
+    codes = [p.wait() for p in start_workers(args.run, url, args.workers, gpus, args.quiet)]
+    if any(codes):
+        raise _CliError(f"worker exit codes {codes} (a dead worker's running trial is retried by another)")
     return 0
 
 
@@ -515,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     _add_tune_parser(sub)
+    _add_worker_parser(sub)
 
     p = sub.add_parser(
         "runs",

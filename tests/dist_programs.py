@@ -1,0 +1,10 @@
+"""Small programs for the tests of tuning with several workers (importable by name, as workers need)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm_inputs() -> tuple:
+    """rms_norm (benchmarks.workloads) at a CPU-friendly size: 8 distinct candidates."""
+    return jax.ShapeDtypeStruct((256, 512), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.float32)
