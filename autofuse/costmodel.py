@@ -90,7 +90,7 @@ def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
 # medians of XLA/floor measured in results/core_default_h200.md (elementwise
 # chains ~1.2, row reductions ~1.35); generated kernels start at 1.1 and pay
 # for their config below.
-XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1}  # matmul: GPU_NOTES (XLA's GEMM fusions)
+XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "matmul_reduce": 1.1}  # matmul: GPU_NOTES (XLA's GEMM fusions)
 PALLAS_FACTOR = 1.1
 _SMS = 132
 _RESIDENT_PROGRAMS = _SMS * 4  # SMs x programs resident per SM, roughly
@@ -99,13 +99,19 @@ _PROGRAM_OVERHEAD_S = 0.2e-6  # fitted to the default-config layer norm in resul
 
 def _kind(group: Group) -> str:
     classes = {ops.op_class(n.name) for n in group.nodes}
+    if OpClass.CONTRACTION in classes and OpClass.REDUCTION in classes:
+        return "matmul_reduce"
     return "matmul" if OpClass.CONTRACTION in classes else "row_reduce" if OpClass.REDUCTION in classes else "elementwise"
 
 
 def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
     """Modelled time of XLA's own fusion of the group."""
     t = group_time_ms(group, model) - 1e3 * model.launch_s
-    return t * XLA_FACTOR[_kind(group)] + 1e3 * model.launch_s
+    kind = _kind(group)
+    if kind == "matmul_reduce":  # XLA writes the product, then reads it back to reduce it in a second kernel (GPU_NOTES)
+        t += 1e3 * model.launch_s + 1e3 * 2 * sum(group.graph.avals[v].nbytes for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION
+                           for v in n.outputs) / model.bandwidth_Bps
+    return t * XLA_FACTOR[kind] + 1e3 * model.launch_s
 
 
 def template_time_ms(template: str, spec, config: dict, model: GPUModel = H200) -> float:

@@ -60,8 +60,7 @@ def match(group: Group) -> MatmulSpec | None:
     av, bv = g.avals[a], g.avals[b]
     if lb or rb or len(av.shape) != 2 or len(bv.shape) != 2 or len(lc) != 1 or len(rc) != 1:
         return None
-    prec = dot.params.get("precision")
-    if prec is not None and any(p is not None and "DEFAULT" not in str(p) for p in (prec if isinstance(prec, tuple) else (prec,))):
+    if not default_precision(dot):
         return None  # HIGHEST / HIGH precision: leave it to XLA
     if av.dtype != bv.dtype or np.dtype(av.dtype) not in _DTYPES:
         return None
@@ -76,6 +75,12 @@ def match(group: Group) -> MatmulSpec | None:
     except NoMatch:
         return None
     return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi)
+
+
+def default_precision(dot: Node) -> bool:
+    """Whether the dot runs at default precision (what a Triton dot does: TF32 for float32, as XLA's own)."""
+    prec = dot.params.get("precision")
+    return prec is None or all(p is None or "DEFAULT" in str(p) for p in (prec if isinstance(prec, tuple) else (prec,)))
 
 
 def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, int]) -> TileSpec:
@@ -131,7 +136,7 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
     out_v = spec.dot.outputs[0]
     epi_nodes = [n for n in group.nodes if n.id != spec.dot.id]
     epi_inputs = [v for v in spec.epi.group.inputs if v != out_v] if epi_nodes else []
-    n_m, n_n, n_k = -(-spec.M // bm), -(-spec.N // bn), -(-spec.K // bk)
+    n_m, n_n = -(-spec.M // bm), -(-spec.N // bn)
     in_order = list(group.inputs)
 
     def kernel(*refs):
@@ -147,24 +152,9 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
         rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, bn), 1)
 
-        def step(kk, acc):
-            k0 = kk * bk
-            ks_r = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-            ks_c = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            m_ok = rows < spec.M if spec.M % bm else None  # masks only where a block runs past the edge
-            n_ok = cols < spec.N if spec.N % bn else None
-            kr_ok, kc_ok = (ks_r < spec.K, ks_c < spec.K) if spec.K % bk else (None, None)
-            if spec.a_km:
-                a = _load(ins[spec.a].at[pl.ds(k0, bk), pl.ds(r0, bm)], kr_ok, None if m_ok is None else m_ok.T, (bk, bm)).T
-            else:
-                a = _load(ins[spec.a].at[pl.ds(r0, bm), pl.ds(k0, bk)], m_ok, kc_ok, (bm, bk))
-            if spec.b_nk:
-                b = _load(ins[spec.b].at[pl.ds(c0, bn), pl.ds(k0, bk)], None if n_ok is None else n_ok.T, kc_ok, (bn, bk)).T
-            else:
-                b = _load(ins[spec.b].at[pl.ds(k0, bk), pl.ds(c0, bn)], kr_ok, n_ok, (bk, bn))
-            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-        acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bm, bn), jnp.float32))
+        m_ok = rows < spec.M if spec.M % bm else None  # masks only where a block runs past the edge
+        n_ok = cols < spec.N if spec.N % bn else None
+        acc = dot_tile(ins[spec.a], ins[spec.b], r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk)
         env = {out_v: acc}
         for v in epi_inputs:
             env[v] = body.load(ins[v], v, r0, c0)
@@ -191,6 +181,29 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
         return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, res)]
 
     return run
+
+
+def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int, K: int, a_km: bool, b_nk: bool):
+    """The float32 [bm, bn] product tile at rows r0.., columns c0..: a loop over K in bk steps.
+
+    `row_ok` ([bm, 1]) / `col_ok` ([1, bn]) mask rows / columns past the edge (None: no mask needed).
+    """
+    def step(kk, acc):
+        k0 = kk * bk
+        ks_r = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+        ks_c = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        kr_ok, kc_ok = (ks_r < K, ks_c < K) if K % bk else (None, None)
+        if a_km:
+            a = _load(a_ref.at[pl.ds(k0, bk), pl.ds(r0, bm)], kr_ok, None if row_ok is None else row_ok.T, (bk, bm)).T
+        else:
+            a = _load(a_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], row_ok, kc_ok, (bm, bk))
+        if b_nk:
+            b = _load(b_ref.at[pl.ds(c0, bn), pl.ds(k0, bk)], None if col_ok is None else col_ok.T, kc_ok, (bn, bk)).T
+        else:
+            b = _load(b_ref.at[pl.ds(k0, bk), pl.ds(c0, bn)], kr_ok, col_ok, (bk, bn))
+        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, -(-K // bk), step, jnp.zeros((bm, bn), jnp.float32))
 
 
 def _load(ref, row_ok, col_ok, shape):

@@ -105,8 +105,13 @@ def _snap(value: int, choices: list) -> int:
 
 # ---------------------------------------------------------------------------
 # Analysis.
-def analyze(group: Group, shape: Sequence[int], split: int) -> TileSpec:
-    """Assign every value of `group` its S-axes and tile span, or raise NoMatch."""
+def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequence[int] | None = None) -> TileSpec:
+    """Assign every value of `group` its S-axes and tile span, or raise NoMatch.
+
+    Reductions must cover the trailing axes from `split`, or exactly the S-axes
+    `reduce_axes` when given; then inputs and outputs need not be 2-D views
+    (the caller lays them out itself).
+    """
     g = group.graph
     S = tuple(shape)
     n = len(S)
@@ -149,8 +154,10 @@ def analyze(group: Group, shape: Sequence[int], split: int) -> TileSpec:
         ax = [a for a in axes[v] if a is not None]
         if ax != sorted(ax) or len(set(ax)) != len(ax):
             raise NoMatch(f"value %{v} is a transpose of the iteration space")
-    for v in list(group.inputs) + list(group.outputs):
-        _check_2d(v, axes[v], S, split)
+    if reduce_axes is None:
+        for v in list(group.inputs) + list(group.outputs):
+            _check_2d(v, axes[v], S, split)
+    want = {d for d in (range(split, n) if reduce_axes is None else reduce_axes) if S[d] != 1}
 
     span: dict[int, Span] = {}
     for v in group.inputs:
@@ -162,14 +169,16 @@ def analyze(group: Group, shape: Sequence[int], split: int) -> TileSpec:
         ins = [span[a] for a in nd.inputs if isinstance(a, int)]
         if cls is OpClass.REDUCTION:
             red = {axes[nd.inputs[0]][d] for d in nd.params["axes"]} - {None}
-            cols = {d for d in range(split, n) if S[d] != 1}
-            if red != cols:
-                raise NoMatch(f"{nd.name} over S-axes {sorted(red)} is not a reduction over the trailing axes {sorted(cols)}")
-            span[nd.outputs[0]] = Span(ins[0].rows, False)
+            if red != want:
+                raise NoMatch(f"{nd.name} over S-axes {sorted(red)} is not a reduction over the S-axes {sorted(want)}")
+            if reduce_axes is None:
+                span[nd.outputs[0]] = Span(ins[0].rows, False)
+            else:
+                span[nd.outputs[0]] = Span(ins[0].rows and not any(d < split for d in want), ins[0].cols and not any(d >= split for d in want))
             reductions.append(nd.id)
         elif cls is OpClass.SOURCE:
-            d = nd.params["dimension"]
-            span[nd.outputs[0]] = Span(d < split, d >= split)
+            d = axes[nd.outputs[0]][nd.params["dimension"]]  # the S-axis it counts along (an iota may have fewer dims than S)
+            span[nd.outputs[0]] = Span(False, False) if d is None else Span(d < split, d >= split)
         else:
             span[nd.outputs[0]] = Span(any(s.rows for s in ins), any(s.cols for s in ins))
     return TileSpec(group, S, split, axes, span, reductions)
@@ -333,7 +342,9 @@ class _Body:
         return ops.reduce_tile(kind, x, axis=1)
 
     def iota(self, nd: Node, r0, c0):
-        S, k, d = self.spec.shape, self.spec.split, nd.params["dimension"]
+        S, k, d = self.spec.shape, self.spec.split, self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
+        if d is None:  # along a unit axis: all zeros
+            return jnp.zeros((1, 1), ops.compute_dtype(nd.params["dtype"]))
         if d >= k:
             idx, stride = self.col_idx(c0), math.prod(S[d + 1 :])
         else:

@@ -1,0 +1,144 @@
+"""The `matmul_reduce` template (dot + epilogue + online reduction in one kernel) in interpret mode, its CUDA
+lowering, and the tuning job choosing it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autofuse
+from autofuse.evaluate import lowering_guard
+from autofuse.kernels import matmul_reduce
+from autofuse.measure import check, cone_tolerances
+from autofuse.partition import enumerate_candidates
+from autofuse.plan import build_group, plan_from_choices
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+S = jax.ShapeDtypeStruct
+
+
+def row_logsumexp(x, w):
+    return jax.nn.logsumexp(x @ w, axis=-1)
+
+
+def row_logsumexp_bt(x, w):
+    return jax.nn.logsumexp(jnp.einsum("mk,nk->mn", x, w), axis=-1)
+
+
+def cross_entropy(h, w, target):
+    logits = h @ w
+    hit = jnp.arange(logits.shape[-1])[None, :] == target[:, None]
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0), axis=-1)
+
+
+def cross_entropy_one_hot_mean(h, w, target):
+    logits = (h @ w).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.sum(jax.nn.one_hot(target, logits.shape[-1], dtype=logits.dtype) * logits, axis=-1))
+
+
+def softmax_weighted_sum(x, w, v):
+    return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * v, axis=-1)
+
+
+def splade_head(h, w, bias, mask):
+    return jnp.max(jnp.log1p(jax.nn.relu(h @ w + bias)) * mask[..., None], axis=1)
+
+
+def col_sum_tanh(x, w):
+    return jnp.sum(jnp.tanh(x @ w), axis=0)
+
+
+CASES = [
+    pytest.param(row_logsumexp, ((50, 40), (40, 300)), F32, id="logsumexp-f32"),
+    pytest.param(row_logsumexp_bt, ((50, 40), (300, 40)), BF16, id="logsumexp-bf16-Bt"),
+    pytest.param(cross_entropy, ((50, 40), (40, 300), ("i32", (50,))), F32, id="ce-f32"),
+    pytest.param(cross_entropy, ((50, 40), (40, 300), ("i32", (50,))), BF16, id="ce-bf16"),
+    pytest.param(cross_entropy_one_hot_mean, ((33, 48), (48, 200), ("i32", (33,))), BF16, id="ce-one-hot-mean-bf16"),
+    pytest.param(softmax_weighted_sum, ((40, 24), (24, 100), (100,)), F32, id="softmax-then-sum-f32"),
+    pytest.param(splade_head, ((2, 37, 40), (40, 70), (70,), (2, 37)), F32, id="splade-f32"),
+    pytest.param(splade_head, ((3, 20, 24), (24, 90), (90,), (3, 20)), BF16, id="splade-bf16"),
+    pytest.param(col_sum_tanh, ((45, 20), (20, 50)), F32, id="column-sum-f32"),
+]
+SMALL = {"block_m": 16, "block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 2, "split": 1}
+
+
+def _specs(shapes, dtype):
+    """Argument specs: ("i32", shape) is an integer (target) argument, any other shape has `dtype`."""
+    return [S(s[1], jnp.int32) if s[0] == "i32" else S(s, dtype) for s in shapes]
+
+
+def _candidate(graph):
+    cands = [c for c in enumerate_candidates(graph) if c.template == "matmul_reduce"]
+    assert cands, "a matmul_reduce candidate is enumerated"
+    return max(cands, key=lambda c: len(c.nodes))
+
+
+def _check_plan(fn, g, group, cfg):
+    plan = plan_from_choices(g, [(group, "matmul_reduce", cfg)])
+    fused = autofuse.jit(fn, plan=plan)
+    res = check(lambda *a: jax.tree_util.tree_leaves(fused(*a)), lambda *a: jax.tree_util.tree_leaves(jax.jit(fn)(*a)),
+                [g.avals[v] for v in g.inputs], (1, 2), cone_tolerances(g, [n.id for n in g.nodes], g.outputs))
+    assert res.ok, (cfg, res.reason)
+    assert fused.last_status == "plan"
+
+
+@pytest.mark.parametrize("fn,shapes,dtype", CASES)
+def test_matmul_reduce_matches_xla(fn, shapes, dtype):
+    g = autofuse.capture(fn, *_specs(shapes, dtype))
+    cand = _candidate(g)
+    assert g.outputs[0] in cand.group.outputs or fn is cross_entropy_one_hot_mean  # the mean over rows stays outside
+    configs = [matmul_reduce.default_config(cand.spec), SMALL]  # one block, and many blocks with ragged edges
+    if cand.spec.over_n:
+        configs.append({**SMALL, "split": 4})  # ranges of N merged outside the kernel
+    for cfg in configs:
+        _check_plan(fn, g, cand.group, cfg)
+
+
+def test_loop_structure_follows_the_reduced_axis():
+    g = autofuse.capture(splade_head, *_specs(((2, 37, 40), (40, 70), (70,), (2, 37)), F32))
+    spec = _candidate(g).spec
+    assert (spec.over_n, spec.P, spec.L, spec.N, spec.K) == (False, 2, 37, 70, 40)
+    g = autofuse.capture(cross_entropy, *_specs(((50, 40), (40, 300), ("i32", (50,))), F32))
+    spec = _candidate(g).spec
+    assert (spec.over_n, spec.M, spec.N) == (True, 50, 300)
+    assert [k for terms in spec.scale.values() for k, _, _ in terms] == ["exp"]  # sum(exp(x - max)) rescales by exp
+
+
+def test_unrescalable_and_high_precision_groups_stay_out():
+    x, w = S((32, 32), F32), S((32, 64), F32)
+    # max(x * s) with s an earlier sum can change sign: no online form
+    g = autofuse.capture(lambda a, b: jnp.max((a @ b) * jnp.sum(a @ b, axis=-1, keepdims=True), axis=-1), x, w)
+    assert all(c.template != "matmul_reduce" or len([n for n in c.group.nodes if n.name.startswith("reduce")]) < 2
+               for c in enumerate_candidates(g))
+    g = autofuse.capture(lambda a, b: jnp.sum(jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST), axis=-1), x, w)
+    assert not [c for c in enumerate_candidates(g) if c.template == "matmul_reduce"]
+
+
+LOWER = [
+    pytest.param(row_logsumexp, ((300, 200), (200, 260)), id="logsumexp"),
+    pytest.param(cross_entropy, ((300, 200), (200, 260), ("i32", (300,))), id="ce"),
+    pytest.param(splade_head, ((2, 100, 64), (64, 300), (300,), (2, 100)), id="splade"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("fn,shapes", LOWER)
+def test_matmul_reduce_kernels_pass_the_cuda_lowering_guard(fn, shapes, dtype):
+    g = autofuse.capture(fn, *_specs(shapes, dtype))
+    cand = _candidate(g)
+    big = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "split": 2 if cand.spec.over_n else 1}
+    for cfg in (SMALL, big):
+        kernel = build_group(cand.group, "matmul_reduce", cfg, interpret=False)
+        lowering_guard(kernel, [S(g.avals[v].shape, g.avals[v].dtype) for v in cand.group.inputs])
+
+
+@pytest.mark.parametrize("fn,shapes", [
+    pytest.param(splade_head, ((2, 64, 32), (32, 1024), (1024,), (2, 64)), id="splade"),
+    pytest.param(cross_entropy, ((1024, 32), (32, 4096), ("i32", (1024,))), id="ce"),
+])
+def test_model_tuning_picks_the_fused_reduction(fn, shapes):
+    rep = autofuse.tune(fn, *_specs(shapes, BF16), trials=6, quiet=True, isolate=False, measure="model")
+    assert [g.template for g in rep.plan.groups] == ["matmul_reduce"]
+    g = autofuse.capture(fn, *_specs(shapes, BF16))
+    assert len(rep.plan.groups[0].nodes) == len(g.nodes)  # the whole program: the product is never written
