@@ -434,7 +434,7 @@ def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
                    help="tune with N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), sharing the run's Optuna "
                         "studies in the --db database; more can join from other hosts with 'autofuse worker RUN'")
     p.add_argument("--heartbeat", type=int, default=10, metavar="S",
-                   help="with --workers: Optuna heartbeat interval; a worker silent for 3 intervals is dead and its trial retried (default 10)")
+                   help="with --workers: Optuna heartbeat interval; a worker silent for 5 intervals is dead and its trial retried (default 10)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-candidate lines")
     p.set_defaults(func=_cmd_tune)

@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from optuna.exceptions import ExperimentalWarning
+from optuna.exceptions import ExperimentalWarning, UpdateFinishedTrialError
 
 from . import costmodel
 from .graph import capture
@@ -456,7 +456,10 @@ class _Worker:
                 outcome["kind"] = "unmeasured"
                 return INFEASIBLE_VALUE
             res.update(measure_config(self.runner, r, cfg))
-            self.pstore.finish_trial(cid, got, res["status"], median_ms=res["median_ms"], min_ms=res["min_ms"], max_ms=res["max_ms"], error=res["error"])
+            if not self.pstore.finish_trial(cid, got, res["status"], median_ms=res["median_ms"], min_ms=res["min_ms"], max_ms=res["max_ms"],
+                                            error=res["error"]):
+                outcome["kind"] = "stale"  # taken for dead meanwhile (heartbeats late): the retry measures it again
+                raise _NoResult("marked lost while running")
             trial.set_constraint("violations", 0.0)
             trial.set_user_attr("result", res)
             outcome["kind"] = "measured"
@@ -464,7 +467,10 @@ class _Worker:
                 raise _NoResult(f"{res['status']}: {res['error']}")
             return float(res["median_ms"])
 
-        self.study(i).optimize(objective, n_trials=1, catch=(_NoResult,))
+        try:
+            self.study(i).optimize(objective, n_trials=1, catch=(_NoResult,))
+        except UpdateFinishedTrialError:  # another worker failed this trial for a late heartbeat; the store has its fate
+            outcome["kind"] = "stale" if outcome["kind"] != "measured" else "measured"
         if outcome["kind"] == "measured":
             self.measured += 1
         self.idle_asks[i] = 0 if outcome["kind"] in ("measured", "spent") else self.idle_asks[i] + 1

@@ -8,3 +8,8 @@ import jax.numpy as jnp
 def rms_norm_inputs() -> tuple:
     """rms_norm (benchmarks.workloads) at a CPU-friendly size: 8 distinct candidates."""
     return jax.ShapeDtypeStruct((256, 512), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.float32)
+
+
+def log_relu_bias_inputs() -> tuple:
+    """log_relu_bias (benchmarks.workloads) at a CPU-friendly size: one candidate, 1280 configs."""
+    return jax.ShapeDtypeStruct((128, 512), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.float32)

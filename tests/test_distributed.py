@@ -1,0 +1,189 @@
+"""Tuning with several worker processes sharing one run (autofuse.distributed): real workers (CPU, model
+mode, kernels checked in interpret mode), a real database. The PostgreSQL tests run when
+AUTOFUSE_TEST_PG_URL is set (and must, with AUTOFUSE_REQUIRE_PG=1; see tests/test_store_postgres.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from autofuse.store import PlanStore, db
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PG_URL = os.environ.get("AUTOFUSE_TEST_PG_URL")
+REQUIRE_PG = os.environ.get("AUTOFUSE_REQUIRE_PG", "") not in ("", "0")
+needs_pg = pytest.mark.skipif(not PG_URL and not REQUIRE_PG, reason="set AUTOFUSE_TEST_PG_URL=postgresql+psycopg://... to run")
+UNCOUNTED = ("infeasible", "pruned", "lost")
+RMS = ["benchmarks.workloads:rms_norm", "--inputs", "tests.dist_programs:rms_norm_inputs"]
+LRB = ["benchmarks.workloads:log_relu_bias", "--inputs", "tests.dist_programs:log_relu_bias_inputs"]
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT, **extra)
+    env.pop("AUTOFUSE_DB", None)
+    return env
+
+
+def _tune(program: list[str], url: str, workers: int, trials: int, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", *program, "--trials", str(trials), "--db", url,
+                             "--workers", str(workers), "--heartbeat", "1"],
+                            cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return out, err
+
+
+def check_books(url: str, budget: int) -> dict:
+    """The run finished with exactly `budget` counted trials, no config of a candidate measured twice, nothing
+    still running, every measured trial both in our store and in its Optuna study, and one plan. Returns facts."""
+    import optuna
+
+    store = PlanStore(url)
+    (run,) = store.runs()
+    full = store.get_run(run["id"])
+    assert run["status"] == "finished" and full["selected_by"], full
+    rows = store.trials(run["id"])
+    counted = [t for t in rows if t["status"] not in UNCOUNTED]
+    assert len(counted) == budget, [(t["signature"][:8], t["number"], t["status"]) for t in rows]
+    assert not [t for t in rows if t["status"] == "running"]
+    for sig in {t["signature"] for t in rows}:
+        configs = [tuple(sorted(t["config"].items())) for t in rows if t["signature"] == sig and t["status"] != "lost"]
+        assert len(configs) == len(set(configs)), f"a config of {sig} was measured twice"
+    assert len([p for p in store.plans() if p["run_id"] == run["id"]]) == 1
+    storage = optuna.storages.RDBStorage(url)
+    workers, results = set(), {}
+    for s in optuna.get_all_study_summaries(storage):
+        if not s.study_name.startswith(f"autofuse-run{run['id']}-"):
+            continue
+        for t in optuna.load_study(study_name=s.study_name, storage=storage).trials:
+            assert t.state != optuna.trial.TrialState.RUNNING
+            if "result" in t.user_attrs:
+                results[(s.study_name.rsplit("-", 1)[1], t.number)] = t.user_attrs["result"]
+                workers.add(t.user_attrs["worker"])
+    mine = {(t["signature"], t["optuna_trial_id"]): t for t in rows if t["status"] != "lost"}
+    assert set(mine) == set(results), "every trial of the store is an Optuna trial with its result, and back"
+    for k, t in mine.items():
+        assert results[k]["config"] == t["config"] and results[k]["number"] == t["number"]
+    return {"run": full, "rows": rows, "workers": workers, "store": store}
+
+
+@pytest.fixture
+def pg_url() -> str:
+    """A URL whose search_path is a fresh schema, dropped after the test (as in test_store_postgres)."""
+    if not PG_URL:
+        pytest.fail("AUTOFUSE_REQUIRE_PG is set but AUTOFUSE_TEST_PG_URL is not: the PostgreSQL tests cannot run")
+    schema = f"autofuse_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@needs_pg
+def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
+    out, err = _finish(_tune(RMS, pg_url, 3, 15))
+    books = check_books(pg_url, 15)
+    assert len(books["workers"]) >= 2, "the trials were shared out between workers"  # a worker starting late may find none left
+    assert err.count("plan saved") == 1 and err.count("joined run") == 3
+    assert "plan:" in out and f"run {books['run']['id']}" in out
+    # our migrations and Optuna's tables side by side in one PostgreSQL schema
+    tables = set(sa.inspect(books["store"].engine).get_table_names())
+    assert {"autofuse_runs", "autofuse_trials", "autofuse_alembic_version", "studies", "trials", "alembic_version"} <= tables
+    assert db.upgrade(books["store"].engine) == ({db.HEAD_REVISION}, {db.HEAD_REVISION})
+
+
+@needs_pg
+def test_pg_sigkilled_worker_trial_is_retried_and_the_run_completes(pg_url: str) -> None:
+    import optuna
+
+    env = _env(AUTOFUSE_TEMPLATE_PLUGINS="tests.plugins.slow_template")  # every build takes 2 s: a kill lands mid-trial
+    proc = _tune(LRB, pg_url, 3, 7, env)
+    store, victim, deadline = None, None, time.time() + 300
+    while victim is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        try:
+            store = store or PlanStore(pg_url)
+            running = [t for t in store.trials(1) if t["status"] == "running"]
+        except KeyError:  # the run is not created yet
+            continue
+        if running:
+            t = running[0]
+            study = optuna.load_study(study_name=f"autofuse-run1-{t['signature']}", storage=optuna.storages.RDBStorage(pg_url))
+            victim = (t, int(study.trials[t["optuna_trial_id"]].user_attrs["worker"].split(":")[1]))
+            os.kill(victim[1], signal.SIGKILL)
+    assert victim is not None, "no running trial seen"
+    out, err = _finish(proc)
+    books = check_books(pg_url, 7)
+    killed, pid = victim
+    row = next(t for t in books["rows"] if t["id"] == killed["id"])
+    assert row["status"] == "lost" and "died" in row["error"]
+    retried = [t for t in books["rows"] if t["signature"] == killed["signature"] and t["config"] == killed["config"] and t["status"] != "lost"]
+    assert len(retried) == 1 and retried[0]["number"] > killed["number"], "the dead worker's config was measured by another worker"
+    assert not any(w.endswith(f":{pid}") for w in books["workers"] if w)  # the trial it had is not counted as its
+    assert "exit -9" in err and "plan:" in out
+
+
+def test_sqlite_four_workers_on_one_host(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path}/four.db"
+    _finish(_tune(LRB, url, 4, 12))
+    books = check_books(url, 12)
+    assert len(books["workers"]) >= 2
+
+
+def test_worker_refuses_sqlite(tmp_path) -> None:
+    for argv in (["--db", f"sqlite:///{tmp_path}/x.db"], ["--db", str(tmp_path / "x.db")], []):
+        out = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", *argv], cwd=ROOT, capture_output=True, text=True,
+                             env=_env(XDG_DATA_HOME=str(tmp_path)), timeout=120)
+        assert out.returncode == 2 and "needs a server database" in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_one_worker_per_gpu_lock(tmp_path, monkeypatch) -> None:
+    from autofuse.distributed import _gpu_lock
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fd = _gpu_lock()
+    code = "from autofuse.distributed import _gpu_lock; _gpu_lock()"
+    other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=_env(TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES="3"))
+    assert other.returncode != 0 and "GPU 3 already has an autofuse worker" in other.stderr
+    ok = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=_env(TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES="4"))
+    assert ok.returncode == 0, ok.stderr
+    os.close(fd)
+
+
+def test_job_arguments_round_trip() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from autofuse.distributed import decode_args, encode_args, function_ref
+    from benchmarks.workloads import rms_norm
+
+    args = ({"w": jnp.zeros((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
+    back = decode_args(encode_args(args))
+    assert back == ({"w": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
+    assert function_ref(rms_norm) == "benchmarks.workloads:rms_norm"
+    with pytest.raises(ValueError, match="importable by name"):
+        function_ref(lambda x: x)
+    with pytest.raises(ValueError, match="cannot describe"):
+        encode_args((object(),))
