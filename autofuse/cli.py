@@ -489,6 +489,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             run = store.get_run(args.resume)
             if run["status"] == "finished":
                 raise ValueError(f"run {args.resume} already finished")
+            if run.get("job") is not None:
+                raise ValueError(f"run {args.resume} was tuned with workers: join it while it runs (autofuse worker {args.resume}), "
+                                 "or start a new run")
             b = run.get("budget") or {}
             trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
     elif args.resume is not None:

@@ -229,10 +229,11 @@ def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: boo
 
 
 def _wait_for_selection(pstore: Any, run_id: int) -> dict:
-    """The run once no worker is selecting its plan any more (one on another host may still be)."""
+    """The run once no worker anywhere is running a trial of it or selecting its plan (after this host's workers exited,
+    workers of other hosts may still be)."""
     while True:
         run = pstore.get_run(run_id)
-        if run["status"] != "running" or run["selected_by"] is None:
+        if run["status"] != "running" or (run["selected_by"] is None and not pstore.trials(run_id, "running")):
             return run
         time.sleep(POLL_S)
 
