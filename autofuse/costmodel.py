@@ -90,7 +90,9 @@ def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
 # medians of XLA/floor measured in results/core_default_h200.md (elementwise
 # chains ~1.2, row reductions ~1.35); generated kernels start at 1.1 and pay
 # for their config below.
-XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "matmul_reduce": 1.1}  # matmul: GPU_NOTES (XLA's GEMM fusions)
+# matmul: GPU_NOTES (XLA's GEMM fusions). attention: XLA writes and re-reads the B*H*L*L scores and
+# computes masked blocks too; it reaches about 225 of 790 bf16 TFLOP/s on plain-jnp attention (GPU_NOTES).
+XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "attention": 3.5, "matmul_reduce": 1.1}
 PALLAS_FACTOR = 1.1
 _SMS = 132
 _RESIDENT_PROGRAMS = _SMS * 4  # SMs x programs resident per SM, roughly
@@ -99,6 +101,8 @@ _PROGRAM_OVERHEAD_S = 0.2e-6  # fitted to the default-config layer norm in resul
 
 def _kind(group: Group) -> str:
     classes = {ops.op_class(n.name) for n in group.nodes}
+    if sum(ops.op_class(n.name) is OpClass.CONTRACTION for n in group.nodes) >= 2 and OpClass.REDUCTION in classes:
+        return "attention"
     if OpClass.CONTRACTION in classes and OpClass.REDUCTION in classes:
         return "matmul_reduce"
     return "matmul" if OpClass.CONTRACTION in classes else "row_reduce" if OpClass.REDUCTION in classes else "elementwise"
@@ -111,7 +115,8 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
     if kind == "matmul_reduce":  # XLA writes the product, then reads it back to reduce it in a second kernel (GPU_NOTES)
         t += 1e3 * model.launch_s + 1e3 * 2 * sum(group.graph.avals[v].nbytes for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION
                            for v in n.outputs) / model.bandwidth_Bps
-    return t * XLA_FACTOR[kind] + 1e3 * model.launch_s
+    launches = 3 if kind == "attention" else 1  # attention: the scores' GEMM, the softmax, the second GEMM
+    return t * XLA_FACTOR[kind] + launches * 1e3 * model.launch_s
 
 
 def template_time_ms(template: str, spec, config: dict, model: GPUModel = H200) -> float:

@@ -48,7 +48,7 @@ def main() -> None:
             wall = time.time() - t0
             floor = costmodel.floor_ms(autofuse.capture(w.fn, *sp))
             kern = "XLA" if rep.plan.is_xla else "; ".join(
-                f"{g.template} {g.config['block_rows']}x{g.config['block_cols']} w{g.config['num_warps']} s{g.config['num_stages']}" for g in rep.plan.groups)
+                f"{g.template} " + " ".join(f"{k}={v}" for k, v in sorted(g.config.items())) for g in rep.plan.groups)
             rows.append((w.name, dt, "x".join(map(str, w.shapes[0])), rep, floor, wall, kern))
             print(rep.table(), flush=True)
     lines = [

@@ -42,6 +42,29 @@ def matmul_bias_gelu(x, w, b):
     return jax.nn.gelu(x @ w + b, approximate=True)
 
 
+def attention_bhld(q, k, v):
+    """Plain-jnp attention, [B, H, L, D]."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1)
+    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v)
+
+
+def attention_bhld_causal(q, k, v):
+    """The same with a causal mask built from iota (jnp.tril)."""
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1)
+    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v)
+
+
+def attention_blhd(q, k, v):
+    """Plain-jnp attention, [B, L, H, D] (XLA transposes the output back)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -56,6 +79,8 @@ WORKLOADS = [
     Workload("rms_norm", rms_norm, ((16384, 4096), (4096,))),
     Workload("logsumexp", logsumexp, ((16384, 4096),)),
     Workload("matmul_bias_gelu", matmul_bias_gelu, ((8192, 4096), (4096, 8192), (8192,))),
+    Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
+    Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
 ]
 
 SMALL = {
@@ -65,6 +90,8 @@ SMALL = {
     "rms_norm": ((64, 130), (130,)),
     "logsumexp": ((50, 333),),
     "matmul_bias_gelu": ((100, 70), (70, 90), (90,)),
+    "attention": ((2, 2, 100, 64),) * 3,
+    "attention_causal": ((2, 2, 100, 64),) * 3,
 }
 
 

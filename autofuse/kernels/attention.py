@@ -41,6 +41,7 @@ PARAMS = ("block_q", "block_k", "num_warps", "num_stages")
 _DTYPES = {np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
 _NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
 _MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
+_LOG2E = math.log2(math.e)
 
 
 @dataclass
@@ -224,6 +225,8 @@ def _match(group: Group) -> AttentionSpec:
     if not exp_branch or exp_branch[0].name != "sub" or len(exp_branch) < 2 or exp_branch[1].name != "exp":
         raise NoMatch("exp branch is not exp(x - max)")
     sub, ex = exp_branch[0], exp_branch[1]
+    if g.consumers.get(sub.outputs[0]) != [ex.id]:
+        raise NoMatch("x - max is used other than by exp")
     y, m_row = sub.inputs
     if not (isinstance(y, int) and isinstance(m_row, int)) or ex.inputs[0] != sub.outputs[0]:
         raise NoMatch("exp branch wiring")
@@ -598,11 +601,30 @@ def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
 class _AttnBody(_Body):
     """The tile evaluator with attention coordinates: iota gives global q/k positions and batch indices."""
 
-    def __init__(self, spec: AttentionSpec, bq: int, bk: int):
+    def __init__(self, spec: AttentionSpec, bq: int, bk: int, fast_math: bool = False):
         super().__init__(spec.tile, TileConfig(bq, bk, 4, 1), 0)
         self.aspec = spec
+        self.fast_math = fast_math
         self.bidx: list = []
         self.q0 = self.k0 = 0
+
+    def eval_node(self, nd: Node, env: dict, r0, c0, colmask=None) -> None:
+        # Float-to-float converts keep float32 (excess precision, as XLA allows): rounding every
+        # score to bfloat16 and back costs two instructions per score in the inner loop.
+        if nd.name == "convert_element_type" and isinstance(nd.inputs[0], int):
+            src, dst = self.g.avals[nd.inputs[0]].dtype, self.g.avals[nd.outputs[0]].dtype
+            if np.issubdtype(np.dtype(src), np.floating) and np.issubdtype(np.dtype(dst), np.floating):
+                env[nd.outputs[0]] = env[nd.inputs[0]].astype(ops.compute_dtype(dst))
+                return
+        super().eval_node(nd, env, r0, c0, colmask)
+
+    def exp2(self, x):
+        """2^x: the approximate hardware instruction on the GPU (as Triton's own attention uses)."""
+        x = x.astype(jnp.float32)
+        if not self.fast_math:
+            return jnp.exp2(x)
+        return plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
     def set_program(self, bidx: list, q0, k0) -> None:
         self.bidx, self.q0, self.k0 = bidx, q0, k0
@@ -622,8 +644,9 @@ class _AttnBody(_Body):
 # ---------------------------------------------------------------------------
 # Search space, model.
 def default_config(spec: AttentionSpec) -> dict:
+    """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md)."""
     big = spec.Lq >= 128 and spec.Lk >= 128
-    return {"block_q": 128 if big else 64, "block_k": 64 if max(spec.D, spec.Dv) > 64 or not big else 128,
+    return {"block_q": 128 if big else 64, "block_k": 64 if max(spec.D, spec.Dv) > 128 or not big else 128,
             "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
 
 
@@ -658,7 +681,8 @@ def model_time_ms(spec: AttentionSpec, config: dict, model: costmodel.GPUModel =
     bytes_moved = spec.batch * (-(-spec.Lq // bq)) * per_q + sum(a.nbytes for a in spec.group.input_avals()) + sum(
         a.nbytes for a in spec.group.output_avals())
     programs = spec.batch * -(-spec.Lq // bq)
-    return costmodel.kernel_time_ms(bytes_moved, flops / eff, model, low) * max(1.0, 132 / max(1, programs)) ** 0.5
+    work = costmodel.kernel_time_ms(bytes_moved, flops / eff, model, low) - 1e3 * model.launch_s
+    return work * max(1.0, 132 / max(1, programs)) ** 0.5 + 1e3 * model.launch_s  # fewer programs than SMs idle some
 
 
 # ---------------------------------------------------------------------------
@@ -709,7 +733,7 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
         ins = dict(zip(in_order, refs[:n_in]))
         tbl = refs[n_in] if ranges is not None else None
         o_ref = refs[-1]
-        body = _AttnBody(spec, bq, bk)
+        body = _AttnBody(spec, bq, bk, fast_math=not interpret)
         qi = pl.program_id(0)
         if ranges is not None:
             qi = nq - 1 - qi  # the longest rows first
@@ -743,10 +767,15 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
                 env[spec.x] = x
             m_new = jnp.maximum(m_i, jnp.max(x, axis=1, keepdims=True))
             env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            for nd in spec.row_m + spec.exp_branch:
+            for nd in spec.row_m:
                 body.eval_node(nd, env, 0, 0)
             msub_new = jnp.broadcast_to(env[spec.sub_row], (bq, 1)).astype(jnp.float32)
-            alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp(msub - msub_new))
+            # exp(y - m) as 2^(y*log2e - m*log2e): one FMA and the hardware ex2 per score
+            y = env[spec.exp_branch[0].inputs[0]]
+            env[spec.exp_branch[1].outputs[0]] = body.exp2(y * _LOG2E - msub_new * _LOG2E)
+            for nd in spec.exp_branch[2:]:
+                body.eval_node(nd, env, 0, 0)
+            alpha = jnp.where(m_i == -jnp.inf, 0.0, body.exp2((msub - msub_new) * _LOG2E))
             e_sum = jnp.broadcast_to(env[spec.e_sum], (bq, bk)).astype(jnp.float32)
             p = jnp.broadcast_to(env[spec.e_dot], (bq, bk))
             if ragged_k and not unmasked:  # keys past the end weigh nothing

@@ -1,0 +1,186 @@
+"""The `attention` template: plain-jnp attention programs become one flash-style kernel (interpret mode),
+every kernel passes the CUDA lowering guard, masks known at build time skip key blocks, and what the
+template cannot do stays in XLA and stays right."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autofuse
+from autofuse.evaluate import lowering_guard
+from autofuse.kernels import attention
+from autofuse.measure import check, cone_tolerances
+from autofuse.partition import enumerate_candidates
+from autofuse.plan import plan_from_choices
+from autofuse.search import default_plan
+from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+S = jax.ShapeDtypeStruct
+SMALL = {"block_q": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}  # several blocks, ragged last ones
+
+
+def causal_iota_minus_1e9(q, k, v):
+    # [B, H, L, D] with `@`, mask from explicit iota comparisons and a finite fill
+    L = q.shape[2]
+    s = (q @ jnp.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
+    causal = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0) >= jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    s = jnp.where(causal, s, -1e9)
+    e = jnp.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).astype(v.dtype) @ v
+
+
+def bias_blhd(q, k, v, bias):
+    # additive bias [H, Lq, Lk] (relative-position style), [B, L, H, D] layout
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125 + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def padding_mask(q, k, v, keep):
+    # key padding mask [B, Lk] (bool), [B, H, L, D]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+    s = jnp.where(keep[:, None, None, :], s, -1e9)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
+def gqa_repeat(q, k, v):
+    # grouped-query attention: 4 query heads share each of 2 key/value heads
+    g = q.shape[2] // k.shape[2]
+    return attention_blhd(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2))
+
+
+def softcap_then_causal(q, k, v):
+    # tanh soft-capping before the mask: the mask is still known at build time
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = 5.0 * jnp.tanh(s / 5.0)
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def causal_then_softcap(q, k, v):
+    # the mask before tanh: capping revives masked scores (-inf -> -5), so nothing may be skipped
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    s = 5.0 * jnp.tanh(s / 5.0)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def sliding_window(q, k, v):
+    # a band of 24 keys: later query blocks start after key block 0
+    L = q.shape[2]
+    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = jnp.where((i >= j) & (i - j < 24), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+BHLD, BLHD = (2, 2, 50, 32), (2, 50, 2, 32)
+CASES = [
+    pytest.param(attention_bhld, (BHLD,) * 3, BF16, id="bhld-bf16"),
+    pytest.param(attention_bhld, ((1, 2, 40, 64),) * 3, F32, id="bhld-f32-d64"),
+    pytest.param(attention_blhd, (BLHD,) * 3, BF16, id="blhd-bf16"),
+    pytest.param(attention_bhld_causal, (BHLD,) * 3, BF16, id="causal-tril-bf16"),
+    pytest.param(causal_iota_minus_1e9, ((1, 2, 45, 32),) * 3, F32, id="causal-iota-matmul-B1-f32"),
+    pytest.param(bias_blhd, (BLHD, BLHD, BLHD, (2, 50, 50)), BF16, id="bias-blhd-bf16"),
+    pytest.param(padding_mask, (BHLD, BHLD, BHLD, (2, 50)), BF16, id="padding-mask-bf16"),
+    pytest.param(gqa_repeat, ((2, 50, 4, 32), (2, 50, 2, 32), (2, 50, 2, 32)), BF16, id="gqa-repeat-bf16"),
+    pytest.param(softcap_then_causal, (BHLD,) * 3, BF16, id="softcap-causal-bf16"),
+]
+
+
+def _specs(shapes, dtype):
+    return [S(s, jnp.bool_ if len(s) == 2 and s[0] == 2 and s[1] == 50 else dtype) for s in shapes]
+
+
+def _attention_candidate(graph):
+    cands = [c for c in enumerate_candidates(graph) if c.template == "attention"]
+    assert cands, "an attention candidate is enumerated"
+    return max(cands, key=lambda c: len(c.nodes))
+
+
+def _matches_xla(fn, graph, plan):
+    fused = autofuse.jit(fn, plan=plan)
+    res = check(lambda *a: jax.tree_util.tree_leaves(fused(*a)), lambda *a: jax.tree_util.tree_leaves(jax.jit(fn)(*a)),
+                [graph.avals[v] for v in graph.inputs], (1,), cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs))
+    assert res.ok, res.reason
+    return fused
+
+
+@pytest.mark.parametrize("fn,shapes,dtype", CASES)
+def test_attention_matches_xla_and_lowers(fn, shapes, dtype):
+    g = autofuse.capture(fn, *_specs(shapes, dtype))
+    cand = _attention_candidate(g)
+    assert {g.node_index[i].name for i in set(range(len(g.nodes))) - cand.nodes} <= {"transpose"}, "one group: all but layout transposes"
+    fused = _matches_xla(fn, g, plan_from_choices(g, [(cand.group, "attention", SMALL)]))  # many blocks, ragged edges
+    assert fused.last_status == "plan"
+    for cfg in (attention.default_config(cand.spec), SMALL):
+        kernel = attention.build(cand.group, cfg, interpret=False, spec=cand.spec)
+        lowering_guard(kernel, [S(a.shape, a.dtype) for a in cand.group.input_avals()])
+
+
+def test_default_config_one_block_matches_xla():
+    g = autofuse.capture(attention_bhld_causal, *[S((1, 2, 40, 64), BF16)] * 3)
+    cand = _attention_candidate(g)
+    _matches_xla(attention_bhld_causal, g, plan_from_choices(g, [(cand.group, "attention", attention.default_config(cand.spec))]))
+
+
+def test_causal_masks_skip_key_blocks():
+    g = autofuse.capture(attention_bhld_causal, *[S((1, 2, 100, 32), BF16)] * 3)
+    spec = _attention_candidate(g).spec
+    r = attention.block_ranges(spec, 16, 32)
+    nq = -(-100 // 16)
+    for i in range(nq):
+        last_q = min(100, 16 * i + 16) - 1
+        lo, flo, fhi, hi = r[i]
+        assert lo == 0 and hi == last_q // 32 + 1, "visit key blocks up to the diagonal only"
+        assert fhi == (16 * i + 1) // 32 or fhi == 16 * i // 32, "blocks wholly below the diagonal skip the mask"
+    assert attention.live_fraction(spec, 16, 32) < 0.7
+
+
+def test_sliding_window_skips_blocks_before_the_band():
+    g = autofuse.capture(sliding_window, *[S((1, 2, 100, 32), F32)] * 3)
+    cand = _attention_candidate(g)
+    r = attention.block_ranges(cand.spec, 16, 16)
+    assert r[-1][0] > 0, "the last query block starts after key block 0"
+    _matches_xla(sliding_window, g, plan_from_choices(g, [(cand.group, "attention", {**SMALL, "block_k": 16})]))
+
+
+def test_mask_before_soft_capping_is_not_skipped_but_right():
+    g = autofuse.capture(causal_then_softcap, *[S(BHLD, BF16)] * 3)
+    cand = _attention_candidate(g)
+    assert attention.block_ranges(cand.spec, 16, 16) is None
+    _matches_xla(causal_then_softcap, g, plan_from_choices(g, [(cand.group, "attention", SMALL)]))
+
+
+def softmax_over_queries(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-2), v)
+
+
+def probabilities_returned(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k), axis=-1)
+    return jnp.einsum("bhqk,bhkd->bhqd", p, v), p
+
+
+def highest_precision(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("fn", [softmax_over_queries, probabilities_returned, highest_precision])
+def test_unsupported_variants_stay_in_xla_and_stay_right(fn):
+    g = autofuse.capture(fn, *[S((1, 2, 40, 32), F32)] * 3)
+    assert not [c for c in enumerate_candidates(g) if c.template == "attention"]
+    _matches_xla(fn, g, default_plan(g))
+
+
+def test_tune_in_model_mode_picks_the_attention_group():
+    specs = [S((1, 4, 256, 64), BF16)] * 3
+    rep = autofuse.tune(attention_bhld_causal, *specs, trials=3, measure="model", quiet=True, isolate=False)
+    assert [g.template for g in rep.plan.groups] == ["attention"]
+    att = next(c for c in rep.candidates if c.template == "attention")
+    assert att.best_ms < att.xla_ms
