@@ -275,8 +275,8 @@ def _match(group: Group) -> AttentionSpec:
 
     span = {v: Span(q_axis in ax, k_axis in ax) for v, ax in axes.items()}
     sub_group = Group.of(g, [nd.id for nd in score_nodes])
-    if not set(sub_group.inputs) <= set(group.inputs) | {d1.outputs[0]}:
-        raise NoMatch("score work reads an operand chain")
+    if not set(sub_group.inputs) <= set(group.inputs) - {qo.value, ko.value, vo.value} | {d1.outputs[0]}:
+        raise NoMatch("score work reads q, k, v or an operand chain")
     tile = TileSpec(sub_group, S, n - 1, axes, span, [])
     spec = AttentionSpec(group, S, q_axis, k_axis, batch_axes, qo, ko, vo, D, Dv, d1, d2, mx, sm, comb, x, m_row,
                          sm.inputs[0], e_dot, e_first, l_row, pre, row_m, exp_branch, row_l, post, out, roles,
@@ -701,10 +701,8 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
     bsizes = [S[a] for a in spec.batch_axes]
     ranges = block_ranges(spec, bq, bk)
     qkv = {spec.q.value, spec.k.value, spec.v.value}
-    extra = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]
-             and g.producer.get(v) not in {spec.dot1.id}]
-    body_in = [v for v in spec.tile.group.inputs if v in extra]
-    in_order = [spec.q.value, spec.k.value, spec.v.value] + [v for v in body_in if v not in qkv]
+    body_in = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]  # bias, masks
+    in_order = [spec.q.value, spec.k.value, spec.v.value] + body_in
     masked_nodes = {**spec.mask_selects, **spec.mask_adds}
 
     def plan_nodes(nodes: list[Node], targets: set[int], unmasked: bool) -> list[Node]:
@@ -723,7 +721,6 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
             todo.extend([masked_nodes[nd.id]] if nd.id in masked_nodes else [a for a in nd.inputs if isinstance(a, int)])
         return [nd for nd in nodes if nd.id in keep]
 
-    exp_targets = {spec.e_sum, spec.e_dot}
     step_nodes = {um: plan_nodes(spec.pre, {spec.x} | {a for nd in spec.exp_branch for a in nd.inputs if isinstance(a, int)}, um)
                   for um in (False, True)}
     ragged_k = Lk % bk != 0
