@@ -5,6 +5,7 @@ GPU_NOTES.md; `small=True` gives CPU-sized versions of the same programs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +43,18 @@ def matmul_bias_gelu(x, w, b):
     return jax.nn.gelu(x @ w + b, approximate=True)
 
 
+def splade_head(h, w, bias, mask):
+    """SPLADE: max over the sequence of log(1 + relu(h @ W + b)), padding masked ([B, S, D] -> [B, V])."""
+    return jnp.max(jnp.log1p(jax.nn.relu(h @ w + bias)) * mask[..., None], axis=1)
+
+
+def cross_entropy(h, w, target):
+    """Per-token cross-entropy over a vocabulary, the target logit picked by a one-hot `where` (no gather)."""
+    logits = h @ w
+    hit = jnp.arange(logits.shape[-1])[None, :] == target[:, None]
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0), axis=-1)
+
+
 def attention_bhld(q, k, v):
     """Plain-jnp attention, [B, H, L, D]."""
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
@@ -69,7 +82,8 @@ def attention_blhd(q, k, v):
 class Workload:
     name: str
     fn: Callable
-    shapes: tuple  # argument shapes; every argument has the workload dtype
+    shapes: tuple  # argument shapes; every argument has the workload dtype unless `arg_dtypes` says otherwise
+    arg_dtypes: tuple = ()  # per argument: a dtype name, or None for the workload dtype (e.g. integer targets)
 
 
 WORKLOADS = [
@@ -79,6 +93,8 @@ WORKLOADS = [
     Workload("rms_norm", rms_norm, ((16384, 4096), (4096,))),
     Workload("logsumexp", logsumexp, ((16384, 4096),)),
     Workload("matmul_bias_gelu", matmul_bias_gelu, ((8192, 4096), (4096, 8192), (8192,))),
+    Workload("splade_head", splade_head, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
+    Workload("cross_entropy", cross_entropy, ((8192, 4096), (4096, 32000), (8192,)), (None, None, "int32")),
     Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
     Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
 ]
@@ -90,17 +106,20 @@ SMALL = {
     "rms_norm": ((64, 130), (130,)),
     "logsumexp": ((50, 333),),
     "matmul_bias_gelu": ((100, 70), (70, 90), (90,)),
+    "splade_head": ((2, 37, 40), (40, 70), (70,), (2, 37)),
+    "cross_entropy": ((50, 40), (40, 300), (50,)),
     "attention": ((2, 2, 100, 64),) * 3,
     "attention_causal": ((2, 2, 100, 64),) * 3,
 }
 
 
 def workloads(small: bool = False) -> list[Workload]:
-    return [Workload(w.name, w.fn, SMALL[w.name]) if small else w for w in WORKLOADS]
+    return [dataclasses.replace(w, shapes=SMALL[w.name]) if small else w for w in WORKLOADS]
 
 
 def specs(w: Workload, dtype) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(s, dtype) for s in w.shapes]
+    dts = w.arg_dtypes or (None,) * len(w.shapes)
+    return [jax.ShapeDtypeStruct(s, dtype if d is None else jnp.dtype(d)) for s, d in zip(w.shapes, dts)]
 
 
 def emit(lines: list[str], out: str = "") -> None:

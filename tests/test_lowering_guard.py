@@ -17,12 +17,13 @@ from autofuse.measure import check, random_inputs
 from autofuse.plan import bind_plan
 from autofuse.search import default_plan
 from benchmarks.workloads import (SMALL, attention_bhld, attention_bhld_causal, layer_norm, log_relu_bias, logsumexp, matmul_bias_gelu,
-                                  rms_norm, softmax)
+                                  rms_norm, softmax, splade_head, cross_entropy)
 
 S = jax.ShapeDtypeStruct
 TRITON = "__gpu$xla.gpu.triton"
 FNS = {"log_relu_bias": log_relu_bias, "softmax": softmax, "layer_norm": layer_norm, "rms_norm": rms_norm, "logsumexp": logsumexp,
-       "matmul_bias_gelu": matmul_bias_gelu, "attention": attention_bhld, "attention_causal": attention_bhld_causal}
+       "matmul_bias_gelu": matmul_bias_gelu, "attention": attention_bhld, "attention_causal": attention_bhld_causal,
+       "splade_head": splade_head, "cross_entropy": cross_entropy}
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
 

@@ -36,7 +36,7 @@ from .. import costmodel, ops
 from ..graph import Group, Lit, Node, bind_node, read_atom
 from ..ops import OpClass, op_class
 from .matmul import default_precision, dot_tile
-from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, analyze, template_space
+from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, analyze, next_pow2, template_space
 
 NAME = "matmul_reduce"
 PARAMS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split")
@@ -248,15 +248,18 @@ def _factor(terms: list, old: dict, new: dict):
 
 # ---------------------------------------------------------------------------
 def default_config(spec: MatmulReduceSpec) -> dict:
+    """Large tiles where the shapes allow (the best of a few configs timed on the H200, results/matmul_reduce_h200.md);
+    over N, enough ranges of N that the programs fill the SMs."""
     if not spec.over_n:
-        return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "split": 1}
-    bm = 64 if spec.M < 4096 else 128
-    n_m = -(-spec.M // bm)
-    n_n = -(-spec.N // 128)
+        bm = min(256, max(16, next_pow2(spec.L)))
+        return {"block_m": bm, "block_n": 128, "block_k": 64, "num_warps": 8 if bm >= 128 else 4, "num_stages": 3, "split": 1}
+    bm = 128 if spec.M >= 4096 else 64
+    bn = 256 if spec.N >= 4096 and bm == 128 else 128
+    n_m, n_n = -(-spec.M // bm), -(-spec.N // bn)
     split = 1
-    while n_m * split < 132 and split < 8 and split * 2 <= n_n:
+    while n_m * split * 2 <= 132 and split < 8 and split * 2 <= n_n:
         split *= 2
-    return {"block_m": bm, "block_n": 128, "block_k": 32 if spec.K < 64 else 64, "num_warps": 8 if bm == 128 else 4,
+    return {"block_m": bm, "block_n": bn, "block_k": 32 if spec.K < 64 else 64, "num_warps": 8 if bm == 128 else 4,
             "num_stages": 3, "split": split}
 
 
