@@ -424,7 +424,17 @@ class _Worker:
                 warnings.simplefilter("ignore", ExperimentalWarning)
                 for j in waiting:  # a dead worker's trial is failed here (and retried) once its heartbeat is stale
                     fail_stale_trials(self.study(j))
+                    self._reconcile(j)
             time.sleep(POLL_S)
+
+    def _reconcile(self, i: int) -> None:
+        """A running row whose Optuna trial is already finished lost its worker inside the stale-trial callback: lost too."""
+        from optuna.trial import TrialState
+
+        failed = {t.number for t in self.study(i).get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+        for t in self.results[i].trials:
+            if t["status"] == "running" and t["optuna_trial_id"] in failed:
+                self.pstore.mark_trial_lost(t["candidate_id"], t["optuna_trial_id"], "worker died (its trial failed by heartbeat)")
 
     def trial(self, i: int) -> str:
         """One Optuna trial of candidate i, run by `study.optimize` (so with heartbeats); returns what became of it."""

@@ -1,12 +1,13 @@
 """Tuning wall time with 1, 2, 4 workers on the same trial budget (autofuse tune --workers N), and without workers.
 
-    PYTHONPATH=. python benchmarks/tuning_scaling.py --trials 32 --workers 0,1,2,4 [--db-dir DIR]
+    PYTHONPATH=. python benchmarks/tuning_scaling.py --trials 32 --workers 0,1,2,4 --repeats 2 [--db-dir DIR]
 
 Each configuration tunes the same program into a fresh SQLite file (`--workers 0`: the single-process
 `autofuse tune`). Prints one Markdown row per configuration: wall time of the whole command, the trial
 phase (first trial started to last measured trial finished, from Optuna's trial timestamps), measured
 trials, trials per minute over the trial phase and over the whole run, and the time before the first
-trial and after the last (setup, worker start-up; selection and validation).
+trial and after the last (setup, worker start-up; selection and validation), and the 1-minute load average
+of the machine when the run started (other processes compete for the same cores).
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ import time
 PROGRAM = ["benchmarks.workloads:rms_norm", "--inputs", "tests.dist_programs:rms_norm_inputs"]
 
 
-def one(workers: int, trials: int, db_dir: str) -> dict:
+def one(workers: int, trials: int, db_dir: str, rep: int) -> dict:
     import optuna
 
     from autofuse.store import PlanStore
 
-    url = f"sqlite:///{db_dir}/scaling_w{workers}.db"
+    url = f"sqlite:///{db_dir}/scaling_w{workers}_r{rep}.db"
+    load = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "autofuse.cli", "tune", *PROGRAM, "--trials", str(trials), "--db", url, "--quiet"]
     if workers:
         cmd += ["--workers", str(workers)]
@@ -43,23 +45,26 @@ def one(workers: int, trials: int, db_dir: str) -> dict:
                 done.append((t.datetime_start.timestamp(), t.datetime_complete.timestamp()))
     first, last = min(a for a, _ in done), max(b for _, b in done)
     return {"workers": workers, "wall": wall, "phase": last - first, "n": len(done), "before": first - t0, "after": t0 + wall - last,
-            "status": run["status"]}
+            "status": run["status"], "load": load}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=32)
     ap.add_argument("--workers", default="0,1,2,4")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--db-dir", default=None)
     a = ap.parse_args()
     db_dir = a.db_dir or tempfile.mkdtemp(prefix="autofuse-scaling-")
-    print(f"| workers | wall s | trial phase s | measured trials | trials/min (phase) | trials/min (wall) | before first trial s | after last trial s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for w in (int(x) for x in a.workers.split(",")):
-        r = one(w, a.trials, db_dir)
-        assert r["status"] == "finished", r
-        print(f"| {w or 'none (single process)'} | {r['wall']:.1f} | {r['phase']:.1f} | {r['n']} | {60 * r['n'] / r['phase']:.1f} | "
-              f"{60 * r['n'] / r['wall']:.1f} | {r['before']:.1f} | {r['after']:.1f} |", flush=True)
+    print("| workers | wall s | trial phase s | measured trials | trials/min (phase) | trials/min (wall) | before first trial s "
+          "| after last trial s | load avg at start |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rep in range(a.repeats):
+        for w in (int(x) for x in a.workers.split(",")):
+            r = one(w, a.trials, db_dir, rep)
+            assert r["status"] == "finished", r
+            print(f"| {w or 'none (single process)'} | {r['wall']:.1f} | {r['phase']:.1f} | {r['n']} | {60 * r['n'] / r['phase']:.1f} | "
+                  f"{60 * r['n'] / r['wall']:.1f} | {r['before']:.1f} | {r['after']:.1f} | {r['load']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
