@@ -28,6 +28,14 @@ def mm_at_residual_relu(x, w, r):
     return jax.nn.relu(jnp.einsum("km,kn->mn", x, w) + r)
 
 
+def bmm_scale(x, w, s):
+    return jnp.einsum("bij,bjk->bik", x, w) * s
+
+
+def bmm_bt_bias_relu(x, w, b):
+    return jax.nn.relu(jnp.einsum("bmk,bnk->bmn", x, w) + b)
+
+
 def mm_silu_two_outputs(x, w):
     h = x @ w
     return h, jax.nn.silu(h)
@@ -39,6 +47,9 @@ CASES = [
     pytest.param(mm_bt_scale_tanh, ((64, 48), (80, 48), ()), BF16, id="Bt-scale-tanh-bf16"),
     pytest.param(mm_at_residual_relu, ((40, 33), (40, 50), (33, 50)), F32, id="At-residual-relu-f32"),
     pytest.param(mm_silu_two_outputs, ((32, 64), (64, 48)), F32, id="two-outputs-f32"),
+    pytest.param(bmm_scale, ((3, 40, 24), (3, 24, 50), ()), F32, id="batched-scale-f32-odd"),
+    pytest.param(bmm_scale, ((2, 64, 32), (2, 32, 48), ()), BF16, id="batched-scale-bf16"),
+    pytest.param(bmm_bt_bias_relu, ((3, 33, 20), (3, 45, 20), (45,)), BF16, id="batched-Bt-bias-relu-bf16-odd"),
 ]
 SMALL = {"block_m": 32, "block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 2, "group_m": 4}
 
@@ -64,10 +75,10 @@ def test_matmul_epilogue_matches_xla(fn, shapes, dtype):
         assert fused.last_status == "plan"
 
 
-def test_batched_and_highest_precision_dots_stay_in_xla():
+def test_batched_dot_is_one_kernel_and_highest_precision_stays_in_xla():
     x = jax.ShapeDtypeStruct((4, 32, 32), F32)
     g = autofuse.capture(lambda a, b: jnp.tanh(a @ b), x, x)
-    assert not [c for c in enumerate_candidates(g) if c.template == "matmul"]
+    assert _matmul_candidate(g).spec.batch == 4
     y = jax.ShapeDtypeStruct((32, 32), F32)
     g = autofuse.capture(lambda a, b: jnp.tanh(jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)), y, y)
     assert not [c for c in enumerate_candidates(g) if c.template == "matmul"]
@@ -80,6 +91,15 @@ def test_matmul_kernels_pass_the_cuda_lowering_guard(dtype, cfg):
     g = autofuse.capture(mm_bias_gelu, *specs)
     cand = _matmul_candidate(g)
     kernel = build_group(cand.group, "matmul", cfg, interpret=False)
+    lowering_guard(kernel, [jax.ShapeDtypeStruct(g.avals[v].shape, g.avals[v].dtype) for v in cand.group.inputs])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_batched_matmul_kernels_pass_the_cuda_lowering_guard(dtype):
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in ((3, 100, 70), (3, 90, 70), (90,))]
+    g = autofuse.capture(bmm_bt_bias_relu, *specs)
+    cand = _matmul_candidate(g)
+    kernel = build_group(cand.group, "matmul", SMALL, interpret=False)
     lowering_guard(kernel, [jax.ShapeDtypeStruct(g.avals[v].shape, g.avals[v].dtype) for v in cand.group.inputs])
 
 

@@ -8,8 +8,10 @@ activations: whatever elementwise work the jaxpr applies to the product) is
 evaluated on the accumulator tile by the same tile evaluator as the other
 templates, and only the epilogue's results are written. Operands may come in
 either layout the jaxpr gives ([M, K] or [K, M]; [K, N] or [N, K]). Programs
-walk the output tiles in groups of `group_m` row blocks for L2 reuse.
-Batched dots, prologues and `precision=HIGHEST` stay in XLA.
+walk the output tiles in groups of `group_m` row blocks for L2 reuse. A
+batched dot (one leading batch dimension on both operands, as
+`einsum('bij,bjk->bik')` gives) runs its batch entries on a second grid axis.
+Prologues and `precision=HIGHEST` stay in XLA.
 """
 from __future__ import annotations
 
@@ -43,11 +45,12 @@ class MatmulSpec:
     K: int
     a_km: bool  # A is stored [K, M]
     b_nk: bool  # B is stored [N, K]
-    epi: TileSpec  # the epilogue on [M, N] tiles (its group excludes the dot)
+    epi: TileSpec  # the epilogue on [M, N] (batched: [batch, M, N]) tiles (its group excludes the dot)
+    batch: int = 1  # batch entries (a leading batch dimension of both operands), 1 when not batched
 
 
 def match(group: Group) -> MatmulSpec | None:
-    """A matmul spec when the group is one plain 2-D dot plus an elementwise epilogue of it."""
+    """A matmul spec when the group is one plain (2-D or batched) dot plus an elementwise epilogue of it."""
     g = group.graph
     dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
     if len(dots) != 1 or any(op_class(n.name) in (OpClass.REDUCTION, OpClass.OPAQUE, OpClass.SOURCE) for n in group.nodes):
@@ -58,23 +61,27 @@ def match(group: Group) -> MatmulSpec | None:
         return None  # a prologue (work on an operand inside the group) is not handled yet
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     av, bv = g.avals[a], g.avals[b]
-    if lb or rb or len(av.shape) != 2 or len(bv.shape) != 2 or len(lc) != 1 or len(rc) != 1:
+    nb = len(lb)
+    if tuple(lb) != tuple(range(nb)) or tuple(rb) != tuple(range(nb)) or nb > 1 or len(lc) != 1 or len(rc) != 1:
+        return None
+    if len(av.shape) != 2 + nb or len(bv.shape) != 2 + nb or av.shape[:nb] != bv.shape[:nb]:
         return None
     if not default_precision(dot):
         return None  # HIGHEST / HIGH precision: leave it to XLA
     if av.dtype != bv.dtype or np.dtype(av.dtype) not in _DTYPES:
         return None
-    a_km, b_nk = lc[0] == 0, rc[0] == 1
-    M, K = (av.shape[1], av.shape[0]) if a_km else av.shape
-    N = bv.shape[0] if b_nk else bv.shape[1]
+    a_km, b_nk = lc[0] == nb, rc[0] == nb + 1
+    M, K = (av.shape[nb + 1], av.shape[nb]) if a_km else av.shape[nb:]
+    N = bv.shape[nb] if b_nk else bv.shape[nb + 1]
     if min(M, N, K) < 16:
         return None
+    batch = av.shape[0] if nb else 1
     rest = [n.id for n in group.nodes if n.id != dot.id]
     try:
-        epi = _epilogue_spec(group, dot, rest, (M, N))
+        epi = _epilogue_spec(group, dot, rest, (batch, M, N) if nb else (M, N))
     except NoMatch:
         return None
-    return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi)
+    return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch)
 
 
 def default_precision(dot: Node) -> bool:
@@ -83,17 +90,18 @@ def default_precision(dot: Node) -> bool:
     return prec is None or all(p is None or "DEFAULT" in str(p) for p in (prec if isinstance(prec, tuple) else (prec,)))
 
 
-def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, int]) -> TileSpec:
-    out = dot.outputs[0]
+def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...]) -> TileSpec:
+    """The epilogue tiled with rows = all but the last axis of the product (batch entries stacked), columns = N."""
+    out, n = dot.outputs[0], len(S)
     sub = Group.of(group.graph, rest) if rest else None
     if sub is None:
-        return TileSpec(group, S, 1, {out: (0, 1)}, {out: Span(True, True)}, [])
+        return TileSpec(group, S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
     if {dot.inputs[0], dot.inputs[1]} & set(sub.inputs):
         raise NoMatch("an operand of the dot is also read by the epilogue")
-    spec = analyze(sub, S, 1)
+    spec = analyze(sub, S, n - 1)
     if spec.reductions:
         raise NoMatch("reductions belong to matmul_reduce")
-    spec.axes[out], spec.span[out] = (0, 1), Span(True, True)
+    spec.axes[out], spec.span[out] = tuple(range(n)), Span(True, True)
     return spec
 
 
@@ -116,10 +124,10 @@ def model_time_ms(spec: MatmulSpec, config: dict, model: costmodel.GPUModel = co
     """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs."""
     bm, bn, bk = int(config["block_m"]), int(config["block_n"]), int(config["block_k"])
     low = np.dtype(spec.group.graph.avals[spec.a].dtype) != np.dtype("float32")
-    flops = 2.0 * spec.M * spec.N * spec.K
+    flops = 2.0 * spec.batch * spec.M * spec.N * spec.K
     eff = min(1.0, (bm * bn) / (128 * 256)) ** 0.5 * min(1.0, bk / 64) ** 0.25
-    tiles_m, tiles_n = -(-spec.M // bm), -(-spec.N // bn)
-    a_bytes = spec.M * spec.K * np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
+    tiles_m, tiles_n = spec.batch * -(-spec.M // bm), -(-spec.N // bn)
+    a_bytes = spec.batch * spec.M * spec.K * np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
     bytes_moved = a_bytes * tiles_n / max(1, int(config["group_m"])) ** 0.5 + sum(a.nbytes for a in spec.group.output_avals())
     return costmodel.kernel_time_ms(bytes_moved, flops / max(eff, 0.05), model, low) * max(1.0, 132 / max(1, tiles_m * tiles_n)) ** 0.5
 
@@ -132,7 +140,7 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
     gm = int(config["group_m"])
     g = group.graph
     cfg = TileConfig(bm, bn, int(config["num_warps"]), int(config["num_stages"]))
-    body = _Body(spec.epi, cfg, 0)
+    body = _BatchBody(spec.epi, cfg, spec.M)
     out_v = spec.dot.outputs[0]
     epi_nodes = [n for n in group.nodes if n.id != spec.dot.id]
     epi_inputs = [v for v in spec.epi.group.inputs if v != out_v] if epi_nodes else []
@@ -151,24 +159,30 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
         r0, c0 = pid_m * bm, pid_n * bn
         rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+        bi = pl.program_id(1) if spec.batch > 1 else 0
+        a_off = bi * (spec.K if spec.a_km else spec.M)  # the batch entry's first row of the stacked operands
+        b_off = bi * (spec.N if spec.b_nk else spec.K)
 
         m_ok = rows < spec.M if spec.M % bm else None  # masks only where a block runs past the edge
         n_ok = cols < spec.N if spec.N % bn else None
-        acc = dot_tile(ins[spec.a], ins[spec.b], r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk)
+        acc = dot_tile(ins[spec.a], ins[spec.b], r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk,
+                       a_off=a_off, b_off=b_off)
         env = {out_v: acc}
+        body.base = bi * spec.M
+        rg = body.base + r0  # the tile's first row among all batch entries' rows
         for v in epi_inputs:
-            env[v] = body.load(ins[v], v, r0, c0)
-        colmask = body.mask(Span(False, True), r0, c0)
+            env[v] = body.load(ins[v], v, rg, c0)
+        colmask = body.mask(Span(False, True), rg, c0)
         for nd in epi_nodes:
-            body.eval_node(nd, env, r0, c0, colmask)
+            body.eval_node(nd, env, rg, c0, colmask)
         for v in group.outputs:
-            body.store(outs[v], v, env[v], r0, c0)
+            body.store(outs[v], v, env[v], rg, c0)
 
     out_shape = [jax.ShapeDtypeStruct(spec.epi.layout2d(v), g.avals[v].dtype) for v in group.outputs]
     call = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(n_m * n_n,),
+        grid=(n_m * n_n, spec.batch) if spec.batch > 1 else (n_m * n_n,),
         interpret=interpret,
         name=f"autofuse_matmul_{group.signature[:8]}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -176,17 +190,18 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
-        args = [env[v] if v in (spec.a, spec.b) else jnp.reshape(env[v], spec.epi.layout2d(v)) for v in in_order]
+        args = [_stacked(env[v]) if v in (spec.a, spec.b) else jnp.reshape(env[v], spec.epi.layout2d(v)) for v in in_order]
         res = call(*args)
         return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, res)]
 
     return run
 
 
-def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int, K: int, a_km: bool, b_nk: bool):
+def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int, K: int, a_km: bool, b_nk: bool, a_off=0, b_off=0):
     """The float32 [bm, bn] product tile at rows r0.., columns c0..: a loop over K in bk steps.
 
     `row_ok` ([bm, 1]) / `col_ok` ([1, bn]) mask rows / columns past the edge (None: no mask needed).
+    `a_off` / `b_off` offset the leading index of each operand (a batch entry of stacked operands).
     """
     def step(kk, acc):
         k0 = kk * bk
@@ -194,16 +209,38 @@ def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int,
         ks_c = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         kr_ok, kc_ok = (ks_r < K, ks_c < K) if K % bk else (None, None)
         if a_km:
-            a = _load(a_ref.at[pl.ds(k0, bk), pl.ds(r0, bm)], kr_ok, None if row_ok is None else row_ok.T, (bk, bm)).T
+            a = _load(a_ref.at[pl.ds(a_off + k0, bk), pl.ds(r0, bm)], kr_ok, None if row_ok is None else row_ok.T, (bk, bm)).T
         else:
-            a = _load(a_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], row_ok, kc_ok, (bm, bk))
+            a = _load(a_ref.at[pl.ds(a_off + r0, bm), pl.ds(k0, bk)], row_ok, kc_ok, (bm, bk))
         if b_nk:
-            b = _load(b_ref.at[pl.ds(c0, bn), pl.ds(k0, bk)], None if col_ok is None else col_ok.T, kc_ok, (bn, bk)).T
+            b = _load(b_ref.at[pl.ds(b_off + c0, bn), pl.ds(k0, bk)], None if col_ok is None else col_ok.T, kc_ok, (bn, bk)).T
         else:
-            b = _load(b_ref.at[pl.ds(k0, bk), pl.ds(c0, bn)], kr_ok, col_ok, (bk, bn))
+            b = _load(b_ref.at[pl.ds(b_off + k0, bk), pl.ds(c0, bn)], kr_ok, col_ok, (bk, bn))
         return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
     return jax.lax.fori_loop(0, -(-K // bk), step, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _stacked(x):
+    """A batched operand [batch, p, q] as [batch * p, q] (batch entries one after another); 2-D ones as they are."""
+    return x if x.ndim == 2 else jnp.reshape(x, (-1, x.shape[-1]))
+
+
+class _BatchBody(_Body):
+    """The epilogue of one batch entry: its rows are [base, base + rows) of the stacked rows, masked by that range."""
+
+    def __init__(self, spec: TileSpec, cfg: TileConfig, rows: int):
+        super().__init__(spec, cfg, 0)
+        self.rows, self.base = rows, 0
+
+    def mask(self, span: Span, r0, c0):
+        m = None
+        if span.rows and self.rows % self.bm:
+            m = self.row_idx(r0) - self.base < self.rows
+        if span.cols and self.spec.C % self.bn:
+            cm = self.col_idx(c0) < self.spec.C
+            m = cm if m is None else m & cm
+        return None if m is None else jnp.broadcast_to(m, self.tile_shape(span))
 
 
 def _load(ref, row_ok, col_ok, shape):
