@@ -513,7 +513,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("run", type=int)
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    run_worker(a.run, quiet=a.quiet)
+    try:
+        run_worker(a.run, quiet=a.quiet)
+    except (RuntimeError, ValueError, KeyError, ImportError) as e:  # one line for what the user can fix
+        if os.environ.get("AUTOFUSE_DEBUG"):
+            raise
+        print(f"autofuse worker: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

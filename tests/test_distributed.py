@@ -187,3 +187,19 @@ def test_job_arguments_round_trip() -> None:
         function_ref(lambda x: x)
     with pytest.raises(ValueError, match="cannot describe"):
         encode_args((object(),))
+
+
+def test_migration_0002_keeps_runs_both_ways(tmp_path) -> None:
+    """The columns for runs shared by workers come and go without touching the rows (SQLite ALTER TABLE)."""
+    url = f"sqlite:///{tmp_path}/m.db"
+    store = PlanStore(url)
+    prog, dev, sw = store.program("fp", "p", {}, 1), store.device("cpu"), store.software("j", "jl", "a", "triton")
+    run = store.start_run(prog, dev, sw, budget={"trials": 1}, seed=0, sampler="tpe", measure="model")
+    store.set_run_job(run, {"fn": "m:f"})
+    assert db.downgrade(store.engine, "0001") == ({db.HEAD_REVISION}, {"0001"})
+    assert "job" not in {c["name"] for c in sa.inspect(store.engine).get_columns("autofuse_runs")}
+    store.close()
+    again = PlanStore(url)  # upgraded on first use
+    assert again.schema_revision() == db.HEAD_REVISION
+    got = again.get_run(run)
+    assert got["job"] is None and got["selected_by"] is None and got["status"] == "running"
