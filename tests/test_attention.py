@@ -184,3 +184,11 @@ def test_tune_in_model_mode_picks_the_attention_group():
     assert [g.template for g in rep.plan.groups] == ["attention"]
     att = next(c for c in rep.candidates if c.template == "attention")
     assert att.best_ms < att.xla_ms
+
+
+def test_positive_scale_folds_into_the_exp_only_when_it_commutes():
+    g = autofuse.capture(attention_bhld_causal, *[S(BHLD, BF16)] * 3)
+    fold = attention.scale_fold(_attention_candidate(g).spec)
+    assert fold is not None and fold[2] == pytest.approx(32 ** -0.5, rel=1e-2)  # through the mask select and the convert
+    g = autofuse.capture(bias_blhd, *_specs((BLHD, BLHD, BLHD, (2, 50, 50)), BF16))
+    assert attention.scale_fold(_attention_candidate(g).spec) is None  # (c * s + bias) is not c * (s + bias)

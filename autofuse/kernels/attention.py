@@ -571,6 +571,61 @@ def _analyze_masks(spec: AttentionSpec) -> None:
     spec.dead, spec.mask_selects, spec.mask_adds = dead, selects, adds
 
 
+def _const(g, a, members: set[int]) -> float | None:
+    """The value of a scalar constant operand (a literal, possibly broadcast or converted), else None."""
+    while not isinstance(a, Lit):
+        nid = g.producer.get(a)
+        if nid not in members or g.node_index[nid].name not in ("broadcast_in_dim", "convert_element_type"):
+            return None
+        a = g.node_index[nid].inputs[0]
+    return float(np.asarray(a.value))
+
+
+def scale_fold(spec: AttentionSpec) -> tuple[int, int, float] | None:
+    """(mul node, its score operand, c) when the scores reach the max as c * z through converts and masking selects.
+
+    The kernel then evaluates z in place of c * z and puts c into the exp's FMA and the
+    row max (c > 0 commutes with max), saving one multiply per score. A masking fill f
+    then stands for f / c: still at or below -1e4 after scaling, so still masked.
+    """
+    g = spec.group.graph
+    members = {nd.id for nd in spec.pre}
+    if spec.exp_branch[0].inputs[0] != spec.x or set(g.consumers.get(spec.x, ())) != {spec.max_node.id, spec.exp_branch[0].id}:
+        return None
+    v, fills = spec.x, []
+    while True:
+        nid = g.producer.get(v)
+        if nid not in members:
+            return None
+        nd = g.node_index[nid]
+        ins = list(nd.inputs)
+        if nd.name == "convert_element_type" and jnp.issubdtype(g.aval(ins[0]).dtype, jnp.floating) \
+                and jnp.issubdtype(g.avals[v].dtype, jnp.floating):
+            nxt = ins[0]
+        elif nd.name == "select_n" and len(ins) == 3:
+            consts = [_const(g, a, members) for a in ins[1:]]
+            k = [i for i in (0, 1) if consts[i] is None]
+            if len(k) != 1 or not isinstance(ins[1 + k[0]], int) or consts[1 - k[0]] > _NEG:
+                return None
+            fills.append(consts[1 - k[0]])
+            nxt = ins[1 + k[0]]
+        elif nd.name in ("mul", "div"):
+            c = _const(g, ins[1], members)
+            if c is None and nd.name == "mul":
+                c, ins = _const(g, ins[0], members), ins[::-1]
+            if c is None or not c > 0 or not isinstance(ins[0], int):
+                return None
+            c = c if nd.name == "mul" else 1.0 / c
+            if any(f * c > _NEG for f in fills):
+                return None
+            return nd.id, ins[0], c
+        else:
+            return None
+        if not isinstance(nxt, int) or g.consumers.get(nxt) != [nid]:
+            return None
+        v = nxt
+
+
 def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     """Per query block: [lo, full_lo, full_hi, hi) key blocks (live range; the mask-free middle), or None."""
     _analyze_masks(spec)
@@ -613,7 +668,7 @@ class _AttnBody(_Body):
         # score to bfloat16 and back costs two instructions per score in the inner loop.
         if nd.name == "convert_element_type" and isinstance(nd.inputs[0], int):
             src, dst = self.g.avals[nd.inputs[0]].dtype, self.g.avals[nd.outputs[0]].dtype
-            if np.issubdtype(np.dtype(src), np.floating) and np.issubdtype(np.dtype(dst), np.floating):
+            if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
                 env[nd.outputs[0]] = env[nd.inputs[0]].astype(ops.compute_dtype(dst))
                 return
         super().eval_node(nd, env, r0, c0, colmask)
@@ -724,6 +779,8 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
     step_nodes = {um: plan_nodes(spec.pre, {spec.x} | {a for nd in spec.exp_branch for a in nd.inputs if isinstance(a, int)}, um)
                   for um in (False, True)}
     ragged_k = Lk % bk != 0
+    fold = scale_fold(spec)
+    scale = 1.0 if fold is None else fold[2]
 
     def kernel(*refs):
         n_in = len(in_order)
@@ -756,20 +813,22 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
             for nd in step_nodes[unmasked]:
                 if unmasked and nd.id in masked_nodes:
                     env[nd.outputs[0]] = env[masked_nodes[nd.id]]
+                elif fold is not None and nd.id == fold[0]:
+                    env[nd.outputs[0]] = env[fold[1]]  # x / c: the scale goes into the max and the exp's FMA
                 else:
                     body.eval_node(nd, env, 0, 0)
             x = jnp.broadcast_to(env[spec.x], (bq, bk)).astype(jnp.float32)
             if ragged_k and not unmasked:
                 x = jnp.where((k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < Lk, x, -jnp.inf)
                 env[spec.x] = x
-            m_new = jnp.maximum(m_i, jnp.max(x, axis=1, keepdims=True))
+            m_new = jnp.maximum(m_i, jnp.max(x, axis=1, keepdims=True) * scale)
             env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             for nd in spec.row_m:
                 body.eval_node(nd, env, 0, 0)
             msub_new = jnp.broadcast_to(env[spec.sub_row], (bq, 1)).astype(jnp.float32)
             # exp(y - m) as 2^(y*log2e - m*log2e): one FMA and the hardware ex2 per score
             y = env[spec.exp_branch[0].inputs[0]]
-            env[spec.exp_branch[1].outputs[0]] = body.exp2(y * _LOG2E - msub_new * _LOG2E)
+            env[spec.exp_branch[1].outputs[0]] = body.exp2(y * (scale * _LOG2E) - msub_new * _LOG2E)
             for nd in spec.exp_branch[2:]:
                 body.eval_node(nd, env, 0, 0)
             alpha = jnp.where(m_i == -jnp.inf, 0.0, body.exp2((msub - msub_new) * _LOG2E))
