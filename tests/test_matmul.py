@@ -49,6 +49,7 @@ CASES = [
     pytest.param(mm_silu_two_outputs, ((32, 64), (64, 48)), F32, id="two-outputs-f32"),
     pytest.param(bmm_scale, ((3, 40, 24), (3, 24, 50), ()), F32, id="batched-scale-f32-odd"),
     pytest.param(bmm_scale, ((2, 64, 32), (2, 32, 48), ()), BF16, id="batched-scale-bf16"),
+    pytest.param(mm_bias_gelu, ((2, 37, 40), (40, 50), (50,)), BF16, id="3d-lhs-bias-gelu-bf16-odd"),
     pytest.param(bmm_bt_bias_relu, ((3, 33, 20), (3, 45, 20), (45,)), BF16, id="batched-Bt-bias-relu-bf16-odd"),
 ]
 SMALL = {"block_m": 32, "block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 2, "group_m": 4}

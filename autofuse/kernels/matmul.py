@@ -10,11 +10,13 @@ templates, and only the epilogue's results are written. Operands may come in
 either layout the jaxpr gives ([M, K] or [K, M]; [K, N] or [N, K]). Programs
 walk the output tiles in groups of `group_m` row blocks for L2 reuse. A
 batched dot (one leading batch dimension on both operands, as
-`einsum('bij,bjk->bik')` gives) runs its batch entries on a second grid axis.
+`einsum('bij,bjk->bik')` gives) runs its batch entries on a second grid axis;
+an A of shape [..., K] (h @ W with h [B, S, D]) is a matrix of its flattened rows.
 Prologues and `precision=HIGHEST` stay in XLA.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,21 +66,22 @@ def match(group: Group) -> MatmulSpec | None:
     nb = len(lb)
     if tuple(lb) != tuple(range(nb)) or tuple(rb) != tuple(range(nb)) or nb > 1 or len(lc) != 1 or len(rc) != 1:
         return None
-    if len(av.shape) != 2 + nb or len(bv.shape) != 2 + nb or av.shape[:nb] != bv.shape[:nb]:
+    flat_a = nb == 0 and len(av.shape) > 2 and lc[0] == len(av.shape) - 1  # A [..., K]: its free axes are the rows
+    if (len(av.shape) != 2 + nb and not flat_a) or len(bv.shape) != 2 + nb or av.shape[:nb] != bv.shape[:nb]:
         return None
     if not default_precision(dot):
         return None  # HIGHEST / HIGH precision: leave it to XLA
     if av.dtype != bv.dtype or np.dtype(av.dtype) not in _DTYPES:
         return None
     a_km, b_nk = lc[0] == nb, rc[0] == nb + 1
-    M, K = (av.shape[nb + 1], av.shape[nb]) if a_km else av.shape[nb:]
+    M, K = (av.shape[nb + 1], av.shape[nb]) if a_km else (math.prod(av.shape[nb:-1]), av.shape[-1])
     N = bv.shape[nb] if b_nk else bv.shape[nb + 1]
     if min(M, N, K) < 16:
         return None
     batch = av.shape[0] if nb else 1
     rest = [n.id for n in group.nodes if n.id != dot.id]
     try:
-        epi = _epilogue_spec(group, dot, rest, (batch, M, N) if nb else (M, N))
+        epi = _epilogue_spec(group, dot, rest, g.avals[dot.outputs[0]].shape)
     except NoMatch:
         return None
     return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch)
