@@ -36,6 +36,14 @@ def bmm_bt_bias_relu(x, w, b):
     return jax.nn.relu(jnp.einsum("bmk,bnk->bmn", x, w) + b)
 
 
+def mm_prologue_scale_cast(x, w, s):
+    return jax.nn.relu((x * s).astype(jnp.bfloat16) @ w.astype(jnp.bfloat16))
+
+
+def mm_bt_prologue_scale(x, w, s):
+    return jnp.einsum("mk,nk->mn", x, w * s)
+
+
 def mm_silu_two_outputs(x, w):
     h = x @ w
     return h, jax.nn.silu(h)
@@ -50,6 +58,8 @@ CASES = [
     pytest.param(bmm_scale, ((3, 40, 24), (3, 24, 50), ()), F32, id="batched-scale-f32-odd"),
     pytest.param(bmm_scale, ((2, 64, 32), (2, 32, 48), ()), BF16, id="batched-scale-bf16"),
     pytest.param(mm_bias_gelu, ((2, 37, 40), (40, 50), (50,)), BF16, id="3d-lhs-bias-gelu-bf16-odd"),
+    pytest.param(mm_prologue_scale_cast, ((100, 70), (70, 90), (70,)), F32, id="prologue-scale-cast-to-bf16-odd"),
+    pytest.param(mm_bt_prologue_scale, ((64, 40), (80, 40), ()), BF16, id="Bt-prologue-scale-bf16"),
     pytest.param(bmm_bt_bias_relu, ((3, 33, 20), (3, 45, 20), (45,)), BF16, id="batched-Bt-bias-relu-bf16-odd"),
 ]
 SMALL = {"block_m": 32, "block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 2, "group_m": 4}
@@ -96,9 +106,12 @@ def test_matmul_kernels_pass_the_cuda_lowering_guard(dtype, cfg):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_batched_matmul_kernels_pass_the_cuda_lowering_guard(dtype):
-    specs = [jax.ShapeDtypeStruct(s, dtype) for s in ((3, 100, 70), (3, 90, 70), (90,))]
-    g = autofuse.capture(bmm_bt_bias_relu, *specs)
+@pytest.mark.parametrize("fn,shapes", [(bmm_bt_bias_relu, ((3, 100, 70), (3, 90, 70), (90,))),
+                                       (mm_prologue_scale_cast, ((100, 70), (70, 90), (70,))), (mm_bt_prologue_scale, ((64, 40), (80, 40), ()))],
+                         ids=["batched", "prologue-cast", "Bt-prologue"])
+def test_batched_and_prologue_kernels_pass_the_cuda_lowering_guard(fn, shapes, dtype):
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    g = autofuse.capture(fn, *specs)
     cand = _matmul_candidate(g)
     kernel = build_group(cand.group, "matmul", SMALL, interpret=False)
     lowering_guard(kernel, [jax.ShapeDtypeStruct(g.avals[v].shape, g.avals[v].dtype) for v in cand.group.inputs])

@@ -12,12 +12,13 @@ walk the output tiles in groups of `group_m` row blocks for L2 reuse. A
 batched dot (one leading batch dimension on both operands, as
 `einsum('bij,bjk->bik')` gives) runs its batch entries on a second grid axis;
 an A of shape [..., K] (h @ W with h [B, S, D]) is a matrix of its flattened rows.
-Prologues and `precision=HIGHEST` stay in XLA.
+A prologue (elementwise work on an operand before the dot: a scale, a cast)
+runs on each operand tile as it is loaded. `precision=HIGHEST` stays in XLA.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
@@ -49,6 +50,7 @@ class MatmulSpec:
     b_nk: bool  # B is stored [N, K]
     epi: TileSpec  # the epilogue on [M, N] (batched: [batch, M, N]) tiles (its group excludes the dot)
     batch: int = 1  # batch entries (a leading batch dimension of both operands), 1 when not batched
+    pro: dict = field(default_factory=dict)  # operand (a or b) -> (its prologue's nodes, their TileSpec on the operand's shape)
 
 
 def match(group: Group) -> MatmulSpec | None:
@@ -59,8 +61,8 @@ def match(group: Group) -> MatmulSpec | None:
         return None
     dot = dots[0]
     a, b = dot.inputs
-    if not (isinstance(a, int) and isinstance(b, int) and a in group.inputs and b in group.inputs):
-        return None  # a prologue (work on an operand inside the group) is not handled yet
+    if not (isinstance(a, int) and isinstance(b, int)):
+        return None
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     av, bv = g.avals[a], g.avals[b]
     nb = len(lb)
@@ -79,12 +81,41 @@ def match(group: Group) -> MatmulSpec | None:
     if min(M, N, K) < 16:
         return None
     batch = av.shape[0] if nb else 1
-    rest = [n.id for n in group.nodes if n.id != dot.id]
     try:
+        pro = {v: _prologue(group, dot, v) for v in (a, b) if v not in group.inputs}
+        if pro and nb:
+            raise NoMatch("a prologue on a batched dot")
+        in_pro = {nd.id for nodes, _ in pro.values() for nd in nodes}
+        rest = [n.id for n in group.nodes if n.id != dot.id and n.id not in in_pro]
         epi = _epilogue_spec(group, dot, rest, g.avals[dot.outputs[0]].shape)
+        for v in set(group.inputs) - {a, b}:  # an input read by two parts must have one 2-D layout
+            shapes = {sp.layout2d(v) for sp in [epi] + [t for _, t in pro.values()] if v in sp.group.inputs}
+            if len(shapes) > 1:
+                raise NoMatch(f"input %{v} is read with two layouts")
     except NoMatch:
         return None
-    return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch)
+    return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro)
+
+
+def _prologue(group: Group, dot: Node, operand: int) -> tuple[list[Node], TileSpec]:
+    """The elementwise work inside the group that produces a dot operand, tiled on the operand's shape."""
+    g = group.graph
+    members = set(group.node_ids)
+    ids, todo = set(), [operand]
+    while todo:
+        nid = g.producer.get(todo.pop())
+        if nid is None or nid not in members or nid in ids:
+            continue
+        ids.add(nid)
+        todo.extend(x for x in g.node_index[nid].inputs if isinstance(x, int))
+    nodes = [nd for nd in group.nodes if nd.id in ids]
+    if any(op_class(nd.name) not in (OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT) for nd in nodes):
+        raise NoMatch("a prologue does more than elementwise work")
+    sub = Group.of(g, [nd.id for nd in nodes])
+    if list(sub.outputs) != [operand] or any(c != dot.id for c in g.consumers.get(operand, ())):
+        raise NoMatch("a prologue value is also used elsewhere")
+    shape = g.avals[operand].shape
+    return nodes, analyze(sub, shape, len(shape) - 1)
 
 
 def default_precision(dot: Node) -> bool:
@@ -98,7 +129,7 @@ def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...])
     out, n = dot.outputs[0], len(S)
     sub = Group.of(group.graph, rest) if rest else None
     if sub is None:
-        return TileSpec(group, S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
+        return TileSpec(Group.of(group.graph, [dot.id]), S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
     if {dot.inputs[0], dot.inputs[1]} & set(sub.inputs):
         raise NoMatch("an operand of the dot is also read by the epilogue")
     spec = analyze(sub, S, n - 1)
@@ -145,7 +176,8 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
     cfg = TileConfig(bm, bn, int(config["num_warps"]), int(config["num_stages"]))
     body = _BatchBody(spec.epi, cfg, spec.M)
     out_v = spec.dot.outputs[0]
-    epi_nodes = [n for n in group.nodes if n.id != spec.dot.id]
+    in_pro = {nd.id for nodes, _ in spec.pro.values() for nd in nodes}
+    epi_nodes = [n for n in group.nodes if n.id != spec.dot.id and n.id not in in_pro]
     epi_inputs = [v for v in spec.epi.group.inputs if v != out_v] if epi_nodes else []
     n_m, n_n = -(-spec.M // bm), -(-spec.N // bn)
     in_order = list(group.inputs)
@@ -168,8 +200,14 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
 
         m_ok = rows < spec.M if spec.M % bm else None  # masks only where a block runs past the edge
         n_ok = cols < spec.N if spec.N % bn else None
-        acc = dot_tile(ins[spec.a], ins[spec.b], r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk,
-                       a_off=a_off, b_off=b_off)
+        tiles = {}
+        for v, (nodes, pspec) in spec.pro.items():
+            # the operand's tile in memory order: [rows, K] / [K, rows] for A, [K, N] / [N, K] for B
+            major_is_k = spec.a_km if v == spec.a else not spec.b_nk
+            other0, other_n = (r0, bm) if v == spec.a else (c0, bn)
+            tiles[v] = _prologue_tile(ins, nodes, pspec, v, v == spec.a, major_is_k, other0, other_n, bk, spec.K, g.avals[v].dtype, cfg)
+        acc = dot_tile(ins.get(spec.a), ins.get(spec.b), r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk,
+                       a_off=a_off, b_off=b_off, a_tile=tiles.get(spec.a), b_tile=tiles.get(spec.b))
         env = {out_v: acc}
         body.base = bi * spec.M
         rg = body.base + r0  # the tile's first row among all batch entries' rows
@@ -193,35 +231,65 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulSp
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
-        args = [_stacked(env[v]) if v in (spec.a, spec.b) else jnp.reshape(env[v], spec.epi.layout2d(v)) for v in in_order]
+        layouts = [spec.epi] + [t for _, t in spec.pro.values()]
+        args = [_stacked(env[v]) if v in (spec.a, spec.b) else
+                jnp.reshape(env[v], next(sp.layout2d(v) for sp in layouts if v in sp.group.inputs)) for v in in_order]
         res = call(*args)
         return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, res)]
 
     return run
 
 
-def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int, K: int, a_km: bool, b_nk: bool, a_off=0, b_off=0):
+def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int, K: int, a_km: bool, b_nk: bool, a_off=0, b_off=0,
+             a_tile: Callable | None = None, b_tile: Callable | None = None):
     """The float32 [bm, bn] product tile at rows r0.., columns c0..: a loop over K in bk steps.
 
     `row_ok` ([bm, 1]) / `col_ok` ([1, bn]) mask rows / columns past the edge (None: no mask needed).
     `a_off` / `b_off` offset the leading index of each operand (a batch entry of stacked operands).
+    `a_tile(k0)` / `b_tile(k0)`, when given, make an operand's tile ([bm, bk] / [bk, bn]) instead of loading it (a prologue).
     """
     def step(kk, acc):
         k0 = kk * bk
         ks_r = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
         ks_c = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         kr_ok, kc_ok = (ks_r < K, ks_c < K) if K % bk else (None, None)
-        if a_km:
+        if a_tile is not None:
+            a = a_tile(k0)
+        elif a_km:
             a = _load(a_ref.at[pl.ds(a_off + k0, bk), pl.ds(r0, bm)], kr_ok, None if row_ok is None else row_ok.T, (bk, bm)).T
         else:
             a = _load(a_ref.at[pl.ds(a_off + r0, bm), pl.ds(k0, bk)], row_ok, kc_ok, (bm, bk))
-        if b_nk:
+        if b_tile is not None:
+            b = b_tile(k0)
+        elif b_nk:
             b = _load(b_ref.at[pl.ds(b_off + c0, bn), pl.ds(k0, bk)], None if col_ok is None else col_ok.T, kc_ok, (bn, bk)).T
         else:
             b = _load(b_ref.at[pl.ds(b_off + k0, bk), pl.ds(c0, bn)], kr_ok, col_ok, (bk, bn))
         return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
     return jax.lax.fori_loop(0, -(-K // bk), step, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _prologue_tile(ins: dict, nodes: list, pspec: TileSpec, operand: int, is_a: bool, major_is_k: bool, other0, other_n: int, bk: int,
+                   K: int, dtype, cfg: TileConfig) -> Callable:
+    """A function of k0 that loads the prologue's inputs, runs its work and returns the operand tile in dot orientation
+    (zero where k runs past K, so nothing the prologue computes there reaches the product)."""
+    rows, cols = (bk, other_n) if major_is_k else (other_n, bk)
+    body = _Body(pspec, TileConfig(rows, cols, cfg.num_warps, cfg.num_stages), 0)
+
+    def tile(k0):
+        r0, c0 = (k0, other0) if major_is_k else (other0, k0)
+        env = {v: body.load(ins[v], v, r0, c0) for v in pspec.group.inputs}
+        for nd in nodes:
+            body.eval_node(nd, env, r0, c0)
+        x = jnp.broadcast_to(env[operand], (rows, cols))
+        if K % bk:
+            kk = body.row_idx(r0) if major_is_k else body.col_idx(c0)
+            x = jnp.where(kk < K, x, 0)
+        x = x.astype(dtype)
+        return x.T if major_is_k == is_a else x  # the dot takes A as [bm, bk] and B as [bk, bn]
+
+    return tile
 
 
 def _stacked(x):
