@@ -51,6 +51,15 @@ def gqa_repeat(q, k, v):
     return attention_blhd(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2))
 
 
+def gqa_broadcast(q, k, v):
+    # grouped-query attention with the key/value heads broadcast and merged by hand
+    b, l, h, d = q.shape
+    hk = k.shape[2]
+    k = jnp.broadcast_to(k[:, :, :, None, :], (b, l, hk, h // hk, d)).reshape(b, l, h, d)
+    v = jnp.broadcast_to(v[:, :, :, None, :], (b, l, hk, h // hk, d)).reshape(b, l, h, d)
+    return attention_blhd(q, k, v)
+
+
 def softcap_then_causal(q, k, v):
     # tanh soft-capping before the mask: the mask is still known at build time
     L = q.shape[2]
@@ -88,7 +97,9 @@ CASES = [
     pytest.param(bias_blhd, (BLHD, BLHD, BLHD, (2, 50, 50)), BF16, id="bias-blhd-bf16"),
     pytest.param(padding_mask, (BHLD, BHLD, BHLD, (2, 50)), BF16, id="padding-mask-bf16"),
     pytest.param(gqa_repeat, ((2, 50, 4, 32), (2, 50, 2, 32), (2, 50, 2, 32)), BF16, id="gqa-repeat-bf16"),
+    pytest.param(gqa_broadcast, ((1, 40, 4, 32), (1, 40, 1, 32), (1, 40, 1, 32)), BF16, id="gqa-broadcast-bf16"),
     pytest.param(softcap_then_causal, (BHLD,) * 3, BF16, id="softcap-causal-bf16"),
+    pytest.param(attention_bhld_causal, ((1, 2, 50, 48),) * 3, BF16, id="causal-head-dim-48-padded"),
 ]
 
 
@@ -171,9 +182,19 @@ def highest_precision(q, k, v):
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v, precision=jax.lax.Precision.HIGHEST)
 
 
-@pytest.mark.parametrize("fn", [softmax_over_queries, probabilities_returned, highest_precision])
+def gqa_query_reshape(q, k, v):
+    # GQA by reshaping the queries: the einsum puts a transpose between the scores and the softmax,
+    # and transposes are not fusible, so this form stays in XLA
+    b, l, h, d = q.shape
+    hk = k.shape[2]
+    s = jnp.einsum("blhgd,bshd->bhgls", q.reshape(b, l, hk, h // hk, d), k)
+    return jnp.einsum("bhgls,bshd->blhgd", jax.nn.softmax(s, axis=-1), v).reshape(b, l, h, d)
+
+
+@pytest.mark.parametrize("fn", [softmax_over_queries, probabilities_returned, highest_precision, gqa_query_reshape])
 def test_unsupported_variants_stay_in_xla_and_stay_right(fn):
-    g = autofuse.capture(fn, *[S((1, 2, 40, 32), F32)] * 3)
+    shapes = [(1, 40, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32)] if fn is gqa_query_reshape else [(1, 2, 40, 32)] * 3
+    g = autofuse.capture(fn, *[S(s, F32) for s in shapes])
     assert not [c for c in enumerate_candidates(g) if c.template == "attention"]
     _matches_xla(fn, g, default_plan(g))
 
