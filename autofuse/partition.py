@@ -8,9 +8,14 @@ steps that one template implements with one loop structure (for row_reduce:
 one number of reductions) is a candidate (so a layer norm yields the whole
 norm, and its elementwise tail on its own, not every prefix; a stack of norms
 yields groups that end at each norm, not only at the size bound).
+A dot_general also grows forward (its consumers before its operands'
+producers), so a dot's epilogue, reductions and a second dot (attention)
+form one group even when reshapes feed the dot.
 Bounds: a group holds at most `max_group_size` nodes and the whole
-enumeration yields at most `max_candidates` groups, so the work is
-O(nodes x max_group_size) closure steps, each a few big-int operations.
+enumeration yields groups of at most `max_candidates` distinct computations
+(group signatures: the instances of a repeated layer count once, as they are
+tuned once), so the work is O(nodes x max_group_size) closure steps, each a
+few big-int operations, plus one signature per group.
 
 Selection: each node is covered by exactly one chosen option (a fused group,
 or XLA); the cheapest such cover is an exact 0/1 program solved by HiGHS
@@ -104,27 +109,35 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         if is_fusible(graph, nd.id):
             fusible |= 1 << nd.id
     neighbours = [0] * len(graph.nodes)
+    consumers = [0] * len(graph.nodes)
     for nd in graph.nodes:
         for o in graph.preds(nd.id) + graph.succs(nd.id):
             neighbours[nd.id] |= 1 << o
+        for o in graph.succs(nd.id):
+            consumers[nd.id] |= 1 << o
     cache: dict[int, Candidate | None] = {}
     emitted: set[int] = set()
     found: list[Candidate] = []
+    distinct: set[str] = set()  # the budget counts computations: a repeated layer's instances count once
 
     def emit(c: Candidate | None) -> None:
         mask = sum(1 << i for i in c.group.node_ids) if c else 0
-        if c is not None and mask not in emitted:
+        if c is not None and mask not in emitted and (c.group.signature in distinct or len(distinct) < max_candidates):
             emitted.add(mask)
+            distinct.add(c.group.signature)
             found.append(c)
 
-    def grow(cur: int) -> int | None:
-        frontier = 0
+    def grow(cur: int, forward: bool) -> int | None:
+        # A forward path takes in consumers before producers (a dot's epilogue before its operands' producers).
+        ins = outs = 0
         for i in _bits(cur):
-            frontier |= neighbours[i]
-        for nb in _bits(frontier & fusible & ~cur):
-            new = reach.closure(cur | (1 << nb))
-            if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
-                return new
+            ins |= neighbours[i]
+            outs |= consumers[i]
+        for frontier in ((outs, ins) if forward else (ins,)):
+            for nb in _bits(frontier & fusible & ~cur):
+                new = reach.closure(cur | (1 << nb))
+                if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
+                    return new
         return None
 
     def kind(c: Candidate | None) -> tuple | None:
@@ -136,27 +149,31 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     # the largest groups everywhere, not every seed after the first few. Growth is
     # a function of the current set: a path that reaches a set another path has
     # visited continues as that one (and ends its runs in the same sets), so it stops.
-    paths = [(1 << seed, None) for seed in _bits(fusible)]
-    visited: set[int] = set()
-    while paths and len(found) < max_candidates:
+    # Every seed grows lowest-numbered neighbour first; a dot also grows forward, so that
+    # its consumers (epilogue, reductions, a second dot) join before its operands' producers.
+    seeds = _bits(fusible)
+    paths = [(1 << s, None, False) for s in seeds]
+    paths += [(1 << s, None, True) for s in seeds if ops.op_class(graph.node_index[s].name) is OpClass.CONTRACTION]
+    visited: set[tuple[int, bool]] = set()
+    while paths and len(distinct) < max_candidates:
         nxt = []
-        for cur, run in paths:
+        for cur, run, forward in paths:
             if cur not in cache:
                 cache[cur] = _candidate(graph, cur)
             cand = cache[cur]
             if cand is None or (run is not None and kind(run) != kind(cand)):
                 emit(run)
-            if cur in visited:
+            if (cur, forward) in visited:
                 continue
-            visited.add(cur)
+            visited.add((cur, forward))
             run = cand
-            grown = grow(cur)
+            grown = grow(cur, forward)
             if grown is None:
                 emit(run)
             else:
-                nxt.append((grown, run))
+                nxt.append((grown, run, forward))
         paths = nxt
-    return found[:max_candidates]
+    return found
 
 
 def _candidate(graph: Graph, mask: int) -> Candidate | None:
