@@ -452,11 +452,9 @@ class _Worker:
                 kind, got = self.pstore.claim_trial(self.run_id, cid, cfg, trial.number, limit=self.total)
             outcome["kind"] = kind
             if kind == "duplicate":  # the sampler proposed a config done (or running) already: nothing spent
-                trial.set_constraint("violations", 1.0 if got["status"] == "infeasible" else 0.0)
-                if got["status"] == "ok":
-                    return float(got["median_ms"])
-                if got["status"] in UNMEASURED:
-                    return INFEASIBLE_VALUE
+                if got["status"] == "ok" or got["status"] in UNMEASURED:
+                    trial.set_constraint("violations", 1.0 if got["status"] == "infeasible" else 0.0)
+                    return float(got["median_ms"]) if got["status"] == "ok" else INFEASIBLE_VALUE
                 raise _NoResult(f"config already tried: {got['status']}")
             if kind != "ok":
                 raise _NoResult(f"no trial started: {kind}")

@@ -4,6 +4,7 @@ AUTOFUSE_TEST_PG_URL is set (and must, with AUTOFUSE_REQUIRE_PG=1; see tests/tes
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,11 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-4000:]
     return out, err
+
+
+def worker_counts(err: str) -> list[int]:
+    """Trials measured by each worker, from their last lines."""
+    return [int(n) for n in re.findall(r"done: measured (\d+) trials", err)]
 
 
 def check_books(url: str, budget: int) -> dict:
@@ -100,7 +106,8 @@ def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
     out, err = _finish(_tune(RMS, pg_url, 3, 15))
     books = check_books(pg_url, 15)
     assert len(books["workers"]) >= 2, "the trials were shared out between workers"  # a worker starting late may find none left
-    assert err.count("plan saved") == 1 and err.count("joined run") == 3
+    assert err.count("plan saved") == 1 and err.count("joined run") == 3 and " exit " not in err
+    assert sum(worker_counts(err)) == 15 and len(worker_counts(err)) == 3
     assert "plan:" in out and f"run {books['run']['id']}" in out
     # our migrations and Optuna's tables side by side in one PostgreSQL schema
     tables = set(sa.inspect(books["store"].engine).get_table_names())
@@ -141,9 +148,10 @@ def test_pg_sigkilled_worker_trial_is_retried_and_the_run_completes(pg_url: str)
 
 def test_sqlite_four_workers_on_one_host(tmp_path) -> None:
     url = f"sqlite:///{tmp_path}/four.db"
-    _finish(_tune(LRB, url, 4, 12))
+    _, err = _finish(_tune(LRB, url, 4, 12))
     books = check_books(url, 12)
-    assert len(books["workers"]) >= 2
+    assert len(books["workers"]) >= 2 and " exit " not in err  # no worker died of a lock conflict
+    assert sum(worker_counts(err)) == 12 and len(worker_counts(err)) == 4 and err.count("plan saved") == 1
 
 
 def test_worker_refuses_sqlite(tmp_path) -> None:

@@ -133,8 +133,8 @@ def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
     return engine
 
 
-def _configure_sqlite(engine: Engine, timeout: float) -> None:
-    """WAL, busy timeout, foreign keys, and BEGIN / BEGIN IMMEDIATE control."""
+def _configure_sqlite(engine: Engine, timeout: float, *, always_immediate: bool = False) -> None:
+    """WAL, busy timeout, foreign keys, and BEGIN / BEGIN IMMEDIATE control (every transaction: *always_immediate*)."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -155,10 +155,25 @@ def _configure_sqlite(engine: Engine, timeout: float) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        if conn.get_execution_options().get("autofuse_write"):
+        if always_immediate or conn.get_execution_options().get("autofuse_write"):
             conn.exec_driver_sql("BEGIN IMMEDIATE")
         else:
             conn.exec_driver_sql("BEGIN")
+
+
+def serialise_sqlite(engine: Engine, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Make every transaction of another library's SQLite engine (Optuna's) take the write lock up front.
+
+    Python's sqlite3 runs a SELECT outside any transaction and opens one only
+    at the next write, so a read-then-update (Optuna taking a waiting trial:
+    WAITING -> RUNNING) is not atomic across processes and two workers can take
+    the same trial. With ``BEGIN IMMEDIATE`` such transactions take turns,
+    waiting up to the busy timeout. Drops the connections pooled so far.
+    """
+    if engine.dialect.name != "sqlite":
+        return
+    _configure_sqlite(engine, timeout, always_immediate=True)
+    engine.dispose()
 
 
 @contextlib.contextmanager
