@@ -13,7 +13,7 @@ from autofuse.measure import check, cone_tolerances
 from autofuse.partition import enumerate_candidates
 from autofuse.plan import build_group, plan_from_choices
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 S = jax.ShapeDtypeStruct
 
 
@@ -59,6 +59,7 @@ CASES = [
     pytest.param(splade_head, ((2, 37, 40), (40, 70), (70,), (2, 37)), F32, id="splade-f32"),
     pytest.param(splade_head, ((3, 20, 24), (24, 90), (90,), (3, 20)), BF16, id="splade-bf16"),
     pytest.param(col_sum_tanh, ((45, 20), (20, 50)), F32, id="column-sum-f32"),
+    pytest.param(row_logsumexp, ((30, 20), (20, 100)), F16, id="logsumexp-f16"),
 ]
 SMALL = {"block_m": 16, "block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 2, "split": 1}
 
@@ -138,7 +139,7 @@ def test_matmul_reduce_kernels_pass_the_cuda_lowering_guard(fn, shapes, dtype):
     pytest.param(cross_entropy, ((1024, 32), (32, 4096), ("i32", (1024,))), id="ce"),
 ])
 def test_model_tuning_picks_the_fused_reduction(fn, shapes):
-    rep = autofuse.tune(fn, *_specs(shapes, BF16), trials=6, quiet=True, isolate=False, measure="model")
+    rep = autofuse.tune(fn, *_specs(shapes, BF16), trials=4, quiet=True, isolate=False, measure="model")
     assert [g.template for g in rep.plan.groups] == ["matmul_reduce"]
     g = autofuse.capture(fn, *_specs(shapes, BF16))
     assert len(rep.plan.groups[0].nodes) == len(g.nodes)  # the whole program: the product is never written
