@@ -100,9 +100,10 @@ def forward(params: dict, batch: dict) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy over integer targets (float32 softmax)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.sum(jax.nn.one_hot(targets, logits.shape[-1]) * logp, axis=-1))
+    """Mean next-token cross-entropy over integer targets: logsumexp minus the target's logit (float32)."""
+    logits = logits.astype(jnp.float32)
+    target_logits = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1]) * logits, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits)
 
 
 def loss(params: dict, batch: dict) -> jax.Array:
