@@ -160,6 +160,11 @@ def test_sliding_window_skips_blocks_before_the_band():
     _matches_xla(sliding_window, g, plan_from_choices(g, [(cand.group, "attention", {**SMALL, "block_k": 16})]))
 
 
+def test_mask_after_soft_capping_still_skips():
+    g = autofuse.capture(softcap_then_causal, *[S(BHLD, BF16)] * 3)
+    assert attention.block_ranges(_attention_candidate(g).spec, 16, 16) is not None
+
+
 def test_mask_before_soft_capping_is_not_skipped_but_right():
     g = autofuse.capture(causal_then_softcap, *[S(BHLD, BF16)] * 3)
     cand = _attention_candidate(g)

@@ -503,9 +503,10 @@ def _analyze_masks(spec: AttentionSpec) -> None:
 
     A mask is a `select_n` with an iota-only predicate choosing a fill <= -1e4, or
     the addition of an iota-only value that is <= -1e4 where masked. Being masked
-    survives converts, scaling by a positive literal, adding any other value, and
-    further selects whose other case is such a fill; anything else after a mask
-    (e.g. tanh soft-capping) could revive a masked score, and then nothing is skipped.
+    survives converts, scaling by a positive literal, adding any other value (a bias is
+    assumed far smaller than the fill), and further selects whose other case is such a fill;
+    anything else after a mask (e.g. tanh soft-capping) could revive a masked score, so
+    only masks after the last such op count.
     """
     if spec.masks_known:
         return
@@ -539,7 +540,7 @@ def _analyze_masks(spec: AttentionSpec) -> None:
               or nd.name in ("mul", "div") and len(m) == 1 and ins[0] == mv and isinstance(ins[1], Lit) and float(ins[1].value) > 0
               or nd.name == "mul" and len(m) == 1 and isinstance(ins[0], Lit) and float(ins[0].value) > 0)
         if not ok:
-            return
+            steps.clear()  # this op can revive what earlier masks masked; later masks still count
     if not any(k in ("select", "add") for k, *_ in steps):
         return
     want = {st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
