@@ -60,6 +60,15 @@ def gqa_broadcast(q, k, v):
     return attention_blhd(q, k, v)
 
 
+def heads_split_causal(xq, xk, xv):
+    # GPT-2 style: heads split out of [B, L, H*D] by reshape, causal mask with a finfo.min fill
+    b, l, hd = xq.shape
+    q, k, v = (t.reshape(b, l, 2, hd // 2) for t in (xq, xk, xv))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd // 2)
+    s = jnp.where(jnp.tril(jnp.ones((l, l), bool)), s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
 def softcap_then_causal(q, k, v):
     # tanh soft-capping before the mask: the mask is still known at build time
     L = q.shape[2]
@@ -98,6 +107,7 @@ CASES = [
     pytest.param(padding_mask, (BHLD, BHLD, BHLD, (2, 50)), BF16, id="padding-mask-bf16"),
     pytest.param(gqa_repeat, ((2, 50, 4, 32), (2, 50, 2, 32), (2, 50, 2, 32)), BF16, id="gqa-repeat-bf16"),
     pytest.param(gqa_broadcast, ((1, 40, 4, 32), (1, 40, 1, 32), (1, 40, 1, 32)), BF16, id="gqa-broadcast-bf16"),
+    pytest.param(heads_split_causal, ((2, 50, 64),) * 3, BF16, id="heads-split-from-BL(HD)-causal-bf16"),
     pytest.param(softcap_then_causal, (BHLD,) * 3, BF16, id="softcap-causal-bf16"),
     pytest.param(attention_bhld_causal, ((1, 2, 50, 48),) * 3, BF16, id="causal-head-dim-48-padded"),
 ]
@@ -150,6 +160,13 @@ def test_causal_masks_skip_key_blocks():
         assert lo == 0 and hi == last_q // 32 + 1, "visit key blocks up to the diagonal only"
         assert fhi == (16 * i + 1) // 32 or fhi == 16 * i // 32, "blocks wholly below the diagonal skip the mask"
     assert attention.live_fraction(spec, 16, 32) < 0.7
+
+
+def test_split_heads_are_read_in_place_and_the_causal_mask_skips():
+    g = autofuse.capture(heads_split_causal, *[S((2, 50, 64), BF16)] * 3)
+    spec = _attention_candidate(g).spec
+    assert spec.q.value in g.inputs and spec.q.batch == {0: [(0, 1, 2, 1)], 2: [(1, 1, 2, 32)]}  # head h reads columns 32h..32h+31
+    assert attention.block_ranges(spec, 16, 16) is not None and attention.scale_fold(spec) is not None
 
 
 def test_sliding_window_skips_blocks_before_the_band():

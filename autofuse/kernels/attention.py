@@ -51,7 +51,7 @@ class Operand:
     value: int  # the group input
     seq_axis: int  # input axis of the sequence (q or k)
     d_axis: int  # input axis of the head dimension
-    batch: dict[int, list[tuple[int, int, int]]]  # input axis -> [(score batch axis, div, mod)]; index = sum((b // div) % mod)
+    batch: dict[int, list[tuple[int, int, int, int]]]  # input axis -> [(score axis, div, mod, mul)]: index += ((b // div) % mod) * mul
 
 
 @dataclass
@@ -339,7 +339,12 @@ def _chain_nodes(group: Group, atom) -> list[int]:
 
 
 def _operand(group: Group, atom, batch_of: dict[int, int], seq_dim: int, d_dim: int) -> Operand:
-    """Follow broadcasts/merging reshapes back to a group input; map operand axes to input axes."""
+    """Follow broadcasts and reshapes back to a group input; map operand axes to input axes.
+
+    Handles the layouts people write: heads split out of a [B, L, H*D] array
+    (`x.reshape(B, L, H, D)`: the head index offsets the input's last axis), and key/value
+    heads repeated for GQA (broadcast + merging reshape: the head index is divided).
+    """
     g = group.graph
     if not isinstance(atom, int):
         raise NoMatch("literal dot operand")
@@ -348,8 +353,8 @@ def _operand(group: Group, atom, batch_of: dict[int, int], seq_dim: int, d_dim: 
     if src not in group.inputs:
         raise NoMatch("dot operand is not read from memory")
     shape = g.avals[src].shape
-    # per current axis: [(source axis, div, mod)]: source index = (i // div) % mod
-    cur = [[(a, 1, s)] if s != 1 else [] for a, s in enumerate(shape)]
+    # per current axis i: [(source axis, div, mod, mul)]: source index += ((i // div) % mod) * mul
+    cur = [[(a, 1, s, 1)] if s != 1 else [] for a, s in enumerate(shape)]
     for nd in chain:
         ish, osh = g.aval(nd.inputs[0]).shape, g.avals[nd.outputs[0]].shape
         if nd.name == "broadcast_in_dim":
@@ -361,56 +366,65 @@ def _operand(group: Group, atom, batch_of: dict[int, int], seq_dim: int, d_dim: 
         else:
             if nd.name == "reshape" and nd.params.get("dimensions") is not None:
                 raise NoMatch("reshape with dimensions")
-            cur = _merge(cur, ish, osh)
+            cur = _reshape_terms(cur, ish, osh)
     op_shape = g.aval(atom).shape
-    roles = {}
-    for j, terms in enumerate(cur):
-        for a, div, mod in terms:
-            roles.setdefault(a, []).append((j, div, mod))
     seq_axis = d_axis = None
     batch: dict[int, list] = {}
-    for a, terms in roles.items():
-        if len(terms) != 1:
-            raise NoMatch("an input axis feeds two operand axes")
-        j, div, mod = terms[0]
+    for j, terms in enumerate(cur):
         if j in (seq_dim, d_dim):
-            if div != 1 or mod != op_shape[j] or mod != shape[a]:
+            if len(terms) != 1 or terms[0][1:] != (1, op_shape[j], 1):
                 raise NoMatch("sequence/head axis is not a plain input axis")
             if j == seq_dim:
-                seq_axis = a
+                seq_axis = terms[0][0]
             else:
-                d_axis = a
-        elif j in batch_of:
-            batch[a] = [(batch_of[j], div, mod)]
-        else:
+                d_axis = terms[0][0]
+        elif terms and j not in batch_of:
             raise NoMatch("operand axis of unknown role")
-    if seq_axis is None or d_axis is None:
+        else:
+            for a, div, mod, mul in terms:
+                batch.setdefault(a, []).append((batch_of[j], div, mod, mul))
+    if seq_axis is None or d_axis is None or seq_axis == d_axis:
         raise NoMatch("operand lacks a sequence or head axis")
     return Operand(src, seq_axis, d_axis, batch)
 
 
-def _merge(cur: list, ish: tuple, osh: tuple) -> list:
-    """Index terms through a reshape that only merges consecutive axes (and adds/drops unit axes)."""
+def _reshape_terms(cur: list, ish: tuple, osh: tuple) -> list:
+    """Index terms through a reshape that merges consecutive axes or splits one (unit axes come and go)."""
     i_nu = [d for d, s in enumerate(ish) if s != 1]
+    o_nu = [d for d, s in enumerate(osh) if s != 1]
     out: list = [[] for _ in osh]
-    i = 0
-    for j, s in enumerate(osh):
-        if s == 1:
-            continue
-        run, prod = [], 1
-        while prod < s and i < len(i_nu):
-            run.append(i_nu[i])
-            prod *= ish[i_nu[i]]
-            i += 1
-        if prod != s:
-            raise NoMatch("reshape splits an axis")
-        inner = 1
-        for d in reversed(run):  # out index x -> in index (x // inner) % ish[d]
-            for a, div, mod in cur[d]:
-                if div * mod != ish[d] and not (div == 1 and mod == ish[d]):
-                    raise NoMatch("reshape of a partially broadcast axis")
-                out[j].append((a, inner * div, mod))
-            inner *= ish[d]
+    i = j = 0
+    while i < len(i_nu) and j < len(o_nu):
+        ins, outs = [i_nu[i]], [o_nu[j]]
+        pi, po = ish[i_nu[i]], osh[o_nu[j]]
+        while pi != po:  # grow the smaller side until both runs cover the same elements
+            if pi < po and i + len(ins) < len(i_nu):
+                ins.append(i_nu[i + len(ins)])
+                pi *= ish[ins[-1]]
+            elif po < pi and j + len(outs) < len(o_nu):
+                outs.append(o_nu[j + len(outs)])
+                po *= osh[outs[-1]]
+            else:
+                raise NoMatch("reshape does not regroup axes")
+        if len(ins) > 1 and len(outs) > 1:
+            raise NoMatch("reshape both merges and splits")
+        if len(outs) == 1:  # merge: out index x -> in index (x // inner) % size
+            inner = 1
+            for d in reversed(ins):
+                for a, div, mod, mul in cur[d]:
+                    if d != ins[0] and ish[d] % (div * mod):
+                        raise NoMatch("reshape of a partially broadcast axis")
+                    out[outs[0]].append((a, inner * div, mod, mul))
+                inner *= ish[d]
+        else:  # split: in index = sum(out index_t * stride_t)
+            (d,) = ins
+            if any(div != 1 or mod != ish[d] for _, div, mod, _ in cur[d]):
+                raise NoMatch("split of a composite axis")
+            stride = 1
+            for o in reversed(outs):
+                out[o] = [(a, 1, osh[o], mul * stride) for a, _, _, mul in cur[d]]
+                stride *= osh[o]
+        i, j = i + len(ins), j + len(outs)
     return out
 
 
@@ -895,19 +909,11 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
 def _load_operand(ref, op: Operand, bidx: list, s0, bs: int, L: int, Dp: int, D: int, *, seq_first: bool):
     """A [bs, Dp] (seq_first) or [Dp, bs] tile of q/k/v: rows past L and head columns past D read as 0."""
     idx: list = []
-    nd = len(ref.shape)
-    for a in range(nd):
-        if a == op.seq_axis:
-            idx.append(pl.ds(s0, bs))
-        elif a == op.d_axis:
-            idx.append(pl.ds(0, Dp))
-        elif a in op.batch:
-            i = 0
-            for sa, div, mod in op.batch[a]:
-                i = i + (bidx[sa] // div) % mod
-            idx.append(i)
-        else:
-            idx.append(jnp.int32(0))  # a Python int index breaks masked loads in interpret mode
+    for a in range(len(ref.shape)):
+        off = jnp.int32(0)  # a Python int index breaks masked loads in interpret mode
+        for sa, div, mod, mul in op.batch.get(a, ()):
+            off = off + (bidx[sa] // div) % mod * mul
+        idx.append(pl.ds(off + s0, bs) if a == op.seq_axis else pl.ds(off, Dp) if a == op.d_axis else off)
     seq_before = op.seq_axis < op.d_axis
     sshape = (bs, 1) if seq_before else (1, bs)
     dshape = (1, Dp) if seq_before else (Dp, 1)
