@@ -103,7 +103,20 @@ def pg_url() -> str:
 
 @needs_pg
 def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
-    out, err = _finish(_tune(RMS, pg_url, 3, 15))
+    """Two workers started by `autofuse tune --workers 2`, a third joining with `autofuse worker` (as from another host)."""
+    launcher = _tune(RMS, pg_url, 2, 15)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            PlanStore(pg_url).get_run(1)
+            break
+        except KeyError:
+            time.sleep(0.2)
+    joiner = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", "--db", pg_url], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert joiner.returncode == 0, joiner.stderr[-4000:]
+    out, err = _finish(launcher)
+    err += joiner.stderr
     books = check_books(pg_url, 15)
     assert len(books["workers"]) >= 2, "the trials were shared out between workers"  # a worker starting late may find none left
     assert err.count("plan saved") == 1 and err.count("joined run") == 3 and " exit " not in err
