@@ -31,8 +31,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from . import ops
-from .graph import Graph, Group
-from .kernels import match_template
+from .graph import Graph, Group, node_text
+from .kernels import TEMPLATES, match_template
+from .kernels.matmul_reduce import foldable_gather
 from .ops import OpClass
 
 MAX_GROUP_SIZE = 64
@@ -95,7 +96,7 @@ def _bits(mask: int) -> list[int]:
 
 def is_fusible(graph: Graph, node_id: int) -> bool:
     nd = graph.node_index[node_id]
-    if ops.op_class(nd.name) not in ops.FUSIBLE:
+    if ops.op_class(nd.name) not in ops.FUSIBLE and not foldable_gather(graph, nd):  # take_along_axis: matmul_reduce folds it
         return False
     vals = [graph.aval(a) for a in nd.inputs] + [graph.avals[v] for v in nd.outputs]
     return all(np.dtype(a.dtype) in _FUSIBLE_DTYPES for a in vals)
@@ -116,6 +117,7 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         for o in graph.succs(nd.id):
             consumers[nd.id] |= 1 << o
     cache: dict[int, Candidate | None] = {}
+    matched: dict[tuple, str | None] = {}
     emitted: set[int] = set()
     found: list[Candidate] = []
     distinct: set[str] = set()  # the budget counts computations: a repeated layer's instances count once
@@ -159,7 +161,7 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         nxt = []
         for cur, run, forward in paths:
             if cur not in cache:
-                cache[cur] = _candidate(graph, cur)
+                cache[cur] = _candidate(graph, cur, matched)
             cand = cache[cur]
             if cand is None or (run is not None and kind(run) != kind(cand)):
                 emit(run)
@@ -176,17 +178,45 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     return found
 
 
-def _candidate(graph: Graph, mask: int) -> Candidate | None:
+def _candidate(graph: Graph, mask: int, matched: dict[tuple, str | None] | None = None) -> Candidate | None:
+    """The group of `mask` with its template, or None. `matched` memoises which template (if any) took
+    each group structure: a repeated layer's groups are matched once, not once per layer."""
     ids = _bits(mask)
     if not any(ops.op_class(graph.node_index[i].name) in (OpClass.ELEMENTWISE, OpClass.REDUCTION) for i in ids):
         return None
     group = Group.of(graph, ids)
     if not group.outputs:
         return None
+    key = _structure(group) if matched is not None else None
+    if key is not None and key in matched:
+        name = matched[key]
+        spec = TEMPLATES[name].match(group) if name is not None else None
+        return Candidate(group, name, spec) if spec is not None else None
     m = match_template(group)
-    if m is None:
-        return None
-    return Candidate(group, m[0], m[1])
+    if key is not None:
+        matched[key] = m[0] if m else None
+    return Candidate(group, m[0], m[1]) if m else None
+
+
+def _structure(group: Group) -> tuple:
+    """What the group computes, its value ids renamed locally (the content of `Group.signature`, unhashed)."""
+    graph = group.graph
+    local = {v: k for k, v in enumerate(group.inputs)}
+    body = []
+    for n in group.nodes:
+        body.append((_op_text(graph, n.id), tuple(local[a] if isinstance(a, int) else -1 for a in n.inputs)))  # literals: in the op text
+        for v in n.outputs:
+            local[v] = len(local)
+    return tuple(group.input_avals()), tuple(body), tuple(local[v] for v in group.outputs)
+
+
+def _op_text(graph: Graph, node_id: int) -> str:
+    """A node's primitive, params and output types, without value ids (cached on the graph)."""
+    cache = graph.extra.setdefault("op_text", {})
+    if node_id not in cache:
+        n = graph.node_index[node_id]
+        cache[node_id] = node_text(n, graph.avals, {a: 0 for a in (*n.inputs, *n.outputs) if isinstance(a, int)})
+    return cache[node_id]
 
 
 # ---------------------------------------------------------------------------
