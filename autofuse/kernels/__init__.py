@@ -13,9 +13,9 @@ import importlib
 import os
 from types import ModuleType
 
-from . import elementwise, matmul, matmul_reduce, row_reduce
+from . import attention, elementwise, matmul, matmul_reduce, row_reduce
 
-TEMPLATES: dict[str, ModuleType] = {"row_reduce": row_reduce, "elementwise": elementwise, "matmul_reduce": matmul_reduce, "matmul": matmul}
+TEMPLATES: dict[str, ModuleType] = {"attention": attention, "row_reduce": row_reduce, "elementwise": elementwise, "matmul_reduce": matmul_reduce, "matmul": matmul}
 
 
 def register_template(module: ModuleType, *, first: bool = False) -> None:
