@@ -15,6 +15,7 @@ Rows are written as each model finishes, so a cut-off run keeps what it did.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import time
 
@@ -31,9 +32,10 @@ MODELS = {
 DEFAULT_BUDGET_S = {"gpt2": 90.0, "splade": 60.0, "llama": 45.0}
 
 
-def run_model(name: str, budget_s: float, small: bool = False) -> dict:
+def run_model(name: str, budget_s: float, small: bool = False, layers: int | None = None) -> dict:
     mod = importlib.import_module(f"examples.{name}")
-    args = jax.eval_shape(mod.small_inputs if small else mod.example_inputs)  # shapes only: nothing materialised here
+    factory = mod.small_inputs if small else functools.partial(mod.example_inputs, layers) if layers else mod.example_inputs
+    args = jax.eval_shape(factory)  # shapes only: nothing materialised here
     t0 = time.time()
     rep = tune(mod.forward, *args, time_budget_s=budget_s, seed=0, quiet=True, name=f"examples.{name}:forward",
                trial_timeout_s=120.0)
@@ -60,19 +62,26 @@ def run_model(name: str, budget_s: float, small: bool = False) -> dict:
 
 def _row(r: dict) -> str:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    return (f"| {r['model']} | {f(r['xla_ms'])} | {f(r['af_ms'])} | {r['speedup']:.2f}x | {f(r['plan_measured_ms'])} | "
+    x = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    return (f"| {r['model']} | {f(r['xla_ms'])} | {f(r['af_ms'])} | {x(r['speedup'])} | {f(r['plan_measured_ms'])} | "
             f"{r['wall_s']:.0f} | {r['tuned']} / {r['distinct']} ({r['instances']}) | {r['trials']} | {r['kernels']} "
             f"{','.join(r['templates'])} |")
+
+
+def _pairs(text: str, kind: type) -> dict:
+    return {k: kind(v) for k, v in (kv.split("=") for kv in filter(None, text.split(",")))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--budget", default="", help="per-model time budgets in seconds, e.g. gpt2=90,splade=60")
+    ap.add_argument("--layers", default="", help="per-model layer counts (default: each example's), e.g. gpt2=6")
     ap.add_argument("--out", default="")
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs() (a smoke test)")
     a = ap.parse_args()
-    budgets = dict(DEFAULT_BUDGET_S, **{k: float(v) for k, v in (kv.split("=") for kv in filter(None, a.budget.split(",")))})
+    budgets = dict(DEFAULT_BUDGET_S, **_pairs(a.budget, float))
+    layers = _pairs(a.layers, int)
     lines = [
         f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -81,9 +90,15 @@ def main() -> None:
     ]
     details = []
     for name in a.models.split(","):
-        r = run_model(name, budgets[name], a.small)
+        try:
+            r = run_model(name, budgets[name], a.small, layers.get(name))
+        except Exception as e:  # one model failing still leaves the others' rows
+            lines.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:200]} |")
+            emit(lines + details, a.out)
+            continue
         lines.append(_row(r))
-        details += ["", f"{name}: {'small_inputs() (CPU smoke test)' if a.small else MODELS[name]}; budget {budgets[name]:.0f} s" + (f"; plan not kept: {r['reason']}" if r["reason"] else ""),
+        what = "small_inputs() (CPU smoke test)" if a.small else MODELS[name] + (f" -- here {layers[name]} layers" if name in layers else "")
+        details += ["", f"{name}: {what}; budget {budgets[name]:.0f} s" + (f"; plan not kept: {r['reason']}" if r["reason"] else ""),
                     "", "```", r["table"], "```"]
         emit(lines + details, a.out)
 

@@ -121,9 +121,9 @@ def make_inputs(cfg: Config, batch: int, seq: int, dtype=jnp.bfloat16, seed: int
     return init_params(cfg, jax.random.fold_in(key, 0), dtype), {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def example_inputs() -> tuple[dict, dict]:
-    """GPT-2 medium, batch 8, sequence 2048, bf16 (about 0.7 GB of weights, made when called)."""
-    return make_inputs(MEDIUM, batch=8, seq=2048)
+def example_inputs(layers: int = 24) -> tuple[dict, dict]:
+    """GPT-2 medium (`layers` of its 24 blocks), batch 8, sequence 2048, bf16 (about 0.7 GB of weights, made when called)."""
+    return make_inputs(Config(**{**MEDIUM.__dict__, "n_layers": layers}), batch=8, seq=2048)
 
 
 def small_inputs() -> tuple[dict, dict]:
