@@ -31,6 +31,11 @@ def cross_entropy(h, w, target):
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0), axis=-1)
 
 
+def cross_entropy_take_along_axis(h, w, target):
+    logits = h @ w  # the gather (take_along_axis) is folded into the kernel as a one-hot sum
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
+
+
 def cross_entropy_one_hot_mean(h, w, target):
     logits = (h @ w).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -61,6 +66,8 @@ CASES = [
     pytest.param(cross_entropy, ((50, 40), (40, 300), ("i32", (50,))), F32, id="ce-f32"),
     pytest.param(cross_entropy, ((50, 40), (40, 300), ("i32", (50,))), BF16, id="ce-bf16"),
     pytest.param(cross_entropy_one_hot_mean, ((33, 48), (48, 200), ("i32", (33,))), BF16, id="ce-one-hot-mean-bf16"),
+    pytest.param(cross_entropy_take_along_axis, ((50, 40), (40, 300), ("i32", (50,))), F32, id="ce-take-along-axis-f32"),
+    pytest.param(cross_entropy_take_along_axis, ((50, 40), (40, 300), ("i32", (50,))), BF16, id="ce-take-along-axis-bf16"),
     pytest.param(row_max_and_sumexp, ((40, 24), (24, 130)), BF16, id="max-and-sumexp-two-outputs-bf16"),
     pytest.param(softmax_weighted_sum, ((40, 24), (24, 100), (100,)), F32, id="softmax-then-sum-f32"),
     pytest.param(splade_head, ((2, 37, 40), (40, 70), (70,), (2, 37)), F32, id="splade-f32"),
@@ -114,6 +121,15 @@ def test_loop_structure_follows_the_reduced_axis():
     assert [k for terms in spec.scale.values() for k, _, _ in terms] == ["exp"]  # sum(exp(x - max)) rescales by exp
 
 
+def test_only_a_row_pick_gather_is_folded():
+    x, w, t = S((32, 32), F32), S((32, 64), F32), S((32,), jnp.int32)
+    g = autofuse.capture(cross_entropy_take_along_axis, x, w, t)
+    assert len(_candidate(g).nodes) == len(g.nodes)  # the gather is inside the fused group
+    # a gather of whole rows (x[t]) is no row pick: it stays in XLA
+    g = autofuse.capture(lambda a, b, i: jnp.max((a @ b)[i], axis=-1), x, w, t)
+    assert all(n.name != "gather" for c in enumerate_candidates(g) for n in c.group.nodes)
+
+
 def test_unrescalable_and_high_precision_groups_stay_out():
     x, w = S((32, 32), F32), S((32, 64), F32)
     # max(x * s) with s an earlier sum can change sign: no online form
@@ -127,6 +143,7 @@ def test_unrescalable_and_high_precision_groups_stay_out():
 LOWER = [
     pytest.param(row_logsumexp, ((300, 200), (200, 260)), id="logsumexp"),
     pytest.param(cross_entropy, ((300, 200), (200, 260), ("i32", (300,))), id="ce"),
+    pytest.param(cross_entropy_take_along_axis, ((300, 200), (200, 260), ("i32", (300,))), id="ce-take-along-axis"),
     pytest.param(splade_head, ((2, 100, 64), (64, 300), (300,), (2, 100)), id="splade"),
 ]
 

@@ -22,6 +22,7 @@ stay in XLA.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .. import costmodel, ops
-from ..graph import Group, Lit, Node, bind_node, read_atom
+from ..graph import Graph, Group, Lit, Node, bind_node, capture, read_atom
 from ..ops import OpClass, op_class
 from .matmul import default_precision, dot_tile
 from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, analyze, next_pow2, template_space
@@ -81,7 +82,7 @@ def match(group: Group) -> MatmulReduceSpec | None:
     """A spec when the group is one plain dot, elementwise work, and reductions over one axis of the product."""
     g = group.graph
     dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
-    if len(dots) != 1 or any(op_class(n.name) is OpClass.OPAQUE for n in group.nodes):
+    if len(dots) != 1 or any(op_class(n.name) is OpClass.OPAQUE and not foldable_gather(g, n) for n in group.nodes):
         return None
     if not any(op_class(n.name) is OpClass.REDUCTION for n in group.nodes):
         return None
@@ -108,6 +109,7 @@ def match(group: Group) -> MatmulReduceSpec | None:
     sub = Group.of(g, [n.id for n in group.nodes if n.id != dot.id])
     if {a, b} & set(sub.inputs):
         return None  # an operand of the dot also read by the epilogue
+    sub = _fold_gathers(sub)
     n = len(S)
     for axis in [n - 1] + list(range(n - 2, -1, -1)):
         try:
@@ -172,12 +174,72 @@ def _spec(group: Group, sub: Group, dot: Node, a: int, b: int, S: tuple, axis: i
             raise NoMatch("an output is not one value per (outer index, column)")
     prod = {v: nd for nd in sub.nodes for v in nd.outputs}
     for rid in reductions:
-        nd = group.graph.node_index[rid]
+        nd = sub.graph.node_index[rid]
         if level[rid] > 0:
             if ops.reduction_kind(nd.name) != "sum":
                 raise NoMatch("only a sum may depend on an earlier reduction")
             spec.scale[rid] = _terms(nd.inputs[0], spec, prod, vlevel, additive=False)
     return spec
+
+
+def foldable_gather(graph: Graph, nd: Node) -> bool:
+    """A gather that picks one element per row of a [M, N] value, `take_along_axis(x, idx[:, None], axis=-1)`:
+    the template folds it into the reduction over N as `sum(where(iota == idx, x, 0))`."""
+    if nd.name != "gather" or len(nd.inputs) != 2 or not all(isinstance(x, int) for x in nd.inputs):
+        return False
+    x, idx = (graph.avals[v] for v in nd.inputs)
+    dn = nd.params["dimension_numbers"]
+    return (len(x.shape) == 2 and idx.shape == (x.shape[0], 1, 1) and np.issubdtype(idx.dtype, np.integer)
+            and tuple(nd.params["slice_sizes"]) == (1, 1) and tuple(dn.offset_dims) == () and tuple(dn.collapsed_slice_dims) == (1,)
+            and tuple(dn.start_index_map) == (1,) and tuple(getattr(dn, "operand_batching_dims", ())) == (0,)
+            and tuple(getattr(dn, "start_indices_batching_dims", ())) == (0,))
+
+
+def _pick(x, idx, *, mode: str, fill):
+    """What a foldable gather computes, written so the tile evaluator can run it."""
+    i = jnp.reshape(idx, (idx.shape[0], 1))
+    n = x.shape[1]
+    if "CLIP" in mode:
+        i = jnp.clip(i, 0, n - 1)
+    hit = jax.lax.broadcasted_iota(i.dtype, (1, n), 1) == i
+    picked = jnp.sum(jnp.where(hit, x, jnp.zeros((), x.dtype)), axis=1, keepdims=True)
+    if "FILL" in mode:  # out-of-range indices give the fill value (NaN for floats)
+        picked = jnp.where((i >= 0) & (i < n), picked, jnp.asarray(np.nan if fill is None else fill, x.dtype))
+    return picked
+
+
+def _fold_gathers(sub: Group) -> Group:
+    """`sub` on a copy of its graph in which each foldable gather is replaced by `_pick`'s equations (nodes
+    renumbered in order); NoMatch for any other gather."""
+    g = sub.graph
+    gathers = [nd for nd in sub.nodes if nd.name == "gather"]
+    if not gathers:
+        return sub
+    avals, fresh = dict(g.avals), max(g.avals) + 1
+    members = set(sub.node_ids)
+    order: list[tuple[bool, Node]] = []  # (member of the group, node)
+    for nd in g.nodes:
+        if nd.name != "gather" or nd.id not in members:
+            order.append((nd.id in members, nd))
+            continue
+        if not foldable_gather(g, nd):
+            raise NoMatch("a gather that does not pick one element per row")
+        x, idx = nd.inputs
+        pick = capture(functools.partial(_pick, mode=str(nd.params.get("mode")), fill=nd.params.get("fill_value")),
+                       *[jax.ShapeDtypeStruct(g.avals[v].shape, g.avals[v].dtype) for v in (x, idx)])
+        if pick.consts or not isinstance(pick.outputs[0], int):
+            raise NoMatch("the folded gather needs constants")
+        rename = {pick.inputs[0]: x, pick.inputs[1]: idx, pick.outputs[0]: nd.outputs[0]}
+        for v, av in pick.avals.items():
+            if v not in rename:
+                rename[v], fresh = fresh, fresh + 1
+                avals[rename[v]] = av
+        for pn in pick.nodes:
+            ins = tuple(rename[a] if isinstance(a, int) else a for a in pn.inputs)
+            order.append((True, Node(-1, pn.primitive, pn.params, ins, tuple(rename[v] for v in pn.outputs))))
+    nodes = [Node(i, nd.primitive, nd.params, nd.inputs, nd.outputs) for i, (_, nd) in enumerate(order)]
+    graph = Graph(nodes, avals, g.inputs, g.outputs, g.consts, g.in_tree, g.out_tree, g.static_repr)
+    return Group.of(graph, [i for i, (member, _) in enumerate(order) if member])
 
 
 def _terms(v, spec: MatmulReduceSpec, prod: dict, vlevel: dict, *, additive: bool) -> list:
@@ -303,7 +365,7 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: MatmulRe
     bm, bn, bk, split = (int(config[k]) for k in ("block_m", "block_n", "block_k", "split"))
     if split > 1 and not spec.over_n:
         raise NoMatch("split applies to reductions over N only")
-    g = group.graph
+    g = spec.tile.group.graph  # the group's graph, with gathers folded into one-hot sums
     cfg = TileConfig(bm, bn, int(config["num_warps"]), int(config["num_stages"]))
     body = _Body(spec.tile, cfg, 0)
     sub = spec.tile.group
@@ -466,8 +528,8 @@ def _merge(spec: MatmulReduceSpec, parts: list, inputs: dict) -> list:
     a sum that depends on earlier reductions is rescaled from each range's
     values of its terms to the merged ones, as inside the kernel.
     """
-    g = spec.group.graph
     sub = spec.tile.group
+    g = sub.graph
     red_nodes = [g.node_index[r] for r in spec.reductions]
     row_nodes = [nd for nd in sub.nodes if nd.id not in spec.reductions and not any(spec.loop(v) for v in nd.outputs)]
 
