@@ -231,10 +231,16 @@ def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: boo
 def _wait_for_selection(pstore: Any, run_id: int) -> dict:
     """The run once no worker anywhere is running a trial of it or selecting its plan (after this host's workers exited,
     workers of other hosts may still be)."""
+    from .store.store import _pid_alive
+
     while True:
         run = pstore.get_run(run_id)
         if run["status"] != "running" or (run["selected_by"] is None and not pstore.trials(run_id, "running")):
             return run
+        host, _, pid = (run["selected_by"] or "").rpartition(":")
+        if host == socket.gethostname() and not _pid_alive(int(pid)):  # the selecting worker of this host died
+            pstore.finish_run(run_id, "failed", error=f"worker {run['selected_by']} died while selecting the plan")
+            return pstore.get_run(run_id)
         time.sleep(POLL_S)
 
 
