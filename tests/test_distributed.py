@@ -20,7 +20,12 @@ from autofuse.store import PlanStore, db
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PG_URL = os.environ.get("AUTOFUSE_TEST_PG_URL")
 REQUIRE_PG = os.environ.get("AUTOFUSE_REQUIRE_PG", "") not in ("", "0")
-needs_pg = pytest.mark.skipif(not PG_URL and not REQUIRE_PG, reason="set AUTOFUSE_TEST_PG_URL=postgresql+psycopg://... to run")
+_skip_pg = pytest.mark.skipif(not PG_URL and not REQUIRE_PG, reason="set AUTOFUSE_TEST_PG_URL=postgresql+psycopg://... to run")
+
+
+def needs_pg(test):  # noqa: ANN001, ANN201
+    """A PostgreSQL test: marked `postgres` (selected by `pytest -m postgres`), skipped without a server unless required."""
+    return pytest.mark.postgres(_skip_pg(test))
 UNCOUNTED = ("infeasible", "pruned", "lost")
 RMS = ["benchmarks.workloads:rms_norm", "--inputs", "tests.dist_programs:rms_norm_inputs"]
 LRB = ["benchmarks.workloads:log_relu_bias", "--inputs", "tests.dist_programs:log_relu_bias_inputs"]
