@@ -133,8 +133,9 @@ def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
     return engine
 
 
-def _configure_sqlite(engine: Engine, timeout: float, *, always_immediate: bool = False) -> None:
-    """WAL, busy timeout, foreign keys, and BEGIN / BEGIN IMMEDIATE control (every transaction: *always_immediate*)."""
+def _configure_sqlite(engine: Engine, timeout: float, *, always_immediate: bool = False, foreign_keys: bool = True) -> None:
+    """WAL, busy timeout, foreign keys (unless not *foreign_keys*), and BEGIN / BEGIN IMMEDIATE control
+    (BEGIN IMMEDIATE for every transaction with *always_immediate*)."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -143,7 +144,8 @@ def _configure_sqlite(engine: Engine, timeout: float, *, always_immediate: bool 
         cur = dbapi_conn.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-            cur.execute("PRAGMA foreign_keys = ON")
+            if foreign_keys:
+                cur.execute("PRAGMA foreign_keys = ON")
             mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
             if mode.lower() not in ("wal", "memory"):
                 cur.execute("PRAGMA journal_mode = WAL")
@@ -172,7 +174,7 @@ def serialise_sqlite(engine: Engine, timeout: float = DEFAULT_TIMEOUT_S) -> None
     """
     if engine.dialect.name != "sqlite":
         return
-    _configure_sqlite(engine, timeout, always_immediate=True)
+    _configure_sqlite(engine, timeout, always_immediate=True, foreign_keys=False)  # its own rules otherwise unchanged
     engine.dispose()
 
 
