@@ -7,16 +7,22 @@ roofline model. Results are plain dicts (they cross a process boundary).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from . import costmodel
 from .graph import Graph, Group
 from .kernels import TEMPLATES
-from .measure import check, cone_tolerances, random_inputs, time_fn
+from .measure import check, compare, cone_tolerances, random_inputs, time_fn
 from .plan import Plan, build_group, default_interpret, executor
 
+
+
+MAX_PROGRAM_TOLERANCE = 0.1  # a whole program is never accepted beyond 10% relative error, however sensitive
 
 
 def classify_compile_error(e: BaseException) -> str:
@@ -123,13 +129,40 @@ class Evaluator:
         run = executor(g, plan, interpret=self.interpret)
         fused = jax.jit(lambda *a: run(a))
         ref = jax.jit(lambda *a: g.evaluate(a))
-        res = check(fused, ref, avals, self.seeds, cone_tolerances(g, [n.id for n in g.nodes], g.outputs))
-        out = {"status": "ok" if res.ok else "wrong_result", "max_error": res.max_error, "tolerance": res.tolerance, "error": res.reason}
+        sens = rounding_sensitivity(ref, avals, self.seeds[0])
+        tols = [max(t, min(2 * e, MAX_PROGRAM_TOLERANCE)) for t, e in zip(cone_tolerances(g, [n.id for n in g.nodes], g.outputs), sens)]
+        res = check(fused, ref, avals, self.seeds, tols)
+        out = {"status": "ok" if res.ok else "wrong_result", "max_error": res.max_error, "tolerance": res.tolerance, "error": res.reason,
+               "rounding_sensitivity": sens}
         if not res.ok or self.measure == "model":
             return out
         out["baseline"] = self._time(ref, avals)
         out["plan"] = self._time(fused, avals)
         return out
+
+
+def rounding_sensitivity(ref: Callable, avals: Sequence[Any], seed: int) -> list[float]:
+    """Per output, how far the XLA program's own result moves (relative error norm) when each low-precision
+    float input moves by about one rounding step, x * (1 +- 2^-mantissa_bits).
+
+    A deep bf16 program amplifies rounding: XLA's GPT-2 forward in bf16 is 2.5% (4 layers) to 5.7% (24 layers)
+    away from the same program in float32, on random inputs. A fused program that rounds its intermediates
+    differently is held to twice this spread (at most MAX_PROGRAM_TOLERANCE), not to one operation's bf16
+    tolerance; each fused group was already checked on its own at that tighter tolerance.
+    """
+    args = random_inputs(avals, seed)
+    key = jax.random.PRNGKey(seed + 7919)
+    nudged = []
+    for i, (a, x) in enumerate(zip(avals, args)):
+        d = np.dtype(a.dtype)
+        if d in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+            sign = jax.random.rademacher(jax.random.fold_in(key, i), tuple(a.shape), jnp.float32)
+            x = (x.astype(jnp.float32) * (1 + 2.0 ** -jnp.finfo(d).nmant * sign)).astype(d)
+        nudged.append(x)
+    outs, moved = ref(*args), ref(*nudged)
+    errs = [compare(m, o, 0.0)[1] if np.issubdtype(np.dtype(o.dtype), np.inexact) or o.dtype == jnp.bfloat16 else 0.0
+            for o, m in zip(outs, moved)]
+    return [e if math.isfinite(e) else 0.0 for e in errs]
 
 
 def lowering_guard(kernel: Callable, structs: Sequence[Any]) -> None:
