@@ -231,3 +231,37 @@ def test_concurrent_jobs_creating_optunas_tables_in_a_new_file(tmp_path):
         for p in procs:
             _, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-2000:]
+
+
+def _splade_like(h, w, mask):
+    return jnp.max(jnp.log1p(jax.nn.relu(h @ w)) * mask[..., None], axis=1)
+
+
+def test_cover_prices_a_lone_dot_at_its_measured_xla_time():
+    """A lone dot priced at its flop floor made "XLA dot + fused epilogue" beat one fused kernel that measured faster
+    end to end; with the dot's measured XLA time the one-kernel cover wins."""
+    from autofuse.graph import capture as cap
+    from autofuse.search import _lone_contraction_costs, _select, distinct_candidates
+    from autofuse.worker import ProgramSpec, TrialRunner
+    from autofuse import costmodel
+
+    args = (jax.ShapeDtypeStruct((2, 64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 48), jnp.float32),
+            jax.ShapeDtypeStruct((2, 64), jnp.float32))
+    g = cap(_splade_like, *args)
+    by_sig, results = distinct_candidates(g)
+    whole = next(r for r in results if r.template == "matmul_reduce" and len(r.nodes) == len(g.nodes))
+    epilogue = [r for r in results if r.template in ("row_reduce", "elementwise") and not any(g.node_index[i].name == "dot_general" for i in r.nodes)]
+    assert epilogue, [(r.template, r.nodes) for r in results]
+    for r in results:  # XLA of every candidate: 1.0 ms; fused: the whole program 0.9, an epilogue group 0.1
+        r.xla_ms, r.best_ms, r.best_config = 1.0, None, None
+    whole.best_ms, whole.best_config = 0.9, {}
+    for r in epilogue:
+        r.best_ms, r.best_config = 0.1, {}
+    modelled, _ = _select(g, by_sig, results, costmodel.H200, "device")
+    assert {fg.template for fg in modelled.groups} != {"matmul_reduce"}  # the floor-priced lone dot looks cheap
+    runner = TrialRunner(ProgramSpec(_splade_like, args, {}, (), (), g.fingerprint), {"measure": "device", "model": "h200"}, isolate=False)
+    measured = _lone_contraction_costs(g, runner)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    assert set(measured) == {dot} and measured[dot] > 0
+    chosen, _ = _select(g, by_sig, results, costmodel.H200, "device", {dot: 1.0})
+    assert [fg.template for fg in chosen.groups] == ["matmul_reduce"]
