@@ -9,11 +9,9 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 from autofuse.store import PlanStore, db
 
@@ -86,24 +84,6 @@ def check_books(url: str, budget: int) -> dict:
     for k, t in mine.items():
         assert results[k]["config"] == t["config"] and results[k]["number"] == t["number"]
     return {"run": full, "rows": rows, "workers": workers, "store": store}
-
-
-@pytest.fixture
-def pg_url() -> str:
-    """A URL whose search_path is a fresh schema, dropped after the test (as in test_store_postgres)."""
-    if not PG_URL:
-        pytest.fail("AUTOFUSE_REQUIRE_PG is set but AUTOFUSE_TEST_PG_URL is not: the PostgreSQL tests cannot run")
-    schema = f"autofuse_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @needs_pg

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 import warnings
 from pathlib import Path
 
@@ -50,23 +49,6 @@ pytestmark = [
 def _require_pg() -> None:
     if not PG_URL:
         pytest.fail("AUTOFUSE_REQUIRE_PG is set but AUTOFUSE_TEST_PG_URL is not: the PostgreSQL tests cannot run")
-
-
-@pytest.fixture
-def pg_url() -> str:
-    """A URL whose search_path is a fresh schema, dropped after the test."""
-    assert PG_URL
-    schema = f"autofuse_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from .. import costmodel, ops
 from ..graph import Group, Lit, Node
 from ..ops import OpClass, op_class
-from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, _needed, _propagate, next_pow2
+from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, _needed, next_pow2, place_axes
 
 NAME = "attention"
 PARAMS = ("block_q", "block_k", "num_warps", "num_stages")
@@ -446,31 +446,8 @@ def _has_k(axes: dict, nd: Node, k_axis: int) -> bool:
 
 def _place(group: Group, nodes: list[Node], S: tuple, scores: int, seed: tuple) -> dict[int, tuple]:
     """S-axis of every dim of every score-space value (as `tiling.analyze`, over these nodes only)."""
-    g = group.graph
-    n = len(S)
-    axes: dict[int, tuple] = {scores: seed}
-
-    def put(v: int, ax: tuple) -> bool:
-        old = axes.get(v)
-        if old is None:
-            axes[v] = ax
-            return True
-        if old != ax:
-            raise NoMatch(f"value %{v} maps to S-axes {old} and {ax}")
-        return False
-
     vals = {a for nd in nodes for a in nd.inputs if isinstance(a, int)} | {v for nd in nodes for v in nd.outputs}
-    for v in vals:
-        av = g.avals[v]
-        if av.size == 1:
-            put(v, (None,) * len(av.shape))
-        elif len(av.shape) == n and all(s in (1, S[d]) for d, s in enumerate(av.shape)):
-            put(v, tuple(d if s != 1 else None for d, s in enumerate(av.shape)))
-    changed = True
-    while changed:
-        changed = False
-        for nd in nodes:
-            changed |= _propagate(nd, g.avals, axes, put)
+    axes = place_axes(group.graph, nodes, sorted(vals), S, seed={scores: seed}, strict=False)
     for v in vals:
         if v not in axes:
             raise NoMatch(f"cannot place value %{v}")

@@ -115,38 +115,8 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
     g = group.graph
     S = tuple(shape)
     n = len(S)
-    axes: dict[int, tuple] = {}
     values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
-
-    def put(v: int, ax: tuple) -> bool:
-        old = axes.get(v)
-        if old is None:
-            axes[v] = ax
-            return True
-        if old != ax:
-            raise NoMatch(f"value %{v} maps to S-axes {old} and {ax}")
-        return False
-
-    for v in values:
-        av = g.avals[v]
-        if av.size == 1:
-            put(v, (None,) * len(av.shape))
-        elif len(av.shape) == n:
-            ax = []
-            for d, s in enumerate(av.shape):
-                if s == 1:
-                    ax.append(None)
-                elif s == S[d]:
-                    ax.append(d)
-                else:
-                    raise NoMatch(f"value %{v} of shape {av.shape} does not align with {S}")
-            put(v, tuple(ax))
-
-    changed = True
-    while changed:
-        changed = False
-        for nd in group.nodes:
-            changed |= _propagate(nd, g.avals, axes, put)
+    axes = place_axes(g, group.nodes, values, S)
 
     for v in values:
         if v not in axes:
@@ -182,6 +152,43 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
         else:
             span[nd.outputs[0]] = Span(any(s.rows for s in ins), any(s.cols for s in ins))
     return TileSpec(group, S, split, axes, span, reductions)
+
+
+def place_axes(g: Any, nodes: Sequence[Node], values: Sequence[int], S: tuple, *, seed: dict[int, tuple] | None = None,
+               strict: bool = True) -> dict[int, tuple]:
+    """The S-axis of every dim of each value that can be placed (None: a unit dim).
+
+    A value of S's rank aligns dim by dim (`strict`: one that cannot align is a
+    NoMatch; otherwise it is left to propagation); the others get their axes by
+    propagation through `nodes` from their neighbours; `seed` fixes some first.
+    """
+    n = len(S)
+    axes: dict[int, tuple] = dict(seed or {})
+
+    def put(v: int, ax: tuple) -> bool:
+        old = axes.get(v)
+        if old is None:
+            axes[v] = ax
+            return True
+        if old != ax:
+            raise NoMatch(f"value %{v} maps to S-axes {old} and {ax}")
+        return False
+
+    for v in values:
+        av = g.avals[v]
+        if av.size == 1:
+            put(v, (None,) * len(av.shape))
+        elif len(av.shape) == n:
+            if all(s in (1, S[d]) for d, s in enumerate(av.shape)):
+                put(v, tuple(d if s != 1 else None for d, s in enumerate(av.shape)))
+            elif strict:
+                raise NoMatch(f"value %{v} of shape {av.shape} does not align with {S}")
+    changed = True
+    while changed:
+        changed = False
+        for nd in nodes:
+            changed |= _propagate(nd, g.avals, axes, put)
+    return axes
 
 
 def _check_2d(v: int, ax: tuple, S: tuple, split: int) -> None:
