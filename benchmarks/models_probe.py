@@ -1,10 +1,16 @@
-"""GPU probe: GPT-2 (6 layers) plan from the tuning job's best configs -- error vs XLA's own rounding spread, and timing; Llama attention trial error."""
-import functools, json, sys, time
-import jax, numpy as np
+"""GPU probe behind results/models_h200.md: the plan the GPT-2 tuning job found (6 layers, its tuned attention config),
+timed against jax.jit, with its error next to jax.jit's own rounding spread; and the Llama attention trial's error.
+
+    python benchmarks/models_probe.py
+"""
+import functools
+import json
+
+import jax
 from examples import gpt2, llama
 from autofuse.graph import capture
 from autofuse.partition import Option, enumerate_candidates, select_cover
-from autofuse.plan import plan_from_choices, executor
+from autofuse.plan import executor, plan_from_choices
 from autofuse.evaluate import Evaluator, rounding_sensitivity
 from autofuse.kernels import TEMPLATES
 from autofuse.measure import random_inputs, compare, time_fn
