@@ -23,7 +23,7 @@ Roles:
 * each worker (``python -m autofuse.distributed RUN``, database in
   ``$AUTOFUSE_DB``) follows the budget rule of `search` one trial at a time:
   first a dead worker's config waiting for its retry; phase 1, every
-  candidate's default config, largest groups first; phase 2, the contenders,
+  candidate's default config, the largest modelled saving first; phase 2, the contenders,
   each trial to the one furthest behind its share (`search.allocate`, in
   proportion to XLA time). With nothing left to start, it waits until no trial
   of the run is running (or is failed by heartbeat, then retried), and tries
@@ -396,7 +396,7 @@ class _Worker:
             lost = [_key(t["config"]) for t in r.trials if t["status"] == "lost"]
             if any(k not in live and lost.count(k) <= MAX_RETRY for k in lost):
                 return i
-        for i in phase1_order(self.results):  # phase 1: every candidate's default, largest groups first
+        for i in phase1_order(self.results, self.spaces):  # phase 1: every candidate's default, by phase1_order
             if i in open_ and not counted[i]:
                 return i
         cont = [i for i in _contenders(self.graph, self.by_sig, self.results, self.gmodel) if i in open_]

@@ -265,3 +265,35 @@ def test_cover_prices_a_lone_dot_at_its_measured_xla_time():
     assert set(measured) == {dot} and measured[dot] > 0
     chosen, _ = _select(g, by_sig, results, costmodel.H200, "device", {dot: 1.0})
     assert [fg.template for fg in chosen.groups] == ["matmul_reduce"]
+
+
+def test_phase1_visits_the_largest_modelled_saving_first():
+    from autofuse.search import CandidateResult, phase1_order
+
+    rs = [CandidateResult("big-cheap", "row_reduce", list(range(20)), 1, xla_ms=0.1),
+          CandidateResult("leaky", "elementwise", list(range(4)), 1, xla_ms=2.0),  # slow in XLA, as slow fused
+          CandidateResult("attention", "attention", list(range(12)), 24, xla_ms=2.4),
+          CandidateResult("head", "matmul_reduce", list(range(8)), 1, xla_ms=3.0),
+          CandidateResult("unmeasured", "elementwise", [0, 1], 1, xla_ms=None)]
+    fused = {"big-cheap": 0.05, "leaky": 1.9, "attention": 0.3, "head": 1.0, "unmeasured": 0.0}
+    spaces = {k: {"default": {}, "model_ms": lambda cfg, v=v: v} for k, v in fused.items()}
+    assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "leaky", "big-cheap", "unmeasured"]
+
+
+def test_candidate_whose_configs_ran_out_of_shared_memory_gets_more_configs():
+    """A default config that exhausts shared memory says nothing of smaller ones: such a candidate stays a
+    contender for up to RETRY_CONFIGS configs; a wrong result does not earn it more."""
+    from autofuse.search import RETRY_CONFIGS, _contenders, distinct_candidates
+
+    g = autofuse.capture(log_relu_bias, jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128,), jnp.float32))
+    by_sig, results = distinct_candidates(g)
+    for r in results:
+        r.xla_ms = 1.0
+    r = max(results, key=lambda r: len(r.nodes))
+    i = results.index(r)
+    r.trials = [{"status": "resource_exhausted", "config": {}}]
+    assert i in _contenders(g, by_sig, results, autofuse.costmodel.H200)
+    r.trials = [{"status": "resource_exhausted", "config": {}}] * RETRY_CONFIGS
+    assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
+    r.trials = [{"status": "wrong_result", "config": {}}]
+    assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
