@@ -278,6 +278,8 @@ def test_phase1_visits_the_largest_modelled_saving_first():
     fused = {"big-cheap": 0.05, "leaky": 1.9, "attention": 0.3, "head": 1.0, "unmeasured": 0.0}
     spaces = {k: {"default": {}, "model_ms": lambda cfg, v=v: v} for k, v in fused.items()}
     assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "leaky", "big-cheap", "unmeasured"]
+    spaces["big-cheap"]["model_ms"] = lambda cfg: 0.01  # saves 0.09, "leaky" 0.1: one step, so the larger group first
+    assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "big-cheap", "leaky", "unmeasured"]
 
 
 def test_candidate_whose_configs_ran_out_of_shared_memory_gets_more_configs():
