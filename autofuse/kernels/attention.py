@@ -753,20 +753,8 @@ def build(group: Group, config: dict, *, interpret: bool = False, spec: Attentio
     masked_nodes = {**spec.mask_selects, **spec.mask_adds}
 
     def plan_nodes(nodes: list[Node], targets: set[int], unmasked: bool) -> list[Node]:
-        if not unmasked:
-            return _needed(nodes, targets, set())
         # where nothing is masked, a mask op passes its score operand through
-        keep: set[int] = set()
-        prod = {nd.outputs[0]: nd for nd in nodes}
-        todo = list(targets)
-        while todo:
-            v = todo.pop()
-            nd = prod.get(v)
-            if nd is None or nd.id in keep:
-                continue
-            keep.add(nd.id)
-            todo.extend([masked_nodes[nd.id]] if nd.id in masked_nodes else [a for a in nd.inputs if isinstance(a, int)])
-        return [nd for nd in nodes if nd.id in keep]
+        return _needed(nodes, targets, set(), masked_nodes if unmasked else None)
 
     step_nodes = {um: plan_nodes(spec.pre, {spec.x} | {a for nd in spec.exp_branch for a in nd.inputs if isinstance(a, int)}, um)
                   for um in (False, True)}

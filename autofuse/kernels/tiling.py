@@ -359,8 +359,9 @@ class _Body:
         return ((idx // stride) % S[d]).astype(ops.compute_dtype(nd.params["dtype"]))
 
 
-def _needed(nodes: list[Node], targets: set[int], stop: set[int]) -> list[Node]:
-    """The nodes (in order) that the values `targets` depend on, stopping at `stop`."""
+def _needed(nodes: list[Node], targets: set[int], stop: set[int], through: dict[int, int] | None = None) -> list[Node]:
+    """The nodes (in order) that the values `targets` depend on, stopping at `stop`; a node in `through`
+    (node id -> one of its inputs) depends on that input alone (a mask op where nothing is masked)."""
     prod = {v: nd for nd in nodes for v in nd.outputs}
     keep: set[int] = set()
     todo = [t for t in targets if t not in stop]
@@ -370,7 +371,8 @@ def _needed(nodes: list[Node], targets: set[int], stop: set[int]) -> list[Node]:
         if nd is None or nd.id in keep:
             continue
         keep.add(nd.id)
-        todo.extend(a for a in nd.inputs if isinstance(a, int) and a not in stop)
+        ins = [through[nd.id]] if through and nd.id in through else nd.inputs
+        todo.extend(a for a in ins if isinstance(a, int) and a not in stop)
     return [nd for nd in nodes if nd.id in keep]
 
 
