@@ -9,7 +9,7 @@ import pytest
 import autofuse
 from autofuse.evaluate import lowering_guard
 from autofuse.kernels import matmul_reduce
-from autofuse.measure import check, cone_tolerances
+from autofuse.measure import check, compare, cone_tolerances
 from autofuse.partition import enumerate_candidates
 from autofuse.plan import build_group, plan_from_choices
 
@@ -60,6 +60,27 @@ def col_sum_tanh(x, w):
     return jnp.sum(jnp.tanh(x @ w), axis=0)
 
 
+def row_max_monotone_chain(x, w, b, r):
+    return jnp.max(jnp.exp(jnp.tanh(x @ w + b) * 2.0 - r[:, None]), axis=-1)  # the add of b (varies along N) stays per tile
+
+
+def col_min_masked(x, w, keep):
+    return jnp.min(jnp.where(keep[:, None], jax.nn.sigmoid(x @ w) / 4.0, 3.0), axis=0)
+
+
+def masked_log_max(h, w, mask):
+    return jnp.max(jnp.where(mask[..., None], jnp.log(h @ w + 100.0), -jnp.inf), axis=1)  # log(-inf) is NaN
+
+
+def row_max_unknown_sign(x, w, s):
+    return jnp.max(jnp.exp(x @ w) * s[:, None], axis=-1)  # s may be negative: exp stays per tile
+
+
+def row_max_and_sum_tanh(x, w):
+    y = jnp.tanh(x @ w)  # read by two reductions: needed per tile
+    return jnp.max(y, axis=-1), jnp.sum(y, axis=-1)
+
+
 CASES = [
     pytest.param(row_logsumexp, ((50, 40), (40, 300)), F32, id="logsumexp-f32"),
     pytest.param(row_logsumexp_bt, ((50, 40), (300, 40)), BF16, id="logsumexp-bf16-Bt"),
@@ -73,14 +94,22 @@ CASES = [
     pytest.param(splade_head, ((2, 37, 40), (40, 70), (70,), (2, 37)), F32, id="splade-f32"),
     pytest.param(splade_head, ((3, 20, 24), (24, 90), (90,), (3, 20)), BF16, id="splade-bf16"),
     pytest.param(col_sum_tanh, ((45, 20), (20, 50)), F32, id="column-sum-f32"),
+    pytest.param(splade_head, ((2, 37, 40), (40, 70), (70,), ("bool", (2, 37))), F32, id="splade-bool-mask-f32"),
+    pytest.param(splade_head, ((3, 20, 24), (24, 90), (90,), ("bool", (3, 20))), BF16, id="splade-bool-mask-bf16"),
+    pytest.param(row_max_monotone_chain, ((50, 40), (40, 300), (300,), (50,)), F32, id="max-monotone-chain-f32"),
+    pytest.param(row_max_monotone_chain, ((50, 40), (40, 300), (300,), (50,)), BF16, id="max-monotone-chain-bf16"),
+    pytest.param(col_min_masked, ((45, 20), (20, 50), ("bool", (45,))), F32, id="column-min-masked-f32"),
+    pytest.param(row_max_unknown_sign, ((40, 24), (24, 130), (40,)), F32, id="max-unknown-sign-f32"),
+    pytest.param(row_max_and_sum_tanh, ((40, 24), (24, 130)), BF16, id="max-and-sum-of-one-chain-bf16"),
     pytest.param(row_logsumexp, ((30, 20), (20, 100)), F16, id="logsumexp-f16"),
 ]
 SMALL = {"block_m": 16, "block_n": 32, "block_k": 16, "num_warps": 4, "num_stages": 2, "split": 1}
 
 
 def _specs(shapes, dtype):
-    """Argument specs: ("i32", shape) is an integer (target) argument, any other shape has `dtype`."""
-    return [S(s[1], jnp.int32) if s[0] == "i32" else S(s, dtype) for s in shapes]
+    """Argument specs: ("i32", shape) is an integer (target) argument, ("bool", shape) a mask, any other shape has `dtype`."""
+    kinds = {"i32": jnp.int32, "bool": jnp.bool_}
+    return [S(s[1], kinds[s[0]]) if s[0] in kinds else S(s, dtype) for s in shapes]
 
 
 def _candidate(graph):
@@ -145,6 +174,8 @@ LOWER = [
     pytest.param(cross_entropy, ((300, 200), (200, 260), ("i32", (300,))), id="ce"),
     pytest.param(cross_entropy_take_along_axis, ((300, 200), (200, 260), ("i32", (300,))), id="ce-take-along-axis"),
     pytest.param(splade_head, ((2, 100, 64), (64, 300), (300,), (2, 100)), id="splade"),
+    pytest.param(splade_head, ((2, 100, 64), (64, 300), (300,), ("bool", (2, 100))), id="splade-bool-mask"),
+    pytest.param(row_max_monotone_chain, ((300, 200), (200, 260), (260,), (300,)), id="max-monotone-chain"),
 ]
 
 
@@ -168,3 +199,61 @@ def test_model_tuning_picks_the_fused_reduction(fn, shapes):
     assert [g.template for g in rep.plan.groups] == ["matmul_reduce"]
     g = autofuse.capture(fn, *_specs(shapes, BF16))
     assert len(rep.plan.groups[0].nodes) == len(g.nodes)  # the whole program: the product is never written
+
+
+def _per_tile_and_once(spec):
+    """Names of the epilogue's equations run on every product tile, and of those run once on the final values."""
+    sub = spec.tile.group
+    tile = [nd.name for nd in sub.nodes if any(spec.loop(v) for v in nd.outputs)]
+    once = [nd.name for nd in sub.nodes if spec.level[nd.id] >= 0 and nd.id not in spec.reductions
+            and not any(spec.loop(v) for v in nd.outputs)]
+    return tile, once
+
+
+def test_monotone_work_moves_after_the_max():
+    g = autofuse.capture(splade_head, *_specs(((2, 37, 40), (40, 70), (70,), ("bool", (2, 37))), BF16))
+    cand = _candidate(g)
+    spec = cand.spec
+    tile, once = _per_tile_and_once(spec)
+    assert not {"add", "max", "log1p", "mul"} & set(tile), tile  # per tile: only the mask's select
+    assert once.count("log1p") == 1 and once.count("add") == 1  # the chain, once on the reduced values
+    assert sorted(spec.tile.group.graph.node_index[r].name for r in spec.reductions) == ["reduce_max", "reduce_sum"]  # + live count
+    assert spec.tile.group.outputs == cand.group.outputs and spec.group is cand.group  # the group itself is unchanged
+    # over N: the chain above the add of a per-column bias follows the max
+    g = autofuse.capture(row_max_monotone_chain, *_specs(((50, 40), (40, 300), (300,), (50,)), F32))
+    tile, once = _per_tile_and_once(_candidate(g).spec)
+    assert "add" in tile and not {"tanh", "mul", "sub", "exp"} & set(tile)
+    assert {"tanh", "mul", "sub", "exp"} <= set(once)
+
+
+@pytest.mark.parametrize("fn,shapes,dtype", [
+    pytest.param(splade_head, ((2, 37, 40), (40, 70), (70,), (2, 37)), F32, id="factor-of-unknown-sign"),
+    pytest.param(row_max_unknown_sign, ((40, 24), (24, 130), (40,)), F32, id="mul-by-unknown-sign"),
+    pytest.param(row_max_and_sum_tanh, ((40, 24), (24, 130)), F32, id="chain-read-twice"),
+])
+def test_monotone_rewrite_declines(fn, shapes, dtype):
+    tile, _ = _per_tile_and_once(_candidate(autofuse.capture(fn, *_specs(shapes, dtype))).spec)
+    assert {"log1p", "exp", "tanh"} & set(tile)
+
+
+@pytest.mark.parametrize("fn,dtype", [(splade_head, F32), (splade_head, BF16), (masked_log_max, F32)])
+def test_fully_masked_slices_keep_their_value(fn, dtype):
+    # batch element 1 is all padding: SPLADE gives 0 there (relu then * 0), the masked log -inf, though the
+    # rewritten chain on the empty max would give log1p(relu(-inf)) or log(-inf) = NaN
+    B, L, K, N = 3, 37, 24, 70
+    mask = jnp.arange(L)[None, :] < jnp.array([20, 0, L])[:, None]
+    h = jax.random.normal(jax.random.PRNGKey(0), (B, L, K), F32).astype(dtype)
+    w = jax.random.normal(jax.random.PRNGKey(1), (K, N), F32).astype(dtype)
+    args = [h, w, jax.random.normal(jax.random.PRNGKey(2), (N,), F32).astype(dtype), mask]
+    if fn is masked_log_max:
+        args = [h, w, mask]
+    g = autofuse.capture(fn, *[S(a.shape, a.dtype) for a in args])
+    cand = _candidate(g)
+    assert "reduce_sum" in [nd.name for nd in cand.spec.tile.group.nodes]  # rewritten, with the live count
+    tol = cone_tolerances(g, [n.id for n in g.nodes], g.outputs)[0]
+    want = jax.jit(fn)(*args)
+    for cfg in (matmul_reduce.default_config(cand.spec), SMALL):
+        got = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "matmul_reduce", cfg)]))(*args)
+        ok, err, why = compare(got, want, tol)
+        assert ok, (cfg, err, why)
+        assert bool(jnp.all(got[1] == (0 if fn is splade_head else -jnp.inf)))
