@@ -17,8 +17,10 @@ depends on an earlier one (`sum(exp(x - max))`) is rescaled online: the
 template reads from the jaxpr how its summand scales when the earlier
 results change (`exp(a - c)`: by exp(c_old - c_new); `x * c`, `x / c`: by the
 ratio) and rejects the group otherwise. The work after the reductions runs
-once, on the final values. Batched dots, prologues and `precision=HIGHEST`
-stay in XLA.
+once, on the final values; a max or min over a monotone elementwise chain
+(`max(log1p(relu(x + b)) * mask)`) reduces the chain's base and runs the
+chain after the loop too (`_hoist_monotone`). Batched dots, prologues and
+`precision=HIGHEST` stay in XLA.
 """
 from __future__ import annotations
 
@@ -238,6 +240,7 @@ def _regroup(g: Graph, order: list[tuple[bool, Node]], avals: dict) -> Group:
     graph = Graph(nodes, avals, g.inputs, g.outputs, g.consts, g.in_tree, g.out_tree, g.static_repr)
     return Group.of(graph, [i for i, (member, _) in enumerate(order) if member])
 
+
 # Monotone work after a max/min: max_l g(x_l) = g(max_l x_l) for g non-decreasing.
 _MONO_UNARY = {"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "sqrt", "cbrt"}
 _MONO_LAYOUT = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims"}
@@ -266,10 +269,11 @@ def _hoist_monotone(sub: Group) -> Group:
     applies the chain once to the result: g2(max(where(any live, g1(max x), -inf), where(any dead, c, -inf))),
     g1 / g2 the chain below / above the mask, so an all-dead slice gives g2(c) even where g1(-inf) is NaN.
 
-    Exact except for NaN, which the rewrite cannot keep: an element the chain turns into NaN on its own
-    (log or sqrt of a negative, inf * 0, inf - inf) makes the original max NaN but is compared as x here;
-    a masked-out inf times the 0 factor is NaN in the original and the fill 0 here. With finite inputs and
-    a chain defined on them (log1p(relu(.)), a bool mask) both agree.
+    Exact except for NaN, which the rewrite cannot keep: an element that the chain alone turns into NaN (log
+    or sqrt of a negative, inf * 0, inf - inf) makes the original's max NaN, while here the chain sees only
+    the max of x; a masked-out inf times the 0 factor is NaN in the original and the fill 0 here. With
+    finite inputs and a chain defined on them (log1p(relu(.)), a bool mask) both agree. A zero's sign may
+    differ (y * 0 is -0 for a negative y).
     """
     g = sub.graph
     members = set(sub.node_ids)
