@@ -58,7 +58,7 @@ from . import costmodel
 from .graph import capture
 from .plan import Plan
 from .search import (INFEASIBLE_VALUE, UNMEASURED, CandidateResult, TuneReport, _contenders, _open_store, _optuna_storage, _save,
-                     _spec_of, _update_best, allocate, distinct_candidates, enqueue_first_configs, finalize, measure_config,
+                     _spec_of, _update_best, allocate, distinct_candidates, enqueue_first_configs, finalize, learn_shared_memory, measure_config,
                      phase1_order, search_spaces, unmeasured_reason)
 from .worker import ProgramSpec, TrialRunner
 
@@ -445,6 +445,8 @@ class _Worker:
     def trial(self, i: int) -> str:
         """One Optuna trial of candidate i, run by `study.optimize` (so with heartbeats); returns what became of it."""
         r, space = self.results[i], self.spaces[self.results[i].signature]
+        for t in r.trials:  # any worker's shared-memory failure corrects this group's budget here too
+            learn_shared_memory(space, t)
         cid = r.candidate_ids[0]
         outcome = {"kind": "closed"}
 

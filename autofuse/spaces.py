@@ -63,6 +63,15 @@ class Space:
                 out.append(f"{c.expr} ({c.why})")
         return out
 
+    def demand(self, config: dict, facts: dict, limit: str) -> float | None:
+        """The largest left side of the constraints written `... <= limit` (e.g. the shared memory a config
+        needs by the file's estimate, for `limit="smem_bytes"`); None when no constraint bounds `limit`."""
+        names = {**facts, **config}
+        sides = [_eval(c.tree.body.left, names) for c in self.constraints
+                 if isinstance(c.tree.body, ast.Compare) and len(c.tree.body.ops) == 1 and isinstance(c.tree.body.ops[0], ast.LtE)
+                 and isinstance(c.tree.body.comparators[0], ast.Name) and c.tree.body.comparators[0].id == limit]
+        return max(sides) if sides else None
+
 
 def _eval(node: ast.AST, names: dict) -> Any:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):

@@ -32,12 +32,13 @@ MODELS = {
 DEFAULT_BUDGET_S = {"gpt2": 90.0, "splade": 60.0, "llama": 45.0}
 
 
-def run_model(name: str, budget_s: float, small: bool = False, layers: int | None = None, trials: int | None = None) -> dict:
+def run_model(name: str, budget_s: float, small: bool = False, layers: int | None = None, trials: int | None = None,
+              step: str = "forward") -> dict:
     mod = importlib.import_module(f"examples.{name}")
     factory = mod.small_inputs if small else functools.partial(mod.example_inputs, layers) if layers else mod.example_inputs
     args = jax.eval_shape(factory)  # shapes only: nothing materialised here
     t0 = time.time()
-    rep = tune(mod.forward, *args, trials=trials, time_budget_s=budget_s, seed=0, quiet=True, name=f"examples.{name}:forward",
+    rep = tune(getattr(mod, step), *args, trials=trials, time_budget_s=budget_s, seed=0, quiet=True, name=f"examples.{name}:{step}",
                trial_timeout_s=120.0)
     wall = time.time() - t0
     measured_plan = (rep.validation.get("plan") or {}).get("median_ms")
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--budget", default="", help="per-model time budgets in seconds, e.g. gpt2=90,splade=60")
     ap.add_argument("--trials", default="", help="per-model trial budgets (with the time budget, which counts from the job's start), e.g. gpt2=24")
     ap.add_argument("--layers", default="", help="per-model layer counts (default: each example's), e.g. gpt2=6")
+    ap.add_argument("--step", default="forward", choices=("forward", "grad_step"),
+                    help="the program tuned: the forward pass, or grad_step (gradients of the loss for every parameter)")
     ap.add_argument("--out", default="")
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs() (a smoke test)")
     a = ap.parse_args()
@@ -92,14 +95,15 @@ def main() -> None:
     details = []
     for name in a.models.split(","):
         try:
-            r = run_model(name, budgets[name], a.small, layers.get(name), trials.get(name))
+            r = run_model(name, budgets[name], a.small, layers.get(name), trials.get(name), a.step)
         except Exception as e:  # one model failing still leaves the others' rows
             lines.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:200]} |")
             emit(lines + details, a.out)
             continue
         lines.append(_row(r))
         what = "small_inputs() (CPU smoke test)" if a.small else MODELS[name] + (f" -- here {layers[name]} layers" if name in layers else "")
-        details += ["", f"{name}: {what}; budget {budgets[name]:.0f} s" + (f", {trials[name]} trials" if name in trials else "") + (f"; plan not kept: {r['reason']}" if r["reason"] else ""),
+        what += f"; program: {a.step}"
+        details += ["", f"{name}: {what}; budget {budgets[name]:.0f} s" + (f", {trials[name]} trials" if name in trials else "") + (f"; {r['reason']}" if r["reason"] else ""),
                     "", "```", r["table"], "```"]
         emit(lines + details, a.out)
 

@@ -299,3 +299,75 @@ def test_candidate_whose_configs_ran_out_of_shared_memory_gets_more_configs():
     assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
     r.trials = [{"status": "wrong_result", "config": {}}]
     assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
+
+
+def test_shared_memory_report_corrects_the_groups_budget(monkeypatch):
+    """When the compiler says a config asked for more shared memory than the space's estimate (Llama's attention:
+    2.4x), the group's budget shrinks by that ratio: configs that need as much by the estimate are skipped
+    unmeasured, and the next try is the model's best config that fits."""
+    from autofuse import worker
+    from autofuse.kernels import TEMPLATES
+    from autofuse.partition import enumerate_candidates
+    from autofuse.search import distinct_candidates, learn_shared_memory
+    from benchmarks.workloads import attention_bhld
+
+    args = [jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)] * 3
+    cand = next(c for c in enumerate_candidates(autofuse.capture(attention_bhld, *args)) if c.template == "attention")
+    space = TEMPLATES["attention"].space(cand.group, cand.spec)
+    need = lambda cfg: space["space"].demand(cfg, space["facts"], "smem_bytes")  # noqa: E731
+    limit, factor = space["facts"]["smem_bytes"], 2.4
+    assert need(space["default"]) * factor > limit  # the premise: the default fails on this "GPU"
+    sent, orig = [], worker.TrialRunner.call
+
+    def compiler(self, req):  # the GPU compiler's shared-memory report, for attention configs
+        if req["op"] == "trial" and req["template"] == "attention":
+            sent.append(dict(req["config"]))
+            if need(req["config"]) * factor > limit:
+                return {"status": "resource_exhausted", "error": f"RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
+                                                                 f"requested {int(need(req['config']) * factor)}, available: {limit}"}
+        return orig(self, req)
+
+    monkeypatch.setattr(worker.TrialRunner, "call", compiler)
+    n = len(distinct_candidates(autofuse.capture(attention_bhld, *args))[1])
+    rep = tune(attention_bhld, *args, trials=n + 2, seed=0, quiet=True, isolate=False)  # phase 1, then 2 more
+    (r,) = [c for c in rep.candidates if c.template == "attention"]
+    assert sent[0] == space["default"] and r.trials[0]["status"] == "resource_exhausted"
+    assert all(need(cfg) * factor <= limit for cfg in sent[1:]), sent  # nothing more was sent to fail the same way
+    assert r.best_ms is not None, rep.table()
+    assert [g.template for g in rep.plan.groups] == ["attention"]
+    # the rule itself: only a shared-memory failure with a report moves the budget, and only down
+    res = {"status": "resource_exhausted", "config": space["default"], "error": f"requested {int(need(space['default']) * factor)}, available: {limit}"}
+    assert learn_shared_memory(space, res) and space["facts"]["smem_bytes"] < limit
+    assert space["space"].violated(space["default"], space["facts"])
+    assert not learn_shared_memory(space, res)  # the same report again changes nothing
+    assert not learn_shared_memory(space, {**res, "status": "compile_error"})
+    assert not learn_shared_memory(space, {**res, "error": "out of resource: registers"})
+
+
+def test_plan_that_fails_the_whole_program_check_falls_back_to_its_best_groups(monkeypatch):
+    """Groups that pass alone may not add up in the whole program; then the groups with the largest savings are
+    validated on their own before giving up to XLA."""
+    from autofuse import worker
+
+    def two_parts(x, g, b, y, c):
+        return layer_norm(x, g, b), log_relu_bias(y, c)
+
+    args = (*_ln_args(512, 1024), jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32))
+    seen, orig = [], worker.TrialRunner.call
+
+    def whole_program_check(self, req):  # any plan mixing two kinds of fused groups is "wrong" in the whole program
+        if req["op"] == "validate":
+            sigs = {g["signature"] for g in autofuse.Plan.from_json(req["plan"]).to_dict()["groups"]}
+            seen.append(sigs)
+            if len(sigs) > 1:
+                return {"status": "wrong_result", "error": "output 0: relative error 1.3 > 0.02"}
+        return orig(self, req)
+
+    monkeypatch.setattr(worker.TrialRunner, "call", whole_program_check)
+    rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, isolate=False)
+    assert len(seen) == 2 and len(seen[0]) == 2, seen  # the chosen plan, then half of it
+    (sig,) = {g.signature for g in rep.plan.groups}
+    saving = {c.signature: (c.xla_ms - c.best_ms) * c.instances for c in rep.candidates if c.signature in seen[0]}
+    assert len(saving) == 2 and len(set(saving.values())) == 2
+    assert sig == max(saving, key=saving.get)
+    assert rep.plan.provenance["reason"].startswith("smaller plan kept") and rep.speedup > 1
