@@ -257,3 +257,19 @@ def test_fully_masked_slices_keep_their_value(fn, dtype):
         ok, err, why = compare(got, want, tol)
         assert ok, (cfg, err, why)
         assert bool(jnp.all(got[1] == (0 if fn is splade_head else -jnp.inf)))
+
+
+def test_mask_converted_outside_the_group_holds_any_float():
+    """A {0, 1} factor is known only from a bool converted inside the group. In the SPLADE model the mask is
+    converted before the head's group, so inside it the mask is a float input, which the group's own check (and
+    any program reusing the group) fills with any values: the head must not be rewritten as if it were a mask."""
+    from autofuse.evaluate import Evaluator
+    from examples import splade
+
+    g = autofuse.capture(splade.forward, *splade.small_inputs())
+    cand = max((c for c in enumerate_candidates(g) if c.template == "matmul_reduce"), key=lambda c: len(c.nodes))
+    spec = matmul_reduce.match(cand.group)
+    factor = [v for v in cand.group.inputs if g.avals[v].dtype == jnp.float32 and g.avals[v].shape[-1] == 1]
+    assert factor and g.node_index[g.producer[factor[0]]].id not in cand.nodes  # the premise: converted outside
+    res = Evaluator(g, measure="model").trial(cand.nodes, "matmul_reduce", matmul_reduce.default_config(spec))
+    assert res["status"] == "ok", res

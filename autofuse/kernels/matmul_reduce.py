@@ -346,14 +346,14 @@ def _link(g: Graph, members: set, nd: Node, d: int, masked: bool) -> tuple[_Link
     if name in _MONO_UNARY or name in ("add", "max", "min"):
         return None if one is None else (_Link(nd, one, d), ins[one], d)
     if name in ("sub", "div"):
-        ok = one == 0 and (name == "sub" or _positive(g, ins[1]))
+        ok = one == 0 and (name == "sub" or _positive(g, members, ins[1]))
         return (_Link(nd, 0, d), ins[0], d) if ok else None
     if name == "mul" and one is not None:
-        ok = _positive(g, ins[1 - one]) or _from_bool(g, ins[1 - one])
+        ok = _positive(g, members, ins[1 - one]) or _from_bool(g, members, ins[1 - one])
         return (_Link(nd, one, d), ins[one], d) if ok else None
     if name == "mul" and len(var) == 2 and not masked:
         for k in (0, 1):
-            if _from_bool(g, ins[k]):
+            if _from_bool(g, members, ins[k]):
                 return _Link(nd, 1 - k, d, (_narrow(g, members, ins[k]), "factor", None)), ins[1 - k], d
         return None
     if name == "select_n" and len(ins) == 3:
@@ -430,30 +430,32 @@ def _unit(shape: tuple, d: int) -> tuple:
     return tuple(1 if k == d else s for k, s in enumerate(shape))
 
 
-def _const(g: Graph, a) -> np.ndarray | None:
-    """The value of an atom computed from a literal or constant by conversions and layout ops, else None."""
+def _const(g: Graph, members: set, a) -> np.ndarray | None:
+    """The value of an atom computed from a literal by the group's own conversions and layout ops, else None.
+
+    Only facts inside the group count: the group is checked (and may be reused)
+    on its own, with any values for its inputs, constants of the program included."""
     if isinstance(a, Lit):
         return np.asarray(a.value)
-    if a in g.consts:
-        return np.asarray(g.consts[a])
     pid = g.producer.get(a)
-    nd = g.node_index[pid] if pid is not None else None
+    nd = g.node_index[pid] if pid is not None and pid in members else None
     if nd is None or nd.name not in _MONO_LAYOUT | _PASS:
         return None
-    c = _const(g, nd.inputs[0])
+    c = _const(g, members, nd.inputs[0])
     return c.astype(nd.params["new_dtype"]) if c is not None and nd.name == "convert_element_type" else c
 
 
-def _positive(g: Graph, a) -> bool:
-    c = _const(g, a)
+def _positive(g: Graph, members: set, a) -> bool:
+    c = _const(g, members, a)
     return c is not None and bool(np.all(c > 0))
 
 
-def _from_bool(g: Graph, a) -> bool:
-    """Whether a float value is a bool converted to {0, 1} (through layout ops)."""
+def _from_bool(g: Graph, members: set, a) -> bool:
+    """Whether a float value is a bool converted to {0, 1} (through layout ops) inside the group (a float input
+    holds any values when the group is checked alone: SPLADE's mask converted outside the group is not a bool)."""
     while isinstance(a, int) and jnp.issubdtype(g.avals[a].dtype, jnp.floating):
         pid = g.producer.get(a)
-        nd = g.node_index[pid] if pid is not None else None
+        nd = g.node_index[pid] if pid is not None and pid in members else None
         if nd is None or nd.name not in _MONO_LAYOUT | {"convert_element_type", "copy", "copy_p"}:
             return False
         a = nd.inputs[0]
@@ -480,7 +482,7 @@ def _rewrite(g: Graph, members: set, red: Node, x: int, d: int, links: list[_Lin
     opt = jnp.maximum if kind == "max" else jnp.minimum
     mi = next((i for i, ln in enumerate(links) if ln.mask), None)
     mask = links[mi].mask if mi is not None else None
-    fill = _const(g, mask[2]) if mask is not None and mask[2] is not None else np.zeros(())
+    fill = _const(g, members, mask[2]) if mask is not None and mask[2] is not None else np.zeros(())
     count = mask is not None and (mi > 0 or fill is None or not np.all(fill == ident))  # else dead elements add nothing
     L = g.avals[x].shape[d]
 
