@@ -10,7 +10,10 @@ norm, and its elementwise tail on its own, not every prefix; a stack of norms
 yields groups that end at each norm, not only at the size bound).
 A dot_general also grows forward (its consumers before its operands'
 producers), so a dot's epilogue, reductions and a second dot (attention)
-form one group even when reshapes feed the dot.
+form one group even when reshapes feed the dot. A group holding a dot is also
+offered with the side inputs of its epilogue made inside it (producers only
+it reads and that feed no dot: a bool mask's broadcast and conversion, GQA's
+broadcast), so a template sees what they are (a {0, 1} factor, not any float).
 Bounds: a group holds at most `max_group_size` nodes and the whole
 enumeration yields groups of at most `max_candidates` distinct computations
 (group signatures: the instances of a repeated layer count once, as they are
@@ -111,11 +114,19 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             fusible |= 1 << nd.id
     neighbours = [0] * len(graph.nodes)
     consumers = [0] * len(graph.nodes)
+    producers = [0] * len(graph.nodes)
     for nd in graph.nodes:
         for o in graph.preds(nd.id) + graph.succs(nd.id):
             neighbours[nd.id] |= 1 << o
         for o in graph.succs(nd.id):
             consumers[nd.id] |= 1 << o
+        for o in graph.preds(nd.id):
+            producers[nd.id] |= 1 << o
+    dots = feeds_dot = 0
+    for nd in graph.nodes:
+        if ops.op_class(nd.name) is OpClass.CONTRACTION:
+            dots |= 1 << nd.id
+            feeds_dot |= producers[nd.id]
     cache: dict[int, Candidate | None] = {}
     matched: dict[tuple, str | None] = {}
     emitted: set[int] = set()
@@ -128,6 +139,29 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             emitted.add(mask)
             distinct.add(c.group.signature)
             found.append(c)
+            if mask & dots:
+                emit_absorbed(c, mask)
+
+    def emit_absorbed(c: Candidate, mask: int) -> None:
+        # A dot's group with the side inputs of its epilogue made inside it (a bool mask's convert and
+        # broadcast, a bias's broadcast: producers read by the group alone, not feeding a dot), which growth
+        # by number may never reach before a dot operand's producer ends the run. Within the group a template
+        # sees what they are (a {0, 1} factor, not any float).
+        grown = mask
+        while True:
+            own = 0
+            for i in _bits(grown):
+                own |= producers[i]
+            own &= fusible & ~grown & ~feeds_dot
+            add = [nb for nb in _bits(own) if consumers[nb] & ~grown == 0]
+            if not add:
+                break
+            grown |= sum(1 << nb for nb in add)
+        if grown != mask and bin(grown).count("1") <= max_group_size and reach.closure(grown) == grown:
+            if grown not in cache:
+                cache[grown] = _candidate(graph, grown, matched)
+            if cache[grown] is not None and cache[grown].template == c.template:
+                emit(cache[grown])
 
     def grow(cur: int, forward: bool) -> int | None:
         # A forward path takes in consumers before producers (a dot's epilogue before its operands' producers).

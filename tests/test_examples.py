@@ -69,12 +69,18 @@ def test_model_tunes_and_fused_program_matches_jit(model, entry):
 @pytest.mark.parametrize("model,layers", [("gpt2", 24), ("splade", 2), ("llama", 2)])
 def test_published_shapes_attention_found_once_per_layer_and_shared(model, layers):
     """At example_inputs() shapes (shapes only): attention written in plain jnp (reshapes, causal or padding
-    masks, GQA via jnp.repeat) is a candidate in every layer, and all its instances are one distinct candidate."""
+    masks, GQA via jnp.repeat) is a candidate in every layer, and its instances share one distinct candidate
+    (two where side inputs made for the group alone, such as Llama's GQA broadcast, can also join it)."""
     mod = importlib.import_module(f"examples.{model}")
     cands = enumerate_candidates(capture(mod.forward, *jax.eval_shape(mod.example_inputs)))
     attn = [c for c in cands if c.template == "attention"]
-    assert len({c.group.signature for c in attn}) == 1
-    assert len({min(c.nodes) for c in attn}) == layers
+    by_sig: dict[str, list] = {}
+    for c in attn:
+        by_sig.setdefault(c.group.signature, []).append(c)
+    assert 1 <= len(by_sig) <= 2
+    for group in by_sig.values():  # each distinct attention candidate: one instance per layer, disjoint
+        assert len(group) == layers
+        assert len(set().union(*(c.nodes for c in group))) == sum(len(c.nodes) for c in group)
     if model == "gpt2":  # 24 layers: the job tunes far fewer distinct candidates than it enumerates
         assert len(cands) > 10 * len({c.group.signature for c in cands})
 

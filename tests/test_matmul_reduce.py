@@ -267,9 +267,27 @@ def test_mask_converted_outside_the_group_holds_any_float():
     from examples import splade
 
     g = autofuse.capture(splade.forward, *splade.small_inputs())
-    cand = max((c for c in enumerate_candidates(g) if c.template == "matmul_reduce"), key=lambda c: len(c.nodes))
+    float_mask = lambda c: [v for v in c.group.inputs if g.avals[v].dtype == jnp.float32 and g.avals[v].shape[-1] == 1]  # noqa: E731
+    cand = max((c for c in enumerate_candidates(g) if c.template == "matmul_reduce" and float_mask(c)), key=lambda c: len(c.nodes))
     spec = matmul_reduce.match(cand.group)
-    factor = [v for v in cand.group.inputs if g.avals[v].dtype == jnp.float32 and g.avals[v].shape[-1] == 1]
-    assert factor and g.node_index[g.producer[factor[0]]].id not in cand.nodes  # the premise: converted outside
+    assert g.producer[float_mask(cand)[0]] not in cand.nodes  # the premise: converted outside
     res = Evaluator(g, measure="model").trial(cand.nodes, "matmul_reduce", matmul_reduce.default_config(spec))
+    assert res["status"] == "ok", res
+
+
+def test_head_group_takes_in_its_own_mask_conversion_and_is_rewritten():
+    """The partitioner also offers a dot's group with the side inputs it alone reads made inside it: the SPLADE
+    head with the bool mask's broadcast and conversion, where the template knows the factor is {0, 1} and moves
+    relu/log1p after the max; that group passes its own check on random inputs."""
+    from autofuse.evaluate import Evaluator
+    from examples import splade
+
+    g = autofuse.capture(splade.forward, *splade.small_inputs())
+    heads = [c for c in enumerate_candidates(g) if c.template == "matmul_reduce"]
+    big = max(heads, key=lambda c: len(c.nodes))
+    assert any(g.node_index[n].name == "convert_element_type" and g.avals[g.node_index[n].inputs[0]].dtype == jnp.bool_ for n in big.nodes)
+    spec = matmul_reduce.match(big.group)
+    per_tile = [nd.name for nd in spec.tile.group.nodes if spec.level[nd.id] < 0 and any(spec.loop(v) for v in nd.outputs)]
+    assert "log1p" not in per_tile  # the chain runs once, after the loop
+    res = Evaluator(g, measure="model").trial(big.nodes, "matmul_reduce", matmul_reduce.default_config(spec))
     assert res["status"] == "ok", res
