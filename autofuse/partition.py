@@ -112,16 +112,9 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     for nd in graph.nodes:
         if is_fusible(graph, nd.id):
             fusible |= 1 << nd.id
-    neighbours = [0] * len(graph.nodes)
-    consumers = [0] * len(graph.nodes)
-    producers = [0] * len(graph.nodes)
-    for nd in graph.nodes:
-        for o in graph.preds(nd.id) + graph.succs(nd.id):
-            neighbours[nd.id] |= 1 << o
-        for o in graph.succs(nd.id):
-            consumers[nd.id] |= 1 << o
-        for o in graph.preds(nd.id):
-            producers[nd.id] |= 1 << o
+    producers = [sum(1 << o for o in graph.preds(nd.id)) for nd in graph.nodes]
+    consumers = [sum(1 << o for o in graph.succs(nd.id)) for nd in graph.nodes]
+    neighbours = [p | c for p, c in zip(producers, consumers)]
     dots = feeds_dot = 0
     for nd in graph.nodes:
         if ops.op_class(nd.name) is OpClass.CONTRACTION:
