@@ -1,6 +1,7 @@
 """Session probe (issue 8): (1) the shared memory Triton asks for, per config, of Llama's attention group, against the
 template's estimate; (2) the SPLADE head's fused kernel with the log1p/relu applied per tile (as written) against the same
-head with the monotone work moved after the max (the rewrite a monotonicity rule would make)."""
+head with the monotone work moved after the max (the rewrite a monotonicity rule would make); (3) where the SPLADE
+model's time goes, part by part."""
 from __future__ import annotations
 
 import functools
@@ -79,5 +80,38 @@ def splade_probe():
                 print(fn.__name__, cfg, "failed", type(e).__name__, str(e)[:200], flush=True)
 
 
+def splade_parts():
+    """Where the SPLADE model's time goes: jax.jit of the whole forward, of the forward up to the head's input, of the
+    head alone; the fused head alone and inside the whole forward (the rest in XLA); the transpose of the embedding."""
+    from examples import splade as sp
+
+    cfg = {"block_m": 256, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "split": 1}
+    model = sp.Config(**{**sp.BERT_BASE.__dict__, "n_layers": 2})
+    sets = [sp.make_inputs(model, 32, 256, seed=s) for s in range(3)]
+
+    def body(params, batch):
+        tokens, mask = batch["tokens"], batch["mask"]
+        x = params["word_emb"][tokens] + params["pos_emb"][:256] + params["type_emb"][0]
+        x = sp.layer_norm(x, params["ln_emb"])
+        for lp in params["layers"]:
+            x = sp.encoder_layer(x, lp, mask)
+        m = params["mlm"]
+        return sp.layer_norm(jax.nn.gelu(sp.dense(x, m["transform"]), approximate=False), m["ln"])
+
+    def fused(fn, args):
+        g = capture(fn, *args)
+        cand = largest(g, "matmul_reduce")
+        run = executor(g, plan_from_choices(g, [(cand.group, "matmul_reduce", cfg)]), interpret=None)
+        return jax.jit(lambda *x: run(jax.tree_util.tree_leaves(x))[0])
+
+    head_sets = [(jax.jit(body)(*a), a[0]["word_emb"].T, a[0]["mlm"]["bias"], a[1]["mask"]) for a in sets]
+    rows = {"jax.jit forward": (jax.jit(sp.forward), sets), "jax.jit forward up to h": (jax.jit(body), sets),
+            "jax.jit head": (jax.jit(sp.splade_head), head_sets), "fused head alone": (fused(sp.splade_head, head_sets[0]), head_sets),
+            "forward with the fused head": (fused(sp.forward, sets[0]), sets),
+            "transpose of word_emb": (jax.jit(lambda p: p["word_emb"].T), [(a[0],) for a in sets])}
+    for name, (fn, args) in rows.items():
+        print(f"{name}: {time_fn(fn, args).median_ms:.4f} ms", flush=True)
+
+
 if __name__ == "__main__":
-    {"llama": llama_smem, "splade": splade_probe}[sys.argv[1]]()
+    {"llama": llama_smem, "splade": splade_probe, "splade_parts": splade_parts}[sys.argv[1]]()

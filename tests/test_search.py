@@ -402,3 +402,12 @@ def test_on_the_gpu_the_fastest_measured_plan_is_kept():
     assert dev.plans == [2, 1]  # the chosen plan, then half of it
     assert len(out.plan.groups) == 1 and out.tuned_ms == 8.0 and out.speedup == 1.25
     assert out.plan.provenance["reason"].startswith("smaller plan kept (1 of 2 groups)")
+
+
+def test_time_budget_spent_on_xla_timing_says_so(caplog):
+    """XLA's time of every distinct candidate is taken before any trial; a time budget that runs out there
+    ends the job with XLA's plan and says why, rather than looking like a search that found nothing."""
+    with caplog.at_level("WARNING", logger="autofuse"):
+        rep = tune(layer_norm, *_ln_args(256, 512), time_budget_s=1e-3, seed=0, quiet=True, isolate=False)
+    assert rep.trials_run == 0 and rep.plan.is_xla
+    assert any("ran out while timing" in r.getMessage() for r in caplog.records)
