@@ -42,7 +42,7 @@ class Evaluator:
     """Answers trial requests for one program."""
 
     def __init__(self, graph: Graph, *, measure: str = "device", model: str = "h200", seeds: Sequence[int] = (1, 2, 3),
-                 interpret: bool | None = None, n_input_sets: int = 3, repeats: int = 10, xla_batch_ms: float = 10.0):
+                 interpret: bool | None = None, n_input_sets: int = 3, repeats: int = 10):
         if measure not in ("device", "model"):
             raise ValueError(f"measure must be 'device' or 'model', got {measure!r}")
         self.graph, self.measure = graph, measure
@@ -50,7 +50,6 @@ class Evaluator:
         self.seeds = tuple(seeds)
         self.interpret = default_interpret() if interpret is None else interpret
         self.n_input_sets, self.repeats = n_input_sets, repeats
-        self.xla_batch_ms = xla_batch_ms  # XLA's time of every distinct candidate is taken before any trial: keep it short
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
 
@@ -80,8 +79,8 @@ class Evaluator:
             self._refs[key] = jax.jit(lambda *a: group.evaluate(a))
         return self._refs[key]
 
-    def _time(self, fn: Callable, avals: Sequence[Any], batch_ms: float = 25.0) -> dict:
-        t = time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=batch_ms)
+    def _time(self, fn: Callable, avals: Sequence[Any]) -> dict:
+        t = time_fn(fn, self._input_sets(avals), repeats=self.repeats)
         return {"status": "ok", **t.to_dict()}
 
     # requests ----------------------------------------------------------------
@@ -90,7 +89,7 @@ class Evaluator:
         if self.measure == "model":
             ms = costmodel.xla_group_time_ms(group, self.model)
             return {"status": "ok", "median_ms": ms, "min_ms": ms, "max_ms": ms, "model": True}
-        return self._time(self._reference(group), group.input_avals(), self.xla_batch_ms)
+        return self._time(self._reference(group), group.input_avals())
 
     def trial(self, nodes: Sequence[int], template: str, config: dict, *, check_result: bool = True) -> dict:
         group = Group.of(self.graph, nodes)
