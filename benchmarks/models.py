@@ -33,10 +33,10 @@ DEFAULT_BUDGET_S = {"gpt2": 90.0, "splade": 60.0, "llama": 45.0}
 
 
 def run_model(name: str, budget_s: float, small: bool = False, layers: int | None = None, trials: int | None = None,
-              step: str = "forward") -> dict:
+              step: str = "forward", real: bool = False) -> dict:
     mod = importlib.import_module(f"examples.{name}")
     factory = mod.small_inputs if small else functools.partial(mod.example_inputs, layers) if layers else mod.example_inputs
-    args = jax.eval_shape(factory)  # shapes only: nothing materialised here
+    args = factory() if real else jax.eval_shape(factory)  # real: the plan is also checked on these (the model's weights)
     t0 = time.time()
     rep = tune(getattr(mod, step), *args, trials=trials, time_budget_s=budget_s, seed=0, quiet=True, name=f"examples.{name}:{step}",
                trial_timeout_s=120.0)
@@ -57,6 +57,7 @@ def run_model(name: str, budget_s: float, small: bool = False, layers: int | Non
         "kernels": len(rep.plan.groups),
         "templates": sorted({g.template for g in rep.plan.groups}),
         "reason": rep.plan.provenance.get("reason", ""),
+        "example": rep.validation.get("example_inputs"),
         "table": "\n".join(ln for ln in rep.table().splitlines() if " 0/0 " not in ln),  # candidates given trials
     }
 
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--layers", default="", help="per-model layer counts (default: each example's), e.g. gpt2=6")
     ap.add_argument("--step", default="forward", choices=("forward", "grad_step"),
                     help="the program tuned: the forward pass, or grad_step (gradients of the loss for every parameter)")
+    ap.add_argument("--real-inputs", action="store_true",
+                    help="materialise example_inputs() and hand the arrays to the job (the plan is also checked on the model's own weights)")
     ap.add_argument("--out", default="")
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs() (a smoke test)")
     a = ap.parse_args()
@@ -95,7 +98,7 @@ def main() -> None:
     details = []
     for name in a.models.split(","):
         try:
-            r = run_model(name, budgets[name], a.small, layers.get(name), trials.get(name), a.step)
+            r = run_model(name, budgets[name], a.small, layers.get(name), trials.get(name), a.step, a.real_inputs)
         except Exception as e:  # one model failing still leaves the others' rows
             lines.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:200]} |")
             emit(lines + details, a.out)
@@ -103,6 +106,9 @@ def main() -> None:
         lines.append(_row(r))
         what = "small_inputs() (CPU smoke test)" if a.small else MODELS[name] + (f" -- here {layers[name]} layers" if name in layers else "")
         what += f"; program: {a.step}"
+        if r["example"]:
+            what += (f"; on the model's own inputs: relative error {r['example']['max_error']:.3g} (bound {max(r['example']['tolerance']):.3g},"
+                     f" jax.jit's rounding spread there {max(r['example']['rounding_sensitivity']):.3g})")
         details += ["", f"{name}: {what}; budget {budgets[name]:.0f} s" + (f", {trials[name]} trials" if name in trials else "") + (f"; {r['reason']}" if r["reason"] else ""),
                     "", "```", r["table"], "```"]
         emit(lines + details, a.out)

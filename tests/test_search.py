@@ -411,3 +411,22 @@ def test_time_budget_spent_on_xla_timing_says_so(caplog):
         rep = tune(layer_norm, *_ln_args(256, 512), time_budget_s=1e-3, seed=0, quiet=True, isolate=False)
     assert rep.trials_run == 0 and rep.plan.is_xla
     assert any("ran out while timing" in r.getMessage() for r in caplog.records)
+
+
+def test_whole_plan_is_also_checked_on_the_callers_own_inputs(tmp_path):
+    """Given arrays (not shapes), the job checks the whole plan on them too, held to jax.jit's rounding spread at
+    those inputs; the pickle handed to the worker is removed after the job. Given shapes, only random inputs."""
+    import glob
+    import tempfile
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2048, 1024), jnp.float32).astype(jnp.bfloat16)
+    g, b = jnp.full((1024,), 1.5, jnp.bfloat16), jnp.full((1024,), 0.1, jnp.bfloat16)
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*")))
+    rep = tune(layer_norm, x, g, b, trials=10, seed=0, quiet=True)
+    assert not rep.plan.is_xla
+    ex = rep.validation["example_inputs"]
+    assert ex["ok"] and ex["max_error"] <= ex["tolerance"][0]
+    assert ex["rounding_sensitivity"] != rep.validation["rounding_sensitivity"]  # measured at the caller's inputs
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*"))) == before
+    shapes = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True)
+    assert "example_inputs" not in shapes.validation
