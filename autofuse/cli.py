@@ -419,9 +419,11 @@ def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
     )
     p.add_argument("target", metavar="MODULE:FUNCTION", help="the function to tune (importable from the current directory)")
     p.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
-                   help="a function returning the example arguments: a tuple of positional args (arrays or jax.ShapeDtypeStruct pytrees)")
+                   help="a function returning the example arguments: a tuple of positional args (arrays or jax.ShapeDtypeStruct "
+                        "pytrees); arrays are also used to check the whole plan (e.g. a model's own weights), beside random inputs")
     p.add_argument("--trials", type=int, default=None, help="trial budget for the whole job (default 48 when no --time-budget)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="time budget for the whole job, in seconds")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="time budget for the whole job, in seconds, counted from its start (which times every distinct candidate in XLA first)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed and budget: same trials in the same order)")
     p.add_argument("--measure", choices=["device", "model"], default=None, help="time on the GPU or rank with the analytic model (default: device if a GPU is present)")
     p.add_argument("--static-argnums", default="", metavar="I,J", help="positions of arguments that are static (as jax.jit)")
