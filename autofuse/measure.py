@@ -121,14 +121,15 @@ def compare(out: Any, ref: Any, tol: float | None = None) -> tuple[bool, float, 
 
 
 def check(candidate: Callable[..., Sequence[Any]], reference: Callable[..., Sequence[Any]], avals: Sequence[Aval], seeds: Sequence[int] = (1, 2, 3),
-          tolerances: Sequence[float] | None = None) -> CheckResult:
-    """Run candidate and reference on fresh random inputs per seed and compare every output.
+          tolerances: Sequence[float] | None = None, inputs: Sequence[Any] | None = None) -> CheckResult:
+    """Run candidate and reference on fresh random inputs per seed (or on the given `inputs` instead) and
+    compare every output.
 
     `tolerances` gives a bound per output (see `cone_tolerances`); default: by each output's dtype.
     """
     worst, tols = 0.0, {}
-    for seed in seeds:
-        args = random_inputs(avals, seed)
+    for seed in seeds if inputs is None else ("given",):
+        args = random_inputs(avals, seed) if inputs is None else inputs
         try:
             outs = jax.block_until_ready(candidate(*args))
         except Exception as e:  # a kernel that fails to build or run fails the check
@@ -142,7 +143,7 @@ def check(candidate: Callable[..., Sequence[Any]], reference: Callable[..., Sequ
             ok, err, why = compare(o, r, tol)
             worst = max(worst, err)
             if not ok:
-                return CheckResult(False, worst, tols, f"output {k}, seed {seed}: {why}")
+                return CheckResult(False, worst, tols, f"output {k}, {'seed ' + str(seed) if inputs is None else 'given inputs'}: {why}")
     return CheckResult(True, worst, tols)
 
 
