@@ -192,8 +192,19 @@ def rounding_sensitivity(ref: Callable, avals: Sequence[Any], seed: int, args: S
 
 def lowering_guard(kernel: Callable, structs: Sequence[Any]) -> None:
     """Run the real Triton lowering for CUDA without a GPU (GPU_NOTES.md); raises on unsupported kernels."""
-    jax.export.export(
-        jax.jit(lambda *a: kernel(*a)),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*structs)
+    export_for_cuda(lambda *a: kernel(*a), structs)
+
+
+def export_for_cuda(fn: Callable, structs: Sequence[Any]) -> Any:
+    """`jax.export` of `fn` for CUDA on a machine without a GPU: the Pallas lowerings run for real.
+
+    jax >= 0.11 asks the device for its compute capability while lowering a Pallas
+    kernel; without a GPU an abstract H100 stands in (an abstract mesh's device).
+    """
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        return jax.export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*structs)

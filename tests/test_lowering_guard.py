@@ -12,6 +12,7 @@ import pytest
 
 import autofuse
 from autofuse.graph import Group
+from autofuse.evaluate import export_for_cuda
 from autofuse.kernels import TEMPLATES
 from autofuse.measure import check, random_inputs
 from autofuse.plan import bind_plan
@@ -28,7 +29,7 @@ DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf
 
 
 def export_cuda(fn, specs):
-    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*specs)
+    return export_for_cuda(fn, specs)
 
 
 def _input_specs(group: Group) -> list:
