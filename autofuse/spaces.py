@@ -1,4 +1,4 @@
-"""Declarative search spaces (`search_spaces/*.yaml`): parameters, choices, constraints.
+"""Declarative search spaces (`autofuse/search_spaces/*.yaml`, package data): parameters, choices, constraints.
 
 Loaded and validated once; a malformed file raises `SpaceError` naming the
 file and the key. Constraints are small arithmetic expressions over the
@@ -13,12 +13,13 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+# The bundled spaces, found through the package (a wheel, an editable install, a zip), not the source tree.
+SPACES_DIR: Traversable = resources.files(__package__).joinpath("search_spaces")
 _FUNCS = {"next_pow2": lambda x: 1 << max(0, int(x - 1).bit_length()), "min": min, "max": max, "log2": math.log2, "ceil_div": lambda a, b: -(-a // b)}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Div: operator.truediv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -149,24 +150,29 @@ def parse_space(data: Any, path: str) -> Space:
     return Space(template, out, tuple(cons), path)
 
 
-def load_space_file(path: str | Path) -> Space:
-    path = Path(path)
+def load_space_file(path: str | Path | Traversable) -> Space:
+    import yaml  # here, not at the top: the deploy path (autofuse.jit with a stored plan) never reads a space
+
+    if isinstance(path, str):
+        path = Path(path)
+    stem = Path(path.name).stem
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise SpaceError(f"{path}: not valid YAML: {e}") from None
     except OSError as e:
         raise SpaceError(f"{path}: cannot read: {e}") from None
     space = parse_space(data, str(path))
-    if space.template != path.stem:
-        raise SpaceError(f"{path}: key 'template' is {space.template!r} but the file is named for {path.stem!r}")
+    if space.template != stem:
+        raise SpaceError(f"{path}: key 'template' is {space.template!r} but the file is named for {stem!r}")
     return space
 
 
 @functools.lru_cache(maxsize=None)
 def load_spaces(directory: str | None = None) -> dict[str, Space]:
-    """All search spaces, by template name."""
-    d = Path(directory) if directory else SPACES_DIR
+    """All search spaces, by template name: the package's own (`SPACES_DIR`), or the `*.yaml` files of `directory`."""
+    d: Path | Traversable = Path(directory) if directory else SPACES_DIR
     if not d.is_dir():
         raise SpaceError(f"search space directory {d} does not exist")
-    return {p.stem: load_space_file(p) for p in sorted(d.glob("*.yaml"))}
+    files = sorted((p for p in d.iterdir() if p.name.endswith(".yaml") and p.is_file()), key=lambda p: p.name)
+    return {Path(p.name).stem: load_space_file(p) for p in files}
