@@ -1,9 +1,9 @@
-"""One trial, one XLA baseline, one plan validation: build → check → time.
+"""One XLA timing, one trial, one plan validation: build -> check -> time, for one program.
 
-Runs inside the trial worker (`worker.py`) or inline. `measure="device"`
+Runs inside the trial process (`process.py`) or inline. `measure="device"`
 compiles and times on the accelerator; `measure="model"` builds the kernel,
 runs the CUDA lowering guard where there is no GPU, and costs it with the
-roofline model. Results are plain dicts (they cross a process boundary).
+roofline model (results marked `modelled`).
 """
 from __future__ import annotations
 
@@ -14,23 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import costmodel
-from .graph import Graph, Group
-from .kernels import TEMPLATES
+from .. import costmodel
+from ..graph import Graph, Group
+from ..kernels import TEMPLATES
+from ..plan import Plan, build_group, default_interpret, executor
+from ..status import TrialStatus
 from .measure import check, compare, cone_tolerances, random_inputs, time_fn
-from .plan import Plan, build_group, default_interpret, executor
-
-
+from .protocol import InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult, XlaRequest
 
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
 
 
-def classify_compile_error(e: BaseException) -> str:
-    msg = str(e)
-    low = msg.lower()
-    if "resource_exhausted" in low or "out of resource" in low or "shared memory" in low:
-        return "resource_exhausted"
-    return "compile_error"
+def classify_compile_error(e: BaseException) -> TrialStatus:
+    low = str(e).lower()
+    if "resource_exhausted" in low or "out of resource" in low or "shared memory" in low or "smem_bytes" in low:
+        return TrialStatus.RESOURCE_EXHAUSTED
+    return TrialStatus.COMPILE_ERROR
 
 
 def _short(e: BaseException, n: int = 400) -> str:
@@ -39,7 +38,7 @@ def _short(e: BaseException, n: int = 400) -> str:
 
 
 class Evaluator:
-    """Answers trial requests for one program."""
+    """Answers the requests of `protocol.py` for one program."""
 
     def __init__(self, graph: Graph, *, measure: str = "device", model: str = "h200", seeds: Sequence[int] = (1, 2, 3),
                  interpret: bool | None = None, n_input_sets: int = 3, repeats: int = 10, example_inputs: str | None = None):
@@ -54,17 +53,14 @@ class Evaluator:
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
 
-    def handle(self, req: dict) -> dict:
-        op = req.get("op")
-        if op == "xla":
-            return self.xla(req["nodes"])
-        if op == "trial":
-            return self.trial(req["nodes"], req["template"], req["config"], check_result=req.get("check", self.measure == "device"))
-        if op == "validate":
-            return self.validate(Plan.from_json(req["plan"]))
-        if op == "ping":
-            return {"status": "ok"}
-        raise ValueError(f"unknown request {op!r}")
+    def handle(self, req: Request) -> Result:
+        if isinstance(req, XlaRequest):
+            return self.xla(req.nodes)
+        if isinstance(req, TrialRequest):
+            return self.trial(req.nodes, req.template, req.config, check_result=self.measure == "device" if req.check is None else req.check)
+        if isinstance(req, ValidateRequest):
+            return self.validate(Plan.from_json(req.plan_json))
+        raise TypeError(f"unknown request {req!r}")
 
     # helpers ---------------------------------------------------------------
     def _input_sets(self, avals: Sequence[Any]) -> list[list]:
@@ -80,24 +76,28 @@ class Evaluator:
             self._refs[key] = jax.jit(lambda *a: group.evaluate(a))
         return self._refs[key]
 
-    def _time(self, fn: Callable, avals: Sequence[Any]) -> dict:
+    def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
         t = time_fn(fn, self._input_sets(avals), repeats=self.repeats)
-        return {"status": "ok", **t.to_dict()}
+        return Timing(t.median_ms, t.min_ms, t.max_ms, t.q1_ms, t.q3_ms)
+
+    def _timed(self, fn: Callable, avals: Sequence[Any], **extra: Any) -> TrialResult:
+        t = self._time(fn, avals)
+        return TrialResult(TrialStatus.OK, t.median_ms, t.min_ms, t.max_ms, **extra)
 
     # requests ----------------------------------------------------------------
-    def xla(self, nodes: Sequence[int]) -> dict:
+    def xla(self, nodes: Sequence[int]) -> TrialResult:
         group = Group.of(self.graph, nodes)
         if self.measure == "model":
             ms = costmodel.xla_group_time_ms(group, self.model)
-            return {"status": "ok", "median_ms": ms, "min_ms": ms, "max_ms": ms, "model": True}
-        return self._time(self._reference(group), group.input_avals())
+            return TrialResult(TrialStatus.OK, ms, ms, ms, modelled=True)
+        return self._timed(self._reference(group), group.input_avals())
 
-    def trial(self, nodes: Sequence[int], template: str, config: dict, *, check_result: bool = True) -> dict:
+    def trial(self, nodes: Sequence[int], template: str, config: dict, *, check_result: bool = True) -> TrialResult:
         group = Group.of(self.graph, nodes)
-        mod = TEMPLATES[template]
-        spec = mod.match(group)
+        tmpl = TEMPLATES[template]
+        spec = tmpl.match(group)
         if spec is None:
-            return {"status": "error", "error": f"template {template} does not match group"}
+            return TrialResult(TrialStatus.ERROR, error=f"template {template} does not match group")
         avals = group.input_avals()
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         try:
@@ -108,22 +108,23 @@ class Evaluator:
             elif jax.default_backend() == "cpu":
                 lowering_guard(kernel, structs)
         except Exception as e:
-            return {"status": classify_compile_error(e), "error": _short(e)}
-        out: dict = {"status": "ok"}
+            return TrialResult(classify_compile_error(e), error=_short(e))
+        max_error = None
         if check_result:
             res = check(fn, self._reference(group), avals, self.seeds, cone_tolerances(self.graph, group.node_ids, group.outputs))
-            out["max_error"] = res.max_error
+            max_error = res.max_error
             if not res.ok:
-                return {"status": "nan" if "NaN" in res.reason else "wrong_result", "error": res.reason, "max_error": res.max_error}
+                status = TrialStatus.NAN if "NaN" in res.reason else TrialStatus.WRONG_RESULT
+                return TrialResult(status, error=res.reason, max_error=res.max_error)
         if self.measure == "model":
-            ms = costmodel.template_time_ms(template, spec, config, self.model)
-            return {**out, "median_ms": ms, "min_ms": ms, "max_ms": ms, "model": True}
+            ms = tmpl.model_time_ms(spec, config, self.model)
+            return TrialResult(TrialStatus.OK, ms, ms, ms, max_error=max_error, modelled=True)
         try:
-            return {**out, **self._time(fn, avals)}
+            return self._timed(fn, avals, max_error=max_error)
         except Exception as e:
-            return {"status": "error", "error": _short(e)}
+            return TrialResult(TrialStatus.ERROR, error=_short(e))
 
-    def validate(self, plan: Plan) -> dict:
+    def validate(self, plan: Plan) -> ValidationResult:
         """The whole plan against jax.jit of the whole program: correctness, then both timed."""
         g = self.graph
         avals = [g.avals[v] for v in g.inputs]
@@ -132,20 +133,19 @@ class Evaluator:
         ref = jax.jit(lambda *a: g.evaluate(a))
         sens = rounding_sensitivity(ref, avals, self.seeds[0])
         res = check(fused, ref, avals, self.seeds, self._program_tolerances(sens))
-        out = {"status": "ok" if res.ok else "wrong_result", "max_error": res.max_error, "tolerance": res.tolerance, "error": res.reason,
-               "rounding_sensitivity": sens}
+        status = TrialStatus.OK if res.ok else TrialStatus.WRONG_RESULT
+        error = res.reason or None
+        examples = None
         if res.ok and self.example_inputs:
-            out["example_inputs"] = ex = self._check_examples(fused, ref, avals)
-            if not ex["ok"]:
-                out.update(status="wrong_result", error=f"on the example inputs: {ex['error']}")
-        if out["status"] != "ok" or self.measure == "model":
+            examples = self._check_examples(fused, ref, avals)
+            if not examples.ok:
+                status, error = TrialStatus.WRONG_RESULT, f"on the example inputs: {examples.error}"
+        out = ValidationResult(status, res.max_error, res.tolerance, error, sens, examples)
+        if status is not TrialStatus.OK or self.measure == "model":
             return out
-        out["baseline"] = self._time(ref, avals)
-        out["plan"] = self._time(fused, avals)
-        return out
+        return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, self._time(ref, avals), self._time(fused, avals))
 
-
-    def _check_examples(self, fused: Callable, ref: Callable, avals: Sequence[Any]) -> dict:
+    def _check_examples(self, fused: Callable, ref: Callable, avals: Sequence[Any]) -> InputsCheck:
         """The plan on the user's own inputs (a model's real weights, not N(0, 1) ones, under which a deep
         bf16 network is chaotic), held to jax.jit's rounding spread at those inputs (tight there)."""
         import pickle
@@ -155,7 +155,7 @@ class Evaluator:
         sens = rounding_sensitivity(ref, avals, self.seeds[0], args=args)
         tols = self._program_tolerances(sens)
         res = check(fused, ref, avals, tolerances=tols, inputs=args)
-        return {"ok": res.ok, "max_error": res.max_error, "tolerance": tols, "rounding_sensitivity": sens, "error": res.reason}
+        return InputsCheck(res.ok, res.max_error, tols, sens, res.reason)
 
     def _program_tolerances(self, sens: Sequence[float]) -> list[float]:
         """Per output of the whole program: its cone's dtype bound, or jax.jit's rounding spread `sens` where

@@ -1,27 +1,26 @@
-"""Trials in a child process: a kernel that crashes or hangs fails its trial, not the job.
+"""Runners: trials in an isolated child process (a kernel that crashes or hangs fails its trial, not the job),
+or in this process where the function cannot be rebuilt elsewhere.
 
 The child re-captures the program from a picklable description (the function
 by reference and the argument shapes), checks that the fingerprint matches,
-and answers requests: time a group in XLA, run a trial (build, check,
-time), or validate a whole plan. A child that dies is restarted for the next
-request; one that passes the time limit is killed and the trial is a timeout.
-Where the function cannot be pickled (a lambda, a closure), the same
-requests run in this process instead.
+and answers requests (`protocol.py`) over `multiprocessing.connection`
+connections on its stdin and a private descriptor. A child that dies is
+restarted for the next request; one that passes the time limit is killed and
+the request is a timeout.
 """
 from __future__ import annotations
 
 import os
 import pickle
-import select
-import struct
 import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from .evaluate import Evaluator
-
+from ..status import TrialStatus
+from .protocol import Request, Result, failed
 
 
 @dataclass
@@ -46,145 +45,151 @@ class ProgramSpec:
             return False
 
 
-def _make_evaluator(spec: ProgramSpec, options: dict) -> Evaluator:
-    from .graph import capture
+def _make_evaluator(spec: ProgramSpec, options: dict) -> Any:
+    from ..graph import capture
+    from .evaluator import Evaluator
 
     graph = capture(spec.fn, *spec.args, static_argnums=spec.static_argnums, static_argnames=spec.static_argnames, **spec.kwargs)
     if spec.fingerprint and graph.fingerprint != spec.fingerprint:
-        raise RuntimeError(f"worker captured program {graph.fingerprint}, expected {spec.fingerprint}")
+        raise RuntimeError(f"trial process captured program {graph.fingerprint}, expected {spec.fingerprint}")
     return Evaluator(graph, **options)
 
 
-def _send(fd: int, obj: Any) -> None:
-    data = pickle.dumps(obj)
-    os.write(fd, struct.pack("<Q", len(data)))
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _recv(fd: int, timeout_s: float | None = None) -> Any:
-    """One framed message; TimeoutError when none arrives in time, EOFError when the peer is gone."""
-    def read(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            if timeout_s is not None:
-                ready, _, _ = select.select([fd], [], [], timeout_s)
-                if not ready:
-                    raise TimeoutError
-            chunk = os.read(fd, n - len(buf))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-        return buf
-
-    (n,) = struct.unpack("<Q", read(8))
-    return pickle.loads(read(n))
-
-
 def child_main() -> None:
-    """Entry point of the worker process (`python -m autofuse.worker`): requests on stdin, answers on a private fd."""
-    proto_out = os.dup(1)
+    """Entry point of the trial process (`python -m autofuse.runner.process`): requests on stdin, answers on a private fd."""
+    out = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # anything a library prints goes to stderr, not into the protocol
-    inp = sys.stdin.fileno()
-    boot = _recv(inp)
+    inp = Connection(os.dup(0), writable=False)
+    boot = inp.recv()
     sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
-    os.environ.update(boot["env"])
     try:
         ev = _make_evaluator(pickle.loads(boot["spec"]), boot["options"])
-        _send(proto_out, {"status": "ready"})
+        out.send("ready")
     except Exception as e:
-        _send(proto_out, {"status": "error", "error": f"{type(e).__name__}: {e}"})
+        out.send(f"{type(e).__name__}: {e}")
         return
     while True:
         try:
-            req = _recv(inp)
+            req = inp.recv()
         except EOFError:
             return
         if req is None:
             return
         try:
             resp = ev.handle(req)
-        except Exception as e:  # an unexpected error fails the request, not the worker
-            resp = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
-        _send(proto_out, resp)
+        except Exception as e:  # an unexpected error fails the request, not the process
+            resp = failed(req, TrialStatus.ERROR, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
+        out.send(resp)
 
 
-class TrialRunner:
-    """Sends requests to an isolated child (restarted when it dies), or runs them inline."""
+class InlineRunner:
+    """Answers requests in this process (no crash isolation): for functions a child cannot import."""
 
-    def __init__(self, spec: ProgramSpec, options: dict, *, isolate: bool = True, timeout_s: float = 300.0, start_timeout_s: float = 300.0):
+    def __init__(self, spec: ProgramSpec, options: dict):
         self.spec, self.options = spec, options
-        self.isolate = isolate and spec.picklable()
-        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self._proc: Any = None
-        self._in = self._out = -1
-        self._inline: Evaluator | None = None
+        self._ev: Any = None
 
-    # lifecycle -------------------------------------------------------------
-    def _start(self) -> None:
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen([sys.executable, "-m", "autofuse.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._in, self._out = self._proc.stdin.fileno(), self._proc.stdout.fileno()
-        _send(self._in, {"sys_path": list(sys.path), "env": {}, "spec": pickle.dumps(self.spec), "options": self.options})
+    def call(self, req: Request) -> Result:
+        if self._ev is None:
+            self._ev = _make_evaluator(self.spec, self.options)
         try:
-            hello = _recv(self._out, self.start_timeout_s)
-        except (TimeoutError, EOFError) as e:
-            self._kill()
-            raise RuntimeError(f"trial worker did not start ({type(e).__name__})") from None
-        if hello.get("status") != "ready":
-            self._kill()
-            raise RuntimeError(f"trial worker failed to start: {hello.get('error')}")
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait(10)
-            for f in (self._proc.stdin, self._proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        self._proc = None
+            return self._ev.handle(req)
+        except Exception as e:
+            return failed(req, TrialStatus.ERROR, f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                _send(self._in, None)
-                self._proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self._kill()
+        self._ev = None
 
-    def __enter__(self) -> "TrialRunner":
+    def __enter__(self) -> "InlineRunner":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # requests ----------------------------------------------------------------
-    def call(self, req: dict) -> dict:
-        if not self.isolate:
-            if self._inline is None:
-                self._inline = _make_evaluator(self.spec, self.options)
+
+class ProcessRunner:
+    """Sends requests to an isolated child process, restarted when it dies or hangs."""
+
+    def __init__(self, spec: ProgramSpec, options: dict, *, timeout_s: float = 300.0, start_timeout_s: float = 300.0):
+        self.spec, self.options = spec, options
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._to: Connection | None = None
+        self._from: Connection | None = None
+
+    def _start(self) -> None:
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen([sys.executable, "-m", "autofuse.runner.process"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
+        self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
+        self._to.send({"sys_path": list(sys.path), "spec": pickle.dumps(self.spec), "options": self.options})
+        hello = self._recv(self.start_timeout_s)
+        if hello != "ready":
+            self._kill()
+            raise RuntimeError(f"trial process failed to start: {hello}")
+
+    def _recv(self, timeout_s: float) -> Any:
+        """The child's next message; "timeout" or "died" when none comes."""
+        try:
+            if not self._from.poll(timeout_s):
+                return "timeout"
+            return self._from.recv()
+        except (EOFError, OSError):
+            return "died"
+
+    def _kill(self) -> int | None:
+        code = None
+        if self._proc is not None:
+            self._proc.kill()
+            code = self._proc.wait(10)
+            for c in (self._to, self._from, self._proc.stdin, self._proc.stdout):
+                try:
+                    c.close()
+                except (OSError, AttributeError):
+                    pass
+        self._proc = self._to = self._from = None
+        return code
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
             try:
-                return self._inline.handle(req)
-            except Exception as e:
-                return {"status": "error", "error": f"{type(e).__name__}: {e}"}
+                self._to.send(None)
+                self._proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+
+    def __enter__(self) -> "ProcessRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def call(self, req: Request) -> Result:
         if self._proc is None or self._proc.poll() is not None:
             if self._proc is not None:
                 self._kill()
             self._start()
         try:
-            _send(self._in, req)
-            return _recv(self._out, self.timeout_s)
-        except TimeoutError:
+            self._to.send(req)
+        except OSError:
+            pass  # the child is gone: _recv says so
+        resp = self._recv(self.timeout_s)
+        if resp == "timeout":
             self._kill()
-            return {"status": "timeout", "error": f"no answer within {self.timeout_s:.0f} s; worker restarted"}
-        except (EOFError, OSError):
+            return failed(req, TrialStatus.TIMEOUT, f"no answer within {self.timeout_s:.0f} s; trial process restarted")
+        if resp == "died":
             code = self._proc.wait(10) if self._proc is not None else None
             self._kill()
-            return {"status": "crashed", "error": f"worker died (exit code {code}); restarted for the next trial"}
+            return failed(req, TrialStatus.CRASHED, f"trial process died (exit code {code}); restarted for the next trial")
+        return resp
+
+
+def make_runner(spec: ProgramSpec, options: dict, *, isolate: bool = True, timeout_s: float = 300.0) -> InlineRunner | ProcessRunner:
+    """A child-process runner where the function can be rebuilt in a child (and `isolate`), else an inline one."""
+    if isolate and spec.picklable():
+        return ProcessRunner(spec, options, timeout_s=timeout_s)
+    return InlineRunner(spec, options)
 
 
 if __name__ == "__main__":

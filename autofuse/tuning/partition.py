@@ -1,4 +1,4 @@
-"""Enumerate candidate groups and choose the cheapest cover of the graph.
+"""Enumerate candidate groups: the sets of nodes a template could run as one kernel.
 
 Enumeration: from every fusible node (a seed) a group grows one neighbour at
 a time, the lowest-numbered first, each step closed under convexity (every
@@ -19,11 +19,6 @@ enumeration yields groups of at most `max_candidates` distinct computations
 (group signatures: the instances of a repeated layer count once, as they are
 tuned once), so the work is O(nodes x max_group_size) closure steps, each a
 few big-int operations, plus one signature per group.
-
-Selection: each node is covered by exactly one chosen option (a fused group,
-or XLA); the cheapest such cover is an exact 0/1 program solved by HiGHS
-(`scipy.optimize.milp`). A cover whose groups would depend on each other in a
-cycle is cut off and the program solved again.
 """
 from __future__ import annotations
 
@@ -31,13 +26,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from . import ops
-from .graph import Graph, Group, node_text
-from .kernels import TEMPLATES, match_template
-from .kernels.matmul_reduce import foldable_gather
-from .ops import OpClass
+from .. import ops
+from ..graph import Graph, Group, node_text
+from ..kernels import TEMPLATES, match_template
+from ..kernels.matmul_reduce import foldable_gather
+from ..ops import OpClass
 
 MAX_GROUP_SIZE = 64
 MAX_CANDIDATES = 5000
@@ -244,123 +238,3 @@ def _op_text(graph: Graph, node_id: int) -> str:
         n = graph.node_index[node_id]
         cache[node_id] = node_text(n, graph.avals, {a: 0 for a in (*n.inputs, *n.outputs) if isinstance(a, int)})
     return cache[node_id]
-
-
-# ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Option:
-    """One way to run a set of nodes, at a cost (ms)."""
-
-    nodes: frozenset[int]
-    cost: float
-    label: object = None
-
-
-def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, float], *, max_rounds: int = 50) -> list[Option]:
-    """The cheapest exact cover: chosen options are disjoint; uncovered nodes run alone at `node_cost`.
-
-    Exact (HiGHS MILP). Covers whose groups form a dependency cycle are excluded
-    by a cut and the problem re-solved.
-    """
-    opts = [o for o in options if o.nodes]
-    singles = [Option(frozenset([nd.id]), float(node_cost.get(nd.id, 0.0)), "xla-node") for nd in graph.nodes]
-    allopts = opts + singles
-    if not opts:
-        return []
-    n_nodes = len(graph.nodes)
-    A = np.zeros((n_nodes, len(allopts)))
-    for j, o in enumerate(allopts):
-        for i in o.nodes:
-            A[i, j] = 1.0
-    c = np.array([o.cost for o in allopts])
-    cuts: list[np.ndarray] = []
-    for _ in range(max_rounds):
-        cons = [LinearConstraint(A, 1, 1)]
-        for cut in cuts:
-            cons.append(LinearConstraint(cut[None, :], -np.inf, cut.sum() - 1))
-        res = milp(c, constraints=cons, integrality=np.ones(len(allopts)), bounds=Bounds(0, 1))
-        if res.x is None:
-            raise RuntimeError(f"cover selection failed: {res.message}")
-        chosen = [j for j in range(len(opts)) if res.x[j] > 0.5]
-        cyc = _cycle(graph, [opts[j].nodes for j in chosen])
-        if cyc is None:
-            return [opts[j] for j in chosen]
-        cut = np.zeros(len(allopts))
-        for k in cyc:
-            cut[chosen[k]] = 1.0
-        cuts.append(cut)
-    raise RuntimeError("cover selection: too many cyclic covers")
-
-
-def _cycle(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int] | None:
-    """Indices of groups on a cycle of the contracted graph, or None if it is acyclic."""
-    owner = {i: ("g", k) for k, grp in enumerate(groups) for i in grp}
-    key = lambda i: owner.get(i, ("n", i))  # noqa: E731
-    edges: dict = {}
-    for nd in graph.nodes:
-        for p in graph.preds(nd.id):
-            a, b = key(p), key(nd.id)
-            if a != b:
-                edges.setdefault(a, set()).add(b)
-    color: dict = {}
-    stack_path: list = []
-
-    def dfs(u) -> list | None:
-        color[u] = 1
-        stack_path.append(u)
-        for v in edges.get(u, ()):
-            if color.get(v) == 1:
-                cyc = stack_path[stack_path.index(v):]
-                return [x[1] for x in cyc if x[0] == "g"]
-            if v not in color:
-                r = dfs(v)
-                if r is not None:
-                    return r
-        stack_path.pop()
-        color[u] = 2
-        return None
-
-    import sys
-
-    sys.setrecursionlimit(max(10000, 4 * len(graph.nodes)))
-    for u in list(edges):
-        if u not in color:
-            r = dfs(u)
-            if r is not None:
-                return r
-    return None
-
-
-def execution_order(graph: Graph, groups: Sequence[frozenset[int]]) -> list[tuple[str, object]]:
-    """Topological order of the graph with each group contracted: ('node', id) or ('group', index)."""
-    owner = {i: k for k, grp in enumerate(groups) for i in grp}
-    units: list[tuple[str, object]] = []
-    index: dict = {}
-    for nd in graph.nodes:
-        u = ("group", owner[nd.id]) if nd.id in owner else ("node", nd.id)
-        if u not in index:
-            index[u] = len(units)
-            units.append(u)
-    deps: dict = {u: set() for u in units}
-    for nd in graph.nodes:
-        u = ("group", owner[nd.id]) if nd.id in owner else ("node", nd.id)
-        for p in graph.preds(nd.id):
-            pu = ("group", owner[p]) if p in owner else ("node", p)
-            if pu != u:
-                deps[u].add(pu)
-    order, done = [], set()
-    pending = list(units)
-    while pending:
-        progressed = False
-        rest = []
-        for u in pending:
-            if deps[u] <= done:
-                order.append(u)
-                done.add(u)
-                progressed = True
-            else:
-                rest.append(u)
-        if not progressed:
-            raise ValueError("fused groups depend on each other in a cycle")
-        pending = rest
-    return order

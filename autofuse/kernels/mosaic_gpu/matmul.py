@@ -1,0 +1,492 @@
+"""The `matmul` template lowered to Pallas Mosaic GPU (Hopper: TMA, wgmma, a warp-specialised pipeline).
+
+The loop structure is the one of JAX's `pallas/ops/gpu/hopper_matmul_mgpu.py`
+(799 TFLOP/s on bf16 8192^3 on an H100, above cuBLAS): a persistent grid of one
+CTA per SM walks the output tiles in a planar snake order; each CTA runs three
+warpgroups: a memory warpgroup issuing TMA loads of A and B tiles into a
+`max_concurrent_steps`-deep ring of swizzled SMEM buffers, and two compute
+warpgroups, each accumulating a [block_m, block_n] float32 tile with `wgmma`
+(the two split the CTA tile along M or N: `wg_dimension`). What differs is
+the epilogue: instead of storing the accumulator, each compute warpgroup walks
+its tile in [epi_tile_m, epi_tile_n] pieces and evaluates the group's own
+jaxpr on them (`tiles.RegisterTiles`: the accumulator in the WGMMA register
+layout, a bias [N] as a column vector, a per-row scale [M, 1] as a row vector,
+a residual [M, N] as a tile, all brought into SMEM by TMA), then writes each
+output of the group through SMEM with a TMA store.
+
+Ragged shapes: no padding to the tile sizes and no masks. TMA loads zero-fill
+whatever part of a box lies outside the array (so the K tail contributes zeros
+to the product, and the epilogue of rows / columns past the edge runs on zeros),
+and TMA stores drop the part of a box outside the array, so nothing past the
+edge is ever written. Interpret mode does the same (it pads out-of-bounds TMA
+reads with zeros and clips out-of-bounds TMA writes). TMA needs every stride
+but the innermost to be a multiple of 16 bytes: an operand, epilogue input or
+output whose last dimension is not (e.g. bf16 with K % 8 != 0) is padded with
+zeros outside the kernel (outputs: written padded and sliced), which costs
+one XLA copy of that array.
+
+Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
+given to `wgmma` as transposed SMEM views for 16-bit types. float32 runs as TF32
+(`wgmma` with tf32 operands, as XLA's default-precision float32 dot on Hopper),
+which supports only K-major operands: A [K, M] and B [K, N] are transposed by
+XLA outside the kernel for float32.
+
+Declined (`Unsupported`, a `NotImplementedError`: the tuner counts the config
+as infeasible): batched dots, prologues (work on an operand before the dot),
+epilogue outputs that are not full [M, N] tiles, primitives the Mosaic GPU
+lowering lacks (log1p, expm1, pow, floor, ...: see `tiles.check_nodes`),
+configs that break a wgmma / TMA / layout rule (`check_config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ...graph import Group
+from ...ops import OpClass, op_class
+from ..matmul import MatmulSpec
+from .tiles import COLS, FULL, NONE, ROWS, Unsupported, RegisterTiles, check_nodes, layout
+
+BACKEND = "mosaic_gpu"
+M_DIM, N_DIM = 0, 1  # as hopper_matmul_mgpu.MatmulDimension
+SMEM_LIMIT = 232448  # bytes of shared memory per CTA on an H100/H200 (the Mosaic GPU error message's max_smem_bytes)
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_TMA_ALIGN = 16  # bytes: TMA strides (all but the innermost) must be multiples of this
+
+#: Config parameters and their defaults (hopper_matmul_mgpu's best bf16 config on an H100).
+DEFAULTS = {
+    "block_m": 128,  # rows of the accumulator tile of ONE compute warpgroup (a multiple of 64: wgmma's M)
+    "block_n": 128,  # columns of that tile (a multiple of 8, at most 256: wgmma's N)
+    "block_k": 64,  # K per pipeline step; block_k * itemsize must be a multiple of 32 bytes (its swizzle)
+    "max_concurrent_steps": 4,  # depth of the TMA ring of A/B SMEM buffers (pipeline stages; clamped to the K steps)
+    "epi_tile_m": 64,  # rows of one epilogue piece (a multiple of 64 dividing block_m)
+    "epi_tile_n": 64,  # columns of one epilogue piece (dividing block_n; * itemsize a multiple of 32 bytes)
+    "grid_tile_width": 8,  # planar snake: output tiles walked in bands this many tiles wide (L2 reuse)
+    "grid_minor_dim": N_DIM,  # the snake's minor dimension: 0 (M) or 1 (N)
+    "wg_dimension": M_DIM,  # the two compute warpgroups split the CTA tile along 0 (M: CTA tile 2*block_m x block_n) or 1 (N)
+}
+PARAMS = tuple(DEFAULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int
+    epi_tile_m: int
+    epi_tile_n: int
+    grid_tile_width: int
+    grid_minor_dim: int
+    wg_dimension: int
+
+    @staticmethod
+    def of(config: dict) -> "Config":
+        vals = {k: config.get(k, v) for k, v in DEFAULTS.items()}
+        for k in ("grid_minor_dim", "wg_dimension"):
+            vals[k] = _dim(vals[k])
+        return Config(**{k: int(v) for k, v in vals.items()})
+
+    @property
+    def cta_m(self) -> int:
+        return self.block_m * (2 if self.wg_dimension == M_DIM else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.block_n * (2 if self.wg_dimension == N_DIM else 1)
+
+
+def _dim(x) -> int:
+    if isinstance(x, str):
+        return {"m": M_DIM, "n": N_DIM}[x.lower()]
+    return int(x)
+
+
+def default_config(spec: MatmulSpec) -> dict:
+    cfg = dict(DEFAULTS)
+    itemsize = np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
+    cfg["block_k"] = 128 // itemsize if spec.K > 32 // itemsize * 2 else 64 // itemsize  # a 128-byte swizzle when K allows
+    if spec.N <= 64:
+        cfg["block_n"] = 64
+    if spec.M <= 128:
+        cfg["wg_dimension"] = N_DIM if spec.N > 64 else M_DIM
+        cfg["block_m"] = 64
+    if cfg["wg_dimension"] == N_DIM and spec.N <= 128:
+        cfg["block_n"] = 64
+    cfg["epi_tile_m"] = min(cfg["epi_tile_m"], cfg["block_m"])
+    cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# What is supported.
+def check_group(spec: MatmulSpec) -> None:
+    """Raise `Unsupported` if this lowering cannot implement the matched group at all (whatever the config)."""
+    g = spec.group.graph
+    dt = np.dtype(g.avals[spec.a].dtype)
+    if spec.batch > 1:
+        raise Unsupported("batched dot (spec.batch > 1): not yet in the Mosaic GPU lowering")
+    if spec.pro:
+        raise Unsupported("a prologue (elementwise work on a dot operand inside the group): not yet in the Mosaic GPU lowering")
+    if dt not in _LOW and dt != np.dtype(jnp.float32):
+        raise Unsupported(f"operand dtype {dt}: wgmma takes bf16, f16 and float32 (as TF32)")
+    out_v = spec.dot.outputs[0]
+    epi = [n for n in spec.group.nodes if n.id != spec.dot.id]
+    check_nodes(epi)
+    for v in spec.group.outputs:
+        if spec.epi.layout_span(v) != FULL:
+            raise Unsupported(f"output %{v} {g.avals[v]} is not a full [M, N] tile of the product")
+        if np.dtype(g.avals[v].dtype) == np.dtype(bool):
+            raise Unsupported(f"bool output %{v}")
+    for v in epi_inputs(spec):
+        if v in (spec.a, spec.b):
+            raise Unsupported("an operand of the dot read again by the epilogue")
+        if np.dtype(g.avals[v].dtype).itemsize > 4:
+            raise Unsupported(f"64-bit epilogue input %{v}")
+    del out_v
+
+
+def epi_inputs(spec: MatmulSpec) -> list[int]:
+    """The epilogue's inputs from outside the group, in first-use order (the dot's output excluded)."""
+    out_v = spec.dot.outputs[0]
+    return [v for v in spec.epi.group.inputs if v != out_v] if len(spec.group.nodes) > 1 else []
+
+
+def _swizzle(minor_elems: int, itemsize: int) -> int:
+    return plgpu.find_swizzle(minor_elems * itemsize * 8)
+
+
+def check_config(spec: MatmulSpec, cfg: Config) -> None:
+    """Raise `Unsupported` for a config that breaks a wgmma, TMA, layout or shared-memory rule."""
+    itemsize = np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if bm % 64 or bm <= 0:
+        raise Unsupported(f"block_m={bm}: a warpgroup's wgmma tile needs a multiple of 64 rows")
+    if bn % 8 or not 8 <= bn <= 256:
+        raise Unsupported(f"block_n={bn}: wgmma takes N in [8, 256], a multiple of 8")
+    if (bk * itemsize) % 32:
+        raise Unsupported(f"block_k={bk}: block_k * itemsize must be a multiple of 32 bytes (the operand swizzle)")
+    if cfg.epi_tile_m % 64 or bm % cfg.epi_tile_m:
+        raise Unsupported(f"epi_tile_m={cfg.epi_tile_m} must be a multiple of 64 dividing block_m={bm}")
+    if bn % cfg.epi_tile_n or cfg.epi_tile_n % 8:
+        raise Unsupported(f"epi_tile_n={cfg.epi_tile_n} must divide block_n={bn} and be a multiple of 8")
+    if cfg.max_concurrent_steps < 1 or cfg.grid_tile_width < 1:
+        raise Unsupported("max_concurrent_steps and grid_tile_width must be >= 1")
+    if cfg.wg_dimension not in (M_DIM, N_DIM) or cfg.grid_minor_dim not in (M_DIM, N_DIM):
+        raise Unsupported("wg_dimension / grid_minor_dim must be 0 (M) or 1 (N)")
+    f32 = itemsize == 4
+    a_km, b_nk = spec.a_km and not f32, spec.b_nk or f32
+    sw = min(_swizzle(bm if a_km else bk, itemsize), _swizzle(bk if b_nk else bn, itemsize))
+    if sw < 32:
+        raise Unsupported(f"operand tiles {bm}x{bk} / {bk}x{bn} allow only a {sw}-byte swizzle (wgmma needs >= 32)")
+    g = spec.group.graph
+    for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
+        if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
+            raise Unsupported(f"epi_tile_n={cfg.epi_tile_n}: epilogue tiles of %{v} ({g.avals[v].dtype}) need rows of 32-byte multiples")
+    need = smem_bytes(spec, cfg)
+    if need > SMEM_LIMIT:
+        raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
+
+
+def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
+    """Shared memory the kernel allocates (the A/B ring, the epilogue's input and output buffers, barriers), roughly."""
+    g = spec.group.graph
+    itemsize = np.dtype(g.avals[spec.a].dtype).itemsize
+    k_steps = -(-spec.K // cfg.block_k)
+    stages = min(cfg.max_concurrent_steps, k_steps)
+    ring = stages * (cfg.cta_m + cfg.cta_n) * cfg.block_k * itemsize
+    em, en = cfg.epi_tile_m, cfg.epi_tile_n
+    slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
+    outs = sum(2 * slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in spec.group.outputs)
+    ins = 0
+    for v in epi_inputs(spec):
+        sp, isz = spec.epi.span[v], _kernel_dtype(g.avals[v].dtype).itemsize
+        ins += 2 * isz * (em * en if sp == FULL else em if sp == ROWS else en if sp.cols else 0)
+    return ring + outs + ins + 1024  # barriers and alignment
+
+
+def _kernel_dtype(dtype) -> np.dtype:
+    """How an array is passed to the kernel: bool as int8 (TMA copies bytes)."""
+    return np.dtype(np.int8) if np.dtype(dtype) == np.dtype(bool) else np.dtype(dtype)
+
+
+def _num_sms_default() -> int:
+    """The SM count of the device the kernel will run on: the abstract mesh's device (export), else the default device."""
+    dev = jax.sharding.get_abstract_mesh().abstract_device
+    if dev is not None and getattr(dev, "num_cores", None):
+        return int(dev.num_cores)
+    d = jax.devices()[0]
+    return int(getattr(d, "core_count", 0) or 0) or 132
+
+
+# ---------------------------------------------------------------------------
+# The lowering.
+def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool = False, num_sms: int | None = None) -> Callable:
+    """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order).
+
+    `config`: the parameters in `DEFAULTS` (missing ones take their defaults).
+    `interpret`: run under Mosaic GPU interpret mode (CPU; simulates GMEM/SMEM, warpgroups, barriers, TMA).
+    `num_sms`: CTAs of the persistent grid (at most one per output tile); None: the device's SM count
+    (132 on an H100), read when the function is traced. Interpret mode runs the CTAs one after another, so
+    a small number there only changes which CTA does which tile.
+    Raises `Unsupported` (a NotImplementedError) for what this lowering does not do.
+    """
+    if spec is None:
+        raise Unsupported("the group is not a matmul")
+    check_group(spec)
+    cfg = Config.of(config)
+    check_config(spec, cfg)
+    g = group.graph
+    dt = np.dtype(g.avals[spec.a].dtype)
+    itemsize = dt.itemsize
+    f32 = dt == np.dtype(jnp.float32)
+    a_km, b_nk = spec.a_km and not f32, spec.b_nk or f32  # float32 (TF32) wgmma: K-major operands only
+    M, N, K = spec.M, spec.N, spec.K
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    cta_m, cta_n = cfg.cta_m, cfg.cta_n
+    em, en = cfg.epi_tile_m, cfg.epi_tile_n
+    m_iters, n_iters, k_iters = -(-M // cta_m), -(-N // cta_n), -(-K // bk)
+    stages = min(cfg.max_concurrent_steps, k_iters)
+    wg_m = cfg.wg_dimension == M_DIM
+
+    out_v = spec.dot.outputs[0]
+    epi_nodes = [n for n in group.nodes if n.id != spec.dot.id]
+    ein = epi_inputs(spec)
+    espan = {v: spec.epi.span[v] for v in ein}
+    tile_in = [v for v in ein if espan[v] == FULL]  # fetched per epilogue piece
+    vec_in = [v for v in ein if espan[v] in (ROWS, COLS)]  # fetched once per output tile (a warpgroup's bm rows / bn columns)
+    scalar_in = [v for v in ein if espan[v] == NONE]
+    tiles = RegisterTiles(spec.epi, em, en)
+    outs = list(group.outputs)
+    out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
+
+    # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
+    # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
+    a_rows, a_cols = (K, M) if a_km else (M, K)
+    b_rows, b_cols = (N, K) if b_nk else (K, N)
+    swizzle, a_pad, b_pad = _operand_layout(itemsize, (a_rows, a_cols), bm if a_km else bk, (b_rows, b_cols), bk if b_nk else bn)
+    op_tf = _tf(swizzle, itemsize)
+    in_tf = {v: _tile_tf(_kernel_dtype(g.avals[v].dtype), (M, N), en) for v in ein if espan[v] == FULL}
+    in_cols = {v: _pad_to(N, _kernel_dtype(g.avals[v].dtype).itemsize) for v in in_tf}
+    out_tf = [_tile_tf(d, (M, N), en) for d in out_dt]
+    out_cols = [_pad_to(N, d.itemsize) for d in out_dt]
+
+    n_pieces = (bm // em) * (bn // en)
+    out_slots = min(2, n_pieces)
+
+    def body(a_gmem, b_gmem, *rest):
+        in_gmem = dict(zip(ein, rest[: len(ein)]))
+        out_gmem = rest[len(ein):]
+
+        def pipeline(mma_body, compute_context):
+            a_spec = plgpu.BlockSpec((bk, cta_m) if a_km else (cta_m, bk), (lambda k: (k, 0)) if a_km else (lambda k: (0, k)),
+                                     transforms=op_tf, memory_space=plgpu.SMEM)
+            b_spec = plgpu.BlockSpec((cta_n, bk) if b_nk else (bk, cta_n), (lambda k: (0, k)) if b_nk else (lambda k: (k, 0)),
+                                     transforms=op_tf, memory_space=plgpu.SMEM)
+            return plgpu.emit_pipeline_warp_specialized(
+                mma_body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=stages, compute_context=compute_context)
+
+        ignore = lambda *_, **__: None  # noqa: E731
+        kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
+        scratch = {
+            "pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+            "out_smem": [plgpu.SMEM((2, out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
+            "tile_smem": [plgpu.SMEM((2, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
+            "vec_smem": [plgpu.SMEM((2, bm if espan[v] == ROWS else bn), kdt[v]) for v in vec_in],
+            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=2) if tile_in else None,
+            "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in), num_barriers=2) if vec_in else None,
+        }
+
+        @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+        def _scope(pipeline_allocs, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier):
+            wg = lax.axis_index("wg")
+            tile_smem = dict(zip(tile_in, tile_smem))
+            vec_smem = dict(zip(vec_in, vec_smem))
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def _tile_loop(info: plgpu.NDLoopInfo):
+                (lin,) = info.index
+                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+                cta_r0, cta_c0 = m_idx * cta_m, n_idx * cta_n
+                wg_r0 = cta_r0 + (wg * bm if wg_m else 0)  # this warpgroup's first row / column
+                wg_c0 = cta_c0 + (0 if wg_m else wg * bn)
+                wg_rows = pl.ds(wg * bm, bm) if wg_m else slice(None)
+                wg_cols = slice(None) if wg_m else pl.ds(wg * bn, bn)
+
+                def piece_origin(i: int):
+                    return wg_r0 + (i // (bn // en)) * em, wg_c0 + (i % (bn // en)) * en
+
+                def fetch_tiles(i: int):
+                    """TMA the epilogue's [M, N] inputs of piece i into this warpgroup's SMEM buffers (zero past the edges)."""
+                    r0, c0 = piece_origin(i)
+                    for v in tile_in:
+                        plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0, em), pl.ds(c0, en)], tile_smem[v].at[wg], tile_barrier.at[wg])
+
+                def compute_context(eval_pipeline):
+                    # Issued before the mainloop, so that they overlap it.
+                    for v in vec_in:
+                        src = in_gmem[v].at[pl.ds(wg_r0, bm)] if espan[v] == ROWS else in_gmem[v].at[pl.ds(wg_c0, bn)]
+                        plgpu.copy_gmem_to_smem(src, vec_smem[v].at[wg], vec_barrier.at[wg])
+                    if tile_in:
+                        fetch_tiles(0)
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...]
+                        scalars = {v: _from_kernel(in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
+                        if vec_in:
+                            plgpu.barrier_wait(vec_barrier.at[wg])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for i in range(n_pieces):
+                            mi, ni = divmod(i, bn // en)
+                            r0, c0 = piece_origin(i)
+                            env = {out_v: acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en]}
+                            env.update(scalars)
+                            for v in vec_in:
+                                part = vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)]
+                                env[v] = _from_kernel(plgpu.load(part, layout=layout(espan[v])), g.avals[v].dtype)
+                            if tile_in:
+                                plgpu.barrier_wait(tile_barrier.at[wg])
+                                for v in tile_in:
+                                    # plain (unswizzled) SMEM has no bank-conflict-free plan: allow the slower one
+                                    x = plgpu.load(tile_smem[v].at[wg], layout=layout(FULL), optimized=bool(in_tf[v]))
+                                    env[v] = _from_kernel(x, g.avals[v].dtype)
+                            for nd in epi_nodes:
+                                tiles.eval_node(nd, env, r0, c0)
+                            slot = i % out_slots
+                            plgpu.wait_smem_to_gmem(len(outs) * (out_slots - 1), wait_read_only=True)
+                            for v, d, sm in zip(outs, out_dt, out_smem):
+                                sm[wg, slot] = tiles.store_value(env, v, d)
+                            plgpu.commit_smem()
+                            if tile_in and i + 1 < n_pieces:
+                                fetch_tiles(i + 1)  # (Pallas puts a warpgroup barrier before it: every thread has read piece i)
+                            for sm, o in zip(out_smem, out_gmem):
+                                plgpu.copy_smem_to_gmem(sm.at[wg, slot], o.at[pl.ds(r0, em), pl.ds(c0, en)])
+
+                def mma_body(_, a_smem, b_smem, acc_ref):
+                    a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
+                    b = b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols]
+                    plgpu.wgmma(acc_ref, a, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
+                b_view = b_gmem.at[pl.ds(cta_c0, cta_n), :] if b_nk else b_gmem.at[:, pl.ds(cta_c0, cta_n)]
+                pipeline(mma_body, compute_context)(a_view, b_view, allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
+    out_type = [jax.ShapeDtypeStruct((M, c), d) for c, d in zip(out_cols, out_dt)]
+    tiles_m = m_iters * n_iters
+    name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
+    interp = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interp = InterpretGPUParams()
+
+    def run(*xs):
+        env = dict(zip(group.inputs, xs))
+        a, b = env[spec.a], env[spec.b]
+        a = jnp.reshape(a, (K, M) if spec.a_km else (M, K))
+        if spec.a_km and not a_km:
+            a = a.T
+        b = jnp.reshape(b, (N, K) if spec.b_nk else (K, N))
+        if b_nk and not spec.b_nk:
+            b = b.T
+        args = [_pad(a, a_pad), _pad(b, b_pad)]
+        for v in ein:
+            x = env[v]
+            if np.dtype(x.dtype) == np.dtype(bool):
+                x = x.astype(jnp.int8)
+            sp = espan[v]
+            x = jnp.reshape(x, (M, N) if sp == FULL else (M,) if sp == ROWS else (N,) if sp.cols else (1,))
+            args.append(_pad(x, (M, in_cols[v])) if sp == FULL else x)
+        sms = num_sms if num_sms is not None else _num_sms_default()
+        call = plgpu.kernel(
+            body, out_type=out_type, grid=(max(1, min(sms, tiles_m)),), grid_names=("sm",), num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane), interpret=interp,
+            kernel_name=name)
+        res = call(*args)
+        res = res if isinstance(res, (list, tuple)) else [res]
+        return [jnp.reshape(r[:, :N], g.avals[v].shape) for v, r in zip(outs, res)]
+
+    return run
+
+
+def _compute(dtype) -> np.dtype:
+    d = np.dtype(dtype)
+    return np.dtype(np.float32) if d in _LOW else d
+
+
+def _from_kernel(x, dtype):
+    """A loaded epilogue input in the dtype the tile evaluator holds it in (bool back from int8, low floats widened)."""
+    if np.dtype(dtype) == np.dtype(bool):
+        return x != 0
+    return x.astype(_compute(dtype))
+
+
+def _pad_to(n: int, itemsize: int) -> int:
+    q = _TMA_ALIGN // math.gcd(_TMA_ALIGN, itemsize)
+    return -(-n // q) * q
+
+
+def _pad(x, shape):
+    """x zero-padded at the end of each dimension to `shape` (no copy when it already has that shape)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def _tf(swizzle: int, itemsize: int) -> tuple:
+    """SMEM transforms for a swizzled tile: (8, swizzle bytes) tiles, as wgmma and the fast register stores want."""
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _fits(n: int, tile: int) -> bool:
+    """Mosaic GPU views a TMA'd array in its SMEM tiling: each tiled dimension must be a multiple of the tile
+    (or smaller than it, which we do not rely on: the box would then be larger than the array)."""
+    return n % tile == 0
+
+
+def _operand_layout(itemsize: int, a_shape, a_minor_tile: int, b_shape, b_minor_tile: int):
+    """(swizzle, A's padded shape, B's padded shape) for the wgmma operands.
+
+    The swizzle is the largest that both SMEM tiles' minor dimensions allow (128 bytes for a 64-wide bf16 K tile)
+    and that both arrays' minor dimensions are multiples of (no padding); if none of 32, 64, 128 bytes fits the
+    arrays, the tiles' swizzle is used and the arrays' minor dimensions are zero-padded to it. Rows are padded to a
+    multiple of 8 (the tiling's other side) when needed. Padding is an XLA copy of that operand outside the kernel.
+    """
+    cap = min(_swizzle(a_minor_tile, itemsize), _swizzle(b_minor_tile, itemsize), 128)
+    swizzle = next((s for s in (128, 64, 32) if s <= cap and all(_fits(sh[1], s // itemsize) for sh in (a_shape, b_shape))), cap)
+
+    def padded(shape):
+        r, c = shape
+        e = swizzle // itemsize
+        return -(-r // 8) * 8, -(-c // e) * e
+
+    return swizzle, padded(a_shape), padded(b_shape)
+
+
+def _tile_tf(dtype, shape, minor_tile: int) -> tuple:
+    """SMEM transforms for an epilogue input / output tile of an array of `shape`: swizzled when the array's shape
+    allows a swizzle of at least 32 bytes, else none (plain SMEM: a slower register <-> SMEM copy, but no padding)."""
+    isz = np.dtype(dtype).itemsize
+    if not _fits(shape[0], 8):
+        return ()
+    for s in (128, 64, 32):
+        e = s // isz
+        if minor_tile % e == 0 and _fits(shape[1], e):
+            return _tf(s, isz)
+    return ()

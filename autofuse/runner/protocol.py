@@ -1,0 +1,118 @@
+"""The typed boundary between the tuner and the trial process: requests, results, and the `Runner` protocol.
+
+Everything here crosses a process boundary (pickled), so it is plain data:
+node ids, configs of scalars, a plan as JSON text. A runner answers every
+request with a result, never an exception: a kernel that fails to build, is
+wrong, crashes or hangs is a result with that status.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+from ..status import TrialStatus
+
+
+@dataclass(frozen=True)
+class XlaRequest:
+    """Time a group as XLA runs it (or model that time)."""
+
+    nodes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """Build one config of a template for a group, check it against XLA, time it."""
+
+    nodes: tuple[int, ...]
+    template: str
+    config: dict
+    check: bool | None = None  # None: check on the device (model mode checks only the configs that may be chosen)
+
+
+@dataclass(frozen=True)
+class ValidateRequest:
+    """Check a whole plan against jax.jit of the whole program and time both."""
+
+    plan_json: str
+
+
+Request = Union[XlaRequest, TrialRequest, ValidateRequest]
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    q1_ms: float
+    q3_ms: float
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median."""
+        return (self.q3_ms - self.q1_ms) / self.median_ms
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one XLA timing or one kernel trial gave. Times are modelled where `modelled`."""
+
+    status: TrialStatus
+    median_ms: float | None = None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    error: str | None = None
+    max_error: float | None = None
+    modelled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TrialStatus.OK
+
+
+@dataclass(frozen=True)
+class InputsCheck:
+    """The whole plan on the caller's own inputs, held to jax.jit's rounding spread there."""
+
+    ok: bool
+    max_error: float
+    tolerance: list[float]
+    rounding_sensitivity: list[float]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """A whole plan against jax.jit: correctness (random inputs, and the caller's when given), then both timed."""
+
+    status: TrialStatus
+    max_error: float = 0.0
+    tolerance: dict = field(default_factory=dict)
+    error: str | None = None
+    rounding_sensitivity: list[float] = field(default_factory=list)
+    example_inputs: InputsCheck | None = None
+    baseline: Timing | None = None  # jax.jit of the whole program (device mode)
+    plan: Timing | None = None  # the plan (device mode)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TrialStatus.OK
+
+
+Result = Union[TrialResult, ValidationResult]
+
+
+class Runner(Protocol):
+    """Answers requests for one program: in this process, or in an isolated child process."""
+
+    def call(self, request: Request) -> Any:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def failed(request: Request, status: TrialStatus, error: str) -> Result:
+    """The result of a request that could not be answered (the trial process crashed, hung or raised)."""
+    return ValidationResult(status, error=error) if isinstance(request, ValidateRequest) else TrialResult(status, error=error)

@@ -1,0 +1,76 @@
+"""One table formatter for everything autofuse prints: the CLI's listings, the tuning job's table, and the
+Markdown report. Numbers right-aligned, every cell formatted by its column."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+def jsonable(value: Any) -> Any:
+    """A value as JSON data: datetimes in ISO form, containers recursively, anything else as its text."""
+    if isinstance(value, (_dt.datetime, _dt.date)):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def fmt_ms(v: Any) -> str:
+    return "" if v is None else f"{v:.4g}"
+
+
+def fmt_x(v: Any) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def fmt_time(v: Any) -> str:
+    return "" if v is None else v.astimezone(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def fmt_short(n: int) -> Callable[[Any], str]:
+    """Text (JSON for containers) cut to `n` characters."""
+    def f(v: Any) -> str:
+        if v is None:
+            return ""
+        s = v if isinstance(v, str) else json.dumps(jsonable(v), separators=(",", ":"))
+        s = " ".join(s.split())
+        return s if len(s) <= n else s[: n - 1] + "…"
+
+    return f
+
+
+def fmt_bool(v: Any) -> str:
+    return "*" if v else ""
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    key: str | None = None  # the row's key (default: the header)
+    fmt: Callable[[Any], str] | None = None  # default: str, "" for None
+
+    def cell(self, row: dict[str, Any]) -> tuple[str, bool]:
+        v = row.get(self.key or self.header)
+        text = self.fmt(v) if self.fmt else ("" if v is None else str(v))
+        return text, isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], *, markdown: bool = False) -> str:
+    """An aligned text table under a rule (or a Markdown table); columns holding numbers are right-aligned."""
+    cells = [[c.cell(r) for c in columns] for r in rows]
+    right = [any(line[i][1] for line in cells) for i in range(len(columns))]
+    if markdown:
+        esc = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        out = ["| " + " | ".join(esc(c.header) for c in columns) + " |", "|" + "|".join("---:" if r else "---" for r in right) + "|"]
+        return "\n".join(out + ["| " + " | ".join(esc(t) for t, _ in line) + " |" for line in cells])
+    widths = [max([len(c.header)] + [len(line[i][0]) for line in cells]) for i, c in enumerate(columns)]
+    just = lambda t, w, r: t.rjust(w) if r else t.ljust(w)  # noqa: E731
+    out = ["  ".join(just(c.header, w, r) for c, w, r in zip(columns, widths, right)).rstrip(), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(just(t, w, r) for (t, _), w, r in zip(line, widths, right)).rstrip() for line in cells]
+    return "\n".join(out)

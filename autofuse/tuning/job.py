@@ -1,0 +1,158 @@
+"""What every tuning job sets up before its first trial, whichever driver runs it: the candidates (those that
+compute the same thing are tuned once), their search spaces, the run in the store, XLA's time of each candidate,
+and one Optuna study per candidate with its first configs enqueued."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from .. import costmodel
+from ..device import device_info, software
+from ..graph import Graph, flatten_args
+from ..runner.protocol import XlaRequest
+from .ledger import CandidateState
+from .partition import Candidate, enumerate_candidates
+from .report import TuneReport
+from .space import SearchSpace
+
+
+def resolve_measure(measure: str | None, has_gpu: bool) -> str:
+    """"device" where a GPU is present, else "model"; "device" without a GPU is an error."""
+    measure = measure or ("device" if has_gpu else "model")
+    if measure not in ("device", "model"):
+        raise ValueError(f"measure must be 'device' or 'model', got {measure!r}")
+    if measure == "device" and not has_gpu:
+        raise RuntimeError("measure='device' needs a GPU; none is present (use measure='model')")
+    return measure
+
+
+def modelled_warning(model: costmodel.GPUModel) -> str:
+    """Said even when quiet: a modelled plan must never pass for a measured one."""
+    return (f"autofuse: no GPU measurement ({jax.default_backend()} backend): ranking with the analytic roofline model of {model.name}; "
+            "the times below are estimates, not measurements.")
+
+
+def distinct_candidates(graph: Graph) -> tuple[dict[str, list[Candidate]], list[CandidateState]]:
+    """Candidates grouped by signature (those that compute the same thing are tuned once), one state each."""
+    by_sig: dict[str, list[Candidate]] = {}
+    for c in enumerate_candidates(graph):
+        by_sig.setdefault(c.group.signature, []).append(c)
+    return by_sig, [CandidateState(sig, cs[0].template, list(cs[0].group.node_ids), len(cs)) for sig, cs in by_sig.items()]
+
+
+def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel) -> dict[str, SearchSpace]:
+    """Each distinct candidate's search space, its configs modelled on `model`."""
+    return {r.signature: SearchSpace.of(r.template, by_sig[r.signature][0].group, by_sig[r.signature][0].spec, model) for r in cands}
+
+
+def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None) -> None:
+    """XLA's time of every distinct candidate (always an option of the cover)."""
+    for r in cands:
+        res = runner.call(XlaRequest(tuple(r.nodes)))
+        r.xla_ms = res.median_ms if res.ok else None
+        if bar is not None:
+            bar.update(1)
+
+
+def study_name(run_id: int | None, signature: str) -> str:
+    return f"autofuse-run{run_id}-{signature}" if run_id is not None else f"autofuse-{signature}"
+
+
+def create_study(storage: Any, run_id: int | None, space: SearchSpace, signature: str) -> None:
+    """A candidate's study, with the default config and the model's best enqueued first (once, for a new study)."""
+    import optuna
+
+    study = optuna.create_study(direction="minimize", storage=storage, study_name=study_name(run_id, signature), load_if_exists=True)
+    if not study.trials:
+        for cfg in space.first_configs():
+            study.enqueue_trial(cfg)
+
+
+def load_study(storage: Any, run_id: int | None, signature: str, seed: int) -> Any:
+    """A candidate's study as one driver samples it (TPE, seeded; the constant liar sees other workers' running trials)."""
+    import optuna
+
+    sampler = optuna.samplers.TPESampler(seed=seed % 2**31, n_startup_trials=4, constant_liar=True)
+    return optuna.load_study(study_name=study_name(run_id, signature), storage=storage, sampler=sampler)
+
+
+@dataclass(frozen=True)
+class RunIds:
+    """The store's rows a run's plan is filed under."""
+
+    program: int
+    device: int
+    software: int
+
+
+def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | None, time_budget_s: float | None, seed: int,
+             resume: int | None) -> tuple[Any, int, RunIds]:
+    """The plan store (a `PlanStore` or a URL), the run (new, or `resume`d) and the rows its plan is filed under."""
+    from ..store import PlanStore
+
+    pstore = store if isinstance(store, PlanStore) else PlanStore(store)
+    pstore.mark_interrupted()
+    dev = device_info()
+    ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes)),
+                 pstore.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
+                 pstore.software(**software("triton")))
+    if resume is not None:
+        run = pstore.get_run(resume)
+        if run.get("program_id") != ids.program:
+            raise ValueError(f"run {resume} tuned another program; cannot resume it for {graph.fingerprint}")
+        pstore.resume_run(resume, host=socket.gethostname(), pid=os.getpid())
+        return pstore, resume, ids
+    run_id = pstore.start_run(ids.program, ids.device, ids.software, budget={"trials": trials, "seconds": time_budget_s}, seed=seed,
+                              sampler="TPESampler", measure=measure, host=socket.gethostname(), pid=os.getpid(), optuna_storage=pstore.url)
+    return pstore, run_id, ids
+
+
+def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState]) -> None:
+    """Each candidate's row in the run (found again when the run is resumed)."""
+    known = {c["signature"]: c for c in pstore.candidates(run_id)}
+    for r in cands:
+        row = known.get(r.signature)
+        r.candidate_id = row["id"] if row else pstore.add_candidate(run_id, r.signature, r.template, r.nodes)
+        if row and row["xla_ms"] is not None and r.xla_ms is None:
+            r.xla_ms = row["xla_ms"]
+
+
+def save_report(pstore: Any, ids: RunIds, run_id: int, report: TuneReport) -> int:
+    """Finish the run and store its plan; returns the plan's id."""
+    v = report.validation
+    pstore.finish_run(run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
+    return pstore.save_plan(ids.program, ids.device, ids.software, report.plan.to_dict(), run_id=run_id, measured_ms=report.tuned_ms,
+                            baseline_ms=report.baseline_ms, speedup=report.speedup, measure=report.measure, tolerance=v.tolerance or {},
+                            max_error=float(v.max_error or 0.0))
+
+
+def spec_of(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") and hasattr(x, "shape") else x
+
+
+def save_example_inputs(graph: Graph, fn: Callable, args: tuple, kwargs: dict, static_argnums: Sequence[int],
+                        static_argnames: Sequence[str]) -> str | None:
+    """The caller's inputs, when they are arrays rather than shapes, pickled for the trial process: the whole
+    plan is also checked on them (a model's own weights), not only on random ones. Returns the file's path."""
+    leaves = flatten_args(graph, fn, args, kwargs, static_argnums, static_argnames)
+    if not leaves or any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return None
+    fd, path = tempfile.mkstemp(prefix="autofuse-inputs-", suffix=".pkl")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump([np.asarray(x) for x in leaves], f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def progress_bar(work: int | Sequence, name: str, disable: bool, what: str, unit: str) -> Any:
+    """A bar over `work` (a count, or the items to iterate) headed "<what> <name>"."""
+    from tqdm.auto import tqdm
+
+    kw = {"total": work} if isinstance(work, int) else {"iterable": work}
+    return tqdm(**kw, desc=f"{what} {name}", unit=unit, disable=disable, leave=True)

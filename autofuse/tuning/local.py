@@ -1,0 +1,159 @@
+"""`tune`: a tuning job in this process (the trials in an isolated child process), or with workers.
+
+1. capture the program; enumerate candidate groups (`job`);
+2. time each distinct candidate in XLA (its own kernels are always an option);
+3. trials, one at a time, to the candidate the budget rule names (`scheduler`,
+   `trial`), each an Optuna trial of that candidate's study;
+4. the cheapest exact cover, validated against jax.jit (`validate`), stored.
+`tune(..., workers=N)` runs the same job in N worker processes (`workers`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .. import costmodel
+from ..graph import capture
+from ..runner.process import ProgramSpec, make_runner
+from ..status import TrialStatus
+from .job import (create_study, distinct_candidates, modelled_warning, open_run, progress_bar, register_candidates, resolve_measure,
+                  save_example_inputs, save_report, search_spaces, spec_of, time_xla)
+from .ledger import MemoryLedger, StoreLedger
+from .loop import TrialLoop
+from .report import TuneReport
+from .scheduler import Budget, Scheduler
+from .trial import TrialContext
+from .validate import finalize
+
+log = logging.getLogger("autofuse")
+DEFAULT_TRIALS = 48
+
+
+def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
+         seed: int = 0, store: Any = None, name: str | None = None, measure: str | None = None, model: str = "h200",
+         quiet: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
+         static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
+         workers: int | None = None, heartbeat_s: int = 10, clock: Callable[[], float] = time.time) -> TuneReport:
+    """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
+    (with `store`) persist.
+
+    `trials` and/or `time_budget_s` bound the job (default: 48 trials).
+    `measure="device"` times on the GPU (the default where one is present);
+    `measure="model"` ranks with the analytic model (the default elsewhere).
+    `store` is a `PlanStore` or a database URL; with it, the run, every trial
+    and the plan are written, and `resume=RUN` continues an interrupted run.
+    `workers=N` (needs `store` and an importable `fn`) tunes with N worker
+    processes on this host, one per GPU, sharing the run's Optuna studies in
+    that database (more can join from other hosts); `heartbeat_s` is their
+    Optuna heartbeat interval.
+
+    >>> report = autofuse.tune(layer_norm, x, gamma, beta, trials=48, store="sqlite:///plans.db")  # doctest: +SKIP
+    >>> print(report.table())  # doctest: +SKIP
+    """
+    kwargs = dict(kwargs or {})
+    static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    if workers is not None:
+        from .workers import tune_with_workers
+
+        if resume is not None:
+            raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
+        return tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
+                                 name=name, measure=measure, model=model, quiet=quiet, isolate=isolate, trial_timeout_s=trial_timeout_s,
+                                 static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress)
+    t_start = clock()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the trial process shares the GPU
+    say = progress or (lambda s: None if quiet else print(s, flush=True))
+    measure = resolve_measure(measure, jax.default_backend() == "gpu")
+    gmodel = costmodel.get_model(model)
+    if measure == "model":
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
+    if trials is None and time_budget_s is None:
+        trials = DEFAULT_TRIALS
+    graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
+    name = name or getattr(fn, "__qualname__", getattr(fn, "__name__", "program"))
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, gmodel)
+
+    pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume) if store is not None else (None, None, None)
+    spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,
+                       graph.fingerprint)
+    examples = save_example_inputs(graph, fn, args, kwargs, static_argnums, static_argnames)
+    runner = make_runner(spec, {"measure": measure, "model": model, **({"example_inputs": examples} if examples else {})}, isolate=isolate,
+                         timeout_s=trial_timeout_s)
+    status, report = "failed", None
+    try:
+        if isolate and not spec.picklable():
+            say("autofuse: the function cannot be pickled by reference, so trials run in this process (no crash isolation)")
+        if pstore is not None:
+            register_candidates(pstore, run_id, cands)
+        todo = [r for r in cands if r.xla_ms is None]
+        if progress is not None:
+            say(f"autofuse: timing {len(todo)} distinct candidates in XLA")
+        time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"))
+        if pstore is not None:
+            for r in todo:
+                pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
+        budget = Budget(trials if trials is not None else 10**9, t_start + time_budget_s if time_budget_s else None, clock)
+        if budget.out_of_time():
+            log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
+                        "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)
+        loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
+        loop.bar = progress_bar(loop.scheduler.total, name, quiet or progress is not None, "tune", "trial")
+        loop.bar.update(loop.scheduler.spent())  # a resumed run's trials
+        loop.run()
+        loop.bar.close()
+        n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
+        report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start, say)
+        report.wall_s = clock() - t_start
+        status = "finished"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    except BaseException as e:
+        if pstore is not None:
+            pstore.finish_run(run_id, "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        runner.close()
+        if examples:
+            os.unlink(examples)
+        if status == "interrupted" and pstore is not None:
+            pstore.finish_run(run_id, "interrupted")
+    from ..device import device_info
+
+    report.device = device_info()["name"]
+    if pstore is not None:
+        report.run_id = run_id
+        report.plan_id = save_report(pstore, ids, run_id, report)
+    return report
+
+
+def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budget, gmodel: costmodel.GPUModel, measure: str, runner: Any,
+               pstore: Any, run_id: int | None, seed: int) -> TrialLoop:
+    """The trial loop of a job run by this process alone: its books in the store (a resumed run's trials
+    included; those left running by the dead process are lost), or in memory."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
+    if pstore is not None:
+        from ..store.optuna_storage import optuna_storage
+
+        storage, ledger = optuna_storage(pstore.url), StoreLedger(pstore, run_id)
+        ledger.refresh(cands)
+        for r in cands:
+            for t in r.trials:
+                if t.status is TrialStatus.RUNNING:
+                    ledger.mark_lost(r, t.optuna_trial_id, "the job running it was interrupted")
+    else:
+        storage, ledger = optuna.storages.InMemoryStorage(), MemoryLedger(cands)
+    for r in cands:
+        create_study(storage, run_id, spaces[r.signature], r.signature)
+    scheduler = Scheduler(graph, by_sig, cands, spaces, budget, gmodel)
+    ctx = TrialContext(ledger, runner, measure, scheduler.total, f"{os.uname().nodename}:{os.getpid()}")
+    return TrialLoop(cands, spaces, scheduler, ctx, storage, run_id, seed)

@@ -1,0 +1,155 @@
+"""The budget rule: which candidate gets the next trial. One rule, one trial at a time, for every driver.
+
+1. A config whose worker died is retried first (it waits in its study).
+2. Phase 1: every distinct candidate gets its template's default config, by the
+   time fusing may save ((XLA time - modelled time) x instances, most first); a
+   candidate whose configs all failed on shared memory or compilation gets
+   another config right away, up to `RETRY_CONFIGS`.
+3. Phase 2: the rest goes to the contenders (the fused groups of the cheapest
+   cover so far, candidates within 25% of their XLA time, those whose configs
+   all failed to fit or compile), each trial to the one furthest behind its
+   share, shares in proportion to XLA time (`allocate`), never more than a
+   candidate's number of configs.
+A time budget that runs out therefore leaves undone what can matter least.
+The drivers (`local`, `workers`) only run the trial `pick` names.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .. import costmodel
+from ..graph import Graph
+from ..status import TrialStatus
+from .ledger import CandidateState
+from .partition import Candidate
+from .select import best_cover
+from .space import SearchSpace
+
+GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
+RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
+CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials
+STUCK_AFTER = 16  # a candidate whose sampler proposed this many done configs in a row gets no more trials
+MAX_RETRY = 2  # a config whose worker died is retried this many times
+
+
+def allocate(weights: Sequence[float], caps: Sequence[int], total: int) -> list[int]:
+    """Share `total` trials: one each first, the rest in proportion to `weights`, capped (largest remainder)."""
+    n = len(weights)
+    alloc = [0] * n
+    order = sorted(range(n), key=lambda i: -weights[i])
+    for i in order[: min(total, n)]:
+        alloc[i] = 1
+    left = total - sum(alloc)
+    while left > 0:
+        open_ = [i for i in range(n) if alloc[i] < caps[i] and alloc[i] > 0]
+        if not open_:
+            break
+        w = sum(weights[i] for i in open_) or len(open_)
+        share = {i: left * (weights[i] or 1.0) / w for i in open_}
+        give = {i: min(int(share[i]), caps[i] - alloc[i]) for i in open_}
+        if sum(give.values()) == 0:
+            for i in sorted(open_, key=lambda i: (-(share[i] - int(share[i])), i))[:left]:
+                give[i] = 1
+        for i, k in give.items():
+            alloc[i] += k
+        left = total - sum(alloc)
+    return alloc
+
+
+def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, SearchSpace]) -> list[int]:
+    """Phase 1 visits the candidates by the time fusing them may save, most first: (XLA time - the model's time
+    of the default config) x instances, in steps of 25% (within a step, the larger group first: it subsumes the
+    smaller ones). A short budget on a whole model thus reaches its attention and heads before its many small
+    groups (a group that merely leaves intermediates in memory has a large XLA time, but saves little)."""
+    def step(r: CandidateState) -> float:
+        sp = spaces[r.signature]
+        gain = ((r.xla_ms or 0.0) - sp.model_ms(sp.default)) * r.instances
+        return math.floor(math.log(gain) / math.log(GAIN_STEP)) if gain > 0 else -math.inf
+
+    return sorted(range(len(cands)), key=lambda i: (-step(cands[i]), -len(cands[i].nodes)))
+
+
+def config_failures_only(r: CandidateState) -> bool:
+    """Every trial so far failed in a way another config may not (shared memory, compile), and fewer than
+    RETRY_CONFIGS were tried: the next config (the model's best, then the sampler's) deserves a trial."""
+    tried = r.spent()
+    return r.best_ms is None and 0 < len(tried) < RETRY_CONFIGS and all(t.status.config_failure for t in tried)
+
+
+def contenders(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel) -> list[int]:
+    """Candidates that can change the plan: the fused groups of the cheapest cover so far, those within 25% of
+    their XLA time (tuning may still make them win), and those whose configs all failed to fit or compile."""
+    chosen = {fg.signature for fg in best_cover(graph, by_sig, cands, model, "device").plan.groups}
+    return [i for i, r in enumerate(cands) if r.signature in chosen or (r.best_ms is not None and r.xla_ms and r.best_ms < CONTENDER_MARGIN * r.xla_ms)
+            or config_failures_only(r)]
+
+
+@dataclass
+class Budget:
+    """A job's budget: trials, and a deadline on `clock` (seconds since the epoch; None: none)."""
+
+    trials: int
+    deadline: float | None = None
+    clock: Callable[[], float] = field(default=time.time)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and self.clock() > self.deadline
+
+
+class Scheduler:
+    """Names the candidate of the next trial from what the ledger says so far (see the module docstring)."""
+
+    def __init__(self, graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], spaces: dict[str, SearchSpace],
+                 budget: Budget, model: costmodel.GPUModel):
+        self.graph, self.by_sig, self.cands, self.spaces, self.budget, self.model = graph, by_sig, cands, spaces, budget, model
+        self.caps = [spaces[c.signature].size for c in cands]
+        self.total = min(budget.trials, sum(self.caps))
+        self.idle = [0] * len(cands)  # proposals in a row that were configs already done
+        self._contenders: tuple[tuple, list[int]] | None = None
+
+    def spent(self) -> int:
+        return sum(len(c.spent()) for c in self.cands)
+
+    def done(self) -> bool:
+        return self.spent() >= self.total or self.budget.out_of_time()
+
+    def pick(self) -> int | None:
+        """The candidate of the next trial; None when the budget or the time is spent, or no candidate can use more."""
+        if self.done():
+            return None
+        counted = [len(c.spent()) for c in self.cands]
+        open_ = [i for i in range(len(self.cands)) if counted[i] < self.caps[i] and self.idle[i] < STUCK_AFTER]
+        for i in open_:  # a dead worker's config first: its retry waits in the study
+            live = {_key(t.config) for t in self.cands[i].trials if t.status is not TrialStatus.LOST}
+            lost = [_key(t.config) for t in self.cands[i].trials if t.status is TrialStatus.LOST]
+            if any(k not in live and lost.count(k) <= MAX_RETRY for k in lost):
+                return i
+        for i in phase1_order(self.cands, self.spaces):
+            if i in open_ and (not counted[i] or config_failures_only(self.cands[i])):
+                return i
+        cont = [i for i in self.contenders() if i in open_]
+        if not cont:
+            return None
+        have = [counted[i] for i in cont]
+        weights = [self.cands[i].xla_ms or 0.0 for i in cont]
+        target = allocate(weights, [self.caps[i] for i in cont], sum(have) + self.total - sum(counted))
+        behind = max(range(len(cont)), key=lambda k: ((target[k] - have[k]) / max(target[k], 1), weights[k]))
+        return cont[behind]
+
+    def contenders(self) -> list[int]:
+        """`contenders`, solved again only when a candidate's best or failures changed."""
+        state = tuple((c.best_ms, c.xla_ms, config_failures_only(c)) for c in self.cands)
+        if self._contenders is None or self._contenders[0] != state:
+            self._contenders = (state, contenders(self.graph, self.by_sig, self.cands, self.model))
+        return self._contenders[1]
+
+    def note(self, i: int, outcome: str) -> None:
+        """What became of candidate i's trial: proposals that measure nothing (done or infeasible configs) count toward giving it up."""
+        self.idle[i] = 0 if outcome in ("measured", "spent") else self.idle[i] + 1
+
+
+def _key(cfg: dict) -> tuple:
+    return tuple(sorted(cfg.items()))

@@ -1,0 +1,142 @@
+"""Choose the cheapest exact cover of the program from the candidates' costs.
+
+Each node is covered by exactly one chosen option (a fused group, or XLA);
+the cheapest such cover is an exact 0/1 program solved by HiGHS
+(`scipy.optimize.milp`). A cover whose groups would depend on each other in a
+cycle is cut off and the program solved again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import costmodel, ops
+from ..graph import Graph, Group, group_cycle
+from ..kernels import TEMPLATES
+from ..plan import Plan, plan_from_choices
+from ..runner.protocol import XlaRequest
+from .ledger import CandidateState
+from .partition import Candidate, enumerate_candidates, is_fusible
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a set of nodes, at a cost (ms)."""
+
+    nodes: frozenset[int]
+    cost: float
+    label: object = None
+
+
+def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, float], *, max_rounds: int = 50) -> list[Option]:
+    """The cheapest exact cover: chosen options are disjoint; uncovered nodes run alone at `node_cost`.
+
+    Exact (HiGHS MILP). Covers whose groups form a dependency cycle are excluded
+    by a cut and the problem re-solved.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    opts = [o for o in options if o.nodes]
+    singles = [Option(frozenset([nd.id]), float(node_cost.get(nd.id, 0.0)), "xla-node") for nd in graph.nodes]
+    allopts = opts + singles
+    if not opts:
+        return []
+    A = np.zeros((len(graph.nodes), len(allopts)))
+    for j, o in enumerate(allopts):
+        for i in o.nodes:
+            A[i, j] = 1.0
+    c = np.array([o.cost for o in allopts])
+    cuts: list[np.ndarray] = []
+    for _ in range(max_rounds):
+        cons = [LinearConstraint(A, 1, 1)] + [LinearConstraint(cut[None, :], -np.inf, cut.sum() - 1) for cut in cuts]
+        res = milp(c, constraints=cons, integrality=np.ones(len(allopts)), bounds=Bounds(0, 1))
+        if res.x is None:
+            raise RuntimeError(f"cover selection failed: {res.message}")
+        chosen = [j for j in range(len(opts)) if res.x[j] > 0.5]
+        cyc = group_cycle(graph, [opts[j].nodes for j in chosen])
+        if cyc is None:
+            return [opts[j] for j in chosen]
+        cut = np.zeros(len(allopts))
+        for k in cyc:
+            cut[chosen[k]] = 1.0
+        cuts.append(cut)
+    raise RuntimeError("cover selection: too many cyclic covers")
+
+
+def single_node_costs(graph: Graph, model: costmodel.GPUModel) -> dict[int, float]:
+    """Cost of a node left alone in XLA: unfused for fusible nodes; opaque nodes always run in XLA (cost 0)."""
+    return {n.id: costmodel.node_time_ms(graph, n.id, model) if is_fusible(graph, n.id) else 0.0 for n in graph.nodes}
+
+
+def model_cost_ms(cand: Candidate, model: costmodel.GPUModel = costmodel.H200, config: dict | None = None) -> float:
+    tmpl = TEMPLATES[cand.template]
+    return tmpl.model_time_ms(cand.spec, config or tmpl.default_config(cand.spec), model)
+
+
+def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Plan:
+    """A plan from default configs and modelled costs (no measurement)."""
+    cands = enumerate_candidates(graph)
+    options = [Option(c.nodes, model_cost_ms(c, model), c) for c in cands]
+    chosen = select_cover(graph, options, single_node_costs(graph, model))
+    choices = [(o.label.group, o.label.template, TEMPLATES[o.label.template].default_config(o.label.spec)) for o in chosen]
+    return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
+
+
+def lone_contraction_costs(graph: Graph, runner: Any) -> dict[int, float]:
+    """XLA's measured time of each fusible dot that a cover may leave alone (once per distinct dot).
+
+    The roofline puts a lone dot at its flop floor, far below what XLA's dot with
+    its output write measures (SPLADE's head: 0.49 modelled, about 1.2 ms measured),
+    which made "XLA dot + fused epilogue" look cheaper than one fused kernel.
+    """
+    by_sig: dict[str, float | None] = {}
+    out = {}
+    for nd in graph.nodes:
+        if ops.op_class(nd.name) is not ops.OpClass.CONTRACTION or not is_fusible(graph, nd.id):
+            continue
+        sig = Group.of(graph, [nd.id]).signature
+        if sig not in by_sig:
+            res = runner.call(XlaRequest((nd.id,)))
+            by_sig[sig] = res.median_ms if res.ok else None
+        if by_sig[sig] is not None:
+            out[nd.id] = by_sig[sig]
+    return out
+
+
+@dataclass(frozen=True)
+class Cover:
+    """The cheapest cover found: its plan, and the modelled or measured-alone costs of it and of XLA's own cover."""
+
+    plan: Plan
+    baseline_ms: float
+    tuned_ms: float
+
+
+def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel, measure: str,
+               measured_singles: dict[int, float] | None = None) -> Cover:
+    """Exact cheapest cover over fused (best config) and XLA options of every candidate instance.
+
+    Nodes left alone cost their modelled XLA time, or `measured_singles` where given.
+    """
+    options, xla_only = [], []
+    for r in cands:
+        for c in by_sig[r.signature]:
+            if r.xla_ms is not None:
+                o = Option(c.nodes, r.xla_ms, ("xla", c))
+                options.append(o)
+                xla_only.append(o)
+            if r.best_ms is not None:
+                options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config)))
+    singles = {**single_node_costs(graph, model), **(measured_singles or {})}
+
+    def cost(chosen: list[Option]) -> float:
+        covered = {i for o in chosen for i in o.nodes}
+        return sum(o.cost for o in chosen) + sum(singles[n.id] for n in graph.nodes if n.id not in covered)
+
+    chosen = select_cover(graph, options, singles)
+    base = select_cover(graph, xla_only, singles) if xla_only else []
+    fused = [(o.label[1].group, o.label[1].template, o.label[2]) for o in chosen if o.label[0] == "fused"]
+    plan = plan_from_choices(graph, fused, {"measure": measure, "model": model.name if measure == "model" else None})
+    return Cover(plan, cost(base), cost(chosen))

@@ -1,0 +1,99 @@
+"""A candidate's search space as the tuner sees it: its template's parameters and constraints, the group's
+facts, the default config, and the roofline model's time of any config.
+
+What a config is worth before anything is compiled lives here: whether it
+breaks a constraint (infeasible, never compiled), whether the model puts it
+far behind the default (pruned on the GPU), which config the model ranks best,
+and how a shared-memory failure corrects the group's budget.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from .. import costmodel
+from ..kernels import TEMPLATES
+from ..status import TrialStatus
+
+PRUNE_FACTOR = 3.0  # on the GPU, configs modelled this much slower than the default are not timed
+MODEL_BEST_LIMIT = 20000  # spaces with more configs than this are not enumerated for the model's best
+
+
+@dataclass
+class SearchSpace:
+    template: str
+    params: dict[str, list]
+    default: dict
+    facts: dict
+    constraints: Any  # spaces.Space: the template's parameters and constraints
+    model_ms: Callable[[dict], float]
+
+    @staticmethod
+    def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200) -> "SearchSpace":
+        tmpl = TEMPLATES[template]
+        sp = tmpl.space(group, spec)
+        return SearchSpace(template, sp["params"], sp["default"], sp["facts"], sp["space"],
+                           lambda cfg: tmpl.model_time_ms(spec, cfg, model))
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(v) for v in self.params.values())
+
+    def violated(self, config: dict) -> list[str]:
+        return self.constraints.violated(config, self.facts)
+
+    def unmeasured_reason(self, config: dict, measure: str) -> tuple[TrialStatus, str, int] | None:
+        """(infeasible, why, number of broken constraints) for a config that breaks the constraints; (pruned,
+        why, 0) on the GPU for one the model puts far behind the default; None for one worth timing."""
+        violated = self.violated(config)
+        if violated:
+            return TrialStatus.INFEASIBLE, "; ".join(violated), len(violated)
+        if measure == "device" and self.model_ms(config) > PRUNE_FACTOR * self.model_ms(self.default):
+            return (TrialStatus.PRUNED, f"modelled {self.model_ms(config):.4f} ms > {PRUNE_FACTOR}x the default's "
+                    f"{self.model_ms(self.default):.4f} ms", 0)
+        return None
+
+    def model_best(self) -> dict | None:
+        """The feasible config with the lowest modelled time (None for spaces too large to enumerate)."""
+        if self.size > MODEL_BEST_LIMIT:
+            return None
+        names = list(self.params)
+        configs = (dict(zip(names, vals)) for vals in itertools.product(*(self.params[n] for n in names)))
+        feasible = [c for c in configs if not self.violated(c)]
+        return min(feasible, key=self.model_ms) if feasible else None
+
+    def first_configs(self) -> list[dict]:
+        """A new study's first trials: the template's default, then the config the roofline model ranks best."""
+        best = self.model_best()
+        return [self.default] + ([best] if best is not None and best != self.default else [])
+
+    def learn_shared_memory(self, status: TrialStatus, config: dict, error: str | None) -> bool:
+        """A config that exhausted shared memory tells how far the space's estimate is off for this group.
+
+        The compiler reports what it asked for ("requested 278528, available 232448":
+        Llama's attention with float32 scores needs 2.4x the file's estimate); the
+        group's `smem_bytes` fact shrinks by that ratio, so configs needing as much by
+        the estimate are skipped unmeasured instead of failing one by one. Returns
+        whether the space changed.
+        """
+        if status is not TrialStatus.RESOURCE_EXHAUSTED:
+            return False
+        m = _SMEM_REPORT.search(error or "")
+        est = self.constraints.demand(config, self.facts, "smem_bytes") if m else None
+        if not est or "smem_bytes" not in self.facts:
+            return False
+        budget = int(int(m.group(2)) * est / int(m.group(1)))
+        if budget >= self.facts["smem_bytes"]:
+            return False
+        self.facts = {**self.facts, "smem_bytes": budget}
+        return True
+
+    def copy(self) -> "SearchSpace":
+        return replace(self, facts=dict(self.facts))
+
+
+_SMEM_REPORT = re.compile(r"(?:requested|required|smem_bytes)[:=]?\s*(\d+)\D+?(?:available|hardware limit|max_smem_bytes)[:=]?\s*(\d+)",
+                          re.IGNORECASE)

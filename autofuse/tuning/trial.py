@@ -1,0 +1,93 @@
+"""One trial, end to end: ask Optuna for a config -> decide whether it is worth compiling -> claim it in the
+ledger -> build, check and time it in the trial process -> record -> tell Optuna. Written once, for every driver.
+
+The trial runs inside `study.optimize(n_trials=1)`, so Optuna's heartbeats
+(where the storage has them) cover it while it runs. A config that breaks a
+constraint, or that the roofline puts far behind the default on the GPU, is
+told to Optuna as infeasible and never compiled; a config the ledger already
+has is told its known value and spends nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..runner.protocol import TrialRequest, TrialResult
+from ..status import TrialStatus
+from .ledger import CandidateState, Ledger
+from .space import SearchSpace
+
+INFEASIBLE_VALUE = 1e9  # what Optuna is told for a config that was never measured
+
+
+class _NoResult(Exception):
+    """Ends an Optuna trial as failed: a failed build or check, a config running elsewhere, or no budget left."""
+
+
+@dataclass
+class TrialContext:
+    """What every trial of a job needs besides its candidate."""
+
+    ledger: Ledger
+    runner: Any  # runner.protocol.Runner
+    measure: str
+    limit: int  # the job's trial budget (counted trials)
+    worker: str  # who runs it, recorded on the Optuna trial
+
+
+def measure_config(runner: Any, cand: CandidateState, config: dict) -> TrialResult:
+    """Build, check and time one config of a candidate in the trial process."""
+    return runner.call(TrialRequest(tuple(cand.nodes), cand.template, dict(config)))
+
+
+def run_trial(study: Any, cand: CandidateState, space: SearchSpace, ctx: TrialContext) -> str:
+    """One Optuna trial of `cand`; returns what became of it: "measured", "unmeasured" (infeasible or pruned),
+    "duplicate" (a config already done), "spent" (no budget left), "closed" (the run takes no more trials) or
+    "stale" (taken for dead meanwhile; its retry measures it again)."""
+    for t in cand.trials:  # any worker's shared-memory failure corrects this group's budget here too
+        space.learn_shared_memory(t.status, t.config, t.error)
+    outcome = {"kind": "closed"}
+
+    def objective(trial: Any) -> float:
+        cfg = {k: trial.suggest_categorical(k, v) for k, v in space.params.items()}
+        trial.set_user_attr("worker", ctx.worker)
+        unmeasured = space.unmeasured_reason(cfg, ctx.measure)
+        if unmeasured:
+            claim = ctx.ledger.claim(cand, cfg, trial.number, limit=None, status=unmeasured[0], error=unmeasured[1])
+        else:
+            claim = ctx.ledger.claim(cand, cfg, trial.number, limit=ctx.limit)
+        outcome["kind"] = claim.kind
+        if claim.kind == "duplicate":  # the sampler proposed a config done (or running) already: nothing spent
+            known = claim.known
+            if known.status is TrialStatus.OK or not known.status.compiled:
+                trial.set_constraint("violations", 1.0 if known.status is TrialStatus.INFEASIBLE else 0.0)
+                return float(known.median_ms) if known.status is TrialStatus.OK else INFEASIBLE_VALUE
+            raise _NoResult(f"config already tried: {known.status}")
+        if claim.kind != "ok":
+            raise _NoResult(f"no trial started: {claim.kind}")
+        if unmeasured:
+            trial.set_constraint("violations", float(unmeasured[2]))
+            outcome["kind"] = "unmeasured"
+            return INFEASIBLE_VALUE
+        res = measure_config(ctx.runner, cand, cfg)
+        if not ctx.ledger.finish(cand, claim.number, res):
+            outcome["kind"] = "stale"
+            raise _NoResult("marked lost while running")
+        trial.set_constraint("violations", 0.0)
+        outcome["kind"] = "measured"
+        if space.learn_shared_memory(res.status, cfg, res.error):  # the next try: the model's best config that fits the corrected budget
+            best = space.model_best()
+            if best is not None and all(t.config != best for t in cand.trials):
+                study.enqueue_trial(best)
+        if not res.ok:
+            raise _NoResult(f"{res.status}: {res.error}")
+        return float(res.median_ms)
+
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    try:
+        study.optimize(objective, n_trials=1, catch=(_NoResult,))
+    except UpdateFinishedTrialError:  # another worker failed this trial for a late heartbeat; the ledger has its fate
+        if outcome["kind"] != "measured":
+            outcome["kind"] = "stale"
+    return outcome["kind"]

@@ -1,0 +1,416 @@
+"""Tuning with several worker processes, one per GPU, on one host or many, sharing one run.
+
+This is Optuna's own distributed mode: every worker opens the run's studies (one
+per distinct candidate, ``autofuse-run<ID>-<signature>``) in the RDB storage
+that shares the database with the plan store, and runs the same trial loop as
+a job in one process (`loop`, `scheduler`, `trial`) over the store's ledger
+(`StoreLedger`): the trial budget holds exactly across workers and no config
+of a candidate is measured twice. Optuna's heartbeats fail the running trial
+of a worker that died and ``RetryHeartbeatStaleTrialCallback`` puts its config
+back for another worker.
+
+Roles:
+
+* the launcher, ``tune(..., workers=N)`` / ``autofuse tune --workers N``:
+  captures the program, opens the run, times every candidate in XLA, creates
+  the studies with their first configs, publishes the job (function reference,
+  argument shapes, options) on the run row, starts N workers on this host,
+  worker i seeing only GPU i (``CUDA_VISIBLE_DEVICES``), waits, and reads the
+  plan back;
+* ``autofuse worker RUN --db URL`` joins the run from another host (a server
+  database: a SQLite file serves one host only);
+* each worker (``python -m autofuse.tune.workers RUN``, database in
+  ``$AUTOFUSE_DB``) runs trials until the budget rule names no candidate, then
+  waits until no trial of the run is running (or is failed by heartbeat, then
+  retried), and tries ``PlanStore.begin_selection``; the one worker that wins
+  checks the bests, selects the cover, validates it against jax.jit and writes
+  the plan, once.
+
+Timing on a shared GPU is meaningless, so a GPU has one worker: the launcher
+refuses more workers than visible GPUs in device mode, and a measuring worker
+holds a lock file on its GPU (the first ``CUDA_VISIBLE_DEVICES`` entry) for its
+whole life, so a second worker started on the same GPU of this host, by any
+launch, refuses to run.
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from .. import costmodel
+from ..graph import capture
+from ..plan import Plan
+from ..runner.process import ProgramSpec, make_runner
+from ..runner.protocol import ValidationResult
+from ..status import UNCOUNTED, TrialStatus
+from .job import (RunIds, create_study, distinct_candidates, modelled_warning, open_run, register_candidates, resolve_measure, save_report,
+                  search_spaces, spec_of, study_name, time_xla)
+from .ledger import CandidateState, StoreLedger
+from .loop import TrialLoop
+from .report import TuneReport
+from .scheduler import Budget, Scheduler
+from .trial import TrialContext
+from .validate import finalize
+
+MAX_RETRY = 2  # a config whose worker died is retried this many times
+POLL_S = 0.5
+
+
+# --------------------------------------------------------------------------- the job, as data
+def function_ref(fn: Callable) -> str:
+    """``module:qualname`` of a function that a worker on another host can import."""
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not mod or mod == "__main__" or "<" in qual:
+        raise ValueError(f"tuning with workers needs a function importable by name (module:function), not {mod}:{qual}")
+    ref = f"{mod}:{qual}"
+    if import_ref(ref) is not fn and getattr(import_ref(ref), "__wrapped__", None) is not fn:
+        raise ValueError(f"{ref} does not name the function being tuned")
+    return ref
+
+
+def import_ref(ref: str) -> Any:
+    mod, _, attr = ref.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def encode_args(x: Any) -> Any:
+    """Arguments as JSON: arrays by shape and dtype, containers kept, plain scalars as they are."""
+    if isinstance(x, dict):
+        if not all(isinstance(k, str) for k in x):
+            raise ValueError("tuning with workers needs dict arguments with string keys")
+        return {"dict": {k: encode_args(v) for k, v in x.items()}}
+    if isinstance(x, (list, tuple)):
+        return {type(x).__name__: [encode_args(v) for v in x]}
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return {"array": [list(np.shape(x)), str(x.dtype)]}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return {"value": x}
+    raise ValueError(f"tuning with workers rebuilds the arguments from shapes and dtypes; cannot describe a {type(x).__name__}")
+
+
+def decode_args(x: Any) -> Any:
+    (kind, v), = x.items()
+    if kind == "dict":
+        return {k: decode_args(e) for k, e in v.items()}
+    if kind in ("list", "tuple"):
+        seq = [decode_args(e) for e in v]
+        return seq if kind == "list" else tuple(seq)
+    if kind == "array":
+        return jax.ShapeDtypeStruct(tuple(v[0]), jax.numpy.dtype(v[1]))
+    return v
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (empty without a GPU backend)."""
+    if jax.default_backend() != "gpu":
+        return []
+    n = len(jax.devices("gpu"))
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [e.strip() for e in env.split(",") if e.strip()] if env else [str(i) for i in range(n)]
+    return ids[:n]
+
+
+# --------------------------------------------------------------------------- the launcher
+def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, trials: int | None, time_budget_s: float | None, seed: int,
+                      store: Any, name: str | None, measure: str | None, model: str, quiet: bool, isolate: bool, trial_timeout_s: float,
+                      static_argnums: Sequence[int], static_argnames: Sequence[str], heartbeat_s: int,
+                      progress: Callable[[str], None] | None) -> TuneReport:
+    """`tune` with `workers` processes on this host sharing one run (see the module docstring)."""
+    import optuna
+
+    from ..store.optuna_storage import optuna_storage
+
+    t_start = time.time()
+    say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
+    if store is None:
+        raise ValueError("workers share the run through the store: give a database (store=URL, autofuse tune --db URL)")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if heartbeat_s < 1:
+        raise ValueError(f"the heartbeat interval is a whole number of seconds >= 1, got {heartbeat_s}")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    gpus = visible_gpus()
+    measure = resolve_measure(measure, bool(gpus))
+    if measure == "device" and workers > len(gpus):
+        raise ValueError(f"{workers} workers but {len(gpus)} visible GPU(s): one worker per GPU (two on one GPU would time each other)")
+    gmodel = costmodel.get_model(model)
+    if measure == "model":
+        say(modelled_warning(gmodel))
+    if trials is None and time_budget_s is None:
+        trials = 48
+    job = {"fn": function_ref(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
+           "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
+           "heartbeat_s": int(heartbeat_s)}
+    graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
+    name = name or getattr(fn, "__qualname__", "program")
+    by_sig, cands = distinct_candidates(graph)
+    pstore, run_id, _ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, None)
+    procs: list[subprocess.Popen] = []
+    try:
+        # what every worker needs first: candidates with their XLA times, studies with their first configs
+        spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, tuple(args)), jax.tree_util.tree_map(spec_of, dict(kwargs)), static_argnums,
+                           static_argnames, graph.fingerprint)
+        register_candidates(pstore, run_id, cands)
+        with make_runner(spec, {"measure": measure, "model": model}, isolate=isolate, timeout_s=trial_timeout_s) as runner:
+            time_xla(cands, runner)
+        for r in cands:
+            pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
+        spaces = search_spaces(by_sig, cands, gmodel)
+        storage = optuna_storage(pstore.url)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        for r in cands:
+            create_study(storage, run_id, spaces[r.signature], r.signature)
+        pstore.set_run_job(run_id, job)
+        say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
+            + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
+            + f"; join from another host: autofuse worker {run_id} --db URL")
+        procs = start_workers(run_id, pstore.url, workers, gpus, quiet)
+        codes = [p.wait() for p in procs]
+    except BaseException as e:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait()
+        pstore.finish_run(run_id, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    run = _wait_for_selection(pstore, run_id)
+    died = [f"worker {k} exit {c}" for k, c in enumerate(codes) if c != 0]
+    if died:
+        say(f"autofuse: {'; '.join(died)} (a dead worker's running trial is retried by another)")
+    if run["status"] != "finished":
+        raise RuntimeError(f"run {run_id} is {run['status']} after its workers exited ({'; '.join(died) or 'all exit 0'})"
+                           + (f": {run['error']}" if run.get("error") else f"; join it with: autofuse worker {run_id} --db URL"))
+    return report_from_store(pstore, run_id, cands, name, measure, t_start)
+
+
+def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: bool) -> list[subprocess.Popen]:
+    """`n` worker processes of the run; worker i sees only GPU i (round robin in model mode). The URL goes by environment, not argv."""
+    env = dict(os.environ, AUTOFUSE_DB=url, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
+    procs = []
+    for i in range(n):
+        e = dict(env)
+        if gpus:
+            e["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "autofuse.tune.workers", str(run_id), "--index", str(i)]
+                                      + (["--quiet"] if quiet else []), env=e))
+    return procs
+
+
+def _wait_for_selection(pstore: Any, run_id: int) -> dict:
+    """The run once no worker anywhere is running a trial of it or selecting its plan (after this host's workers exited,
+    workers of other hosts may still be)."""
+    from ..store.store import _pid_alive
+
+    while True:
+        run = pstore.get_run(run_id)
+        if run["status"] != "running" or (run["selected_by"] is None and not pstore.trials(run_id, "running")):
+            return run
+        host, _, pid = (run["selected_by"] or "").rpartition(":")
+        if host == socket.gethostname() and not _pid_alive(int(pid)):  # the selecting worker of this host died
+            pstore.finish_run(run_id, "failed", error=f"worker {run['selected_by']} died while selecting the plan")
+            return pstore.get_run(run_id)
+        time.sleep(POLL_S)
+
+
+def report_from_store(pstore: Any, run_id: int, cands: list[CandidateState], name: str, measure: str, t_start: float) -> TuneReport:
+    """The report of a run finished by workers, read back from the store."""
+    run = pstore.get_run(run_id)
+    rows = {c["signature"]: c for c in pstore.candidates(run_id)}
+    for r in cands:
+        c = rows[r.signature]
+        r.xla_ms, r.best_ms, r.best_config, r.status, r.candidate_id = c["xla_ms"], c["best_ms"], c["best_config"], c["status"], c["id"]
+    StoreLedger(pstore, run_id).refresh(cands)
+    (plan_row,) = [p for p in pstore.plans(run["fingerprint"]) if p["run_id"] == run_id]
+    p = pstore.get_plan(plan_row["id"])
+    n = sum(t.status.spends_budget for r in cands for t in r.trials)
+    validation = ValidationResult(TrialStatus.OK, p["max_error"], p["tolerance"] or {})
+    return TuneReport(name, run["fingerprint"], measure, Plan.from_dict(p["plan"]), run["baseline_ms"], run["best_ms"], run["speedup"], None,
+                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], device=run["device"])
+
+
+# --------------------------------------------------------------------------- one worker
+def run_worker(run_id: int, url: str | None = None, *, index: int | None = None, quiet: bool = False,
+               ready_timeout_s: float = 600.0) -> dict:
+    """Join run `run_id` and work until its budget is spent; returns what this worker did.
+
+    The worker that ends the run selects and saves the plan (`selected` in the result).
+    `index` (this host's launcher numbers its workers 0, 1, ...) keeps the workers' samplers apart.
+    """
+    import optuna
+
+    from ..store import PlanStore
+
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    say = (lambda s: None) if quiet else (lambda s: print(f"autofuse worker {me}: {s}", file=sys.stderr, flush=True))
+    pstore = PlanStore(url)
+    run = pstore.get_run(run_id)
+    t0 = time.time()
+    while run["job"] is None and run["status"] == "running":  # the launcher is still timing candidates in XLA
+        if time.time() - t0 > ready_timeout_s:
+            raise RuntimeError(f"run {run_id} has no job description after {ready_timeout_s:.0f} s (not a run tuned with workers?)")
+        time.sleep(POLL_S)
+        run = pstore.get_run(run_id)
+    if run["status"] != "running" or run["selected_by"] is not None:
+        say(f"run {run_id} is {run['status']}{' and being selected' if run['selected_by'] else ''}: nothing to do")
+        return {"measured": 0, "selected": False}
+    job, measure = run["job"], run["measure"]
+    if measure == "device" and jax.default_backend() != "gpu":
+        raise RuntimeError(f"run {run_id} measures on a GPU; this host has none")
+    lock = _gpu_lock() if measure == "device" else None
+    fn = import_ref(job["fn"])
+    args, kwargs = decode_args(job["args"]), decode_args(job["kwargs"])
+    statics = (tuple(job["static_argnums"]), tuple(job["static_argnames"]))
+    graph = capture(fn, *args, static_argnums=statics[0], static_argnames=statics[1], **kwargs)
+    if graph.fingerprint != run["fingerprint"]:
+        raise RuntimeError(f"{job['fn']} captures as program {graph.fingerprint} here, but run {run_id} tunes {run['fingerprint']} "
+                           "(another version of the code or of jax?)")
+    by_sig, cands = distinct_candidates(graph)
+    register_candidates(pstore, run_id, cands)
+    gmodel = costmodel.get_model(job["model"])
+    spaces = search_spaces(by_sig, cands, gmodel)
+    budget = run["budget"] or {}
+    deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
+    spec = ProgramSpec(fn, args, kwargs, *statics, graph.fingerprint)
+    scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(budget.get("trials") or 10**9, deadline), gmodel)
+    say(f"joined run {run_id} ({len(cands)} candidates, budget {scheduler.total} trials"
+        + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
+    try:
+        with make_runner(spec, {"measure": measure, "model": job["model"]}, isolate=job["isolate"], timeout_s=job["trial_timeout_s"]) as runner:
+            w = _Worker(pstore, run_id, cands, spaces, scheduler, TrialContext(StoreLedger(pstore, run_id), runner, measure, scheduler.total, me),
+                        run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
+            w.work()
+            selected = pstore.begin_selection(run_id, me)
+            if selected:
+                say(f"measured {w.loop.measured} trials; selecting the plan of run {run_id}")
+                w.select(graph, by_sig, gmodel, run)
+            say(f"done: measured {w.loop.measured} trials" + ("; plan saved" if selected else ""))
+    except BaseException as e:
+        if pstore.get_run(run_id)["selected_by"] == me:  # this worker was selecting: the run ends with it
+            pstore.finish_run(run_id, "failed", error=f"selection failed in {me}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return {"measured": w.loop.measured, "selected": selected}
+
+
+def _gpu_lock() -> int:
+    """Hold a lock file on this worker's GPU for its lifetime; refuse if another worker of this host holds it."""
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    path = os.path.join(tempfile.gettempdir(), f"autofuse-gpu-{gpu}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"GPU {gpu} already has an autofuse worker on this host ({path}); one worker per GPU") from None
+    return fd
+
+
+class _Worker:
+    """One worker's part of a run: the shared trial loop with heartbeats, then waiting for the others' trials."""
+
+    def __init__(self, pstore: Any, run_id: int, cands: list[CandidateState], spaces: dict, scheduler: Scheduler, ctx: TrialContext,
+                 seed: int, worker_seed: int, heartbeat_s: int):
+        from optuna.exceptions import ExperimentalWarning
+        from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+        from ..store.optuna_storage import optuna_storage
+
+        self.pstore, self.run_id, self.cands = pstore, run_id, cands
+        with warnings.catch_warnings():  # Optuna's heartbeat API is marked experimental
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            self.retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+            storage = optuna_storage(pstore.url, heartbeat_s=heartbeat_s, on_stale=self._on_stale)
+        self.index = {r.signature: i for i, r in enumerate(cands)}
+        self.loop = TrialLoop(cands, spaces, scheduler, ctx, storage, run_id, seed, worker_seed)
+
+    def _on_stale(self, study: Any, trial: Any) -> None:
+        """Optuna failed a trial whose worker stopped sending heartbeats (this runs once per such trial): its row
+        stops counting against the budget, and its config goes back to the study for another worker."""
+        r = self.cands[self.index[study.study_name[len(study_name(self.run_id, "")):]]]
+        self.loop.ledger.mark_lost(r, trial.number, f"worker {trial.user_attrs.get('worker')} died (no heartbeat); retried")
+        self.retry(study, trial)
+
+    def work(self) -> None:
+        """Trials until the budget is spent and no trial of the run is running anywhere."""
+        from optuna.exceptions import ExperimentalWarning
+        from optuna.storages import fail_stale_trials
+
+        while True:
+            kind = self.loop.step()
+            if kind == "closed":
+                return
+            if kind is not None:
+                continue
+            waiting = [i for i, r in enumerate(self.cands) if any(t.status is TrialStatus.RUNNING for t in r.trials)]
+            if not waiting:
+                return
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                for j in waiting:  # a dead worker's trial is failed here (and retried) once its heartbeat is stale
+                    fail_stale_trials(self.loop.study(j))
+                    self._reconcile(j)
+            time.sleep(POLL_S)
+
+    def _reconcile(self, i: int) -> None:
+        """A running row whose Optuna trial is already finished lost its worker inside the stale-trial callback: lost too."""
+        from optuna.trial import TrialState
+
+        failed = {t.number for t in self.loop.study(i).get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+        for t in self.cands[i].trials:
+            if t.status is TrialStatus.RUNNING and t.optuna_trial_id in failed:
+                self.loop.ledger.mark_lost(self.cands[i], t.optuna_trial_id, "worker died (its trial failed by heartbeat)")
+
+    def select(self, graph: Any, by_sig: dict, gmodel: costmodel.GPUModel, run: dict) -> None:
+        """Check the bests, choose the cover, validate it and save the plan (the worker that won begin_selection)."""
+        self.loop.ledger.refresh(self.cands)
+        for r in self.cands:
+            r.trials = [t for t in r.trials if t.status is not TrialStatus.LOST]
+        n = sum(t.status.value not in UNCOUNTED for r in self.cands for t in r.trials)
+        report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
+                          run["started_at"].timestamp(), lambda s: None)
+        save_report(self.pstore, RunIds(run["program_id"], run["device_id"], run["software_id"]), self.run_id, report)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m autofuse.tune.workers RUN [--index I] [--quiet]``: one worker of a run; the database URL is in $AUTOFUSE_DB."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m autofuse.tune.workers")
+    p.add_argument("run", type=int)
+    p.add_argument("--index", type=int, default=None)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        run_worker(a.run, index=a.index, quiet=a.quiet)
+    except (RuntimeError, ValueError, KeyError, ImportError) as e:  # one line for what the user can fix
+        if os.environ.get("AUTOFUSE_DEBUG"):
+            raise
+        print(f"autofuse worker: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
