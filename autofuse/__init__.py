@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "jit": "autofuse.api",
     "AutofuseFunction": "autofuse.api",
-    "tune": "autofuse.search",
-    "TuneReport": "autofuse.search",
+    "tune": "autofuse.tuning.local",
+    "TuneReport": "autofuse.tuning.report",
     "capture": "autofuse.graph",
     "Graph": "autofuse.graph",
     "Plan": "autofuse.plan",

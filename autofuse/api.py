@@ -42,8 +42,11 @@ class AutofuseFunction:
         self.on_miss, self.on_version_mismatch = on_miss, on_version_mismatch
         self.interpret = interpret
         self.last_status: str = ""  # what the most recently traced signature runs: "plan", "plan-reverified" or "xla: <why>"
-        self._jitted = jax.jit(self._traced, static_argnums=self.static_argnums, static_argnames=self.static_argnames,
-                               donate_argnums=donate_argnums)
+        @functools.wraps(fn)  # named after the user's function in HLO dumps and profiles (jit_<name>, not jit__traced)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            return self._traced(*args, **kwargs)
+
+        self._jitted = jax.jit(traced, static_argnums=self.static_argnums, static_argnames=self.static_argnames, donate_argnums=donate_argnums)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -124,7 +127,7 @@ class AutofuseFunction:
 
     def _reverify(self, graph: Graph, fused: Callable) -> bool:
         """Check the fused program against jax.jit on fresh inputs, eagerly (this runs while JAX traces)."""
-        from .measure import check, cone_tolerances
+        from .runner.measure import check, cone_tolerances
 
         ref = jax.jit(lambda *a: graph.evaluate(a))
         with jax.ensure_compile_time_eval():

@@ -28,24 +28,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .tables import Column, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_table, jsonable
+
 PROG = "autofuse"
 
 
 # --------------------------------------------------------------------- output
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, _dt.datetime):
-        return value.isoformat()
-    if isinstance(value, _dt.date):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def _cell(value: Any) -> str:
@@ -53,77 +41,19 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, (dict, list, tuple)):
-        return json.dumps(_jsonable(value), separators=(",", ":"))
+        return json.dumps(jsonable(value), separators=(",", ":"))
     if isinstance(value, (_dt.datetime, _dt.date)):
         return value.isoformat()
     return str(value)
 
 
-def _fmt_ms(v: Any) -> str:
-    return "" if v is None else f"{v:.4g}"
-
-
-def _fmt_x(v: Any) -> str:
-    return "" if v is None else f"{v:.2f}x"
-
-
-def _fmt_time(v: Any) -> str:
-    if v is None:
-        return ""
-    return v.astimezone(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-
-
-def _fmt_short(n: int) -> Callable[[Any], str]:
-    def f(v: Any) -> str:
-        if v is None:
-            return ""
-        s = v if isinstance(v, str) else json.dumps(_jsonable(v), separators=(",", ":"))
-        s = " ".join(s.split())
-        return s if len(s) <= n else s[: n - 1] + "…"
-
-    return f
-
-
-def _fmt_bool(v: Any) -> str:
-    return "*" if v else ""
-
-
-Column = tuple[str, str, Callable[[Any], str] | None]  # header, key, formatter (None: str)
-_NUMERIC = (int, float)
-
-
-def _table(rows: list[dict[str, Any]], columns: Sequence[Column]) -> str:
-    """An aligned text table (numbers right-aligned)."""
-    cells = []
-    for r in rows:
-        line = []
-        for _h, key, fmt in columns:
-            v = r.get(key)
-            line.append((fmt(v) if fmt else ("" if v is None else str(v)), isinstance(v, _NUMERIC)))
-        cells.append(line)
-    widths = [len(h) for h, _k, _f in columns]
-    for line in cells:
-        for i, (text, _num) in enumerate(line):
-            widths[i] = max(widths[i], len(text))
-    right = [any(line[i][1] for line in cells) for i in range(len(columns))]
-    out = []
-    header = [h.rjust(w) if r else h.ljust(w) for (h, _k, _f), w, r in zip(columns, widths, right)]
-    out.append("  ".join(header).rstrip())
-    out.append("  ".join("-" * w for w in widths))
-    for line in cells:
-        out.append(
-            "  ".join(t.rjust(w) if r else t.ljust(w) for (t, _n), w, r in zip(line, widths, right)).rstrip()
-        )
-    return "\n".join(out)
-
-
 def _emit(args: argparse.Namespace, rows: list[dict[str, Any]], columns: Sequence[Column], what: str) -> int:
     """Print rows as JSON, CSV (all fields) or an aligned table (chosen columns)."""
     if getattr(args, "json", False):
-        print(json.dumps([_jsonable(r) for r in rows], indent=2))
+        print(json.dumps([jsonable(r) for r in rows], indent=2))
     elif getattr(args, "csv", False):
         buf = io.StringIO()
-        keys = list(rows[0].keys()) if rows else [k for _h, k, _f in columns]
+        keys = list(rows[0].keys()) if rows else [c.key or c.header for c in columns]
         w = csv.DictWriter(buf, fieldnames=keys, lineterminator="\n")
         w.writeheader()
         for r in rows:
@@ -132,7 +62,7 @@ def _emit(args: argparse.Namespace, rows: list[dict[str, Any]], columns: Sequenc
     elif not rows:
         print(f"no {what} match", file=sys.stderr)
     else:
-        print(_table(rows, columns))
+        print(format_table(rows, columns))
     return 0
 
 
@@ -187,77 +117,77 @@ def _store(args: argparse.Namespace) -> Any:
 
 
 RUN_COLUMNS: list[Column] = [
-    ("id", "id", None),
-    ("started", "started_at", _fmt_time),
-    ("program", "program", _fmt_short(24)),
-    ("fingerprint", "fingerprint", _fmt_short(12)),
-    ("device", "device", None),
-    ("backend", "backend", None),
-    ("status", "status", None),
-    ("measure", "measure", None),
-    ("cands", "n_candidates", None),
-    ("trials", "n_trials", None),
-    ("baseline_ms", "baseline_ms", _fmt_ms),
-    ("best_ms", "best_ms", _fmt_ms),
-    ("speedup", "speedup", _fmt_x),
+    Column("id", "id"),
+    Column("started", "started_at", fmt_time),
+    Column("program", "program", fmt_short(24)),
+    Column("fingerprint", "fingerprint", fmt_short(12)),
+    Column("device", "device"),
+    Column("backend", "backend"),
+    Column("status", "status"),
+    Column("measure", "measure"),
+    Column("cands", "n_candidates"),
+    Column("trials", "n_trials"),
+    Column("baseline_ms", "baseline_ms", fmt_ms),
+    Column("best_ms", "best_ms", fmt_ms),
+    Column("speedup", "speedup", fmt_x),
 ]
 
 PLAN_COLUMNS: list[Column] = [
-    ("id", "id", None),
-    ("created", "created_at", _fmt_time),
-    ("program", "program", _fmt_short(24)),
-    ("fingerprint", "fingerprint", _fmt_short(12)),
-    ("device", "device", None),
-    ("jax", "jax", None),
-    ("backend", "backend", None),
-    ("measure", "measure", None),
-    ("ms", "measured_ms", _fmt_ms),
-    ("baseline_ms", "baseline_ms", _fmt_ms),
-    ("speedup", "speedup", _fmt_x),
-    ("max_error", "max_error", lambda v: "" if v is None else f"{v:.2g}"),
-    ("current", "is_current", _fmt_bool),
-    ("run", "run_id", None),
+    Column("id", "id"),
+    Column("created", "created_at", fmt_time),
+    Column("program", "program", fmt_short(24)),
+    Column("fingerprint", "fingerprint", fmt_short(12)),
+    Column("device", "device"),
+    Column("jax", "jax"),
+    Column("backend", "backend"),
+    Column("measure", "measure"),
+    Column("ms", "measured_ms", fmt_ms),
+    Column("baseline_ms", "baseline_ms", fmt_ms),
+    Column("speedup", "speedup", fmt_x),
+    Column("max_error", "max_error", lambda v: "" if v is None else f"{v:.2g}"),
+    Column("current", "is_current", fmt_bool),
+    Column("run", "run_id"),
 ]
 
 TRIAL_COLUMNS: list[Column] = [
-    ("cand", "candidate_id", None),
-    ("template", "template", None),
-    ("signature", "signature", _fmt_short(12)),
-    ("#", "number", None),
-    ("status", "status", None),
-    ("median_ms", "median_ms", _fmt_ms),
-    ("min_ms", "min_ms", _fmt_ms),
-    ("max_ms", "max_ms", _fmt_ms),
-    ("config", "config", _fmt_short(48)),
-    ("error", "error", _fmt_short(40)),
+    Column("cand", "candidate_id"),
+    Column("template", "template"),
+    Column("signature", "signature", fmt_short(12)),
+    Column("#", "number"),
+    Column("status", "status"),
+    Column("median_ms", "median_ms", fmt_ms),
+    Column("min_ms", "min_ms", fmt_ms),
+    Column("max_ms", "max_ms", fmt_ms),
+    Column("config", "config", fmt_short(48)),
+    Column("error", "error", fmt_short(40)),
 ]
 
 CANDIDATE_COLUMNS: list[Column] = [
-    ("id", "id", None),
-    ("template", "template", None),
-    ("signature", "signature", _fmt_short(12)),
-    ("nodes", "nodes", _fmt_short(24)),
-    ("status", "status", None),
-    ("trials", "n_trials", None),
-    ("best_ms", "best_ms", _fmt_ms),
-    ("xla_ms", "xla_ms", _fmt_ms),
-    ("speedup", "speedup", _fmt_x),
-    ("best_config", "best_config", _fmt_short(48)),
+    Column("id", "id"),
+    Column("template", "template"),
+    Column("signature", "signature", fmt_short(12)),
+    Column("nodes", "nodes", fmt_short(24)),
+    Column("status", "status"),
+    Column("trials", "n_trials"),
+    Column("best_ms", "best_ms", fmt_ms),
+    Column("xla_ms", "xla_ms", fmt_ms),
+    Column("speedup", "speedup", fmt_x),
+    Column("best_config", "best_config", fmt_short(48)),
 ]
 
 COMPARE_COLUMNS: list[Column] = [
-    ("program", "program", _fmt_short(24)),
-    ("fingerprint", "fingerprint", _fmt_short(12)),
-    ("device", "device", None),
-    ("jax", "jax", None),
-    ("jaxlib", "jaxlib", None),
-    ("autofuse", "autofuse", None),
-    ("backend", "backend", None),
-    ("plan", "plan_id", None),
-    ("measure", "measure", None),
-    ("speedup", "speedup", _fmt_x),
-    ("best", "best_speedup", _fmt_x),
-    ("plans", "n_plans", None),
+    Column("program", "program", fmt_short(24)),
+    Column("fingerprint", "fingerprint", fmt_short(12)),
+    Column("device", "device"),
+    Column("jax", "jax"),
+    Column("jaxlib", "jaxlib"),
+    Column("autofuse", "autofuse"),
+    Column("backend", "backend"),
+    Column("plan", "plan_id"),
+    Column("measure", "measure"),
+    Column("speedup", "speedup", fmt_x),
+    Column("best", "best_speedup", fmt_x),
+    Column("plans", "n_plans"),
 ]
 
 
@@ -292,7 +222,7 @@ def _print_fields(d: dict[str, Any], skip: Sequence[str] = ()) -> None:
         if isinstance(v, _dt.datetime):
             text = v.isoformat()
         elif isinstance(v, (dict, list)):
-            text = json.dumps(_jsonable(v), separators=(", ", ": "))
+            text = json.dumps(jsonable(v), separators=(", ", ": "))
         else:
             text = "" if v is None else str(v)
         print(f"{k.ljust(width)}  {text}")
@@ -310,26 +240,26 @@ def _cmd_show(args: argparse.Namespace) -> int:
         plans = [p for p in store.plans(run["fingerprint"]) if p["run_id"] == args.id]
         if args.json:
             out = dict(run, candidates=cands, trial_status=counts, plans=plans)
-            print(json.dumps(_jsonable(out), indent=2))
+            print(json.dumps(jsonable(out), indent=2))
             return 0
         _print_fields(run)
         print()
         print(f"candidates ({len(cands)}):")
-        print(_table(cands, CANDIDATE_COLUMNS) if cands else "  (none)")
+        print(format_table(cands, CANDIDATE_COLUMNS) if cands else "  (none)")
         print()
         print("trials by status: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "(none)"))
         if plans:
             print()
             print(f"plans saved by this run ({len(plans)}):")
-            print(_table(plans, PLAN_COLUMNS))
+            print(format_table(plans, PLAN_COLUMNS))
         return 0
     plan = store.get_plan(args.id)
     if args.json:
         out = {k: v for k, v in plan.items() if k != "plan_json"}
-        print(json.dumps(_jsonable(out), indent=2))
+        print(json.dumps(jsonable(out), indent=2))
         return 0
     _print_fields(plan, skip=("plan", "plan_json", "signature"))
-    print(f"signature  {json.dumps(_jsonable(plan['signature']))}")
+    print(f"signature  {json.dumps(jsonable(plan['signature']))}")
     print()
     print(json.dumps(plan["plan"], indent=2))
     return 0
@@ -462,9 +392,8 @@ def _import_ref(ref: str) -> Any:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from autofuse.search import tune
-
     from autofuse.graph import capture
+    from autofuse.tuning.local import tune
 
     fn = _import_ref(args.target)
     factory = _import_ref(args.inputs)
@@ -540,7 +469,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                         "a SQLite file serves the workers of one host: autofuse tune ... --workers N")
     if args.workers < 1:
         raise _CliError(f"--workers must be at least 1, got {args.workers}")
-    from autofuse.distributed import start_workers, visible_gpus
+    from autofuse.tuning.workers import start_workers, visible_gpus
     from autofuse.store import PlanStore
 
     run = PlanStore(url).get_run(args.run)  # KeyError (one line) for an unknown run

@@ -7,6 +7,7 @@ and `custom_jvp_call` (primal) are inlined; control flow (`cond`, `while`,
 """
 from __future__ import annotations
 
+import graphlib
 import hashlib
 import inspect
 import math
@@ -406,3 +407,40 @@ class Group:
 
     def output_avals(self) -> list[Aval]:
         return [self.graph.avals[v] for v in self.outputs]
+
+
+# ---------------------------------------------------------------------------
+# Order of a graph with groups contracted to single units.
+Unit = tuple[str, int]  # ("node", node id) or ("group", index into the groups)
+
+
+def _contracted(graph: Graph, groups: Sequence[frozenset[int]]) -> dict[Unit, set[Unit]]:
+    """Each unit's predecessors in the graph with every group contracted to one unit (graph order kept)."""
+    owner = {i: k for k, grp in enumerate(groups) for i in grp}
+    unit = lambda i: ("group", owner[i]) if i in owner else ("node", i)  # noqa: E731
+    deps: dict[Unit, set[Unit]] = {}
+    for nd in graph.nodes:
+        u = unit(nd.id)
+        deps.setdefault(u, set()).update(p for p in map(unit, graph.preds(nd.id)) if p != u)
+    return deps
+
+
+def execution_order(graph: Graph, groups: Sequence[frozenset[int]]) -> list[Unit]:
+    """Topological order of the graph with each group contracted: ("node", id) or ("group", index).
+
+    Raises ValueError when the groups depend on each other in a cycle (a group
+    that is not convex, or two groups that need each other's outputs).
+    """
+    try:
+        return list(graphlib.TopologicalSorter(_contracted(graph, groups)).static_order())
+    except graphlib.CycleError:
+        raise ValueError("fused groups depend on each other in a cycle") from None
+
+
+def group_cycle(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int] | None:
+    """Indices of the groups on one cycle of the contracted graph, or None when it is acyclic."""
+    try:
+        graphlib.TopologicalSorter(_contracted(graph, groups)).prepare()
+    except graphlib.CycleError as e:
+        return sorted({k for kind, k in e.args[1] if kind == "group"})
+    return None

@@ -13,9 +13,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from .graph import Graph, Group, bind_node, read_atom
+from .graph import Graph, Group, bind_node, execution_order, read_atom
 from .kernels import TEMPLATES
-from .partition import execution_order
 
 SCHEMA_VERSION = 1
 BACKENDS = ("triton",)
@@ -114,14 +113,14 @@ def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
         if group.signature != fg.signature:
             raise PlanError(f"plan group {list(fg.nodes)} does not match the program (signature {group.signature} != {fg.signature})")
         mod = TEMPLATES[fg.template]
-        defaults = getattr(mod, "DEFAULTS", {})  # parameters added after plans were stored
-        missing = set(mod.PARAMS) - set(fg.config) - set(defaults)
+        defaults = mod.defaults  # parameters added after plans were stored
+        missing = set(mod.params) - set(fg.config) - set(defaults)
         if missing:
             raise PlanError(f"plan group {list(fg.nodes)}: config lacks {sorted(missing)}")
         if mod.match(group) is None:
             raise PlanError(f"plan group {list(fg.nodes)}: template {fg.template} does not match group")
         choices = mod.space(group)["params"]
-        for k in mod.PARAMS:
+        for k in mod.params:
             v = fg.config.get(k, defaults.get(k))
             if isinstance(v, bool) or v not in choices.get(k, [v]):
                 raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} is not one of the search space's choices {choices.get(k)}")

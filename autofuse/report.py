@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .tables import Column, fmt_short, format_table
+
 MAX_LEGEND = 12
 
 
@@ -183,22 +185,16 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
         "",
     ]
     if cands:
-        lines += [
-            "| id | template | signature | nodes | status | trials | best ms | XLA ms | speedup | best config |",
-            "|---:|---|---|---|---|---:|---:|---:|---:|---|",
-        ]
-        for c in cands:
-            lines.append(
-                f"| {c['id']} | {c['template']} | `{str(c['signature'])[:12]}` | {_md_escape(c['nodes'])} | "
-                f"{c['status']} | {c['n_trials']} | {_ms(c['best_ms'])} | {_ms(c['xla_ms'])} | "
-                f"{_x(c['speedup'])} | `{json.dumps(c['best_config']) if c['best_config'] else '–'}` |"
-            )
+        lines.append(format_table(cands, [
+            Column("id"), Column("template"), Column("signature", fmt=lambda s: f"`{str(s)[:12]}`"), Column("nodes", fmt=fmt_short(60)),
+            Column("status"), Column("trials", "n_trials"), Column("best ms", "best_ms", _ms), Column("XLA ms", "xla_ms", _ms),
+            Column("speedup", fmt=_x), Column("best config", "best_config", lambda v: f"`{json.dumps(v)}`" if v else "–")], markdown=True))
     else:
         lines.append("No candidates recorded.")
     lines += ["", "## Trials by status", ""]
     if counts:
-        lines += ["| status | trials |", "|---|---:|"]
-        lines += [f"| {k} | {v} |" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+        lines.append(format_table([{"status": k, "trials": v} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])],
+                                  [Column("status"), Column("trials")], markdown=True))
     else:
         lines.append("No trials recorded.")
     if errors:
@@ -208,14 +204,11 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
             lines.append(f"- {n}× `{quoted}`")
     lines += ["", "## Plans saved by this run", ""]
     if plans:
-        lines += ["| plan | created (UTC) | ms | baseline ms | speedup | max error | current |",
-                  "|---:|---|---:|---:|---:|---:|---|"]
-        for p in plans:
-            lines.append(
-                f"| {p['id']} | {p['created_at'].isoformat(timespec='seconds')} | {_ms(p['measured_ms'])} | "
-                f"{_ms(p['baseline_ms'])} | {_x(p['speedup'])} | {p['max_error']:.2g} | "
-                f"{'yes' if p['is_current'] else 'no'} |"
-            )
+        lines.append(format_table(plans, [
+            Column("plan", "id"), Column("created (UTC)", "created_at", lambda v: v.isoformat(timespec="seconds")),
+            Column("ms", "measured_ms", _ms), Column("baseline ms", "baseline_ms", _ms), Column("speedup", fmt=_x),
+            Column("max error", "max_error", lambda v: f"{v:.2g}"), Column("current", "is_current", lambda v: "yes" if v else "no")],
+            markdown=True))
     else:
         lines.append("None.")
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

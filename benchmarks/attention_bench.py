@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
-from autofuse.measure import check, random_inputs, time_fn  # noqa: E402
-from autofuse.partition import enumerate_candidates  # noqa: E402
+from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
+from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd, emit  # noqa: E402
 

@@ -23,9 +23,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import autofuse  # noqa: E402
-from autofuse.measure import check, random_inputs, time_fn  # noqa: E402
+from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.plan import executor  # noqa: E402
-from autofuse.search import default_plan  # noqa: E402
+from autofuse.tuning.select import default_plan  # noqa: E402
 from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
 from autofuse import costmodel  # noqa: E402
-from autofuse.measure import check, cone_tolerances, random_inputs, time_fn  # noqa: E402
-from autofuse.partition import enumerate_candidates  # noqa: E402
+from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn  # noqa: E402
+from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import executor, plan_from_choices  # noqa: E402
 from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 

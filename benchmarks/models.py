@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from autofuse.search import tune
+from autofuse.tuning.local import tune
 from benchmarks.workloads import emit
 
 MODELS = {

@@ -9,11 +9,12 @@ import json
 import jax
 from examples import gpt2, llama
 from autofuse.graph import capture
-from autofuse.partition import Option, enumerate_candidates, select_cover
+from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.select import Option, select_cover
 from autofuse.plan import executor, plan_from_choices
-from autofuse.evaluate import Evaluator, rounding_sensitivity
+from autofuse.runner.evaluator import Evaluator, rounding_sensitivity
 from autofuse.kernels import TEMPLATES
-from autofuse.measure import random_inputs, compare, time_fn
+from autofuse.runner.measure import random_inputs, compare, time_fn
 
 args = jax.eval_shape(functools.partial(gpt2.example_inputs, 6))
 g = capture(gpt2.forward, *args)

@@ -17,8 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from autofuse.graph import capture  # noqa: E402
 from autofuse.kernels import TEMPLATES  # noqa: E402
-from autofuse.measure import random_inputs, time_fn, compare  # noqa: E402
-from autofuse.partition import enumerate_candidates  # noqa: E402
+from autofuse.runner.measure import random_inputs, time_fn, compare  # noqa: E402
+from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import executor, plan_from_choices  # noqa: E402
 from examples import llama  # noqa: E402
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import autofuse
-from autofuse.evaluate import lowering_guard
+from autofuse.runner.evaluator import lowering_guard
 from autofuse.kernels import attention
-from autofuse.measure import check, cone_tolerances
-from autofuse.partition import enumerate_candidates
+from autofuse.runner.measure import check, cone_tolerances
+from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import plan_from_choices
-from autofuse.search import default_plan
+from autofuse.tuning.select import default_plan
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
 
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -17,7 +17,7 @@ import pytest
 
 import autofuse
 from autofuse.device import device_info, software
-from autofuse.search import tune
+from autofuse.tuning.local import tune
 from benchmarks.workloads import layer_norm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -162,7 +162,7 @@ def test_worker_refuses_sqlite(tmp_path) -> None:
 
 
 def test_one_worker_per_gpu_lock(tmp_path, monkeypatch) -> None:
-    from autofuse.distributed import _gpu_lock
+    from autofuse.tuning.workers import _gpu_lock
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
@@ -170,7 +170,7 @@ def test_one_worker_per_gpu_lock(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     fd = _gpu_lock()
-    code = "from autofuse.distributed import _gpu_lock; _gpu_lock()"
+    code = "from autofuse.tuning.workers import _gpu_lock; _gpu_lock()"
     other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=_env(TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES="3"))
     assert other.returncode != 0 and "GPU 3 already has an autofuse worker" in other.stderr
     ok = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=_env(TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES="4"))
@@ -182,7 +182,7 @@ def test_job_arguments_round_trip() -> None:
     import jax
     import jax.numpy as jnp
 
-    from autofuse.distributed import decode_args, encode_args, function_ref
+    from autofuse.tuning.workers import decode_args, encode_args, function_ref
     from benchmarks.workloads import rms_norm
 
     args = ({"w": jnp.zeros((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
@@ -213,7 +213,7 @@ def test_migration_0002_keeps_runs_both_ways(tmp_path) -> None:
 
 def test_device_mode_refuses_more_workers_than_gpus(monkeypatch, tmp_path) -> None:
     """One worker per GPU: asked for more, the launcher refuses before opening a run (GPU discovery stubbed: no GPU here)."""
-    import autofuse.distributed as dist
+    import autofuse.tuning.workers as dist
     from benchmarks.workloads import rms_norm
     from tests.dist_programs import rms_norm_inputs
 

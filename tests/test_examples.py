@@ -16,13 +16,14 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
-from autofuse.evaluate import Evaluator, rounding_sensitivity
+from autofuse.runner.evaluator import Evaluator, rounding_sensitivity
 from autofuse.graph import capture
 from autofuse.kernels import TEMPLATES
-from autofuse.measure import compare
-from autofuse.partition import Option, enumerate_candidates, select_cover
+from autofuse.runner.measure import compare
+from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.select import Option, select_cover
 from autofuse.plan import Plan, plan_from_choices
-from autofuse.search import tune
+from autofuse.tuning.local import tune
 from examples import gpt2
 
 TOL = 1e-4  # relative error norm; small_inputs() are float32, fused kernels accumulate in float32

@@ -11,11 +11,11 @@ import pytest
 
 import autofuse
 from autofuse import ops
-from autofuse.measure import check
+from autofuse.runner.measure import check
 from autofuse.kernels import TEMPLATES
 from autofuse.ops import OpClass
 from autofuse.plan import FusedGroup, Plan, bind_plan, build_group, plan_from_choices
-from autofuse.search import default_plan
+from autofuse.tuning.select import default_plan
 from benchmarks.workloads import layer_norm, log_relu_bias, logsumexp, rms_norm, softmax
 
 S = jax.ShapeDtypeStruct

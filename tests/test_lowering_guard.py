@@ -12,11 +12,11 @@ import pytest
 
 import autofuse
 from autofuse.graph import Group
-from autofuse.evaluate import export_for_cuda
+from autofuse.runner.evaluator import export_for_cuda
 from autofuse.kernels import TEMPLATES
-from autofuse.measure import check, random_inputs
+from autofuse.runner.measure import check, random_inputs
 from autofuse.plan import bind_plan
-from autofuse.search import default_plan
+from autofuse.tuning.select import default_plan
 from benchmarks.workloads import (SMALL, attention_bhld, attention_bhld_causal, layer_norm, log_relu_bias, logsumexp, matmul_bias_gelu,
                                   rms_norm, softmax, splade_head, cross_entropy)
 

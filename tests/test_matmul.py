@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
-from autofuse.evaluate import lowering_guard
+from autofuse.runner.evaluator import lowering_guard
 from autofuse.graph import Group
 from autofuse.kernels import matmul
-from autofuse.measure import check, cone_tolerances
-from autofuse.partition import enumerate_candidates
+from autofuse.runner.measure import check, cone_tolerances
+from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import build_group, plan_from_choices
 
 F32, BF16 = jnp.float32, jnp.bfloat16

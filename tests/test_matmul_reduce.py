@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
-from autofuse.evaluate import lowering_guard
+from autofuse.runner.evaluator import lowering_guard
 from autofuse.kernels import matmul_reduce
-from autofuse.measure import check, compare, cone_tolerances
-from autofuse.partition import enumerate_candidates
+from autofuse.runner.measure import check, compare, cone_tolerances
+from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import build_group, plan_from_choices
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -263,7 +263,7 @@ def test_mask_converted_outside_the_group_holds_any_float():
     """A {0, 1} factor is known only from a bool converted inside the group. In the SPLADE model the mask is
     converted before the head's group, so inside it the mask is a float input, which the group's own check (and
     any program reusing the group) fills with any values: the head must not be rewritten as if it were a mask."""
-    from autofuse.evaluate import Evaluator
+    from autofuse.runner.evaluator import Evaluator
     from examples import splade
 
     g = autofuse.capture(splade.forward, *splade.small_inputs())
@@ -279,7 +279,7 @@ def test_head_group_takes_in_its_own_mask_conversion_and_is_rewritten():
     """The partitioner also offers a dot's group with the side inputs it alone reads made inside it: the SPLADE
     head with the bool mask's broadcast and conversion, where the template knows the factor is {0, 1} and moves
     relu/log1p after the max; that group passes its own check on random inputs."""
-    from autofuse.evaluate import Evaluator
+    from autofuse.runner.evaluator import Evaluator
     from examples import splade
 
     g = autofuse.capture(splade.forward, *splade.small_inputs())

@@ -9,13 +9,16 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
-from autofuse import ops, partition
+from autofuse import ops
+from autofuse.tuning import partition
 from autofuse.graph import Graph
 from autofuse.kernels import TEMPLATES
-from autofuse.measure import check
+from autofuse.runner.measure import check
 from autofuse.ops import OpClass
-from autofuse.partition import Option, enumerate_candidates, execution_order, select_cover
-from autofuse.search import default_plan
+from autofuse.graph import execution_order
+from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.select import Option, select_cover
+from autofuse.tuning.select import default_plan
 from benchmarks.workloads import layer_norm, log_relu_bias, logsumexp, rms_norm, softmax
 
 S = jax.ShapeDtypeStruct

@@ -11,7 +11,7 @@ import pytest
 import autofuse
 from autofuse.graph import Group
 from autofuse.plan import SCHEMA_VERSION, FusedGroup, Plan, PlanError, bind_plan, executor, plan_from_choices
-from autofuse.search import default_plan
+from autofuse.tuning.select import default_plan
 from benchmarks.workloads import layer_norm, log_relu_bias, softmax
 
 S = jax.ShapeDtypeStruct

@@ -12,8 +12,11 @@ import pytest
 
 import autofuse
 from autofuse import spaces
-from autofuse.measure import check
-from autofuse.search import allocate, tune
+from autofuse.runner.measure import check
+from autofuse.runner.protocol import TrialRequest, TrialResult, ValidateRequest
+from autofuse.status import TrialStatus
+from autofuse.tuning.local import tune
+from autofuse.tuning.scheduler import allocate
 from benchmarks.workloads import layer_norm, log_relu_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,24 +44,24 @@ def test_tune_small_program_gives_valid_correct_plan(tmp_path):
 
 def test_infeasible_configs_never_reach_the_worker(monkeypatch):
     sent = []
-    from autofuse import worker
+    from autofuse.runner import process
 
-    orig = worker.TrialRunner.call
+    orig = process.InlineRunner.call
 
     def spy(self, req):
-        if req["op"] == "trial":
-            sent.append(dict(req["config"]))
+        if isinstance(req, TrialRequest):
+            sent.append(dict(req.config))
         return orig(self, req)
 
-    monkeypatch.setattr(worker.TrialRunner, "call", spy)
+    monkeypatch.setattr(process.InlineRunner, "call", spy)
     rep = tune(log_relu_bias, jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32),
                trials=40, seed=3, quiet=True, isolate=False)
-    infeasible = [t for c in rep.candidates for t in c.trials if t["status"] == "infeasible"]
+    infeasible = [t for c in rep.candidates for t in c.trials if t.status == "infeasible"]
     assert infeasible, "the sampler should have proposed some infeasible configs in 40 trials"
     space = spaces.load_spaces()["elementwise"]
     for t in infeasible:
-        assert t["config"] not in sent
-        assert t["error"]
+        assert t.config not in sent
+        assert t.error
     for cfg in sent:  # everything sent satisfies the constraints of its template's space
         assert cfg["block_rows"] * cfg["block_cols"] <= 16384
     assert space.constraints
@@ -67,7 +70,7 @@ def test_infeasible_configs_never_reach_the_worker(monkeypatch):
 def test_same_seed_same_trials():
     def run():
         rep = tune(layer_norm, *_ln_args(512, 1024), trials=12, seed=7, quiet=True, isolate=False)
-        return [(c.signature, t["config"], t["status"]) for c in rep.candidates for t in c.trials]
+        return [(c.signature, t.config, t.status) for c in rep.candidates for t in c.trials]
 
     assert run() == run()
 
@@ -75,14 +78,14 @@ def test_same_seed_same_trials():
 def _run_plugin_tune(plugin: str, tmp_path, timeout_s: float = 300.0) -> str:
     script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
-        from autofuse.search import tune
+        from autofuse.tuning.local import tune
         from benchmarks.workloads import log_relu_bias
         rep = tune(log_relu_bias, jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32),
                    trials=8, seed=0, quiet=True, measure="model", trial_timeout_s={timeout_s})
         print("TEMPLATES", sorted({{c.template for c in rep.candidates}}))
-        print("STATUSES", sorted({{t["status"] for c in rep.candidates for t in c.trials}}))
+        print("STATUSES", sorted({{t.status.value for c in rep.candidates for t in c.trials}}))
         print("PLAN", [g.template for g in rep.plan.groups])
-        print("CHECKED", [(c.template, c.best_ms) for c in rep.candidates if any(t["status"] == "wrong_result" for t in c.trials)])
+        print("CHECKED", [(c.template, c.best_ms) for c in rep.candidates if any(t.status == "wrong_result" for t in c.trials)])
     """)
     env = dict(os.environ, AUTOFUSE_TEMPLATE_PLUGINS=plugin, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -183,12 +186,15 @@ def test_cli_tune_stores_and_lists(tmp_path):
 
 
 def test_model_prunes_far_worse_configs_before_timing():
-    from autofuse.search import PRUNE_FACTOR, _model_pruned
+    from autofuse.tuning.space import PRUNE_FACTOR, SearchSpace
 
-    space = {"default": {"block_rows": 1}, "model_ms": lambda cfg: float(cfg["block_rows"])}
-    assert not _model_pruned(space, {"block_rows": 1})
-    assert not _model_pruned(space, {"block_rows": PRUNE_FACTOR})
-    assert _model_pruned(space, {"block_rows": PRUNE_FACTOR + 1})
+    rows = spaces.load_spaces()["row_reduce"]
+    free = type("NoConstraints", (), {"violated": lambda self, cfg, facts: []})()
+    space = SearchSpace("row_reduce", rows.params, {"block_rows": 1}, {}, free, lambda cfg: float(cfg["block_rows"]))
+    assert space.unmeasured_reason({"block_rows": 1}, "device") is None
+    assert space.unmeasured_reason({"block_rows": PRUNE_FACTOR}, "device") is None
+    assert space.unmeasured_reason({"block_rows": PRUNE_FACTOR + 1}, "device")[0] is TrialStatus.PRUNED
+    assert space.unmeasured_reason({"block_rows": PRUNE_FACTOR + 1}, "model") is None  # the model does not prune its own ranking
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -204,26 +210,24 @@ def test_cli_tune_bad_input_is_one_clear_line(tmp_path, argv, says):
 
 
 def test_second_trial_is_the_models_best_config():
-    from autofuse.search import _model_best
+    from autofuse.tuning.partition import enumerate_candidates
+    from autofuse.tuning.space import SearchSpace
 
     rep = tune(layer_norm, *_ln_args(512, 1024), trials=40, seed=1, quiet=True, isolate=False)
     main = max((c for c in rep.candidates if len(c.trials) >= 2), key=lambda c: len(c.nodes))
     g = autofuse.capture(layer_norm, *_ln_args(512, 1024))
-    from autofuse.kernels import TEMPLATES
-    from autofuse.partition import enumerate_candidates
-    from autofuse.search import model_cost_ms
 
     cand = next(c for c in enumerate_candidates(g) if c.group.signature == main.signature)
-    space = {**TEMPLATES[cand.template].space(cand.group, cand.spec), "model_ms": lambda cfg: model_cost_ms(cand, config=cfg)}
-    best = _model_best(space)
-    assert main.trials[0]["config"] == space["default"]
-    assert best != space["default"] and main.trials[1]["config"] == best
-    assert all(not space["space"].violated(t["config"], space["facts"]) for t in main.trials[:2])
+    space = SearchSpace.of(cand.template, cand.group, cand.spec)
+    best = space.model_best()
+    assert main.trials[0].config == space.default
+    assert best != space.default and main.trials[1].config == best
+    assert all(not space.violated(t.config) for t in main.trials[:2])
 
 
 def test_concurrent_jobs_creating_optunas_tables_in_a_new_file(tmp_path):
     """Optuna's schema creation races between processes opening a fresh file (its alembic_version row)."""
-    code = "import sys; from autofuse.store import PlanStore; from autofuse.search import _optuna_storage; _optuna_storage(PlanStore(sys.argv[1]))"
+    code = "import sys; from autofuse.store import PlanStore; from autofuse.store.optuna_storage import optuna_storage; optuna_storage(PlanStore(sys.argv[1]).url)"
     for k in range(4):
         url = f"sqlite:///{tmp_path}/race{k}.db"
         procs = [subprocess.Popen([sys.executable, "-c", code, url], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
@@ -240,10 +244,11 @@ def _splade_like(h, w, mask):
 def test_cover_prices_a_lone_dot_at_its_measured_xla_time():
     """A lone dot priced at its flop floor made "XLA dot + fused epilogue" beat one fused kernel that measured faster
     end to end; with the dot's measured XLA time the one-kernel cover wins."""
-    from autofuse.graph import capture as cap
-    from autofuse.search import _lone_contraction_costs, _select, distinct_candidates
-    from autofuse.worker import ProgramSpec, TrialRunner
     from autofuse import costmodel
+    from autofuse.graph import capture as cap
+    from autofuse.runner.process import InlineRunner, ProgramSpec
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.select import best_cover, lone_contraction_costs
 
     args = (jax.ShapeDtypeStruct((2, 64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 48), jnp.float32),
             jax.ShapeDtypeStruct((2, 64), jnp.float32))
@@ -257,18 +262,20 @@ def test_cover_prices_a_lone_dot_at_its_measured_xla_time():
     whole.best_ms, whole.best_config = 0.9, {}
     for r in epilogue:
         r.best_ms, r.best_config = 0.1, {}
-    modelled, _ = _select(g, by_sig, results, costmodel.H200, "device")
+    modelled = best_cover(g, by_sig, results, costmodel.H200, "device").plan
     assert {fg.template for fg in modelled.groups} != {"matmul_reduce"}  # the floor-priced lone dot looks cheap
-    runner = TrialRunner(ProgramSpec(_splade_like, args, {}, (), (), g.fingerprint), {"measure": "device", "model": "h200"}, isolate=False)
-    measured = _lone_contraction_costs(g, runner)
+    runner = InlineRunner(ProgramSpec(_splade_like, args, {}, (), (), g.fingerprint), {"measure": "device", "model": "h200"})
+    measured = lone_contraction_costs(g, runner)
     (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
     assert set(measured) == {dot} and measured[dot] > 0
-    chosen, _ = _select(g, by_sig, results, costmodel.H200, "device", {dot: 1.0})
+    chosen = best_cover(g, by_sig, results, costmodel.H200, "device", {dot: 1.0}).plan
     assert [fg.template for fg in chosen.groups] == ["matmul_reduce"]
 
 
 def test_phase1_visits_the_largest_modelled_saving_first():
-    from autofuse.search import CandidateResult, phase1_order
+    from autofuse.tuning.ledger import CandidateState as CandidateResult
+    from autofuse.tuning.scheduler import phase1_order
+    from autofuse.tuning.space import SearchSpace
 
     rs = [CandidateResult("big-cheap", "row_reduce", list(range(20)), 1, xla_ms=0.1),
           CandidateResult("leaky", "elementwise", list(range(4)), 1, xla_ms=2.0),  # slow in XLA, as slow fused
@@ -276,16 +283,18 @@ def test_phase1_visits_the_largest_modelled_saving_first():
           CandidateResult("head", "matmul_reduce", list(range(8)), 1, xla_ms=3.0),
           CandidateResult("unmeasured", "elementwise", [0, 1], 1, xla_ms=None)]
     fused = {"big-cheap": 0.05, "leaky": 1.9, "attention": 0.3, "head": 1.0, "unmeasured": 0.0}
-    spaces = {k: {"default": {}, "model_ms": lambda cfg, v=v: v} for k, v in fused.items()}
+    spaces = {k: SearchSpace("any", {}, {}, {}, None, lambda cfg, v=v: v) for k, v in fused.items()}
     assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "leaky", "big-cheap", "unmeasured"]
-    spaces["big-cheap"]["model_ms"] = lambda cfg: 0.01  # saves 0.09, "leaky" 0.1: one step, so the larger group first
+    spaces["big-cheap"].model_ms = lambda cfg: 0.01  # saves 0.09, "leaky" 0.1: one step, so the larger group first
     assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "big-cheap", "leaky", "unmeasured"]
 
 
 def test_candidate_whose_configs_ran_out_of_shared_memory_gets_more_configs():
     """A default config that exhausts shared memory says nothing of smaller ones: such a candidate stays a
     contender for up to RETRY_CONFIGS configs; a wrong result does not earn it more."""
-    from autofuse.search import RETRY_CONFIGS, _contenders, distinct_candidates
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.ledger import TrialRecord
+    from autofuse.tuning.scheduler import RETRY_CONFIGS, contenders as _contenders
 
     g = autofuse.capture(log_relu_bias, jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128,), jnp.float32))
     by_sig, results = distinct_candidates(g)
@@ -293,11 +302,11 @@ def test_candidate_whose_configs_ran_out_of_shared_memory_gets_more_configs():
         r.xla_ms = 1.0
     r = max(results, key=lambda r: len(r.nodes))
     i = results.index(r)
-    r.trials = [{"status": "resource_exhausted", "config": {}}]
+    r.trials = [TrialRecord(0, {}, TrialStatus.RESOURCE_EXHAUSTED)]
     assert i in _contenders(g, by_sig, results, autofuse.costmodel.H200)
-    r.trials = [{"status": "resource_exhausted", "config": {}}] * RETRY_CONFIGS
+    r.trials = [TrialRecord(k, {}, TrialStatus.RESOURCE_EXHAUSTED) for k in range(RETRY_CONFIGS)]
     assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
-    r.trials = [{"status": "wrong_result", "config": {}}]
+    r.trials = [TrialRecord(0, {}, TrialStatus.WRONG_RESULT)]
     assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
 
 
@@ -305,65 +314,66 @@ def test_shared_memory_report_corrects_the_groups_budget(monkeypatch):
     """When the compiler says a config asked for more shared memory than the space's estimate (Llama's attention:
     2.4x), the group's budget shrinks by that ratio: configs that need as much by the estimate are skipped
     unmeasured, and the next try is the model's best config that fits."""
-    from autofuse import worker
-    from autofuse.kernels import TEMPLATES
-    from autofuse.partition import enumerate_candidates
-    from autofuse.search import distinct_candidates, learn_shared_memory
+    from autofuse.runner import process
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.partition import enumerate_candidates
+    from autofuse.tuning.space import SearchSpace
     from benchmarks.workloads import attention_bhld
 
     args = [jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.bfloat16)] * 3
     cand = next(c for c in enumerate_candidates(autofuse.capture(attention_bhld, *args)) if c.template == "attention")
-    space = TEMPLATES["attention"].space(cand.group, cand.spec)
-    need = lambda cfg: space["space"].demand(cfg, space["facts"], "smem_bytes")  # noqa: E731
-    limit, factor = space["facts"]["smem_bytes"], 2.4
-    assert need(space["default"]) * factor > limit  # the premise: the default fails on this "GPU"
-    sent, orig = [], worker.TrialRunner.call
+    space = SearchSpace.of("attention", cand.group, cand.spec)
+    need = lambda cfg: space.constraints.demand(cfg, space.facts, "smem_bytes")  # noqa: E731
+    limit, factor = space.facts["smem_bytes"], 2.4
+    assert need(space.default) * factor > limit  # the premise: the default fails on this "GPU"
+    sent, orig = [], process.InlineRunner.call
 
     def compiler(self, req):  # the GPU compiler's shared-memory report, for attention configs
-        if req["op"] == "trial" and req["template"] == "attention":
-            sent.append(dict(req["config"]))
-            if need(req["config"]) * factor > limit:
-                return {"status": "resource_exhausted", "error": f"RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
-                                                                 f"requested {int(need(req['config']) * factor)}, available: {limit}"}
+        if isinstance(req, TrialRequest) and req.template == "attention":
+            sent.append(dict(req.config))
+            if need(req.config) * factor > limit:
+                return TrialResult(TrialStatus.RESOURCE_EXHAUSTED, error=f"RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
+                                                                         f"requested {int(need(req.config) * factor)}, available: {limit}")
         return orig(self, req)
 
-    monkeypatch.setattr(worker.TrialRunner, "call", compiler)
+    monkeypatch.setattr(process.InlineRunner, "call", compiler)
     n = len(distinct_candidates(autofuse.capture(attention_bhld, *args))[1])
     rep = tune(attention_bhld, *args, trials=n + 2, seed=0, quiet=True, isolate=False)  # phase 1, then 2 more
     (r,) = [c for c in rep.candidates if c.template == "attention"]
-    assert sent[0] == space["default"] and r.trials[0]["status"] == "resource_exhausted"
+    assert sent[0] == space.default and r.trials[0].status == "resource_exhausted"
     assert all(need(cfg) * factor <= limit for cfg in sent[1:]), sent  # nothing more was sent to fail the same way
     assert r.best_ms is not None, rep.table()
     assert [g.template for g in rep.plan.groups] == ["attention"]
     # the rule itself: only a shared-memory failure with a report moves the budget, and only down
-    res = {"status": "resource_exhausted", "config": space["default"], "error": f"requested {int(need(space['default']) * factor)}, available: {limit}"}
-    assert learn_shared_memory(space, res) and space["facts"]["smem_bytes"] < limit
-    assert space["space"].violated(space["default"], space["facts"])
-    assert not learn_shared_memory(space, res)  # the same report again changes nothing
-    assert not learn_shared_memory(space, {**res, "status": "compile_error"})
-    assert not learn_shared_memory(space, {**res, "error": "out of resource: registers"})
+    report = f"requested {int(need(space.default) * factor)}, available: {limit}"
+    assert space.learn_shared_memory(TrialStatus.RESOURCE_EXHAUSTED, space.default, report) and space.facts["smem_bytes"] < limit
+    assert space.violated(space.default)
+    assert not space.learn_shared_memory(TrialStatus.RESOURCE_EXHAUSTED, space.default, report)  # the same report again changes nothing
+    assert not space.learn_shared_memory(TrialStatus.COMPILE_ERROR, space.default, report)
+    assert not space.learn_shared_memory(TrialStatus.RESOURCE_EXHAUSTED, space.default, "out of resource: registers")
 
 
 def test_plan_that_fails_the_whole_program_check_falls_back_to_its_best_groups(monkeypatch):
     """Groups that pass alone may not add up in the whole program; then the groups with the largest savings are
     validated on their own before giving up to XLA."""
-    from autofuse import worker
+    from autofuse.runner import process
+    from autofuse.runner.protocol import ValidationResult
 
     def two_parts(x, g, b, y, c):
         return layer_norm(x, g, b), log_relu_bias(y, c)
 
     args = (*_ln_args(512, 1024), jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32))
-    seen, orig = [], worker.TrialRunner.call
+    seen, orig = [], process.InlineRunner.call
 
     def whole_program_check(self, req):  # any plan mixing two kinds of fused groups is "wrong" in the whole program
-        if req["op"] == "validate":
-            sigs = {g["signature"] for g in autofuse.Plan.from_json(req["plan"]).to_dict()["groups"]}
+        if isinstance(req, ValidateRequest):
+            sigs = {g.signature for g in autofuse.Plan.from_json(req.plan_json).groups}
             seen.append(sigs)
             if len(sigs) > 1:
-                return {"status": "wrong_result", "error": "output 0: relative error 1.3 > 0.02"}
+                return ValidationResult(TrialStatus.WRONG_RESULT, error="output 0: relative error 1.3 > 0.02")
         return orig(self, req)
 
-    monkeypatch.setattr(worker.TrialRunner, "call", whole_program_check)
+    monkeypatch.setattr(process.InlineRunner, "call", whole_program_check)
     rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, isolate=False)
     assert len(seen) == 2 and len(seen[0]) == 2, seen  # the chosen plan, then half of it
     (sig,) = {g.signature for g in rep.plan.groups}
@@ -377,7 +387,9 @@ def test_on_the_gpu_the_fastest_measured_plan_is_kept():
     """On the GPU the chosen plan and its smaller plans are all measured against jax.jit and the fastest is kept:
     a smaller plan can win the whole program (GPT-2 6 layers: attention alone 10.01 ms, with the layer norms 10.41).
     The device's timings are stood in for; everything else is the real job's."""
-    from autofuse.search import _validate
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate as _validate
 
     def two_parts(x, g, b, y, c):
         return layer_norm(x, g, b), log_relu_bias(y, c)
@@ -385,20 +397,20 @@ def test_on_the_gpu_the_fastest_measured_plan_is_kept():
     args = (*_ln_args(512, 1024), jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32))
     rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, isolate=False)
     assert len({g.signature for g in rep.plan.groups}) == 2, rep.table()
-    t = lambda ms: {"median_ms": ms, "q1_ms": ms * 0.99, "q3_ms": ms * 1.01}  # noqa: E731
+    t = lambda ms: Timing(ms, ms * 0.98, ms * 1.02, ms * 0.99, ms * 1.01)  # noqa: E731
 
     class Device:  # the whole program: jax.jit 10 ms; both groups 9 ms, the one that saves more alone 8 ms
         def __init__(self):
             self.plans = []
 
         def call(self, req):
-            groups = autofuse.Plan.from_json(req["plan"]).groups
+            groups = autofuse.Plan.from_json(req.plan_json).groups
             self.plans.append(len(groups))
-            return {"status": "ok", "max_error": 0.0, "baseline": t(10.0), "plan": t(9.0 if len(groups) == 2 else 8.0)}
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(9.0 if len(groups) == 2 else 8.0))
 
     dev = Device()
     g = autofuse.capture(two_parts, *args)
-    out = _validate(g, rep.plan, {"baseline_ms": 1.0, "tuned_ms": 0.5}, dev, "device", "two_parts", rep.candidates, 0, 0.0)
+    out = _validate(g, Cover(rep.plan, 1.0, 0.5), dev, "device", "two_parts", rep.candidates, 0, 0.0)
     assert dev.plans == [2, 1]  # the chosen plan, then half of it
     assert len(out.plan.groups) == 1 and out.tuned_ms == 8.0 and out.speedup == 1.25
     assert out.plan.provenance["reason"].startswith("smaller plan kept (1 of 2 groups)")
@@ -424,9 +436,9 @@ def test_whole_plan_is_also_checked_on_the_callers_own_inputs(tmp_path):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*")))
     rep = tune(layer_norm, x, g, b, trials=10, seed=0, quiet=True)
     assert not rep.plan.is_xla
-    ex = rep.validation["example_inputs"]
-    assert ex["ok"] and ex["max_error"] <= ex["tolerance"][0]
-    assert ex["rounding_sensitivity"] != rep.validation["rounding_sensitivity"]  # measured at the caller's inputs
+    ex = rep.validation.example_inputs
+    assert ex.ok and ex.max_error <= ex.tolerance[0]
+    assert ex.rounding_sensitivity != rep.validation.rounding_sensitivity  # measured at the caller's inputs
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*"))) == before
     shapes = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True)
-    assert "example_inputs" not in shapes.validation
+    assert shapes.validation.example_inputs is None

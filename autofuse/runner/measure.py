@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .graph import Aval
+from ..graph import Aval
 
 # Relative error-norm tolerances: ‖out − ref‖ / ‖ref‖.
 TOLERANCE = {

@@ -19,7 +19,7 @@ Roles:
   plan back;
 * ``autofuse worker RUN --db URL`` joins the run from another host (a server
   database: a SQLite file serves one host only);
-* each worker (``python -m autofuse.tune.workers RUN``, database in
+* each worker (``python -m autofuse.tuning.workers RUN``, database in
   ``$AUTOFUSE_DB``) runs trials until the budget rule names no candidate, then
   waits until no trial of the run is running (or is failed by heartbeat, then
   retried), and tries ``PlanStore.begin_selection``; the one worker that wins
@@ -181,7 +181,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
             + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
             + f"; join from another host: autofuse worker {run_id} --db URL")
-        procs = start_workers(run_id, pstore.url, workers, gpus, quiet)
+        procs = start_workers(run_id, pstore.url, workers, gpus, quiet, indexed=True)
         codes = [p.wait() for p in procs]
     except BaseException as e:
         for p in procs:
@@ -201,8 +201,9 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     return report_from_store(pstore, run_id, cands, name, measure, t_start)
 
 
-def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: bool) -> list[subprocess.Popen]:
-    """`n` worker processes of the run; worker i sees only GPU i (round robin in model mode). The URL goes by environment, not argv."""
+def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: bool, *, indexed: bool = False) -> list[subprocess.Popen]:
+    """`n` worker processes of the run; worker i sees only GPU i (round robin in model mode). The URL goes by environment, not argv.
+    `indexed`: the run's launcher numbers its workers (their samplers' seeds); workers joining from elsewhere use their pids."""
     env = dict(os.environ, AUTOFUSE_DB=url, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
     procs = []
@@ -210,7 +211,7 @@ def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: boo
         e = dict(env)
         if gpus:
             e["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        procs.append(subprocess.Popen([sys.executable, "-m", "autofuse.tune.workers", str(run_id), "--index", str(i)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "autofuse.tuning.workers", str(run_id)] + (["--index", str(i)] if indexed else [])
                                       + (["--quiet"] if quiet else []), env=e))
     return procs
 
@@ -394,10 +395,10 @@ class _Worker:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autofuse.tune.workers RUN [--index I] [--quiet]``: one worker of a run; the database URL is in $AUTOFUSE_DB."""
+    """``python -m autofuse.tuning.workers RUN [--index I] [--quiet]``: one worker of a run; the database URL is in $AUTOFUSE_DB."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m autofuse.tune.workers")
+    p = argparse.ArgumentParser(prog="python -m autofuse.tuning.workers")
     p.add_argument("run", type=int)
     p.add_argument("--index", type=int, default=None)
     p.add_argument("--quiet", action="store_true")
