@@ -124,6 +124,11 @@ def default_config(spec: MatmulSpec) -> dict:
         cfg["block_n"] = 64
     cfg["epi_tile_m"] = min(cfg["epi_tile_m"], cfg["block_m"])
     cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
+    while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["max_concurrent_steps"] > 2:
+        cfg["max_concurrent_steps"] -= 1  # float32 operands, or a wide epilogue: fewer stages
+    while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["block_n"] > 64:
+        cfg["block_n"] //= 2
+        cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
     return cfg
 
 
@@ -185,7 +190,7 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("wg_dimension / grid_minor_dim must be 0 (M) or 1 (N)")
     f32 = itemsize == 4
     a_km, b_nk = spec.a_km and not f32, spec.b_nk or f32
-    sw = min(_swizzle(bm if a_km else bk, itemsize), _swizzle(bk if b_nk else bn, itemsize))
+    sw = min(_swizzle(bm if a_km else bk, itemsize), _swizzle(bk if b_nk else bn, itemsize), _swizzle(bk, itemsize))
     if sw < 32:
         raise Unsupported(f"operand tiles {bm}x{bk} / {bk}x{bn} allow only a {sw}-byte swizzle (wgmma needs >= 32)")
     g = spec.group.graph
@@ -273,7 +278,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool = Fal
     # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
     a_rows, a_cols = (K, M) if a_km else (M, K)
     b_rows, b_cols = (N, K) if b_nk else (K, N)
-    swizzle, a_pad, b_pad = _operand_layout(itemsize, (a_rows, a_cols), bm if a_km else bk, (b_rows, b_cols), bk if b_nk else bn)
+    swizzle, a_pad, b_pad = _operand_layout(itemsize, (a_rows, a_cols), bm if a_km else bk, (b_rows, b_cols), bk if b_nk else bn, bk)
     op_tf = _tf(swizzle, itemsize)
     in_tf = {v: _tile_tf(_kernel_dtype(g.avals[v].dtype), (M, N), en) for v in ein if espan[v] == FULL}
     in_cols = {v: _pad_to(N, _kernel_dtype(g.avals[v].dtype).itemsize) for v in in_tf}
@@ -460,15 +465,16 @@ def _fits(n: int, tile: int) -> bool:
     return n % tile == 0
 
 
-def _operand_layout(itemsize: int, a_shape, a_minor_tile: int, b_shape, b_minor_tile: int):
+def _operand_layout(itemsize: int, a_shape, a_minor_tile: int, b_shape, b_minor_tile: int, block_k: int):
     """(swizzle, A's padded shape, B's padded shape) for the wgmma operands.
 
-    The swizzle is the largest that both SMEM tiles' minor dimensions allow (128 bytes for a 64-wide bf16 K tile)
+    The swizzle is the largest that both SMEM tiles' minor dimensions and block_k allow (wgmma issues K in groups
+    of the swizzle's width, even for an M- or N-major operand; 128 bytes for a 64-wide bf16 K tile)
     and that both arrays' minor dimensions are multiples of (no padding); if none of 32, 64, 128 bytes fits the
     arrays, the tiles' swizzle is used and the arrays' minor dimensions are zero-padded to it. Rows are padded to a
     multiple of 8 (the tiling's other side) when needed. Padding is an XLA copy of that operand outside the kernel.
     """
-    cap = min(_swizzle(a_minor_tile, itemsize), _swizzle(b_minor_tile, itemsize), 128)
+    cap = min(_swizzle(a_minor_tile, itemsize), _swizzle(b_minor_tile, itemsize), _swizzle(block_k, itemsize), 128)
     swizzle = next((s for s in (128, 64, 32) if s <= cap and all(_fits(sh[1], s // itemsize) for sh in (a_shape, b_shape))), cap)
 
     def padded(shape):
