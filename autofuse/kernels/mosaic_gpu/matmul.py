@@ -235,11 +235,12 @@ def _num_sms_default() -> int:
 
 # ---------------------------------------------------------------------------
 # The lowering.
-def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool = False, num_sms: int | None = None) -> Callable:
+def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_sms: int | None = None) -> Callable:
     """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order).
 
     `config`: the parameters in `DEFAULTS` (missing ones take their defaults).
-    `interpret`: run under Mosaic GPU interpret mode (CPU; simulates GMEM/SMEM, warpgroups, barriers, TMA).
+    `interpret`: True runs under Mosaic GPU interpret mode (CPU; simulates GMEM/SMEM, warpgroups, barriers, TMA);
+    a `plgpu.InterpretGPUParams` runs it with those parameters (e.g. `detect_races=True`).
     `num_sms`: CTAs of the persistent grid (at most one per output tile); None: the device's SM count
     (132 on an H100), read when the function is traced. Interpret mode runs the CTAs one after another, so
     a small number there only changes which CTA does which tile.
@@ -397,9 +398,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool = Fal
     tiles_m = m_iters * n_iters
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = None
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        interp = InterpretGPUParams()
+    if interpret is True:
+        interp = plgpu.InterpretGPUParams()
+    elif interpret:
+        interp = interpret  # an InterpretGPUParams (e.g. with detect_races=True)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
