@@ -19,7 +19,7 @@ class TrialLoop:
         self.storage, self.run_id, self.seed, self.worker_seed, self.bar = storage, run_id, seed, worker_seed, bar
         self.studies: dict[int, Any] = {}
         self.measured = 0
-        self.order: list[int] = []  # the candidate of each trial run, for people and tests
+        self.order: list[tuple[int, str]] = []  # each trial run: its candidate and what became of it
 
     @property
     def ledger(self) -> Ledger:
@@ -41,7 +41,7 @@ class TrialLoop:
         r = self.cands[i]
         kind = run_trial(self.study(i), r, self.spaces[r.signature], self.ctx)
         self.scheduler.note(i, kind)
-        self.order.append(i)
+        self.order.append((i, kind))
         if kind == "measured":
             self.measured += 1
             r.update_best()
