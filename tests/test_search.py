@@ -442,3 +442,17 @@ def test_whole_plan_is_also_checked_on_the_callers_own_inputs(tmp_path):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*"))) == before
     shapes = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True)
     assert shapes.validation.example_inputs is None
+
+
+def test_function_arguments_named_like_tune_options_reach_the_function():
+    """tune()'s own options never swallow the function's keyword arguments: those go in `kwargs`."""
+    def scaled(x, trials, seed):
+        return jnp.exp(x * trials) + seed
+
+    args = (jax.ShapeDtypeStruct((64, 128), jnp.float32),)
+    rep = tune(scaled, *args, kwargs={"trials": jax.ShapeDtypeStruct((), jnp.float32), "seed": jax.ShapeDtypeStruct((), jnp.float32)},
+               trials=2, seed=0, quiet=True, isolate=False)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    assert rep.trials_run == 2 and rep.fingerprint == autofuse.capture(scaled, *args, trials=scalar, seed=scalar).fingerprint
+    with pytest.raises(TypeError):
+        tune(scaled, *args, not_an_option=1)  # nothing is passed through to the function by accident
