@@ -197,6 +197,12 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
     for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
             raise Unsupported(f"epi_tile_n={cfg.epi_tile_n}: epilogue tiles of %{v} ({g.avals[v].dtype}) need rows of 32-byte multiples")
+    for v in epi_inputs(spec):
+        sp = spec.epi.span[v]
+        n = bm if sp == ROWS else bn if sp == COLS else 0
+        if n and (n * _kernel_dtype(g.avals[v].dtype).itemsize) % 128:
+            raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype} per warpgroup: "
+                              "TMA copies here must move a multiple of 128 bytes")
     need = smem_bytes(spec, cfg)
     if need > SMEM_LIMIT:
         raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
