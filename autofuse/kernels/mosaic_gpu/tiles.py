@@ -148,7 +148,10 @@ class RegisterTiles:
             raise Unsupported(f"{nd.name} in an epilogue")
 
     def iota(self, nd: Node, r0, c0):
-        """An `iota` of the group as the index along its S-axis of each row / column of this tile."""
+        """An `iota` of the group as the index along its S-axis of each row / column of this tile.
+
+        (Not reachable from `matmul`, whose match leaves iotas out of its groups; here for the templates that
+        keep them, e.g. attention's masks, and untested until one of them is lowered.)"""
         S, k = self.spec.shape, self.spec.split
         d = self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
         dt = ops.compute_dtype(nd.params["dtype"])
