@@ -65,8 +65,10 @@ def run_trial(study: Any, cand: CandidateState, space: SearchSpace, ctx: TrialCo
             raise _NoResult(f"config already tried: {known.status}")
         if claim.kind != "ok":
             raise _NoResult(f"no trial started: {claim.kind}")
+        record = {"config": cfg, "number": claim.number}  # the ledger's trial, also on Optuna's (read by optuna-dashboard)
         if unmeasured:
             trial.set_constraint("violations", float(unmeasured[2]))
+            trial.set_user_attr("result", {**record, "status": unmeasured[0].value, "error": unmeasured[1]})
             outcome["kind"] = "unmeasured"
             return INFEASIBLE_VALUE
         res = measure_config(ctx.runner, cand, cfg)
@@ -74,6 +76,7 @@ def run_trial(study: Any, cand: CandidateState, space: SearchSpace, ctx: TrialCo
             outcome["kind"] = "stale"
             raise _NoResult("marked lost while running")
         trial.set_constraint("violations", 0.0)
+        trial.set_user_attr("result", {**record, "status": res.status.value, "median_ms": res.median_ms, "error": res.error})
         outcome["kind"] = "measured"
         if space.learn_shared_memory(res.status, cfg, res.error):  # the next try: the model's best config that fits the corrected budget
             best = space.model_best()
