@@ -14,16 +14,22 @@ layout, a bias [N] as a column vector, a per-row scale [M, 1] as a row vector,
 a residual [M, N] as a tile, all brought into SMEM by TMA), then writes each
 output of the group through SMEM with a TMA store.
 
-Ragged shapes: no padding to the tile sizes and no masks. TMA loads zero-fill
+Ragged shapes: no masks, and no padding to the tile sizes. TMA loads zero-fill
 whatever part of a box lies outside the array (so the K tail contributes zeros
 to the product, and the epilogue of rows / columns past the edge runs on zeros),
 and TMA stores drop the part of a box outside the array, so nothing past the
 edge is ever written. Interpret mode does the same (it pads out-of-bounds TMA
-reads with zeros and clips out-of-bounds TMA writes). TMA needs every stride
-but the innermost to be a multiple of 16 bytes: an operand, epilogue input or
-output whose last dimension is not (e.g. bf16 with K % 8 != 0) is padded with
-zeros outside the kernel (outputs: written padded and sliced), which costs
-one XLA copy of that array.
+reads with zeros and clips out-of-bounds TMA writes). Two TMA rules remain,
+and padding outside the kernel (an XLA copy of that array) is the price where
+a shape breaks them: (1) Mosaic GPU views a swizzled array in its SMEM tiling,
+so its minor dimension must be a multiple of the swizzle width (64 bf16
+elements at 128 bytes) and its rows a multiple of 8. The operands take the
+largest swizzle (128, 64, 32 bytes) that their shapes allow and are padded
+only when none does (bf16: a minor dimension not a multiple of 16); epilogue
+inputs and outputs whose shape allows no swizzle use plain SMEM instead (a
+slower register <-> SMEM copy, no padding). (2) Every stride but the innermost
+must be a multiple of 16 bytes: a plain-SMEM epilogue array whose rows are not
+(bf16 with N % 8 != 0) is padded (an output: written padded, then sliced).
 
 Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
 given to `wgmma` as transposed SMEM views for 16-bit types. float32 runs as TF32
@@ -52,7 +58,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
-from ...ops import OpClass, op_class
 from ..matmul import MatmulSpec
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, RegisterTiles, check_nodes, layout
 
@@ -156,9 +161,7 @@ def check_group(spec: MatmulSpec) -> None:
         raise Unsupported("a prologue (elementwise work on a dot operand inside the group): not yet in the Mosaic GPU lowering")
     if dt not in _LOW and dt != np.dtype(jnp.float32):
         raise Unsupported(f"operand dtype {dt}: wgmma takes bf16, f16 and float32 (as TF32)")
-    out_v = spec.dot.outputs[0]
-    epi = [n for n in spec.group.nodes if n.id != spec.dot.id]
-    check_nodes(epi)
+    check_nodes([n for n in spec.group.nodes if n.id != spec.dot.id])
     for v in spec.group.outputs:
         if spec.epi.layout_span(v) != FULL:
             raise Unsupported(f"output %{v} {g.avals[v]} is not a full [M, N] tile of the product")
@@ -169,7 +172,6 @@ def check_group(spec: MatmulSpec) -> None:
             raise Unsupported("an operand of the dot read again by the epilogue")
         if np.dtype(g.avals[v].dtype).itemsize > 4:
             raise Unsupported(f"64-bit epilogue input %{v}")
-    del out_v
 
 
 def epi_inputs(spec: MatmulSpec) -> list[int]:
