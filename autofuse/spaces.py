@@ -1,7 +1,8 @@
-"""Declarative search spaces (`autofuse/search_spaces/*.yaml`, package data): parameters, choices, constraints.
+"""Declarative search spaces (`autofuse/search_spaces/*.toml`, package data): parameters, choices, constraints.
 
-Loaded and validated once; a malformed file raises `SpaceError` naming the
-file and the key. Constraints are small arithmetic expressions over the
+Read with the standard library's `tomllib` (the deploy path checks stored plans against these
+files, and must not import a third-party parser), loaded and validated once; a malformed file
+raises `SpaceError` naming the file and the key. Constraints are small arithmetic expressions over the
 parameters and facts about the group (R, C, itemsize, ...), parsed with `ast`
 and evaluated with no access to Python builtins beyond a few math helpers.
 They are checked before anything is compiled.
@@ -12,6 +13,7 @@ import ast
 import functools
 import math
 import operator
+import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -136,8 +138,11 @@ def parse_space(data: Any, path: str) -> Space:
         if p.get("power_of_two") and any(c & (c - 1) for c in ch):
             raise SpaceError(f"{where}.choices must all be powers of two")
         out[name] = list(ch)
+    constraints = data.get("constraints") or []
+    if not isinstance(constraints, list):
+        raise SpaceError(f"{path}: key 'constraints' must be a list of tables ([[constraints]] entries)")
     cons = []
-    for i, c in enumerate(data.get("constraints") or []):
+    for i, c in enumerate(constraints):
         where = f"{path}: constraints[{i}]"
         if not isinstance(c, dict) or not isinstance(c.get("expr"), str):
             raise SpaceError(f"{where} must be a mapping with an 'expr' string")
@@ -151,15 +156,15 @@ def parse_space(data: Any, path: str) -> Space:
 
 
 def load_space_file(path: str | Path | Traversable) -> Space:
-    import yaml  # here, not at the top: the deploy path (autofuse.jit with a stored plan) never reads a space
-
     if isinstance(path, str):
         path = Path(path)
     stem = Path(path.name).stem
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise SpaceError(f"{path}: not valid YAML: {e}") from None
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise SpaceError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise SpaceError(f"{path}: not valid TOML: not UTF-8: {e}") from None
     except OSError as e:
         raise SpaceError(f"{path}: cannot read: {e}") from None
     space = parse_space(data, str(path))
@@ -170,9 +175,9 @@ def load_space_file(path: str | Path | Traversable) -> Space:
 
 @functools.lru_cache(maxsize=None)
 def load_spaces(directory: str | None = None) -> dict[str, Space]:
-    """All search spaces, by template name: the package's own (`SPACES_DIR`), or the `*.yaml` files of `directory`."""
+    """All search spaces, by template name: the package's own (`SPACES_DIR`), or the `*.toml` files of `directory`."""
     d: Path | Traversable = Path(directory) if directory else SPACES_DIR
     if not d.is_dir():
         raise SpaceError(f"search space directory {d} does not exist")
-    files = sorted((p for p in d.iterdir() if p.name.endswith(".yaml") and p.is_file()), key=lambda p: p.name)
+    files = sorted((p for p in d.iterdir() if p.name.endswith(".toml") and p.is_file()), key=lambda p: p.name)
     return {Path(p.name).stem: load_space_file(p) for p in files}

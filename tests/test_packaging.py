@@ -50,7 +50,7 @@ def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, src], tmp_path, env)
     (wheel,) = dist.glob("autofuse-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    spaces = sorted(p.name for p in (ROOT / "autofuse" / "search_spaces").glob("*.yaml"))
+    spaces = sorted(p.name for p in (ROOT / "autofuse" / "search_spaces").glob("*.toml"))
     assert spaces, "no search spaces in autofuse/search_spaces/"
     assert {f"autofuse/search_spaces/{n}" for n in spaces} <= shipped, "the wheel lacks the search spaces"
 
@@ -68,7 +68,7 @@ def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     work.mkdir()
     shutil.copytree(ROOT / "examples", work / "examples", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     probe = ("import importlib.resources, json, autofuse; print(json.dumps({'file': autofuse.__file__, 'spaces': sorted("
-             "p.name for p in importlib.resources.files('autofuse').joinpath('search_spaces').iterdir() if p.name.endswith('.yaml'))}))")
+             "p.name for p in importlib.resources.files('autofuse').joinpath('search_spaces').iterdir() if p.name.endswith('.toml'))}))")
     found = json.loads(_run([vpy, "-c", probe], work, env).stdout)
     assert Path(found["file"]).resolve().is_relative_to(site.resolve()), f"autofuse imported from {found['file']}, not the venv"
     assert found["spaces"] == spaces

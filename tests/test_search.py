@@ -145,16 +145,16 @@ def test_allocate_shares_budget_in_proportion_and_respects_caps():
 
 
 @pytest.mark.parametrize("bad, key", [
-    ("template: elementwise\nparameters: {block_rows: {choices: [-1]}}", "parameters.block_rows.choices"),
-    ("template: elementwise\nparameters: {block_rows: {choices: [3], power_of_two: true}}", "parameters.block_rows"),
-    ("template: elementwise\nparameters: {a: {choices: [1]}}\nconstraints: [{expr: '__import__(1)'}]", "constraints[0]"),
-    ("template: elementwise\nparameters: {a: {choices: [1]}}\nconstraints: [{expr: 'a <'}]", "constraints[0].expr"),
-    ("template: elementwise\nparameters: []", "parameters"),
-    ("template: other\nparameters: {a: {choices: [1]}}", "template"),
-    (": : :", "YAML"),
+    ('template = "elementwise"\n[parameters]\nblock_rows = {choices = [-1]}', "parameters.block_rows.choices"),
+    ('template = "elementwise"\n[parameters]\nblock_rows = {choices = [3], power_of_two = true}', "parameters.block_rows"),
+    ('template = "elementwise"\n[parameters]\na = {choices = [1]}\n[[constraints]]\nexpr = "__import__(1)"', "constraints[0]"),
+    ('template = "elementwise"\n[parameters]\na = {choices = [1]}\n[[constraints]]\nexpr = "a <"', "constraints[0].expr"),
+    ('template = "elementwise"\nparameters = []', "parameters"),
+    ('template = "other"\n[parameters]\na = {choices = [1]}', "template"),
+    ("= = =", "TOML"),
 ])
 def test_malformed_space_file_names_file_and_key(tmp_path, bad, key):
-    p = tmp_path / "elementwise.yaml"
+    p = tmp_path / "elementwise.toml"
     p.write_text(bad)
     with pytest.raises(spaces.SpaceError) as e:
         spaces.load_space_file(p)
