@@ -384,6 +384,9 @@ def _import_ref(ref: str) -> Any:
         obj = importlib.import_module(mod)
     except ImportError as e:
         raise ValueError(f"cannot import module {mod!r}: {e}") from None
+    except Exception as e:  # a syntax error, or an error while the module runs: the user's to fix, in one line
+        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise ValueError(f"importing module {mod!r} failed: {type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}{where}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"module {mod!r} has no attribute {attr!r}")
@@ -393,15 +396,18 @@ def _import_ref(ref: str) -> Any:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from autofuse.graph import capture
-    from autofuse.tuning.local import tune
+    from autofuse.tuning.local import check_budget, tune
 
+    check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
     fn = _import_ref(args.target)
     factory = _import_ref(args.inputs)
     try:
         example = factory()
     except Exception as e:
         raise ValueError(f"the --inputs factory {args.inputs} failed: {type(e).__name__}: {e}") from None
-    example = example if isinstance(example, tuple) else (example,)
+    if not isinstance(example, tuple):
+        raise ValueError(f"the --inputs factory {args.inputs} must return a tuple of the function's positional arguments, "
+                         f"got a {type(example).__name__} (wrap a single argument as (x,))")
     try:
         statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
     except ValueError:

@@ -202,11 +202,33 @@ def test_model_prunes_far_worse_configs_before_timing():
     (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--static-argnums", "a"], "--static-argnums"),
     (["benchmarks.workloads:softmax", "--inputs", "examples.norms:example_inputs"], "tracing benchmarks.workloads:softmax"),
     (["nosuch:fn", "--inputs", "examples.norms:example_inputs"], "cannot import module 'nosuch'"),
+    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--trials", "0"], "--trials must be a positive"),
+    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--trials", "-3"], "--trials must be a positive"),
+    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--time-budget", "-5"], "--time-budget must be a positive"),
+    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--time-budget", "0"], "--time-budget must be a positive"),
+    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--measure", "device"], "needs a GPU"),
+    (["examples.norms:forward", "--inputs", "bad_module_for_cli:f"], "importing module 'bad_module_for_cli' failed: SyntaxError"),
+    (["examples.norms:forward", "--inputs", "bad_module_for_cli:not_a_tuple"], None),
 ])
 def test_cli_tune_bad_input_is_one_clear_line(tmp_path, argv, says):
-    out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", *argv, "--db", f"sqlite:///{tmp_path}/x.db", "--trials", "2"],
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr
+    if "bad_module_for_cli:f" in argv:
+        (tmp_path / "bad_module_for_cli.py").write_text("def f(:\n    pass\n")
+    elif "bad_module_for_cli:not_a_tuple" in argv:
+        (tmp_path / "bad_module_for_cli.py").write_text("import jax\ndef not_a_tuple():\n    return [jax.ShapeDtypeStruct((4, 4), 'float32')]\n")
+        says = "must return a tuple"
+    budget = [] if any(a in ("--trials", "--time-budget") for a in argv) else ["--trials", "2"]
+    out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", *argv, "--db", f"sqlite:///{tmp_path}/x.db", *budget],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)])), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) <= 2, out.stderr  # the error (and at most the no-GPU notice before it)
+    assert "x.db" not in os.listdir(tmp_path) or not autofuse.PlanStore(f"sqlite:///{tmp_path}/x.db").plans()  # nothing stored
+
+
+@pytest.mark.parametrize("budget", [{"trials": 0}, {"trials": -3}, {"time_budget_s": -5}, {"time_budget_s": 0}, {"trials": 2.5}])
+def test_tune_refuses_a_budget_that_is_not_positive(budget):
+    with pytest.raises(ValueError, match="must be a positive"):
+        tune(layer_norm, *_ln_args(64, 128), quiet=True, isolate=False, **budget)
 
 
 def test_second_trial_is_the_models_best_config():

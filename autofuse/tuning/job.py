@@ -29,7 +29,7 @@ def resolve_measure(measure: str | None, has_gpu: bool) -> str:
     if measure not in ("device", "model"):
         raise ValueError(f"measure must be 'device' or 'model', got {measure!r}")
     if measure == "device" and not has_gpu:
-        raise RuntimeError("measure='device' needs a GPU; none is present (use measure='model')")
+        raise ValueError(f"measure='device' needs a GPU; none is present ({jax.default_backend()} backend): use measure='model'")
     return measure
 
 

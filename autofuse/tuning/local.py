@@ -55,6 +55,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     >>> report = autofuse.tune(layer_norm, x, gamma, beta, trials=48, store="sqlite:///plans.db")  # doctest: +SKIP
     >>> print(report.table())  # doctest: +SKIP
     """
+    check_budget(trials, time_budget_s)
     kwargs = dict(kwargs or {})
     static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
@@ -132,6 +133,15 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         report.run_id = run_id
         report.plan_id = save_report(pstore, ids, run_id, report)
     return report
+
+
+def check_budget(trials: int | None, time_budget_s: float | None, *, trials_flag: str = "trials",
+                 seconds_flag: str = "time_budget_s") -> None:
+    """A budget given must be positive: zero or a negative budget is a mistake, never "unbounded" or "nothing"."""
+    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
+        raise ValueError(f"{trials_flag} must be a positive whole number of trials, got {trials!r}")
+    if time_budget_s is not None and not (isinstance(time_budget_s, (int, float)) and time_budget_s > 0):
+        raise ValueError(f"{seconds_flag} must be a positive number of seconds, got {time_budget_s!r}")
 
 
 def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budget, gmodel: costmodel.GPUModel, measure: str, runner: Any,
