@@ -86,17 +86,12 @@ def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
     return 1e3 * max(b / model.bandwidth_Bps, flops / model.flops_bf16)
 
 
-# How far from the floor each kind of kernel runs. XLA's factors are the
-# medians of XLA/floor measured in results/core_default_h200.md (elementwise
-# chains ~1.2, row reductions ~1.35); generated kernels start at 1.1 and pay
-# for their config below.
+# How far from the floor each kind of XLA kernel runs: the medians of XLA/floor measured in
+# results/core_default_h200.md (elementwise chains ~1.2, row reductions ~1.35). Generated kernels are
+# modelled by their templates (`Template.model_time_ms`).
 # matmul: GPU_NOTES (XLA's GEMM fusions). attention: XLA writes and re-reads the B*H*L*L scores and
 # computes masked blocks too; it reaches about 225 of 790 bf16 TFLOP/s on plain-jnp attention (GPU_NOTES).
 XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "attention": 3.5, "matmul_reduce": 1.1}
-PALLAS_FACTOR = 1.1
-_SMS = 132
-_RESIDENT_PROGRAMS = _SMS * 4  # SMs x programs resident per SM, roughly
-_PROGRAM_OVERHEAD_S = 0.2e-6  # fitted to the default-config layer norm in results/core_default_h200.md
 
 
 def _kind(group: Group) -> str:
@@ -117,31 +112,3 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
                            for v in n.outputs) / model.bandwidth_Bps
     launches = 3 if kind == "attention" else 1  # attention: the scores' GEMM, the softmax, the second GEMM
     return t * XLA_FACTOR[kind] + launches * 1e3 * model.launch_s
-
-
-def template_time_ms(template: str, spec, config: dict, model: GPUModel = H200) -> float:
-    """Modelled time of a generated kernel with `config`: floor x efficiency x config penalties."""
-    from .kernels import TEMPLATES
-
-    own = getattr(TEMPLATES.get(template), "model_time_ms", None)
-    if own is not None:  # a template may model itself
-        return own(spec, config, model)
-    group = spec.group
-    bm, bn, warps = int(config["block_rows"]), int(config["block_cols"]), int(config["num_warps"])
-    R, C = spec.R, spec.C
-    col_blocks = -(-C // bn)
-    passes = 1
-    if template == "row_reduce" and col_blocks > 1:
-        passes = 2 + len(spec.reductions)  # one loop per reduction depth (upper bound) and one to write
-    t_bytes = group_bytes(group, passes) / model.bandwidth_Bps
-    programs = -(-R // bm) * (col_blocks if template == "elementwise" else 1)
-    padded = (-(-R // bm) * bm / R) * (col_blocks * bn / C)
-    per_thread = bm * bn / (32 * warps)
-    penalty = 1.0
-    if per_thread > 64:
-        penalty += (per_thread - 64) / 64 * 0.5  # register pressure, spills
-    elif per_thread < 4:
-        penalty += 0.2  # too little work per thread to hide latency
-    occupancy = min(1.0, programs / _SMS)  # fewer programs than SMs cannot use the whole bandwidth
-    t = t_bytes / occupancy * PALLAS_FACTOR * penalty * min(padded, 2.0) + programs * _PROGRAM_OVERHEAD_S / _RESIDENT_PROGRAMS
-    return 1e3 * (t + model.launch_s)

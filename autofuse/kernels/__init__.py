@@ -1,40 +1,43 @@
-"""Kernel templates. Each module has `match(group)`, `space(group)` and `build(group, config)`.
+"""Kernel templates: the `Template` base class (`template.py`), one module per template, one lowering per backend.
 
 A template knows a loop structure; the arithmetic comes from the group's own
-jaxpr (see `tiling.py`). `TEMPLATES` is the registry the partitioner and the
-search use, in order of preference. More templates can be added with
-`register_template`, or by naming modules in `$AUTOFUSE_TEMPLATE_PLUGINS`
-(comma-separated; each is imported and registers itself), which also
-reaches the trial worker processes.
+jaxpr (`tiling.py`, `tile_eval.py`). `TEMPLATES` is the registry the
+partitioner and the search use, in order of preference. More templates can be
+added with `register_template`, or by naming modules in
+`$AUTOFUSE_TEMPLATE_PLUGINS` (comma-separated; each is imported and registers
+itself), which also reaches the trial worker processes.
 """
 from __future__ import annotations
 
 import importlib
 import os
-from types import ModuleType
 
+from ..graph import Group
 from . import attention, elementwise, matmul, matmul_reduce, row_reduce
+from .template import Template
 
-TEMPLATES: dict[str, ModuleType] = {"attention": attention, "row_reduce": row_reduce, "elementwise": elementwise, "matmul_reduce": matmul_reduce, "matmul": matmul}
+__all__ = ["TEMPLATES", "Template", "match_template", "register_template"]
+
+TEMPLATES: dict[str, Template] = {t.name: t for t in (attention.TEMPLATE, row_reduce.TEMPLATE, elementwise.TEMPLATE,
+                                                      matmul_reduce.TEMPLATE, matmul.TEMPLATE)}
 
 
-def register_template(module: ModuleType, *, first: bool = False) -> None:
-    """Add a template module (with NAME, PARAMS, match, space, default_config, build)."""
-    for attr in ("NAME", "PARAMS", "match", "space", "default_config", "build"):
-        if not hasattr(module, attr):
-            raise TypeError(f"template module {module.__name__} lacks {attr}")
+def register_template(template: Template, *, first: bool = False) -> None:
+    """Add (or replace) a template; `first` puts it before the others (it is tried first)."""
+    if not isinstance(template, Template):
+        raise TypeError(f"{template!r} is not a template: subclass autofuse.kernels.Template")
     if first:
-        items = [(module.NAME, module)] + [(k, v) for k, v in TEMPLATES.items() if k != module.NAME]
+        items = [(template.name, template)] + [(k, v) for k, v in TEMPLATES.items() if k != template.name]
         TEMPLATES.clear()
         TEMPLATES.update(items)
     else:
-        TEMPLATES[module.NAME] = module
+        TEMPLATES[template.name] = template
 
 
-def match_template(group) -> tuple[str, object] | None:
+def match_template(group: Group) -> tuple[str, object] | None:
     """The first template that can implement `group`, with its match data."""
-    for name, mod in TEMPLATES.items():
-        m = mod.match(group)
+    for name, template in TEMPLATES.items():
+        m = template.match(group)
         if m is not None:
             return name, m
     return None

@@ -10,10 +10,10 @@ Operands may reach the dots through broadcasts and merging reshapes (that is
 how `jnp.repeat` expresses grouped-query attention): the kernel reads the
 original arrays with the index arithmetic those ops imply.
 
-Kernel: one program per (batch position, block of queries); a loop over key
+Kernel (`triton/attention.py`): one program per (batch position, block of queries); a loop over key
 blocks keeps a running max, a running sum and a float32 accumulator
 (FlashAttention-2). The score work is the group's own equations, evaluated on
-[block_q, block_k] tiles (`tiling._Body`); `iota` gives the tile's global
+[block_q, block_k] tiles (`AttentionEval`); `iota` gives the tile's global
 query/key positions. Masks that depend on `iota` alone are evaluated once on
 the host over the whole [q, k] grid: key blocks that are masked out for a
 whole query block are never visited, and blocks without a masked position
@@ -23,25 +23,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from .. import costmodel, ops
+from ..costmodel import H200, GPUModel
 from ..graph import Group, Lit, Node
 from ..ops import OpClass, op_class
-from .tiling import NoMatch, Span, TileConfig, TileSpec, _Body, _needed, next_pow2, place_axes
+from .matmul import DOT_DTYPES, default_precision
+from .template import NoMatch, Template
+from .tile_eval import TileEval
+from .tiling import Span, TileSpec, cdiv, needed, next_pow2, place_axes, template_space
 
-NAME = "attention"
-PARAMS = ("block_q", "block_k", "num_warps", "num_stages")
-_DTYPES = {np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
 _NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
 _MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
-_LOG2E = math.log2(math.e)
 
 
 @dataclass
@@ -107,14 +104,6 @@ class AttentionSpec:
 
 # ---------------------------------------------------------------------------
 # Matching.
-def match(group: Group) -> AttentionSpec | None:
-    """The attention structure of `group`, or None."""
-    try:
-        return _match(group)
-    except NoMatch:
-        return None
-
-
 def _match(group: Group) -> AttentionSpec:
     g = group.graph
     dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
@@ -133,10 +122,8 @@ def _match(group: Group) -> AttentionSpec:
     mx, sm = maxes[0], sums[0]
     if not (mx.id in dep[d1.id] and sm.id in dep[mx.id] and d2.id in dep[sm.id]):
         raise NoMatch("not a softmax between the dots")
-    prec = [d.params.get("precision") for d in (d1, d2)]
-    for p in prec:
-        if p is not None and any(x is not None and "DEFAULT" not in str(x) for x in (p if isinstance(p, tuple) else (p,))):
-            raise NoMatch("non-default precision")
+    if not (default_precision(d1) and default_precision(d2)):
+        raise NoMatch("non-default precision")
 
     # score space: the shape the softmax reduces (dot1's output up to unit axes)
     x = mx.inputs[0]
@@ -178,7 +165,7 @@ def _match(group: Group) -> AttentionSpec:
     # dot2: P (derived from the scores) with V; then the output tail
     (lc2, rc2), (lb2, rb2) = d2.params["dimension_numbers"]
     p_idx = next((i for i, a in enumerate(d2.inputs) if isinstance(a, int) and g.producer.get(a) in members
-                  and _score_derived(group, a, d1)), None)
+                  and any(nd.id == d1.id for nd in needed(group.nodes, {a}, set()))), None)
     if p_idx is None or len(lc2) != 1:
         raise NoMatch("dot2 does not contract the probabilities")
     pc, vc = (lc2[0], rc2[0]) if p_idx == 0 else (rc2[0], lc2[0])
@@ -265,12 +252,12 @@ def _match(group: Group) -> AttentionSpec:
     dt_q, dt_k = g.avals[qo.value].dtype, g.avals[ko.value].dtype
     dt_p, dt_v = g.avals[p_val].dtype, g.avals[vo.value].dtype
     for dt in (dt_q, dt_k, dt_v):
-        if np.dtype(dt) not in _DTYPES:
+        if np.dtype(dt) not in DOT_DTYPES:
             raise NoMatch("operand dtype")
     if np.dtype(dt_q) != np.dtype(dt_k):
         raise NoMatch("q and k dtypes differ")
     dot_dtype2 = np.dtype(dt_v) if np.dtype(dt_v) != np.dtype("float32") else np.dtype(dt_p)
-    if np.dtype(dot_dtype2) not in _DTYPES:
+    if np.dtype(dot_dtype2) not in DOT_DTYPES:
         raise NoMatch("probability dtype")
 
     span = {v: Span(q_axis in ax, k_axis in ax) for v, ax in axes.items()}
@@ -303,22 +290,6 @@ def _dependents(group: Group) -> dict[int, set[int]]:
                 s |= {c} | out[c]
         out[nd.id] = s
     return out
-
-
-def _score_derived(group: Group, v: int, d1: Node) -> bool:
-    g = group.graph
-    members = set(group.node_ids)
-    todo, seen = [v], set()
-    while todo:
-        x = todo.pop()
-        if x == d1.outputs[0]:
-            return True
-        p = g.producer.get(x)
-        if p is None or p not in members or x in seen:
-            continue
-        seen.add(x)
-        todo.extend(a for a in g.node_index[p].inputs if isinstance(a, int))
-    return False
 
 
 def _chain_nodes(group: Group, atom) -> list[int]:
@@ -479,8 +450,8 @@ def _iota_only(spec: AttentionSpec) -> set[int]:
 
 def _host_values(spec: AttentionSpec, want: set[int]) -> dict[int, np.ndarray]:
     """Evaluate iota-only values over the whole [Lq, Lk] grid on the host."""
-    nodes = _needed(spec.pre, want, set())
-    body = _AttnBody(spec, spec.Lq, spec.Lk)
+    nodes = needed(spec.pre, want, set())
+    body = AttentionEval(spec, spec.Lq, spec.Lk)
     env: dict = {}
     with jax.ensure_compile_time_eval():
         body.set_program([0] * len(spec.score_shape), 0, 0)
@@ -506,7 +477,7 @@ def _analyze_masks(spec: AttentionSpec) -> None:
         return
     iota = _iota_only(spec)
     y = spec.exp_branch[0].inputs[0]
-    path = _needed(spec.pre, {spec.x, y}, set())
+    path = needed(spec.pre, {spec.x, y}, set())
     main = {spec.dot1.outputs[0]}
     steps = []  # (kind, node, score operand, iota value, other)
     for nd in path:
@@ -623,7 +594,7 @@ def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     _analyze_masks(spec)
     if spec.dead is None:
         return None
-    nq, nk = -(-spec.Lq // bq), -(-spec.Lk // bk)
+    nq, nk = cdiv(spec.Lq, bq), cdiv(spec.Lk, bk)
     dead = np.ones((nq * bq, nk * bk), bool)
     dead[: spec.Lq, : spec.Lk] = spec.dead
     ragged = np.zeros_like(dead)
@@ -645,13 +616,12 @@ def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
 
 # ---------------------------------------------------------------------------
 # Tile evaluation.
-class _AttnBody(_Body):
+class AttentionEval(TileEval):
     """The tile evaluator with attention coordinates: iota gives global q/k positions and batch indices."""
 
-    def __init__(self, spec: AttentionSpec, bq: int, bk: int, fast_math: bool = False):
-        super().__init__(spec.tile, TileConfig(bq, bk, 4, 1), 0)
+    def __init__(self, spec: AttentionSpec, bq: int, bk: int):
+        super().__init__(spec.tile, bq, bk)
         self.aspec = spec
-        self.fast_math = fast_math
         self.bidx: list = []
         self.q0 = self.k0 = 0
 
@@ -664,14 +634,6 @@ class _AttnBody(_Body):
                 env[nd.outputs[0]] = env[nd.inputs[0]].astype(ops.compute_dtype(dst))
                 return
         super().eval_node(nd, env, r0, c0, colmask)
-
-    def exp2(self, x):
-        """2^x: the approximate hardware instruction on the GPU (as Triton's own attention uses)."""
-        x = x.astype(jnp.float32)
-        if not self.fast_math:
-            return jnp.exp2(x)
-        return plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
     def set_program(self, bidx: list, q0, k0) -> None:
         self.bidx, self.q0, self.k0 = bidx, q0, k0
@@ -689,24 +651,44 @@ class _AttnBody(_Body):
 
 
 # ---------------------------------------------------------------------------
-# Search space, model.
-def default_config(spec: AttentionSpec) -> dict:
-    """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md)."""
-    big = spec.Lq >= 128 and spec.Lk >= 128
-    return {"block_q": 128 if big else 64, "block_k": 64 if max(spec.D, spec.Dv) > 128 or not big else 128,
-            "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
+# The template: matching, search space, model.
+class AttentionTemplate(Template[AttentionSpec]):
+    name = "attention"
+    params = ("block_q", "block_k", "num_warps", "num_stages")
 
+    def match(self, group: Group) -> AttentionSpec | None:
+        """The attention structure of `group`, or None."""
+        try:
+            return _match(group)
+        except NoMatch:
+            return None
 
-def space(group: Group, spec: AttentionSpec | None = None) -> dict:
-    """Tunable parameters (search_spaces/attention.yaml), the default config and the constraint facts."""
-    from ..spaces import load_spaces
+    def default_config(self, spec: AttentionSpec) -> dict:
+        """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md)."""
+        big = spec.Lq >= 128 and spec.Lk >= 128
+        return {"block_q": 128 if big else 64, "block_k": 64 if max(spec.D, spec.Dv) > 128 or not big else 128,
+                "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
 
-    spec = spec or match(group)
-    sp = load_spaces()[NAME]
-    default = {k: min((c for c in sorted(sp.params[k]) if c >= v), default=max(sp.params[k])) for k, v in default_config(spec).items()}
-    facts = {"Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv),
-             "itemsize": spec.dot_dtype1.itemsize, "smem_bytes": costmodel.H200.smem_bytes}
-    return {"params": sp.params, "default": default, "facts": facts, "space": sp}
+    def space(self, group: Group, spec: AttentionSpec | None = None) -> dict:
+        """Tunable parameters (search_spaces/attention.yaml), the default config and the constraint facts."""
+        spec = spec or self.match(group)
+        return template_space(self.name, self.default_config(spec), {
+            "Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv), "itemsize": spec.dot_dtype1.itemsize,
+            "smem_bytes": H200.smem_bytes})
+
+    def model_time_ms(self, spec: AttentionSpec, config: dict, model: GPUModel = H200) -> float:
+        """Flops of both dots over the visited blocks at an efficiency that grows with tile size; K/V re-read per q block."""
+        bq, bk, warps = int(config["block_q"]), int(config["block_k"]), int(config["num_warps"])
+        low = spec.dot_dtype1 != np.dtype("float32")
+        frac = live_fraction(spec, bq, bk)
+        flops = 2.0 * spec.batch * spec.Lq * spec.Lk * (spec.D + spec.Dv) * frac
+        eff = 0.55 * min(1.0, bq * bk / (128 * 64)) ** 0.3 * (1.0 if bq * bk <= 64 * 32 * warps * 2 else 0.6)
+        per_q = spec.Lk * (spec.D + spec.Dv) * spec.dot_dtype1.itemsize * frac
+        bytes_moved = spec.batch * cdiv(spec.Lq, bq) * per_q + sum(a.nbytes for a in spec.group.input_avals()) + sum(
+            a.nbytes for a in spec.group.output_avals())
+        programs = spec.batch * cdiv(spec.Lq, bq)
+        work = costmodel.kernel_time_ms(bytes_moved, flops / eff, model, low) - 1e3 * model.launch_s
+        return work * max(1.0, 132 / max(1, programs)) ** 0.5 + 1e3 * model.launch_s  # fewer programs than SMs idle some
 
 
 def live_fraction(spec: AttentionSpec, bq: int, bk: int) -> float:
@@ -714,238 +696,9 @@ def live_fraction(spec: AttentionSpec, bq: int, bk: int) -> float:
     r = block_ranges(spec, bq, bk)
     if r is None:
         return 1.0
-    return float((r[:, 3] - r[:, 0]).sum()) / (len(r) * -(-spec.Lk // bk))
+    return float((r[:, 3] - r[:, 0]).sum()) / (len(r) * cdiv(spec.Lk, bk))
 
 
-def model_time_ms(spec: AttentionSpec, config: dict, model: costmodel.GPUModel = costmodel.H200) -> float:
-    """Flops of both dots over the visited blocks at an efficiency that grows with tile size; K/V re-read per q block."""
-    bq, bk, warps = int(config["block_q"]), int(config["block_k"]), int(config["num_warps"])
-    low = spec.dot_dtype1 != np.dtype("float32")
-    frac = live_fraction(spec, bq, bk)
-    flops = 2.0 * spec.batch * spec.Lq * spec.Lk * (spec.D + spec.Dv) * frac
-    eff = 0.55 * min(1.0, bq * bk / (128 * 64)) ** 0.3 * (1.0 if bq * bk <= 64 * 32 * warps * 2 else 0.6)
-    per_q = spec.Lk * (spec.D + spec.Dv) * spec.dot_dtype1.itemsize * frac
-    bytes_moved = spec.batch * (-(-spec.Lq // bq)) * per_q + sum(a.nbytes for a in spec.group.input_avals()) + sum(
-        a.nbytes for a in spec.group.output_avals())
-    programs = spec.batch * -(-spec.Lq // bq)
-    work = costmodel.kernel_time_ms(bytes_moved, flops / eff, model, low) - 1e3 * model.launch_s
-    return work * max(1.0, 132 / max(1, programs)) ** 0.5 + 1e3 * model.launch_s  # fewer programs than SMs idle some
-
-
-# ---------------------------------------------------------------------------
-# Code generation.
-def build(group: Group, config: dict, *, interpret: bool = False, spec: AttentionSpec | None = None) -> Callable:
-    spec = spec or match(group)
-    if spec is None:
-        raise NoMatch("attention does not match this group")
-    g = group.graph
-    bq, bk = int(config["block_q"]), int(config["block_k"])
-    warps, stages = int(config["num_warps"]), int(config["num_stages"])
-    Lq, Lk, D, Dv = spec.Lq, spec.Lk, spec.D, spec.Dv
-    Dp, Dvp = next_pow2(D), next_pow2(Dv)
-    nq, nk = -(-Lq // bq), -(-Lk // bk)
-    S = spec.score_shape
-    bsizes = [S[a] for a in spec.batch_axes]
-    ranges = block_ranges(spec, bq, bk)
-    qkv = {spec.q.value, spec.k.value, spec.v.value}
-    body_in = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]  # bias, masks
-    in_order = [spec.q.value, spec.k.value, spec.v.value] + body_in
-    masked_nodes = {**spec.mask_selects, **spec.mask_adds}
-
-    def plan_nodes(nodes: list[Node], targets: set[int], unmasked: bool) -> list[Node]:
-        # where nothing is masked, a mask op passes its score operand through
-        return _needed(nodes, targets, set(), masked_nodes if unmasked else None)
-
-    step_nodes = {um: plan_nodes(spec.pre, {spec.x} | {a for nd in spec.exp_branch for a in nd.inputs if isinstance(a, int)}, um)
-                  for um in (False, True)}
-    ragged_k = Lk % bk != 0
-    fold = scale_fold(spec)
-    scale = 1.0 if fold is None else fold[2]
-
-    def kernel(*refs):
-        n_in = len(in_order)
-        ins = dict(zip(in_order, refs[:n_in]))
-        tbl = refs[n_in] if ranges is not None else None
-        o_ref = refs[-1]
-        body = _AttnBody(spec, bq, bk, fast_math=not interpret)
-        qi = pl.program_id(0)
-        if ranges is not None:
-            qi = nq - 1 - qi  # the longest rows first
-        bflat = pl.program_id(1)
-        bidx = [None] * len(S)
-        rem = bflat
-        for a, s in zip(reversed(spec.batch_axes), reversed(bsizes)):
-            bidx[a] = rem % s
-            rem = rem // s
-        q0 = qi * bq
-        q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, bq, Lq, Dp, D, seq_first=True).astype(spec.dot_dtype1)
-        rows_ok = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq
-
-        def step(j, carry, unmasked):
-            acc, m_i, msub, l_i = carry
-            k0 = j * bk
-            body.set_program(bidx, q0, k0)
-            kt = _load_operand(ins[spec.k.value], spec.k, bidx, k0, bk, Lk, Dp, D, seq_first=False).astype(spec.dot_dtype1)
-            s = jnp.dot(q, kt, preferred_element_type=jnp.float32)
-            env = {spec.dot1.outputs[0]: s}
-            for v in body_in:
-                env[v] = _load_extra(ins[v], spec, v, bidx, q0, k0, bq, bk)
-            for nd in step_nodes[unmasked]:
-                if unmasked and nd.id in masked_nodes:
-                    env[nd.outputs[0]] = env[masked_nodes[nd.id]]
-                elif fold is not None and nd.id == fold[0]:
-                    env[nd.outputs[0]] = env[fold[1]]  # x / c: the scale goes into the max and the exp's FMA
-                else:
-                    body.eval_node(nd, env, 0, 0)
-            x = jnp.broadcast_to(env[spec.x], (bq, bk)).astype(jnp.float32)
-            if ragged_k and not unmasked:
-                x = jnp.where((k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < Lk, x, -jnp.inf)
-                env[spec.x] = x
-            m_new = jnp.maximum(m_i, jnp.max(x, axis=1, keepdims=True) * scale)
-            env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            for nd in spec.row_m:
-                body.eval_node(nd, env, 0, 0)
-            msub_new = jnp.broadcast_to(env[spec.sub_row], (bq, 1)).astype(jnp.float32)
-            # exp(y - m) as 2^(y*log2e - m*log2e): one FMA and the hardware ex2 per score
-            y = env[spec.exp_branch[0].inputs[0]]
-            env[spec.exp_branch[1].outputs[0]] = body.exp2(y * (scale * _LOG2E) - msub_new * _LOG2E)
-            for nd in spec.exp_branch[2:]:
-                body.eval_node(nd, env, 0, 0)
-            alpha = jnp.where(m_i == -jnp.inf, 0.0, body.exp2((msub - msub_new) * _LOG2E))
-            e_sum = jnp.broadcast_to(env[spec.e_sum], (bq, bk)).astype(jnp.float32)
-            p = jnp.broadcast_to(env[spec.e_dot], (bq, bk))
-            if ragged_k and not unmasked:  # keys past the end weigh nothing
-                kok = (k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < Lk
-                e_sum, p = jnp.where(kok, e_sum, 0.0), jnp.where(kok, p, 0.0)
-            l_new = alpha * l_i + jnp.sum(e_sum, axis=1, keepdims=True)
-            p = p.astype(spec.dot_dtype2)
-            vt = _load_operand(ins[spec.v.value], spec.v, bidx, k0, bk, Lk, Dvp, Dv, seq_first=True).astype(spec.dot_dtype2)
-            acc = alpha * acc + jnp.dot(p, vt, preferred_element_type=jnp.float32)
-            return acc, m_new, msub_new, l_new
-
-        carry = (jnp.zeros((bq, Dvp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
-                 jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, 1), jnp.float32))
-        if ranges is None:
-            carry = jax.lax.fori_loop(0, nk, lambda j, c: step(j, c, False), carry)
-        else:
-            lo, flo, fhi, hi = (tbl[qi * 4 + t] for t in range(4))
-            carry = jax.lax.fori_loop(lo, flo, lambda j, c: step(j, c, False), carry)
-            carry = jax.lax.fori_loop(flo, fhi, lambda j, c: step(j, c, True), carry)
-            carry = jax.lax.fori_loop(fhi, hi, lambda j, c: step(j, c, False), carry)
-        acc, _, _, l_i = carry
-        env = {spec.sum_node.outputs[0]: l_i}
-        for nd in spec.row_l:
-            body.eval_node(nd, env, 0, 0)
-        c = env[spec.l_row]
-        args = [acc, c] if spec.e_first else [c, acc]
-        o = ops.eval_elementwise(spec.combine.primitive, spec.combine.params, jnp.float32, args)
-        odt = g.avals[spec.out].dtype
-        o = jnp.where(rows_ok, o, 0.0).astype(odt)
-        _store_out(o_ref, spec, bidx, o, q0, bq, Lq, Dvp, Dv)
-
-    out_aval = g.avals[spec.out]
-    call = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(out_aval.shape, out_aval.dtype),
-        grid=(nq, spec.batch),
-        interpret=interpret,
-        name=f"autofuse_attention_{group.signature[:8]}",
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-    )
-    table = None if ranges is None else jnp.asarray(ranges.reshape(-1))
-
-    def run(*xs):
-        env = dict(zip(group.inputs, xs))
-        args = []
-        for v in in_order:
-            x = env[v]
-            if x.dtype == jnp.bool_:
-                x = x.astype(jnp.int8)
-            if x.size == 1:
-                x = jnp.reshape(x, (1,))
-            args.append(x)
-        if table is not None:
-            args.append(table)
-        return [call(*args)]
-
-    return run
-
-
-def _load_operand(ref, op: Operand, bidx: list, s0, bs: int, L: int, Dp: int, D: int, *, seq_first: bool):
-    """A [bs, Dp] (seq_first) or [Dp, bs] tile of q/k/v: rows past L and head columns past D read as 0."""
-    idx: list = []
-    for a in range(len(ref.shape)):
-        off = jnp.int32(0)  # a Python int index breaks masked loads in interpret mode
-        for sa, div, mod, mul in op.batch.get(a, ()):
-            off = off + (bidx[sa] // div) % mod * mul
-        idx.append(pl.ds(off + s0, bs) if a == op.seq_axis else pl.ds(off, Dp) if a == op.d_axis else off)
-    seq_before = op.seq_axis < op.d_axis
-    sshape = (bs, 1) if seq_before else (1, bs)
-    dshape = (1, Dp) if seq_before else (Dp, 1)
-    sok = (s0 + jax.lax.broadcasted_iota(jnp.int32, sshape, 0 if seq_before else 1)) < L if L % bs else None
-    dok = jax.lax.broadcasted_iota(jnp.int32, dshape, 1 if seq_before else 0) < D if Dp != D else None
-    masks = [m for m in (sok, dok) if m is not None]
-    tshape = (bs, Dp) if seq_before else (Dp, bs)
-    if masks:
-        m = masks[0] if len(masks) == 1 else masks[0] & masks[1]
-        t = plgpu.load(ref.at[tuple(idx)], mask=jnp.broadcast_to(m, tshape), other=0)
-    else:
-        t = plgpu.load(ref.at[tuple(idx)])
-    return t if seq_before == seq_first else t.T
-
-
-def _load_extra(ref, spec: AttentionSpec, v: int, bidx: list, q0, k0, bq: int, bk: int):
-    """A score-space input (bias, mask) as a [bq|1, bk|1] tile in its compute dtype."""
-    g = spec.group.graph
-    av = g.avals[v]
-    if av.size == 1:
-        x = plgpu.load(ref.at[pl.ds(0, 1)]).reshape(1, 1)
-    else:
-        ax = spec.tile.axes[v]
-        idx, kept = [], []
-        for d, a in enumerate(ax):
-            if a == spec.q_axis:
-                idx.append(pl.ds(q0, bq))
-                kept.append(a)
-            elif a == spec.k_axis:
-                idx.append(pl.ds(k0, bk))
-                kept.append(a)
-            elif a is None:
-                idx.append(jnp.int32(0))
-            else:
-                idx.append(bidx[a])
-        masks = []
-        for a in kept:
-            L, b, s0 = (spec.Lq, bq, q0) if a == spec.q_axis else (spec.Lk, bk, k0)
-            if L % b:
-                shp = [1] * len(kept)
-                shp[kept.index(a)] = b
-                masks.append((s0 + jax.lax.broadcasted_iota(jnp.int32, tuple(shp), kept.index(a))) < L)
-        tshape = tuple(bq if a == spec.q_axis else bk for a in kept)
-        if masks:
-            m = masks[0] if len(masks) == 1 else masks[0] & masks[1]
-            x = plgpu.load(ref.at[tuple(idx)], mask=jnp.broadcast_to(m, tshape), other=0)
-        else:
-            x = plgpu.load(ref.at[tuple(idx)])
-        if kept == [spec.k_axis, spec.q_axis]:
-            x = x.T
-        x = x.reshape(bq if spec.q_axis in kept else 1, bk if spec.k_axis in kept else 1)
-    if av.dtype == np.bool_:
-        return x != 0
-    return x.astype(ops.compute_dtype(av.dtype))
-
-
-def _store_out(ref, spec: AttentionSpec, bidx: list, o, q0, bq: int, Lq: int, Dvp: int, Dv: int) -> None:
-    idx: list = []
-    for r in spec.out_roles:
-        idx.append(pl.ds(q0, bq) if r == "q" else pl.ds(0, Dvp) if r == "d" else jnp.int32(0) if r is None else bidx[r])
-    q_first = spec.out_roles.index("q") < spec.out_roles.index("d")
-    qok = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq if Lq % bq else None
-    dok = jax.lax.broadcasted_iota(jnp.int32, (1, Dvp), 1) < Dv if Dvp != Dv else None
-    masks = [m for m in (qok, dok) if m is not None]
-    m = None
-    if masks:
-        m = jnp.broadcast_to(masks[0] if len(masks) == 1 else masks[0] & masks[1], (bq, Dvp))
-    if not q_first:
-        o, m = o.T, (None if m is None else m.T)
-    plgpu.store(ref.at[tuple(idx)], o, mask=m)
+TEMPLATE = AttentionTemplate()
+match, default_config, space, model_time_ms, build = (TEMPLATE.match, TEMPLATE.default_config, TEMPLATE.space,
+                                                      TEMPLATE.model_time_ms, TEMPLATE.build)

@@ -7,51 +7,58 @@ in one pass; a longer row is reduced with in-kernel loops over column blocks
 """
 from __future__ import annotations
 
-from typing import Callable
-
+from ..costmodel import H200, GPUModel
 from ..graph import Group
 from ..ops import OpClass, op_class
-from .tiling import NoMatch, TileSpec, analyze, build_template, next_pow2, template_space
+from .template import NoMatch, Template
+from .tiling import TileSpec, analyze, cdiv, facts, next_pow2, template_space, tile_time_ms
 
-NAME = "row_reduce"
-PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
 MAX_BLOCK_COLS = 8192
 
 
-def match(group: Group) -> TileSpec | None:
-    """A tiling of the group around its column reductions, or None."""
-    nodes = group.nodes
-    if any(op_class(n.name) in (OpClass.CONTRACTION, OpClass.OPAQUE) for n in nodes):
-        return None
-    reds = [n for n in nodes if op_class(n.name) is OpClass.REDUCTION]
-    if not reds:
-        return None
-    g = group.graph
-    S = g.avals[reds[0].inputs[0]].shape
-    if not S or min(S) == 0:
-        return None
-    axes = reds[0].params["axes"]
-    split = min(axes)
-    if sorted(axes) != list(range(split, len(S))):
-        return None
-    try:
-        return analyze(group, S, split)
-    except NoMatch:
-        return None
+class RowReduceTemplate(Template[TileSpec]):
+    name = "row_reduce"
+    params = ("block_rows", "block_cols", "num_warps", "num_stages")
+
+    def match(self, group: Group) -> TileSpec | None:
+        """A tiling of the group around its column reductions, or None."""
+        nodes = group.nodes
+        if any(op_class(n.name) in (OpClass.CONTRACTION, OpClass.OPAQUE) for n in nodes):
+            return None
+        reds = [n for n in nodes if op_class(n.name) is OpClass.REDUCTION]
+        if not reds:
+            return None
+        g = group.graph
+        S = g.avals[reds[0].inputs[0]].shape
+        if not S or min(S) == 0:
+            return None
+        axes = reds[0].params["axes"]
+        split = min(axes)
+        if sorted(axes) != list(range(split, len(S))):
+            return None
+        try:
+            return analyze(group, S, split)
+        except NoMatch:
+            return None
+
+    def default_config(self, spec: TileSpec) -> dict:
+        bn = min(next_pow2(spec.C), MAX_BLOCK_COLS)
+        bm = max(1, min(next_pow2(spec.R), 4096 // bn))
+        warps = 4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16
+        return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
+
+    def space(self, group: Group, spec: TileSpec | None = None) -> dict:
+        """Tunable parameters (search_spaces/row_reduce.yaml), the default config and the constraint facts."""
+        spec = spec or self.match(group)
+        return template_space(self.name, self.default_config(spec), facts(spec))
+
+    def model_time_ms(self, spec: TileSpec, config: dict, model: GPUModel = H200) -> float:
+        """One program per block of rows; a row longer than a block reads its inputs once per reduction depth
+        (an upper bound) and once more to write."""
+        passes = 2 + len(spec.reductions) if cdiv(spec.C, int(config["block_cols"])) > 1 else 1
+        return tile_time_ms(spec, config, model, passes=passes)
 
 
-def default_config(spec: TileSpec) -> dict:
-    bn = min(next_pow2(spec.C), MAX_BLOCK_COLS)
-    bm = max(1, min(next_pow2(spec.R), 4096 // bn))
-    warps = 4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16
-    return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
-
-
-def space(group: Group, spec: TileSpec | None = None) -> dict:
-    """Tunable parameters (search_spaces/row_reduce.yaml), the default config and the constraint facts."""
-    spec = spec or match(group)
-    return template_space(NAME, spec, default_config(spec))
-
-
-def build(group: Group, config: dict, *, interpret: bool = False, spec: TileSpec | None = None) -> Callable:
-    return build_template(NAME, PARAMS, spec or match(group), group, config, interpret=interpret, two_d_grid=False)
+TEMPLATE = RowReduceTemplate()
+match, default_config, space, model_time_ms, build = (TEMPLATE.match, TEMPLATE.default_config, TEMPLATE.space,
+                                                      TEMPLATE.model_time_ms, TEMPLATE.build)

@@ -1,16 +1,12 @@
-"""Map a group onto a 2-D tile space and generate its Pallas (Triton) kernel.
+"""Map a group onto a 2-D tile space (backend-independent analysis).
 
 A group's iteration shape S (rank n) is split at axis k into rows (S[:k],
 flattened to R) and columns (S[k:], flattened to C). Every value of the group
 is then a register tile that varies along rows, columns, both, or neither:
 broadcasts stay lazy (a bias is a [1, bn] tile until it meets a full tile),
 and a reduction over the columns leaves a [bm, 1] tile. The arithmetic is the
-group's own jaxpr, re-run equation by equation on tiles (`ops.py`).
-Low-precision floats are held in float32 inside the kernel and rounded when
-stored or explicitly converted (XLA's `xla_allow_excess_precision` default).
-
-Rows and columns that run past the array are masked (GPU_NOTES: no automatic
-edge masking on the GPU); every tile has power-of-two sides.
+group's own jaxpr, re-run equation by equation on tiles (`tile_eval.py`);
+each backend writes the loads, stores and loops around it.
 """
 from __future__ import annotations
 
@@ -18,19 +14,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from .. import ops
-from ..graph import Group, Lit, Node
+from ..costmodel import H200, GPUModel, group_bytes
+from ..graph import Group, Node
 from ..ops import OpClass
-
-
-class NoMatch(Exception):
-    """The group cannot be tiled this way (the reason is the message)."""
+from .template import NoMatch
 
 
 @dataclass(frozen=True)
@@ -73,8 +63,13 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x - 1).bit_length())
 
 
-def facts(spec: TileSpec, smem_bytes: int = 227 * 1024) -> dict:
-    """What search-space constraints may refer to besides the parameters."""
+def cdiv(a: int, b: int) -> int:
+    """Blocks of `b` needed to cover `a`."""
+    return -(-a // b)
+
+
+def facts(spec: TileSpec) -> dict:
+    """What search-space constraints on a [R, C] tiling may refer to besides the parameters."""
     g = spec.group
     avals = g.input_avals() + g.output_avals()
     return {
@@ -84,23 +79,52 @@ def facts(spec: TileSpec, smem_bytes: int = 227 * 1024) -> dict:
         "n_inputs": len(g.inputs),
         "n_outputs": len(g.outputs),
         "n_reductions": len(spec.reductions),
-        "smem_bytes": smem_bytes,
+        "smem_bytes": H200.smem_bytes,
     }
 
 
-def template_space(template: str, spec: TileSpec, default: dict, space=None) -> dict:
-    """A template's search space (its YAML file, or `space` given), with the default config and the group's facts."""
+def template_space(template: str, default: dict, group_facts: dict, space=None) -> dict:
+    """A template's `space()`: its search space (its YAML file, or `space` given), the default config snapped
+    to the choices, and the facts about the group. The spaces module (and YAML) is imported only here."""
     from ..spaces import load_spaces
 
     space = space or load_spaces()[template]
     snapped = {k: _snap(v, space.params[k]) if k in space.params else v for k, v in default.items()}
-    return {"params": space.params, "default": snapped, "facts": facts(spec), "space": space}
+    return {"params": space.params, "default": snapped, "facts": group_facts, "space": space}
 
 
 def _snap(value: int, choices: list) -> int:
     """The nearest choice at or above `value` (else the largest)."""
     above = [c for c in sorted(choices) if c >= value]
     return above[0] if above else max(choices)
+
+
+# How far from the floor a generated [R, C] tile kernel runs: 1.1, and it pays for its config below.
+_PALLAS_FACTOR = 1.1
+_SMS = 132
+_RESIDENT_PROGRAMS = _SMS * 4  # SMs x programs resident per SM, roughly
+_PROGRAM_OVERHEAD_S = 0.2e-6  # fitted to the default-config layer norm in results/core_default_h200.md
+
+
+def tile_time_ms(spec: TileSpec, config: dict, model: GPUModel, *, passes: int = 1, two_d_grid: bool = False) -> float:
+    """Modelled time of a [R, C] tile kernel with `config`: floor x efficiency x config penalties. `passes`: reads
+    of the inputs; `two_d_grid`: one program per tile (else one per row block)."""
+    group = spec.group
+    bm, bn, warps = int(config["block_rows"]), int(config["block_cols"]), int(config["num_warps"])
+    R, C = spec.R, spec.C
+    col_blocks = cdiv(C, bn)
+    t_bytes = group_bytes(group, passes) / model.bandwidth_Bps
+    programs = cdiv(R, bm) * (col_blocks if two_d_grid else 1)
+    padded = (cdiv(R, bm) * bm / R) * (col_blocks * bn / C)
+    per_thread = bm * bn / (32 * warps)
+    penalty = 1.0
+    if per_thread > 64:
+        penalty += (per_thread - 64) / 64 * 0.5  # register pressure, spills
+    elif per_thread < 4:
+        penalty += 0.2  # too little work per thread to hide latency
+    occupancy = min(1.0, programs / _SMS)  # fewer programs than SMs cannot use the whole bandwidth
+    t = t_bytes / occupancy * _PALLAS_FACTOR * penalty * min(padded, 2.0) + programs * _PROGRAM_OVERHEAD_S / _RESIDENT_PROGRAMS
+    return 1e3 * (t + model.launch_s)
 
 
 # ---------------------------------------------------------------------------
@@ -263,103 +287,8 @@ def _propagate(nd: Node, avals: dict, axes: dict, put: Callable) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Code generation.
-@dataclass(frozen=True)
-class TileConfig:
-    block_rows: int
-    block_cols: int
-    num_warps: int
-    num_stages: int
-    col_major: int = 0  # 2-D grids: 1 walks the column blocks of a row block first (contiguous memory)
-
-
-class _Body:
-    """Evaluates a group's equations on tiles inside one kernel instance."""
-
-    def __init__(self, spec: TileSpec, cfg: TileConfig, n_in: int):
-        self.spec, self.cfg, self.n_in = spec, cfg, n_in
-        self.g = spec.group.graph
-        self.bm, self.bn = cfg.block_rows, cfg.block_cols
-
-    # masks / indices -------------------------------------------------------
-    def row_idx(self, r0):
-        return r0 + jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0)
-
-    def col_idx(self, c0):
-        return c0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.bn), 1)
-
-    def mask(self, span: Span, r0, c0):
-        m = None
-        if span.rows and self.spec.R % self.bm:
-            m = self.row_idx(r0) < self.spec.R
-        if span.cols and self.spec.C % self.bn:
-            cm = self.col_idx(c0) < self.spec.C
-            m = cm if m is None else m & cm
-        if m is not None:
-            m = jnp.broadcast_to(m, self.tile_shape(span))
-        return m
-
-    def tile_shape(self, span: Span) -> tuple[int, int]:
-        return (self.bm if span.rows else 1, self.bn if span.cols else 1)
-
-    def _index(self, span: Span, r0, c0):
-        return (pl.ds(r0, self.bm) if span.rows else pl.ds(0, 1), pl.ds(c0, self.bn) if span.cols else pl.ds(0, 1))
-
-    # memory ------------------------------------------------------------------
-    def load(self, ref, v: int, r0, c0):
-        span = self.spec.span[v]
-        m = self.mask(span, r0, c0)
-        x = plgpu.load(ref.at[self._index(span, r0, c0)], mask=m, other=0 if m is not None else None)
-        return x.astype(ops.compute_dtype(x.dtype))
-
-    def store(self, ref, v: int, x, r0, c0):
-        span = self.spec.layout_span(v)
-        x = jnp.broadcast_to(x, self.tile_shape(span)).astype(self.g.avals[v].dtype)
-        plgpu.store(ref.at[self._index(span, r0, c0)], x, mask=self.mask(span, r0, c0))
-
-    # arithmetic --------------------------------------------------------------
-    def atom(self, env: dict, a) -> Any:
-        if isinstance(a, Lit):
-            return jnp.asarray(np.array(a.value, ops.compute_dtype(a.aval.dtype)))
-        return env[a]
-
-    def eval_node(self, nd: Node, env: dict, r0, c0, colmask=None) -> None:
-        cls = ops.op_class(nd.name)
-        out = nd.outputs[0]
-        odt = self.g.avals[out].dtype
-        if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
-            env[out] = self.atom(env, nd.inputs[0])
-        elif cls is OpClass.ELEMENTWISE:
-            env[out] = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs],
-                                            [self.g.aval(a).dtype for a in nd.inputs])
-        elif cls is OpClass.SOURCE:
-            env[out] = self.iota(nd, r0, c0)
-        elif cls is OpClass.REDUCTION:
-            env[out] = self.reduce_partial(nd, env, colmask)
-        else:  # pragma: no cover - analysis rejects these
-            raise NoMatch(nd.name)
-
-    def reduce_partial(self, nd: Node, env: dict, colmask):
-        kind = ops.reduction_kind(nd.name)
-        x = env[nd.inputs[0]]
-        if not self.spec.span[nd.inputs[0]].cols:  # constant along the row
-            return x * self.spec.C if kind == "sum" else x
-        if colmask is not None:
-            x = jnp.where(colmask, x, ops.reduction_identity(kind, x.dtype))
-        return ops.reduce_tile(kind, x, axis=1)
-
-    def iota(self, nd: Node, r0, c0):
-        S, k, d = self.spec.shape, self.spec.split, self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
-        if d is None:  # along a unit axis: all zeros
-            return jnp.zeros((1, 1), ops.compute_dtype(nd.params["dtype"]))
-        if d >= k:
-            idx, stride = self.col_idx(c0), math.prod(S[d + 1 :])
-        else:
-            idx, stride = self.row_idx(r0), math.prod(S[d + 1 : k])
-        return ((idx // stride) % S[d]).astype(ops.compute_dtype(nd.params["dtype"]))
-
-
-def _needed(nodes: list[Node], targets: set[int], stop: set[int], through: dict[int, int] | None = None) -> list[Node]:
+# Dependencies inside a group.
+def needed(nodes: list[Node], targets: set[int], stop: set[int], through: dict[int, int] | None = None) -> list[Node]:
     """The nodes (in order) that the values `targets` depend on, stopping at `stop`; a node in `through`
     (node id -> one of its inputs) depends on that input alone (a mask op where nothing is masked)."""
     prod = {v: nd for nd in nodes for v in nd.outputs}
@@ -376,111 +305,7 @@ def _needed(nodes: list[Node], targets: set[int], stop: set[int], through: dict[
     return [nd for nd in nodes if nd.id in keep]
 
 
-def make_kernel(spec: TileSpec, cfg: TileConfig, *, two_d_grid: bool) -> Callable:
-    """The kernel body: single pass when one column block covers C, else staged loops."""
-    group = spec.group
-    nodes = group.nodes
-    n_in = len(group.inputs)
-    body = _Body(spec, cfg, n_in)
-    nchunks = -(-spec.C // cfg.block_cols)
-    single = two_d_grid or nchunks == 1
-
-    def kernel(*refs):
-        in_refs = dict(zip(group.inputs, refs[:n_in]))
-        out_refs = dict(zip(group.outputs, refs[n_in:]))
-        rows_axis, cols_axis = (1, 0) if two_d_grid and cfg.col_major else (0, 1)
-        r0 = pl.program_id(rows_axis) * cfg.block_rows
-        c0 = pl.program_id(cols_axis) * cfg.block_cols if two_d_grid else 0
-        if single:
-            env = {v: body.load(in_refs[v], v, r0, c0) for v in group.inputs}
-            colmask = body.mask(Span(False, True), r0, c0)
-            for nd in nodes:
-                body.eval_node(nd, env, r0, c0, colmask)
-            for v in group.outputs:
-                body.store(out_refs[v], v, env[v], r0, c0)
-        else:
-            _staged(body, spec, in_refs, out_refs, r0, nchunks)
-
-    return kernel
-
-
-def _staged(body: _Body, spec: TileSpec, in_refs: dict, out_refs: dict, r0, nchunks: int) -> None:
-    """Rows longer than one block: one loop over column blocks per reduction depth, then one to write."""
-    group, span = spec.group, spec.span
-    nodes = group.nodes
-    bn = body.bn
-    env = {v: body.load(in_refs[v], v, r0, 0) for v in group.inputs if not span[v].cols}
-    col_inputs = [v for v in group.inputs if span[v].cols]
-    done: set[int] = set()
-
-    def row_pass():
-        for nd in nodes:
-            if nd.id in done or span[nd.outputs[0]].cols:
-                continue
-            if nd.id in spec.reductions and span[nd.inputs[0]].cols:
-                continue
-            if all(not isinstance(a, int) or a in env for a in nd.inputs):
-                body.eval_node(nd, env, r0, 0)
-                done.add(nd.id)
-
-    def col_loop(targets: set[int], fn: Callable, init):
-        stop = set(env)
-        sl = _needed([nd for nd in nodes if nd.id not in done], targets, stop)
-        need_in = {a for nd in sl for a in nd.inputs if isinstance(a, int)} | targets
-        loads = [v for v in col_inputs if v in need_in]
-
-        def step(c, carry):
-            c0 = c * bn
-            local = dict(env)
-            local.update({v: body.load(in_refs[v], v, r0, c0) for v in loads})
-            colmask = body.mask(Span(False, True), r0, c0)
-            for nd in sl:
-                if nd.id in spec.reductions:
-                    continue
-                body.eval_node(nd, local, r0, c0, colmask)
-            return fn(local, c0, colmask, carry)
-
-        return jax.lax.fori_loop(0, nchunks, step, init)
-
-    row_pass()
-    while True:
-        # A reduction is computable in this pass when every reduction it depends on is done.
-        pending = [rid for rid in spec.reductions if rid not in done]
-        if not pending:
-            break
-        this = [rid for rid in pending if not _depends_on(group, rid, {p for p in pending if p != rid})]
-        reds = [group.graph.node_index[r] for r in this]
-        kinds = [ops.reduction_kind(nd.name) for nd in reds]
-        init = tuple(
-            jnp.full((body.bm if span[nd.inputs[0]].rows else 1, 1), ops.reduction_identity(k, ops.compute_dtype(group.graph.avals[nd.outputs[0]].dtype)))
-            for nd, k in zip(reds, kinds)
-        )
-
-        def acc(local, c0, colmask, carry, reds=reds, kinds=kinds):
-            return tuple(
-                ops.combine(k, cr, body.reduce_partial(nd, local, colmask)) for nd, k, cr in zip(reds, kinds, carry)
-            )
-
-        res = col_loop({nd.inputs[0] for nd in reds}, acc, init)
-        for nd, r in zip(reds, res):
-            env[nd.outputs[0]] = r
-            done.add(nd.id)
-        row_pass()
-
-    col_outs = [v for v in group.outputs if span[v].cols]
-    if col_outs:
-        def write(local, c0, colmask, carry):
-            for v in col_outs:
-                body.store(out_refs[v], v, local[v], r0, c0)
-            return carry
-
-        col_loop(set(col_outs), write, 0)
-    for v in group.outputs:
-        if not span[v].cols:
-            body.store(out_refs[v], v, env[v], r0, 0)
-
-
-def _depends_on(group: Group, node_id: int, others: set[int]) -> bool:
+def depends_on(group: Group, node_id: int, others: set[int]) -> bool:
     """Whether node `node_id` (transitively, inside the group) reads an output of any of `others`."""
     g = group.graph
     members = set(group.node_ids)
@@ -495,39 +320,3 @@ def _depends_on(group: Group, node_id: int, others: set[int]) -> bool:
                 seen.add(p)
                 todo.append(p)
     return False
-
-
-def pallas_callable(spec: TileSpec, cfg: TileConfig, *, name: str, interpret: bool, two_d_grid: bool) -> Callable:
-    """Wrap the kernel: reshape inputs to 2-D, launch over row (and column) blocks, reshape outputs back."""
-    group = spec.group
-    g = group.graph
-    kernel = make_kernel(spec, cfg, two_d_grid=two_d_grid)
-    grid = (-(-spec.R // cfg.block_rows),) + ((-(-spec.C // cfg.block_cols),) if two_d_grid else ())
-    if two_d_grid and cfg.col_major:
-        grid = grid[::-1]
-    out_shape = [jax.ShapeDtypeStruct(spec.layout2d(v), g.avals[v].dtype) for v in group.outputs]
-    call = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        interpret=interpret,
-        name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )
-
-    def run(*ins):
-        ins2 = [jnp.reshape(x, spec.layout2d(v)) for v, x in zip(group.inputs, ins)]
-        outs = call(*ins2)
-        return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, outs)]
-
-    return run
-
-
-def build_template(name: str, params: Sequence[str], spec: TileSpec | None, group: Group, config: dict, *,
-                   interpret: bool, two_d_grid: bool, defaults: dict | None = None) -> Callable:
-    """A template's `build`: config to `TileConfig`, then the kernel (named after template and group)."""
-    if spec is None:
-        raise NoMatch(f"{name} does not match this group")
-    defaults = defaults or {}
-    cfg = TileConfig(**{k: int(config[k] if k in config else defaults[k]) for k in params})
-    return pallas_callable(spec, cfg, name=f"autofuse_{name}_{group.signature[:8]}", interpret=interpret, two_d_grid=two_d_grid)

@@ -30,7 +30,7 @@ import numpy as np
 from .. import ops
 from ..graph import Graph, Group, node_text
 from ..kernels import TEMPLATES, match_template
-from ..kernels.matmul_reduce import foldable_gather
+from ..kernels.passes import foldable_gather
 from ..ops import OpClass
 
 MAX_GROUP_SIZE = 64

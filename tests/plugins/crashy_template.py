@@ -1,6 +1,6 @@
 """Registers the `crashy` template (see faulty_templates)."""
 from autofuse.kernels import register_template
 
-from .faulty_templates import make
+from .faulty_templates import Faulty
 
-register_template(make("crashy", crash=True), first=True)
+register_template(Faulty("crashy", crash=True), first=True)

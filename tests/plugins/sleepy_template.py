@@ -1,6 +1,6 @@
 """Registers the `sleepy` template (see faulty_templates)."""
 from autofuse.kernels import register_template
 
-from .faulty_templates import make
+from .faulty_templates import Faulty
 
-register_template(make("sleepy", hang=True), first=True)
+register_template(Faulty("sleepy", hang=True), first=True)

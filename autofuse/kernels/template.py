@@ -1,0 +1,69 @@
+"""The `Template` base class: what the partitioner, the search and the plan executor ask of a kernel template.
+
+A template knows one loop structure. Matching a group, its search space and
+its cost model do not depend on how the kernel is written, so they live with
+the template; writing the kernel does, so `build` hands the matched group to
+one backend's lowering, `autofuse.kernels.<backend>.<name>.lower`. A backend
+is added beside the others by writing those modules and naming the backend in
+`backends`, without touching matching.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Callable, Generic, TypeVar
+
+from ..costmodel import H200, GPUModel
+from ..graph import Group
+
+Spec = TypeVar("Spec")
+
+
+class NoMatch(Exception):
+    """The group cannot be tiled this way (the reason is the message)."""
+
+
+class Template(ABC, Generic[Spec]):
+    """A kernel template. Subclasses set the class attributes and implement the abstract methods.
+
+    `match` returns the template's own spec type (what it read off the group); the
+    other methods take it back, so a group is analysed once per candidate.
+    """
+
+    name: str  # the registry key, the search-space file and the lowering modules' name
+    params: tuple[str, ...]  # the config keys
+    defaults: dict[str, int] = {}  # values for params added after plans were stored (read-only)
+    backends: tuple[str, ...] = ("triton",)  # the backends with a lowering of this template
+
+    @abstractmethod
+    def match(self, group: Group) -> Spec | None:
+        """What the template reads off `group` (the structure it needs), or None if it cannot run it."""
+
+    @abstractmethod
+    def default_config(self, spec: Spec) -> dict:
+        """A config that is good without tuning (the search's first trial)."""
+
+    @abstractmethod
+    def space(self, group: Group, spec: Spec | None = None) -> dict:
+        """The search space: {"params": choices per param, "default": config, "facts": what constraints read, "space": Space}."""
+
+    @abstractmethod
+    def model_time_ms(self, spec: Spec, config: dict, model: GPUModel = H200) -> float:
+        """Modelled time of the kernel with `config` on `model` (orders and prunes configs before any is timed)."""
+
+    def build(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False,
+              spec: Spec | None = None) -> Callable:
+        """The kernel for `group` with `config`, lowered through `backend`: a function of the group's inputs
+        returning its outputs. `spec` (from `match`) saves matching again."""
+        lower = self.lowering(backend)
+        spec = spec if spec is not None else self.match(group)
+        if spec is None:
+            raise NoMatch(f"{self.name} does not match this group")
+        return lower(group, spec, {**self.defaults, **config}, interpret=interpret)
+
+    def lowering(self, backend: str) -> Callable:
+        """The backend's `lower(group, spec, config, *, interpret)` for this template, imported on first use (a
+        plan loads only the backends it runs). A template outside this package overrides this or `build`."""
+        if backend not in self.backends:
+            raise ValueError(f"template {self.name!r} has no {backend!r} lowering; its backends: {', '.join(self.backends)}")
+        return importlib.import_module(f"{__package__}.{backend}.{self.name}").lower

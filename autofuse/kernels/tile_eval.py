@@ -1,0 +1,100 @@
+"""The tile evaluator: a group's own equations re-run on register tiles, whatever the backend.
+
+Given a `TileSpec`, each value is a [bm|1, bn|1] array (its span); the
+evaluator runs the group's elementwise work, broadcasts, iotas and partial
+column reductions on such arrays with plain `jnp`, so the same arithmetic
+serves every backend and the host (attention's mask analysis). Low-precision
+floats are held in float32 and rounded when stored or explicitly converted
+(XLA's `xla_allow_excess_precision` default). Loads and stores are the
+backend's (`triton/tiles.py`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import ops
+from ..graph import Lit, Node
+from ..ops import OpClass
+from .template import NoMatch
+from .tiling import Span, TileSpec
+
+
+def edge_mask(shape: tuple[int, ...], *masks) -> jax.Array | None:
+    """The conjunction of `masks` (None: that side does not run past the edge) broadcast to `shape`, or None when
+    no side needs a mask."""
+    given = [m for m in masks if m is not None]
+    if not given:
+        return None
+    return jnp.broadcast_to(functools.reduce(operator.and_, given), shape)
+
+
+class TileEval:
+    """Evaluates a group's equations on [bm, bn] tiles at rows r0.., columns c0.. of the [R, C] space."""
+
+    def __init__(self, spec: TileSpec, bm: int, bn: int):
+        self.spec, self.bm, self.bn = spec, bm, bn
+        self.g = spec.group.graph
+
+    # masks / indices -------------------------------------------------------
+    def row_idx(self, r0):
+        return r0 + jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0)
+
+    def col_idx(self, c0):
+        return c0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.bn), 1)
+
+    def mask(self, span: Span, r0, c0):
+        """Where a tile of `span` at (r0, c0) lies inside [R, C] (None: all of it)."""
+        rows = self.row_idx(r0) < self.spec.R if span.rows and self.spec.R % self.bm else None
+        cols = self.col_idx(c0) < self.spec.C if span.cols and self.spec.C % self.bn else None
+        return edge_mask(self.tile_shape(span), rows, cols)
+
+    def tile_shape(self, span: Span) -> tuple[int, int]:
+        return (self.bm if span.rows else 1, self.bn if span.cols else 1)
+
+    # arithmetic --------------------------------------------------------------
+    def atom(self, env: dict, a) -> Any:
+        if isinstance(a, Lit):
+            return jnp.asarray(np.array(a.value, ops.compute_dtype(a.aval.dtype)))
+        return env[a]
+
+    def eval_node(self, nd: Node, env: dict, r0, c0, colmask=None) -> None:
+        cls = ops.op_class(nd.name)
+        out = nd.outputs[0]
+        odt = self.g.avals[out].dtype
+        if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
+            env[out] = self.atom(env, nd.inputs[0])
+        elif cls is OpClass.ELEMENTWISE:
+            env[out] = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs],
+                                            [self.g.aval(a).dtype for a in nd.inputs])
+        elif cls is OpClass.SOURCE:
+            env[out] = self.iota(nd, r0, c0)
+        elif cls is OpClass.REDUCTION:
+            env[out] = self.reduce_partial(nd, env, colmask)
+        else:  # pragma: no cover - analysis rejects these
+            raise NoMatch(nd.name)
+
+    def reduce_partial(self, nd: Node, env: dict, colmask):
+        kind = ops.reduction_kind(nd.name)
+        x = env[nd.inputs[0]]
+        if not self.spec.span[nd.inputs[0]].cols:  # constant along the row
+            return x * self.spec.C if kind == "sum" else x
+        if colmask is not None:
+            x = jnp.where(colmask, x, ops.reduction_identity(kind, x.dtype))
+        return ops.reduce_tile(kind, x, axis=1)
+
+    def iota(self, nd: Node, r0, c0):
+        S, k, d = self.spec.shape, self.spec.split, self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
+        if d is None:  # along a unit axis: all zeros
+            return jnp.zeros((1, 1), ops.compute_dtype(nd.params["dtype"]))
+        if d >= k:
+            idx, stride = self.col_idx(c0), math.prod(S[d + 1 :])
+        else:
+            idx, stride = self.row_idx(r0), math.prod(S[d + 1 : k])
+        return ((idx // stride) % S[d]).astype(ops.compute_dtype(nd.params["dtype"]))

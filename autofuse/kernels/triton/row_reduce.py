@@ -1,0 +1,111 @@
+"""Triton lowering of `row_reduce`: one program per block of rows.
+
+A row that fits one column block is reduced in registers in one pass; a longer
+row is reduced with in-kernel loops over column blocks (`_staged`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ... import ops
+from ...graph import Group
+from ..tiling import Span, TileSpec, cdiv, depends_on, needed
+from .tiles import TileBody, group_refs, kernel_name, single_pass, tile_call
+
+
+def lower(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Callable:
+    bm, bn = int(config["block_rows"]), int(config["block_cols"])
+    body = TileBody(spec, bm, bn)
+    nchunks = cdiv(spec.C, bn)
+
+    def kernel(*refs):
+        in_refs, out_refs = group_refs(group, refs)
+        r0 = pl.program_id(0) * bm
+        if nchunks == 1:
+            single_pass(body, in_refs, out_refs, r0, 0)
+        else:
+            _staged(body, in_refs, out_refs, r0, nchunks)
+
+    return tile_call(spec, kernel, grid=(cdiv(spec.R, bm),), name=kernel_name("row_reduce", group), interpret=interpret,
+                     num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
+
+
+def _staged(body: TileBody, in_refs: dict, out_refs: dict, r0, nchunks: int) -> None:
+    """Rows longer than one block: one loop over column blocks per reduction depth, then one to write."""
+    spec = body.spec
+    group, span = spec.group, spec.span
+    nodes = group.nodes
+    bn = body.bn
+    env = {v: body.load(in_refs[v], v, r0, 0) for v in group.inputs if not span[v].cols}
+    col_inputs = [v for v in group.inputs if span[v].cols]
+    done: set[int] = set()
+
+    def row_pass():
+        for nd in nodes:
+            if nd.id in done or span[nd.outputs[0]].cols:
+                continue
+            if nd.id in spec.reductions and span[nd.inputs[0]].cols:
+                continue
+            if all(not isinstance(a, int) or a in env for a in nd.inputs):
+                body.eval_node(nd, env, r0, 0)
+                done.add(nd.id)
+
+    def col_loop(targets: set[int], fn: Callable, init):
+        stop = set(env)
+        sl = needed([nd for nd in nodes if nd.id not in done], targets, stop)
+        need_in = {a for nd in sl for a in nd.inputs if isinstance(a, int)} | targets
+        loads = [v for v in col_inputs if v in need_in]
+
+        def step(c, carry):
+            c0 = c * bn
+            local = dict(env)
+            local.update({v: body.load(in_refs[v], v, r0, c0) for v in loads})
+            colmask = body.mask(Span(False, True), r0, c0)
+            for nd in sl:
+                if nd.id in spec.reductions:
+                    continue
+                body.eval_node(nd, local, r0, c0, colmask)
+            return fn(local, c0, colmask, carry)
+
+        return jax.lax.fori_loop(0, nchunks, step, init)
+
+    row_pass()
+    while True:
+        # A reduction is computable in this pass when every reduction it depends on is done.
+        pending = [rid for rid in spec.reductions if rid not in done]
+        if not pending:
+            break
+        this = [rid for rid in pending if not depends_on(group, rid, {p for p in pending if p != rid})]
+        reds = [group.graph.node_index[r] for r in this]
+        kinds = [ops.reduction_kind(nd.name) for nd in reds]
+        init = tuple(
+            jnp.full((body.bm if span[nd.inputs[0]].rows else 1, 1), ops.reduction_identity(k, ops.compute_dtype(group.graph.avals[nd.outputs[0]].dtype)))
+            for nd, k in zip(reds, kinds)
+        )
+
+        def acc(local, c0, colmask, carry, reds=reds, kinds=kinds):
+            return tuple(
+                ops.combine(k, cr, body.reduce_partial(nd, local, colmask)) for nd, k, cr in zip(reds, kinds, carry)
+            )
+
+        res = col_loop({nd.inputs[0] for nd in reds}, acc, init)
+        for nd, r in zip(reds, res):
+            env[nd.outputs[0]] = r
+            done.add(nd.id)
+        row_pass()
+
+    col_outs = [v for v in group.outputs if span[v].cols]
+    if col_outs:
+        def write(local, c0, colmask, carry):
+            for v in col_outs:
+                body.store(out_refs[v], v, local[v], r0, c0)
+            return carry
+
+        col_loop(set(col_outs), write, 0)
+    for v in group.outputs:
+        if not span[v].cols:
+            body.store(out_refs[v], v, env[v], r0, 0)

@@ -1,0 +1,91 @@
+"""Pieces every Triton lowering uses: masked tile loads/stores, the evaluator with them, the launch.
+
+Rows and columns that run past an array are masked (GPU_NOTES: no automatic
+edge masking on the GPU); every tile has power-of-two sides.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ... import ops
+from ...graph import Group
+from ..tile_eval import TileEval
+from ..tiling import Span, TileSpec
+
+
+def load_tile(ref, mask: jax.Array | None) -> jax.Array:
+    """A tile load that reads 0 where `mask` is False (no mask: a plain load)."""
+    return plgpu.load(ref, mask=mask, other=0 if mask is not None else None)
+
+
+def bool_as_int8(x: jax.Array) -> jax.Array:
+    """Triton refs hold no bools: a bool array goes in as int8 (the kernel reads it back with `!= 0`)."""
+    return x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
+
+
+class TileBody(TileEval):
+    """The tile evaluator with masked loads and stores of group inputs/outputs laid out as [R|1, C|1]."""
+
+    def _index(self, span: Span, r0, c0):
+        return (pl.ds(r0, self.bm) if span.rows else pl.ds(0, 1), pl.ds(c0, self.bn) if span.cols else pl.ds(0, 1))
+
+    def load(self, ref, v: int, r0, c0):
+        span = self.spec.span[v]
+        x = load_tile(ref.at[self._index(span, r0, c0)], self.mask(span, r0, c0))
+        return x.astype(ops.compute_dtype(x.dtype))
+
+    def store(self, ref, v: int, x, r0, c0):
+        span = self.spec.layout_span(v)
+        x = jnp.broadcast_to(x, self.tile_shape(span)).astype(self.g.avals[v].dtype)
+        plgpu.store(ref.at[self._index(span, r0, c0)], x, mask=self.mask(span, r0, c0))
+
+
+def group_refs(group: Group, refs: Sequence) -> tuple[dict, dict]:
+    """A kernel's refs as (group input -> ref, group output -> ref)."""
+    n_in = len(group.inputs)
+    return dict(zip(group.inputs, refs[:n_in])), dict(zip(group.outputs, refs[n_in:]))
+
+
+def single_pass(body: TileBody, in_refs: dict, out_refs: dict, r0, c0) -> None:
+    """The whole group on one tile: load every input, evaluate, store every output."""
+    group = body.spec.group
+    env = {v: body.load(in_refs[v], v, r0, c0) for v in group.inputs}
+    colmask = body.mask(Span(False, True), r0, c0)
+    for nd in group.nodes:
+        body.eval_node(nd, env, r0, c0, colmask)
+    for v in group.outputs:
+        body.store(out_refs[v], v, env[v], r0, c0)
+
+
+def kernel_name(template: str, group: Group) -> str:
+    """The CUDA kernel's name: template and group, so profiles can be read."""
+    return f"autofuse_{template}_{group.signature[:8]}"
+
+
+def pallas_call(kernel: Callable, *, out_shape, grid: tuple[int, ...], name: str, interpret: bool, num_warps: int,
+                num_stages: int) -> Callable:
+    """`pl.pallas_call` on the Triton backend (without compiler params JAX lowers through Mosaic GPU)."""
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=name,
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+
+
+def tile_call(spec: TileSpec, kernel: Callable, *, grid: tuple[int, ...], name: str, interpret: bool, num_warps: int,
+              num_stages: int) -> Callable:
+    """Launch `kernel` over `grid` with the group's inputs and outputs reshaped to their 2-D layouts (and back)."""
+    group = spec.group
+    g = group.graph
+    out_shape = [jax.ShapeDtypeStruct(spec.layout2d(v), g.avals[v].dtype) for v in group.outputs]
+    call = pallas_call(kernel, out_shape=out_shape, grid=grid, name=name, interpret=interpret, num_warps=num_warps,
+                       num_stages=num_stages)
+
+    def run(*ins):
+        ins2 = [jnp.reshape(x, spec.layout2d(v)) for v, x in zip(group.inputs, ins)]
+        outs = call(*ins2)
+        return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, outs)]
+
+    return run
