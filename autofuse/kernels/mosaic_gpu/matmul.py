@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -59,13 +58,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
 from ..matmul import MatmulSpec
+from .gemm import LOW as _LOW, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
+from .gemm import compute_dtype as _compute, from_kernel as _from_kernel, kernel_dtype as _kernel_dtype  # noqa: F401
+from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
+from .gemm import smem_transforms as _tf, swizzle as _swizzle, tile_transforms as _tile_tf  # noqa: F401
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, RegisterTiles, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
 M_DIM, N_DIM = 0, 1  # as hopper_matmul_mgpu.MatmulDimension
-SMEM_LIMIT = 232448  # bytes of shared memory per CTA on an H100/H200 (the Mosaic GPU error message's max_smem_bytes)
-_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_TMA_ALIGN = 16  # bytes: TMA strides (all but the innermost) must be multiples of this
 
 #: Config parameters and their defaults (hopper_matmul_mgpu's best bf16 config on an H100).
 DEFAULTS = {
@@ -180,20 +180,12 @@ def epi_inputs(spec: MatmulSpec) -> list[int]:
     return [v for v in spec.epi.group.inputs if v != out_v] if len(spec.group.nodes) > 1 else []
 
 
-def _swizzle(minor_elems: int, itemsize: int) -> int:
-    return plgpu.find_swizzle(minor_elems * itemsize * 8)
-
-
 def check_config(spec: MatmulSpec, cfg: Config) -> None:
     """Raise `Unsupported` for a config that breaks a wgmma, TMA, layout or shared-memory rule."""
     itemsize = np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if bm % 64 or bm <= 0:
-        raise Unsupported(f"block_m={bm}: a warpgroup's wgmma tile needs a multiple of 64 rows")
-    if bn % 8 or not 8 <= bn <= 256:
-        raise Unsupported(f"block_n={bn}: wgmma takes N in [8, 256], a multiple of 8")
-    if (bk * itemsize) % 32:
-        raise Unsupported(f"block_k={bk}: block_k * itemsize must be a multiple of 32 bytes (the operand swizzle)")
+    f32 = itemsize == 4
+    check_operand_tiles(itemsize, spec.a_km and not f32, spec.b_nk or f32, bm, bn, bk)
     if cfg.epi_tile_m % 64 or bm % cfg.epi_tile_m:
         raise Unsupported(f"epi_tile_m={cfg.epi_tile_m} must be a multiple of 64 dividing block_m={bm}")
     if bn % cfg.epi_tile_n or cfg.epi_tile_n % 8:
@@ -202,11 +194,6 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("max_concurrent_steps and grid_tile_width must be >= 1")
     if cfg.wg_dimension not in (M_DIM, N_DIM) or cfg.grid_minor_dim not in (M_DIM, N_DIM):
         raise Unsupported("wg_dimension / grid_minor_dim must be 0 (M) or 1 (N)")
-    f32 = itemsize == 4
-    a_km, b_nk = spec.a_km and not f32, spec.b_nk or f32
-    sw = min(_swizzle(bm if a_km else bk, itemsize), _swizzle(bk if b_nk else bn, itemsize), _swizzle(bk, itemsize))
-    if sw < 32:
-        raise Unsupported(f"operand tiles {bm}x{bk} / {bk}x{bn} allow only a {sw}-byte swizzle (wgmma needs >= 32)")
     g = spec.group.graph
     for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
@@ -236,21 +223,7 @@ def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
     for v in epi_inputs(spec):
         sp, isz = spec.epi.span[v], _kernel_dtype(g.avals[v].dtype).itemsize
         ins += 2 * isz * (em * en if sp == FULL else em if sp == ROWS else en if sp.cols else 0)
-    return ring + outs + ins + 2048  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
-
-
-def _kernel_dtype(dtype) -> np.dtype:
-    """How an array is passed to the kernel: bool as int8 (TMA copies bytes)."""
-    return np.dtype(np.int8) if np.dtype(dtype) == np.dtype(bool) else np.dtype(dtype)
-
-
-def _num_sms_default() -> int:
-    """The SM count of the device the kernel will run on: the abstract mesh's device (export), else the default device."""
-    dev = jax.sharding.get_abstract_mesh().abstract_device
-    if dev is not None and getattr(dev, "num_cores", None):
-        return int(dev.num_cores)
-    d = jax.devices()[0]
-    return int(getattr(d, "core_count", 0) or 0) or 132
+    return ring + outs + ins + SMEM_MARGIN  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
 
 
 # ---------------------------------------------------------------------------
@@ -450,71 +423,3 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         return [jnp.reshape(r[:, :N], g.avals[v].shape) for v, r in zip(outs, res)]
 
     return run
-
-
-def _compute(dtype) -> np.dtype:
-    d = np.dtype(dtype)
-    return np.dtype(np.float32) if d in _LOW else d
-
-
-def _from_kernel(x, dtype):
-    """A loaded epilogue input in the dtype the tile evaluator holds it in (bool back from int8, low floats widened)."""
-    if np.dtype(dtype) == np.dtype(bool):
-        return x != 0
-    return x.astype(_compute(dtype))
-
-
-def _pad_to(n: int, itemsize: int) -> int:
-    q = _TMA_ALIGN // math.gcd(_TMA_ALIGN, itemsize)
-    return -(-n // q) * q
-
-
-def _pad(x, shape):
-    """x zero-padded at the end of each dimension to `shape` (no copy when it already has that shape)."""
-    if tuple(x.shape) == tuple(shape):
-        return x
-    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
-
-
-def _tf(swizzle: int, itemsize: int) -> tuple:
-    """SMEM transforms for a swizzled tile: (8, swizzle bytes) tiles, as wgmma and the fast register stores want."""
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _fits(n: int, tile: int) -> bool:
-    """Mosaic GPU views a TMA'd array in its SMEM tiling: each tiled dimension must be a multiple of the tile
-    (or smaller than it, which we do not rely on: the box would then be larger than the array)."""
-    return n % tile == 0
-
-
-def _operand_layout(itemsize: int, a_shape, a_minor_tile: int, b_shape, b_minor_tile: int, block_k: int):
-    """(swizzle, A's padded shape, B's padded shape) for the wgmma operands.
-
-    The swizzle is the largest that both SMEM tiles' minor dimensions and block_k allow (wgmma issues K in groups
-    of the swizzle's width, even for an M- or N-major operand; 128 bytes for a 64-wide bf16 K tile)
-    and that both arrays' minor dimensions are multiples of (no padding); if none of 32, 64, 128 bytes fits the
-    arrays, the tiles' swizzle is used and the arrays' minor dimensions are zero-padded to it. Rows are padded to a
-    multiple of 8 (the tiling's other side) when needed. Padding is an XLA copy of that operand outside the kernel.
-    """
-    cap = min(_swizzle(a_minor_tile, itemsize), _swizzle(b_minor_tile, itemsize), _swizzle(block_k, itemsize), 128)
-    swizzle = next((s for s in (128, 64, 32) if s <= cap and all(_fits(sh[1], s // itemsize) for sh in (a_shape, b_shape))), cap)
-
-    def padded(shape):
-        r, c = shape
-        e = swizzle // itemsize
-        return -(-r // 8) * 8, -(-c // e) * e
-
-    return swizzle, padded(a_shape), padded(b_shape)
-
-
-def _tile_tf(dtype, shape, minor_tile: int) -> tuple:
-    """SMEM transforms for an epilogue input / output tile of an array of `shape`: swizzled when the array's shape
-    allows a swizzle of at least 32 bytes, else none (plain SMEM: a slower register <-> SMEM copy, but no padding)."""
-    isz = np.dtype(dtype).itemsize
-    if not _fits(shape[0], 8):
-        return ()
-    for s in (128, 64, 32):
-        e = s // isz
-        if minor_tile % e == 0 and _fits(shape[1], e):
-            return _tf(s, isz)
-    return ()
