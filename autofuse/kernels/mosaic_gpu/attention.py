@@ -1,0 +1,757 @@
+"""The `attention` template lowered to Pallas Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
+
+The loop structure is the forward of JAX's `pallas/ops/gpu/attention_mgpu.py`
+(FlashAttention-3 style; 653 TFLOP/s f16 on an H100 against cuDNN's 630):
+one CTA per (block of 2 * block_q queries, batch position) runs three
+warpgroups. The memory warpgroup streams [block_kv, D] tiles of K and V by TMA
+into a `max_concurrent_steps`-deep ring of swizzled SMEM buffers (and, with
+them, the score work's per-step inputs: a bias tile, a key-padding vector).
+Each of the two compute warpgroups owns block_q query rows: Q by TMA into SMEM,
+then per key block S = Q K^T by `wgmma` into a float32 [block_q, block_kv]
+register accumulator (WGMMA layout), the group's own score work on it, an
+online softmax (running max / sum as WGMMA row vectors, `exp2` with the scale
+folded into one FMA per score) and O += P V by `wgmma` with P taken from
+registers. A two-party "schedule barrier" makes the two compute warpgroups
+alternate, so one's softmax overlaps the other's tensor-core work.
+
+What differs from attention_mgpu is that nothing of the score work is
+hand-written: the equations between the two dots are the group's jaxpr,
+evaluated on the WGMMA-layout score tile by `ScoreTiles` (the colleague's
+`tiles.RegisterTiles` with attention coordinates: an `iota` along the query
+axis is a WGMMA row vector offset by the block's first query, along the key
+axis a column vector offset by the key block's first key, along a batch axis the
+CTA's batch index). Scale, causal / sliding-window masks from iota, an
+additive bias [.., Lq, Lk], key-padding masks [B, Lk], soft-capping (tanh),
+whatever elementwise work Mosaic GPU can lower. Masks that depend on iota
+alone are analysed on the host (`attention.block_ranges`): key blocks masked
+out for a whole block of queries are never loaded nor visited, and key blocks
+with nothing masked skip the mask arithmetic. GQA and heads split out of a
+[B, L, H*D] array are the spec's index arithmetic on the TMA coordinates.
+
+bf16: attention_mgpu 0.11.2 refuses bfloat16 only because its SMEM scratch
+buffers are declared float16 (the TMA copy then fails "Expected dtypes to
+match"); wgmma takes bf16 for A from registers as for f16 (PTX `wgmma.mma_async`
+.bf16 with a float32 accumulator; Mosaic's `wgmma` accepts bf16 register
+operands). Here every buffer has its operand's dtype, so bf16 and f16 both run.
+
+Ragged shapes: no padding. TMA zero-fills what a box reads past an array's
+end (Q rows, K/V rows past L), TMA stores drop what lies outside, and the key
+block at the end of the sequence masks its columns past Lk to -inf.
+
+Interpret mode (CPU) cannot run wgmma with an operand in registers nor
+`pl.run_state` over an accumulator: there P goes through SMEM and P V into a
+fresh accumulator that is added to O (same numbers; `export_for_cuda` checks the
+register path).
+
+Declined (`Unsupported`): float32 operands (wgmma takes P from registers only
+as a 16-bit type), head dims that are not a multiple of 32 bytes or above 256,
+score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`), a batch of
+more than 65535 (the grid's second axis), configs that break a wgmma / TMA /
+shared-memory rule (`check_config`). Operands whose head dim is not their
+minor axis, outputs stored [.., D, Lq] and score inputs laid out [.., Lk, Lq]
+are transposed by XLA outside the kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ... import ops
+from ...graph import Group, Node
+from ..attention import AttentionSpec, Operand, block_ranges, scale_fold
+from ..tiling import cdiv, needed
+from .tiles import COLS, FULL, NONE, ROWS, RegisterTiles, Unsupported, check_nodes, layout
+
+BACKEND = "mosaic_gpu"
+SMEM_LIMIT = 232448  # bytes of shared memory per CTA on an H100/H200 (Mosaic GPU's max_smem_bytes)
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_LOG2E = math.log2(math.e)
+_TMA_ALIGN = 16  # bytes: TMA strides (all but the innermost) must be multiples of this
+_MAX_GRID_Y = 65535
+
+#: Config parameters and their defaults (attention_mgpu's best forward config on an H100, D=128).
+DEFAULTS = {
+    "block_q": 64,  # query rows of ONE compute warpgroup (a multiple of 64: wgmma's M); a CTA covers 2 * block_q
+    "block_kv": 128,  # keys per step (a multiple of 64, at most 256: wgmma's N for S, its K groups for P V)
+    "max_concurrent_steps": 2,  # depth of the TMA ring of K/V buffers (clamped to the key blocks)
+    "schedule_barrier": 1,  # 1: the two compute warpgroups alternate tensor-core and softmax phases
+}
+PARAMS = tuple(DEFAULTS)
+#: Choices for a search (illegal combinations, shared memory included, are rejected by `check_config`).
+SPACE = {
+    "block_q": [64, 128],
+    "block_kv": [64, 128, 192, 256],
+    "max_concurrent_steps": [2, 3, 4],
+    "schedule_barrier": [0, 1],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_q: int
+    block_kv: int
+    max_concurrent_steps: int
+    schedule_barrier: int
+
+    @staticmethod
+    def of(config: dict) -> "Config":
+        return Config(**{k: int(config.get(k, v)) for k, v in DEFAULTS.items()})
+
+
+# ---------------------------------------------------------------------------
+# The score tile evaluator.
+class ScoreTiles(RegisterTiles):
+    """`RegisterTiles` on a [block_q, block_kv] score tile: rows are queries, columns keys.
+
+    `iota` along the query / key axis gives global positions (`r0` = the block's first query, `c0` = the key
+    block's first key), along a batch axis the CTA's batch index (`bidx`, a scalar). Float-to-float converts
+    keep float32 (excess precision, as XLA allows and the Triton lowering does): rounding each score to
+    bfloat16 and back would cost two instructions per score in the inner loop.
+    """
+
+    def __init__(self, spec: AttentionSpec, bq: int, bk: int):
+        super().__init__(spec.tile, bq, bk)
+        self.aspec = spec
+        self.bidx: list = []
+
+    def eval_node(self, nd: Node, env: dict, r0=0, c0=0) -> None:
+        if nd.name == "convert_element_type":
+            src, dst = self.g.aval(nd.inputs[0]).dtype, self.g.avals[nd.outputs[0]].dtype
+            if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
+                env[nd.outputs[0]] = jnp.asarray(self.atom(env, nd.inputs[0])).astype(ops.compute_dtype(dst))
+                return
+        super().eval_node(nd, env, r0, c0)
+
+    def iota(self, nd: Node, r0, c0):
+        out = nd.outputs[0]
+        a = self.spec.axes[out][nd.params["dimension"]]
+        dt = ops.compute_dtype(nd.params["dtype"])
+        if a == self.aspec.q_axis:
+            x, have = plgpu.broadcasted_iota(jnp.int32, (self.bm,), 0, layout=layout(ROWS)) + r0, ROWS
+        elif a == self.aspec.k_axis:
+            x, have = plgpu.broadcasted_iota(jnp.int32, (self.bn,), 0, layout=layout(COLS)) + c0, COLS
+        else:
+            x, have = (jnp.zeros((), jnp.int32) if a is None else jnp.asarray(self.bidx[a], jnp.int32)), NONE
+        # the value's span says where it lives (an iota over [Lq, Lk] along q is a full tile)
+        return self.widen(x.astype(dt), have, self.spec.span[out])
+
+    def full(self, env: dict, v: int):
+        """Value `v` as a [block_q, block_kv] tile."""
+        return self.widen(env[v], self.spec.span[v], FULL)
+
+
+# ---------------------------------------------------------------------------
+# What is supported.
+def score_inputs(spec: AttentionSpec) -> list[int]:
+    """The score work's inputs from outside the group (bias, masks, scalars), in first-use order."""
+    qkv = {spec.q.value, spec.k.value, spec.v.value}
+    return [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]
+
+
+def _score_nodes(spec: AttentionSpec) -> list[Node]:
+    return list(spec.pre) + list(spec.row_m) + list(spec.exp_branch[2:]) + list(spec.row_l)
+
+
+def check_group(spec: AttentionSpec) -> None:
+    """Raise `Unsupported` if this lowering cannot implement the matched group at all (whatever the config)."""
+    g = spec.group.graph
+    d1, d2 = np.dtype(spec.dot_dtype1), np.dtype(spec.dot_dtype2)
+    if d1 not in _LOW or d2 not in _LOW:
+        raise Unsupported(f"dot dtypes {d1}/{d2}: the Mosaic GPU attention takes bf16 / f16 (wgmma reads P from "
+                          "registers only as a 16-bit type; float32 attention stays with the Triton lowering)")
+    if np.dtype(g.avals[spec.v.value].dtype) != d2:
+        raise Unsupported(f"values {g.avals[spec.v.value].dtype} multiplied in {d2}: a conversion of V inside the group")
+    for name, n, isz in (("D", spec.D, d1.itemsize), ("Dv", spec.Dv, d2.itemsize)):
+        if (n * isz) % 32 or n > 256:
+            raise Unsupported(f"head dim {name}={n}: needs a multiple of 32 bytes ({32 // isz} elements) up to 256 "
+                              "(the SMEM swizzle wgmma reads)")
+    if spec.batch > _MAX_GRID_Y:
+        raise Unsupported(f"batch {spec.batch} > {_MAX_GRID_Y} (the grid's second axis)")
+    check_nodes([nd for nd in _score_nodes(spec)] + [spec.combine])
+    for v in score_inputs(spec):
+        if np.dtype(g.avals[v].dtype).itemsize > 4:
+            raise Unsupported(f"64-bit score input %{v}")
+    if "q" not in spec.out_roles or "d" not in spec.out_roles:
+        raise Unsupported("the output lacks a query or a head axis")
+    if not jnp.issubdtype(g.avals[spec.out].dtype, jnp.floating):
+        raise Unsupported(f"output dtype {g.avals[spec.out].dtype}")
+
+
+def check_config(spec: AttentionSpec, cfg: Config) -> None:
+    """Raise `Unsupported` for a config that breaks a wgmma, TMA, register-layout or shared-memory rule."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    if bq not in (64, 128):
+        raise Unsupported(f"block_q={bq}: a compute warpgroup's wgmma tile has 64 or 128 rows here (64 * n; more "
+                          "would not fit the registers)")
+    if bk % 64 or not 64 <= bk <= 256:
+        raise Unsupported(f"block_kv={bk}: needs a multiple of 64 in [64, 256] (wgmma N for S, K groups for P V)")
+    if cfg.max_concurrent_steps < 1:
+        raise Unsupported("max_concurrent_steps must be >= 1")
+    if cfg.schedule_barrier not in (0, 1):
+        raise Unsupported("schedule_barrier must be 0 or 1")
+    g = spec.group.graph
+    for v in score_inputs(spec):
+        sp = spec.tile.span[v]
+        if sp in (ROWS, COLS):
+            n = bq if sp == ROWS else bk
+            if (n * _vector_dtype(g.avals[v].dtype, n).itemsize) % 128:
+                raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype}: "
+                                  "TMA copies here must move a multiple of 128 bytes")
+        if sp == FULL and (bk * _kernel_dtype(g.avals[v].dtype).itemsize) % 16:
+            raise Unsupported(f"block_kv={bk}: tiles of score input %{v} need rows of 16-byte multiples")
+    need = smem_bytes(spec, cfg)
+    if need > SMEM_LIMIT:
+        raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
+
+
+def _stages(spec: AttentionSpec, cfg: Config) -> int:
+    return max(1, min(cfg.max_concurrent_steps, cdiv(spec.Lk, cfg.block_kv)))
+
+
+def smem_bytes(spec: AttentionSpec, cfg: Config) -> int:
+    """Shared memory the kernel allocates on the GPU (Q/O buffers, the K/V ring and the score inputs' buffers, barriers)."""
+    g = spec.group.graph
+    bq, bk = cfg.block_q, cfg.block_kv
+    s = _stages(spec, cfg)
+    i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
+    out_dt = np.dtype(g.avals[spec.out].dtype)
+    total = 2 * bq * spec.D * i1 + s * bk * (spec.D * i1 + spec.Dv * i2)
+    if not _o_in_q(spec):
+        total += 2 * bq * spec.Dv * out_dt.itemsize
+    for v in score_inputs(spec):
+        sp = spec.tile.span[v]
+        if sp == FULL:
+            total += s * 2 * bq * bk * _kernel_dtype(g.avals[v].dtype).itemsize
+        elif sp == COLS:
+            total += s * bk * _vector_dtype(g.avals[v].dtype, bk).itemsize
+        elif sp == ROWS:
+            total += 2 * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize
+    return total + 2048 + 1024  # reduction scratch (CompilerParams.reduction_scratch_bytes), barriers and alignment
+
+
+def default_config(spec: AttentionSpec) -> dict:
+    """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages), shrunk until it fits."""
+    cfg = dict(DEFAULTS)
+    if spec.Lk <= 64:
+        cfg["block_kv"] = 64
+    while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["block_kv"] > 64:
+        cfg["block_kv"] -= 64
+    while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["max_concurrent_steps"] > 1:
+        cfg["max_concurrent_steps"] -= 1
+    return cfg
+
+
+def _o_in_q(spec: AttentionSpec) -> bool:
+    """The output tile reuses its warpgroup's Q buffer (same shape and dtype), as attention_mgpu does."""
+    return spec.Dv == spec.D and np.dtype(spec.group.graph.avals[spec.out].dtype) == spec.dot_dtype1
+
+
+def _kernel_dtype(dtype) -> np.dtype:
+    """How a tile input is passed to the kernel: bool as int8 (TMA copies bytes)."""
+    return np.dtype(np.int8) if np.dtype(dtype) == np.dtype(bool) else np.dtype(dtype)
+
+
+def _vector_dtype(dtype, n: int) -> np.dtype:
+    """How a row / column vector input is passed: widened (bool, int8, 16-bit floats: to 32 bits) when n of its own
+    type would not make the 128-byte TMA copy the WGMMA row/column layouts load from (values are unchanged)."""
+    d = _kernel_dtype(dtype)
+    if (n * d.itemsize) % 128 == 0:
+        return d
+    if jnp.issubdtype(d, jnp.floating):
+        return np.dtype(np.float32)
+    return np.dtype(np.int32)
+
+
+def _swizzle(minor_elems: int, itemsize: int) -> int:
+    return plgpu.find_swizzle(minor_elems * itemsize * 8)
+
+
+def _tf(minor_elems: int, itemsize: int) -> tuple:
+    """SMEM transforms of a swizzled tile whose rows hold `minor_elems` elements: (8, swizzle bytes) tiles."""
+    sw = min(_swizzle(minor_elems, itemsize), 128)
+    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+
+
+# ---------------------------------------------------------------------------
+# How arrays reach the kernel.
+@dataclasses.dataclass
+class _View:
+    """A kernel argument: the group input permuted / reshaped / converted / padded (outside, by XLA) so that TMA
+    boxes are [rows, minor]; `operand` (q/k/v) or `axes` (score inputs: S-axis of each kernel dim) index it."""
+
+    perm: tuple | None
+    shape: tuple
+    dtype: np.dtype
+    pad: tuple | None
+    operand: Operand | None = None
+    axes: tuple = ()
+
+    def prepare(self, x):
+        if self.perm is not None:
+            x = jnp.transpose(x, self.perm)
+        x = jnp.reshape(x, self.shape)
+        if np.dtype(x.dtype) != self.dtype:
+            x = x.astype(self.dtype)
+        if self.pad is not None:
+            x = jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, self.pad)])
+        return x
+
+
+def _round8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _operand_view(g, op: Operand) -> _View:
+    """q/k/v with the head dim as the minor axis (permuted by XLA if it is not) and the sequence axis a multiple of
+    8 long (zero-padded by XLA if it is not: Mosaic GPU views a TMA'd array in its SMEM tiling of 8-row tiles)."""
+    aval = g.avals[op.value]
+    n = len(aval.shape)
+    perm, op2 = None, op
+    if op.d_axis != n - 1:
+        perm = tuple(a for a in range(n) if a != op.d_axis) + (op.d_axis,)
+        new = {old: i for i, old in enumerate(perm)}
+        op2 = Operand(op.value, new[op.seq_axis], n - 1, {new[a]: t for a, t in op.batch.items()})
+    shape = tuple(aval.shape[a] for a in perm) if perm else tuple(aval.shape)
+    pad = None
+    if shape[op2.seq_axis] % 8:
+        if op2.batch.get(op2.seq_axis):
+            raise Unsupported(f"sequence axis of %{op.value} {aval} merges a batch axis and is not a multiple of 8 long")
+        pad = tuple(_round8(d) if a == op2.seq_axis else d for a, d in enumerate(shape))
+    return _View(perm, shape, np.dtype(aval.dtype), pad, op2)
+
+
+def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
+    """A score input as [batch dims (in order)..., q?, k?] (unit dims dropped), bool as int8, vectors widened to
+    whole 128-byte copies, the minor dim padded to 16 bytes."""
+    g = spec.group.graph
+    aval = g.avals[v]
+    ax = spec.tile.axes[v]
+    dims = [d for d, a in enumerate(ax) if a is not None]
+    if not dims:
+        return _View(None, (1,), _kernel_dtype(aval.dtype), None, axes=())
+    batch = [d for d in dims if ax[d] not in (spec.q_axis, spec.k_axis)]
+    qk = [d for d in dims if ax[d] == spec.q_axis] + [d for d in dims if ax[d] == spec.k_axis]
+    order = batch + qk
+    rest = [d for d in range(len(ax)) if d not in order]  # unit dims
+    perm = tuple(rest + order)
+    shape = tuple(aval.shape[d] for d in order)
+    sp = spec.tile.span[v]
+    dt = _vector_dtype(aval.dtype, n) if sp in (ROWS, COLS) else _kernel_dtype(aval.dtype)
+    pad = list(shape)
+    if sp != NONE:
+        q_el = _TMA_ALIGN // math.gcd(_TMA_ALIGN, dt.itemsize)
+        pad[-1] = -(-shape[-1] // q_el) * q_el  # TMA: strides of 16-byte multiples
+    if sp == FULL:
+        pad[-2] = _round8(shape[-2])  # the query axis: whole 8-row tiles
+    pad = tuple(pad) if tuple(pad) != shape else None
+    return _View(None if perm == tuple(range(len(ax))) else perm, shape, dt, pad, axes=tuple(ax[d] for d in order))
+
+
+def _from_kernel(x, dtype):
+    """A loaded score input in the dtype the evaluator holds it in (bool back from its integer form, low floats widened)."""
+    if np.dtype(dtype) == np.dtype(bool):
+        return x != 0
+    return x.astype(ops.compute_dtype(dtype))
+
+
+def _operand_index(op: Operand, ndim: int, bidx: list, s0, bs: int, D: int) -> tuple:
+    """Index of the [bs, D] TMA box at sequence position s0 of operand `op` (batch index terms added)."""
+    idx = []
+    for a in range(ndim):
+        off = 0
+        for sa, div, mod, mul in op.batch.get(a, ()):
+            off = off + (bidx[sa] // div) % mod * mul
+        if a == op.seq_axis:
+            idx.append(pl.ds(off + s0, bs))
+        elif a == op.d_axis:
+            idx.append(pl.ds(off, D))
+        else:
+            idx.append(off)
+    return tuple(idx)
+
+
+def _ranges_table(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    """Per CTA (2 query blocks): [lo, full_lo, full_hi, hi] of each block, then the CTA's [lo, hi); None without
+    build-time masks (every block visits every key block; the last one masks its columns past Lk)."""
+    r = block_ranges(spec, bq, bk)
+    if r is None:
+        return None
+    nq = len(r)
+    n_cta = cdiv(nq, 2)
+    out = np.zeros((n_cta, 10), np.int32)
+    for c in range(n_cta):
+        blocks = [tuple(int(t) for t in r[2 * c + w]) if 2 * c + w < nq else None for w in (0, 1)]
+        live = [b for b in blocks if b is not None and b[3] > b[0]]
+        clo = min(b[0] for b in live) if live else 0
+        chi = max(b[3] for b in live) if live else 0
+        for w, b in enumerate(blocks):
+            out[c, 4 * w:4 * w + 4] = b if b is not None and b[3] > b[0] else (clo, clo, clo, clo)
+        out[c, 8:] = (clo, chi)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The lowering.
+def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -> Callable:
+    """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order).
+
+    `config`: the parameters in `DEFAULTS` (missing ones take their defaults).
+    `interpret`: True runs under Mosaic GPU interpret mode (CPU; simulates GMEM/SMEM, warpgroups, barriers, TMA);
+    a `plgpu.InterpretGPUParams` runs it with those parameters (e.g. `detect_races=True`).
+    Raises `Unsupported` (a NotImplementedError) for what this lowering does not do.
+    """
+    if spec is None:
+        raise Unsupported("the group is not an attention")
+    check_group(spec)
+    cfg = Config.of(config)
+    check_config(spec, cfg)
+    g = group.graph
+    interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
+    p_via_smem = interp is not None  # interpret mode: no wgmma with A in registers, no run_state over an ACC
+
+    bq, bk = cfg.block_q, cfg.block_kv
+    Lq, Lk, D, Dv = spec.Lq, spec.Lk, spec.D, spec.Dv
+    dt1, dt2 = spec.dot_dtype1, spec.dot_dtype2
+    out_dt = np.dtype(g.avals[spec.out].dtype)
+    nq, nk = cdiv(Lq, bq), cdiv(Lk, bk)
+    n_cta = cdiv(nq, 2)
+    stages = _stages(spec, cfg)
+    use_sched = bool(cfg.schedule_barrier)
+    S = spec.score_shape
+    bsizes = [S[a] for a in spec.batch_axes]
+    ragged_k = Lk % bk != 0
+
+    table = _ranges_table(spec, bq, bk)
+    fold = scale_fold(spec)
+    scale = 1.0 if fold is None else fold[2]
+    masked_nodes = {**spec.mask_selects, **spec.mask_adds} if table is not None else {}
+    y_val = spec.exp_branch[0].inputs[0]
+    targets = {spec.x, y_val}
+    plan = {m: needed(spec.pre, targets, set(), None if m else masked_nodes) for m in (True, False)}
+
+    # Kernel arguments.
+    views = {"q": _operand_view(g, spec.q), "k": _operand_view(g, spec.k), "v": _operand_view(g, spec.v)}
+    ins = score_inputs(spec)
+    ispan = {v: spec.tile.span[v] for v in ins}
+    iviews = {v: _input_view(spec, v, bq if ispan[v] == ROWS else bk) for v in ins}
+    full_in = [v for v in ins if ispan[v] == FULL]  # a [2 * block_q, block_kv] tile per step (memory warpgroup)
+    cols_in = [v for v in ins if ispan[v] == COLS]  # a [block_kv] vector per step (memory warpgroup)
+    rows_in = [v for v in ins if ispan[v] == ROWS]  # a [block_q] vector per compute warpgroup
+    scalar_in = [v for v in ins if ispan[v] == NONE]
+    roles = list(spec.out_roles)
+    o_perm = None
+    if roles.index("d") != len(roles) - 1:  # stored [.., Lq, .., Dv]; XLA moves the head axis back outside
+        o_perm = tuple(i for i in range(len(roles)) if roles[i] != "d") + (roles.index("d"),)
+        roles = [roles[i] for i in o_perm]
+    out_shape = tuple(g.avals[spec.out].shape[i] for i in o_perm) if o_perm else tuple(g.avals[spec.out].shape)
+    q_dim = roles.index("q")
+    out_rows = _round8(out_shape[q_dim])  # written in whole 8-row tiles (then sliced by XLA if Lq % 8)
+    k_out_shape = out_shape[:q_dim] + (out_rows,) + out_shape[q_dim + 1:]
+
+    q_tf, k_tf, v_tf = _tf(D, dt1.itemsize), _tf(D, dt1.itemsize), _tf(Dv, dt2.itemsize)
+    o_tf = _tf(Dv, out_dt.itemsize)
+    full_tf = {v: _tile_tf(iviews[v], bk) for v in full_in}
+    o_in_q = _o_in_q(spec)
+
+    def body(q_ref, k_ref, v_ref, *rest):
+        in_refs = dict(zip(ins, rest[:len(ins)]))
+        tbl_ref = rest[len(ins)] if table is not None else None
+        out_ref = rest[-1]
+        scratch = dict(
+            q_smem=plgpu.SMEM((2, bq, D), dt1, transforms=q_tf),
+            o_smem=None if o_in_q else plgpu.SMEM((2, bq, Dv), out_dt, transforms=o_tf),
+            k_smem=plgpu.SMEM((stages, bk, D), dt1, transforms=k_tf),
+            v_smem=plgpu.SMEM((stages, bk, Dv), dt2, transforms=v_tf),
+            p_smem=plgpu.SMEM((2, bq, bk), dt2, transforms=_tf(bk, dt2.itemsize)) if p_via_smem else None,
+            full_smem=[plgpu.SMEM((stages, 2, bq, bk), iviews[v].dtype, transforms=full_tf[v]) for v in full_in],
+            cols_smem=[plgpu.SMEM((stages, bk), iviews[v].dtype) for v in cols_in],
+            rows_smem=[plgpu.SMEM((2, bq), iviews[v].dtype) for v in rows_in],
+            k_bar=plgpu.Barrier(num_arrivals=1 + 2 * len(full_in) + len(cols_in), num_barriers=stages),
+            v_bar=plgpu.Barrier(num_barriers=stages),
+            q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=2),
+            k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            sched_bar=plgpu.Barrier(num_arrivals=2) if use_sched else None,
+        )
+
+        @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+        def _scope(q_smem, o_smem, k_smem, v_smem, p_smem, full_smem, cols_smem, rows_smem, k_bar, v_bar, q_bar,
+                   k_free, v_free, sched_bar):
+            o_smem = q_smem if o_smem is None else o_smem
+            full_smem, cols_smem, rows_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem)), dict(zip(rows_in, rows_smem))
+            wg = lax.axis_index("wg")
+            cta = lax.axis_index("q")
+            if table is not None:
+                cta = n_cta - 1 - cta  # the longest rows (causal) first
+            bidx: list = [None] * len(S)
+            rem = lax.axis_index("b")
+            for a, s in zip(reversed(spec.batch_axes), reversed(bsizes)):
+                bidx[a] = lax.rem(rem, s)
+                rem = lax.div(rem, s)
+            q_cta0 = cta * (2 * bq)
+            if table is None:
+                clo, chi = 0, nk
+            else:
+                clo, chi = tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9]
+
+            def slot_of(j):
+                return lax.rem(j - clo, stages)
+
+            dyn = lax.axis_index("wg") * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
+
+            def traced(x):
+                return x + dyn if isinstance(x, int) else x
+
+            def sched():
+                if use_sched:
+                    plgpu.barrier_arrive(sched_bar)
+                    plgpu.barrier_wait(sched_bar)
+
+            def in_index(v, q0, nq_rows, k0):
+                idx = []
+                for a in iviews[v].axes:
+                    idx.append(pl.ds(q0, nq_rows) if a == spec.q_axis else pl.ds(k0, bk) if a == spec.k_axis else bidx[a])
+                return tuple(idx)
+
+            @pl.when(wg == 2)
+            def _memory_wg():
+                plgpu.set_max_registers(40, action="decrease")
+
+                def issue_k(j, slot):
+                    k0 = traced(j * bk)
+                    kv = views["k"]
+                    plgpu.copy_gmem_to_smem(k_ref.at[_operand_index(kv.operand, len(kv.shape), bidx, k0, bk, D)],
+                                            k_smem.at[slot], k_bar.at[slot])
+                    for v in full_in:
+                        for w in range(2):
+                            plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q_cta0 + w * bq, bq, k0)],
+                                                    full_smem[v].at[slot, w], k_bar.at[slot])
+                    for v in cols_in:
+                        plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, 0, 0, k0)], cols_smem[v].at[slot], k_bar.at[slot])
+
+                def issue_v(j, slot):
+                    vv = views["v"]
+                    plgpu.copy_gmem_to_smem(v_ref.at[_operand_index(vv.operand, len(vv.shape), bidx, traced(j * bk), bk, Dv)],
+                                            v_smem.at[slot], v_bar.at[slot])
+
+                for i in range(stages):
+                    @pl.when(clo + i < chi)
+                    def _prologue():
+                        issue_k(clo + i, i)
+                        issue_v(clo + i, i)
+
+                @pl.loop(clo, chi - stages)
+                def _ring(j):
+                    slot = slot_of(j)
+                    plgpu.barrier_wait(k_free.at[slot])
+                    issue_k(j + stages, slot)
+                    plgpu.barrier_wait(v_free.at[slot])
+                    issue_v(j + stages, slot)
+
+                @pl.loop(lax.max(clo, chi - stages), chi)
+                def _drain(j):  # observe the last releases too (phases are tracked per thread, in order)
+                    plgpu.barrier_wait(k_free.at[slot_of(j)])
+                    plgpu.barrier_wait(v_free.at[slot_of(j)])
+
+            @pl.when(wg < 2)
+            def _compute_wg():
+                plgpu.set_max_registers(232, action="increase")
+                tiles = ScoreTiles(spec, bq, bk)
+                tiles.bidx = bidx
+                q0 = q_cta0 + wg * bq
+                qv = views["q"]
+                plgpu.copy_gmem_to_smem(q_ref.at[_operand_index(qv.operand, len(qv.shape), bidx, q0, bq, D)],
+                                        q_smem.at[wg], q_bar.at[wg])
+                for v in rows_in:
+                    plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q0, bq, 0)], rows_smem[v].at[wg], q_bar.at[wg])
+                consts = {v: _from_kernel(in_refs[v][0], g.avals[v].dtype) for v in scalar_in}
+                plgpu.barrier_wait(q_bar.at[wg])
+                for v in rows_in:
+                    consts[v] = _from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
+                if table is None:
+                    lo, flo, fhi, hi = 0, 0, nk - int(ragged_k), nk
+                else:
+                    base = cta * 10 + wg * 4
+                    lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
+
+                def step(j, carry, masked: bool):
+                    acc, m_i, msub, l_i = carry
+                    slot = slot_of(j)
+                    k0 = j * bk
+
+                    def compute_qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+                        sched()
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+                    env = dict(consts)
+                    env[spec.dot1.outputs[0]] = s
+                    for v in full_in:
+                        env[v] = _from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL),
+                                                         optimized=bool(full_tf[v])), g.avals[v].dtype)
+                    for v in cols_in:
+                        env[v] = _from_kernel(plgpu.load(cols_smem[v].at[slot], layout=layout(COLS)), g.avals[v].dtype)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    for nd in plan[masked]:
+                        if not masked and nd.id in masked_nodes:
+                            env[nd.outputs[0]] = env[masked_nodes[nd.id]]
+                        elif fold is not None and nd.id == fold[0]:
+                            env[nd.outputs[0]] = env[fold[1]]  # x / c: c goes into the max and the exp's FMA
+                        else:
+                            tiles.eval_node(nd, env, q0, k0)
+                    x = tiles.full(env, spec.x).astype(jnp.float32)
+                    kok = None
+                    if masked and ragged_k:
+                        cols = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=layout(COLS)) + k0
+                        kok = lax.broadcast_in_dim(cols < Lk, (bq, bk), (1,))
+                        x = jnp.where(kok, x, -jnp.inf)
+                    y = x if y_val == spec.x else tiles.full(env, y_val).astype(jnp.float32)
+                    m_new = jnp.maximum(m_i, x.max(axis=1) * scale)
+                    env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    for nd in spec.row_m:
+                        tiles.eval_node(nd, env, q0, k0)
+                    msub_new = jnp.broadcast_to(env[spec.sub_row], (bq,)).astype(jnp.float32) * _LOG2E
+                    # exp(y - m) as 2^(y*c*log2e - m*log2e): one FMA and one ex2 per score
+                    p = jnp.exp2(y * (scale * _LOG2E) - lax.broadcast_in_dim(msub_new, (bq, bk), (0,)))
+                    if kok is not None and y_val != spec.x:
+                        p = jnp.where(kok, p, 0.0)
+                    env[spec.exp_branch[1].outputs[0]] = p
+                    for nd in spec.exp_branch[2:]:
+                        tiles.eval_node(nd, env, q0, k0)
+                    alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp2(msub - msub_new))
+                    e_sum = tiles.full(env, spec.e_sum).astype(jnp.float32)
+                    p16 = tiles.full(env, spec.e_dot).astype(dt2)
+                    acc = acc * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
+                    l_new = l_i * alpha + e_sum.sum(axis=1)
+                    acc, l_new, m_new, msub_new, p16 = lax.optimization_barrier((acc, l_new, m_new, msub_new, p16))
+                    if use_sched:
+                        plgpu.barrier_arrive(sched_bar)  # done with the softmax
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    if use_sched:
+                        plgpu.barrier_wait(sched_bar)  # the tensor cores are free
+
+                    def wait_next_k():
+                        @pl.when(j + 1 < hi)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[slot_of(j + 1)])
+
+                    if p_via_smem:
+                        p_smem.at[wg][...] = p16
+                        plgpu.commit_smem()
+
+                        def compute_pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                            wait_next_k()
+                            return acc_ref[...]
+
+                        acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((bq, Dv), jnp.float32))
+                    else:
+                        def compute_pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            wait_next_k()
+
+                        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, msub_new, l_new
+
+                def flush(j, _):
+                    # A key block the CTA loads for the other warpgroup only: observe its loads (barrier phases are
+                    # tracked per thread, in order), release its buffers, keep the schedule barrier's count.
+                    slot = slot_of(j)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    sched()
+                    sched()
+
+                row = layout(ROWS)
+                carry = (plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), layout(FULL)),
+                         plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
+                         plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
+                         plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
+                if table is not None:
+                    lax.fori_loop(clo, lo, flush, None)
+
+                @pl.when(lo < hi)
+                def _first_k():
+                    plgpu.barrier_wait(k_bar.at[slot_of(lo)])
+
+                if use_sched:
+                    pl.when(wg == 1)(sched)
+                carry = lax.fori_loop(lo, flo, functools.partial(_call, step, masked=True), carry)
+                carry = lax.fori_loop(flo, fhi, functools.partial(_call, step, masked=False), carry)
+                carry = lax.fori_loop(fhi, hi, functools.partial(_call, step, masked=True), carry)
+                if table is not None:
+                    lax.fori_loop(hi, chi, flush, None)
+                if use_sched:
+                    pl.when(wg == 0)(sched)
+
+                acc, _, _, l_i = carry
+                env = {spec.sum_node.outputs[0]: l_i}
+                for nd in spec.row_l:
+                    tiles.eval_node(nd, env, q0, 0)
+                c = jnp.broadcast_to(env[spec.l_row], (bq,)).astype(jnp.float32)
+                comb = spec.combine
+                if comb.name == "div" and spec.e_first:
+                    o = acc * lax.broadcast_in_dim(1.0 / c, (bq, Dv), (0,))  # one division per row
+                else:
+                    cb = lax.broadcast_in_dim(c, (bq, Dv), (0,))
+                    o = ops.eval_elementwise(comb.primitive, comb.params, jnp.float32, [acc, cb] if spec.e_first else [cb, acc])
+                o_smem.at[wg][...] = o.astype(out_dt)
+                plgpu.commit_smem()
+                oidx = tuple(pl.ds(q0, bq) if r == "q" else slice(None) if r == "d" else 0 if r is None else bidx[r]
+                             for r in roles)
+
+                @pl.when(q0 < Lq)
+                def _store():
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[oidx])
+
+                plgpu.wait_smem_to_gmem(0)
+
+    name = f"autofuse_attention_mgpu_{group.signature[:8]}"
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(k_out_shape, out_dt), grid=(n_cta, spec.batch), grid_names=("q", "b"),
+        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), interpret=interp,
+        kernel_name=name)
+    tbl = None if table is None else jnp.asarray(table.reshape(-1))
+
+    def run(*xs):
+        env = dict(zip(group.inputs, xs))
+        args = [views[r].prepare(env[getattr(spec, r).value]) for r in ("q", "k", "v")]
+        args += [iviews[v].prepare(env[v]) for v in ins]
+        if tbl is not None:
+            args.append(tbl)
+        o = kernel(*args)
+        if out_rows != out_shape[q_dim]:
+            o = lax.slice_in_dim(o, 0, out_shape[q_dim], axis=q_dim)
+        if o_perm is not None:
+            o = jnp.transpose(o, np.argsort(o_perm))
+        return [jnp.reshape(o, g.avals[spec.out].shape)]
+
+    return run
+
+
+def _call(step, j, carry, *, masked):
+    return step(j, carry, masked)
+
+
+def _tile_tf(view: _View, bk: int) -> tuple:
+    """SMEM transforms of a score input's [block_q, block_kv] tile: swizzled when its rows allow (else plain SMEM)."""
+    isz = view.dtype.itemsize
+    minor = (view.pad or view.shape)[-1]
+    for s in (128, 64, 32):
+        e = s // isz
+        if bk % e == 0 and minor % e == 0:
+            return (plgpu.TilingTransform((8, e)), plgpu.SwizzleTransform(s))
+    return ()
