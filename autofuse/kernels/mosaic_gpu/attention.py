@@ -69,13 +69,11 @@ from ... import ops
 from ...graph import Group, Node
 from ..attention import AttentionSpec, Operand, block_ranges, scale_fold
 from ..tiling import cdiv, needed
+from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
 from .tiles import COLS, FULL, NONE, ROWS, RegisterTiles, Unsupported, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
-SMEM_LIMIT = 232448  # bytes of shared memory per CTA on an H100/H200 (Mosaic GPU's max_smem_bytes)
-_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _LOG2E = math.log2(math.e)
-_TMA_ALIGN = 16  # bytes: TMA strides (all but the innermost) must be multiples of this
 _MAX_GRID_Y = 65535
 
 #: Config parameters and their defaults (attention_mgpu's best forward config on an H100, D=128).
@@ -165,7 +163,7 @@ def check_group(spec: AttentionSpec) -> None:
     """Raise `Unsupported` if this lowering cannot implement the matched group at all (whatever the config)."""
     g = spec.group.graph
     d1, d2 = np.dtype(spec.dot_dtype1), np.dtype(spec.dot_dtype2)
-    if d1 not in _LOW or d2 not in _LOW:
+    if d1 not in LOW or d2 not in LOW:
         raise Unsupported(f"dot dtypes {d1}/{d2}: the Mosaic GPU attention takes bf16 / f16 (wgmma reads P from "
                           "registers only as a 16-bit type; float32 attention stays with the Triton lowering)")
     if np.dtype(g.avals[spec.v.value].dtype) != d2:
@@ -206,7 +204,7 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
             if (n * _vector_dtype(g.avals[v].dtype, n).itemsize) % 128:
                 raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype}: "
                                   "TMA copies here must move a multiple of 128 bytes")
-        if sp == FULL and (bk * _kernel_dtype(g.avals[v].dtype).itemsize) % 16:
+        if sp == FULL and (bk * kernel_dtype(g.avals[v].dtype).itemsize) % 16:
             raise Unsupported(f"block_kv={bk}: tiles of score input %{v} need rows of 16-byte multiples")
     need = smem_bytes(spec, cfg)
     if need > SMEM_LIMIT:
@@ -218,24 +216,27 @@ def _stages(spec: AttentionSpec, cfg: Config) -> int:
 
 
 def smem_bytes(spec: AttentionSpec, cfg: Config) -> int:
-    """Shared memory the kernel allocates on the GPU (Q/O buffers, the K/V ring and the score inputs' buffers, barriers)."""
+    """Shared memory the kernel allocates on the GPU, as Mosaic GPU counts it: each buffer (Q/O, the K/V ring, the
+    score inputs' buffers) in whole KiB, 8 bytes per barrier, the reduction scratch (CompilerParams' 2 KiB).
+    Matches the `smem_bytes` of Mosaic GPU's error message exactly on the configs tried."""
     g = spec.group.graph
     bq, bk = cfg.block_q, cfg.block_kv
     s = _stages(spec, cfg)
     i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
     out_dt = np.dtype(g.avals[spec.out].dtype)
-    total = 2 * bq * spec.D * i1 + s * bk * (spec.D * i1 + spec.Dv * i2)
+    bufs = [2 * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2]
     if not _o_in_q(spec):
-        total += 2 * bq * spec.Dv * out_dt.itemsize
+        bufs.append(2 * bq * spec.Dv * out_dt.itemsize)
     for v in score_inputs(spec):
         sp = spec.tile.span[v]
         if sp == FULL:
-            total += s * 2 * bq * bk * _kernel_dtype(g.avals[v].dtype).itemsize
+            bufs.append(s * 2 * bq * bk * kernel_dtype(g.avals[v].dtype).itemsize)
         elif sp == COLS:
-            total += s * bk * _vector_dtype(g.avals[v].dtype, bk).itemsize
+            bufs.append(s * bk * _vector_dtype(g.avals[v].dtype, bk).itemsize)
         elif sp == ROWS:
-            total += 2 * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize
-    return total + 2048 + 1024  # reduction scratch (CompilerParams.reduction_scratch_bytes), barriers and alignment
+            bufs.append(2 * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize)
+    barriers = 4 * s + 2 + (1 if cfg.schedule_barrier else 0)
+    return sum(-(-b // 1024) * 1024 for b in bufs) + 8 * barriers + 2048
 
 
 def default_config(spec: AttentionSpec) -> dict:
@@ -255,15 +256,10 @@ def _o_in_q(spec: AttentionSpec) -> bool:
     return spec.Dv == spec.D and np.dtype(spec.group.graph.avals[spec.out].dtype) == spec.dot_dtype1
 
 
-def _kernel_dtype(dtype) -> np.dtype:
-    """How a tile input is passed to the kernel: bool as int8 (TMA copies bytes)."""
-    return np.dtype(np.int8) if np.dtype(dtype) == np.dtype(bool) else np.dtype(dtype)
-
-
 def _vector_dtype(dtype, n: int) -> np.dtype:
     """How a row / column vector input is passed: widened (bool, int8, 16-bit floats: to 32 bits) when n of its own
     type would not make the 128-byte TMA copy the WGMMA row/column layouts load from (values are unchanged)."""
-    d = _kernel_dtype(dtype)
+    d = kernel_dtype(dtype)
     if (n * d.itemsize) % 128 == 0:
         return d
     if jnp.issubdtype(d, jnp.floating):
@@ -271,14 +267,9 @@ def _vector_dtype(dtype, n: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
-def _swizzle(minor_elems: int, itemsize: int) -> int:
-    return plgpu.find_swizzle(minor_elems * itemsize * 8)
-
-
 def _tf(minor_elems: int, itemsize: int) -> tuple:
     """SMEM transforms of a swizzled tile whose rows hold `minor_elems` elements: (8, swizzle bytes) tiles."""
-    sw = min(_swizzle(minor_elems, itemsize), 128)
-    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+    return smem_transforms(min(swizzle(minor_elems, itemsize), 128), itemsize)
 
 
 # ---------------------------------------------------------------------------
@@ -337,7 +328,7 @@ def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
     ax = spec.tile.axes[v]
     dims = [d for d, a in enumerate(ax) if a is not None]
     if not dims:
-        return _View(None, (1,), _kernel_dtype(aval.dtype), None, axes=())
+        return _View(None, (1,), kernel_dtype(aval.dtype), None, axes=())
     batch = [d for d in dims if ax[d] not in (spec.q_axis, spec.k_axis)]
     qk = [d for d in dims if ax[d] == spec.q_axis] + [d for d in dims if ax[d] == spec.k_axis]
     order = batch + qk
@@ -345,22 +336,14 @@ def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
     perm = tuple(rest + order)
     shape = tuple(aval.shape[d] for d in order)
     sp = spec.tile.span[v]
-    dt = _vector_dtype(aval.dtype, n) if sp in (ROWS, COLS) else _kernel_dtype(aval.dtype)
+    dt = _vector_dtype(aval.dtype, n) if sp in (ROWS, COLS) else kernel_dtype(aval.dtype)
     pad = list(shape)
     if sp != NONE:
-        q_el = _TMA_ALIGN // math.gcd(_TMA_ALIGN, dt.itemsize)
-        pad[-1] = -(-shape[-1] // q_el) * q_el  # TMA: strides of 16-byte multiples
+        pad[-1] = pad_to(shape[-1], dt.itemsize)  # TMA: strides of 16-byte multiples
     if sp == FULL:
         pad[-2] = _round8(shape[-2])  # the query axis: whole 8-row tiles
     pad = tuple(pad) if tuple(pad) != shape else None
     return _View(None if perm == tuple(range(len(ax))) else perm, shape, dt, pad, axes=tuple(ax[d] for d in order))
-
-
-def _from_kernel(x, dtype):
-    """A loaded score input in the dtype the evaluator holds it in (bool back from its integer form, low floats widened)."""
-    if np.dtype(dtype) == np.dtype(bool):
-        return x != 0
-    return x.astype(ops.compute_dtype(dtype))
 
 
 def _operand_index(op: Operand, ndim: int, bidx: list, s0, bs: int, D: int) -> tuple:
@@ -415,7 +398,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
     cfg = Config.of(config)
     check_config(spec, cfg)
     g = group.graph
-    interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
+    interp = interpret_params(interpret)
     p_via_smem = interp is not None  # interpret mode: no wgmma with A in registers, no run_state over an ACC
 
     bq, bk = cfg.block_q, cfg.block_kv
@@ -573,10 +556,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                                         q_smem.at[wg], q_bar.at[wg])
                 for v in rows_in:
                     plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q0, bq, 0)], rows_smem[v].at[wg], q_bar.at[wg])
-                consts = {v: _from_kernel(in_refs[v][0], g.avals[v].dtype) for v in scalar_in}
+                consts = {v: from_kernel(in_refs[v][0], g.avals[v].dtype) for v in scalar_in}
                 plgpu.barrier_wait(q_bar.at[wg])
                 for v in rows_in:
-                    consts[v] = _from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
+                    consts[v] = from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
                 if table is None:
                     lo, flo, fhi, hi = 0, 0, nk - int(ragged_k), nk
                 else:
@@ -597,10 +580,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                     env = dict(consts)
                     env[spec.dot1.outputs[0]] = s
                     for v in full_in:
-                        env[v] = _from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL),
+                        env[v] = from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL),
                                                          optimized=bool(full_tf[v])), g.avals[v].dtype)
                     for v in cols_in:
-                        env[v] = _from_kernel(plgpu.load(cols_smem[v].at[slot], layout=layout(COLS)), g.avals[v].dtype)
+                        env[v] = from_kernel(plgpu.load(cols_smem[v].at[slot], layout=layout(COLS)), g.avals[v].dtype)
                     plgpu.barrier_arrive(k_free.at[slot])
                     for nd in plan[masked]:
                         if not masked and nd.id in masked_nodes:
