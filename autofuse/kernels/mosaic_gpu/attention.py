@@ -211,6 +211,11 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
         raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
 
 
+def check(spec: AttentionSpec, config: dict) -> None:
+    """`check_config` for a config as the tuner and plans give it (a dict)."""
+    check_config(spec, Config.of(config))
+
+
 def _stages(spec: AttentionSpec, cfg: Config) -> int:
     return max(1, min(cfg.max_concurrent_steps, cdiv(spec.Lk, cfg.block_kv)))
 

@@ -1,0 +1,292 @@
+"""The Mosaic GPU (Hopper: TMA, wgmma, warp specialisation) lowering of the `attention` template, on the CPU.
+
+Numerics run under Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`: it
+simulates GMEM/SMEM, the three warpgroups, barriers and TMA, zero-filling
+out-of-bounds TMA reads and dropping out-of-bounds TMA writes, and checks that
+every warpgroup observes every barrier phase) against `jax.jit` of the same
+group. Interpret mode runs P V with P through SMEM (it has no wgmma with an
+operand in registers); `jax.export` for CUDA under an abstract H100 runs the
+real Mosaic GPU lowering of the register path (layouts, wgmma and TMA rules,
+the shared-memory limit) with no GPU, so every case is also exported.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import autofuse
+from autofuse.kernels import attention
+from autofuse.kernels.mosaic_gpu import attention as mgpu_attention
+from autofuse.kernels.mosaic_gpu.tiles import Unsupported
+from autofuse.runner.evaluator import export_for_cuda
+from autofuse.tuning.partition import enumerate_candidates
+from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3}  # relative error norms, as the project's checks
+S = jax.ShapeDtypeStruct
+
+
+def causal_iota_minus_1e9(q, k, v):
+    # [B, H, L, D] with `@`, a causal mask from explicit iota comparisons and a finite fill
+    L = q.shape[2]
+    s = (q @ jnp.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
+    causal = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0) >= jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    s = jnp.where(causal, s, -1e9)
+    e = jnp.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).astype(v.dtype) @ v
+
+
+def bias_blhd(q, k, v, bias):
+    # additive bias [H, Lq, Lk] (relative-position style), [B, L, H, D] layout (the output is stored [B, H, D, L])
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125 + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def padding_mask(q, k, v, keep):
+    # key padding mask [B, Lk] (bool), [B, H, L, D]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+    s = jnp.where(keep[:, None, None, :], s, -1e9)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
+def gqa_repeat(q, k, v):
+    # grouped-query attention: 4 query heads share each of 2 key/value heads (jnp.repeat)
+    g = q.shape[2] // k.shape[2]
+    return attention_blhd(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2))
+
+
+def gqa_broadcast(q, k, v):
+    # grouped-query attention with the key/value heads broadcast and merged by hand
+    b, l, h, d = q.shape
+    hk = k.shape[2]
+    k = jnp.broadcast_to(k[:, :, :, None, :], (b, l, hk, h // hk, d)).reshape(b, l, h, d)
+    v = jnp.broadcast_to(v[:, :, :, None, :], (b, l, hk, h // hk, d)).reshape(b, l, h, d)
+    return attention_blhd(q, k, v)
+
+
+def heads_split_causal(xq, xk, xv):
+    # GPT-2 style: heads split out of [B, L, H*D] by reshape (TMA boxes at column h*D), causal with a finfo.min fill
+    b, l, hd = xq.shape
+    q, k, v = (t.reshape(b, l, 2, hd // 2) for t in (xq, xk, xv))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd // 2)
+    s = jnp.where(jnp.tril(jnp.ones((l, l), bool)), s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def softcap_then_causal(q, k, v):
+    # tanh soft-capping before the mask: the mask is still known at build time (blocks skipped)
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = 5.0 * jnp.tanh(s / 5.0)
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def causal_then_softcap(q, k, v):
+    # the mask before tanh: capping revives masked scores (-inf -> -5), so nothing may be skipped
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    s = 5.0 * jnp.tanh(s / 5.0)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def sliding_window(q, k, v):
+    # a band of 80 keys: later query blocks start after key block 0 (leading key blocks flushed by one warpgroup)
+    L = q.shape[2]
+    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = jnp.where((i >= j) & (i - j < 80), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def cross_causal_bottom_right(q, k, v):
+    # Lq != Lk, the causal diagonal aligned to the last key (decoding with a cache)
+    Lq, Lk = q.shape[2], k.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+    s = jnp.where(jnp.arange(Lq)[:, None] + (Lk - Lq) >= jnp.arange(Lk)[None, :], s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
+def scalar_temperature_f32_out(q, k, v, t):
+    # a runtime scalar in the score work, a float32 output (its own SMEM buffer, not Q's)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * t
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v).astype(jnp.float32)
+
+
+K64 = {"block_kv": 64}  # several key blocks at these small lengths
+L = 100  # ragged against 64 and 128, and not a multiple of 8 (q/k/v/out padded to 104 rows by XLA)
+BHLD, BLHD = (2, 2, L, 64), (2, L, 2, 64)
+CASES = [
+    pytest.param(attention_bhld, [BHLD] * 3, BF16, K64, id="bhld-bf16-ragged"),
+    pytest.param(attention_bhld, [BHLD] * 3, F16, None, id="bhld-f16-ragged-default-config"),
+    pytest.param(attention_blhd, [BLHD] * 3, BF16, K64, id="blhd-bf16-out-transposed"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, K64, id="causal-tril-bf16"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F16,
+                 {"block_q": 128, "block_kv": 64, "max_concurrent_steps": 3}, id="causal-tril-f16-bq128-3-stages"),
+    pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, None, id="causal-d128-bf16-default-config"),
+    pytest.param(attention_bhld, [(1, 1, 300, 128)] * 3, BF16, {"block_kv": 192, "schedule_barrier": 0},
+                 id="bhld-d128-bkv192-no-schedule-barrier"),
+    pytest.param(causal_iota_minus_1e9, [(1, 2, 200, 64)] * 3, F16, K64, id="causal-iota-finite-fill-f16"),
+    pytest.param(bias_blhd, [BLHD] * 3 + [(2, L, L)], BF16, K64, id="bias-blhd-bf16"),
+    pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, K64, id="padding-mask-bf16"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, K64, id="gqa-repeat-bf16"),
+    pytest.param(gqa_broadcast, [(1, L, 4, 64), (1, L, 1, 64), (1, L, 1, 64)], F16, K64, id="gqa-broadcast-f16"),
+    pytest.param(heads_split_causal, [(1, L, 128)] * 3, BF16, K64, id="heads-split-from-BL(HD)-causal-bf16"),
+    pytest.param(softcap_then_causal, [(1, 2, L, 64)] * 3, BF16, K64, id="softcap-then-causal-bf16"),
+    pytest.param(causal_then_softcap, [(1, 2, L, 64)] * 3, F16, K64, id="causal-then-softcap-f16"),
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, K64, id="sliding-window-bf16"),
+    pytest.param(cross_causal_bottom_right, [(1, 2, 70, 64), (1, 2, 200, 64), (1, 2, 200, 64)], BF16, K64,
+                 id="cross-causal-bottom-right-bf16"),
+    pytest.param(attention_bhld_causal, [(1, 2, L, 48)] * 3, BF16, K64, id="causal-head-dim-48-bf16"),
+    pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f32-out-f16"),
+]
+
+
+def _specs(fn, shapes, dtype):
+    def dt(s):
+        if fn is padding_mask and len(s) == 2:
+            return jnp.bool_
+        if fn is scalar_temperature_f32_out and s == ():
+            return F32
+        return dtype
+    return [S(s, dt(s)) for s in shapes]
+
+
+def _group(fn, shapes, dtype):
+    g = autofuse.capture(fn, *_specs(fn, shapes, dtype))
+    cands = [c for c in enumerate_candidates(g) if c.template == "attention"]
+    assert cands, "an attention candidate is enumerated"
+    c = max(cands, key=lambda c: len(c.nodes))
+    return g, c.group, c.spec
+
+
+def _inputs(group, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(group.inputs))
+    out = []
+    for k, a in zip(keys, group.input_avals()):
+        if a.dtype == jnp.bool_:
+            x = jax.random.bernoulli(k, 0.8, a.shape).at[..., 0].set(True)  # every row keeps a key
+        else:
+            x = jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
+        out.append(x)
+    return out
+
+
+def _rel_err(out, ref) -> float:
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert o.shape == r.shape and np.isfinite(o).all()
+    return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,config", CASES)
+def test_interpret_matches_xla(fn, shapes, dtype, config):
+    g, group, spec = _group(fn, shapes, dtype)
+    cfg = config or mgpu_attention.default_config(spec)
+    kernel = mgpu_attention.lower(group, spec, cfg, interpret=True)
+    xs = _inputs(group)
+    (out,) = jax.block_until_ready(kernel(*xs))
+    (ref,) = jax.jit(lambda *a: group.evaluate(a))(*xs)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = _rel_err(out, ref)
+    assert err <= TOL[np.dtype(dtype)], (cfg, err)
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,config", CASES)
+def test_lowers_for_cuda(fn, shapes, dtype, config):
+    """The real Mosaic GPU lowering (no GPU): wgmma with P in registers, layouts, TMA tiling, shared memory."""
+    g, group, spec = _group(fn, shapes, dtype)
+    for cfg in ([config] if config else []) + [mgpu_attention.default_config(spec)]:
+        kernel = mgpu_attention.lower(group, spec, cfg)
+        exp = export_for_cuda(kernel, [S(a.shape, a.dtype) for a in group.input_avals()])
+        assert "mosaic_gpu" in exp.mlir_module()
+        assert [(o.shape, o.dtype) for o in exp.out_avals] == [(a.shape, a.dtype) for a in group.output_avals()]
+
+
+@pytest.mark.parametrize("fn", [attention_bhld, attention_bhld_causal])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_issue_target_shape_lowers(fn, dtype):
+    """B8 H32 L2048 D128 (benchmarks/workloads.py): the default config is attention_mgpu's best and fits."""
+    g, group, spec = _group(fn, [(8, 32, 2048, 128)] * 3, dtype)
+    cfg = mgpu_attention.default_config(spec)
+    assert cfg == mgpu_attention.DEFAULTS
+    assert mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(cfg)) <= mgpu_attention.SMEM_LIMIT
+    exp = export_for_cuda(mgpu_attention.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
+    assert [(o.shape, o.dtype) for o in exp.out_avals] == [((8, 32, 2048, 128), np.dtype(dtype))]
+
+
+def test_causal_ctas_visit_live_key_blocks_only():
+    g, group, spec = _group(attention_bhld_causal, [(1, 1, 2048, 128)] * 3, BF16)
+    t = mgpu_attention._ranges_table(spec, 64, 128)
+    assert t is not None and len(t) == 2048 // 128
+    for c, row in enumerate(t):
+        # CTA c: queries 128c .. 128c+127; key blocks 0..c, the last one (the diagonal) masked, the others mask-free
+        assert list(row) == [0, 0, c, c + 1, 0, 0, c, c + 1, 0, c + 1]
+    g, group, spec = _group(attention_bhld, [(1, 1, 2048, 128)] * 3, BF16)
+    assert mgpu_attention._ranges_table(spec, 64, 128) is None  # no mask: every block, no mask arithmetic
+
+
+def test_no_races_or_barrier_misuse():
+    """Interpret mode's happens-before race detector over TMA, SMEM, barriers (a band: leading and trailing flushes)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    g, group, spec = _group(sliding_window, [(1, 1, 300, 64)] * 3, BF16)
+    kernel = mgpu_attention.lower(group, spec, K64, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(kernel(*_inputs(group)))
+    assert not interpret_pallas_call.get_races().races_found
+
+
+def test_smem_estimate_matches_mosaic(monkeypatch):
+    """`smem_bytes` equals the count in Mosaic GPU's error message (buffers in whole KiB, barriers, reduction scratch)."""
+    monkeypatch.setattr(mgpu_attention, "SMEM_LIMIT", 1 << 30)  # let the oversized configs through our own check
+    for fn, shapes, cfg in [
+        (padding_mask, [(2, 2, 1024, 128)] * 3 + [(2, 1024)], {"block_kv": 128, "max_concurrent_steps": 4}),
+        (bias_blhd, [(1, 1024, 2, 128)] * 3 + [(2, 1024, 1024)], {"block_kv": 256, "max_concurrent_steps": 2}),
+    ]:
+        g, group, spec = _group(fn, shapes, BF16)
+        est = mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(cfg))
+        assert est > 232448
+        with pytest.raises(Exception, match="smem_bytes") as e:
+            export_for_cuda(mgpu_attention.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
+        assert int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1)) == est
+
+
+def highest_precision_free_f32(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def log1p_bias(q, k, v, b):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125 + jnp.log1p(b)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
+def test_declines_what_it_does_not_support():
+    assert issubclass(Unsupported, NotImplementedError)  # what the tuner counts as an infeasible config
+    for fn, shapes, dtype, what in [
+        (highest_precision_free_f32, [(1, 2, 64, 64)] * 3, F32, "float32"),
+        (attention_bhld, [(1, 2, 64, 40)] * 3, BF16, "head dim"),
+        (log1p_bias, [(1, 2, 64, 64)] * 3 + [(64, 64)], BF16, "log1p"),
+    ]:
+        g, group, spec = _group(fn, shapes, dtype)
+        with pytest.raises(Unsupported, match=what):
+            mgpu_attention.lower(group, spec, {})
+        with pytest.raises(Unsupported, match=what):
+            mgpu_attention.check_group(spec)
+
+    g, group, spec = _group(attention_bhld, [(1, 2, 1024, 128)] * 3, BF16)
+    for bad, why in [({"block_q": 96}, "block_q"), ({"block_kv": 96}, "block_kv"), ({"block_kv": 512}, "block_kv"),
+                     ({"block_kv": 256, "max_concurrent_steps": 2}, "shared memory"),
+                     ({"block_kv": 128, "max_concurrent_steps": 4}, "shared memory")]:
+        with pytest.raises(Unsupported, match=why):
+            mgpu_attention.lower(group, spec, bad)
+        with pytest.raises(Unsupported, match=why):
+            mgpu_attention.check(spec, bad)
+    mgpu_attention.check(spec, {"block_kv": 192, "max_concurrent_steps": 2})  # 226 KiB: fits
+    mgpu_attention.check(spec, {"block_kv": 128, "max_concurrent_steps": 3})
