@@ -200,9 +200,11 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
 
 @pytest.mark.parametrize("fn,shapes,dtype,config", CASES)
 def test_lowers_for_cuda(fn, shapes, dtype, config):
-    """The real Mosaic GPU lowering (no GPU): wgmma with P in registers, layouts, TMA tiling, shared memory."""
+    """The real Mosaic GPU lowering (no GPU): wgmma with P in registers, layouts, TMA tiling, shared memory;
+    under both lowering semantics (Warpgroup: layouts inferred, as attention_mgpu; Lane: as the RegisterTiles give)."""
     g, group, spec = _group(fn, shapes, dtype)
-    for cfg in ([config] if config else []) + [mgpu_attention.default_config(spec)]:
+    configs = ([config] if config else []) + [mgpu_attention.default_config(spec)]
+    for cfg in [{**c, "semantics": sem} for c in configs for sem in (0, 1)]:
         kernel = mgpu_attention.lower(group, spec, cfg)
         exp = export_for_cuda(kernel, [S(a.shape, a.dtype) for a in group.input_avals()])
         assert "mosaic_gpu" in exp.mlir_module()

@@ -34,9 +34,19 @@ match"); wgmma takes bf16 for A from registers as for f16 (PTX `wgmma.mma_async`
 .bf16 with a float32 accumulator; Mosaic's `wgmma` accepts bf16 register
 operands). Here every buffer has its operand's dtype, so bf16 and f16 both run.
 
-Ragged shapes: no padding. TMA zero-fills what a box reads past an array's
-end (Q rows, K/V rows past L), TMA stores drop what lies outside, and the key
-block at the end of the sequence masks its columns past Lk to -inf.
+Ragged shapes: TMA zero-fills what a box reads past an array's end (Q rows,
+K/V rows past L), TMA stores drop what lies outside, and the key block at the
+end of the sequence masks its columns past Lk to -inf. One TMA rule forces a
+copy: Mosaic GPU views a swizzled TMA'd array in its SMEM tiling, so an axis
+tiled by 8 rows (the sequence axis of q/k/v and of the output) must be a
+multiple of 8 long, and the minor axis of a [.., Lq, Lk] score input a multiple
+of its swizzle's width: such arrays are zero-padded by XLA outside the kernel
+(the output written padded, then sliced). L % 8 == 0 (every real model) needs none.
+
+Lowering semantics are a config parameter: Warpgroup (layouts inferred by
+Mosaic GPU; what attention_mgpu's forward compiles with in jax 0.11, the
+measured 653 TFLOP/s) or Lane (the explicit WGMMA layouts `RegisterTiles`
+gives, as the matmul lowering uses); both lower every supported group.
 
 Interpret mode (CPU) cannot run wgmma with an operand in registers nor
 `pl.run_state` over an accumulator: there P goes through SMEM and P V into a
@@ -82,6 +92,7 @@ DEFAULTS = {
     "block_kv": 128,  # keys per step (a multiple of 64, at most 256: wgmma's N for S, its K groups for P V)
     "max_concurrent_steps": 2,  # depth of the TMA ring of K/V buffers (clamped to the key blocks)
     "schedule_barrier": 1,  # 1: the two compute warpgroups alternate tensor-core and softmax phases
+    "semantics": 1,  # Mosaic GPU lowering semantics: 1 Warpgroup (inferred layouts; attention_mgpu's, the 0.11 default), 0 Lane
 }
 PARAMS = tuple(DEFAULTS)
 #: Choices for a search (illegal combinations, shared memory included, are rejected by `check_config`).
@@ -90,6 +101,7 @@ SPACE = {
     "block_kv": [64, 128, 192, 256],
     "max_concurrent_steps": [2, 3, 4],
     "schedule_barrier": [0, 1],
+    "semantics": [0, 1],
 }
 
 
@@ -99,6 +111,7 @@ class Config:
     block_kv: int
     max_concurrent_steps: int
     schedule_barrier: int
+    semantics: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -194,8 +207,8 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
         raise Unsupported(f"block_kv={bk}: needs a multiple of 64 in [64, 256] (wgmma N for S, K groups for P V)")
     if cfg.max_concurrent_steps < 1:
         raise Unsupported("max_concurrent_steps must be >= 1")
-    if cfg.schedule_barrier not in (0, 1):
-        raise Unsupported("schedule_barrier must be 0 or 1")
+    if cfg.schedule_barrier not in (0, 1) or cfg.semantics not in (0, 1):
+        raise Unsupported("schedule_barrier and semantics must be 0 or 1")
     g = spec.group.graph
     for v in score_inputs(spec):
         sp = spec.tile.span[v]
@@ -204,8 +217,6 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
             if (n * _vector_dtype(g.avals[v].dtype, n).itemsize) % 128:
                 raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype}: "
                                   "TMA copies here must move a multiple of 128 bytes")
-        if sp == FULL and (bk * kernel_dtype(g.avals[v].dtype).itemsize) % 16:
-            raise Unsupported(f"block_kv={bk}: tiles of score input %{v} need rows of 16-byte multiples")
     need = smem_bytes(spec, cfg)
     if need > SMEM_LIMIT:
         raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
@@ -327,7 +338,9 @@ def _operand_view(g, op: Operand) -> _View:
 
 def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
     """A score input as [batch dims (in order)..., q?, k?] (unit dims dropped), bool as int8, vectors widened to
-    whole 128-byte copies, the minor dim padded to 16 bytes."""
+    whole 128-byte copies, the minor dim padded to 16 bytes; a [.., Lq, Lk] tile input padded to whole swizzled
+    SMEM tiles (8 rows, a multiple of its swizzle's width), as the swizzled TMA copy views it. `n`: block_kv for
+    column vectors and tiles, block_q for row vectors."""
     g = spec.group.graph
     aval = g.avals[v]
     ax = spec.tile.axes[v]
@@ -347,6 +360,8 @@ def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
         pad[-1] = pad_to(shape[-1], dt.itemsize)  # TMA: strides of 16-byte multiples
     if sp == FULL:
         pad[-2] = _round8(shape[-2])  # the query axis: whole 8-row tiles
+        e = _tile_swizzle(n, dt.itemsize) // dt.itemsize
+        pad[-1] = -(-shape[-1] // e) * e
     pad = tuple(pad) if tuple(pad) != shape else None
     return _View(None if perm == tuple(range(len(ax))) else perm, shape, dt, pad, axes=tuple(ax[d] for d in order))
 
@@ -447,7 +462,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
 
     q_tf, k_tf, v_tf = _tf(D, dt1.itemsize), _tf(D, dt1.itemsize), _tf(Dv, dt2.itemsize)
     o_tf = _tf(Dv, out_dt.itemsize)
-    full_tf = {v: _tile_tf(iviews[v], bk) for v in full_in}
+    full_tf = {v: smem_transforms(_tile_swizzle(bk, iviews[v].dtype.itemsize), iviews[v].dtype.itemsize) for v in full_in}
     o_in_q = _o_in_q(spec)
 
     def body(q_ref, k_ref, v_ref, *rest):
@@ -585,8 +600,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                     env = dict(consts)
                     env[spec.dot1.outputs[0]] = s
                     for v in full_in:
-                        env[v] = from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL),
-                                                         optimized=bool(full_tf[v])), g.avals[v].dtype)
+                        env[v] = from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL)), g.avals[v].dtype)
                     for v in cols_in:
                         env[v] = from_kernel(plgpu.load(cols_smem[v].at[slot], layout=layout(COLS)), g.avals[v].dtype)
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -708,9 +722,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                 plgpu.wait_smem_to_gmem(0)
 
     name = f"autofuse_attention_mgpu_{group.signature[:8]}"
+    semantics = plgpu.LoweringSemantics.Warpgroup if cfg.semantics else plgpu.LoweringSemantics.Lane
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(k_out_shape, out_dt), grid=(n_cta, spec.batch), grid_names=("q", "b"),
-        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane), interpret=interp,
+        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
         kernel_name=name)
     tbl = None if table is None else jnp.asarray(table.reshape(-1))
 
@@ -734,12 +749,6 @@ def _call(step, j, carry, *, masked):
     return step(j, carry, masked)
 
 
-def _tile_tf(view: _View, bk: int) -> tuple:
-    """SMEM transforms of a score input's [block_q, block_kv] tile: swizzled when its rows allow (else plain SMEM)."""
-    isz = view.dtype.itemsize
-    minor = (view.pad or view.shape)[-1]
-    for s in (128, 64, 32):
-        e = s // isz
-        if bk % e == 0 and minor % e == 0:
-            return (plgpu.TilingTransform((8, e)), plgpu.SwizzleTransform(s))
-    return ()
+def _tile_swizzle(bk: int, itemsize: int) -> int:
+    """The swizzle (bytes) of a score input's [block_q, block_kv] SMEM tile (block_kv is a multiple of 64: >= 64 B)."""
+    return min(swizzle(bk, itemsize), 128)
