@@ -56,8 +56,9 @@ register path).
 Declined (`Unsupported`): float32 operands (wgmma takes P from registers only
 as a 16-bit type), head dims that are not a multiple of 32 bytes or above 256,
 score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`), a batch of
-more than 65535 (the grid's second axis), configs that break a wgmma / TMA /
-shared-memory rule (`check_config`). Operands whose head dim is not their
+more than 65535 (the grid's second axis), a sequence axis merged with a batch
+axis (an operand read from [B*L, D]) whose length is not a multiple of 8, configs
+that break a wgmma / TMA / shared-memory rule (`check_config`). Operands whose head dim is not their
 minor axis, outputs stored [.., D, Lq] and score inputs laid out [.., Lk, Lq]
 are transposed by XLA outside the kernel.
 """
@@ -76,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
-from ...graph import Group, Node
+from ...graph import Group, Lit, Node
 from ..attention import AttentionSpec, Operand, block_ranges, scale_fold
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
@@ -126,21 +127,41 @@ class ScoreTiles(RegisterTiles):
     `iota` along the query / key axis gives global positions (`r0` = the block's first query, `c0` = the key
     block's first key), along a batch axis the CTA's batch index (`bidx`, a scalar). Float-to-float converts
     keep float32 (excess precision, as XLA allows and the Triton lowering does): rounding each score to
-    bfloat16 and back would cost two instructions per score in the inner loop.
+    bfloat16 and back would cost two instructions per score in the inner loop. A boolean `select_n(p, False,
+    True)` (how `jnp.tril` of a mask of ones reads) is `p` itself, not a select per score.
     """
 
     def __init__(self, spec: AttentionSpec, bq: int, bk: int):
         super().__init__(spec.tile, bq, bk)
         self.aspec = spec
         self.bidx: list = []
+        self.members = {nd.id for nd in spec.tile.group.nodes}
 
     def eval_node(self, nd: Node, env: dict, r0=0, c0=0) -> None:
+        out = nd.outputs[0]
         if nd.name == "convert_element_type":
-            src, dst = self.g.aval(nd.inputs[0]).dtype, self.g.avals[nd.outputs[0]].dtype
+            src, dst = self.g.aval(nd.inputs[0]).dtype, self.g.avals[out].dtype
             if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
-                env[nd.outputs[0]] = jnp.asarray(self.atom(env, nd.inputs[0])).astype(ops.compute_dtype(dst))
+                env[out] = jnp.asarray(self.atom(env, nd.inputs[0])).astype(ops.compute_dtype(dst))
+                return
+        if nd.name == "select_n" and len(nd.inputs) == 3 and self.g.avals[out].dtype == np.dtype(bool):
+            cases = [self._const(a) for a in nd.inputs[1:]]
+            pred = nd.inputs[0]
+            if cases in ([False, True], [True, False]) and self.g.aval(pred).dtype == np.dtype(bool):
+                x = self.widen(self.atom(env, pred), self.span_of(pred), self.spec.span[out])
+                env[out] = x if cases[1] else ~x
                 return
         super().eval_node(nd, env, r0, c0)
+
+    def _const(self, a):
+        """The value of a scalar constant operand (a literal, possibly broadcast or converted in the group), else None."""
+        while not isinstance(a, Lit):
+            nid = self.g.producer.get(a)
+            if nid not in self.members or self.g.node_index[nid].name not in ("broadcast_in_dim", "convert_element_type"):
+                return None
+            a = self.g.node_index[nid].inputs[0]
+        v = np.asarray(a.value)
+        return bool(v) if v.dtype == np.bool_ and v.size == 1 else None
 
     def iota(self, nd: Node, r0, c0):
         out = nd.outputs[0]
