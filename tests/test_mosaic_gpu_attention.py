@@ -145,6 +145,8 @@ CASES = [
     pytest.param(cross_causal_bottom_right, [(1, 2, 70, 64), (1, 2, 200, 64), (1, 2, 200, 64)], BF16, K64,
                  id="cross-causal-bottom-right-bf16"),
     pytest.param(attention_bhld_causal, [(1, 2, L, 48)] * 3, BF16, K64, id="causal-head-dim-48-bf16"),
+    pytest.param(attention_bhld_causal, [(1, 1, 200, 256)] * 3, BF16, None, id="causal-head-dim-256-bf16-default-config"),
+    pytest.param(attention_bhld_causal, [(1, 1, 5, 32)] * 3, F16, None, id="causal-L5-d32-f16"),
     pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f32-out-f16"),
 ]
 
