@@ -120,6 +120,23 @@ def scalar_temperature_f32_out(q, k, v, t):
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v).astype(jnp.float32)
 
 
+def alibi_causal(q, k, v, slopes):
+    # ALiBi: a per-head slope [H] (a scalar per CTA, read at the CTA's head) times the distance from iota, causal
+    L = q.shape[2]
+    dist = (jnp.arange(L)[None, :] - jnp.arange(L)[:, None]).astype(jnp.float32)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125 + slopes[:, None, None] * dist
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def additive_causal(q, k, v):
+    # the causal mask as an additive 0 / -inf bias built from iota (skipped where all 0 or all -inf)
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
+    s = s + jnp.where(jnp.tril(jnp.ones((L, L), bool)), 0.0, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
 K64 = {"block_kv": 64}  # several key blocks at these small lengths
 L = 100  # ragged against 64 and 128, and not a multiple of 8 (q/k/v/out padded to 104 rows by XLA)
 BHLD, BLHD = (2, 2, L, 64), (2, L, 2, 64)
@@ -147,6 +164,8 @@ CASES = [
     pytest.param(attention_bhld_causal, [(1, 2, L, 48)] * 3, BF16, K64, id="causal-head-dim-48-bf16"),
     pytest.param(attention_bhld_causal, [(1, 1, 200, 256)] * 3, BF16, None, id="causal-head-dim-256-bf16-default-config"),
     pytest.param(attention_bhld_causal, [(1, 1, 5, 32)] * 3, F16, None, id="causal-L5-d32-f16"),
+    pytest.param(alibi_causal, [(2, 4, 200, 64)] * 3 + [(4,)], BF16, K64, id="alibi-slopes-per-head-causal-bf16"),
+    pytest.param(additive_causal, [(1, 2, 200, 64)] * 3, F16, K64, id="additive-causal-mask-f16"),
     pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f32-out-f16"),
 ]
 
@@ -155,7 +174,7 @@ def _specs(fn, shapes, dtype):
     def dt(s):
         if fn is padding_mask and len(s) == 2:
             return jnp.bool_
-        if fn is scalar_temperature_f32_out and s == ():
+        if (fn is scalar_temperature_f32_out and s == ()) or (fn is alibi_causal and len(s) == 1):
             return F32
         return dtype
     return [S(s, dt(s)) for s in shapes]

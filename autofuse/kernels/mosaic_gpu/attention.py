@@ -597,7 +597,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                                         q_smem.at[wg], q_bar.at[wg])
                 for v in rows_in:
                     plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q0, bq, 0)], rows_smem[v].at[wg], q_bar.at[wg])
-                consts = {v: from_kernel(in_refs[v][0], g.avals[v].dtype) for v in scalar_in}
+                # scalars per CTA: a literal-like input, or one that varies along batch axes only (ALiBi slopes [H])
+                consts = {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
+                          for v in scalar_in}
                 plgpu.barrier_wait(q_bar.at[wg])
                 for v in rows_in:
                     consts[v] = from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
