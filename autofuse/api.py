@@ -108,7 +108,7 @@ class AutofuseFunction:
         from .device import device_info, software
 
         try:
-            hit = store.lookup(graph.fingerprint, device_info()["name"], software("triton"))
+            hit = store.lookup(graph.fingerprint, device_info()["name"], software())
         except Exception as e:
             return f"the plan store cannot be read ({type(e).__name__}: {e})"
         if hit is None:

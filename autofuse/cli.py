@@ -367,6 +367,9 @@ def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
                         "studies in the --db database; more can join from other hosts with 'autofuse worker RUN'")
     p.add_argument("--heartbeat", type=int, default=10, metavar="S",
                    help="with --workers: Optuna heartbeat interval; a worker silent for 5 intervals is dead and its trial retried (default 10)")
+    p.add_argument("--backends", default=None, metavar="B,C",
+                   help="Pallas lowerings to search, the preferred first: mosaic_gpu (Hopper: TMA, wgmma), triton "
+                        "(default: mosaic_gpu,triton on a Hopper GPU, else triton)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-candidate lines")
     p.set_defaults(func=_cmd_tune)
@@ -396,7 +399,8 @@ def _import_ref(ref: str) -> Any:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from autofuse.graph import capture
-    from autofuse.tuning.local import check_budget, tune
+    from autofuse.tuning.job import check_budget
+    from autofuse.tuning.local import tune
 
     check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
     fn = _import_ref(args.target)
@@ -437,7 +441,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise ValueError("--workers share the run through the database: drop --no-store")
     report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
                   measure=args.measure, quiet=args.quiet, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
-                  static_argnums=statics, resume=args.resume, workers=args.workers, heartbeat_s=args.heartbeat)
+                  static_argnums=statics, resume=args.resume, workers=args.workers, heartbeat_s=args.heartbeat,
+                  backends=[b.strip() for b in args.backends.split(",") if b.strip()] if args.backends is not None else None)
     if args.json:
         print(json.dumps({"name": report.name, "fingerprint": report.fingerprint, "measure": report.measure,
                           "baseline_ms": report.baseline_ms, "tuned_ms": report.tuned_ms, "speedup": report.speedup,

@@ -19,9 +19,21 @@ def device_info() -> dict:
     return info
 
 
-def software(backend: str = "triton") -> dict:
+#: The code generator a plan is keyed by: Pallas for GPUs, whichever lowering each group uses (Triton or Mosaic GPU;
+#: the plan names it per group). Plans of autofuse < 0.2 were keyed "triton".
+CODEGEN = "pallas"
+
+
+def software(backend: str = CODEGEN) -> dict:
     import jaxlib
 
     from . import __version__
 
     return {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", jax.__version__), "autofuse": __version__, "backend": backend}
+
+
+def default_backends() -> tuple[str, ...]:
+    """The lowerings worth trying here, the preferred first: Mosaic GPU (TMA, wgmma) on a Hopper GPU, and Triton."""
+    d = jax.devices()[0]
+    cc = str(getattr(d, "compute_capability", "") or "")
+    return ("mosaic_gpu", "triton") if d.platform == "gpu" and cc.startswith("9") else ("triton",)

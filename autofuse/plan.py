@@ -16,8 +16,8 @@ import jax
 from .graph import Graph, Group, bind_node, execution_order, read_atom
 from .kernels import TEMPLATES
 
-SCHEMA_VERSION = 1
-BACKENDS = ("triton",)
+SCHEMA_VERSION = 2  # 2: each group names its backend (1: every group ran on Triton)
+READABLE_VERSIONS = (1, 2)
 
 
 class PlanError(ValueError):
@@ -30,9 +30,11 @@ class FusedGroup:
     template: str
     config: dict
     signature: str
+    backend: str = "triton"  # which lowering of the template runs it ("triton", "mosaic_gpu")
 
     def to_dict(self) -> dict:
-        return {"nodes": list(self.nodes), "template": self.template, "config": dict(self.config), "signature": self.signature}
+        return {"nodes": list(self.nodes), "template": self.template, "backend": self.backend, "config": dict(self.config),
+                "signature": self.signature}
 
 
 @dataclass(frozen=True)
@@ -41,18 +43,21 @@ class Plan:
 
     fingerprint: str
     groups: tuple[FusedGroup, ...] = ()
-    backend: str = "triton"
     provenance: dict = field(default_factory=dict)  # how it was made: {"measure": "device"|"model"|"default", ...}
 
     @property
     def is_xla(self) -> bool:
         return not self.groups
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends its groups run on."""
+        return tuple(sorted({g.backend for g in self.groups}))
+
     def to_dict(self) -> dict:
         return {
             "schema_version": SCHEMA_VERSION,
             "fingerprint": self.fingerprint,
-            "backend": self.backend,
             "groups": [g.to_dict() for g in self.groups],
             "provenance": self.provenance,
         }
@@ -72,28 +77,33 @@ class Plan:
     def from_dict(data: Any) -> "Plan":
         _expect(isinstance(data, dict), "plan must be a JSON object")
         version = data.get("schema_version")
-        _expect(type(version) is int and version == SCHEMA_VERSION, f"unknown plan schema_version {version!r} (this autofuse reads {SCHEMA_VERSION})")
-        extra = set(data) - {"schema_version", "fingerprint", "backend", "groups", "provenance"}
+        _expect(type(version) is int and version in READABLE_VERSIONS,
+                f"unknown plan schema_version {version!r} (this autofuse reads {', '.join(map(str, READABLE_VERSIONS))})")
+        extra = set(data) - {"schema_version", "fingerprint", "groups", "provenance"} - ({"backend"} if version == 1 else set())
         _expect(not extra, f"unknown plan keys {sorted(extra)}")
         _expect(isinstance(data.get("fingerprint"), str) and data["fingerprint"], "plan.fingerprint must be a non-empty string")
-        _expect(data.get("backend") in BACKENDS, f"plan.backend must be one of {BACKENDS}, got {data.get('backend')!r}")
+        _expect(version != 1 or data.get("backend") == "triton", f"plan.backend must be 'triton' in a version 1 plan, got {data.get('backend')!r}")
         _expect(isinstance(data.get("provenance", {}), dict), "plan.provenance must be an object")
         groups = data.get("groups")
         _expect(isinstance(groups, list), "plan.groups must be a list")
         out, seen = [], set()
         for k, g in enumerate(groups):
             where = f"plan.groups[{k}]"
-            _expect(isinstance(g, dict) and set(g) == {"nodes", "template", "config", "signature"}, f"{where} must have exactly nodes, template, config, signature")
+            keys = {"nodes", "template", "config", "signature"} | ({"backend"} if version >= 2 else set())
+            _expect(isinstance(g, dict) and set(g) == keys, f"{where} must have exactly {', '.join(sorted(keys))}")
             nodes = g["nodes"]
             _expect(isinstance(nodes, list) and nodes and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nodes), f"{where}.nodes must be a non-empty list of node ids")
             _expect(not (set(nodes) & seen), f"{where} overlaps another group")
             seen |= set(nodes)
             _expect(g["template"] in TEMPLATES, f"{where}.template {g['template']!r} is not a known template {sorted(TEMPLATES)}")
+            backend = g.get("backend", "triton")
+            _expect(backend in TEMPLATES[g["template"]].backends,
+                    f"{where}.backend {backend!r} is not a backend of template {g['template']} {list(TEMPLATES[g['template']].backends)}")
             cfg = g["config"]
             _expect(isinstance(cfg, dict) and all(isinstance(v, (int, float, str, bool)) for v in cfg.values()), f"{where}.config must map names to scalars")
             _expect(isinstance(g["signature"], str), f"{where}.signature must be a string")
-            out.append(FusedGroup(tuple(sorted(nodes)), g["template"], dict(cfg), g["signature"]))
-        return Plan(data["fingerprint"], tuple(out), data["backend"], dict(data.get("provenance", {})))
+            out.append(FusedGroup(tuple(sorted(nodes)), g["template"], dict(cfg), g["signature"], backend))
+        return Plan(data["fingerprint"], tuple(out), dict(data.get("provenance", {})))
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -114,13 +124,13 @@ def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
             raise PlanError(f"plan group {list(fg.nodes)} does not match the program (signature {group.signature} != {fg.signature})")
         mod = TEMPLATES[fg.template]
         defaults = mod.defaults  # parameters added after plans were stored
-        missing = set(mod.params) - set(fg.config) - set(defaults)
+        missing = set(mod.params_of(fg.backend)) - set(fg.config) - set(defaults)
         if missing:
             raise PlanError(f"plan group {list(fg.nodes)}: config lacks {sorted(missing)}")
         if mod.match(group) is None:
             raise PlanError(f"plan group {list(fg.nodes)}: template {fg.template} does not match group")
-        choices = mod.space(group)["params"]
-        for k in mod.params:
+        choices = mod.space_of(group, None, fg.backend)["params"]
+        for k in mod.params_of(fg.backend):
             v = fg.config.get(k, defaults.get(k))
             if isinstance(v, bool) or v not in choices.get(k, [v]):
                 raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} is not one of the search space's choices {choices.get(k)}")
@@ -137,18 +147,18 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def build_group(group: Group, template: str, config: dict, *, interpret: bool | None = None) -> Callable:
+def build_group(group: Group, template: str, config: dict, *, backend: str = "triton", interpret: bool | None = None) -> Callable:
     mod = TEMPLATES[template]
     spec = mod.match(group)
     if spec is None:
         raise PlanError(f"template {template} does not match group {list(group.node_ids)}")
-    return mod.build(group, config, interpret=default_interpret() if interpret is None else interpret, spec=spec)
+    return mod.build(group, config, backend=backend, interpret=default_interpret() if interpret is None else interpret, spec=spec)
 
 
 def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Callable[[Sequence[Any]], list]:
     """A function of the flat inputs that runs the graph under `plan` (trace it under `jax.jit`)."""
     bound = bind_plan(graph, plan)
-    kernels = [build_group(g, fg.template, fg.config, interpret=interpret) for g, fg in bound]
+    kernels = [build_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret) for g, fg in bound]
     order = execution_order(graph, [frozenset(g.node_ids) for g, _ in bound])
 
     def run(flat_args: Sequence[Any]) -> list:
@@ -167,8 +177,9 @@ def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Call
 
 
 def plan_from_choices(graph: Graph, choices: Sequence[tuple[Group, str, dict]], provenance: dict | None = None) -> Plan:
+    """A plan of `(group, template, config)` choices; a config's "backend" (a tuned parameter) goes to its group."""
     groups = tuple(
-        FusedGroup(tuple(g.node_ids), template, dict(cfg), g.signature)
+        FusedGroup(tuple(g.node_ids), template, {k: v for k, v in cfg.items() if k != "backend"}, g.signature, cfg.get("backend", "triton"))
         for g, template, cfg in sorted(choices, key=lambda c: c[0].node_ids)
     )
-    return Plan(graph.fingerprint, groups, "triton", dict(provenance or {}))
+    return Plan(graph.fingerprint, groups, dict(provenance or {}))

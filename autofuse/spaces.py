@@ -42,12 +42,22 @@ class Constraint:
         return bool(_eval(self.tree.body, names))
 
 
+def space_key(template: str, backend: str = "triton") -> str:
+    """The name of a template's search space for a backend (its file's stem)."""
+    return template if backend == "triton" else f"{template}.{backend}"
+
+
 @dataclass(frozen=True)
 class Space:
     template: str
     params: dict[str, list]
     constraints: tuple[Constraint, ...]
     path: str
+    backend: str = "triton"
+
+    @property
+    def key(self) -> str:
+        return space_key(self.template, self.backend)
 
     def violated(self, config: dict, facts: dict) -> list[str]:
         """The constraints `config` breaks (empty: feasible)."""
@@ -118,12 +128,15 @@ def _check_tree(node: ast.AST, where: str) -> None:
 def parse_space(data: Any, path: str) -> Space:
     if not isinstance(data, dict):
         raise SpaceError(f"{path}: top level must be a mapping")
-    unknown = set(data) - {"template", "parameters", "constraints"}
+    unknown = set(data) - {"template", "backend", "parameters", "constraints"}
     if unknown:
         raise SpaceError(f"{path}: unknown keys {sorted(unknown)}")
     template = data.get("template")
     if not isinstance(template, str):
         raise SpaceError(f"{path}: key 'template' must be a string")
+    backend = data.get("backend", "triton")
+    if not isinstance(backend, str) or not backend.isidentifier():
+        raise SpaceError(f"{path}: key 'backend' must be a backend's name (e.g. 'mosaic_gpu')")
     params = data.get("parameters")
     if not isinstance(params, dict) or not params:
         raise SpaceError(f"{path}: key 'parameters' must be a non-empty mapping")
@@ -152,7 +165,7 @@ def parse_space(data: Any, path: str) -> Space:
             raise SpaceError(f"{where}.expr does not parse: {e.msg}") from None
         _check_tree(tree, f"{where}.expr")
         cons.append(Constraint(c["expr"], str(c.get("why", "")), tree))
-    return Space(template, out, tuple(cons), path)
+    return Space(template, out, tuple(cons), path, backend)
 
 
 def load_space_file(path: str | Path | Traversable) -> Space:
@@ -168,14 +181,15 @@ def load_space_file(path: str | Path | Traversable) -> Space:
     except OSError as e:
         raise SpaceError(f"{path}: cannot read: {e}") from None
     space = parse_space(data, str(path))
-    if space.template != stem:
-        raise SpaceError(f"{path}: key 'template' is {space.template!r} but the file is named for {stem!r}")
+    if space.key != stem:
+        raise SpaceError(f"{path}: keys 'template' and 'backend' say {space.key!r} but the file is named for {stem!r}")
     return space
 
 
 @functools.lru_cache(maxsize=None)
 def load_spaces(directory: str | None = None) -> dict[str, Space]:
-    """All search spaces, by template name: the package's own (`SPACES_DIR`), or the `*.toml` files of `directory`."""
+    """All search spaces, by `space_key(template, backend)`: the package's own (`SPACES_DIR`), or the `*.toml` files of
+    `directory`. A template's Triton space is `<template>.toml`, another backend's `<template>.<backend>.toml`."""
     d: Path | Traversable = Path(directory) if directory else SPACES_DIR
     if not d.is_dir():
         raise SpaceError(f"search space directory {d} does not exist")

@@ -35,7 +35,9 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=120.0)
     ap.add_argument("--db", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--backends", default=None, help="lowerings to search, e.g. mosaic_gpu,triton (default: the machine's)")
     a = ap.parse_args()
+    backends = a.backends.split(",") if a.backends else None
     store = autofuse.PlanStore(f"sqlite:///{os.path.abspath(a.db)}") if a.db else None
     rows = []
     for w in workloads(a.small):
@@ -44,11 +46,12 @@ def main() -> None:
         for dt in a.dtypes.split(","):
             sp = specs(w, jnp.dtype(dt))
             t0 = time.time()
-            rep = autofuse.tune(w.fn, *sp, trials=a.trials, time_budget_s=a.time_budget, store=store, name=f"{w.name}-{dt}", quiet=True)
+            rep = autofuse.tune(w.fn, *sp, trials=a.trials, time_budget_s=a.time_budget, store=store, name=f"{w.name}-{dt}", quiet=True,
+                                backends=backends)
             wall = time.time() - t0
             floor = costmodel.floor_ms(autofuse.capture(w.fn, *sp))
             kern = "XLA" if rep.plan.is_xla else "; ".join(
-                f"{g.template} " + " ".join(f"{k}={v}" for k, v in sorted(g.config.items())) for g in rep.plan.groups)
+                f"{g.template}/{g.backend} " + " ".join(f"{k}={v}" for k, v in sorted(g.config.items())) for g in rep.plan.groups)
             rows.append((w.name, dt, "x".join(map(str, w.shapes[0])), rep, floor, wall, kern))
             print(rep.table(), flush=True)
     lines = [

@@ -75,14 +75,15 @@ def test_round_trip_keeps_every_field():
         groups=(
             FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 4, "block_cols": 64, "num_warps": 4, "num_stages": 2}, "sig-a"),
             FusedGroup((5, 7), "elementwise", {"block_rows": 1, "block_cols": 1024, "num_warps": 8, "num_stages": 1, "note": "x", "f": 0.5, "flag": True}, "sig-b"),
+            FusedGroup((9, 10), "matmul", {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4}, "sig-c", "mosaic_gpu"),
         ),
-        backend="triton",
         provenance={"measure": "device", "device": "NVIDIA H200", "trials": 40, "nested": {"a": [1, 2.5, None]}},
     )
     text = p.to_json()
     back = Plan.from_json(text)
     assert back == p and back.to_json() == text
     assert back.groups[1].config["flag"] is True and back.groups[1].config["f"] == 0.5
+    assert back.groups[2].backend == "mosaic_gpu" and back.backends == ("mosaic_gpu", "triton")
     assert Plan.from_json(Plan(p.fingerprint).to_json()) == Plan(p.fingerprint)  # the XLA plan
     assert Plan.from_json(Plan(p.fingerprint).to_json()).is_xla
 
@@ -154,7 +155,7 @@ def test_other_malformed_fields(plan):
     for key, value, frag in [
         ("fingerprint", "", "fingerprint"),
         ("fingerprint", 123, "fingerprint"),
-        ("backend", "mosaic_tpu", "backend"),
+        ("backend", "triton", "backend"),  # a version 1 key
         ("groups", {"0": {}}, "groups"),
         ("provenance", [1], "provenance"),
     ]:
@@ -167,6 +168,19 @@ def test_other_malformed_fields(plan):
     d = _d(plan)
     d["groups"][0]["signature"] = 7
     _rejects(d, "plan.groups[0].signature")
+    d = _d(plan)
+    d["groups"][0]["backend"] = "mosaic_tpu"
+    _rejects(d, "plan.groups[0].backend", "mosaic_tpu")
+
+
+def test_version_1_plans_still_load_and_run_on_triton(graph, plan):
+    d = _d(plan)
+    d["schema_version"], d["backend"] = 1, "triton"
+    for g in d["groups"]:
+        del g["backend"]
+    old = Plan.from_dict(d)
+    assert old.groups == plan.groups and {g.backend for g in old.groups} == {"triton"}
+    assert len(bind_plan(graph, old)) == len(plan.groups)
 
 
 # ---------------------------------------------------------------------------

@@ -233,14 +233,14 @@ def test_tune_refuses_a_budget_that_is_not_positive(budget):
 
 def test_second_trial_is_the_models_best_config():
     from autofuse.tuning.partition import enumerate_candidates
-    from autofuse.tuning.space import SearchSpace
+    from autofuse.tuning.space import CandidateSpace
 
     rep = tune(layer_norm, *_ln_args(512, 1024), trials=40, seed=1, quiet=True, isolate=False)
     main = max((c for c in rep.candidates if len(c.trials) >= 2), key=lambda c: len(c.nodes))
     g = autofuse.capture(layer_norm, *_ln_args(512, 1024))
 
     cand = next(c for c in enumerate_candidates(g) if c.group.signature == main.signature)
-    space = SearchSpace.of(cand.template, cand.group, cand.spec)
+    space = CandidateSpace.of(cand.template, cand.group, cand.spec)
     best = space.model_best()
     assert main.trials[0].config == space.default
     assert best != space.default and main.trials[1].config == best
@@ -353,17 +353,17 @@ def test_shared_memory_report_corrects_the_groups_budget(monkeypatch):
     def compiler(self, req):  # the GPU compiler's shared-memory report, for attention configs
         if isinstance(req, TrialRequest) and req.template == "attention":
             sent.append(dict(req.config))
-            if need(req.config) * factor > limit:
+            if need({k: v for k, v in req.config.items() if k != "backend"}) * factor > limit:
                 return TrialResult(TrialStatus.RESOURCE_EXHAUSTED, error=f"RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
-                                                                         f"requested {int(need(req.config) * factor)}, available: {limit}")
+                                                                         f"requested {int(need({k: v for k, v in req.config.items() if k != 'backend'}) * factor)}, available: {limit}")
         return orig(self, req)
 
     monkeypatch.setattr(process.InlineRunner, "call", compiler)
     n = len(distinct_candidates(autofuse.capture(attention_bhld, *args))[1])
     rep = tune(attention_bhld, *args, trials=n + 2, seed=0, quiet=True, isolate=False)  # phase 1, then 2 more
     (r,) = [c for c in rep.candidates if c.template == "attention"]
-    assert sent[0] == space.default and r.trials[0].status == "resource_exhausted"
-    assert all(need(cfg) * factor <= limit for cfg in sent[1:]), sent  # nothing more was sent to fail the same way
+    assert sent[0] == {"backend": "triton", **space.default} and r.trials[0].status == "resource_exhausted"
+    assert all(need({k: v for k, v in cfg.items() if k != "backend"}) * factor <= limit for cfg in sent[1:]), sent  # nothing more failed so
     assert r.best_ms is not None, rep.table()
     assert [g.template for g in rep.plan.groups] == ["attention"]
     # the rule itself: only a shared-memory failure with a report moves the budget, and only down

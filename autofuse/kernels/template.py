@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from ..costmodel import H200, GPUModel
 from ..graph import Group
@@ -64,6 +64,43 @@ class Template(ABC, Generic[Spec]):
     def lowering(self, backend: str) -> Callable:
         """The backend's `lower(group, spec, config, *, interpret)` for this template, imported on first use (a
         plan loads only the backends it runs). A template outside this package overrides this or `build`."""
+        return self.lowering_module(backend).lower
+
+    def lowering_module(self, backend: str) -> Any:
+        """The module `autofuse.kernels.<backend>.<name>`. Besides `lower`, a backend other than Triton declares
+        its own config there: `PARAMS`, `default_config(spec)`, `check_group(spec)` and `check(spec, config)`
+        (both raise NotImplementedError for what it does not do)."""
         if backend not in self.backends:
             raise ValueError(f"template {self.name!r} has no {backend!r} lowering; its backends: {', '.join(self.backends)}")
-        return importlib.import_module(f"{__package__}.{backend}.{self.name}").lower
+        return importlib.import_module(f"{__package__}.{backend}.{self.name}")
+
+    # Backends other than Triton: their parameters, spaces and static checks come from their lowering module.
+    def params_of(self, backend: str = "triton") -> tuple[str, ...]:
+        """The config keys of `backend`'s lowering (the template's own `params` are Triton's)."""
+        return self.params if backend == "triton" else tuple(self.lowering_module(backend).PARAMS)
+
+    def default_config_of(self, spec: Spec, backend: str = "triton") -> dict:
+        return self.default_config(spec) if backend == "triton" else self.lowering_module(backend).default_config(spec)
+
+    def space_of(self, group: Group, spec: Spec | None = None, backend: str = "triton") -> dict:
+        """`space` for `backend`: its own file (`search_spaces/<name>.<backend>.toml`), the same facts."""
+        if backend == "triton":
+            return self.space(group, spec)
+        from ..spaces import space_key
+        from .tiling import template_space
+
+        spec = spec if spec is not None else self.match(group)
+        return template_space(space_key(self.name, backend), self.default_config_of(spec, backend), self.space(group, spec)["facts"])
+
+    def unsupported(self, spec: Spec, backend: str, config: dict | None = None) -> str | None:
+        """Why `backend`'s lowering cannot run this group (or this config of it), found without compiling; None if it can."""
+        if backend == "triton":
+            return None
+        mod = self.lowering_module(backend)
+        try:
+            mod.check_group(spec)
+            if config is not None:
+                mod.check(spec, config)
+        except NotImplementedError as e:
+            return str(e)
+        return None

@@ -100,13 +100,15 @@ class Evaluator:
             return TrialResult(TrialStatus.ERROR, error=f"template {template} does not match group")
         avals = group.input_avals()
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        backend = config.get("backend", "triton")
+        params = {k: v for k, v in config.items() if k != "backend"}
         try:
-            kernel = build_group(group, template, config, interpret=self.interpret)
+            kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
             fn = jax.jit(lambda *a: kernel(*a))
             if self.measure == "device" or not self.interpret:
                 fn = fn.lower(*structs).compile()
-            elif jax.default_backend() == "cpu":
-                lowering_guard(kernel, structs)
+            elif jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
+                lowering_guard(build_group(group, template, params, backend=backend, interpret=False), structs)
         except Exception as e:
             return TrialResult(classify_compile_error(e), error=_short(e))
         max_error = None

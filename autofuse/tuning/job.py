@@ -14,13 +14,13 @@ import jax
 import numpy as np
 
 from .. import costmodel
-from ..device import device_info, software
+from ..device import default_backends, device_info, software
 from ..graph import Graph, flatten_args
 from ..runner.protocol import XlaRequest
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
 from .report import TuneReport
-from .space import SearchSpace
+from .space import CandidateSpace
 
 
 def resolve_measure(measure: str | None, has_gpu: bool) -> str:
@@ -39,6 +39,28 @@ def modelled_warning(model: costmodel.GPUModel) -> str:
             "the times below are estimates, not measurements.")
 
 
+def check_backends(backends: Sequence[str] | None) -> tuple[str, ...]:
+    """The backends to search: `backends` checked against those any template has, or this machine's default."""
+    from ..kernels import TEMPLATES
+
+    if backends is None:
+        return default_backends()
+    known = {b for t in TEMPLATES.values() for b in t.backends}
+    unknown = [b for b in backends if b not in known]
+    if unknown or not backends:
+        raise ValueError(f"unknown backend(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(known))}")
+    return tuple(backends)
+
+
+def check_budget(trials: int | None, time_budget_s: float | None, *, trials_flag: str = "trials",
+                 seconds_flag: str = "time_budget_s") -> None:
+    """A budget given must be positive: zero or a negative budget is a mistake, never "unbounded" or "nothing"."""
+    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
+        raise ValueError(f"{trials_flag} must be a positive whole number of trials, got {trials!r}")
+    if time_budget_s is not None and not (isinstance(time_budget_s, (int, float)) and time_budget_s > 0):
+        raise ValueError(f"{seconds_flag} must be a positive number of seconds, got {time_budget_s!r}")
+
+
 def distinct_candidates(graph: Graph) -> tuple[dict[str, list[Candidate]], list[CandidateState]]:
     """Candidates grouped by signature (those that compute the same thing are tuned once), one state each."""
     by_sig: dict[str, list[Candidate]] = {}
@@ -47,9 +69,11 @@ def distinct_candidates(graph: Graph) -> tuple[dict[str, list[Candidate]], list[
     return by_sig, [CandidateState(sig, cs[0].template, list(cs[0].group.node_ids), len(cs)) for sig, cs in by_sig.items()]
 
 
-def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel) -> dict[str, SearchSpace]:
-    """Each distinct candidate's search space, its configs modelled on `model`."""
-    return {r.signature: SearchSpace.of(r.template, by_sig[r.signature][0].group, by_sig[r.signature][0].spec, model) for r in cands}
+def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel,
+                  backends: Sequence[str] = ("triton",)) -> dict[str, CandidateSpace]:
+    """Each distinct candidate's search space over the `backends` that can run it, its configs modelled on `model`."""
+    return {r.signature: CandidateSpace.of(r.template, by_sig[r.signature][0].group, by_sig[r.signature][0].spec, model, backends)
+            for r in cands}
 
 
 def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None) -> None:
@@ -65,14 +89,14 @@ def study_name(run_id: int | None, signature: str) -> str:
     return f"autofuse-run{run_id}-{signature}" if run_id is not None else f"autofuse-{signature}"
 
 
-def create_study(storage: Any, run_id: int | None, space: SearchSpace, signature: str) -> None:
+def create_study(storage: Any, run_id: int | None, space: CandidateSpace, signature: str) -> None:
     """A candidate's study, with the default config and the model's best enqueued first (once, for a new study)."""
     import optuna
 
     study = optuna.create_study(direction="minimize", storage=storage, study_name=study_name(run_id, signature), load_if_exists=True)
     if not study.trials:
         for cfg in space.first_configs():
-            study.enqueue_trial(cfg)
+            study.enqueue_trial(space.optuna_params(cfg))
 
 
 def load_study(storage: Any, run_id: int | None, signature: str, seed: int) -> Any:
@@ -102,7 +126,7 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
     dev = device_info()
     ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes)),
                  pstore.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
-                 pstore.software(**software("triton")))
+                 pstore.software(**software()))
     if resume is not None:
         run = pstore.get_run(resume)
         if run.get("program_id") != ids.program:

@@ -21,7 +21,7 @@ from .. import costmodel
 from ..graph import capture
 from ..runner.process import ProgramSpec, make_runner
 from ..status import TrialStatus
-from .job import (create_study, distinct_candidates, modelled_warning, open_run, progress_bar, register_candidates, resolve_measure,
+from .job import (check_backends, check_budget, create_study, distinct_candidates, modelled_warning, open_run, progress_bar, register_candidates, resolve_measure,
                   save_example_inputs, save_report, search_spaces, spec_of, time_xla)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
@@ -38,7 +38,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
          seed: int = 0, store: Any = None, name: str | None = None, measure: str | None = None, model: str = "h200",
          quiet: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
-         workers: int | None = None, heartbeat_s: int = 10, clock: Callable[[], float] = time.time) -> TuneReport:
+         workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
+         clock: Callable[[], float] = time.time) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
     (with `store`) persist.
 
@@ -50,7 +51,9 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     `workers=N` (needs `store` and an importable `fn`) tunes with N worker
     processes on this host, one per GPU, sharing the run's Optuna studies in
     that database (more can join from other hosts); `heartbeat_s` is their
-    Optuna heartbeat interval.
+    Optuna heartbeat interval. `backends` are the lowerings to search, the
+    preferred first (default: Mosaic GPU and Triton on a Hopper GPU, else
+    Triton); a template searches those it has that can run the group.
 
     >>> report = autofuse.tune(layer_norm, x, gamma, beta, trials=48, store="sqlite:///plans.db")  # doctest: +SKIP
     >>> print(report.table())  # doctest: +SKIP
@@ -66,7 +69,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
         return tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
                                  name=name, measure=measure, model=model, quiet=quiet, isolate=isolate, trial_timeout_s=trial_timeout_s,
-                                 static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress)
+                                 static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress,
+                                 backends=backends)
     t_start = clock()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the trial process shares the GPU
     say = progress or (lambda s: None if quiet else print(s, flush=True))
@@ -79,7 +83,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
     name = name or getattr(fn, "__qualname__", getattr(fn, "__name__", "program"))
     by_sig, cands = distinct_candidates(graph)
-    spaces = search_spaces(by_sig, cands, gmodel)
+    spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
 
     pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume) if store is not None else (None, None, None)
     spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,
@@ -133,15 +137,6 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         report.run_id = run_id
         report.plan_id = save_report(pstore, ids, run_id, report)
     return report
-
-
-def check_budget(trials: int | None, time_budget_s: float | None, *, trials_flag: str = "trials",
-                 seconds_flag: str = "time_budget_s") -> None:
-    """A budget given must be positive: zero or a negative budget is a mistake, never "unbounded" or "nothing"."""
-    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
-        raise ValueError(f"{trials_flag} must be a positive whole number of trials, got {trials!r}")
-    if time_budget_s is not None and not (isinstance(time_budget_s, (int, float)) and time_budget_s > 0):
-        raise ValueError(f"{seconds_flag} must be a positive number of seconds, got {time_budget_s!r}")
 
 
 def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budget, gmodel: costmodel.GPUModel, measure: str, runner: Any,

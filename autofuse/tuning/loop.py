@@ -6,14 +6,14 @@ from typing import Any
 from .job import load_study
 from .ledger import CandidateState, Ledger
 from .scheduler import Scheduler
-from .space import SearchSpace
+from .space import CandidateSpace
 from .trial import TrialContext, run_trial
 
 
 class TrialLoop:
     """One driver's trials of a job. `worker_seed` keeps several workers' samplers apart (0 for the first)."""
 
-    def __init__(self, cands: list[CandidateState], spaces: dict[str, SearchSpace], scheduler: Scheduler, ctx: TrialContext,
+    def __init__(self, cands: list[CandidateState], spaces: dict[str, CandidateSpace], scheduler: Scheduler, ctx: TrialContext,
                  storage: Any, run_id: int | None, seed: int, worker_seed: int = 0, bar: Any = None):
         self.cands, self.spaces, self.scheduler, self.ctx = cands, spaces, scheduler, ctx
         self.storage, self.run_id, self.seed, self.worker_seed, self.bar = storage, run_id, seed, worker_seed, bar

@@ -26,7 +26,7 @@ from ..status import TrialStatus
 from .ledger import CandidateState
 from .partition import Candidate
 from .select import best_cover
-from .space import SearchSpace
+from .space import CandidateSpace
 
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
@@ -59,7 +59,7 @@ def allocate(weights: Sequence[float], caps: Sequence[int], total: int) -> list[
     return alloc
 
 
-def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, SearchSpace]) -> list[int]:
+def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> list[int]:
     """Phase 1 visits the candidates by the time fusing them may save, most first: (XLA time - the model's time
     of the default config) x instances, in steps of 25% (within a step, the larger group first: it subsumes the
     smaller ones). A short budget on a whole model thus reaches its attention and heads before its many small
@@ -102,7 +102,7 @@ class Budget:
 class Scheduler:
     """Names the candidate of the next trial from what the ledger says so far (see the module docstring)."""
 
-    def __init__(self, graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], spaces: dict[str, SearchSpace],
+    def __init__(self, graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], spaces: dict[str, CandidateSpace],
                  budget: Budget, model: costmodel.GPUModel):
         self.graph, self.by_sig, self.cands, self.spaces, self.budget, self.model = graph, by_sig, cands, spaces, budget, model
         self.caps = [spaces[c.signature].size for c in cands]

@@ -12,7 +12,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import costmodel
 from ..kernels import TEMPLATES
@@ -24,26 +24,33 @@ MODEL_BEST_LIMIT = 20000  # spaces with more configs than this are not enumerate
 
 @dataclass
 class SearchSpace:
+    """One backend's space of a candidate (configs without the "backend" key)."""
+
     template: str
     params: dict[str, list]
     default: dict
     facts: dict
     constraints: Any  # spaces.Space: the template's parameters and constraints
     model_ms: Callable[[dict], float]
+    backend: str = "triton"
+    check: Callable[[dict], str | None] | None = None  # the lowering's own rules, checked without compiling
 
     @staticmethod
-    def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200) -> "SearchSpace":
+    def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200, backend: str = "triton") -> "SearchSpace":
         tmpl = TEMPLATES[template]
-        sp = tmpl.space(group, spec)
+        sp = tmpl.space_of(group, spec, backend)
         return SearchSpace(template, sp["params"], sp["default"], sp["facts"], sp["space"],
-                           lambda cfg: tmpl.model_time_ms(spec, cfg, model))
+                           lambda cfg: tmpl.model_time_ms(spec, {**cfg, "backend": backend}, model), backend,
+                           None if backend == "triton" else lambda cfg: tmpl.unsupported(spec, backend, cfg))
 
     @property
     def size(self) -> int:
         return math.prod(len(v) for v in self.params.values())
 
     def violated(self, config: dict) -> list[str]:
-        return self.constraints.violated(config, self.facts)
+        broken = self.constraints.violated(config, self.facts)
+        why = self.check(config) if self.check is not None and not broken else None
+        return broken + ([why] if why else [])
 
     def unmeasured_reason(self, config: dict, measure: str) -> tuple[TrialStatus, str, int] | None:
         """(infeasible, why, number of broken constraints) for a config that breaks the constraints; (pruned,
@@ -97,3 +104,76 @@ class SearchSpace:
 
 _SMEM_REPORT = re.compile(r"(?:requested|required|smem_bytes)[:=]?\s*(\d+)\D+?(?:available|hardware limit|max_smem_bytes)[:=]?\s*(\d+)",
                           re.IGNORECASE)
+
+
+@dataclass
+class CandidateSpace:
+    """A candidate's search space over its backends: a config names its backend ("backend") and that backend's
+    parameters, so Optuna samples a conditional space (the backend first, then its parameters)."""
+
+    spaces: dict[str, SearchSpace]  # by backend, the preferred first
+
+    @staticmethod
+    def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200,
+           backends: Sequence[str] = ("triton",)) -> "CandidateSpace":
+        """The backends of `backends` (in that order) that the template has and that can run this group."""
+        tmpl = TEMPLATES[template]
+        usable = [b for b in backends if b in tmpl.backends and tmpl.unsupported(spec, b) is None] or ["triton"]
+        return CandidateSpace({b: SearchSpace.of(template, group, spec, model, b) for b in usable})
+
+    def __getitem__(self, config: dict) -> SearchSpace:
+        return self.spaces[config.get("backend", "triton")]
+
+    @staticmethod
+    def _params(config: dict) -> dict:
+        return {k: v for k, v in config.items() if k != "backend"}
+
+    @property
+    def size(self) -> int:
+        return sum(sp.size for sp in self.spaces.values())
+
+    @property
+    def default(self) -> dict:
+        b, sp = next(iter(self.spaces.items()))
+        return {"backend": b, **sp.default}
+
+    def model_ms(self, config: dict) -> float:
+        return self[config].model_ms(self._params(config))
+
+    def violated(self, config: dict) -> list[str]:
+        return self[config].violated(self._params(config))
+
+    def unmeasured_reason(self, config: dict, measure: str) -> tuple[TrialStatus, str, int] | None:
+        reason = self[config].unmeasured_reason(self._params(config), measure)
+        if reason and reason[0] is TrialStatus.PRUNED:  # pruned against the candidate's default, whatever its backend
+            return reason if self.model_ms(config) > PRUNE_FACTOR * self.model_ms(self.default) else None
+        return reason
+
+    def model_best(self) -> dict | None:
+        best = [{"backend": b, **c} for b, sp in self.spaces.items() for c in [sp.model_best()] if c is not None]
+        return min(best, key=self.model_ms) if best else None
+
+    def first_configs(self) -> list[dict]:
+        """A new study's first trials: each backend's default (the preferred backend first), then the model's best."""
+        out = [{"backend": b, **sp.default} for b, sp in self.spaces.items()]
+        best = self.model_best()
+        return out + ([best] if best is not None and best not in out else [])
+
+    def learn_shared_memory(self, status: TrialStatus, config: dict, error: str | None) -> bool:
+        return self[config].learn_shared_memory(status, self._params(config), error) if config.get("backend", "triton") in self.spaces else False
+
+    def suggest(self, trial: Any) -> dict:
+        """A config from an Optuna trial: the backend, then that backend's parameters (named `<backend>.<name>` in
+        Optuna beside Triton's plain names: a name has one set of choices per study)."""
+        backend = trial.suggest_categorical("backend", list(self.spaces))
+        return {"backend": backend, **{k: trial.suggest_categorical(_optuna_name(backend, k), v) for k, v in self.spaces[backend].params.items()}}
+
+    @staticmethod
+    def optuna_params(config: dict) -> dict:
+        """A config as Optuna's parameters (what `suggest` would have named them), for enqueueing it."""
+        b = config.get("backend", "triton")
+        return {"backend": b, **{_optuna_name(b, k): v for k, v in config.items() if k != "backend"}}
+
+
+def _optuna_name(backend: str, param: str) -> str:
+    return param if backend == "triton" else f"{backend}.{param}"

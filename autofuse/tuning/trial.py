@@ -15,7 +15,7 @@ from typing import Any
 from ..runner.protocol import TrialRequest, TrialResult
 from ..status import TrialStatus
 from .ledger import CandidateState, Ledger
-from .space import SearchSpace
+from .space import CandidateSpace
 
 INFEASIBLE_VALUE = 1e9  # what Optuna is told for a config that was never measured
 
@@ -40,7 +40,7 @@ def measure_config(runner: Any, cand: CandidateState, config: dict) -> TrialResu
     return runner.call(TrialRequest(tuple(cand.nodes), cand.template, dict(config)))
 
 
-def run_trial(study: Any, cand: CandidateState, space: SearchSpace, ctx: TrialContext) -> str:
+def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: TrialContext) -> str:
     """One Optuna trial of `cand`; returns what became of it: "measured", "unmeasured" (infeasible or pruned),
     "duplicate" (a config already done), "spent" (no budget left), "closed" (the run takes no more trials) or
     "stale" (taken for dead meanwhile; its retry measures it again)."""
@@ -49,7 +49,7 @@ def run_trial(study: Any, cand: CandidateState, space: SearchSpace, ctx: TrialCo
     outcome = {"kind": "closed"}
 
     def objective(trial: Any) -> float:
-        cfg = {k: trial.suggest_categorical(k, v) for k, v in space.params.items()}
+        cfg = space.suggest(trial)
         trial.set_user_attr("worker", ctx.worker)
         unmeasured = space.unmeasured_reason(cfg, ctx.measure)
         if unmeasured:
@@ -81,7 +81,7 @@ def run_trial(study: Any, cand: CandidateState, space: SearchSpace, ctx: TrialCo
         if space.learn_shared_memory(res.status, cfg, res.error):  # the next try: the model's best config that fits the corrected budget
             best = space.model_best()
             if best is not None and all(t.config != best for t in cand.trials):
-                study.enqueue_trial(best)
+                study.enqueue_trial(space.optuna_params(best))
         if not res.ok:
             raise _NoResult(f"{res.status}: {res.error}")
         return float(res.median_ms)

@@ -105,7 +105,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
         _, kept, validation, noise = max(passed, key=lambda x: x[0])
         base, tuned = validation.baseline.median_ms, validation.plan.median_ms
     if kept is None:
-        plan = Plan(graph.fingerprint, (), plan.backend, {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"})
+        plan = Plan(graph.fingerprint, (), {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"})
         if measure == "device" and not tries:
             validation = runner.call(ValidateRequest(plan.to_json()))
         if measure == "device" and validation.baseline is not None:
@@ -139,5 +139,5 @@ def smaller_plans(plan: Plan, cands: list[CandidateState]) -> list[tuple[Plan, f
         k //= 2
         keep = set(order[:k])
         groups = tuple(g for g in plan.groups if g.signature in keep)
-        out.append((Plan(plan.fingerprint, groups, plan.backend, dict(plan.provenance)), sum(saving[sig] for sig in order[k:])))
+        out.append((Plan(plan.fingerprint, groups, dict(plan.provenance)), sum(saving[sig] for sig in order[k:])))
     return out

@@ -55,7 +55,7 @@ from ..plan import Plan
 from ..runner.process import ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from .job import (RunIds, create_study, distinct_candidates, modelled_warning, open_run, register_candidates, resolve_measure, save_report,
+from .job import (RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, register_candidates, resolve_measure, save_report,
                   search_spaces, spec_of, study_name, time_xla)
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
@@ -131,7 +131,7 @@ def visible_gpus() -> list[str]:
 def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, trials: int | None, time_budget_s: float | None, seed: int,
                       store: Any, name: str | None, measure: str | None, model: str, quiet: bool, isolate: bool, trial_timeout_s: float,
                       static_argnums: Sequence[int], static_argnames: Sequence[str], heartbeat_s: int,
-                      progress: Callable[[str], None] | None) -> TuneReport:
+                      progress: Callable[[str], None] | None, backends: Sequence[str] | None = None) -> TuneReport:
     """`tune` with `workers` processes on this host sharing one run (see the module docstring)."""
     import optuna
 
@@ -157,7 +157,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         trials = 48
     job = {"fn": function_ref(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
-           "heartbeat_s": int(heartbeat_s)}
+           "heartbeat_s": int(heartbeat_s), "backends": list(check_backends(backends))}
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
     name = name or getattr(fn, "__qualname__", "program")
     by_sig, cands = distinct_candidates(graph)
@@ -172,7 +172,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
             time_xla(cands, runner)
         for r in cands:
             pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
-        spaces = search_spaces(by_sig, cands, gmodel)
+        spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
         storage = optuna_storage(pstore.url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         for r in cands:
@@ -287,7 +287,7 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     by_sig, cands = distinct_candidates(graph)
     register_candidates(pstore, run_id, cands)
     gmodel = costmodel.get_model(job["model"])
-    spaces = search_spaces(by_sig, cands, gmodel)
+    spaces = search_spaces(by_sig, cands, gmodel, job.get("backends", ["triton"]))
     budget = run["budget"] or {}
     deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
