@@ -16,8 +16,8 @@ alternate, so one's softmax overlaps the other's tensor-core work.
 
 What differs from attention_mgpu is that nothing of the score work is
 hand-written: the equations between the two dots are the group's jaxpr,
-evaluated on the WGMMA-layout score tile by `ScoreTiles` (the colleague's
-`tiles.RegisterTiles` with attention coordinates: an `iota` along the query
+evaluated on the WGMMA-layout score tile by `ScoreTiles` (`tiles.RegisterTiles`
+with attention coordinates: an `iota` along the query
 axis is a WGMMA row vector offset by the block's first query, along the key
 axis a column vector offset by the key block's first key, along a batch axis the
 CTA's batch index). Scale, causal / sliding-window masks from iota, an
@@ -55,12 +55,13 @@ register path).
 
 Declined (`Unsupported`): float32 operands (wgmma takes P from registers only
 as a 16-bit type), head dims that are not a multiple of 32 bytes or above 256,
-score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`), a batch of
-more than 65535 (the grid's second axis), a sequence axis merged with a batch
-axis (an operand read from [B*L, D]) whose length is not a multiple of 8, configs
-that break a wgmma / TMA / shared-memory rule (`check_config`). Operands whose head dim is not their
-minor axis, outputs stored [.., D, Lq] and score inputs laid out [.., Lk, Lq]
-are transposed by XLA outside the kernel.
+score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`: e.g. `pow`,
+`log1p`), a batch of more than 65535 (the grid's second axis), a sequence axis
+merged with a batch axis (an operand read from [B*L, D]) whose length is not a
+multiple of 8, configs that break a wgmma / TMA / shared-memory rule
+(`check_config`). Operands whose head dim is not their minor axis, outputs
+stored [.., D, Lq] (the [B, L, H, D] einsum form) and score inputs laid out
+[.., Lk, Lq] are transposed by XLA outside the kernel.
 """
 from __future__ import annotations
 
@@ -208,6 +209,8 @@ def check_group(spec: AttentionSpec) -> None:
                               "(the SMEM swizzle wgmma reads)")
     if spec.batch > _MAX_GRID_Y:
         raise Unsupported(f"batch {spec.batch} > {_MAX_GRID_Y} (the grid's second axis)")
+    for op in (spec.q, spec.k, spec.v):
+        _operand_view(g, op)  # raises for a layout TMA cannot read
     check_nodes([nd for nd in _score_nodes(spec)] + [spec.combine])
     for v in score_inputs(spec):
         if np.dtype(g.avals[v].dtype).itemsize > 4:
@@ -511,7 +514,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
         def _scope(q_smem, o_smem, k_smem, v_smem, p_smem, full_smem, cols_smem, rows_smem, k_bar, v_bar, q_bar,
                    k_free, v_free, sched_bar):
             o_smem = q_smem if o_smem is None else o_smem
-            full_smem, cols_smem, rows_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem)), dict(zip(rows_in, rows_smem))
+            full_smem, cols_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem))
+            rows_smem = dict(zip(rows_in, rows_smem))
             wg = lax.axis_index("wg")
             cta = lax.axis_index("q")
             if table is not None:
