@@ -315,12 +315,14 @@ def test_declines_what_it_does_not_support():
     mgpu_attention.check(spec, {"block_kv": 128, "max_concurrent_steps": 3})
 
 
-def test_template_builds_it_as_the_mosaic_gpu_backend(monkeypatch):
+def test_template_builds_it_as_the_mosaic_gpu_backend():
     """The module is what `Template.build(backend="mosaic_gpu")` imports: lower(group, spec, config, *, interpret)."""
-    monkeypatch.setattr(attention.TEMPLATE, "backends", tuple(attention.TEMPLATE.backends) + ("mosaic_gpu",))
+    assert "mosaic_gpu" in attention.TEMPLATE.backends
     g, group, spec = _group(attention_bhld_causal, [(1, 2, L, 64)] * 3, BF16)
     kernel = attention.TEMPLATE.build(group, K64, backend="mosaic_gpu", interpret=True, spec=spec)
     xs = _inputs(group)
     assert _rel_err(kernel(*xs)[0], jax.jit(lambda *a: group.evaluate(a))(*xs)[0]) <= TOL[np.dtype(BF16)]
-    assert set(mgpu_attention.PARAMS) == set(mgpu_attention.SPACE) == set(mgpu_attention.DEFAULTS)
-    assert all(mgpu_attention.DEFAULTS[k] in mgpu_attention.SPACE[k] for k in mgpu_attention.PARAMS)
+    space = attention.TEMPLATE.space_of(group, spec, "mosaic_gpu")  # its choices: search_spaces/attention.mosaic_gpu.toml
+    assert set(mgpu_attention.PARAMS) == set(space["params"]) == set(mgpu_attention.DEFAULTS)
+    assert all(mgpu_attention.DEFAULTS[k] in space["params"][k] for k in mgpu_attention.PARAMS)
+    assert attention.TEMPLATE.unsupported(spec, "mosaic_gpu", space["default"]) is None

@@ -19,7 +19,7 @@ from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
-from .measure import check, compare, cone_tolerances, random_inputs, time_fn
+from .measure import check, compare, cone_tolerances, random_inputs, time_fn, time_pair
 from .protocol import InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult, XlaRequest
 
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
@@ -145,7 +145,9 @@ class Evaluator:
         out = ValidationResult(status, res.max_error, res.tolerance, error, sens, examples)
         if status is not TrialStatus.OK or self.measure == "model":
             return out
-        return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, self._time(ref, avals), self._time(fused, avals))
+        base, plan_t, ratio = (Timing(t.median_ms, t.min_ms, t.max_ms, t.q1_ms, t.q3_ms)
+                               for t in time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats))
+        return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, base, plan_t, ratio)
 
     def _check_examples(self, fused: Callable, ref: Callable, avals: Sequence[Any]) -> InputsCheck:
         """The plan on the user's own inputs (a model's real weights, not N(0, 1) ones, under which a deep

@@ -190,3 +190,41 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 1
             samples.append((time.perf_counter() - t0) / calls * 1e3)
     s = np.array(samples)
     return Timing(float(np.median(s)), float(s.min()), float(s.max()), float(np.percentile(s, 25)), float(np.percentile(s, 75)), calls, repeats)
+
+
+def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0,
+              warmup: int = 2) -> tuple[Timing, Timing, Timing]:
+    """Two functions timed in alternation (a, b, a, b, ...), each repeat as in `time_fn`: their timings and that of
+    the ratio b / a per repeat.
+
+    A GPU's clock drifts with its power and temperature over a run (an H100 moved 10% between 25 ms batches of one
+    GEMM); timed back to back, each pair sees the same clock, so the ratio's spread is the comparison's noise.
+    """
+    import time
+
+    calls = []
+    for fn in (fn_a, fn_b):
+        jax.block_until_ready(fn(*arg_sets[0]))
+        t0 = time.perf_counter()
+        for args in arg_sets:
+            jax.block_until_ready(fn(*args))
+        one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
+        calls.append(max(len(arg_sets), min(2000, int(target_ms / max(one, 1e-3)))))
+
+    def batch(fn: Callable, n: int) -> float:
+        t0 = time.perf_counter()
+        out = None
+        for i in range(n):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    a, b = [], []
+    for r in range(warmup + repeats):
+        ta, tb = batch(fn_a, calls[0]), batch(fn_b, calls[1])
+        if r >= warmup:
+            a.append(ta)
+            b.append(tb)
+    stats = lambda x: Timing(float(np.median(x)), float(np.min(x)), float(np.max(x)), float(np.percentile(x, 25)),  # noqa: E731
+                             float(np.percentile(x, 75)), 1, repeats)
+    return stats(np.array(a)), stats(np.array(b)), stats(np.array(b) / np.array(a))

@@ -93,7 +93,8 @@ class ValidationResult:
     rounding_sensitivity: list[float] = field(default_factory=list)
     example_inputs: InputsCheck | None = None
     baseline: Timing | None = None  # jax.jit of the whole program (device mode)
-    plan: Timing | None = None  # the plan (device mode)
+    plan: Timing | None = None  # the plan (device mode), timed in alternation with the baseline
+    ratio: Timing | None = None  # plan / baseline, per alternation (its spread is the comparison's noise)
 
     @property
     def ok(self) -> bool:

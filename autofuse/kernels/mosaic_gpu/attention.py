@@ -97,16 +97,6 @@ DEFAULTS = {
     "semantics": 1,  # Mosaic GPU lowering semantics: 1 Warpgroup (inferred layouts; attention_mgpu's, the 0.11 default), 0 Lane
 }
 PARAMS = tuple(DEFAULTS)
-#: Choices for a search (illegal combinations, shared memory included, are rejected by `check_config`).
-SPACE = {
-    "block_q": [64, 128],
-    "block_kv": [64, 128, 192, 256],
-    "max_concurrent_steps": [2, 3, 4],
-    "schedule_barrier": [0, 1],
-    "semantics": [0, 1],
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     block_q: int

@@ -1,10 +1,11 @@
-"""GPU probe: the Mosaic GPU and Triton lowerings of the `matmul` template against XLA (and, for a plain GEMM,
-JAX's hand-written `hopper_matmul_mgpu`), same process, same inputs.
+"""GPU probe: the Mosaic GPU and Triton lowerings of a template against XLA, same process, same inputs: the
+`matmul` template (and, for a plain GEMM, JAX's hand-written `hopper_matmul_mgpu`), and the `attention` template
+(and cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`).
 
 Every kernel is checked against jax.jit on the inputs before it is timed; times are medians of many back-to-back
 calls per sync over 3 rotating input sets (`runner.measure.time_fn`), with the spread (min..max of the repeats).
 
-    python -m benchmarks.mosaic_matmul [--out results/mosaic_matmul_h100.json] [--quick]
+    python -m benchmarks.mosaic_probe [--only attention] [--out results/mosaic_probe_h100.json] [--quick]
 """
 from __future__ import annotations
 
@@ -37,13 +38,27 @@ def bias_residual(x, w, b, r):
     return (x @ w + b) + r
 
 
+def attention(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
+def attention_causal(q, k, v):
+    L = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
 WORKLOADS = {
+    "attention-B8H32L2048D128": (attention, [(8, 32, 2048, 128)] * 3),
+    "attention-causal-B8H32L2048D128": (attention_causal, [(8, 32, 2048, 128)] * 3),
     "gemm-8192^3": (plain, [(8192, 8192), (8192, 8192)]),
     "gemm-1024x8192x8192": (plain, [(1024, 8192), (8192, 8192)]),
     "bias-gelu-8192x4096x8192": (bias_gelu, [(8192, 4096), (4096, 8192), (8192,)]),
     "bias-residual-8192x4096x8192": (bias_residual, [(8192, 4096), (4096, 8192), (8192,), (8192, 8192)]),
 }
-MOSAIC = [
+MOSAIC = {"matmul": [
     {},  # the lowering's default
     {"max_concurrent_steps": 3},
     {"grid_tile_width": 4},
@@ -51,36 +66,50 @@ MOSAIC = [
     {"block_k": 128, "max_concurrent_steps": 2},
     {"wg_dimension": 1},
     {"epi_tile_n": 128},
-]
-TRITON = [{"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8}]
+], "attention": [
+    {},
+    {"semantics": 0},
+    {"block_kv": 192},
+    {"max_concurrent_steps": 3},
+    {"schedule_barrier": 0},
+]}
+TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
+          "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}
 
 
 def _group(fn, shapes):
-    """The whole program as one matmul group (a lone dot is no candidate of the tuner, but the template runs it)."""
+    """The whole program as one group (a lone dot is no candidate of the tuner, but the matmul template runs it)."""
     graph = autofuse.capture(fn, *[jax.ShapeDtypeStruct(s, BF16) for s in shapes])
     group = Group.of(graph, [n.id for n in graph.nodes])
-    return graph, Candidate(group, "matmul", TEMPLATES["matmul"].match(group))
+    name = next(n for n in ("attention", "matmul") if TEMPLATES[n].match(group) is not None)
+    return graph, Candidate(group, name, TEMPLATES[name].match(group))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="the default configs only")
+    ap.add_argument("--only", default="", help="comma-separated workload name prefixes")
     a = ap.parse_args(argv)
-    from autofuse.kernels.mosaic_gpu import matmul as mgpu
 
     rows = []
     dev = jax.devices()[0].device_kind
     print(f"device {dev}, jax {jax.__version__}", flush=True)
     for name, (fn, shapes) in WORKLOADS.items():
+        if a.only and not any(name.startswith(p) for p in a.only.split(",")):
+            continue
         graph, cand = _group(fn, shapes)
+        tmpl = TEMPLATES[cand.template]
         g = cand.group
         avals = g.input_avals()
         sets = [random_inputs(avals, 100 + k) for k in range(3)]
         ref = jax.jit(lambda *xs: g.evaluate(xs))
         tol = cone_tolerances(graph, g.node_ids, g.outputs)
-        M, N, K = cand.spec.M, cand.spec.N, cand.spec.K
-        flops = 2.0 * M * N * K
+        if cand.template == "matmul":
+            flops = 2.0 * cand.spec.M * cand.spec.N * cand.spec.K
+        else:
+            B, H, L, D = shapes[0]
+            flops = 4.0 * B * H * L * L * D * (0.5 if fn is attention_causal else 1.0)
 
         def measure(label, f, config=None):
             try:
@@ -101,18 +130,28 @@ def main(argv=None) -> int:
                   flush=True)
 
         measure("xla", ref)
-        for cfg in ([{}] if a.quick else MOSAIC):
-            full = {**mgpu.default_config(cand.spec), **cfg}
-            try:
-                k = mgpu.lower(g, cand.spec, full)
-            except Exception as e:  # noqa: BLE001
-                print(f"{name:30} mosaic {cfg} declined: {e}", flush=True)
+        for cfg in ([{}] if a.quick else MOSAIC[cand.template]):
+            full = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), **cfg}
+            why = tmpl.unsupported(cand.spec, "mosaic_gpu", full)
+            if why:
+                print(f"{name:30} mosaic {cfg} declined: {why}", flush=True)
                 continue
+            k = tmpl.build(g, full, backend="mosaic_gpu", spec=cand.spec)
             measure(f"mosaic {json.dumps(cfg)}", jax.jit(lambda *xs, k=k: k(*xs)), full)
-        for cfg in TRITON:
-            k = TEMPLATES["matmul"].build(g, cfg, spec=cand.spec)
-            measure("triton", jax.jit(lambda *xs, k=k: k(*xs)), cfg)
+        k = tmpl.build(g, TRITON[cand.template], spec=cand.spec)
+        measure("triton", jax.jit(lambda *xs, k=k: k(*xs)), TRITON[cand.template])
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))
+        if cand.template == "attention":  # cuDNN's fused attention takes [B, L, H, D]: transposed outside its timing
+            cud = jax.jit(lambda q, k, v: [jax.nn.dot_product_attention(q, k, v, is_causal=fn is attention_causal, implementation="cudnn")])
+            t_sets = [[jnp.swapaxes(x, 1, 2) for x in xs] for xs in sets]
+            try:
+                t = time_fn(cud, t_sets, repeats=15)
+                rows.append({"workload": name, "kernel": "cudnn", "status": "ok", "median_ms": t.median_ms, "min_ms": t.min_ms,
+                             "max_ms": t.max_ms, "tflops": flops / (t.median_ms * 1e-3) / 1e12})
+                print(f"{name:30} {'cudnn':28} {t.median_ms:9.4f} ms ({t.min_ms:.4f}..{t.max_ms:.4f})  "
+                      f"{flops / (t.median_ms * 1e-3) / 1e12:6.1f} TFLOP/s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:30} cudnn ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
         if fn is plain:
             try:
                 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
