@@ -15,12 +15,9 @@ from typing import Any, Callable, Generic, TypeVar
 
 from ..costmodel import H200, GPUModel
 from ..graph import Group
+from .tiling import NoMatch, template_space
 
 Spec = TypeVar("Spec")
-
-
-class NoMatch(Exception):
-    """The group cannot be tiled this way (the reason is the message)."""
 
 
 class Template(ABC, Generic[Spec]):
@@ -87,7 +84,6 @@ class Template(ABC, Generic[Spec]):
         if backend == "triton":
             return self.space(group, spec)
         from ..spaces import space_key
-        from .tiling import template_space
 
         spec = spec if spec is not None else self.match(group)
         return template_space(space_key(self.name, backend), self.default_config_of(spec, backend), self.space(group, spec)["facts"])

@@ -20,7 +20,11 @@ from .. import ops
 from ..costmodel import H200, GPUModel, group_bytes
 from ..graph import Group, Node
 from ..ops import OpClass
-from .template import NoMatch
+
+
+
+class NoMatch(Exception):
+    """The group cannot be tiled this way (the reason is the message)."""
 
 
 @dataclass(frozen=True)
