@@ -43,6 +43,18 @@ multiple of 8 long, and the minor axis of a [.., Lq, Lk] score input a multiple
 of its swizzle's width: such arrays are zero-padded by XLA outside the kernel
 (the output written padded, then sliced). L % 8 == 0 (every real model) needs none.
 
+CTA order: the grid is (batch, query CTAs). Pallas Mosaic GPU reverses a grid
+onto CUDA's axes, so the query CTAs are blockIdx.x, the fastest-varying in the
+order CTAs are issued, and the CTAs resident at once (one per SM) share the
+K/V of a few heads: each head's K/V comes from DRAM about once and then hits
+in L2. In the opposite order (batch fastest: each of the 132 resident CTAs
+reads a different head's 1 MiB of K/V at B8 H32 L2048 D128) K/V is read from
+DRAM once per query CTA: 4 GiB for that shape, about 1.3 ms at the H100's
+bandwidth, which was most of the kernel's 1.545 ms, whatever the tiling.
+attention_mgpu's grid (heads, q blocks, batch) shares K/V the same way: its
+resident CTAs are every query block of a few (batch, head) pairs. (The loop
+body itself is attention_mgpu's, op for op on tiles: see the tests.)
+
 Lowering semantics are a config parameter: Warpgroup (layouts inferred by
 Mosaic GPU; what attention_mgpu's forward compiles with in jax 0.11, the
 measured 653 TFLOP/s) or Lane (the explicit WGMMA layouts `RegisterTiles`
@@ -56,7 +68,7 @@ register path).
 Declined (`Unsupported`): float32 operands (wgmma takes P from registers only
 as a 16-bit type), head dims that are not a multiple of 32 bytes or above 256,
 score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`: e.g. `pow`,
-`log1p`), a batch of more than 65535 (the grid's second axis), a sequence axis
+`log1p`), a batch of more than 65535 (the launch grid's y axis), a sequence axis
 merged with a batch axis (an operand read from [B*L, D]) whose length is not a
 multiple of 8, configs that break a wgmma / TMA / shared-memory rule
 (`check_config`). Operands whose head dim is not their minor axis, outputs
@@ -198,7 +210,7 @@ def check_group(spec: AttentionSpec) -> None:
             raise Unsupported(f"head dim {name}={n}: needs a multiple of 32 bytes ({32 // isz} elements) up to 256 "
                               "(the SMEM swizzle wgmma reads)")
     if spec.batch > _MAX_GRID_Y:
-        raise Unsupported(f"batch {spec.batch} > {_MAX_GRID_Y} (the grid's second axis)")
+        raise Unsupported(f"batch {spec.batch} > {_MAX_GRID_Y} (the launch grid's y axis)")
     for op in (spec.q, spec.k, spec.v):
         _operand_view(g, op)  # raises for a layout TMA cannot read
     check_nodes([nd for nd in _score_nodes(spec)] + [spec.combine])
@@ -751,7 +763,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
     name = f"autofuse_attention_mgpu_{group.signature[:8]}"
     semantics = plgpu.LoweringSemantics.Warpgroup if cfg.semantics else plgpu.LoweringSemantics.Lane
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(k_out_shape, out_dt), grid=(n_cta, spec.batch), grid_names=("q", "b"),
+        body, out_type=jax.ShapeDtypeStruct(k_out_shape, out_dt), grid=(spec.batch, n_cta), grid_names=("b", "q"),
         num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
         kernel_name=name)
     tbl = None if table is None else jnp.asarray(table.reshape(-1))
