@@ -41,7 +41,7 @@ def run_model(name: str, budget_s: float, small: bool = False, layers: int | Non
     rep = tune(getattr(mod, step), *args, trials=trials, time_budget_s=budget_s, seed=0, quiet=True, name=f"examples.{name}:{step}",
                trial_timeout_s=120.0)
     wall = time.time() - t0
-    measured_plan = (rep.validation.get("plan") or {}).get("median_ms")
+    measured_plan = rep.validation.plan.median_ms if rep.validation.plan is not None else None
     tuned = [c for c in rep.candidates if c.trials]
     return {
         "model": name,
@@ -57,7 +57,7 @@ def run_model(name: str, budget_s: float, small: bool = False, layers: int | Non
         "kernels": len(rep.plan.groups),
         "templates": sorted({g.template for g in rep.plan.groups}),
         "reason": rep.plan.provenance.get("reason", ""),
-        "example": rep.validation.get("example_inputs"),
+        "example": rep.validation.example_inputs,
         "table": "\n".join(ln for ln in rep.table().splitlines() if " 0/0 " not in ln),  # candidates given trials
     }
 
@@ -107,8 +107,8 @@ def main() -> None:
         what = "small_inputs() (CPU smoke test)" if a.small else MODELS[name] + (f" -- here {layers[name]} layers" if name in layers else "")
         what += f"; program: {a.step}"
         if r["example"]:
-            what += (f"; on the model's own inputs: relative error {r['example']['max_error']:.3g} (bound {max(r['example']['tolerance']):.3g},"
-                     f" jax.jit's rounding spread there {max(r['example']['rounding_sensitivity']):.3g})")
+            what += (f"; on the model's own inputs: relative error {r['example'].max_error:.3g} (bound {max(r['example'].tolerance):.3g},"
+                     f" jax.jit's rounding spread there {max(r['example'].rounding_sensitivity):.3g})")
         details += ["", f"{name}: {what}; budget {budgets[name]:.0f} s" + (f", {trials[name]} trials" if name in trials else "") + (f"; {r['reason']}" if r["reason"] else ""),
                     "", "```", r["table"], "```"]
         emit(lines + details, a.out)
