@@ -98,8 +98,8 @@ def test_bf16_model_plan_is_validated_against_its_own_rounding_spread():
         plan = fuse_all(graph, {attn.group.signature: TEMPLATES["attention"].default_config(attn.spec)})
         assert len(plan.groups) == 2
         res = Evaluator(graph, measure="model").validate(plan)
-        assert res["status"] == "ok", res
+        assert res.ok, res
         if dtype == jnp.bfloat16:
-            assert spread > 0.02 and res["max_error"] > 0.005, (spread, res["max_error"])
+            assert spread > 0.02 and res.max_error > 0.005, (spread, res.max_error)
         else:
-            assert spread == 0.0 and res["max_error"] < 1e-4, res["max_error"]
+            assert spread == 0.0 and res.max_error < 1e-4, res.max_error

@@ -272,7 +272,7 @@ def test_mask_converted_outside_the_group_holds_any_float():
     spec = matmul_reduce.match(cand.group)
     assert g.producer[float_mask(cand)[0]] not in cand.nodes  # the premise: converted outside
     res = Evaluator(g, measure="model").trial(cand.nodes, "matmul_reduce", matmul_reduce.default_config(spec))
-    assert res["status"] == "ok", res
+    assert res.ok, res
 
 
 def test_head_group_takes_in_its_own_mask_conversion_and_is_rewritten():
@@ -290,4 +290,4 @@ def test_head_group_takes_in_its_own_mask_conversion_and_is_rewritten():
     per_tile = [nd.name for nd in spec.tile.group.nodes if spec.level[nd.id] < 0 and any(spec.loop(v) for v in nd.outputs)]
     assert "log1p" not in per_tile  # the chain runs once, after the loop
     res = Evaluator(g, measure="model").trial(big.nodes, "matmul_reduce", matmul_reduce.default_config(spec))
-    assert res["status"] == "ok", res
+    assert res.ok, res
