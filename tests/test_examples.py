@@ -38,13 +38,20 @@ def fuse_all(graph, configs: dict[str, dict]) -> Plan:
 
 
 def assert_matches_jit(fn, plan: Plan, args) -> None:
+    """Every output within TOL of jax.jit's, or within twice XLA's own spread where XLA itself is undecided.
+
+    Some outputs are rounding noise around zero: the gradient of attention's key bias is exactly zero in exact
+    arithmetic (softmax ignores a shift of a row), so jax.jit and op-by-op XLA (jax 0.11.2) disagree on it by
+    50-140% relative; the plan can be held to no more than that."""
     fused = autofuse.jit(fn, plan=plan, on_miss="error")
     outs = jax.tree_util.tree_leaves(fused(*args))
     assert fused.last_status == "plan"
     refs = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    with jax.disable_jit():
+        eager = jax.tree_util.tree_leaves(fn(*args))
     assert len(outs) == len(refs)
-    for o, r in zip(outs, refs):
-        ok, err, why = compare(o, r, TOL)
+    for o, r, e in zip(outs, refs, eager):
+        ok, err, why = compare(o, r, max(TOL, 2 * compare(e, r, 0.0)[1]))
         assert ok, why
 
 
