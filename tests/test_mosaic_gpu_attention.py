@@ -27,83 +27,11 @@ from autofuse.runner.evaluator import export_for_cuda
 from autofuse.tuning.partition import enumerate_candidates
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
 
+from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window)
+
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3}  # relative error norms, as the project's checks
 S = jax.ShapeDtypeStruct
-
-
-def causal_iota_minus_1e9(q, k, v):
-    # [B, H, L, D] with `@`, a causal mask from explicit iota comparisons and a finite fill
-    L = q.shape[2]
-    s = (q @ jnp.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
-    causal = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0) >= jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    s = jnp.where(causal, s, -1e9)
-    e = jnp.exp(s - s.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True)).astype(v.dtype) @ v
-
-
-def bias_blhd(q, k, v, bias):
-    # additive bias [H, Lq, Lk] (relative-position style), [B, L, H, D] layout (the output is stored [B, H, D, L])
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125 + bias
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
-
-
-def padding_mask(q, k, v, keep):
-    # key padding mask [B, Lk] (bool), [B, H, L, D]
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
-    s = jnp.where(keep[:, None, None, :], s, -1e9)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
-
-
-def gqa_repeat(q, k, v):
-    # grouped-query attention: 4 query heads share each of 2 key/value heads (jnp.repeat)
-    g = q.shape[2] // k.shape[2]
-    return attention_blhd(q, jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2))
-
-
-def gqa_broadcast(q, k, v):
-    # grouped-query attention with the key/value heads broadcast and merged by hand
-    b, l, h, d = q.shape
-    hk = k.shape[2]
-    k = jnp.broadcast_to(k[:, :, :, None, :], (b, l, hk, h // hk, d)).reshape(b, l, h, d)
-    v = jnp.broadcast_to(v[:, :, :, None, :], (b, l, hk, h // hk, d)).reshape(b, l, h, d)
-    return attention_blhd(q, k, v)
-
-
-def heads_split_causal(xq, xk, xv):
-    # GPT-2 style: heads split out of [B, L, H*D] by reshape (TMA boxes at column h*D), causal with a finfo.min fill
-    b, l, hd = xq.shape
-    q, k, v = (t.reshape(b, l, 2, hd // 2) for t in (xq, xk, xv))
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd // 2)
-    s = jnp.where(jnp.tril(jnp.ones((l, l), bool)), s, jnp.finfo(jnp.float32).min)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
-
-
-def softcap_then_causal(q, k, v):
-    # tanh soft-capping before the mask: the mask is still known at build time (blocks skipped)
-    L = q.shape[2]
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
-    s = 5.0 * jnp.tanh(s / 5.0)
-    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
-
-
-def causal_then_softcap(q, k, v):
-    # the mask before tanh: capping revives masked scores (-inf -> -5), so nothing may be skipped
-    L = q.shape[2]
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
-    s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
-    s = 5.0 * jnp.tanh(s / 5.0)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
-
-
-def sliding_window(q, k, v):
-    # a band of 80 keys: later query blocks start after key block 0 (leading key blocks flushed by one warpgroup)
-    L = q.shape[2]
-    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
-    s = jnp.where((i >= j) & (i - j < 80), s, -jnp.inf)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
 
 
 def cross_causal_bottom_right(q, k, v):

@@ -77,8 +77,7 @@ class Evaluator:
         return self._refs[key]
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
-        t = time_fn(fn, self._input_sets(avals), repeats=self.repeats)
-        return Timing(t.median_ms, t.min_ms, t.max_ms, t.q1_ms, t.q3_ms)
+        return time_fn(fn, self._input_sets(avals), repeats=self.repeats)
 
     def _timed(self, fn: Callable, avals: Sequence[Any], **extra: Any) -> TrialResult:
         t = self._time(fn, avals)
@@ -145,8 +144,7 @@ class Evaluator:
         out = ValidationResult(status, res.max_error, res.tolerance, error, sens, examples)
         if status is not TrialStatus.OK or self.measure == "model":
             return out
-        base, plan_t, ratio = (Timing(t.median_ms, t.min_ms, t.max_ms, t.q1_ms, t.q3_ms)
-                               for t in time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats))
+        base, plan_t, ratio = time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats)
         return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, base, plan_t, ratio)
 
     def _check_examples(self, fused: Callable, ref: Callable, avals: Sequence[Any]) -> InputsCheck:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Aval
+from .protocol import Timing
 
 # Relative error-norm tolerances: ‖out − ref‖ / ‖ref‖.
 TOLERANCE = {
@@ -149,20 +150,6 @@ def check(candidate: Callable[..., Sequence[Any]], reference: Callable[..., Sequ
 
 # ---------------------------------------------------------------------------
 # Device timing.
-@dataclass
-class Timing:
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    q1_ms: float
-    q3_ms: float
-    calls_per_sync: int
-    repeats: int
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("median_ms", "min_ms", "max_ms", "q1_ms", "q3_ms", "calls_per_sync", "repeats")}
-
-
 def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0, warmup: int = 2) -> Timing:
     """Median time of one call: many back-to-back calls per sync, rotating input sets.
 
@@ -189,7 +176,7 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 1
         if r >= warmup:
             samples.append((time.perf_counter() - t0) / calls * 1e3)
     s = np.array(samples)
-    return Timing(float(np.median(s)), float(s.min()), float(s.max()), float(np.percentile(s, 25)), float(np.percentile(s, 75)), calls, repeats)
+    return _stats(s, calls)
 
 
 def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0,
@@ -225,6 +212,10 @@ def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]],
         if r >= warmup:
             a.append(ta)
             b.append(tb)
-    stats = lambda x: Timing(float(np.median(x)), float(np.min(x)), float(np.max(x)), float(np.percentile(x, 25)),  # noqa: E731
-                             float(np.percentile(x, 75)), 1, repeats)
-    return stats(np.array(a)), stats(np.array(b)), stats(np.array(b) / np.array(a))
+    a, b = np.array(a), np.array(b)
+    return _stats(a, calls[0]), _stats(b, calls[1]), _stats(b / a, 1)
+
+
+def _stats(samples: np.ndarray, calls: int) -> Timing:
+    return Timing(float(np.median(samples)), float(samples.min()), float(samples.max()), float(np.percentile(samples, 25)),
+                  float(np.percentile(samples, 75)), calls, len(samples))

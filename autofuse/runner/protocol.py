@@ -42,11 +42,15 @@ Request = Union[XlaRequest, TrialRequest, ValidateRequest]
 
 @dataclass(frozen=True)
 class Timing:
+    """Per-call time over repeats (each repeat: many back-to-back calls, one sync): median, range and quartiles."""
+
     median_ms: float
     min_ms: float
     max_ms: float
     q1_ms: float
     q3_ms: float
+    calls_per_sync: int = 1
+    repeats: int = 0
 
     @property
     def spread(self) -> float:
