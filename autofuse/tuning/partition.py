@@ -23,7 +23,6 @@ few big-int operations, plus one signature per group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
