@@ -23,6 +23,15 @@ SMEM_LIMIT = 232448  # bytes of shared memory per CTA on an H100/H200 (the Mosai
 LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 TMA_ALIGN = 16  # bytes: TMA strides (all but the innermost) must be multiples of this
 SMEM_MARGIN = 2048  # barriers and alignment (`matmul.smem_bytes` is within ~1.1 KB of what Mosaic GPU counts with it)
+SMEM_ALIGNMENT = 1024  # Mosaic GPU rounds every SMEM allocation (each ref of a run_scoped) up to this many bytes
+BARRIER_BYTES = 8  # an mbarrier
+REDUCTION_SCRATCH = 2048  # SMEM Mosaic GPU reserves when a kernel has any reduction (CompilerParams.reduction_scratch_bytes)
+
+
+def smem_alloc(nbytes: int) -> int:
+    """The shared memory one SMEM allocation of `nbytes` takes, as Mosaic GPU counts it (for `smem_bytes=` in its
+    'exceeds available shared memory' check)."""
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
 def swizzle(minor_elems: int, itemsize: int) -> int:
@@ -175,8 +184,9 @@ class Operands:
         return -(-self.K // self.bk)
 
     def ring_bytes(self, stages: int) -> int:
-        """SMEM of the A/B ring of `stages` pipeline steps."""
-        return stages * (self.cta_m + self.cta_n) * self.bk * self.itemsize
+        """SMEM of the A/B ring of `stages` pipeline steps (two allocations) and its produced / consumed barriers."""
+        tile = self.bk * self.itemsize
+        return smem_alloc(stages * self.cta_m * tile) + smem_alloc(stages * self.cta_n * tile) + 2 * stages * BARRIER_BYTES
 
     def prepare(self, a, b) -> tuple:
         """(A, B) as the kernel reads them, from A stored [K, M] or [M, K] and B stored [N, K] or [K, N] (any

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Callable
 
 import jax
@@ -66,8 +67,8 @@ from ...graph import Group, Node
 from ...ops import OpClass
 from ..matmul_reduce import MatmulReduceSpec, merge_ranges, rescale_factor
 from ..tiling import Span, TileSpec, cdiv
-from .gemm import (LOW, SMEM_LIMIT, SMEM_MARGIN, Operands, check_operand_tiles, compute_dtype, from_kernel,
-                   interpret_params, kernel_dtype, num_sms_default, pad, pad_to)
+from .gemm import (BARRIER_BYTES, LOW, REDUCTION_SCRATCH, SMEM_LIMIT, Operands, check_operand_tiles, compute_dtype,
+                   from_kernel, interpret_params, kernel_dtype, num_sms_default, pad, pad_to, smem_alloc)
 from .tiles import COLS, FULL, ROWS, RegisterTiles, Unsupported, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
@@ -234,6 +235,13 @@ def _operands(spec: MatmulReduceSpec, cfg: Config) -> Operands:
                        bk=cfg.block_k)
 
 
+def _ranges(spec: MatmulReduceSpec, cfg: Config) -> tuple[int, int]:
+    """(loop steps per unit, ranges of the reduced axis): `split` ranges of whole steps, none of them empty."""
+    n_c = cdiv(_extents(spec)[2], cfg.step(spec))
+    per = cdiv(n_c, cfg.split)
+    return per, cdiv(n_c, per)
+
+
 def _stages(spec: MatmulReduceSpec, cfg: Config) -> int:
     return max(1, min(cfg.max_concurrent_steps, cdiv(spec.K, cfg.block_k)))
 
@@ -246,7 +254,8 @@ def check_config(spec: MatmulReduceSpec, cfg: Config) -> None:
     try:
         check_operand_tiles(ops_.itemsize, ops_.a_km, ops_.b_nk, bm, step, cfg.block_k)
     except Unsupported as e:  # name the template's parameters, not the kernel's
-        raise Unsupported(str(e).replace("block_m=", f"{kept}=").replace("block_n=", f"{red}=")) from None
+        msg = re.sub(r"block_[mn]=", lambda m: {"block_m=": f"{kept}=", "block_n=": f"{red}="}[m.group(0)], str(e))
+        raise Unsupported(msg) from None
     if bm * step > _ACC_ELEMS:
         raise Unsupported(f"registers: a warpgroup's {bm}x{step} float32 accumulator ({kept} x {red}) exceeds "
                           f"{_ACC_ELEMS} elements (128 registers per thread)")
@@ -268,22 +277,21 @@ def check_config(spec: MatmulReduceSpec, cfg: Config) -> None:
 
 
 def smem_bytes(spec: MatmulReduceSpec, cfg: Config) -> int:
-    """Shared memory the kernel allocates: the A/B ring, vector inputs, running values and outputs (per
-    warpgroup), Mosaic GPU's reduction scratch, barriers."""
+    """Shared memory the kernel allocates, counted as Mosaic GPU counts it (each allocation rounded up to 1 KB;
+    equal to its `smem_bytes=` on the configs tried): the A/B ring, vector inputs, running values and outputs (a
+    buffer per warpgroup each), the reduction scratch, barriers."""
     g = spec.tile.group.graph
     bm, step = cfg.rows(spec), cfg.step(spec)
-    ring = _operands(spec, cfg).ring_bytes(_stages(spec, cfg))
-    vec = 0
-    for x in epi_inputs(spec):
-        n = bm if x.kind == "rows" else step if x.kind == "cols" else 0
-        vec += 2 * n * _vec_dtype(g.avals[x.v].dtype, n).itemsize if n else 0
+    total = _operands(spec, cfg).ring_bytes(_stages(spec, cfg)) + REDUCTION_SCRATCH
+    vec = [x for x in epi_inputs(spec) if x.kind != "scalar"]
+    for x in vec:
+        n = bm if x.kind == "rows" else step
+        total += smem_alloc(2 * n * _vec_dtype(g.avals[x.v].dtype, n).itemsize)
     reds = [g.node_index[r] for r in spec.reductions]
-    carry = sum(2 * bm * compute_dtype(g.avals[nd.outputs[0]].dtype).itemsize for nd in reds)
-    if cfg.split > 1:
-        outs = 2 * bm * 4 * len(reds)
-    else:
-        outs = sum(2 * bm * np.dtype(a.dtype).itemsize for a in spec.group.output_avals())
-    return ring + vec + carry + outs + 2048 + SMEM_MARGIN  # 2048: Mosaic GPU's reduction scratch (reserved with any reduction)
+    total += sum(smem_alloc(2 * bm * compute_dtype(g.avals[nd.outputs[0]].dtype).itemsize) for nd in reds)
+    outs = [np.dtype(np.float32)] * len(reds) if _ranges(spec, cfg)[1] > 1 else [np.dtype(a.dtype) for a in spec.group.output_avals()]
+    total += sum(smem_alloc(2 * bm * d.itemsize) for d in outs)
+    return total + (2 * BARRIER_BYTES if vec else 0)
 
 
 def _split(n_rb: int, n_c: int, sms: int = N_SMS) -> int:
@@ -394,9 +402,7 @@ class _Kernel:
         self.stages = _stages(spec, cfg)
         self.k_iters = self.ops.k_iters
         self.n_rb = cdiv(self.R, 2 * self.bm)
-        n_c = cdiv(self.C, self.step)
-        self.per = cdiv(n_c, cfg.split)  # loop steps per unit
-        self.n_s = cdiv(n_c, self.per)  # ranges of N (no empty one)
+        self.per, self.n_s = _ranges(spec, cfg)  # loop steps per unit, ranges of N
         self.units = self.n_rb * (self.n_s if self.over_n else self.Q)
         self.chain = self.k_iters % self.stages == 0  # the step pipelines of a CTA form one pipeline
 
@@ -427,7 +433,7 @@ class _Kernel:
         self.vec_in = [x for x in self.inputs if x.kind != "scalar"]
         self.scalar_in = [x for x in self.inputs if x.kind == "scalar"]
         self.vdt = {x.v: _vec_dtype(g.avals[x.v].dtype, self.bm if x.kind == "rows" else self.step) for x in self.vec_in}
-        self.split_out = cfg.split > 1
+        self.split_out = self.n_s > 1
         self.outs = list(group.outputs)
         self.out_dt = [np.dtype(np.float32)] * len(self.reds) if self.split_out else [np.dtype(g.avals[v].dtype) for v in self.outs]
         # Mask the reduced axis where it runs past its extent (ragged, or a range running past N).
@@ -493,6 +499,8 @@ class _Kernel:
                     pos = pos0 + j * step  # this step's first position along the reduced axis
 
                     def compute_context(eval_pipeline):
+                        if self.vec_in:
+                            plgpu.commit_smem()  # the last step's reads of the vector buffers before TMA overwrites them
                         for x in self.vec_in:  # issued before the mainloop, so that they overlap it
                             src = vec_gmem[x.v].at[q if x.outer else 0]
                             src = src.at[pl.ds(wg_r0, bm)] if x.kind == "rows" else src.at[pl.ds(pos, step)]
