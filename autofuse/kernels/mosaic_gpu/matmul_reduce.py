@@ -27,7 +27,9 @@ attention_mgpu). Columns past the loop's extent (ragged N or L, TMA
 zero-filled) are masked to the reduction's identity. The running values live
 in SMEM between steps (a few hundred bytes per warpgroup); the step pipelines
 of one CTA are chained (`pipeline_state` START / STEADY / STOP) so the
-producer fetches the next step's tiles while the consumers run the epilogue.
+producer fetches the next step's tiles while the consumers run the epilogue
+(Pallas allows that when the ring's depth divides the K steps; otherwise each
+step's pipeline fills and drains the ring on its own).
 After a unit's last step the work after the reductions runs once, on row
 vectors, and each output row vector goes out by TMA (rows past the edge are
 dropped). With `split` > 1 each range writes its running values instead
@@ -39,6 +41,11 @@ mask per sequence position) or scalars: vectors are copied by TMA into SMEM
 each step and read in the WGMMA row / column layouts; `is_finite` (in every
 logsumexp) and `log1p` (SPLADE), which the Mosaic GPU lowering lacks, are
 computed from primitives it has.
+
+float32 operands run as TF32, which takes K-major operands only: XLA transposes
+a [K, N] B (over L: a [K, N] W read as the kernel's A) outside the kernel.
+`smem_bytes` counts shared memory as Mosaic GPU does (each allocation rounded
+up to 1 KB), so `check_config` declines exactly what would not fit.
 
 Declined (`Unsupported`): `split` > 1 over L, epilogue inputs that vary along
 both the kept and the reduced axis (an [M, N] array read per product tile:
@@ -308,24 +315,30 @@ def _split(n_rb: int, n_c: int, sms: int = N_SMS) -> int:
 
 
 def default_config(spec: MatmulReduceSpec) -> dict:
-    """hopper_matmul_mgpu's tile (128 x 128 per warpgroup, 64-wide K steps, 4 stages) where the shapes allow;
-    over N, enough ranges of N that the units fill the SMs; the ring's depth chosen to divide the K steps (so the
-    loop's step pipelines chain) and reduced until shared memory fits."""
+    """hopper_matmul_mgpu's tile (128 x 128 per warpgroup, 64-wide K steps, 4 stages) where the shapes allow, smaller
+    steps for a short reduced axis; over N, enough ranges of N that the units fill the SMs; the ring's depth chosen
+    to divide the K steps (so that the loop's step pipelines chain), then fewer stages or a shorter step until shared
+    memory fits."""
     isz = _dtype(spec).itemsize
     Q, R, C = _extents(spec)
     cfg = dict(DEFAULTS)
     cfg["block_k"] = 128 // isz if spec.K > 64 // isz else 64 // isz
     rows = 128 if R >= 2048 else 64
-    has_cols = any(x.kind == "cols" for x in epi_inputs(spec))
-    step = 128 if C > 64 else max(32 if has_cols else 8, -(-C // 8) * 8) if C <= 64 else 64
-    step = -(-step // 32) * 32 if has_cols else step
-    cfg["block_m"], cfg["block_n"] = (rows, step) if spec.over_n else (step, rows)
-    cfg["epi_tile"] = 64 if step % 64 == 0 else step
+    step = 128 if C > 64 else 64 if C > 32 else 32
+
+    def place(step: int) -> None:
+        cfg["block_m"], cfg["block_n"] = (rows, step) if spec.over_n else (step, rows)
+        cfg["epi_tile"] = min(64, step)
+        cfg["split"] = _split(cdiv(R, 2 * rows), cdiv(C, step)) if spec.over_n else 1
+
+    place(step)
     k_iters = cdiv(spec.K, cfg["block_k"])
-    cfg["max_concurrent_steps"] = next((s for s in (4, 3, 2) if k_iters % s == 0), min(4, k_iters))
-    cfg["split"] = _split(cdiv(R, 2 * rows), cdiv(C, step)) if spec.over_n else 1
+    cfg["max_concurrent_steps"] = next((s for s in (4, 3, 5, 6, 2) if k_iters % s == 0), min(4, k_iters))
     while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["max_concurrent_steps"] > 2:
         cfg["max_concurrent_steps"] -= 1
+    while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and step > 32:
+        step //= 2
+        place(step)
     return cfg
 
 
