@@ -328,7 +328,7 @@ def default_config(spec: MatmulReduceSpec) -> dict:
 
     def place(step: int) -> None:
         cfg["block_m"], cfg["block_n"] = (rows, step) if spec.over_n else (step, rows)
-        cfg["epi_tile"] = min(64, step)
+        cfg["epi_tile"] = min(32 if rows == 128 else 64, step)  # 128 accumulator registers leave ~100 for the epilogue
         cfg["split"] = _split(cdiv(R, 2 * rows), cdiv(C, step)) if spec.over_n else 1
 
     place(step)
