@@ -1,7 +1,18 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the XLA:CPU setting Mosaic GPU interpret mode needs.
+
+Mosaic GPU interpret mode runs each warpgroup as its own XLA:CPU executable whose callbacks block on the simulated
+barriers; XLA's concurrency-optimised scheduler lets those executables' work wait for the threads of the intra-op
+pool (two, on a 2-core machine) that blocked callbacks hold: a deadlock that shows at random (a SPLADE case hung in
+5 of 6 runs, 0 of 14 with this flag). The plain scheduler only orders independent work differently. Set here,
+before any test module initialises JAX's CPU backend.
+"""
 from __future__ import annotations
 
 import os
+
+_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 import uuid
 from typing import Iterator
 

@@ -5,34 +5,25 @@ barriers and TMA simulated, out-of-bounds TMA reads zero-filled and writes dropp
 `jax.jit` of the same program, on ragged shapes; every case is also exported for CUDA under an abstract H100, which
 runs the real Mosaic GPU lowering (wgmma, layouts, TMA tiling, shared memory) with no GPU.
 
-Interpret mode runs each warpgroup as its own XLA:CPU executable whose callbacks block on the simulated barriers;
-XLA's concurrency-optimised scheduler lets those executables' work wait for the (two, on a 2-core machine) threads of
-the intra-op pool that blocked callbacks hold, a deadlock that shows at random. Its plain scheduler does not: the flag
-below is set before JAX compiles anything (it changes only the order of independent work).
+Interpret mode needs an XLA:CPU flag on small machines: tests/conftest.py sets it.
 """
 from __future__ import annotations
 
-import os
+import re
 
-_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import re  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
-
-import autofuse  # noqa: E402
-from autofuse.graph import Group  # noqa: E402
-from autofuse.kernels import matmul_reduce  # noqa: E402
-from autofuse.kernels.mosaic_gpu import matmul_reduce as mgpu  # noqa: E402
-from autofuse.kernels.mosaic_gpu.tiles import Unsupported  # noqa: E402
-from autofuse.runner.evaluator import export_for_cuda  # noqa: E402
-from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
+import autofuse
+from autofuse.graph import Group
+from autofuse.kernels import matmul_reduce
+from autofuse.kernels.mosaic_gpu import matmul_reduce as mgpu
+from autofuse.kernels.mosaic_gpu.tiles import Unsupported
+from autofuse.runner.evaluator import export_for_cuda
+from autofuse.tuning.partition import enumerate_candidates
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3, np.dtype(F32): 2e-5}  # relative error norms, as the project's checks
@@ -277,7 +268,9 @@ def test_default_configs_of_the_benchmark_workloads():
         spec = cand.spec
         assert spec.over_n is over_n
         cfg = mgpu.default_config(spec)
-        assert set(cfg) == set(mgpu.DEFAULTS) and all(cfg[k] in mgpu.SPACE[k] for k in cfg)
+        choices = matmul_reduce.TEMPLATE.space_of(cand.group, spec, "mosaic_gpu")["params"]  # search_spaces/matmul_reduce.mosaic_gpu.toml
+        assert set(cfg) == set(mgpu.DEFAULTS) == set(choices) and all(cfg[k] in choices[k] for k in cfg)
+        assert matmul_reduce.TEMPLATE.unsupported(spec, "mosaic_gpu", cfg) is None
         mgpu.check_config(spec, mgpu.Config.of(cfg))
         k = mgpu._Kernel(cand.group, spec, mgpu.Config.of(cfg))
         assert k.units >= 128 and k.chain, (cfg, k.units)

@@ -93,15 +93,6 @@ DEFAULTS = {
     "split": 1,  # over N: ranges of N per row block, merged by XLA after the kernel (more CTAs for few row blocks)
 }
 PARAMS = tuple(DEFAULTS)
-#: Choices for a search (the union over both loop structures; `check_config` rejects what one of them cannot take).
-SPACE = {
-    "block_m": [64, 128, 256],
-    "block_n": [64, 128, 192, 256],
-    "block_k": [32, 64, 128],
-    "max_concurrent_steps": [2, 3, 4, 5, 6],
-    "epi_tile": [32, 64, 128],
-    "split": [1, 2, 4, 8, 16, 32],
-}
 _ACC_ELEMS = 128 * 128  # a warpgroup's float32 accumulator: 128 registers per thread at most, the epilogue needs the rest
 
 
@@ -281,6 +272,11 @@ def check_config(spec: MatmulReduceSpec, cfg: Config) -> None:
     need = smem_bytes(spec, cfg)
     if need > SMEM_LIMIT:
         raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
+
+
+def check(spec: MatmulReduceSpec, config: dict) -> None:
+    """`check_config` for a config as the tuner and plans give it (a dict)."""
+    check_config(spec, Config.of(config))
 
 
 def smem_bytes(spec: MatmulReduceSpec, cfg: Config) -> int:
