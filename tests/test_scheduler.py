@@ -114,3 +114,28 @@ def _trials(cands, order):
     """Each step (candidate, outcome) in order, and each candidate's trials (config, status) by number."""
     return ([(cands[i].signature, kind) for i, kind in order],
             {c.signature: [(t.config, t.status) for t in sorted(c.trials, key=lambda t: t.number)] for c in cands})
+
+
+def test_a_wrong_result_on_one_backend_leaves_the_others_default_to_try():
+    """A candidate whose first backend's default was wrong (the Mosaic GPU SPLADE head on the H100) still gets its
+    other backend's default in phase 1; once every backend was tried and none worked, it gets no more trials there."""
+    from autofuse.tuning.ledger import TrialRecord
+    from autofuse.tuning.space import CandidateSpace
+
+    graph = autofuse.capture(lambda x, w, b: jax.nn.gelu(x @ w + b), S((256, 128), jnp.bfloat16), S((128, 256), jnp.bfloat16),
+                             S((256,), jnp.bfloat16))
+    by_sig, cands = distinct_candidates(graph)
+    for r in cands:
+        r.xla_ms = 1.0
+    spaces = {r.signature: CandidateSpace.of(r.template, by_sig[r.signature][0].group, by_sig[r.signature][0].spec, costmodel.H200,
+                                             ("mosaic_gpu", "triton")) for r in cands}
+    i = next(k for k, r in enumerate(cands) if r.template == "matmul")
+    assert list(spaces[cands[i].signature].spaces) == ["mosaic_gpu", "triton"]
+    for k, r in enumerate(cands):  # everyone else has had its default
+        if k != i:
+            r.trials = [TrialRecord(0, {"backend": "triton"}, TrialStatus.OK, 2.0)]
+    sched = Scheduler(graph, by_sig, cands, spaces, Budget(100), costmodel.H200)
+    cands[i].trials = [TrialRecord(0, {"backend": "mosaic_gpu"}, TrialStatus.WRONG_RESULT)]
+    assert sched.pick() == i  # triton's default is still owed
+    cands[i].trials.append(TrialRecord(1, {"backend": "triton"}, TrialStatus.WRONG_RESULT))
+    assert sched.pick() != i  # both backends were wrong: no more phase-1 trials for it

@@ -4,7 +4,8 @@
 2. Phase 1: every distinct candidate gets its template's default config, by the
    time fusing may save ((XLA time - modelled time) x instances, most first); a
    candidate whose configs all failed on shared memory or compilation gets
-   another config right away, up to `RETRY_CONFIGS`.
+   another config right away, up to `RETRY_CONFIGS`, and one with no working
+   config gets its next backend's default (its study has them enqueued).
 3. Phase 2: the rest goes to the contenders (the fused groups of the cheapest
    cover so far, candidates within 25% of their XLA time, those whose configs
    all failed to fit or compile), each trial to the one furthest behind its
@@ -79,6 +80,13 @@ def config_failures_only(r: CandidateState) -> bool:
     return r.best_ms is None and 0 < len(tried) < RETRY_CONFIGS and all(t.status.config_failure for t in tried)
 
 
+def backend_untried(r: CandidateState, space: CandidateSpace) -> bool:
+    """No config has worked so far and one of the candidate's backends was never tried: a failure (even a wrong
+    result) of one lowering says nothing of another's."""
+    tried = {t.config.get("backend", "triton") for t in r.spent()}
+    return r.best_ms is None and bool(tried) and any(b not in tried for b in space.spaces)
+
+
 def contenders(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel) -> list[int]:
     """Candidates that can change the plan: the fused groups of the cheapest cover so far, those within 25% of
     their XLA time (tuning may still make them win), and those whose configs all failed to fit or compile."""
@@ -128,7 +136,8 @@ class Scheduler:
             if any(k not in live and lost.count(k) <= MAX_RETRY for k in lost):
                 return i
         for i in phase1_order(self.cands, self.spaces):
-            if i in open_ and (not counted[i] or config_failures_only(self.cands[i])):
+            r = self.cands[i]
+            if i in open_ and (not counted[i] or config_failures_only(r) or backend_untried(r, self.spaces[r.signature])):
                 return i
         cont = [i for i in self.contenders() if i in open_]
         if not cont:
