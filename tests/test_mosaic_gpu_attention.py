@@ -238,9 +238,9 @@ def test_declines_what_it_does_not_support():
         with pytest.raises(Unsupported, match=why):
             mgpu_attention.lower(group, spec, bad)
         with pytest.raises(Unsupported, match=why):
-            mgpu_attention.check(spec, bad)
-    mgpu_attention.check(spec, {"block_kv": 192, "max_concurrent_steps": 2})  # 226 KiB: fits
-    mgpu_attention.check(spec, {"block_kv": 128, "max_concurrent_steps": 3})
+            mgpu_attention.check_config(spec, mgpu_attention.Config.of(bad))
+    mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 192, "max_concurrent_steps": 2}))  # 226 KiB: fits
+    mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 128, "max_concurrent_steps": 3}))
 
 
 def test_template_builds_it_as_the_mosaic_gpu_backend():

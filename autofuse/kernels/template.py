@@ -65,8 +65,8 @@ class Template(ABC, Generic[Spec]):
 
     def lowering_module(self, backend: str) -> Any:
         """The module `autofuse.kernels.<backend>.<name>`. Besides `lower`, a backend other than Triton declares
-        its own config there: `PARAMS`, `default_config(spec)`, `check_group(spec)` and `check(spec, config)`
-        (both raise NotImplementedError for what it does not do)."""
+        its own config there: `PARAMS`, `Config.of(dict)`, `default_config(spec)`, `check_group(spec)` and
+        `check_config(spec, Config)` (both raise NotImplementedError for what it does not do)."""
         if backend not in self.backends:
             raise ValueError(f"template {self.name!r} has no {backend!r} lowering; its backends: {', '.join(self.backends)}")
         return importlib.import_module(f"{__package__}.{backend}.{self.name}")
@@ -96,7 +96,7 @@ class Template(ABC, Generic[Spec]):
         try:
             mod.check_group(spec)
             if config is not None:
-                mod.check(spec, config)
+                mod.check_config(spec, mod.Config.of(config))
         except NotImplementedError as e:
             return str(e)
         return None

@@ -94,6 +94,7 @@ from ...graph import Group, Lit, Node
 from ..attention import AttentionSpec, Operand, block_ranges, scale_fold
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
+from .gemm import require_smem
 from .tiles import COLS, FULL, NONE, ROWS, RegisterTiles, Unsupported, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
@@ -243,14 +244,7 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
             if (n * _vector_dtype(g.avals[v].dtype, n).itemsize) % 128:
                 raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype}: "
                                   "TMA copies here must move a multiple of 128 bytes")
-    need = smem_bytes(spec, cfg)
-    if need > SMEM_LIMIT:
-        raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
-
-
-def check(spec: AttentionSpec, config: dict) -> None:
-    """`check_config` for a config as the tuner and plans give it (a dict)."""
-    check_config(spec, Config.of(config))
+    require_smem(smem_bytes(spec, cfg))
 
 
 def _stages(spec: AttentionSpec, cfg: Config) -> int:

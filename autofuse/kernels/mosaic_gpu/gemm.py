@@ -28,6 +28,14 @@ BARRIER_BYTES = 8  # an mbarrier
 REDUCTION_SCRATCH = 2048  # SMEM Mosaic GPU reserves when a kernel has any reduction (CompilerParams.reduction_scratch_bytes)
 
 
+def require_smem(need: int) -> None:
+    """Refuse a config whose shared memory (as Mosaic GPU counts it) exceeds the limit, in Mosaic's own words."""
+    if need > SMEM_LIMIT:
+        from .tiles import Unsupported
+
+        raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
+
+
 def smem_alloc(nbytes: int) -> int:
     """The shared memory one SMEM allocation of `nbytes` takes, as Mosaic GPU counts it (for `smem_bytes=` in its
     'exceeds available shared memory' check)."""

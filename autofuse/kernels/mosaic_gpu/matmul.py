@@ -59,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...graph import Group
 from ..matmul import MatmulSpec
 from .gemm import LOW as _LOW, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
+from .gemm import require_smem
 from .gemm import compute_dtype as _compute, from_kernel as _from_kernel, kernel_dtype as _kernel_dtype  # noqa: F401
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
 from .gemm import smem_transforms as _tf, swizzle as _swizzle, tile_transforms as _tile_tf  # noqa: F401
@@ -198,14 +199,7 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         if n and (n * _kernel_dtype(g.avals[v].dtype).itemsize) % 128:
             raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype} per warpgroup: "
                               "TMA copies here must move a multiple of 128 bytes")
-    need = smem_bytes(spec, cfg)
-    if need > SMEM_LIMIT:
-        raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
-
-
-def check(spec: MatmulSpec, config: dict) -> None:
-    """`check_config` for a config as the tuner and plans give it (a dict)."""
-    check_config(spec, Config.of(config))
+    require_smem(smem_bytes(spec, cfg))
 
 
 def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:

@@ -76,6 +76,7 @@ from ..matmul_reduce import MatmulReduceSpec, merge_ranges, rescale_factor
 from ..tiling import Span, TileSpec, cdiv
 from .gemm import (BARRIER_BYTES, LOW, REDUCTION_SCRATCH, SMEM_LIMIT, Operands, check_operand_tiles, compute_dtype,
                    from_kernel, interpret_params, kernel_dtype, num_sms_default, pad, pad_to, smem_alloc)
+from .gemm import require_smem
 from .tiles import COLS, FULL, ROWS, RegisterTiles, Unsupported, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
@@ -269,14 +270,7 @@ def check_config(spec: MatmulReduceSpec, cfg: Config) -> None:
         if n and (n * _vec_dtype(g.avals[x.v].dtype, n).itemsize) % 128:
             raise Unsupported(f"a vector input %{x.v} of {n} x {g.avals[x.v].dtype} per step: TMA copies here must move "
                               f"a multiple of 128 bytes ({red} a multiple of 32)")
-    need = smem_bytes(spec, cfg)
-    if need > SMEM_LIMIT:
-        raise Unsupported(f"shared memory: smem_bytes={need} > max_smem_bytes={SMEM_LIMIT}")
-
-
-def check(spec: MatmulReduceSpec, config: dict) -> None:
-    """`check_config` for a config as the tuner and plans give it (a dict)."""
-    check_config(spec, Config.of(config))
+    require_smem(smem_bytes(spec, cfg))
 
 
 def smem_bytes(spec: MatmulReduceSpec, cfg: Config) -> int:
@@ -463,7 +457,7 @@ class _Kernel:
         vec_gmem = dict(zip([x.v for x in self.vec_in], rest[:n_vec]))
         sc_gmem = dict(zip([x.v for x in self.scalar_in], rest[n_vec:n_vec + n_sc]))
         out_gmem = rest[n_vec + n_sc:]
-        bm, step, en, ops_ = self.bm, self.step, self.en, self.ops
+        bm, step, ops_ = self.bm, self.step, self.ops
         PP = plgpu.PipelinePipeline
 
         def pipeline(mma_body, compute_context, state=None):
