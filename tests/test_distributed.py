@@ -1,4 +1,4 @@
-"""Tuning with several worker processes sharing one run (autofuse.distributed): real workers (CPU, model
+"""Tuning with several worker processes sharing one run (autofuse.tuning.workers): real workers (CPU, model
 mode, kernels checked in interpret mode), a real database. The PostgreSQL tests run when
 AUTOFUSE_TEST_PG_URL is set (and must, with AUTOFUSE_REQUIRE_PG=1; see tests/test_store_postgres.py)."""
 from __future__ import annotations

@@ -22,6 +22,7 @@ from autofuse.graph import Group
 from autofuse.kernels import matmul
 from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
 from autofuse.kernels.mosaic_gpu.tiles import Unsupported
+from autofuse.runner.evaluator import export_for_cuda
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3, np.dtype(F32): 2e-5}  # relative error norms, as the project's checks
@@ -101,20 +102,6 @@ def _rel_err(out, ref) -> float:
     return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
 
 
-def _export_for_cuda(fn, structs):
-    try:
-        from autofuse.runner.evaluator import export_for_cuda
-    except ImportError:
-        try:
-            from autofuse.evaluate import export_for_cuda
-        except ImportError:  # the same few lines, should neither module be importable
-            def export_for_cuda(fn, structs):
-                dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
-                with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
-                    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs)
-    return export_for_cuda(fn, structs)
-
-
 @pytest.mark.parametrize("fn,shapes,dtype,config", CASES)
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
@@ -136,7 +123,7 @@ def test_lowers_for_cuda(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
     for cfg in ([config] if config else []) + [mgpu_matmul.default_config(spec)]:
         kernel = mgpu_matmul.lower(group, spec, cfg)
-        exp = _export_for_cuda(kernel, [S(a.shape, a.dtype) for a in group.input_avals()])
+        exp = export_for_cuda(kernel, [S(a.shape, a.dtype) for a in group.input_avals()])
         assert "mosaic_gpu_v2" in exp.mlir_module()
         assert [(o.shape, o.dtype) for o in exp.out_avals] == [(a.shape, a.dtype) for a in group.output_avals()]
 

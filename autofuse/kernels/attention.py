@@ -671,7 +671,7 @@ class AttentionTemplate(Template[AttentionSpec]):
                 "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
 
     def space(self, group: Group, spec: AttentionSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/attention.yaml), the default config and the constraint facts."""
+        """Tunable parameters (search_spaces/attention.toml), the default config and the constraint facts."""
         spec = spec or self.match(group)
         return template_space(self.name, self.default_config(spec), {
             "Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv), "itemsize": spec.dot_dtype1.itemsize,

@@ -40,7 +40,7 @@ class ElementwiseTemplate(Template[TileSpec]):
         return {"block_rows": bm, "block_cols": bn, "num_warps": 4, "num_stages": 1, "col_major": 0}
 
     def space(self, group: Group, spec: TileSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/elementwise.yaml), the default config and the constraint facts."""
+        """Tunable parameters (search_spaces/elementwise.toml), the default config and the constraint facts."""
         spec = spec or self.match(group)
         return template_space(self.name, self.default_config(spec), facts(spec))
 

@@ -103,7 +103,7 @@ class MatmulTemplate(Template[MatmulSpec]):
                 "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
 
     def space(self, group: Group, spec: MatmulSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/matmul.yaml), the default config and the constraint facts."""
+        """Tunable parameters (search_spaces/matmul.toml), the default config and the constraint facts."""
         spec = spec or self.match(group)
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return template_space(self.name, self.default_config(spec),

@@ -143,7 +143,7 @@ class MatmulReduceTemplate(Template[MatmulReduceSpec]):
                 "num_stages": 3, "split": split}
 
     def space(self, group: Group, spec: MatmulReduceSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/matmul_reduce.yaml), the default config and the constraint facts."""
+        """Tunable parameters (search_spaces/matmul_reduce.toml), the default config and the constraint facts."""
         spec = spec or self.match(group)
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return template_space(self.name, self.default_config(spec), {"M": spec.M, "N": spec.N, "K": spec.K, "L": spec.L,

@@ -48,7 +48,7 @@ class RowReduceTemplate(Template[TileSpec]):
         return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
 
     def space(self, group: Group, spec: TileSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/row_reduce.yaml), the default config and the constraint facts."""
+        """Tunable parameters (search_spaces/row_reduce.toml), the default config and the constraint facts."""
         spec = spec or self.match(group)
         return template_space(self.name, self.default_config(spec), facts(spec))
 

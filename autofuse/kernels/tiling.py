@@ -88,8 +88,8 @@ def facts(spec: TileSpec) -> dict:
 
 
 def template_space(template: str, default: dict, group_facts: dict, space=None) -> dict:
-    """A template's `space()`: its search space (its YAML file, or `space` given), the default config snapped
-    to the choices, and the facts about the group. The spaces module (and YAML) is imported only here."""
+    """A template's `space()`: its search space (its TOML file, or `space` given), the default config snapped
+    to the choices, and the facts about the group."""
     from ..spaces import load_spaces
 
     space = space or load_spaces()[template]
