@@ -23,6 +23,7 @@ from autofuse.kernels import matmul
 from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
 from autofuse.kernels.mosaic_gpu.tiles import Unsupported
 from autofuse.runner.evaluator import export_for_cuda
+from tests.kernel_checks import rel_err
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3, np.dtype(F32): 2e-5}  # relative error norms, as the project's checks
@@ -96,12 +97,6 @@ def _inputs(group, seed=0):
     return [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
 
 
-def _rel_err(out, ref) -> float:
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert o.shape == r.shape and np.isfinite(o).all()
-    return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-
-
 @pytest.mark.parametrize("fn,shapes,dtype,config", CASES)
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
@@ -113,7 +108,7 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
     assert len(outs) == len(refs) == len(group.outputs)
     for o, r in zip(outs, refs):
         assert o.dtype == r.dtype
-        err = _rel_err(o, r)
+        err = rel_err(o, r)
         assert err <= TOL[np.dtype(dtype)], (cfg, err)
 
 

@@ -26,8 +26,18 @@ from autofuse.kernels.mosaic_gpu.tiles import Unsupported
 from autofuse.runner.evaluator import export_for_cuda
 from autofuse.tuning.partition import enumerate_candidates
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
-
-from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window)
+from tests.attention_programs import (
+    bias_blhd,
+    causal_iota_minus_1e9,
+    causal_then_softcap,
+    gqa_broadcast,
+    gqa_repeat,
+    heads_split_causal,
+    padding_mask,
+    sliding_window,
+    softcap_then_causal,
+)
+from tests.kernel_checks import rel_err
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3}  # relative error norms, as the project's checks
@@ -128,12 +138,6 @@ def _inputs(group, seed=0):
     return out
 
 
-def _rel_err(out, ref) -> float:
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert o.shape == r.shape and np.isfinite(o).all()
-    return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-
-
 @pytest.mark.parametrize("fn,shapes,dtype,config", CASES)
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
@@ -143,7 +147,7 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
     (out,) = jax.block_until_ready(kernel(*xs))
     (ref,) = jax.jit(lambda *a: group.evaluate(a))(*xs)
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    err = _rel_err(out, ref)
+    err = rel_err(out, ref)
     assert err <= TOL[np.dtype(dtype)], (cfg, err)
 
 
@@ -249,7 +253,7 @@ def test_template_builds_it_as_the_mosaic_gpu_backend():
     g, group, spec = _group(attention_bhld_causal, [(1, 2, L, 64)] * 3, BF16)
     kernel = attention.TEMPLATE.build(group, K64, backend="mosaic_gpu", interpret=True, spec=spec)
     xs = _inputs(group)
-    assert _rel_err(kernel(*xs)[0], jax.jit(lambda *a: group.evaluate(a))(*xs)[0]) <= TOL[np.dtype(BF16)]
+    assert rel_err(kernel(*xs)[0], jax.jit(lambda *a: group.evaluate(a))(*xs)[0]) <= TOL[np.dtype(BF16)]
     space = attention.TEMPLATE.space_of(group, spec, "mosaic_gpu")  # its choices: search_spaces/attention.mosaic_gpu.toml
     assert set(mgpu_attention.PARAMS) == set(space["params"]) == set(mgpu_attention.DEFAULTS)
     assert all(mgpu_attention.DEFAULTS[k] in space["params"][k] for k in mgpu_attention.PARAMS)
