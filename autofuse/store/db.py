@@ -36,7 +36,7 @@ ENV_VAR = "AUTOFUSE_DB"
 VERSION_TABLE = "autofuse_alembic_version"
 #: The newest schema revision this code knows; a test checks it equals the
 #: Alembic head, so the fast path of opening a database needs no Alembic.
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0004"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 DEFAULT_TIMEOUT_S = 30.0
 # Any constant: serialises schema migrations between processes on PostgreSQL.
@@ -391,7 +391,20 @@ def ensure_schema(engine: Engine) -> None:
 
 
 def open_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S, migrate: bool = True) -> Engine:
-    """:func:`create_engine` plus :func:`ensure_schema`, errors as :class:`StoreError`."""
+    """:func:`create_engine` plus :func:`ensure_schema`, errors as :class:`StoreError`.
+
+    A SQLite file that exists but cannot be written (a read-only file, directory
+    or volume) is :class:`ReadOnlyStoreError`: open it with :func:`open_readonly`.
+    """
+    url = resolve_url(url)
+    try:
+        path = sqlite_path(url)
+    except exc.ArgumentError as e:
+        raise StoreError(f"invalid database URL {url!r}: {e}") from None
+    why = readonly_reason(path) if path is not None else None
+    if why is not None:
+        raise ReadOnlyStoreError(f"the plan store {display_url(url)} is read-only ({why}) and this needs to write to it; "
+                                 "reading it works (autofuse runs/plans/show, autofuse.jit lookups)")
     engine = create_engine(url, timeout=timeout)
     try:
         if migrate:
@@ -408,4 +421,100 @@ def open_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S, m
         if err is not None:
             raise err from None
         raise
+    return engine
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write was asked of a plan store that can only be read."""
+
+
+def readonly_reason(path: str) -> str | None:
+    """Why an existing SQLite file cannot be written (its file, or its directory, where SQLite keeps its
+    journal), or None: it can be, or it does not exist yet."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return None
+    if not os.access(p, os.W_OK):
+        return f"file {p} is not writable"
+    if not os.access(p.parent, os.W_OK):
+        return f"directory {p.parent} is not writable"
+    return None
+
+
+def open_readonly(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Engine, str | None]:
+    """An engine that never writes, and the schema revision it found.
+
+    For reads only (lookups at deploy time, listings): never creates a file or
+    a directory, never migrates. A SQLite file opens with ``mode=ro``, or, where
+    its directory is read-only too (no place for the WAL index), ``immutable=1``.
+    A missing file, a database without autofuse tables and a malformed URL are
+    :class:`StoreError`s naming the URL.
+    """
+    resolved = resolve_url(url)
+    shown = display_url(resolved) if url is None or "://" in str(url) else f"{url!r} ({display_url(resolved)})"
+    try:
+        u = make_url(resolved)
+    except exc.ArgumentError as e:
+        raise StoreError(f"invalid database URL {shown}: {e}") from None
+    path = sqlite_path(u)
+    if path is not None:
+        if not Path(path).expanduser().is_file():
+            raise StoreError(f"no plan store at {shown}: {path} does not exist")
+        engine = _sqlite_readonly(path, timeout, immutable=False)
+        try:
+            revs = _read_schema(engine)
+        except exc.OperationalError as e:
+            engine.dispose()
+            if "unable to open" not in _first_line(e).lower():
+                raise translate_error(e, resolved) or e from None
+            engine = _sqlite_readonly(path, timeout, immutable=True)  # a WAL database in a read-only directory
+            revs = _guarded(lambda: _read_schema(engine), engine, resolved)
+    else:
+        engine = create_engine(resolved, timeout=timeout)
+        revs = _guarded(lambda: _read_schema(engine), engine, resolved)
+    if not revs:
+        engine.dispose()
+        raise StoreError(f"{shown} has no autofuse plan store (nothing was tuned into it)")
+    try:
+        _check_known(revs, resolved)
+    except StoreError:
+        engine.dispose()
+        raise
+    return engine, max(revs)
+
+
+def _read_schema(engine: Engine) -> set[str]:
+    with transaction(engine, write=False) as conn:
+        return read_revisions(conn) or set()
+
+
+def _guarded[R](fn: Callable[[], R], engine: Engine, url: str) -> R:
+    try:
+        return fn()
+    except Exception as e:
+        engine.dispose()
+        err = translate_error(e, url)
+        if err is not None:
+            raise err from None
+        raise
+
+
+def _sqlite_readonly(path: str, timeout: float, *, immutable: bool) -> Engine:
+    """A SQLite engine on a ``file:`` URI opened read-only (and, with `immutable`, without a WAL index)."""
+    from urllib.parse import quote
+
+    uri = f"file:{quote(str(Path(path).expanduser().resolve()), safe='/')}?mode=ro" + ("&immutable=1" if immutable else "")
+    engine = sa.create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False),
+                              poolclass=sa.pool.QueuePool)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        dbapi_conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        dbapi_conn.execute("PRAGMA query_only = ON")
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN")
+
     return engine

@@ -78,6 +78,9 @@ class Program(Base):
     signature: Mapped[dict[str, Any]] = mapped_column(JSONType)
     size: Mapped[int] = mapped_column(sa.Integer)
     created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # ``module:qualname`` of the tuned function (migration 0003; NULL for older rows): a miss at deploy
+    # time names this function's plans for other shapes or static values.
+    function: Mapped[str | None] = mapped_column(sa.String(512), index=True)
 
 
 class Device(Base):
@@ -173,6 +176,12 @@ class Candidate(Base):
     xla_ms: Mapped[float | None] = mapped_column(sa.Float)
     status: Mapped[str] = mapped_column(sa.String(32), default="pending")
     n_trials: Mapped[int] = mapped_column(sa.Integer, default=0)
+    # Migration 0004: its XLA timing, shared out among a run's workers (NULL: not timed; "running": claimed
+    # by xla_worker at xla_claimed_at; then the timing's status) and the device that timed it.
+    xla_status: Mapped[str | None] = mapped_column(sa.String(32))
+    xla_worker: Mapped[str | None] = mapped_column(sa.String(255))
+    xla_claimed_at: Mapped[_dt.datetime | None] = mapped_column(UTCDateTime())
+    xla_device: Mapped[str | None] = mapped_column(sa.String(255))
 
     __table_args__ = (sa.UniqueConstraint("run_id", "signature", "template"),)
 
@@ -195,6 +204,10 @@ class Trial(Base):
     error: Mapped[str | None] = mapped_column(sa.Text)
     optuna_trial_id: Mapped[int | None] = mapped_column(sa.Integer)
     created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Migration 0004: who measured it (host:pid), on which device (jax device and CUDA_VISIBLE_DEVICES), when done.
+    worker: Mapped[str | None] = mapped_column(sa.String(255))
+    device: Mapped[str | None] = mapped_column(sa.String(255))
+    finished_at: Mapped[_dt.datetime | None] = mapped_column(UTCDateTime())
 
     # Also the index that serves "trials of a candidate, in order".
     __table_args__ = (sa.UniqueConstraint("candidate_id", "number"),)
@@ -204,7 +217,8 @@ class Plan(Base):
     """A validated fusion plan for (program, device, software).
 
     At most one row per key has ``is_current`` set; a partial unique index
-    enforces it and serves :meth:`PlanStore.lookup`.
+    enforces it and serves :meth:`PlanStore.lookup`. A pinned plan is always
+    the current one.
     """
 
     __tablename__ = "autofuse_plans"
@@ -225,6 +239,10 @@ class Plan(Base):
     max_error: Mapped[float] = mapped_column(sa.Float)
     is_current: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    # Migration 0003: a pinned plan is current and no tuning job replaces it; noise is the spread of
+    # the plan/jax.jit ratio at validation (None: modelled, or older), the margin a successor must beat.
+    pinned: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+    noise: Mapped[float | None] = mapped_column(sa.Float)
 
     __table_args__ = (
         sa.CheckConstraint("measure IN ('device', 'model')", name="measure"),
@@ -239,3 +257,22 @@ class Plan(Base):
             postgresql_where=sa.text("is_current"),
         ),
     )
+
+
+PLAN_ACTIONS = ("saved", "promote", "pin", "unpin", "rm")
+
+
+class PlanEvent(Base):
+    """One change to the plans of a program: what a tuning job decided about its plan, or a person's
+    promote, pin, unpin or rm. ``plan_id`` has no foreign key: the record of a removed plan stays."""
+
+    __tablename__ = "autofuse_plan_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    plan_id: Mapped[int] = mapped_column(sa.Integer, index=True)
+    program_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_programs.id"))
+    run_id: Mapped[int | None] = mapped_column(sa.Integer)
+    action: Mapped[str] = mapped_column(sa.String(16))
+    actor: Mapped[str] = mapped_column(sa.String(255))
+    at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    detail: Mapped[str | None] = mapped_column(sa.Text)

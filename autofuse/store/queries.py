@@ -13,7 +13,16 @@ import sqlalchemy as sa
 from sqlalchemy.orm import aliased
 from sqlalchemy.sql import Select
 
-from autofuse.store.models import Candidate, Device, Plan, Program, Run, Software, Trial
+from autofuse.store.models import (
+    Candidate,
+    Device,
+    Plan,
+    PlanEvent,
+    Program,
+    Run,
+    Software,
+    Trial,
+)
 
 
 def parse_since(since: str | _dt.date | _dt.datetime | None) -> _dt.datetime | None:
@@ -134,7 +143,8 @@ def run(run_id: int) -> Select[Any]:
     return _with_names(run_columns(), Run).add_columns(Program.signature, Program.size, Run.job, Run.selected_by).where(Run.id == run_id)
 
 
-def plan_columns() -> list[Any]:
+def plan_columns(v3: bool = True) -> list[Any]:
+    """A plan's columns; `v3`: the schema has migration 0003's (an older read-only store reads as unpinned)."""
     return [
         Plan.id,
         Program.name.label("program"),
@@ -149,6 +159,8 @@ def plan_columns() -> list[Any]:
         Plan.tolerance,
         Plan.max_error,
         Plan.is_current,
+        Plan.pinned if v3 else sa.false().label("pinned"),
+        Plan.noise if v3 else sa.null().label("noise"),
         Plan.created_at,
         Plan.program_id,
         Plan.device_id,
@@ -162,18 +174,19 @@ def plans(
     since: _dt.datetime | None = None,
     min_speedup: float | None = None,
     current_only: bool = False,
+    v3: bool = True,
 ) -> Select[Any]:
     """Plans, newest first."""
-    q = _with_names(plan_columns(), Plan)
+    q = _with_names(plan_columns(v3), Plan)
     q = _filtered(q, Plan, Plan.created_at, program, device, since, min_speedup)
     if current_only:
         q = q.where(Plan.is_current == sa.true())
     return q.order_by(Plan.created_at.desc(), Plan.id.desc())
 
 
-def plan(plan_id: int) -> Select[Any]:
+def plan(plan_id: int, v3: bool = True) -> Select[Any]:
     """One plan with its JSON text and program details."""
-    return _with_names(plan_columns(), Plan).add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id)
+    return _with_names(plan_columns(v3), Plan).add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id)
 
 
 def compare(
@@ -230,6 +243,9 @@ def candidates(run_id: int) -> Select[Any]:
             Candidate.xla_ms,
             Candidate.status,
             Candidate.n_trials,
+            Candidate.xla_status,
+            Candidate.xla_worker,
+            Candidate.xla_device,
         )
         .where(Candidate.run_id == run_id)
         .order_by(Candidate.id)
@@ -253,6 +269,9 @@ def trials(run_id: int, status: str | None = None) -> Select[Any]:
             Trial.error,
             Trial.optuna_trial_id,
             Trial.created_at,
+            Trial.worker,
+            Trial.device,
+            Trial.finished_at,
         )
         .join(Candidate, Candidate.id == Trial.candidate_id)
         .where(Candidate.run_id == run_id)
@@ -281,6 +300,7 @@ def lookup(fingerprint: str, device_name: str, software: dict[str, str]) -> Sele
             Plan.measured_ms,
             Plan.measure,
             Plan.tolerance,
+            Plan.run_id,
             *_software_columns(),
             sa.case((exact, 1), else_=0).label("exact"),
         )
@@ -296,3 +316,37 @@ def lookup(fingerprint: str, device_name: str, software: dict[str, str]) -> Sele
         .order_by(sa.desc("exact"), Plan.created_at.desc(), Plan.id.desc())
         .limit(1)
     )
+
+
+def plan_events(plan_id: int | None = None, program: str | None = None) -> Select[Any]:
+    """The record of plan changes, newest first, with the program's name."""
+    q = sa.select(PlanEvent.id, PlanEvent.at, PlanEvent.actor, PlanEvent.action, PlanEvent.plan_id, PlanEvent.run_id,
+                  Program.name.label("program"), Program.fingerprint, PlanEvent.detail).join(Program, Program.id == PlanEvent.program_id)
+    if plan_id is not None:
+        q = q.where(PlanEvent.plan_id == plan_id)
+    if program:
+        q = q.where(_program_filter(program))
+    return q.order_by(PlanEvent.at.desc(), PlanEvent.id.desc())
+
+
+def plans_of_programs(program_ids: list[int]) -> Select[Any]:
+    """Every plan of these programs with its device, backend, versions and whether it is current: what a
+    miss at deploy time explains itself with."""
+    return (
+        sa.select(Plan.id, Plan.program_id, Plan.is_current, Device.name.label("device"), *_software_columns(), Plan.created_at)
+        .join(Device, Device.id == Plan.device_id)
+        .join(Software, Software.id == Plan.software_id)
+        .where(Plan.program_id.in_(program_ids))
+        .order_by(Plan.created_at.desc(), Plan.id.desc())
+    )
+
+
+def programs_of(fingerprint: str, function: str | None, legacy_names: tuple[str, ...], v3: bool = True) -> Select[Any]:
+    """The program with `fingerprint`, and those of the same function (``module:qualname``; for programs
+    stored before migration 0003, a name in `legacy_names`)."""
+    cond = Program.fingerprint == fingerprint
+    if function and v3:
+        cond = sa.or_(cond, Program.function == function, sa.and_(Program.function.is_(None), Program.name.in_(legacy_names)))
+    elif legacy_names:
+        cond = sa.or_(cond, Program.name.in_(legacy_names))
+    return sa.select(Program.id, Program.fingerprint, Program.name, Program.signature).where(cond).order_by(Program.id.desc())

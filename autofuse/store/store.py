@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import getpass
 import json
 import os
 import socket
@@ -50,12 +51,14 @@ from autofuse.store.models import (
     Candidate,
     Device,
     Plan,
+    PlanEvent,
     Program,
     Run,
     Software,
     Trial,
     utcnow,
 )
+from autofuse.store.promotion import PlanFigures, decide
 
 T = TypeVar("T")
 
@@ -82,6 +85,47 @@ class LookupResult:
     software: dict[str, str]
     measure: str = "device"
     tolerance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    run_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedPlan:
+    """A plan a tuning job stored: its id, whether it became current, and why (or why not)."""
+
+    plan_id: int
+    current: bool
+    reason: str
+    previous: int | None = None  # the current plan of its key before it was stored
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChange:
+    """What a promote, pin, unpin or rm did: the plan, the one it replaced as current (if any), in words."""
+
+    plan_id: int
+    action: str
+    replaced: int | None
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MissReason:
+    """Why the store has no plan for a program on this device, for a person: ``kind`` is one of
+    ``no_plan`` (never tuned), ``other_inputs`` (the function was tuned for other shapes, dtypes or
+    static values), ``other_device``, ``other_backend``, ``no_current`` (plans exist, none current),
+    ``changed`` (same function and inputs, another program: its code or constants changed)."""
+
+    kind: str
+    text: str
+
+
+def whoami() -> str:
+    """``user@host``, recorded with every change to a plan."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry in some containers
+        user = f"uid{os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
 
 
 class PlanStore:
@@ -93,18 +137,33 @@ class PlanStore:
     ``~/.local/share``). Directories are created and the schema is created or
     upgraded on first use. Raises :class:`StoreError` for a file that is not
     a database, a schema from a newer autofuse, or an unreachable server.
+
+    ``readonly=True`` (lookups at deploy time, listings) never creates,
+    migrates or writes: a missing database is a :class:`StoreError`, a
+    read-only file or directory works (SQLite ``mode=ro`` / ``immutable``),
+    and a write raises :class:`ReadOnlyStoreError`. A read-write store on a
+    read-only file raises it when opened.
     """
 
-    def __init__(self, url: str | None = None, *, timeout: float = db.DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, url: str | None = None, *, timeout: float = db.DEFAULT_TIMEOUT_S, readonly: bool = False) -> None:
         self.url: str = db.resolve_url(url)
         self._timeout = timeout
-        self._engine: Engine = db.open_engine(self.url, timeout=timeout)
+        self.readonly = readonly
+        if readonly:
+            self._engine, self.revision = db.open_readonly(url, timeout=timeout)
+        else:
+            self._engine, self.revision = db.open_engine(self.url, timeout=timeout), db.HEAD_REVISION
         self._pid = os.getpid()
+
+    @property
+    def _v3(self) -> bool:
+        """Whether the schema has migration 0003's columns (a read-only store may be older)."""
+        return (self.revision or "") >= "0003"
 
     # ------------------------------------------------------------ plumbing
 
     def __repr__(self) -> str:
-        return f"PlanStore({db.display_url(self.url)!r})"
+        return f"PlanStore({db.display_url(self.url)!r}{', readonly=True' if self.readonly else ''})"
 
     def __enter__(self) -> PlanStore:
         return self
@@ -137,6 +196,9 @@ class PlanStore:
     def _write(self, fn: Callable[[Session], T], *, retry_integrity: bool = False) -> T:
         """Run ``fn(session)`` in one write transaction, retried on lock conflicts."""
 
+        if self.readonly:
+            raise db.ReadOnlyStoreError(f"the plan store {db.display_url(self.url)} was opened read-only; a write was asked for")
+
         def attempt() -> T:
             with self.engine.connect() as conn:
                 conn.execution_options(autofuse_write=True)
@@ -167,19 +229,22 @@ class PlanStore:
 
     # ------------------------------------------------------- dimension rows
 
-    def program(self, fingerprint: str, name: str, signature: dict[str, Any], size: int) -> int:
+    def program(self, fingerprint: str, name: str, signature: dict[str, Any], size: int, function: str | None = None) -> int:
         """Id of the program with *fingerprint*, created if new.
 
-        An existing program keeps its first name, signature and size.
+        An existing program keeps its first name, signature and size; *function*
+        (``module:qualname``) is filled in where it was not known.
         """
         if not fingerprint:
             raise ValueError("program fingerprint must be a non-empty string")
 
         def fn(s: Session) -> int:
-            found = s.scalar(sa.select(Program.id).where(Program.fingerprint == fingerprint))
+            found = s.scalar(sa.select(Program).where(Program.fingerprint == fingerprint))
             if found is not None:
-                return found
-            row = Program(fingerprint=fingerprint, name=name, signature=signature, size=int(size))
+                if function and not found.function:
+                    found.function = function
+                return found.id
+            row = Program(fingerprint=fingerprint, name=name, signature=signature, size=int(size), function=function)
             s.add(row)
             s.flush()
             return row.id
@@ -474,6 +539,7 @@ class PlanStore:
         limit: int | None,
         status: str = "running",
         error: str | None = None,
+        worker: str | None = None,
     ) -> tuple[str, Any]:
         """Record that a worker is about to measure *config* of a candidate, if the run allows it.
 
@@ -486,7 +552,7 @@ class PlanStore:
         pruned and lost ones counts, those running included) or
         ``("closed", None)`` (the run is no longer running, or its final
         selection has begun). Give *limit* None for a trial that spends no
-        budget (infeasible, pruned).
+        budget (infeasible, pruned). *worker* (host:pid) is recorded on the row.
         """
         cfg = dict(config)
 
@@ -502,7 +568,7 @@ class PlanStore:
                 return "spent", None
             number = max((r.number for r in rows), default=-1) + 1
             s.add(Trial(candidate_id=cand_id, number=number, config=cfg, status=status, error=error,
-                        optuna_trial_id=optuna_trial_id, created_at=utcnow()))
+                        optuna_trial_id=optuna_trial_id, created_at=utcnow(), worker=worker))
             return "ok", number
 
         return self._write(fn)
@@ -526,15 +592,56 @@ class PlanStore:
         min_ms: float | None = None,
         max_ms: float | None = None,
         error: str | None = None,
+        device: str | None = None,
     ) -> bool:
-        """Record the result of a claimed (``running``) trial; False if it was meanwhile marked lost."""
-        values = dict(status=status, median_ms=_float(median_ms), min_ms=_float(min_ms), max_ms=_float(max_ms), error=error)
+        """Record the result of a claimed (``running``) trial, the device that measured it and when; False if it
+        was meanwhile marked lost."""
+        values = dict(status=status, median_ms=_float(median_ms), min_ms=_float(min_ms), max_ms=_float(max_ms), error=error,
+                      device=device, finished_at=utcnow())
 
         def fn(s: Session) -> bool:
             res = s.execute(
                 sa.update(Trial)
                 .where(Trial.candidate_id == cand_id, Trial.number == number, Trial.status == "running")
                 .values(**values)
+            )
+            return res.rowcount == 1
+
+        return self._write(fn)
+
+    def claim_xla(self, run_id: int, worker: str, n: int, *, stale_s: float) -> list[int]:
+        """Up to *n* candidates of the run whose XLA timing nobody has done or is doing, now claimed by
+        *worker* (host:pid); their ids. A claim older than *stale_s* seconds, or of a dead process of this
+        host, is taken over. One transaction serialised on the run row: each candidate is timed once."""
+
+        def fn(s: Session) -> list[int]:
+            self._require(s, Run, run_id, "run", lock=True)
+            now = utcnow()
+            rows = s.execute(
+                sa.select(Candidate).where(Candidate.run_id == run_id, Candidate.xla_ms.is_(None),
+                                           sa.or_(Candidate.xla_status.is_(None), Candidate.xla_status == "running"))
+                .order_by(Candidate.id)
+            ).scalars().all()
+            got = []
+            for c in rows:
+                if len(got) >= n:
+                    break
+                if c.xla_status == "running" and not _claim_stale(c.xla_worker, c.xla_claimed_at, now, stale_s):
+                    continue
+                c.xla_status, c.xla_worker, c.xla_claimed_at = "running", worker, now
+                got.append(c.id)
+            return got
+
+        return self._write(fn)
+
+    def finish_xla(self, cand_id: int, worker: str, status: str, xla_ms: float | None, device: str | None) -> bool:
+        """Record a claimed XLA timing (*status* ok, or why it failed); False if another worker took the claim over."""
+
+        def fn(s: Session) -> bool:
+            res = s.execute(
+                sa.update(Candidate)
+                .where(Candidate.id == cand_id, Candidate.xla_status == "running", Candidate.xla_worker == worker)
+                .values(xla_status=status, xla_ms=_float(xla_ms), xla_device=device)
             )
             return res.rowcount == 1
 
@@ -594,13 +701,41 @@ class PlanStore:
         measure: str,
         tolerance: dict[str, Any],
         max_error: float,
-        current: bool = True,
+        current: bool | None = None,
+        noise: float | None = None,
+        actor: str | None = None,
     ) -> int:
-        """Store a plan (a JSON-able dict, or JSON text); returns its id.
+        """Store a plan (a JSON-able dict, or JSON text); returns its id. See :meth:`add_plan`."""
+        return self.add_plan(program_id, device_id, software_id, plan_json, run_id=run_id, measured_ms=measured_ms,
+                             baseline_ms=baseline_ms, speedup=speedup, measure=measure, tolerance=tolerance, max_error=max_error,
+                             current=current, noise=noise, actor=actor).plan_id
 
-        With *current* (the default) it becomes the one current plan of its
-        (program, device, software) key: the previous one loses the flag in
-        the same transaction.
+    def add_plan(
+        self,
+        program_id: int,
+        device_id: int,
+        software_id: int,
+        plan_json: dict[str, Any] | str,
+        *,
+        run_id: int | None = None,
+        measured_ms: float,
+        baseline_ms: float,
+        speedup: float,
+        measure: str,
+        tolerance: dict[str, Any],
+        max_error: float,
+        current: bool | None = None,
+        noise: float | None = None,
+        actor: str | None = None,
+    ) -> SavedPlan:
+        """Store a plan and decide, in the same transaction, whether it becomes the current plan of its
+        (program, device, software) key; the decision is recorded as a ``saved`` event.
+
+        *current*: None applies :func:`autofuse.store.promotion.decide` (the first
+        plan of a key is current; a later one only if measured and faster than the
+        current one beyond *noise*, the spread of its plan/jax.jit ratio; never
+        over a pinned plan); True promotes it (the user asked; still not over a
+        pinned plan); False stores it beside the current one.
         """
         _check_measure(measure)
         if isinstance(plan_json, str):
@@ -609,8 +744,9 @@ class PlanStore:
                 raise ValueError("plan_json must be a JSON object")
         else:
             text = json.dumps(plan_json)
+        who = actor or whoami()
 
-        def fn(s: Session) -> int:
+        def fn(s: Session) -> SavedPlan:
             # Writers of one program's plans take turns (the program row's lock): on
             # PostgreSQL (READ COMMITTED) two concurrent writers would otherwise each clear
             # the old current flag, each insert a current plan, and one would fail the
@@ -620,17 +756,11 @@ class PlanStore:
             self._require(s, Software, software_id, "software")
             if run_id is not None:
                 self._require(s, Run, run_id, "run")
-            if current:
-                s.execute(
-                    sa.update(Plan)
-                    .where(
-                        Plan.program_id == program_id,
-                        Plan.device_id == device_id,
-                        Plan.software_id == software_id,
-                        Plan.is_current == sa.true(),
-                    )
-                    .values(is_current=False)
-                )
+            old = self._current(s, program_id, device_id, software_id)
+            decision = decide(PlanFigures(None, measure, float(speedup), _float(noise)), _figures(old), force=current)
+            if decision.current and old is not None:
+                old.is_current = False
+                s.flush()
             row = Plan(
                 program_id=program_id,
                 device_id=device_id,
@@ -643,15 +773,96 @@ class PlanStore:
                 measure=measure,
                 tolerance=dict(tolerance),
                 max_error=float(max_error),
-                is_current=bool(current),
+                is_current=decision.current,
+                noise=_float(noise),
+                pinned=False,
                 created_at=utcnow(),
             )
             s.add(row)
             s.flush()
-            return row.id
+            state = "current" if decision.current else "not current"
+            self._event(s, row, "saved", who, f"{state}: {decision.reason}", run_id=run_id)
+            return SavedPlan(row.id, decision.current, decision.reason, old.id if old is not None else None)
 
         # IntegrityError: should not happen with the lock above; retried as a last resort.
         return self._write(fn, retry_integrity=True)
+
+    @staticmethod
+    def _current(s: Session, program_id: int, device_id: int, software_id: int) -> Plan | None:
+        return s.scalar(sa.select(Plan).where(Plan.program_id == program_id, Plan.device_id == device_id,
+                                              Plan.software_id == software_id, Plan.is_current == sa.true()))
+
+    @staticmethod
+    def _event(s: Session, plan: Plan, action: str, actor: str, detail: str, run_id: int | None = None) -> None:
+        s.add(PlanEvent(plan_id=plan.id, program_id=plan.program_id, run_id=run_id if run_id is not None else plan.run_id,
+                        action=action, actor=actor[:255], at=utcnow(), detail=detail))
+
+    # ------------------------------------------------------ plan management
+
+    def promote_plan(self, plan_id: int, *, actor: str | None = None) -> PlanChange:
+        """Make plan *plan_id* the current plan of its key (a person's decision, recorded).
+
+        Refused (ValueError) where another plan of the key is pinned: unpin it first.
+        """
+        return self._change(plan_id, "promote", actor)
+
+    def pin_plan(self, plan_id: int, *, actor: str | None = None) -> PlanChange:
+        """Make plan *plan_id* current and pinned: no tuning job replaces it until it is unpinned."""
+        return self._change(plan_id, "pin", actor)
+
+    def unpin_plan(self, plan_id: int, *, actor: str | None = None) -> PlanChange:
+        """Let tuning jobs replace plan *plan_id* again (it stays current until one beats it)."""
+        return self._change(plan_id, "unpin", actor)
+
+    def remove_plan(self, plan_id: int, *, actor: str | None = None) -> PlanChange:
+        """Delete plan *plan_id* (recorded). Refused for a pinned plan; removing the current plan leaves its
+        key without one (lookups miss) until another is promoted or tuned."""
+        return self._change(plan_id, "rm", actor)
+
+    def _change(self, plan_id: int, action: str, actor: str | None) -> PlanChange:
+        who = actor or whoami()
+
+        def fn(s: Session) -> PlanChange:
+            plan = self._require(s, Plan, plan_id, "plan")
+            self._require(s, Program, plan.program_id, "program", lock=True)
+            old = self._current(s, plan.program_id, plan.device_id, plan.software_id)
+            replaced = old.id if old is not None and old.id != plan.id else None
+            if action in ("promote", "pin") and old is not None and old.pinned and old.id != plan.id:
+                raise ValueError(f"plan {old.id} is pinned as the current plan of this program, device and software: "
+                                 f"unpin it first (autofuse plans unpin {old.id})")
+            if action == "rm" and plan.pinned:
+                raise ValueError(f"plan {plan_id} is pinned: unpin it first (autofuse plans unpin {plan_id})")
+            if action in ("promote", "pin"):
+                if old is not None and old.id != plan.id:
+                    old.is_current = False
+                    s.flush()
+                plan.is_current = True
+                plan.pinned = plan.pinned or action == "pin"
+                verb = "pinned" if action == "pin" else "promoted"
+                message = f"plan {plan_id} {verb}: current" + (f" in place of plan {replaced}" if replaced else
+                                                                 "" if old is not None else " (the key had no current plan)")
+            elif action == "unpin":
+                plan.pinned = False
+                message = f"plan {plan_id} unpinned: tuning jobs may replace it when they beat it" + (
+                    "" if plan.is_current else " (it is not current)")
+            else:
+                was_current = plan.is_current
+                self._event(s, plan, action, who, _plan_summary(plan) + ("; was current" if was_current else ""))
+                s.delete(plan)
+                message = f"plan {plan_id} removed" + (
+                    ": its program now has no current plan on this device and software (autofuse plans promote ID)" if was_current else "")
+                return PlanChange(plan_id, action, None, message)
+            self._event(s, plan, action, who, message)
+            return PlanChange(plan_id, action, replaced, message)
+
+        return self._write(fn)
+
+    def plan_events(self, plan_id: int | None = None, program: str | None = None) -> list[dict[str, Any]]:
+        """The record of plan changes, newest first: who (``user@host``), when, what (``saved``: a tuning
+        job's decision; ``promote``, ``pin``, ``unpin``, ``rm``: a person's), and the detail in words."""
+        if not self._v3:
+            return []
+        return self._read(queries.plan_events(plan_id, program))
 
     def lookup(self, fingerprint: str, device_name: str, software: dict[str, str]) -> LookupResult | None:
         """The current plan for this program on this device, graded.
@@ -680,7 +891,49 @@ class PlanStore:
             software={k: r[k] for k in SOFTWARE_KEYS},
             measure=r["measure"],
             tolerance=r["tolerance"] or {},
+            run_id=r["run_id"],
         )
+
+    def explain_miss(self, fingerprint: str, device_name: str, software: dict[str, str], *, function: str | None = None,
+                     signature: dict[str, Any] | None = None) -> MissReason:
+        """Why :meth:`lookup` found no plan, in words: this program was never tuned, or only on other
+        devices or for another code generator, or it has plans but none current; or, by *function*
+        (``module:qualname``), the function was tuned for other input shapes, dtypes or static values
+        (which ones differ from *signature*, this call's ``{"inputs": [...], "static": ...}``), or for the
+        same inputs but as another program (its code changed). Reads only."""
+        legacy = tuple(dict.fromkeys(x for x in (function, (function or "").rpartition(":")[2]) if x))
+        progs = self._read(queries.programs_of(fingerprint, function, legacy, self._v3))
+        plans = self._read(queries.plans_of_programs([r["id"] for r in progs])) if progs else []
+        where = f"in {db.display_url(self.url)}"
+        this = next((r for r in progs if r["fingerprint"] == fingerprint), None)
+        if this is not None:
+            mine = [p for p in plans if p["program_id"] == this["id"]]
+            here = [p for p in mine if p["device"] == device_name]
+            same = [p for p in here if p["backend"] == software.get("backend")]
+            if not mine:
+                return MissReason("no_plan", f"this program was tuned but no plan was stored {where} (its run did not finish: autofuse runs)")
+            if not here:
+                devs = ", ".join(sorted({p["device"] for p in mine}))
+                return MissReason("other_device", f"this program has plans only for another device ({devs}), not {device_name}")
+            if not same:
+                other = ", ".join(sorted({p["backend"] for p in here}))
+                return MissReason("other_backend", f"this program's plans on {device_name} are for code generator {other}, "
+                                                   f"not {software.get('backend')} (made by an older autofuse: tune it again)")
+            ids = ", ".join(str(p["id"]) for p in same[:5])
+            return MissReason("no_current", f"plan(s) {ids} of this program on {device_name} are stored but none is current "
+                                            "(autofuse plans promote ID)")
+        others = [r for r in progs if r["fingerprint"] != fingerprint]
+        if function and others:
+            current = {p["program_id"] for p in plans if p["is_current"] and p["device"] == device_name}
+            near = [r for r in others if r["id"] in current] or [r for r in others if any(p["program_id"] == r["id"] for p in plans)]
+            if near:
+                diff = _signature_diff(near[0]["signature"] or {}, signature or {})
+                more = f" (and {len(near) - 1} other input signature(s))" if len(near) > 1 else ""
+                if diff:
+                    return MissReason("other_inputs", f"{function} was tuned for other inputs: {diff}{more}")
+                return MissReason("changed", f"{function} has plans for the same inputs but as another program "
+                                             f"{near[0]['fingerprint'][:12]} (its code or constants changed since it was tuned)")
+        return MissReason("no_plan", f"no plan for this program at all {where} (never tuned: autofuse tune)")
 
     # --------------------------------------------------------------- listings
 
@@ -709,7 +962,7 @@ class PlanStore:
         current_only: bool = False,
     ) -> list[dict[str, Any]]:
         """Plans (without their JSON), newest first; filters as in :meth:`runs`."""
-        return self._read(queries.plans(program, device, queries.parse_since(since), min_speedup, current_only))
+        return self._read(queries.plans(program, device, queries.parse_since(since), min_speedup, current_only, self._v3))
 
     def candidates(self, run_id: int) -> list[dict[str, Any]]:
         """Candidates of a run, with ``speedup`` = xla_ms / best_ms where both are known."""
@@ -731,7 +984,7 @@ class PlanStore:
 
     def get_plan(self, plan_id: int) -> dict[str, Any]:
         """One plan; ``plan`` holds the parsed plan JSON, ``plan_json`` the text; KeyError if absent."""
-        rows = self._read(queries.plan(plan_id))
+        rows = self._read(queries.plan(plan_id, self._v3))
         if not rows:
             raise KeyError(f"no plan with id {plan_id} in {db.display_url(self.url)}")
         r = rows[0]
@@ -760,6 +1013,31 @@ class PlanStore:
 # ---------------------------------------------------------------- helpers
 
 
+def _signature_diff(stored: dict[str, Any], this: dict[str, Any]) -> str:
+    """Which inputs (shape and dtype) and static values differ between a stored program's signature and this call's."""
+    parts = []
+    a, b = list(stored.get("inputs") or []), list(this.get("inputs") or [])
+    if len(a) != len(b):
+        parts.append(f"{len(a)} input arrays ({', '.join(map(str, a[:4]))}{', ...' if len(a) > 4 else ''}), this call {len(b)}")
+    else:
+        d = [f"input {i} {x} (this call {y})" for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        if d:
+            parts.append("; ".join(d[:3]) + (f"; and {len(d) - 3} more" if len(d) > 3 else ""))
+    if "static" in stored or "static" in this:
+        sa_, sb = stored.get("static"), this.get("static")
+        if "static" in stored and sa_ != sb:
+            parts.append(f"static values {sa_ or 'none'} (this call {sb or 'none'})")
+    return "; ".join(parts)
+
+
+def _figures(plan: Plan | None) -> PlanFigures | None:
+    return None if plan is None else PlanFigures(plan.id, plan.measure, plan.speedup, plan.noise, bool(plan.pinned))
+
+
+def _plan_summary(plan: Plan) -> str:
+    return f"{plan.measure} plan, speedup {plan.speedup:.2f}x, run {plan.run_id}"
+
+
 def _check_measure(measure: str) -> None:
     if measure not in MEASURES:
         raise ValueError(f"invalid measure {measure!r}: expected one of {', '.join(MEASURES)}")
@@ -773,6 +1051,14 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den <= 0:
         return None
     return num / den
+
+
+def _claim_stale(worker: str | None, claimed_at: _dt.datetime | None, now: _dt.datetime, stale_s: float) -> bool:
+    """Whether a claim may be taken over: older than *stale_s*, or made by a process of this host that is gone."""
+    if claimed_at is None or (now - claimed_at).total_seconds() > stale_s:
+        return True
+    host, _, pid = (worker or "").rpartition(":")
+    return host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid), claimed_at)
 
 
 def _pid_alive(pid: int, started_at: _dt.datetime | None = None) -> bool:
