@@ -7,8 +7,8 @@
     autofuse compare [...filters...]
     autofuse report RUN --out DIR
     autofuse db upgrade|downgrade|current|history
-    autofuse tune ... [--workers N]  (added by the search side, see _add_tune_parser)
-    autofuse worker RUN [--workers N]  (join a run tuned with workers, from another host)
+    autofuse tune ... [-v|--quiet] [--all] [--dry-run] [--workers N]  (autofuse.cli_tune)
+    autofuse worker RUN [--workers N]  (join a run tuned with workers, from another host; autofuse.cli_tune)
 
 Every command takes ``--db URL`` (else ``$AUTOFUSE_DB``, else the per-user
 SQLite file). Errors are one line on stderr and exit status 2; set
@@ -111,6 +111,15 @@ def _filter_parent() -> argparse.ArgumentParser:
 
 
 def _store(args: argparse.Namespace) -> Any:
+    """The store opened read-only: listings never create, migrate or write a database (a read-only file or
+    volume works; a missing one is an error naming the URL)."""
+    from autofuse.store import PlanStore
+
+    return PlanStore(getattr(args, "db", None), readonly=True)
+
+
+def _write_store(args: argparse.Namespace) -> Any:
+    """The store opened for writing (created or upgraded if needed); a read-only one is an error in one line."""
     from autofuse.store import PlanStore
 
     return PlanStore(getattr(args, "db", None))
@@ -146,7 +155,18 @@ PLAN_COLUMNS: list[Column] = [
     Column("speedup", "speedup", fmt_x),
     Column("max_error", "max_error", lambda v: "" if v is None else f"{v:.2g}"),
     Column("current", "is_current", fmt_bool),
+    Column("pin", "pinned", lambda v: "pin" if v else ""),
     Column("run", "run_id"),
+]
+
+EVENT_COLUMNS: list[Column] = [
+    Column("at", "at", fmt_time),
+    Column("action", "action"),
+    Column("plan", "plan_id"),
+    Column("program", "program", fmt_short(24)),
+    Column("run", "run_id"),
+    Column("by", "actor", fmt_short(32)),
+    Column("detail", "detail", fmt_short(100)),
 ]
 
 TRIAL_COLUMNS: list[Column] = [
@@ -201,6 +221,19 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 def _cmd_plans(args: argparse.Namespace) -> int:
     rows = _store(args).plans(args.program, args.device, args.since, args.min_speedup, current_only=args.current)
     return _emit(args, rows, PLAN_COLUMNS, "plans")
+
+
+def _cmd_plan_change(args: argparse.Namespace) -> int:
+    """promote, pin, unpin or rm one plan: one line saying what changed (recorded with who and when)."""
+    store = _write_store(args)
+    change = {"promote": store.promote_plan, "pin": store.pin_plan, "unpin": store.unpin_plan, "rm": store.remove_plan}[args.action]
+    print(change(args.id).message)
+    return 0
+
+
+def _cmd_plan_events(args: argparse.Namespace) -> int:
+    rows = _store(args).plan_events(args.plan, args.program)
+    return _emit(args, rows, EVENT_COLUMNS, "plan events")
 
 
 def _cmd_trials(args: argparse.Namespace) -> int:
@@ -333,168 +366,6 @@ class _CliError(Exception):
 # ------------------------------------------------------------------ parser
 
 
-def _add_tune_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
-    p = sub.add_parser(
-        "tune",
-        parents=[_db_parent()],
-        help="tune a JAX function: search fused kernels, validate against jax.jit, store the plan",
-        description=(
-            "Capture MODULE:FUNCTION with the example arguments returned by --inputs MODULE:FACTORY, "
-            "enumerate fusible groups, search tile configs with Optuna (each trial built, checked against XLA "
-            "and timed), choose the cheapest exact cover, validate the whole plan against jax.jit and store it. "
-            "On a machine with no GPU, candidates are ranked with an analytic model of an H200 (said up front, "
-            "and marked as modelled in the output and the store)."
-        ),
-        epilog="example: autofuse tune examples.norms:forward --inputs examples.norms:example_inputs --trials 40",
-    )
-    p.add_argument("target", metavar="MODULE:FUNCTION", help="the function to tune (importable from the current directory)")
-    p.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
-                   help="a function returning the example arguments: a tuple of positional args (arrays or jax.ShapeDtypeStruct "
-                        "pytrees); arrays are also used to check the whole plan (e.g. a model's own weights), beside random inputs")
-    p.add_argument("--trials", type=int, default=None, help="trial budget for the whole job (default 48 when no --time-budget)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="S",
-                   help="time budget for the whole job, in seconds, counted from its start (which times every distinct candidate in XLA first)")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed and budget: same trials in the same order)")
-    p.add_argument("--measure", choices=["device", "model"], default=None, help="time on the GPU or rank with the analytic model (default: device if a GPU is present)")
-    p.add_argument("--static-argnums", default="", metavar="I,J", help="positions of arguments that are static (as jax.jit)")
-    p.add_argument("--name", default=None, help="program name in the store (default: the function name)")
-    p.add_argument("--resume", metavar="RUN", type=int, default=None, help="continue an interrupted run (its seed and budget are reused)")
-    p.add_argument("--no-store", action="store_true", help="keep the result in memory only")
-    p.add_argument("--no-isolate", action="store_true", help="run trials in this process (no crash isolation)")
-    p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S", help="per-trial time limit (default 300 s)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="tune with N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), sharing the run's Optuna "
-                        "studies in the --db database; more can join from other hosts with 'autofuse worker RUN'")
-    p.add_argument("--heartbeat", type=int, default=10, metavar="S",
-                   help="with --workers: Optuna heartbeat interval; a worker silent for 5 intervals is dead and its trial retried (default 10)")
-    p.add_argument("--backends", default=None, metavar="B,C",
-                   help="Pallas lowerings to search, the preferred first: mosaic_gpu (Hopper: TMA, wgmma), triton "
-                        "(default: mosaic_gpu,triton on a Hopper GPU, else triton)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or per-candidate lines")
-    p.set_defaults(func=_cmd_tune)
-
-
-def _import_ref(ref: str) -> Any:
-    import importlib
-
-    if ":" not in ref:
-        raise ValueError(f"expected MODULE:NAME, got {ref!r}")
-    mod, _, attr = ref.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {mod!r}: {e}") from None
-    except Exception as e:  # a syntax error, or an error while the module runs: the user's to fix, in one line
-        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
-        raise ValueError(f"importing module {mod!r} failed: {type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}{where}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {mod!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _cmd_tune(args: argparse.Namespace) -> int:
-    from autofuse.graph import capture
-    from autofuse.tuning.job import check_budget
-    from autofuse.tuning.local import tune
-
-    check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
-    fn = _import_ref(args.target)
-    factory = _import_ref(args.inputs)
-    try:
-        example = factory()
-    except Exception as e:
-        raise ValueError(f"the --inputs factory {args.inputs} failed: {type(e).__name__}: {e}") from None
-    if not isinstance(example, tuple):
-        raise ValueError(f"the --inputs factory {args.inputs} must return a tuple of the function's positional arguments, "
-                         f"got a {type(example).__name__} (wrap a single argument as (x,))")
-    try:
-        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
-    try:
-        capture(fn, *example, static_argnums=statics)
-    except Exception as e:
-        raise ValueError(f"tracing {args.target} with the example inputs failed: {type(e).__name__}: {e}") from None
-    store = None
-    trials, budget, seed = args.trials, args.time_budget, args.seed
-    if not args.no_store:
-        from autofuse.store import PlanStore
-
-        store = PlanStore(getattr(args, "db", None))
-        if args.resume is not None:
-            run = store.get_run(args.resume)
-            if run["status"] == "finished":
-                raise ValueError(f"run {args.resume} already finished")
-            if run.get("job") is not None:
-                raise ValueError(f"run {args.resume} was tuned with workers: join it while it runs (autofuse worker {args.resume}), "
-                                 "or start a new run")
-            b = run.get("budget") or {}
-            trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
-    elif args.resume is not None:
-        raise ValueError("--resume needs the store (drop --no-store)")
-    if args.workers is not None and args.no_store:
-        raise ValueError("--workers share the run through the database: drop --no-store")
-    report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
-                  measure=args.measure, quiet=args.quiet, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
-                  static_argnums=statics, resume=args.resume, workers=args.workers, heartbeat_s=args.heartbeat,
-                  backends=[b.strip() for b in args.backends.split(",") if b.strip()] if args.backends is not None else None)
-    if args.json:
-        print(json.dumps({"name": report.name, "fingerprint": report.fingerprint, "measure": report.measure,
-                          "baseline_ms": report.baseline_ms, "tuned_ms": report.tuned_ms, "speedup": report.speedup,
-                          "run_id": report.run_id, "plan_id": report.plan_id, "plan": report.plan.to_dict()}, indent=2))
-    else:
-        print(report.table())
-    return 0
-
-
-def _add_worker_parser(sub: argparse._SubParsersAction) -> None:  # noqa: SLF001
-    p = sub.add_parser(
-        "worker",
-        parents=[_db_parent()],
-        help="join a tuning run started with 'autofuse tune --workers' from another host",
-        description=(
-            "Start N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), that join run RUN: they take "
-            "trials from the run's Optuna studies in the --db database until its budget is spent; the last one to finish "
-            "selects and saves the plan. Run it from the same project directory (the function is imported by name). "
-            "Needs a server database (PostgreSQL): a SQLite file is for the workers of one host (autofuse tune --workers)."
-        ),
-        epilog="example: autofuse worker 12 --db postgresql+psycopg://tuner@db.example/autofuse --workers 8",
-    )
-    p.add_argument("run", metavar="RUN", type=int, help="run id (printed by 'autofuse tune --workers')")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes on this host, one per GPU (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no per-worker progress lines")
-    p.set_defaults(func=_cmd_worker)
-
-
-def _cmd_worker(args: argparse.Namespace) -> int:
-    from autofuse.store import db
-
-    url = db.resolve_url(getattr(args, "db", None))
-    if url.startswith("sqlite"):
-        raise _CliError("autofuse worker joins a run from another host and needs a server database (--db postgresql+psycopg://...); "
-                        "a SQLite file serves the workers of one host: autofuse tune ... --workers N")
-    if args.workers < 1:
-        raise _CliError(f"--workers must be at least 1, got {args.workers}")
-    from autofuse.tuning.workers import start_workers, visible_gpus
-    from autofuse.store import PlanStore
-
-    run = PlanStore(url).get_run(args.run)  # KeyError (one line) for an unknown run
-    if run["status"] != "running":
-        raise _CliError(f"run {args.run} is {run['status']}: nothing to join")
-    gpus = visible_gpus()
-    if run["measure"] == "device" and args.workers > len(gpus):
-        raise _CliError(f"{args.workers} workers but {len(gpus)} visible GPU(s) here: one worker per GPU")
-    codes = [p.wait() for p in start_workers(args.run, url, args.workers, gpus, args.quiet)]
-    if any(codes):
-        raise _CliError(f"worker exit codes {codes} (a dead worker's running trial is retried by another)")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``autofuse`` argument parser."""
     fmt = argparse.RawDescriptionHelpFormatter
@@ -510,8 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--db", metavar="URL", default=None, help="database URL (also accepted after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    _add_tune_parser(sub)
-    _add_worker_parser(sub)
+    from autofuse.cli_tune import add_tune_parser, add_worker_parser
+
+    add_tune_parser(sub, [dbp])
+    add_worker_parser(sub, [dbp])
 
     p = sub.add_parser(
         "runs",
@@ -532,11 +405,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="list stored plans",
         description="List stored fusion plans, newest first, with their measured time, baseline and "
         "speedup. The current plan of each (program, device, software) is marked '*'; it is the one "
-        "autofuse.jit uses.",
-        epilog="example: autofuse plans --program mlp --current --json",
+        "autofuse.jit uses. A tuning job's plan becomes current only if it was measured and beats the "
+        "current one beyond noise (or with tune --promote); a pinned plan ('pin') is never replaced by one. "
+        "Change them with the actions below; each change is recorded (autofuse plans events).",
+        epilog="examples: autofuse plans --program mlp --current --json ; autofuse plans promote 12 ; autofuse plans pin 12 ; "
+        "autofuse plans events --plan 12",
     )
     p.add_argument("--current", action="store_true", help="only current plans")
     p.set_defaults(func=_cmd_plans)
+    psub = p.add_subparsers(dest="action", metavar="[ACTION]")
+    for action, text in (("promote", "make plan ID the current plan of its program, device and software"),
+                         ("pin", "make plan ID current and pinned: no tuning job replaces it"),
+                         ("unpin", "let tuning jobs replace plan ID again when they beat it"),
+                         ("rm", "remove plan ID (refused while pinned; removing the current plan leaves none current)")):
+        a = psub.add_parser(action, parents=[dbp], help=text, description=text[0].upper() + text[1:] + ". Recorded with who and when.")
+        a.add_argument("id", metavar="ID", type=int, help="plan id (see 'autofuse plans')")
+        a.set_defaults(func=_cmd_plan_change)
+    a = psub.add_parser("events", parents=[dbp, outp], help="who promoted, pinned, unpinned or removed which plan, and what tuning jobs decided",
+                        description="The record of plan changes, newest first: tuning jobs' decisions (saved: current or not, and why) "
+                        "and people's promote, pin, unpin and rm, with who (user@host) and when.")
+    a.add_argument("--plan", metavar="ID", type=int, help="only this plan's events")
+    a.add_argument("--program", metavar="NAME", help="only this program's (name or fingerprint prefix)")
+    a.set_defaults(func=_cmd_plan_events)
 
     p = sub.add_parser(
         "trials",

@@ -45,6 +45,18 @@ def fmt_short(n: int) -> Callable[[Any], str]:
     return f
 
 
+#: The GPU the analytic model describes when a run does not say (the only model before runs recorded theirs).
+DEFAULT_MODEL_NAME = "NVIDIA H200"
+
+
+def device_label(measure: str | None, device: str | None, model: str | None = None) -> str:
+    """The device a result is for, as people read it: a modelled one is for a model of a GPU, not for the CPU the
+    model ran on."""
+    if measure == "model":
+        return f"model of {model or DEFAULT_MODEL_NAME}"
+    return device or ""
+
+
 def fmt_bool(v: Any) -> str:
     return "*" if v else ""
 

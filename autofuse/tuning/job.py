@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -15,8 +16,10 @@ import numpy as np
 
 from .. import costmodel
 from ..device import default_backends, device_info, software
-from ..graph import Graph, flatten_args
-from ..runner.protocol import XlaRequest
+from ..graph import Graph, flatten_args, qualified_name
+from ..runner.protocol import TrialResult
+from ..store.store import whoami
+from .ahead import time_xla_concurrently
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
 from .report import TuneReport
@@ -66,7 +69,8 @@ def distinct_candidates(graph: Graph) -> tuple[dict[str, list[Candidate]], list[
     by_sig: dict[str, list[Candidate]] = {}
     for c in enumerate_candidates(graph):
         by_sig.setdefault(c.group.signature, []).append(c)
-    return by_sig, [CandidateState(sig, cs[0].template, list(cs[0].group.node_ids), len(cs)) for sig, cs in by_sig.items()]
+    return by_sig, [CandidateState(sig, cs[0].template, list(cs[0].group.node_ids), len(cs), ops=tuple(n.name for n in cs[0].group.nodes))
+                    for sig, cs in by_sig.items()]
 
 
 def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel,
@@ -76,13 +80,17 @@ def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateS
             for r in cands}
 
 
-def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None) -> None:
-    """XLA's time of every distinct candidate (always an option of the cover)."""
-    for r in cands:
-        res = runner.call(XlaRequest(tuple(r.nodes)))
-        r.xla_ms = res.median_ms if res.ok else None
-        if bar is not None:
-            bar.update(1)
+def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None, *, compile_workers: int = 1) -> list[TrialResult]:
+    """XLA's time of every distinct candidate (always an option of the cover), set on each; with `compile_workers`
+    > 1 compiled that many at a time ahead of the timings (`ahead`). Returns each candidate's result."""
+    return time_xla_concurrently(list(cands), runner, compile_workers, bar)
+
+
+def program_name(fn: Callable) -> str:
+    """A program's default name: ``module:function``, as ``autofuse tune MODULE:FUNCTION`` names it (the function
+    alone for a script's own)."""
+    ref = qualified_name(fn)
+    return ref.partition(":")[2] if ref.startswith(("__main__:", "?:")) else ref
 
 
 def study_name(run_id: int | None, signature: str) -> str:
@@ -117,14 +125,17 @@ class RunIds:
 
 
 def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | None, time_budget_s: float | None, seed: int,
-             resume: int | None) -> tuple[Any, int, RunIds]:
-    """The plan store (a `PlanStore` or a URL), the run (new, or `resume`d) and the rows its plan is filed under."""
+             resume: int | None, model: costmodel.GPUModel | None = None, function: str | None = None) -> tuple[Any, int, RunIds]:
+    """The plan store (a `PlanStore` or a URL), the run (new, or `resume`d) and the rows its plan is filed under.
+    A modelled run records the GPU its `model` describes with its budget (listings show "model of <GPU>")."""
     from ..store import PlanStore
 
     pstore = store if isinstance(store, PlanStore) else PlanStore(store)
+    if pstore.readonly:
+        raise ValueError(f"{pstore} is read-only: a tuning job needs a store it can write (pass a URL, not a read-only PlanStore)")
     pstore.mark_interrupted()
     dev = device_info()
-    ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes)),
+    ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes), function=function),
                  pstore.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
                  pstore.software(**software()))
     if resume is not None:
@@ -133,7 +144,8 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
             raise ValueError(f"run {resume} tuned another program; cannot resume it for {graph.fingerprint}")
         pstore.resume_run(resume, host=socket.gethostname(), pid=os.getpid())
         return pstore, resume, ids
-    run_id = pstore.start_run(ids.program, ids.device, ids.software, budget={"trials": trials, "seconds": time_budget_s}, seed=seed,
+    budget = {"trials": trials, "seconds": time_budget_s, **({"model": model.name} if measure == "model" and model is not None else {})}
+    run_id = pstore.start_run(ids.program, ids.device, ids.software, budget=budget, seed=seed,
                               sampler="TPESampler", measure=measure, host=socket.gethostname(), pid=os.getpid(), optuna_storage=pstore.url)
     return pstore, run_id, ids
 
@@ -148,13 +160,24 @@ def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState
             r.xla_ms = row["xla_ms"]
 
 
-def save_report(pstore: Any, ids: RunIds, run_id: int, report: TuneReport) -> int:
-    """Finish the run and store its plan; returns the plan's id."""
+def save_report(pstore: Any, ids: RunIds, run_id: int, report: TuneReport, promote: bool | None = None) -> int:
+    """Finish the run and store its plan; returns the plan's id.
+
+    The plan becomes current only by the store's promotion rule (measured, and faster than the current plan
+    beyond noise; never over a pinned plan), or with `promote`; otherwise it is stored beside the current
+    plan and one line on stderr says why (also in `report.plan_note`)."""
     v = report.validation
     pstore.finish_run(run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
-    return pstore.save_plan(ids.program, ids.device, ids.software, report.plan.to_dict(), run_id=run_id, measured_ms=report.tuned_ms,
+    saved = pstore.add_plan(ids.program, ids.device, ids.software, report.plan.to_dict(), run_id=run_id, measured_ms=report.tuned_ms,
                             baseline_ms=report.baseline_ms, speedup=report.speedup, measure=report.measure, tolerance=v.tolerance or {},
-                            max_error=float(v.max_error or 0.0))
+                            max_error=float(v.max_error or 0.0), current=True if promote else None, noise=report.noise,
+                            actor=f"tune run {run_id} ({whoami()})")
+    report.plan_current = saved.current
+    if not saved.current:
+        report.plan_note = (f"autofuse: plan {saved.plan_id} is stored but not current: {saved.reason}; "
+                            f"autofuse plans promote {saved.plan_id} makes it current")
+        print(report.plan_note, file=sys.stderr, flush=True)
+    return saved.plan_id
 
 
 def spec_of(x: Any) -> Any:

@@ -50,10 +50,16 @@ class CandidateState:
     status: str = "pending"
     trials: list[TrialRecord] = field(default_factory=list)
     candidate_id: int | None = None  # its row in the store
+    ops: tuple[str, ...] = ()  # its nodes' primitives, in program order (what the job's output names it by)
 
     @property
     def speedup(self) -> float | None:
         return self.xla_ms / self.best_ms if self.xla_ms and self.best_ms else None
+
+    @property
+    def measured(self) -> bool:
+        """Whether any of its configs was built and run (infeasible and pruned ones never are)."""
+        return any(t.status.compiled and t.status not in (TrialStatus.RUNNING, TrialStatus.LOST) for t in self.trials)
 
     def spent(self) -> list[TrialRecord]:
         """Its trials that count against the budget."""
@@ -149,13 +155,13 @@ class MemoryLedger:
 class StoreLedger:
     """The books of a run in the plan store, shared by every worker of the run."""
 
-    def __init__(self, store: Any, run_id: int):
-        self.store, self.run_id = store, run_id
+    def __init__(self, store: Any, run_id: int, worker: str | None = None):
+        self.store, self.run_id, self.worker = store, run_id, worker  # worker: host:pid, recorded on the trials it claims
 
     def claim(self, cand: CandidateState, config: dict, optuna_trial_id: int, *, limit: int | None,
               status: TrialStatus = TrialStatus.RUNNING, error: str | None = None) -> Claim:
         kind, got = self.store.claim_trial(self.run_id, cand.candidate_id, config, optuna_trial_id, limit=limit, status=status.value,
-                                           error=error)
+                                           error=error, worker=self.worker)
         if kind == "ok":
             cand.trials.append(TrialRecord(got, dict(config), status, error=error, optuna_trial_id=optuna_trial_id))
             return Claim("ok", got)
@@ -166,7 +172,7 @@ class StoreLedger:
 
     def finish(self, cand: CandidateState, number: int, result: TrialResult) -> bool:
         done = self.store.finish_trial(cand.candidate_id, number, result.status.value, median_ms=result.median_ms, min_ms=result.min_ms,
-                                       max_ms=result.max_ms, error=result.error)
+                                       max_ms=result.max_ms, error=result.error, device=result.device)
         return done and _record(cand, number, result)
 
     def refresh(self, cands: list[CandidateState]) -> None:

@@ -18,11 +18,13 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .. import costmodel
-from ..graph import capture
+from ..graph import capture, qualified_name
 from ..runner.process import ProgramSpec, make_runner
 from ..status import TrialStatus
-from .job import (check_backends, check_budget, create_study, distinct_candidates, modelled_warning, open_run, progress_bar, register_candidates, resolve_measure,
-                  save_example_inputs, save_report, search_spaces, spec_of, time_xla)
+from .ahead import CompileAhead
+from .ahead import compile_workers as compile_workers_for
+from .job import (check_backends, check_budget, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
+                  register_candidates, resolve_measure, save_example_inputs, save_report, search_spaces, spec_of, time_xla)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .report import TuneReport
@@ -36,10 +38,10 @@ DEFAULT_TRIALS = 48
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
          seed: int = 0, store: Any = None, name: str | None = None, measure: str | None = None, model: str = "h200",
-         quiet: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
+         quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
-         clock: Callable[[], float] = time.time) -> TuneReport:
+         compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
     (with `store`) persist.
 
@@ -54,6 +56,16 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     Optuna heartbeat interval. `backends` are the lowerings to search, the
     preferred first (default: Mosaic GPU and Triton on a Hopper GPU, else
     Triton); a template searches those it has that can run the group.
+    The stored plan becomes the current one (what `autofuse.jit` runs) only if
+    it was measured and beats the current plan beyond noise, or with
+    `promote=True`; a pinned plan is never replaced.
+    `compile_workers` threads compile at once at the job's start (XLA's
+    reference of each candidate, phase 1's default configs), timed on the GPU
+    one at a time after (default: $AUTOFUSE_COMPILE_WORKERS, else this host's
+    cores shared among its workers, at most 16).
+    `quiet` shows no progress bar; `verbose` adds a line per trial and per
+    candidate. `name` (default ``module:function``) is the program's name in
+    the store, as ``autofuse plans --program`` finds it.
 
     >>> report = autofuse.tune(layer_norm, x, gamma, beta, trials=48, store="sqlite:///plans.db")  # doctest: +SKIP
     >>> print(report.table())  # doctest: +SKIP
@@ -67,25 +79,34 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
 
         if resume is not None:
             raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
-        return tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
-                                 name=name, measure=measure, model=model, quiet=quiet, isolate=isolate, trial_timeout_s=trial_timeout_s,
+        report = tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
+                                 name=name, measure=measure, model=model, quiet=quiet, verbose=verbose, isolate=isolate, trial_timeout_s=trial_timeout_s,
                                  static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress,
-                                 backends=backends)
+                                 backends=backends, compile_workers=compile_workers)
+        if promote and report.plan_id is not None and not report.plan_current:
+            from ..store import PlanStore
+
+            (store if isinstance(store, PlanStore) else PlanStore(store)).promote_plan(report.plan_id)
+            report.plan_current, report.plan_note = True, ""
+        return report
     t_start = clock()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the trial process shares the GPU
     say = progress or (lambda s: None if quiet else print(s, flush=True))
     measure = resolve_measure(measure, jax.default_backend() == "gpu")
+    threads = compile_workers_for(compile_workers)
     gmodel = costmodel.get_model(model)
     if measure == "model":
         (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
     if trials is None and time_budget_s is None:
         trials = DEFAULT_TRIALS
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
-    name = name or getattr(fn, "__qualname__", getattr(fn, "__name__", "program"))
+    name = name or program_name(fn)
     by_sig, cands = distinct_candidates(graph)
     spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
 
-    pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume) if store is not None else (None, None, None)
+    pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume, gmodel, qualified_name(fn)) if store is not None else (None, None, None)
+    if pstore is not None:
+        name = pstore.get_run(run_id)["program"]  # the name the store knows the program by (its first), as `plans --program` finds it
     spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,
                        graph.fingerprint)
     examples = save_example_inputs(graph, fn, args, kwargs, static_argnums, static_argnames)
@@ -100,7 +121,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         todo = [r for r in cands if r.xla_ms is None]
         if progress is not None:
             say(f"autofuse: timing {len(todo)} distinct candidates in XLA")
-        time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"))
+        time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"), compile_workers=threads)
         if pstore is not None:
             for r in todo:
                 pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
@@ -109,12 +130,15 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
                         "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
+        loop.ahead = CompileAhead(runner, cands, spaces, measure, threads)
+        loop.verbose = verbose and not quiet
         loop.bar = progress_bar(loop.scheduler.total, name, quiet or progress is not None, "tune", "trial")
         loop.bar.update(loop.scheduler.spent())  # a resumed run's trials
         loop.run()
         loop.bar.close()
         n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
-        report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start, say)
+        report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
+                          say if verbose else (lambda s: None))
         report.wall_s = clock() - t_start
         status = "finished"
     except KeyboardInterrupt:
@@ -133,9 +157,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     from ..device import device_info
 
     report.device = device_info()["name"]
+    report.model = gmodel.name if measure == "model" else None
     if pstore is not None:
         report.run_id = run_id
-        report.plan_id = save_report(pstore, ids, run_id, report)
+        report.plan_id = save_report(pstore, ids, run_id, report, promote)
     return report
 
 
@@ -149,7 +174,7 @@ def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budg
     if pstore is not None:
         from ..store.optuna_storage import optuna_storage
 
-        storage, ledger = optuna_storage(pstore.url), StoreLedger(pstore, run_id)
+        storage, ledger = optuna_storage(pstore.url), StoreLedger(pstore, run_id, f"{os.uname().nodename}:{os.getpid()}")
         ledger.refresh(cands)
         for r in cands:
             for t in r.trials:

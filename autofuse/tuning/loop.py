@@ -1,25 +1,34 @@
 """The trial loop both drivers run: read the ledger, let the scheduler name a candidate, run one trial of it."""
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 from .job import load_study
 from .ledger import CandidateState, Ledger
+from .output import best_postfix, trial_line
 from .scheduler import Scheduler
 from .space import CandidateSpace
 from .trial import TrialContext, run_trial
+
+
+SHOW_EVERY_S = 1.0
 
 
 class TrialLoop:
     """One driver's trials of a job. `worker_seed` keeps several workers' samplers apart (0 for the first)."""
 
     def __init__(self, cands: list[CandidateState], spaces: dict[str, CandidateSpace], scheduler: Scheduler, ctx: TrialContext,
-                 storage: Any, run_id: int | None, seed: int, worker_seed: int = 0, bar: Any = None):
+                 storage: Any, run_id: int | None, seed: int, worker_seed: int = 0, bar: Any = None, verbose: bool = False):
         self.cands, self.spaces, self.scheduler, self.ctx = cands, spaces, scheduler, ctx
         self.storage, self.run_id, self.seed, self.worker_seed, self.bar = storage, run_id, seed, worker_seed, bar
+        self.verbose = verbose  # a line per trial
+        self._shown_at = -float("inf")
         self.studies: dict[int, Any] = {}
         self.measured = 0
         self.order: list[tuple[int, str]] = []  # each trial run: its candidate and what became of it
+        self.ahead: Any = None  # an `ahead.CompileAhead`: phase 1's next configs compiled ahead, concurrently
 
     @property
     def ledger(self) -> Ledger:
@@ -38,6 +47,8 @@ class TrialLoop:
         i = self.scheduler.pick()
         if i is None:
             return None
+        if self.ahead is not None:
+            self.ahead.before(i)
         r = self.cands[i]
         kind = run_trial(self.study(i), r, self.spaces[r.signature], self.ctx)
         self.scheduler.note(i, kind)
@@ -47,14 +58,31 @@ class TrialLoop:
             r.update_best()
             if self.bar is not None:
                 self.bar.update(1)
-                best = max((c.speedup for c in self.cands if c.speedup), default=None)
-                if best:
-                    self.bar.set_postfix_str(f"best candidate {best:.2f}x")
+                self.show_best()
+        if self.verbose and kind in ("measured", "unmeasured") and r.trials:
+            if self.bar is not None:
+                self.bar.write(trial_line(r))
+            else:
+                print(trial_line(r), file=sys.stderr, flush=True)
         return kind
+
+    def show_best(self, force: bool = False) -> None:
+        """The job's best plan so far on the bar (its cover's speedup, not one candidate's), solved at most once a
+        second: a whole model's cover is a MILP over thousands of options."""
+        now = time.monotonic()
+        if self.bar is None or getattr(self.bar, "disable", False) or (not force and now - self._shown_at < SHOW_EVERY_S):
+            return
+        self._shown_at = now
+        cover = self.scheduler.cover()
+        self.bar.set_postfix_str(best_postfix(cover.baseline_ms, cover.tuned_ms))
 
     def run(self) -> None:
         """Trials until the budget rule names no candidate or the run is closed."""
-        while True:
-            kind = self.step()
-            if kind is None or kind == "closed":
-                return
+        try:
+            while True:
+                kind = self.step()
+                if kind is None or kind == "closed":
+                    return
+        finally:
+            if self.measured:
+                self.show_best(force=True)

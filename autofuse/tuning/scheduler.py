@@ -26,7 +26,7 @@ from ..graph import Graph
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .partition import Candidate
-from .select import best_cover
+from .select import Cover, best_cover
 from .space import CandidateSpace
 
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
@@ -87,10 +87,13 @@ def backend_untried(r: CandidateState, space: CandidateSpace) -> bool:
     return r.best_ms is None and bool(tried) and any(b not in tried for b in space.spaces)
 
 
-def contenders(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel) -> list[int]:
-    """Candidates that can change the plan: the fused groups of the cheapest cover so far, those within 25% of
-    their XLA time (tuning may still make them win), and those whose configs all failed to fit or compile."""
-    chosen = {fg.signature for fg in best_cover(graph, by_sig, cands, model, "device").plan.groups}
+def contenders(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel,
+               cover: Cover | None = None) -> list[int]:
+    """Candidates that can change the plan: the fused groups of the cheapest cover so far (`cover`, else solved
+    here), those within 25% of their XLA time (tuning may still make them win), and those whose configs all failed
+    to fit or compile."""
+    cover = cover or best_cover(graph, by_sig, cands, model, "device")
+    chosen = {fg.signature for fg in cover.plan.groups}
     return [i for i, r in enumerate(cands) if r.signature in chosen or (r.best_ms is not None and r.xla_ms and r.best_ms < CONTENDER_MARGIN * r.xla_ms)
             or config_failures_only(r)]
 
@@ -117,6 +120,7 @@ class Scheduler:
         self.total = min(budget.trials, sum(self.caps))
         self.idle = [0] * len(cands)  # proposals in a row that were configs already done
         self._contenders: tuple[tuple, list[int]] | None = None
+        self._cover: tuple[tuple, Cover] | None = None
 
     def spent(self) -> int:
         return sum(len(c.spent()) for c in self.cands)
@@ -152,8 +156,16 @@ class Scheduler:
         """`contenders`, solved again only when a candidate's best or failures changed."""
         state = tuple((c.best_ms, c.xla_ms, config_failures_only(c)) for c in self.cands)
         if self._contenders is None or self._contenders[0] != state:
-            self._contenders = (state, contenders(self.graph, self.by_sig, self.cands, self.model))
+            self._contenders = (state, contenders(self.graph, self.by_sig, self.cands, self.model, self.cover()))
         return self._contenders[1]
+
+    def cover(self) -> Cover:
+        """The cheapest cover of the candidates' bests so far (what the job would choose now), solved again only
+        when a best changed; the progress bar shows its speedup."""
+        state = tuple((c.best_ms, c.xla_ms) for c in self.cands)
+        if self._cover is None or self._cover[0] != state:
+            self._cover = (state, best_cover(self.graph, self.by_sig, self.cands, self.model, "device"))
+        return self._cover[1]
 
     def note(self, i: int, outcome: str) -> None:
         """What became of candidate i's trial: proposals that measure nothing (done or infeasible configs) count toward giving it up."""

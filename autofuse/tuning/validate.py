@@ -19,6 +19,7 @@ from ..plan import Plan
 from ..runner.protocol import TrialRequest, ValidateRequest, ValidationResult
 from ..status import TrialStatus
 from .ledger import CandidateState, Ledger
+from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
 from .select import Cover, best_cover, lone_contraction_costs
@@ -53,19 +54,10 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     for r in cands:
         finish_candidate(r, runner, measure, ledger)
         if r.trials:
-            say(f"  candidate {r.signature[:12]} {r.template:11} nodes={len(r.nodes):3d} x{r.instances}: xla {_f(r.xla_ms)} ms, "
-                f"best {_f(r.best_ms)} ms ({_x(r.speedup)}) after {len(r.trials)} trials [{r.status}]")
+            say(candidate_line(r))
     singles = lone_contraction_costs(graph, runner) if measure == "device" else None
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
     return validate(graph, cover, runner, measure, name, cands, n_trials, t_start)
-
-
-def _f(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,

@@ -12,15 +12,18 @@ back for another worker.
 Roles:
 
 * the launcher, ``tune(..., workers=N)`` / ``autofuse tune --workers N``:
-  captures the program, opens the run, times every candidate in XLA, creates
-  the studies with their first configs, publishes the job (function reference,
+  captures the program, opens the run, creates the candidates and their
+  studies with their first configs, publishes the job (function reference,
   argument shapes, options) on the run row, starts N workers on this host,
   worker i seeing only GPU i (``CUDA_VISIBLE_DEVICES``), waits, and reads the
   plan back;
 * ``autofuse worker RUN --db URL`` joins the run from another host (a server
   database: a SQLite file serves one host only);
 * each worker (``python -m autofuse.tuning.workers RUN``, database in
-  ``$AUTOFUSE_DB``) runs trials until the budget rule names no candidate, then
+  ``$AUTOFUSE_DB``) first takes its share of the candidates' XLA timings
+  (claimed a chunk at a time, compiled concurrently, timed on its GPU: each
+  candidate once across the workers; `share_xla`) and waits for the rest, then
+  runs trials until the budget rule names no candidate, then
   waits until no trial of the run is running (or is failed by heartbeat, then
   retried), and tries ``PlanStore.begin_selection``; the one worker that wins
   checks the bests, selects the cover, validates it against jax.jit and writes
@@ -55,8 +58,10 @@ from ..plan import Plan
 from ..runner.process import ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from .job import (RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, register_candidates, resolve_measure, save_report,
-                  search_spaces, spec_of, study_name, time_xla)
+from .job import (RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates,
+                  resolve_measure, save_report, search_spaces, study_name, time_xla)
+from .ahead import ENV_VAR as AHEAD_ENV
+from .ahead import CompileAhead, chunk_size, compile_workers
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
 from .report import TuneReport
@@ -131,8 +136,10 @@ def visible_gpus() -> list[str]:
 def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, trials: int | None, time_budget_s: float | None, seed: int,
                       store: Any, name: str | None, measure: str | None, model: str, quiet: bool, isolate: bool, trial_timeout_s: float,
                       static_argnums: Sequence[int], static_argnames: Sequence[str], heartbeat_s: int,
-                      progress: Callable[[str], None] | None, backends: Sequence[str] | None = None) -> TuneReport:
-    """`tune` with `workers` processes on this host sharing one run (see the module docstring)."""
+                      progress: Callable[[str], None] | None, backends: Sequence[str] | None = None, verbose: bool = False,
+                      compile_workers: int | None = None) -> TuneReport:
+    """`tune` with `workers` processes on this host sharing one run (see the module docstring). The launcher shows
+    the run's progress (every host's trials) unless `quiet`; the workers say what they do only when `verbose`."""
     import optuna
 
     from ..store.optuna_storage import optuna_storage
@@ -151,27 +158,24 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     if measure == "device" and workers > len(gpus):
         raise ValueError(f"{workers} workers but {len(gpus)} visible GPU(s): one worker per GPU (two on one GPU would time each other)")
     gmodel = costmodel.get_model(model)
-    if measure == "model":
-        say(modelled_warning(gmodel))
+    if measure == "model":  # said even when quiet: a modelled plan must never pass for a measured one
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
     if trials is None and time_budget_s is None:
         trials = 48
     job = {"fn": function_ref(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
-           "heartbeat_s": int(heartbeat_s), "backends": list(check_backends(backends))}
+           "heartbeat_s": int(heartbeat_s), "backends": list(check_backends(backends)), "workers": workers,
+           "compile_workers": compile_workers}
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
-    name = name or getattr(fn, "__qualname__", "program")
     by_sig, cands = distinct_candidates(graph)
-    pstore, run_id, _ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, None)
+    pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel,
+                                   function_ref(fn))
+    name = pstore.get_run(run_id)["program"]  # the name the store knows it by
     procs: list[subprocess.Popen] = []
     try:
-        # what every worker needs first: candidates with their XLA times, studies with their first configs
-        spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, tuple(args)), jax.tree_util.tree_map(spec_of, dict(kwargs)), static_argnums,
-                           static_argnames, graph.fingerprint)
+        # what every worker needs first: the candidates (the workers share out their XLA timings) and the studies
+        # with their first configs
         register_candidates(pstore, run_id, cands)
-        with make_runner(spec, {"measure": measure, "model": model}, isolate=isolate, timeout_s=trial_timeout_s) as runner:
-            time_xla(cands, runner)
-        for r in cands:
-            pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
         spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
         storage = optuna_storage(pstore.url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -181,8 +185,10 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
             + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
             + f"; join from another host: autofuse worker {run_id} --db URL")
-        procs = start_workers(run_id, pstore.url, workers, gpus, quiet, indexed=True)
-        codes = [p.wait() for p in procs]
+        procs = start_workers(run_id, pstore.url, workers, gpus, not verbose, indexed=True)
+        scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(trials if trials is not None else 10**9), gmodel)
+        with progress_bar(scheduler.total, name, quiet or progress is not None, "tune", "trial") as bar:
+            codes = watch(procs, pstore, run_id, bar, cands, scheduler)
     except BaseException as e:
         for p in procs:
             if p.poll() is None:
@@ -198,13 +204,45 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     if run["status"] != "finished":
         raise RuntimeError(f"run {run_id} is {run['status']} after its workers exited ({'; '.join(died) or 'all exit 0'})"
                            + (f": {run['error']}" if run.get("error") else f"; join it with: autofuse worker {run_id} --db URL"))
-    return report_from_store(pstore, run_id, cands, name, measure, t_start)
+    report = report_from_store(pstore, run_id, cands, name, measure, t_start)
+    report.model = gmodel.name if measure == "model" else None
+    return report
+
+
+def watch(procs: Sequence[subprocess.Popen], pstore: Any, run_id: int, bar: Any, cands: list[CandidateState] | None = None,
+          scheduler: Scheduler | None = None) -> list[int]:
+    """Wait for this host's workers, showing the run's counted trials (every host's) on `bar`, and with `cands` and
+    `scheduler` the run's best plan so far; returns their exit codes."""
+    from .output import best_postfix
+
+    ledger = StoreLedger(pstore, run_id)
+    while any(p.poll() is None for p in procs):
+        if not getattr(bar, "disable", False):
+            try:
+                if cands is not None and scheduler is not None:
+                    if any(c.xla_ms is None for c in cands):
+                        read_xla(pstore, run_id, cands)
+                    ledger.refresh(cands)
+                    for c in cands:
+                        c.update_best()
+                    bar.n = scheduler.spent()
+                    cover = scheduler.cover()
+                    bar.set_postfix_str(best_postfix(cover.baseline_ms, cover.tuned_ms), refresh=False)
+                else:
+                    bar.n = sum(TrialStatus(t["status"]).spends_budget for t in pstore.trials(run_id))
+                bar.refresh()
+            except Exception as e:  # noqa: BLE001 - the display never stops the wait (a locked or busy database)
+                bar.set_postfix_str(f"(store busy: {type(e).__name__})", refresh=False)
+        time.sleep(2 * POLL_S)
+    return [p.wait() for p in procs]
 
 
 def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: bool, *, indexed: bool = False) -> list[subprocess.Popen]:
-    """`n` worker processes of the run; worker i sees only GPU i (round robin in model mode). The URL goes by environment, not argv.
+    """`n` worker processes of the run; worker i sees only GPU i (round robin in model mode), and this host's cores
+    divided among them for compiling (`ahead`). The URL goes by environment, not argv.
     `indexed`: the run's launcher numbers its workers (their samplers' seeds); workers joining from elsewhere use their pids."""
-    env = dict(os.environ, AUTOFUSE_DB=url, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, AUTOFUSE_DB=url, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env[AHEAD_ENV] = str(compile_workers(None, share=n))
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
     procs = []
     for i in range(n):
@@ -244,8 +282,10 @@ def report_from_store(pstore: Any, run_id: int, cands: list[CandidateState], nam
     p = pstore.get_plan(plan_row["id"])
     n = sum(t.status.spends_budget for r in cands for t in r.trials)
     validation = ValidationResult(TrialStatus.OK, p["max_error"], p["tolerance"] or {})
+    model = (run.get("budget") or {}).get("model") if measure == "model" else None
     return TuneReport(name, run["fingerprint"], measure, Plan.from_dict(p["plan"]), run["baseline_ms"], run["best_ms"], run["speedup"], None,
-                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], device=run["device"])
+                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], device=run["device"], model=model,
+                      plan_current=bool(p["is_current"]))
 
 
 # --------------------------------------------------------------------------- one worker
@@ -265,7 +305,7 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     pstore = PlanStore(url)
     run = pstore.get_run(run_id)
     t0 = time.time()
-    while run["job"] is None and run["status"] == "running":  # the launcher is still timing candidates in XLA
+    while run["job"] is None and run["status"] == "running":  # the launcher is still creating the candidates' studies
         if time.time() - t0 > ready_timeout_s:
             raise RuntimeError(f"run {run_id} has no job description after {ready_timeout_s:.0f} s (not a run tuned with workers?)")
         time.sleep(POLL_S)
@@ -297,8 +337,14 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with make_runner(spec, {"measure": measure, "model": job["model"]}, isolate=job["isolate"], timeout_s=job["trial_timeout_s"]) as runner:
-            w = _Worker(pstore, run_id, cands, spaces, scheduler, TrialContext(StoreLedger(pstore, run_id), runner, measure, scheduler.total, me),
+            threads = compile_workers(job.get("compile_workers"))
+            timed = share_xla(pstore, run_id, cands, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60)
+            say(f"timed {timed} of {len(cands)} candidates in XLA ({threads} compiling at once)")
+            w = _Worker(pstore, run_id, cands, spaces, scheduler,
+                        TrialContext(StoreLedger(pstore, run_id, me), runner, measure, scheduler.total, me),
                         run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
+            w.loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1)
+            w.loop.verbose = not quiet  # a line per trial
             w.work()
             selected = pstore.begin_selection(run_id, me)
             if selected:
@@ -313,6 +359,39 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
         if lock is not None:
             os.close(lock)
     return {"measured": w.loop.measured, "selected": selected}
+
+
+def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any, me: str, threads: int, *, stale_s: float) -> int:
+    """This worker's part of the run's XLA timings, then everyone's: claim a chunk of candidates nobody timed,
+    compile them `threads` at a time and time them one by one (`ahead`), record them with this worker's device;
+    again until none is left to claim; then wait for the other workers' chunks (a dead worker's claim is taken
+    over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
+    Sets every candidate's `xla_ms`; returns how many this worker timed."""
+    by_id = {r.candidate_id: r for r in cands}
+    timed = 0
+    while True:
+        ids = pstore.claim_xla(run_id, me, chunk_size(threads), stale_s=stale_s)
+        if ids:
+            part = [by_id[i] for i in ids]
+            for r, res in zip(part, time_xla(part, runner, compile_workers=threads)):
+                pstore.finish_xla(r.candidate_id, me, res.status.value, r.xla_ms, res.device)
+            timed += len(part)
+            continue
+        pending = read_xla(pstore, run_id, cands)
+        if not pending or pstore.get_run(run_id)["status"] != "running":
+            return timed
+        time.sleep(POLL_S)
+
+
+def read_xla(pstore: Any, run_id: int, cands: list[CandidateState]) -> int:
+    """Every candidate's XLA time as the store has it; returns how many are not timed yet (unclaimed or running)."""
+    rows = {c["id"]: c for c in pstore.candidates(run_id)}
+    pending = 0
+    for r in cands:
+        row = rows[r.candidate_id]
+        r.xla_ms = row["xla_ms"]
+        pending += row["xla_ms"] is None and row["xla_status"] in (None, "running")
+    return pending
 
 
 def _gpu_lock() -> int:

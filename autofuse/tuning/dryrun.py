@@ -1,0 +1,124 @@
+"""A dry run of a tuning job (``autofuse tune ... --dry-run``): what the job would tune and whether its budget is
+enough, from the program and the roofline model alone. Nothing is compiled, timed or written to a store.
+
+The budget rule (`scheduler`) first gives every distinct candidate its default config, the largest modelled saving
+first, then shares what is left among the contenders; a budget smaller than the candidates leaves some untried, and
+one that leaves fewer trials than contenders gives some contender nothing beyond its default. Both are said before
+an hour of GPU time is spent finding out.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .. import costmodel
+from ..graph import capture
+from .job import (
+    check_backends,
+    check_budget,
+    distinct_candidates,
+    program_name,
+    search_spaces,
+)
+from .local import DEFAULT_TRIALS
+from .scheduler import contenders, phase1_order
+from .select import best_cover
+
+
+@dataclass(frozen=True)
+class DryRunRow:
+    """One distinct candidate as the budget rule will see it, by the model."""
+
+    order: int  # when phase 1 gives it its default config (1: first)
+    signature: str
+    template: str
+    ops: tuple[str, ...]
+    nodes: int
+    instances: int
+    configs: int  # its search space's size, over its backends
+    backends: tuple[str, ...]
+    xla_ms: float  # modelled: XLA's fusion of the group, one instance
+    default_ms: float  # modelled: the template's default config, one instance
+    contender: bool  # in the modelled cover, or within reach of XLA: phase 2 gives it more trials
+
+    @property
+    def saving_ms(self) -> float:
+        """What fusing all its instances with the default config saves, by the model (negative: it loses)."""
+        return (self.xla_ms - self.default_ms) * self.instances
+
+
+@dataclass
+class DryRun:
+    """What a tuning job would do with this budget, by the model (`model` names the GPU it describes)."""
+
+    name: str
+    fingerprint: str
+    model: str
+    n_nodes: int
+    rows: list[DryRunRow]
+    trials: int | None
+    time_budget_s: float | None
+    baseline_ms: float  # the modelled program under XLA's own fusions
+    plan_ms: float  # the modelled program under the cheapest cover of default configs
+    plan_groups: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def contenders(self) -> int:
+        return sum(r.contender for r in self.rows)
+
+    def table(self) -> str:
+        from .output import dry_run_table
+
+        return dry_run_table(self)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "fingerprint": self.fingerprint, "model": self.model, "nodes": self.n_nodes, "trials": self.trials,
+                "time_budget_s": self.time_budget_s, "baseline_ms": self.baseline_ms, "plan_ms": self.plan_ms, "plan_groups": self.plan_groups,
+                "contenders": self.contenders, "warnings": list(self.warnings),
+                "candidates": [{**{k: getattr(r, k) for k in DryRunRow.__dataclass_fields__}, "saving_ms": r.saving_ms} for r in self.rows]}
+
+
+def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, time_budget_s: float | None) -> list[str]:
+    """What a budget of `trials` cannot do for `n_candidates` distinct candidates of which `n_contenders` contend."""
+    if trials is None:
+        return [f"a time budget of {time_budget_s:g} s: how many trials it allows depends on compile and run times; phase 1 alone "
+                + f"needs {n_candidates} trials (give --trials to know)"] if time_budget_s else []
+    if trials < n_candidates:
+        return [f"{trials} trials for {n_candidates} distinct candidates: {n_candidates - trials} of them (the smallest modelled "
+                + "savings) never get even their default config, and no contender gets more than its default; "
+                + f"give --trials {n_candidates + 2 * max(n_contenders, 1)} or more"]
+    left = trials - n_candidates
+    if left < n_contenders:
+        return [f"{trials} trials: {n_candidates} go to the candidates' default configs, and the {left} left cannot give each of the "
+                + f"{n_contenders} contenders more than its default config; give --trials {n_candidates + 2 * n_contenders} or more"]
+    return []
+
+
+def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
+            name: str | None = None, model: str = "h200", backends: Sequence[str] | None = None, static_argnums: Sequence[int] = (),
+            static_argnames: Sequence[str] = ()) -> DryRun:
+    """The candidates a job for `fn` would tune, their modelled savings in the order the budget reaches them, the
+    modelled plan of default configs, and what the budget (`trials`, default 48, or `time_budget_s`) cannot do."""
+    check_budget(trials, time_budget_s)
+    if trials is None and time_budget_s is None:
+        trials = DEFAULT_TRIALS
+    gmodel = costmodel.get_model(model)
+    graph = capture(fn, *args, static_argnums=tuple(static_argnums), static_argnames=tuple(static_argnames), **dict(kwargs or {}))
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
+    for r in cands:
+        sp = spaces[r.signature]
+        r.xla_ms = costmodel.xla_group_time_ms(by_sig[r.signature][0].group, gmodel)
+        r.best_ms, r.best_config = sp.model_ms(sp.default), sp.default  # as if every default had been measured as modelled
+    order = {i: k + 1 for k, i in enumerate(phase1_order(cands, spaces))}
+    cover = best_cover(graph, by_sig, cands, gmodel, "model") if cands else None
+    contending = set(contenders(graph, by_sig, cands, gmodel, cover)) if cands else set()
+    rows = [DryRunRow(order[i], r.signature, r.template, r.ops, len(r.nodes), r.instances, spaces[r.signature].size,
+                      tuple(spaces[r.signature].spaces), r.xla_ms, r.best_ms, i in contending) for i, r in enumerate(cands)]
+    rows.sort(key=lambda row: row.order)
+    baseline = cover.baseline_ms if cover else 0.0
+    out = DryRun(name or program_name(fn), graph.fingerprint, gmodel.name, len(graph.nodes), rows, trials, time_budget_s, baseline,
+                 cover.tuned_ms if cover else baseline, len(cover.plan.groups) if cover else 0)
+    return replace(out, warnings=budget_warnings(len(rows), out.contenders, trials, time_budget_s))
