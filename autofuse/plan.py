@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from .differentiate import differentiable
 from .graph import Graph, Group, bind_node, execution_order, read_atom
 from .kernels import TEMPLATES
 
@@ -155,10 +156,22 @@ def build_group(group: Group, template: str, config: dict, *, backend: str = "tr
     return mod.build(group, config, backend=backend, interpret=default_interpret() if interpret is None else interpret, spec=spec)
 
 
+def build_differentiable_group(group: Group, template: str, config: dict, *, backend: str = "triton",
+                               interpret: bool | None = None) -> Callable:
+    """`build_group` with a `jax.custom_vjp` (autofuse.differentiate): the template's own backward where it has
+    one, else the group's sub-jaxpr differentiated and run by XLA."""
+    interpret = default_interpret() if interpret is None else interpret
+    kernel = build_group(group, template, config, backend=backend, interpret=interpret)
+    rule = TEMPLATES[template].vjp_rule(group, config, backend=backend, interpret=interpret)
+    return differentiable(group, kernel, rule)
+
+
 def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Callable[[Sequence[Any]], list]:
-    """A function of the flat inputs that runs the graph under `plan` (trace it under `jax.jit`)."""
+    """A function of the flat inputs that runs the graph under `plan` (trace it under `jax.jit`).
+
+    Every fused group is differentiable (`jax.grad`, `jax.vjp`): see `autofuse.differentiate`."""
     bound = bind_plan(graph, plan)
-    kernels = [build_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret) for g, fg in bound]
+    kernels = [build_differentiable_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret) for g, fg in bound]
     order = execution_order(graph, [frozenset(g.node_ids) for g, _ in bound])
 
     def run(flat_args: Sequence[Any]) -> list:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, Generic, TypeVar
 
 from ..costmodel import H200, GPUModel
+from ..differentiate import VJPRule
 from ..graph import Group
 from .tiling import NoMatch, template_space
 
@@ -57,6 +58,12 @@ class Template(ABC, Generic[Spec]):
         if spec is None:
             raise NoMatch(f"{self.name} does not match this group")
         return lower(group, spec, {**self.defaults, **config}, interpret=interpret)
+
+    def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False) -> VJPRule | None:
+        """The template's own reverse-mode rule for `group` (cheaper residuals, a generated backward kernel), or
+        None: the plan then saves the group's inputs and differentiates its sub-jaxpr in XLA
+        (`autofuse.differentiate.recompute_rule`)."""
+        return None
 
     def lowering(self, backend: str) -> Callable:
         """The backend's `lower(group, spec, config, *, interpret)` for this template, imported on first use (a

@@ -760,14 +760,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
         body, out_type=jax.ShapeDtypeStruct(k_out_shape, out_dt), grid=(spec.batch, n_cta), grid_names=("b", "q"),
         num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
         kernel_name=name)
-    tbl = None if table is None else jnp.asarray(table.reshape(-1))
+    tbl = None if table is None else np.ascontiguousarray(table.reshape(-1))  # a jax array per call (see triton/attention)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
         args = [views[r].prepare(env[getattr(spec, r).value]) for r in ("q", "k", "v")]
         args += [iviews[v].prepare(env[v]) for v in ins]
         if tbl is not None:
-            args.append(tbl)
+            args.append(jnp.asarray(tbl))
         o = kernel(*args)
         if out_rows != out_shape[q_dim]:
             o = lax.slice_in_dim(o, 0, out_shape[q_dim], axis=q_dim)

@@ -142,7 +142,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
     out_aval = g.avals[spec.out]
     call = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_aval.shape, out_aval.dtype), grid=(nq, spec.batch),
                        name=kernel_name("attention", group), interpret=interpret, num_warps=warps, num_stages=stages)
-    table = None if ranges is None else jnp.asarray(ranges.reshape(-1))
+    table = None if ranges is None else np.ascontiguousarray(ranges.reshape(-1))  # made a jax array per call: a
+    # build-time jax array would be a tracer of whatever trace built the kernel (a jax.custom_vjp cannot close over it)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
@@ -153,7 +154,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
                 x = jnp.reshape(x, (1,))
             args.append(x)
         if table is not None:
-            args.append(table)
+            args.append(jnp.asarray(table))
         return [call(*args)]
 
     return run

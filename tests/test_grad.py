@@ -1,0 +1,234 @@
+"""Differentiable plans: `jax.grad` / `jax.vjp` through `autofuse.jit` match `jax.grad` of the plain function
+(interpret mode on the CPU), the forward pass runs the fused kernels, and the residuals are the groups' inputs."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autofuse
+from autofuse.differentiate import VJPRule, recompute_rule
+from autofuse.kernels import TEMPLATES
+from autofuse.plan import Plan, PlanError, bind_plan, plan_from_choices
+from autofuse.runner.measure import compare
+from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.select import default_plan
+from benchmarks.workloads import attention_bhld_causal, cross_entropy, layer_norm, rms_norm
+from tests.attention_programs import bias_blhd, gqa_repeat, padding_mask, softcap_then_causal
+
+S = jax.ShapeDtypeStruct
+F32, BF16 = jnp.float32, jnp.bfloat16
+SMALL_ATTN = {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}  # several blocks: skipping and edges
+
+
+def _inputs(specs, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in specs:
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            out.append(jnp.asarray(rng.standard_normal(s.shape), s.dtype))
+        elif s.dtype == jnp.bool_:
+            out.append(jnp.asarray(rng.random(s.shape) < 0.8))
+        else:
+            out.append(jnp.asarray(rng.integers(0, 40, s.shape), s.dtype))
+    return out
+
+
+def _loss(f):
+    """A scalar of every output, weighted so that each output element gets its own cotangent."""
+    def loss(*args):
+        leaves = jax.tree_util.tree_leaves(f(*args))
+        return sum(jnp.sum(jnp.sin(jnp.arange(x.size, dtype=F32).reshape(x.shape) * 0.37) * x.astype(F32)) for x in leaves)
+    return loss
+
+
+def _plan(fn, specs, template=None, config=None) -> tuple[Plan, object]:
+    """The default plan, or one fusing the first candidate of `template` with `config`."""
+    graph = autofuse.capture(fn, *specs)
+    if template is None:
+        plan = default_plan(graph)
+    else:
+        cand = next(c for c in enumerate_candidates(graph) if c.template == template)
+        plan = plan_from_choices(graph, [(cand.group, template, config or TEMPLATES[template].default_config(cand.spec))])
+    assert plan.groups, "the plan fuses something"
+    return plan, graph
+
+
+def _assert_grads_match(fn, specs, plan, argnums, tol=1e-4, seed=0):
+    args = _inputs(specs, seed)
+    fused = autofuse.jit(fn, plan=plan, on_miss="error")
+    got = jax.grad(_loss(fused), argnums)(*args)
+    assert fused.last_status.startswith("plan:")  # the fused program was differentiated, not the XLA fallback
+    want = jax.grad(_loss(jax.jit(fn)), argnums)(*args)
+    for k, (g, w) in enumerate(zip(got, want)):
+        ok, _, why = compare(g, w, tol)
+        assert ok, f"d/d arg {argnums[k]}: {why}"
+    return fused, args
+
+
+def _bindable(plan: Plan, graph) -> Plan:
+    """`plan` without the groups whose default config lies outside their search space (default_plan gives an
+    elementwise group one column wide block_cols=1, below the space's 32)."""
+    def ok(fg):
+        try:
+            bind_plan(graph, dataclasses.replace(plan, groups=(fg,)))
+            return True
+        except PlanError:
+            return False
+
+    return dataclasses.replace(plan, groups=tuple(fg for fg in plan.groups if ok(fg)))
+
+
+def _kernels_in(jaxpr) -> int:
+    """pallas_call equations anywhere in a jaxpr (the fused kernels that ran)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "pallas_call"
+        for sub in _subjaxprs(eqn.params):
+            n += _kernels_in(sub)
+    return n
+
+
+def _subjaxprs(params):
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(x, "eqns"):
+                yield x
+            elif hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"):
+                yield x.jaxpr
+
+
+ATTENTION = [
+    pytest.param(attention_bhld_causal, [S((1, 2, 40, 32), F32)] * 3, (0, 1, 2), id="causal-ragged"),
+    pytest.param(padding_mask, [S((2, 2, 32, 32), F32)] * 3 + [S((2, 32), jnp.bool_)], (0, 1, 2), id="padding-mask"),
+    pytest.param(gqa_repeat, [S((1, 32, 8, 32), F32), S((1, 32, 2, 32), F32), S((1, 32, 2, 32), F32)], (0, 1, 2), id="gqa"),
+    pytest.param(bias_blhd, [S((1, 32, 2, 32), F32)] * 3 + [S((2, 32, 32), F32)], (0, 1, 2, 3), id="bias"),
+    pytest.param(softcap_then_causal, [S((1, 2, 32, 32), F32)] * 3, (0, 1, 2), id="softcap-causal"),
+]
+
+
+@pytest.mark.parametrize("fn,specs,argnums", ATTENTION)
+def test_grad_through_fused_attention(fn, specs, argnums):
+    plan, _ = _plan(fn, specs, "attention", SMALL_ATTN)
+    fused, args = _assert_grads_match(fn, specs, plan, argnums)
+    assert _kernels_in(jax.make_jaxpr(jax.grad(_loss(fused), argnums))(*args).jaxpr) >= 1  # the forward ran the kernel
+
+
+def test_grad_through_fused_attention_bf16():
+    specs = [S((1, 2, 64, 64), BF16)] * 3
+    plan, _ = _plan(attention_bhld_causal, specs, "attention")
+    _assert_grads_match(attention_bhld_causal, specs, plan, (0, 1, 2), tol=2e-2)
+
+
+NORMS = [
+    pytest.param(layer_norm, [S((64, 256), F32), S((256,), F32), S((256,), F32)], (0, 1, 2), id="layer_norm"),
+    pytest.param(rms_norm, [S((64, 256), F32), S((256,), F32)], (0, 1), id="rms_norm"),
+    pytest.param(layer_norm, [S((48, 200), BF16), S((200,), BF16), S((200,), BF16)], (0, 1, 2), id="layer_norm-bf16"),
+]
+
+
+@pytest.mark.parametrize("fn,specs,argnums", NORMS)
+def test_grad_through_fused_norm(fn, specs, argnums):
+    plan, _ = _plan(fn, specs)
+    tol = 1e-4 if specs[0].dtype == F32 else 2e-2
+    _assert_grads_match(fn, specs, plan, argnums, tol)
+
+
+def test_grad_through_fused_cross_entropy_with_integer_targets():
+    """The matmul with an online reduction; the integer targets get no cotangent (float0), the others do."""
+    specs = [S((32, 64), F32), S((64, 200), F32), S((32,), jnp.int32)]
+    plan, _ = _plan(cross_entropy, specs, "matmul_reduce")
+    _assert_grads_match(cross_entropy, specs, plan, (0, 1))
+    args = _inputs(specs)
+    fused = autofuse.jit(cross_entropy, plan=plan)
+    (gt,) = jax.grad(_loss(fused), (2,), allow_int=True)(*args)
+    assert gt.dtype == jax.dtypes.float0
+
+
+def test_vjp_and_jit_of_grad_and_residuals():
+    """jax.vjp gives every cotangent; jax.jit(jax.grad(...)) compiles; the forward pass saves the group's inputs
+    and no intermediate of the group (the default rule recomputes in the backward)."""
+    specs = [S((64, 256), F32), S((256,), F32), S((256,), F32)]
+    plan, _ = _plan(layer_norm, specs)
+    fused = autofuse.jit(layer_norm, plan=plan, on_miss="error")
+    args = _inputs(specs, 1)
+    ct = _inputs([S((64, 256), F32)], 2)[0]
+    out, pull = jax.vjp(fused, *args)
+    want_out, want_pull = jax.vjp(layer_norm, *args)
+    assert compare(out, want_out, 1e-5)[0]
+    for g, w in zip(pull(ct), want_pull(ct)):
+        ok, _, why = compare(g, w, 1e-4)
+        assert ok, why
+    jitted = jax.jit(jax.grad(_loss(fused), (0, 1, 2)))
+    for g, w in zip(jitted(*args), jax.grad(_loss(layer_norm), (0, 1, 2))(*args)):
+        assert compare(g, w, 1e-4)[0]
+    # what jax.vjp keeps between the passes: the arguments, nothing [64, 256]-sized computed from them
+    _, res = jax.vjp(fused, *args)
+    kept = [x for x in jax.tree_util.tree_leaves(res) if hasattr(x, "shape")]
+    assert all(any(x is a or (x.shape == a.shape and bool(jnp.all(x == a))) for a in args) for x in kept if x.size > 1), \
+        [x.shape for x in kept]
+
+
+def test_second_order_reverse_works_and_forward_mode_is_refused_clearly():
+    specs = [S((16, 32), F32), S((32,), F32)]
+    plan, _ = _plan(rms_norm, specs)
+    fused = autofuse.jit(rms_norm, plan=plan, on_miss="error")
+    x, s = _inputs(specs, 3)
+
+    def inner(f):
+        return lambda x, s: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.tanh(f(x, s))))(x) ** 2)
+
+    ok, _, why = compare(jax.grad(inner(fused), (0, 1))(x, s)[1], jax.grad(inner(rms_norm), (0, 1))(x, s)[1], 1e-4)
+    assert ok, why
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jvp(fused, (x, s), (x, s))
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jacfwd(lambda s: fused(x, s))(s)
+
+
+def test_template_rule_is_used_and_recompute_rule_is_the_fallback(monkeypatch):
+    """A template's own VJP rule runs when it offers one; without one (every template but attention's backward
+    today) the group's sub-jaxpr is differentiated by XLA."""
+    specs = [S((64, 256), F32), S((256,), F32), S((256,), F32)]
+    plan, _ = _plan(layer_norm, specs)
+    (fg,) = plan.groups
+    calls = []
+
+    def rule(self, group, config, *, backend="triton", interpret=False):
+        base = recompute_rule(group)
+
+        def backward(res, cts):
+            calls.append(len(res))
+            return [None if g is None else 2 * g for g in base.backward(res, cts)]
+
+        return VJPRule(base.forward, backward, "doubled")
+
+    monkeypatch.setattr(type(TEMPLATES[fg.template]), "vjp_rule", rule)
+    args = _inputs(specs)
+    got = jax.grad(_loss(autofuse.jit(layer_norm, plan=plan, on_miss="error")), (0, 1, 2))(*args)
+    want = jax.grad(_loss(layer_norm), (0, 1, 2))(*args)
+    assert calls == [3]
+    for g, w in zip(got, want):
+        assert compare(g, 2 * w, 1e-4)[0]
+
+
+def test_grad_of_small_gpt2_loss_with_every_group_fused():
+    """A whole model: GPT-2's loss (2 layers) with every candidate the default cover picks fused, attention
+    included, differentiated for every parameter."""
+    from examples import gpt2
+
+    params, batch = gpt2.small_inputs()
+    graph = autofuse.capture(gpt2.loss, params, batch)
+    plan = _bindable(default_plan(graph), graph)
+    templates = {g.template for g in plan.groups}
+    assert "attention" in templates and len(templates) >= 2, templates
+    fused = autofuse.jit(gpt2.loss, plan=plan, on_miss="error")
+    got = jax.grad(fused)(params, batch)
+    assert fused.last_status.startswith("plan:")
+    want = jax.jit(jax.grad(gpt2.loss))(params, batch)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)):
+        ok, _, why = compare(g, w, 1e-3)
+        assert ok, f"{jax.tree_util.keystr(path)}: {why}"
