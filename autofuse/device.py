@@ -1,6 +1,8 @@
 """What machine and software a plan is made for: part of every plan's lookup key."""
 from __future__ import annotations
 
+import os
+
 import jax
 
 
@@ -17,6 +19,14 @@ def device_info() -> dict:
     if info["compute_capability"] is not None:
         info["compute_capability"] = str(info["compute_capability"])
     return info
+
+
+def device_label() -> str:
+    """The device this process runs on, as recorded with each trial: platform:id, kind, and the
+    CUDA_VISIBLE_DEVICES it was given (on a host with several GPUs, what tells the physical card)."""
+    d = jax.devices()[0]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"{d.platform}:{d.id} {d.device_kind}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
 
 
 #: The code generator a plan is keyed by: Pallas for GPUs, whichever lowering each group uses (Triton or Mosaic GPU;

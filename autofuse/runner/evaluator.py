@@ -8,6 +8,9 @@ roofline model (results marked `modelled`).
 from __future__ import annotations
 
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -15,12 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import costmodel
+from ..device import device_label
 from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
 from .measure import check, compare, cone_tolerances, random_inputs, time_fn, time_pair
-from .protocol import InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult, XlaRequest
+from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
+                       XlaRequest)
 
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
 
@@ -52,12 +57,17 @@ class Evaluator:
         self.example_inputs = example_inputs  # a pickle of the user's own input leaves (graph input order), if given
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
+        self._ahead: dict[tuple, Callable] = {}  # kernels compiled ahead (`compile_ahead`), taken by their trial
+        self.device = device_label()  # recorded on every result: which device of which worker ran it
 
     def handle(self, req: Request) -> Result:
         if isinstance(req, XlaRequest):
-            return self.xla(req.nodes)
+            return replace(self.xla(req.nodes), device=self.device)
         if isinstance(req, TrialRequest):
-            return self.trial(req.nodes, req.template, req.config, check_result=self.measure == "device" if req.check is None else req.check)
+            res = self.trial(req.nodes, req.template, req.config, check_result=self.measure == "device" if req.check is None else req.check)
+            return replace(res, device=self.device)
+        if isinstance(req, CompileRequest):
+            return self.compile_ahead(req.items, req.workers)
         if isinstance(req, ValidateRequest):
             return self.validate(Plan.from_json(req.plan_json))
         raise TypeError(f"unknown request {req!r}")
@@ -70,11 +80,57 @@ class Evaluator:
         return self._sets[key]
 
     def _reference(self, group: Group) -> Callable:
-        """The group under plain jax.jit, compiled once per group."""
+        """The group under plain jax.jit, compiled once per group (perhaps ahead, by `compile_ahead`)."""
         key = tuple(group.node_ids)
         if key not in self._refs:
             self._refs[key] = jax.jit(lambda *a: group.evaluate(a))
         return self._refs[key]
+
+    def _compiles(self) -> bool:
+        """Whether a kernel trial compiles for the device (else it runs in interpret mode and is modelled)."""
+        return self.measure == "device" or not self.interpret
+
+    def _kernel(self, group: Group, template: str, config: dict) -> Callable:
+        """One config of a template for a group, built and (on the device) compiled."""
+        backend = config.get("backend", "triton")
+        params = {k: v for k, v in config.items() if k != "backend"}
+        kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
+        fn = jax.jit(lambda *a: kernel(*a))
+        if self._compiles():
+            fn = fn.lower(*_structs(group)).compile()
+        elif jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
+            lowering_guard(build_group(group, template, params, backend=backend, interpret=False), _structs(group))
+        return fn
+
+    def compile_ahead(self, items: Sequence[XlaRequest | TrialRequest], workers: int) -> CompileResult:
+        """Compile what `items` will need on `workers` threads at once (XLA compiles without the GIL), then keep
+        the executables for the requests that time them one at a time. Only what those would compile is
+        compiled: XLA's reference in device mode, a kernel where trials compile; nothing in model mode's XLA
+        timings. A failure is not kept: its own request compiles it again, and fails as on the serial path."""
+        t0 = time.perf_counter()
+        todo: list[tuple[str, tuple, Callable[[], Callable]]] = []
+        for it in items:
+            group = Group.of(self.graph, it.nodes)
+            if isinstance(it, XlaRequest) and self.measure == "device" and tuple(group.node_ids) not in self._refs:
+                todo.append(("xla", tuple(group.node_ids), lambda g=group: jax.jit(lambda *a: g.evaluate(a)).lower(*_structs(g)).compile()))
+            elif isinstance(it, TrialRequest) and self._compiles() and TEMPLATES[it.template].match(group) is not None:
+                key = _trial_key(it.nodes, it.template, it.config)
+                if key not in self._ahead:
+                    todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config): self._kernel(g, t, c)))
+
+        def attempt(build: Callable[[], Callable]) -> Callable | None:
+            try:
+                return build()
+            except Exception:
+                return None
+
+        with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
+            built = list(pool.map(attempt, [b for _, _, b in todo]))
+        for (kind, key, _), fn in zip(todo, built):
+            if fn is not None:
+                (self._refs if kind == "xla" else self._ahead)[key] = fn
+        failed = sum(fn is None for fn in built)
+        return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0)
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
         return time_fn(fn, self._input_sets(avals), repeats=self.repeats)
@@ -98,18 +154,12 @@ class Evaluator:
         if spec is None:
             return TrialResult(TrialStatus.ERROR, error=f"template {template} does not match group")
         avals = group.input_avals()
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-        backend = config.get("backend", "triton")
-        params = {k: v for k, v in config.items() if k != "backend"}
-        try:
-            kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
-            fn = jax.jit(lambda *a: kernel(*a))
-            if self.measure == "device" or not self.interpret:
-                fn = fn.lower(*structs).compile()
-            elif jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
-                lowering_guard(build_group(group, template, params, backend=backend, interpret=False), structs)
-        except Exception as e:
-            return TrialResult(classify_compile_error(e), error=_short(e))
+        fn = self._ahead.pop(_trial_key(nodes, template, config), None)
+        if fn is None:
+            try:
+                fn = self._kernel(group, template, config)
+            except Exception as e:
+                return TrialResult(classify_compile_error(e), error=_short(e))
         max_error = None
         if check_result:
             res = check(fn, self._reference(group), avals, self.seeds, cone_tolerances(self.graph, group.node_ids, group.outputs))
@@ -164,6 +214,15 @@ class Evaluator:
         larger (at most MAX_PROGRAM_TOLERANCE)."""
         g = self.graph
         return [max(t, min(e, MAX_PROGRAM_TOLERANCE)) for t, e in zip(cone_tolerances(g, [n.id for n in g.nodes], g.outputs), sens)]
+
+
+def _structs(group: Group) -> list[jax.ShapeDtypeStruct]:
+    """The group's inputs as the shapes its executables are compiled for (the random inputs have exactly these)."""
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()]
+
+
+def _trial_key(nodes: Sequence[int], template: str, config: dict) -> tuple:
+    return tuple(nodes), template, tuple(sorted(config.items()))
 
 
 def rounding_sensitivity(ref: Callable, avals: Sequence[Any], seed: int, args: Sequence[Any] | None = None) -> list[float]:

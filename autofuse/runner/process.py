@@ -174,10 +174,11 @@ class ProcessRunner:
             self._to.send(req)
         except OSError:
             pass  # the child is gone: _recv says so
-        resp = self._recv(self.timeout_s)
+        limit = getattr(req, "timeout_s", None) or self.timeout_s  # a batch of compilations brings its own
+        resp = self._recv(limit)
         if resp == "timeout":
             self._kill()
-            return failed(req, TrialStatus.TIMEOUT, f"no answer within {self.timeout_s:.0f} s; trial process restarted")
+            return failed(req, TrialStatus.TIMEOUT, f"no answer within {limit:.0f} s; trial process restarted")
         if resp == "died":
             code = self._proc.wait(10) if self._proc is not None else None
             self._kill()

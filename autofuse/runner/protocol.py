@@ -31,13 +31,44 @@ class TrialRequest:
 
 
 @dataclass(frozen=True)
+class CompileRequest:
+    """Compile ahead, concurrently on `workers` threads, what later XLA and trial requests will time one at a time.
+
+    Compilation is CPU work (XLA releases the GIL while it compiles); timing needs
+    the GPU alone. The later requests find their executables compiled (an item that
+    failed to compile is compiled again, and fails, in its own request), so the
+    results are those of the serial path. `timeout_s` bounds the whole batch
+    (None: the runner's per-request limit).
+    """
+
+    items: tuple[XlaRequest | TrialRequest, ...]
+    workers: int
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What a `CompileRequest` did: items compiled, items that failed, and the wall time."""
+
+    status: TrialStatus
+    compiled: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TrialStatus.OK
+
+
+@dataclass(frozen=True)
 class ValidateRequest:
     """Check a whole plan against jax.jit of the whole program and time both."""
 
     plan_json: str
 
 
-Request = Union[XlaRequest, TrialRequest, ValidateRequest]
+Request = Union[XlaRequest, TrialRequest, CompileRequest, ValidateRequest]
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,7 @@ class TrialResult:
     error: str | None = None
     max_error: float | None = None
     modelled: bool = False
+    device: str | None = None  # where it ran: "gpu:0 NVIDIA H100 80GB HBM3 (CUDA_VISIBLE_DEVICES=1)"
 
     @property
     def ok(self) -> bool:
@@ -105,7 +137,7 @@ class ValidationResult:
         return self.status is TrialStatus.OK
 
 
-Result = Union[TrialResult, ValidationResult]
+Result = Union[TrialResult, CompileResult, ValidationResult]
 
 
 class Runner(Protocol):
@@ -120,4 +152,8 @@ class Runner(Protocol):
 
 def failed(request: Request, status: TrialStatus, error: str) -> Result:
     """The result of a request that could not be answered (the trial process crashed, hung or raised)."""
-    return ValidationResult(status, error=error) if isinstance(request, ValidateRequest) else TrialResult(status, error=error)
+    if isinstance(request, ValidateRequest):
+        return ValidationResult(status, error=error)
+    if isinstance(request, CompileRequest):
+        return CompileResult(status, failed=len(request.items), error=error)
+    return TrialResult(status, error=error)

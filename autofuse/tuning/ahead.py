@@ -1,0 +1,105 @@
+"""Compiling ahead: the start of a job compiles on many CPU cores at once, and times on the GPU one at a time.
+
+A job's start is mostly compilation: XLA's reference of every distinct
+candidate (about 0.4 s each on an H100, a minute for GPT-2 medium's 158), then
+phase 1's default config of each. Compilation is CPU work and XLA releases the
+GIL while it compiles, so the trial process compiles a chunk of them on a
+thread pool (`CompileRequest`), then the usual requests time them one at a
+time on the GPU, finding their executables ready. The results are those of the
+serial path: what failed to compile ahead compiles again in its own request,
+and a kernel that crashes the trial process during a batch only loses the batch
+(the process restarts and its items compile in their own requests, where the
+crash fails its one trial).
+
+How many threads: `compile_workers` (``--compile-workers``,
+``$AUTOFUSE_COMPILE_WORKERS``), else the cores this process may use, shared
+among the workers of this host, at most `MAX_COMPILE_WORKERS`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from ..runner.protocol import CompileRequest, TrialRequest, TrialResult, XlaRequest
+from .ledger import CandidateState
+from .scheduler import phase1_order
+from .space import CandidateSpace
+
+ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
+MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
+CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
+
+
+def compile_workers(requested: int | None = None, share: int = 1) -> int:
+    """Threads that compile at once in one trial process: `requested`, else $AUTOFUSE_COMPILE_WORKERS, else the
+    cores this process may use divided among the `share` workers of this host, at most MAX_COMPILE_WORKERS."""
+    if requested is None and os.environ.get(ENV_VAR, "").strip():
+        try:
+            requested = int(os.environ[ENV_VAR])
+        except ValueError:
+            raise ValueError(f"${ENV_VAR} must be a whole number of threads, got {os.environ[ENV_VAR]!r}") from None
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"compile workers must be a positive whole number, got {requested!r}")
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_COMPILE_WORKERS, cores // max(1, share)))
+
+
+def chunk_size(workers: int) -> int:
+    return max(1, CHUNK_PER_THREAD * workers)
+
+
+def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None) -> list[TrialResult]:
+    """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
+    at a time; one result per candidate, in order."""
+    results: list[TrialResult] = []
+    size = chunk_size(workers)
+    for start in range(0, len(cands), size):
+        part = cands[start:start + size]
+        if workers > 1 and len(part) > 1:
+            runner.call(CompileRequest(tuple(XlaRequest(tuple(r.nodes)) for r in part), workers))
+        for r in part:
+            res = runner.call(XlaRequest(tuple(r.nodes)))
+            r.xla_ms = res.median_ms if res.ok else None
+            results.append(res)
+            if bar is not None:
+                bar.update(1)
+    return results
+
+
+class CompileAhead:
+    """Phase 1's default configs compiled ahead, a chunk at a time, just before the driver reaches them.
+
+    `before(i)` runs before each trial of candidate i: when i has no trial yet and its first config was not
+    sent ahead, the trial process compiles it together with the next untried candidates in phase 1 order
+    (with `share` workers taking turns, every `share`-th of them: those this worker is likely to run).
+    A guess that misses costs compile time on a spare core, never a result: the trial compiles what it
+    does not find.
+    """
+
+    def __init__(self, runner: Any, cands: list[CandidateState], spaces: dict[str, CandidateSpace], measure: str, workers: int,
+                 share: int = 1):
+        self.runner, self.cands, self.spaces, self.measure = runner, cands, spaces, measure
+        self.workers, self.share = workers, max(1, share)
+        self.sent: set[int] = set()
+        self.batches: list[int] = []  # the size of each batch sent
+
+    def first_request(self, i: int) -> TrialRequest | None:
+        """Candidate i's first config as its trial will ask for it; None if it will not be compiled."""
+        r, space = self.cands[i], self.spaces[self.cands[i].signature]
+        cfg = space.first_configs()[0]
+        if space.unmeasured_reason(cfg, self.measure):
+            return None
+        return TrialRequest(tuple(r.nodes), r.template, dict(cfg))
+
+    def before(self, i: int) -> None:
+        if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
+            return
+        rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent]
+        pick = [i] + rest[self.share - 1::self.share][:chunk_size(self.workers) - 1]
+        self.sent.update(pick)
+        reqs = tuple(q for q in (self.first_request(j) for j in pick) if q is not None)
+        if len(reqs) > 1:
+            self.batches.append(len(reqs))
+            self.runner.call(CompileRequest(reqs, self.workers))
