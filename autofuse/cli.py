@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .tables import Column, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_table, jsonable
+from .tables import Column, device_label, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_table, jsonable
 
 PROG = "autofuse"
 
@@ -125,17 +125,37 @@ def _write_store(args: argparse.Namespace) -> Any:
     return PlanStore(getattr(args, "db", None))
 
 
+def _shown_device(row: dict[str, Any]) -> str:
+    """A modelled result's device is the model of a GPU, not the CPU it was computed on."""
+    return device_label(row.get("measure"), row.get("device"), row.get("model") or (row.get("budget") or {}).get("model"))
+
+
+def _with_models(store: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Modelled plans with the GPU their run's model described (``model``), for the device column."""
+    models: dict[int, str | None] = {}
+    for r in rows:
+        if r.get("measure") == "model" and r.get("run_id") is not None:
+            if r["run_id"] not in models:
+                try:
+                    models[r["run_id"]] = (store.get_run(r["run_id"]).get("budget") or {}).get("model")
+                except KeyError:
+                    models[r["run_id"]] = None
+            r["model"] = models[r["run_id"]]
+    return rows
+
+
 RUN_COLUMNS: list[Column] = [
     Column("id", "id"),
     Column("started", "started_at", fmt_time),
-    Column("program", "program", fmt_short(24)),
+    Column("program", "program"),
     Column("fingerprint", "fingerprint", fmt_short(12)),
-    Column("device", "device"),
+    Column("device", of_row=_shown_device),
     Column("backend", "backend"),
     Column("status", "status"),
     Column("measure", "measure"),
     Column("cands", "n_candidates"),
     Column("trials", "n_trials"),
+    Column("infeasible", "n_infeasible"),
     Column("baseline_ms", "baseline_ms", fmt_ms),
     Column("best_ms", "best_ms", fmt_ms),
     Column("speedup", "speedup", fmt_x),
@@ -144,9 +164,9 @@ RUN_COLUMNS: list[Column] = [
 PLAN_COLUMNS: list[Column] = [
     Column("id", "id"),
     Column("created", "created_at", fmt_time),
-    Column("program", "program", fmt_short(24)),
+    Column("program", "program"),
     Column("fingerprint", "fingerprint", fmt_short(12)),
-    Column("device", "device"),
+    Column("device", of_row=_shown_device),
     Column("jax", "jax"),
     Column("backend", "backend"),
     Column("measure", "measure"),
@@ -219,7 +239,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_plans(args: argparse.Namespace) -> int:
-    rows = _store(args).plans(args.program, args.device, args.since, args.min_speedup, current_only=args.current)
+    store = _store(args)
+    rows = _with_models(store, store.plans(args.program, args.device, args.since, args.min_speedup, current_only=args.current))
     return _emit(args, rows, PLAN_COLUMNS, "plans")
 
 
@@ -270,12 +291,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
         counts: dict[str, int] = {}
         for t in trials:
             counts[t["status"]] = counts.get(t["status"], 0) + 1
-        plans = [p for p in store.plans(run["fingerprint"]) if p["run_id"] == args.id]
+        model = (run.get("budget") or {}).get("model")
+        plans = [dict(p, model=model) for p in store.plans(run["fingerprint"]) if p["run_id"] == args.id]
         if args.json:
             out = dict(run, candidates=cands, trial_status=counts, plans=plans)
             print(json.dumps(jsonable(out), indent=2))
             return 0
-        _print_fields(run)
+        _print_fields(dict(run, device=_shown_device(run)))
         print()
         print(f"candidates ({len(cands)}):")
         print(format_table(cands, CANDIDATE_COLUMNS) if cands else "  (none)")
@@ -291,7 +313,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         out = {k: v for k, v in plan.items() if k != "plan_json"}
         print(json.dumps(jsonable(out), indent=2))
         return 0
-    _print_fields(plan, skip=("plan", "plan_json", "signature"))
+    model = ((plan.get("plan") or {}).get("provenance") or {}).get("model")
+    _print_fields(dict(plan, device=_shown_device(dict(plan, model=model))), skip=("plan", "plan_json", "signature"))
     print(f"signature  {json.dumps(jsonable(plan['signature']))}")
     print()
     print(json.dumps(plan["plan"], indent=2))

@@ -66,9 +66,10 @@ class Column:
     header: str
     key: str | None = None  # the row's key (default: the header)
     fmt: Callable[[Any], str] | None = None  # default: str, "" for None
+    of_row: Callable[[dict[str, Any]], Any] | None = None  # the value from the whole row (instead of `key`)
 
     def cell(self, row: dict[str, Any]) -> tuple[str, bool]:
-        v = row.get(self.key or self.header)
+        v = self.of_row(row) if self.of_row is not None else row.get(self.key or self.header)
         text = self.fmt(v) if self.fmt else ("" if v is None else str(v))
         return text, isinstance(v, (int, float)) and not isinstance(v, bool)
 

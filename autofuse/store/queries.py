@@ -25,6 +25,10 @@ from autofuse.store.models import (
 )
 
 
+#: Trial statuses decided without building anything.
+UNMEASURED_STATUSES = ("infeasible", "pruned")
+
+
 def parse_since(since: str | _dt.date | _dt.datetime | None) -> _dt.datetime | None:
     """``YYYY-MM-DD`` (or an ISO datetime, date, datetime) as an aware UTC datetime.
 
@@ -47,8 +51,9 @@ def parse_since(since: str | _dt.date | _dt.datetime | None) -> _dt.datetime | N
 
 
 def _program_filter(program: str) -> Any:
-    """Program name, or fingerprint (full or a prefix)."""
-    return sa.or_(Program.name == program, Program.fingerprint.startswith(program, autoescape=True))
+    """Program name as shown (``module:function``), the function part of it alone, or fingerprint (full or a prefix)."""
+    return sa.or_(Program.name == program, Program.name.endswith(":" + program, autoescape=True),
+                  Program.fingerprint.startswith(program, autoescape=True))
 
 
 def _device_filter(device: str) -> Any:
@@ -64,12 +69,18 @@ def run_columns() -> list[Any]:
     n_candidates = (
         sa.select(sa.func.count(Candidate.id)).where(Candidate.run_id == Run.id).scalar_subquery()
     )
-    n_trials = (
-        sa.select(sa.func.count(Trial.id))
-        .join(Candidate, Candidate.id == Trial.candidate_id)
-        .where(Candidate.run_id == Run.id)
-        .scalar_subquery()
-    )
+    def count(statuses: Any) -> Any:
+        return (
+            sa.select(sa.func.count(Trial.id))
+            .join(Candidate, Candidate.id == Trial.candidate_id)
+            .where(Candidate.run_id == Run.id, statuses)
+            .scalar_subquery()
+        )
+
+    # measured: built and run (whatever the outcome); infeasible: decided without compiling (constraints, pruning).
+    # Running and lost trials (a dead worker's, retried elsewhere) are neither.
+    n_trials = count(Trial.status.not_in(UNMEASURED_STATUSES + ("running", "lost")))
+    n_infeasible = count(Trial.status.in_(UNMEASURED_STATUSES))
     return [
         Run.id,
         Program.name.label("program"),
@@ -88,6 +99,7 @@ def run_columns() -> list[Any]:
         Run.speedup,
         n_candidates.label("n_candidates"),
         n_trials.label("n_trials"),
+        n_infeasible.label("n_infeasible"),
         Run.host,
         Run.pid,
         Run.optuna_storage,

@@ -384,6 +384,7 @@ class PlanStore:
                     raise ValueError(f"run {run_id} is still running (host {run.host}, pid {run.pid})")
             run.status = "running"
             run.ended_at = None
+            run.error = None  # why it stopped last time no longer holds
             run.host, run.pid = host, pid
             run.selected_by = None  # a worker that died while selecting: this process selects now
 
@@ -947,11 +948,11 @@ class PlanStore:
         """Runs, newest first. *program*: name or fingerprint (prefix);
         *device*: case-insensitive part of the name; *since*: ``YYYY-MM-DD``
         or a date/datetime (UTC); *min_speedup*: runs with speedup >= it."""
-        return self._read(queries.runs(program, device, queries.parse_since(since), min_speedup))
+        return _live(self._read(queries.runs(program, device, queries.parse_since(since), min_speedup)))
 
     def unfinished_runs(self, program: str | None = None, device: str | None = None) -> list[dict[str, Any]]:
         """Runs in status running or interrupted (candidates for ``tune --resume``), newest first."""
-        return self._read(queries.runs(program, device, statuses=UNFINISHED_STATUSES))
+        return _live(self._read(queries.runs(program, device, statuses=UNFINISHED_STATUSES)))
 
     def plans(
         self,
@@ -980,7 +981,7 @@ class PlanStore:
         rows = self._read(queries.run(run_id))
         if not rows:
             raise KeyError(f"no run with id {run_id} in {db.display_url(self.url)}")
-        return rows[0]
+        return _live(rows)[0]
 
     def get_plan(self, plan_id: int) -> dict[str, Any]:
         """One plan; ``plan`` holds the parsed plan JSON, ``plan_json`` the text; KeyError if absent."""
@@ -1059,6 +1060,18 @@ def _claim_stale(worker: str | None, claimed_at: _dt.datetime | None, now: _dt.d
         return True
     host, _, pid = (worker or "").rpartition(":")
     return host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid), claimed_at)
+
+
+def _live(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs as they stand now: one still marked ``running`` whose process on this host is gone is shown
+    ``interrupted`` (with why) at once, by any reader, read-only stores included; the next tuning job's
+    :meth:`PlanStore.mark_interrupted` writes it. Runs of other hosts cannot be checked and are left as stored."""
+    host = socket.gethostname()
+    for r in runs:
+        if r.get("status") == "running" and r.get("host") == host and r.get("pid") is not None and not _pid_alive(r["pid"], r.get("started_at")):
+            r["status"] = "interrupted"
+            r["error"] = r.get("error") or f"its process ({host}, pid {r['pid']}) is gone"
+    return runs
 
 
 def _pid_alive(pid: int, started_at: _dt.datetime | None = None) -> bool:
