@@ -159,10 +159,13 @@ class Graph:
 
     def signature(self) -> dict:
         """Input/output shapes and dtypes, for people and for the store."""
-        return {
+        sig = {
             "inputs": [str(self.avals[v]) for v in self.inputs],
             "outputs": [str(self.aval(a)) for a in self.outputs],
         }
+        if self.static_repr not in ("", "[][]"):  # the static arguments' values, where there are any
+            sig["static"] = self.static_repr
+        return sig
 
 
 # ---------------------------------------------------------------------------
@@ -293,6 +296,15 @@ def _split_static(fn: Callable, args: tuple, kwargs: dict, static_argnums: Seque
 
     static_repr = repr(sorted(static_pos.items())) + repr(sorted(static_kw.items()))
     return dyn_args, dyn_kwargs, dyn_fn, _ADDR.sub("", static_repr)
+
+
+def qualified_name(fn: Callable) -> str:
+    """``module:qualname`` of a function (through `functools.wraps` and `jax.jit` wrappers): how the store and
+    the deploy-time messages name it."""
+    inner = getattr(fn, "__wrapped__", fn)
+    mod = getattr(inner, "__module__", None) or getattr(fn, "__module__", None) or "?"
+    name = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None) or type(inner).__name__
+    return f"{mod}:{name}"
 
 
 def capture(fn: Callable, *args: Any, static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (), **kwargs: Any) -> Graph:
