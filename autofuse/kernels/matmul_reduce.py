@@ -78,13 +78,6 @@ class MatmulReduceTemplate(Template[MatmulReduceSpec]):
     params = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split")
     backends = ("triton", "mosaic_gpu")
 
-    def unsupported(self, spec: MatmulReduceSpec, backend: str, config: dict | None = None) -> str | None:
-        """As `Template.unsupported`; the Mosaic GPU lowering is offered for reductions over N only: over L (the SPLADE
-        head) it passed interpret mode and the CUDA export but gave a wrong result on an H100 (relative error 0.078)."""
-        if backend == "mosaic_gpu" and not spec.over_n:
-            return "Mosaic GPU matmul_reduce over an axis of A (not N): wrong on the H100 so far, not offered"
-        return super().unsupported(spec, backend, config)
-
     def match(self, group: Group) -> MatmulReduceSpec | None:
         """A spec when the group is one plain dot, elementwise work, and reductions over one axis of the product."""
         g = group.graph

@@ -447,9 +447,11 @@ class _Kernel:
         return self.Q if x.outer else 1, pad_to(x.extent, self.vdt[x.v].itemsize)  # TMA: rows of 16-byte multiples
 
     def _out_shape(self) -> list[tuple[int, int]]:
-        if self.split_out:
-            return [(self.n_s, pad_to(self.R, 4))] * len(self.reds)
-        return [(self.Q, pad_to(self.R, d.itemsize)) for d in self.out_dt]  # TMA: rows of 16-byte multiples
+        """[outer index or range, kept axis] per output, the kept axis padded to whole row blocks: a TMA store of a
+        row block past the end of a row of a 2-D output is not clipped on the H100 but spills into the next row
+        (another unit's output; interpret mode drops it), so every store must stay inside its row."""
+        rows = self.n_rb * 2 * self.bm  # a multiple of 64 elements: rows of 16-byte multiples for TMA
+        return [(self.n_s if self.split_out else self.Q, rows)] * len(self.out_dt)
 
     # -- the kernel body ------------------------------------------------------------------------------------------
     def body(self, a_gmem, b_gmem, *rest):
