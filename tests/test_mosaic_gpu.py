@@ -124,13 +124,20 @@ def test_lowers_for_cuda(fn, shapes, dtype, config):
 
 
 def test_no_races_or_barrier_misuse():
-    """Interpret mode's happens-before race detector over TMA, SMEM and barriers (several tiles per CTA and pieces per tile)."""
+    """Interpret mode's happens-before race detector over TMA, SMEM and barriers (several tiles per CTA and pieces per
+    tile), with each tile's pipeline on its own (3 K steps, a ring of 2) and with the tiles' pipelines chained (a ring
+    of 3: the producer fetches the next tile's operands during the epilogue)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     g, group, spec = _group(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], BF16)
-    kernel = mgpu_matmul.lower(group, spec, SMALL, interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
-    jax.block_until_ready(kernel(*_inputs(group)))
-    assert not interpret_pallas_call.get_races().races_found
+    xs = _inputs(group)
+    ref = jax.jit(bt_rowscale_residual)(*xs)
+    for stages in (2, 3):
+        kernel = mgpu_matmul.lower(group, spec, {**SMALL, "max_concurrent_steps": stages},
+                                   interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
+        (out,) = jax.block_until_ready(kernel(*xs))
+        assert not interpret_pallas_call.get_races().races_found, stages
+        assert rel_err(out, ref) <= TOL[np.dtype(BF16)], stages
 
 
 def test_declines_what_it_does_not_support():

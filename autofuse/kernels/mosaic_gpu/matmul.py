@@ -272,6 +272,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     out_tf = [_tile_tf(d, (M, N), en) for d in out_dt]
     out_cols = [_pad_to(N, d.itemsize) for d in out_dt]
 
+    chain = k_iters % stages == 0  # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps
+    PP = plgpu.PipelinePipeline
     n_pieces = (bm // em) * (bn // en)
     out_slots = min(2, n_pieces)
 
@@ -279,14 +281,14 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         in_gmem = dict(zip(ein, rest[: len(ein)]))
         out_gmem = rest[len(ein):]
 
-        def pipeline(mma_body, compute_context):
+        def pipeline(mma_body, compute_context, state=None):
             a_spec = plgpu.BlockSpec((bk, cta_m) if a_km else (cta_m, bk), (lambda k: (k, 0)) if a_km else (lambda k: (0, k)),
                                      transforms=op_tf, memory_space=plgpu.SMEM)
             b_spec = plgpu.BlockSpec((cta_n, bk) if b_nk else (bk, cta_n), (lambda k: (0, k)) if b_nk else (lambda k: (k, 0)),
                                      transforms=op_tf, memory_space=plgpu.SMEM)
             return plgpu.emit_pipeline_warp_specialized(
                 mma_body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=stages, compute_context=compute_context)
+                max_concurrent_steps=stages, compute_context=compute_context, pipeline_state=state)
 
         ignore = lambda *_, **__: None  # noqa: E731
         kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
@@ -375,7 +377,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
                 a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
                 b_view = b_gmem.at[pl.ds(cta_c0, cta_n), :] if b_nk else b_gmem.at[:, pl.ds(cta_c0, cta_n)]
-                pipeline(mma_body, compute_context)(a_view, b_view, allocations=pipeline_allocs)
+                state = None
+                if chain:  # one pipeline over the CTA's tiles: the producer fetches the next tile's operands during the epilogue
+                    first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+                    state = jnp.where(first, int(PP.START), jnp.where(last, int(PP.STOP), int(PP.STEADY)))
+                pipeline(mma_body, compute_context, state)(a_view, b_view, allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
