@@ -1,0 +1,243 @@
+"""The start of a job compiled concurrently and shared among workers (autofuse.tuning.ahead, issue 18): the same
+results as the serial start, each candidate's XLA timing done once across workers, a crash while compiling ahead
+failing only its own trial, and the device of every measurement recorded."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import pytest
+
+import autofuse
+from autofuse import costmodel
+from autofuse.runner.evaluator import Evaluator, _trial_key
+from autofuse.runner.process import InlineRunner, ProcessRunner, ProgramSpec
+from autofuse.runner.protocol import CompileRequest, CompileResult, TrialRequest, TrialResult, XlaRequest
+from autofuse.status import TrialStatus
+from autofuse.store import PlanStore
+from autofuse.tuning import ahead
+from autofuse.tuning.ahead import CompileAhead, compile_workers
+from autofuse.tuning.job import distinct_candidates, open_run, register_candidates, search_spaces, time_xla
+from autofuse.tuning.local import local_loop
+from autofuse.tuning.scheduler import Budget
+from autofuse.tuning.workers import share_xla
+from benchmarks.workloads import log_relu_bias, rms_norm
+from tests.dist_programs import log_relu_bias_inputs, rms_norm_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _program(fn=rms_norm, inputs=rms_norm_inputs):
+    graph = autofuse.capture(fn, *inputs())
+    by_sig, cands = distinct_candidates(graph)
+    return graph, by_sig, cands, search_spaces(by_sig, cands, costmodel.H200)
+
+
+class Recorder:
+    """A deterministic runner (times depend only on the group and config) that keeps every request it answers."""
+
+    def __init__(self, delay_s: float = 0.0, device: str = "fake:0"):
+        self.requests: list = []
+        self.delay_s, self.device = delay_s, device
+
+    def call(self, req):
+        self.requests.append(req)
+        if isinstance(req, CompileRequest):
+            return CompileResult(TrialStatus.OK, len(req.items))
+        time.sleep(self.delay_s)
+        ms = 1.0 + len(req.nodes) / 10 + (0.5 if isinstance(req, TrialRequest) else 0.0)
+        return TrialResult(TrialStatus.OK, ms, ms, ms, device=self.device)
+
+    def close(self):
+        pass
+
+
+def test_compile_workers_come_from_the_flag_the_environment_or_the_cores(monkeypatch):
+    monkeypatch.delenv(ahead.ENV_VAR, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert compile_workers() == ahead.MAX_COMPILE_WORKERS  # capped
+    assert compile_workers(share=8) == 8  # a host's cores shared among its workers
+    assert compile_workers(share=100) == 1
+    monkeypatch.setenv(ahead.ENV_VAR, "3")
+    assert compile_workers(share=8) == 3 and compile_workers(5) == 5  # the flag over the environment over the cores
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="positive whole number"):
+            compile_workers(bad)
+    monkeypatch.setenv(ahead.ENV_VAR, "many")
+    with pytest.raises(ValueError, match=ahead.ENV_VAR):
+        compile_workers()
+
+
+def test_concurrent_start_records_what_the_serial_one_does():
+    """time_xla with compile workers: one CompileRequest per chunk naming exactly the chunk's groups, sent before
+    their timings; the timings and each candidate's record are those of the serial path."""
+    *_, serial_cands, _ = _program()
+    *_, cands, _ = _program()
+    serial, conc = Recorder(), Recorder()
+    serial_res = time_xla(serial_cands, serial)
+    conc_res = time_xla(cands, conc, compile_workers=2)
+    assert [r.xla_ms for r in cands] == [r.xla_ms for r in serial_cands] and all(r.xla_ms for r in cands)
+    assert conc_res == serial_res
+    assert not any(isinstance(q, CompileRequest) for q in serial.requests)
+    timings = [q for q in conc.requests if isinstance(q, XlaRequest)]
+    assert timings == serial.requests  # the same timings, in the same order
+    chunk, pos = ahead.chunk_size(2), 0
+    for start in range(0, len(cands), chunk):
+        part = [XlaRequest(tuple(r.nodes)) for r in cands[start:start + chunk]]
+        assert conc.requests[pos] == CompileRequest(tuple(part), 2) and conc.requests[pos + 1:pos + 1 + len(part)] == part
+        pos += 1 + len(part)
+
+
+def test_compiling_ahead_gives_the_serial_executables_and_results():
+    """In the trial process (device mode on the CPU): the XLA references compiled on threads are the executables a
+    serial compile gives, the kernels compiled ahead give the same check as compiled in their trial, and each
+    trial takes its kernel (none is left)."""
+    graph, _, cands, spaces = _program()
+    xla = tuple(XlaRequest(tuple(r.nodes)) for r in cands)
+    trials = tuple(TrialRequest(tuple(r.nodes), r.template, spaces[r.signature].first_configs()[0]) for r in cands)
+    serial = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
+    conc = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
+    done = conc.handle(CompileRequest(xla + trials, 2))
+    assert done.ok and (done.compiled, done.failed) == (2 * len(cands), 0)
+    assert len(conc._refs) == len(cands) and len(conc._ahead) == len(cands)
+    for q in xla:
+        group = autofuse.graph.Group.of(graph, q.nodes)
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()]
+        again = jax.jit(lambda *a, g=group: g.evaluate(a)).lower(*structs).compile()
+        assert _hlo(conc._refs[tuple(group.node_ids)]) == _hlo(again) and "ENTRY" in _hlo(again)
+        a, b = serial.handle(q), conc.handle(q)
+        assert a.status is b.status is TrialStatus.OK and a.device == b.device == "cpu:0 cpu"
+    for q in trials:
+        a, b = serial.handle(q), conc.handle(q)
+        assert (a.status, a.max_error, a.error) == (b.status, b.max_error, b.error) and b.ok, (a, b)
+        assert _trial_key(q.nodes, q.template, q.config) not in conc._ahead
+    assert conc._ahead == {}
+
+
+def _hlo(compiled) -> str:
+    """The optimised HLO without source locations (the Python stack that traced it differs between threads)."""
+    text = compiled.as_text().split("\nFileNames")[0]
+    return re.sub(r",? ?metadata=\{[^}]*\}", "", text)
+
+
+def test_a_kernel_that_crashes_while_compiling_ahead_fails_only_its_trial(monkeypatch):
+    """The batch dies with the trial process; the process restarts, and each item compiles in its own request:
+    the crashing config is `crashed`, the others are answered as usual."""
+    monkeypatch.setenv("AUTOFUSE_TEMPLATE_PLUGINS", "tests.plugins.crashy_template")
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    graph, _, cands, _ = _program(log_relu_bias, log_relu_bias_inputs)
+    (r,) = cands
+    spec = ProgramSpec(log_relu_bias, log_relu_bias_inputs(), fingerprint=graph.fingerprint)
+    cfg = {"backend": "triton", "block_rows": 1, "block_cols": 32, "num_warps": 4, "num_stages": 1}
+    fine, crash = TrialRequest(tuple(r.nodes), "crashy", cfg), TrialRequest(tuple(r.nodes), "crashy", {**cfg, "block_rows": 2})
+    with ProcessRunner(spec, {"measure": "device", "repeats": 2, "n_input_sets": 1}, timeout_s=120) as runner:
+        batch = runner.call(CompileRequest((XlaRequest(tuple(r.nodes)), fine, crash), 2))
+        assert batch.status is TrialStatus.CRASHED and batch.failed == 3
+        assert runner.call(XlaRequest(tuple(r.nodes))).ok
+        assert runner.call(crash).status is TrialStatus.CRASHED
+        assert runner.call(fine).status is TrialStatus.WRONG_RESULT  # crashy's kernels add 1: checked, not crashed
+
+
+def test_phase_one_default_configs_are_compiled_ahead_as_their_trials_ask_for_them():
+    """The local driver with compile workers: before a phase 1 trial, its candidate's first config goes ahead in a
+    CompileRequest with the next ones'; each phase 1 trial then asks for exactly a config compiled ahead."""
+    graph, by_sig, cands, spaces = _program()
+    rec = Recorder()
+    time_xla(cands, rec)
+    loop = local_loop(graph, by_sig, cands, spaces, Budget(len(cands)), costmodel.H200, "device", rec, None, None, 0)
+    loop.ahead = CompileAhead(rec, cands, spaces, "device", 2)
+    loop.run()
+    sent = {_trial_key(q.nodes, q.template, q.config) for c in rec.requests if isinstance(c, CompileRequest) for q in c.items}
+    asked = [_trial_key(q.nodes, q.template, q.config) for q in rec.requests if isinstance(q, TrialRequest)]
+    assert len(asked) == len(cands) and set(asked) <= sent
+    assert loop.ahead.batches and max(loop.ahead.batches) <= ahead.chunk_size(2)
+    first_batch = next(i for i, q in enumerate(rec.requests) if isinstance(q, CompileRequest))
+    first_trial = next(i for i, q in enumerate(rec.requests) if isinstance(q, TrialRequest))
+    assert first_batch < first_trial
+
+
+def _run_with_candidates(tmp_path, fn=rms_norm, inputs=rms_norm_inputs):
+    graph, by_sig, cands, spaces = _program(fn, inputs)
+    pstore = PlanStore(f"sqlite:///{tmp_path}/x.db")
+    _, run_id, _ = open_run(pstore, graph, "p", "device", 8, None, 0, None)
+    register_candidates(pstore, run_id, cands)
+    return pstore, run_id, cands
+
+
+def test_workers_share_the_xla_timings_each_candidate_timed_once(tmp_path):
+    pstore, run_id, cands = _run_with_candidates(tmp_path)
+    runners, seen, errors = {}, {}, []
+
+    def worker(name: str) -> None:
+        try:
+            _, _, mine, _ = _program()
+            register_candidates(PlanStore(pstore.url), run_id, mine)
+            runners[name] = Recorder(delay_s=0.2, device=f"fake:{name[-1]}")
+            share_xla(PlanStore(pstore.url), run_id, mine, runners[name], name, 1, stale_s=600)
+            seen[name] = [r.xla_ms for r in mine]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(f"{socket.gethostname()}:{os.getpid()}-w{k}",)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    timed = [q.nodes for rec in runners.values() for q in rec.requests if isinstance(q, XlaRequest)]
+    assert sorted(timed) == sorted(tuple(r.nodes) for r in cands)  # each candidate once, across the workers
+    assert all(len(rec.requests) > 0 for rec in runners.values()), "both workers timed some"
+    rows = pstore.candidates(run_id)
+    assert all(c["xla_status"] == "ok" and c["xla_ms"] for c in rows)
+    for name, rec in runners.items():  # who timed it and on which device, as that worker's runner said
+        mine = {q.nodes for q in rec.requests if isinstance(q, XlaRequest)}
+        by_nodes = {tuple(c["nodes"]): c for c in rows}
+        assert {by_nodes[n]["xla_worker"] for n in mine} == {name} and {by_nodes[n]["xla_device"] for n in mine} == {rec.device}
+    want = [c["xla_ms"] for c in rows]
+    assert all(v == want for v in seen.values())  # every worker ends with every candidate's time
+
+
+def test_a_dead_workers_xla_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
+    pstore, run_id, cands = _run_with_candidates(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = socket.gethostname()
+    live = pstore.claim_xla(run_id, f"{here}:{os.getpid()}", 2, stale_s=600)
+    got = pstore.claim_xla(run_id, f"{here}:{dead.pid}", 3, stale_s=600)
+    assert len(got) == 3 and len(live) == 2 and not set(got) & set(live)
+    again = pstore.claim_xla(run_id, "other-host:1", 100, stale_s=600)
+    assert set(got) <= set(again) and not set(live) & set(again)  # the dead one's claims, never the live one's
+    assert not pstore.finish_xla(got[0], f"{here}:{dead.pid}", "ok", 1.0, "gpu:0")  # its late result is refused
+    assert pstore.finish_xla(got[0], "other-host:1", "ok", 1.0, "gpu:0")
+    stale = pstore.claim_xla(run_id, "third:1", 100, stale_s=0.0)  # any claim older than stale_s
+    assert set(live) <= set(stale) and got[0] not in stale  # a finished timing is never claimed again
+
+
+def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path):
+    """Two real workers (CPU, model mode) of `autofuse tune --workers 2`: every candidate timed once by one of
+    them, every measured trial with its worker, device and finish time."""
+    url = f"sqlite:///{tmp_path}/rec.db"
+    env = dict(os.environ, PYTHONPATH=ROOT, AUTOFUSE_COMPILE_WORKERS="2")
+    env.pop("AUTOFUSE_DB", None)
+    out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", "benchmarks.workloads:rms_norm", "--inputs",
+                          "tests.dist_programs:rms_norm_inputs", "--trials", "6", "--db", url, "--workers", "2", "--heartbeat", "1",
+                          "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    store = PlanStore(url)
+    (run,) = store.runs()
+    assert run["status"] == "finished"
+    cands = store.candidates(run["id"])
+    assert len(cands) == 8 and all(c["xla_status"] == "ok" and c["xla_ms"] and c["xla_device"] == "cpu:0 cpu" for c in cands)
+    trials = [t for t in store.trials(run["id"]) if t["status"] not in ("infeasible", "pruned")]
+    assert len(trials) == 6
+    for t in trials:
+        assert t["device"] == "cpu:0 cpu" and t["finished_at"] >= t["created_at"], t
+        assert t["worker"].rpartition(":")[0] == socket.gethostname()
+    workers = {t["worker"] for t in trials} | {c["xla_worker"] for c in cands}
+    assert len(workers) <= 2 and all(w.rpartition(":")[2].isdigit() for w in workers)
