@@ -17,7 +17,7 @@ import pytest
 import autofuse
 from autofuse import costmodel
 from autofuse.runner.evaluator import Evaluator, _trial_key
-from autofuse.runner.process import InlineRunner, ProcessRunner, ProgramSpec
+from autofuse.runner.process import ProcessRunner, ProgramSpec
 from autofuse.runner.protocol import CompileRequest, CompileResult, TrialRequest, TrialResult, XlaRequest
 from autofuse.status import TrialStatus
 from autofuse.store import PlanStore
