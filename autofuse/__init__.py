@@ -3,7 +3,9 @@
 `autofuse.tune(fn, *args)` searches fused plans; `autofuse.jit(fn)` runs the
 tuned plan (or plain `jax.jit`); `autofuse.PlanStore(url)` answers questions
 about past runs. Attributes load lazily so that the store and the CLI's
-query commands start without importing JAX.
+query commands start without importing JAX. Importing it keeps JAX from
+preallocating most of the GPU in this process where that is still possible
+(`autofuse.gpumem`): the trial processes of `tune()` need the memory.
 """
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+
+from . import gpumem as _gpumem  # noqa: E402 -- before anything starts JAX's GPU client
+
+_gpumem.STATE = _gpumem.configure()  # XLA_PYTHON_CLIENT_PREALLOCATE=false where it still takes effect and nothing was chosen
 
 _LAZY = {
     "jit": "autofuse.api",

@@ -8,7 +8,7 @@ import pickle
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import jax
@@ -122,6 +122,7 @@ class RunIds:
     program: int
     device: int
     software: int
+    selected: bool = False  # a resumed run whose earlier process had finished its trials and begun selecting the plan
 
 
 def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | None, time_budget_s: float | None, seed: int,
@@ -143,7 +144,7 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
         if run.get("program_id") != ids.program:
             raise ValueError(f"run {resume} tuned another program; cannot resume it for {graph.fingerprint}")
         pstore.resume_run(resume, host=socket.gethostname(), pid=os.getpid())
-        return pstore, resume, ids
+        return pstore, resume, replace(ids, selected=run.get("selected_by") is not None)
     budget = {"trials": trials, "seconds": time_budget_s, **({"model": model.name} if measure == "model" and model is not None else {})}
     run_id = pstore.start_run(ids.program, ids.device, ids.software, budget=budget, seed=seed,
                               sampler="TPESampler", measure=measure, host=socket.gethostname(), pid=os.getpid(), optuna_storage=pstore.url)
@@ -158,6 +159,8 @@ def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState
         r.candidate_id = row["id"] if row else pstore.add_candidate(run_id, r.signature, r.template, r.nodes)
         if row and row["xla_ms"] is not None and r.xla_ms is None:
             r.xla_ms = row["xla_ms"]
+        if row and row["status"] in ("tuned", "failed", "skipped"):  # finished by the run's earlier process: its best is read back
+            r.status, r.best_ms, r.best_config, r.checked_trials = row["status"], row["best_ms"], row["best_config"], row["n_trials"]
 
 
 def save_report(pstore: Any, ids: RunIds, run_id: int, report: TuneReport, promote: bool | None = None) -> int:

@@ -50,6 +50,7 @@ class CandidateState:
     status: str = "pending"
     trials: list[TrialRecord] = field(default_factory=list)
     candidate_id: int | None = None  # its row in the store
+    checked_trials: int | None = None  # a resumed run: its best was checked (model mode) when it had this many trials
     ops: tuple[str, ...] = ()  # its nodes' primitives, in program order (what the job's output names it by)
 
     @property

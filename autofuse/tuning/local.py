@@ -27,6 +27,7 @@ from .job import (check_backends, check_budget, create_study, distinct_candidate
                   register_candidates, resolve_measure, save_example_inputs, save_report, search_spaces, spec_of, time_xla)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
+from .output import StatusLine
 from .report import TuneReport
 from .scheduler import Budget, Scheduler
 from .trial import TrialContext
@@ -79,6 +80,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
 
         if resume is not None:
             raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
+        warn_preallocated(progress)
         report = tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
                                  name=name, measure=measure, model=model, quiet=quiet, verbose=verbose, isolate=isolate, trial_timeout_s=trial_timeout_s,
                                  static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress,
@@ -91,8 +93,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         return report
     t_start = clock()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the trial process shares the GPU
-    say = progress or (lambda s: None if quiet else print(s, flush=True))
+    say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))  # notes: stdout is the report's
+    phase = progress or (say if verbose or quiet else StatusLine())  # the selection phase's progress: one line rewritten, unless -v
     measure = resolve_measure(measure, jax.default_backend() == "gpu")
+    warn_preallocated(progress)
     threads = compile_workers_for(compile_workers)
     gmodel = costmodel.get_model(model)
     if measure == "model":
@@ -132,13 +136,18 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
         loop.ahead = CompileAhead(runner, cands, spaces, measure, threads)
         loop.verbose = verbose and not quiet
-        loop.bar = progress_bar(loop.scheduler.total, name, quiet or progress is not None, "tune", "trial")
-        loop.bar.update(loop.scheduler.spent())  # a resumed run's trials
-        loop.run()
-        loop.bar.close()
+        if resume is not None:
+            say(resumed_line(run_id, loop.scheduler.spent(), loop.scheduler.total, ids.selected))
+        if not ids.selected:  # a run killed while selecting its plan has all its trials: only the selection runs again
+            loop.bar = progress_bar(loop.scheduler.total, name, quiet or progress is not None, "tune", "trial")
+            loop.bar.update(loop.scheduler.spent())  # a resumed run's trials
+            loop.run()
+            loop.bar.close()
+        if pstore is not None:
+            pstore.begin_selection(run_id, f"{os.uname().nodename}:{os.getpid()}")  # a resume after a kill from here on selects only
         n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
-                          say if verbose else (lambda s: None))
+                          say if verbose else (lambda s: None), phase)
         report.wall_s = clock() - t_start
         status = "finished"
     except KeyboardInterrupt:
@@ -149,6 +158,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             pstore.finish_run(run_id, "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
+        if isinstance(phase, StatusLine):
+            phase.close()
         runner.close()
         if examples:
             os.unlink(examples)
@@ -162,6 +173,25 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         report.run_id = run_id
         report.plan_id = save_report(pstore, ids, run_id, report, promote)
     return report
+
+
+def warn_preallocated(progress: Callable[[str], None] | None = None) -> None:
+    """Say up front, even when quiet, if this process's GPU client holds a preallocated pool (`autofuse.gpumem`)."""
+    from .. import gpumem
+
+    if not gpumem.backends_initialised():
+        return  # no GPU client in this process yet: no pool (and none will be preallocated once autofuse was imported)
+    state = gpumem.STATE or gpumem.AllocatorState(True, {}, False)
+    line = gpumem.preallocation_warning(jax.default_backend(), state)
+    if line:
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(line)
+
+
+def resumed_line(run_id: int, spent: int, total: int, selected: bool) -> str:
+    """What a resumed run reuses: its earlier trials, and whether only the selection is left."""
+    rest = ("its trials were done when it stopped: selecting and validating the plan only" if selected else
+            f"{max(total - spent, 0)} trial(s) left")
+    return f"autofuse: resuming run {run_id}: reusing {spent} earlier trial(s) of {total}; {rest}"
 
 
 def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budget, gmodel: costmodel.GPUModel, measure: str, runner: Any,

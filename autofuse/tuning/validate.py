@@ -9,6 +9,7 @@ the first that passes. None passes: XLA's own plan, recorded as such.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -31,7 +32,10 @@ MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whateve
 
 def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledger) -> None:
     """Pick the candidate's best config; in model mode only a config that passed its correctness check
-    (interpret mode; the three fastest are tried) may be the best."""
+    (interpret mode; the three fastest are tried) may be the best. A resumed run whose earlier process
+    checked the candidate with the same trials keeps that best (read back from the store)."""
+    if measure == "model" and r.checked_trials is not None and r.checked_trials == len(r.trials):
+        return
     r.update_best()
     if measure == "model":
         verified = None
@@ -49,19 +53,27 @@ def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledge
 
 def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], runner: Any, measure: str,
              model: costmodel.GPUModel, ledger: Ledger, name: str, n_trials: int, t_start: float,
-             say: Callable[[str], None]) -> TuneReport:
-    """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit."""
+             say: Callable[[str], None], phase: Callable[[str], None] | None = None) -> TuneReport:
+    """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
+    `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n)."""
+    phase = phase or (lambda s: None)
+    phase(f"autofuse: selecting the plan from {sum(1 for r in cands if r.trials)} tuned candidates")
+    _pause_for_tests()
+    to_check = [r for r in cands if measure == "model" and any(t.status is TrialStatus.OK for t in r.trials)
+                and not (r.checked_trials is not None and r.checked_trials == len(r.trials))]
     for r in cands:
+        if r in to_check:
+            phase(f"autofuse: checking the best config of candidate {to_check.index(r) + 1} of {len(to_check)} ({r.template}, interpret mode)")
         finish_candidate(r, runner, measure, ledger)
         if r.trials:
             say(candidate_line(r))
     singles = lone_contraction_costs(graph, runner) if measure == "device" else None
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
-    return validate(graph, cover, runner, measure, name, cands, n_trials, t_start)
+    return validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase)
 
 
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
-             t_start: float) -> TuneReport:
+             t_start: float, phase: Callable[[str], None] | None = None) -> TuneReport:
     """The chosen plan and the smaller plans of `smaller_plans` against jax.jit on the whole program.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit
@@ -74,7 +86,9 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     base, tuned, noise = cover.baseline_ms, cover.tuned_ms, None
     notes, kept, passed = [], None, []  # passed (GPU): (speedup, plan, validation, noise)
     tries = [(plan, 0.0)] + smaller_plans(plan, cands) if not plan.is_xla else []
-    for cand, given_up in tries:
+    for k, (cand, given_up) in enumerate(tries):
+        if phase is not None:
+            phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
         v = runner.call(ValidateRequest(cand.to_json()))
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
@@ -109,6 +123,23 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     plan = replace(plan, provenance={**plan.provenance, "baseline_ms": base, "tuned_ms": tuned})
     speedup = base / tuned if base and tuned else None
     return TuneReport(name, graph.fingerprint, measure, plan, base, tuned, speedup, noise, cands, validation, time.time() - t_start, n_trials)
+
+
+def describe(plan: Plan) -> str:
+    """``3 fused groups: attention, row_reduce×2``."""
+    counts: dict[str, int] = {}
+    for g in plan.groups:
+        counts[g.template] = counts.get(g.template, 0) + 1
+    kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in counts.items())
+    return f"{len(plan.groups)} fused group{'s' if len(plan.groups) != 1 else ''}: {kinds}"
+
+
+def _pause_for_tests() -> None:
+    """Test hook: $AUTOFUSE_TEST_PAUSE_IN_SELECTION seconds of sleep as the selection phase begins, so that a test
+    can kill the job there (after every trial, before the plan is written)."""
+    pause = os.environ.get("AUTOFUSE_TEST_PAUSE_IN_SELECTION")
+    if pause:
+        time.sleep(float(pause))
 
 
 def smaller_plans(plan: Plan, cands: list[CandidateState]) -> list[tuple[Plan, float]]:

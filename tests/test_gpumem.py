@@ -1,0 +1,76 @@
+"""`import autofuse` keeps JAX from preallocating the GPU where that still takes effect; tune() says so where it did not."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autofuse import gpumem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _probe(code: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in gpumem.ALLOCATOR_VARS}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(clean, PYTHONPATH=ROOT, **env), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+REPORT = "import os, autofuse; print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'), autofuse.gpumem.STATE.set_by_autofuse)"
+
+
+def test_import_turns_preallocation_off_before_jax_starts():
+    assert _probe(REPORT) == "false True"
+    assert _probe("import jax; " + REPORT) == "false True"  # jax imported, but its backends not started yet
+
+
+def test_import_leaves_a_users_choice_alone():
+    assert _probe(REPORT, XLA_PYTHON_CLIENT_MEM_FRACTION=".5") == "None False"
+    assert _probe(REPORT, XLA_PYTHON_CLIENT_PREALLOCATE="true") == "true False"
+
+
+def test_import_after_jax_started_changes_nothing_and_says_so():
+    code = ("import jax; jax.devices(); import os, autofuse; s = autofuse.gpumem.STATE; "
+            "print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'), s.initialised_at_import, s.set_by_autofuse)")
+    assert _probe(code) == "None True False"
+
+
+def test_warning_only_for_a_preallocated_gpu_client():
+    """No GPU here: the rule is checked on the states `import autofuse` records (the real ones above)."""
+    started_before = gpumem.AllocatorState(True, {}, False)
+    line = gpumem.preallocation_warning("gpu", started_before, {})
+    assert line is not None and "75%" in line and "XLA_PYTHON_CLIENT_PREALLOCATE=false" in line and "\n" not in line
+    assert gpumem.preallocation_warning("cpu", started_before, {}) is None
+    assert "50%" in gpumem.preallocation_warning("gpu", gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, False), {})
+    assert gpumem.preallocation_warning("gpu", gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, False), {}) is None
+    after_import = gpumem.AllocatorState(False, {}, True)  # the client started after autofuse set the variable
+    assert gpumem.preallocation_warning("gpu", after_import, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) is None
+    assert gpumem.preallocation_warning("gpu", after_import, {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}) is not None
+
+
+def test_trial_process_gets_host_copies_of_the_callers_arrays():
+    """The caller's arrays reach the trial process as host (numpy) copies in a file: its own device memory holds them,
+    whatever the caller's pool."""
+    from autofuse.graph import capture
+    from autofuse.tuning.job import save_example_inputs
+
+    def f(x, y):
+        return jnp.tanh(x) + y
+
+    x, y = jnp.ones((4, 8), jnp.float32), jnp.zeros((8,), jnp.float32)
+    g = capture(f, x, y)
+    path = save_example_inputs(g, f, (x, y), {}, (), ())
+    try:
+        with open(path, "rb") as fh:
+            leaves = pickle.load(fh)
+    finally:
+        os.unlink(path)
+    assert [type(a) for a in leaves] == [np.ndarray, np.ndarray] and not any(isinstance(a, jax.Array) for a in leaves)
+    np.testing.assert_array_equal(leaves[0], np.ones((4, 8), np.float32))
