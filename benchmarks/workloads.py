@@ -43,6 +43,16 @@ def matmul_bias_gelu(x, w, b):
     return jax.nn.gelu(x @ w + b, approximate=True)
 
 
+def matmul_bias_swish_groupnorm(x, w, b, gamma, beta, groups=32):
+    """matmul + bias + swish, then GroupNorm over `groups` segments of each row (statistics in float32)."""
+    y = jax.nn.silu(x @ w + b)
+    yg = y.reshape(y.shape[0], groups, -1).astype(jnp.float32)
+    mu = yg.mean(-1, keepdims=True)
+    var = ((yg - mu) ** 2).mean(-1, keepdims=True)
+    out = ((yg - mu) * jax.lax.rsqrt(var + 1e-5)).reshape(y.shape) * gamma + beta
+    return out.astype(x.dtype)
+
+
 def splade_head(h, w, bias, mask):
     """SPLADE: max over the sequence of log(1 + relu(h @ W + b)), padding masked ([B, S, D] -> [B, V])."""
     return jnp.max(jnp.log1p(jax.nn.relu(h @ w + bias)) * mask[..., None], axis=1)
@@ -93,6 +103,7 @@ WORKLOADS = [
     Workload("rms_norm", rms_norm, ((16384, 4096), (4096,))),
     Workload("logsumexp", logsumexp, ((16384, 4096),)),
     Workload("matmul_bias_gelu", matmul_bias_gelu, ((8192, 4096), (4096, 8192), (8192,))),
+    Workload("matmul_bias_swish_groupnorm", matmul_bias_swish_groupnorm, ((16384, 2048), (2048, 4096), (4096,), (4096,), (4096,))),
     Workload("splade_head", splade_head, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
     Workload("cross_entropy", cross_entropy, ((8192, 4096), (4096, 32000), (8192,)), (None, None, "int32")),
     Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
@@ -106,6 +117,7 @@ SMALL = {
     "rms_norm": ((64, 130), (130,)),
     "logsumexp": ((50, 333),),
     "matmul_bias_gelu": ((100, 70), (70, 90), (90,)),
+    "matmul_bias_swish_groupnorm": ((100, 70), (70, 1024), (1024,), (1024,), (1024,)),  # 32 segments of 32
     "splade_head": ((2, 37, 40), (40, 70), (70,), (2, 37)),
     "cross_entropy": ((50, 40), (40, 300), (50,)),
     "attention": ((2, 2, 100, 64),) * 3,

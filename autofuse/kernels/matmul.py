@@ -27,8 +27,17 @@ from .. import costmodel
 from ..costmodel import H200, GPUModel
 from ..graph import Group, Node
 from ..ops import OpClass, op_class
+from .passes import segment_length, split_columns
 from .template import NoMatch, Template
-from .tiling import Span, TileSpec, analyze, cdiv, needed, template_space
+from .tiling import (
+    Span,
+    TileSpec,
+    analyze,
+    analyze_segments,
+    cdiv,
+    needed,
+    template_space,
+)
 
 DOT_DTYPES = {np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}  # operand dtypes the dot templates take
 
@@ -48,6 +57,16 @@ class MatmulSpec:
     batch: int = 1  # batch entries (a leading batch dimension of both operands), 1 when not batched
     pro: dict = field(default_factory=dict)  # operand (a or b) -> (its prologue's nodes, their TileSpec on the operand's shape)
 
+    @property
+    def seg(self) -> int:
+        """Segment length of an epilogue that reduces over segments of a product row (GroupNorm), else 0."""
+        return self.epi.seg
+
+    @property
+    def epi_nodes(self) -> list[Node]:
+        """The epilogue's equations, in order (on `epi.group`'s graph: a segmented epilogue's own rewritten one)."""
+        return [] if self.epi.group.node_ids == (self.dot.id,) and self.epi.group.graph is self.group.graph else self.epi.group.nodes
+
 
 class MatmulTemplate(Template[MatmulSpec]):
     name = "matmul"
@@ -58,8 +77,8 @@ class MatmulTemplate(Template[MatmulSpec]):
         """A matmul spec when the group is one plain (2-D or batched) dot plus an elementwise epilogue of it."""
         g = group.graph
         dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
-        if len(dots) != 1 or any(op_class(n.name) in (OpClass.REDUCTION, OpClass.OPAQUE, OpClass.SOURCE) for n in group.nodes):
-            return None
+        if len(dots) != 1 or any(op_class(n.name) in (OpClass.OPAQUE, OpClass.SOURCE) for n in group.nodes):
+            return None  # (reductions: only over segments of a product row, which the epilogue's analysis checks)
         dot = dots[0]
         a, b = dot.inputs
         if not (isinstance(a, int) and isinstance(b, int)):
@@ -99,7 +118,10 @@ class MatmulTemplate(Template[MatmulSpec]):
 
     def default_config(self, spec: MatmulSpec) -> dict:
         small = min(spec.M, spec.N) < 128
-        return {"block_m": 64 if small else 128, "block_n": 64 if small else 128, "block_k": 32 if spec.K < 64 else 64,
+        bn = 64 if small else 128
+        if spec.seg:  # a tile holds whole segments
+            bn = max(bn, spec.seg) // spec.seg * spec.seg
+        return {"block_m": 64 if small else 128, "block_n": bn, "block_k": 32 if spec.K < 64 else 64,
                 "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
 
     def space(self, group: Group, spec: MatmulSpec | None = None) -> dict:
@@ -107,7 +129,8 @@ class MatmulTemplate(Template[MatmulSpec]):
         spec = spec or self.match(group)
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return template_space(self.name, self.default_config(spec),
-                              {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes})
+                              {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
+                               "seg": spec.seg})
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.
@@ -157,6 +180,12 @@ def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...])
         return TileSpec(Group.of(group.graph, [dot.id]), S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
     if {dot.inputs[0], dot.inputs[1]} & set(sub.inputs):
         raise NoMatch("an operand of the dot is also read by the epilogue")
+    seg = segment_length(sub, out)
+    if seg is not None:  # reductions over segments of a product row (GroupNorm): S = (*rows, N / seg, seg)
+        seg_sub = split_columns(sub, out, seg)
+        spec = analyze_segments(seg_sub, S[:-1] + (S[-1] // seg, seg), n - 1)
+        spec.axes[out], spec.span[out] = tuple(range(n + 1)), Span(True, True)
+        return spec
     spec = analyze(sub, S, n - 1)
     if spec.reductions:
         raise NoMatch("reductions belong to matmul_reduce")

@@ -10,6 +10,7 @@ same computation as a group on a rewritten copy of its graph (or the group itsel
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import ops
-from ..graph import Graph, Group, Lit, Node, bind_node, capture
+from ..graph import Aval, Graph, Group, Lit, Node, bind_node, capture
 from ..ops import OpClass, op_class
 from .template import NoMatch
 
@@ -402,3 +403,160 @@ def _prune(order: list[tuple[bool, Node]], keep: set) -> list[tuple[bool, Node]]
         if len(kept) == len(order):
             return order
         order = kept
+
+
+# ---------------------------------------------------------------------------
+# Segments of a product row: [M, N] viewed as [M, N / seg, seg] throughout an epilogue.
+def segment_length(sub: Group, col: int) -> int | None:
+    """The segment length `seg` when the epilogue `sub` of the product `col` ([..., N]) splits N into
+    [N / seg, seg] with a reshape and reduces over the segments (a GroupNorm); None otherwise.
+
+    A cheap look at the equations (no tracing), so that matching other matmul groups costs nothing."""
+    g = sub.graph
+    N = g.avals[col].shape[-1]
+    if not any(op_class(nd.name) is OpClass.REDUCTION for nd in sub.nodes):
+        return None
+    segs = set()
+    for nd in sub.nodes:
+        if nd.name != "reshape" or not isinstance(nd.inputs[0], int):
+            continue
+        ish, osh = g.avals[nd.inputs[0]].shape, g.avals[nd.outputs[0]].shape
+        if len(ish) >= 1 and ish[-1] == N and len(osh) == len(ish) + 1 and osh[:-2] == ish[:-1] and osh[-2] * osh[-1] == N \
+                and 1 < osh[-1] < N:
+            segs.add(osh[-1])
+    return segs.pop() if len(segs) == 1 else None
+
+
+def split_columns(sub: Group, col: int, seg: int) -> Group:
+    """`sub` (the epilogue of the product `col`, [..., N]) as a group of its own graph in which every value that
+    carries the product's column axis carries it as two axes [N / seg, seg] instead, so that the reshapes to
+    [..., N / seg, seg] and back are no-ops and reductions over the last axis are reductions over segments.
+
+    The values keep their ids; the graph's avals give the new shapes (inputs and outputs included: a bias [N]
+    is a [N / seg, seg] value here, a result [M, N] an [M, N / seg, seg] one), in the same element order, so
+    a lowering reads and writes them through their usual 2-D layouts. NoMatch where an equation cannot be
+    rewritten so (a transpose, a gather, a reshape that mixes the column axis with another one)."""
+    g = sub.graph
+    N = g.avals[col].shape[-1]
+    G = N // seg
+    cd: dict[int, int | None] = {col: len(g.avals[col].shape) - 1}  # value -> its dim along the product's columns
+
+    def put(v, d) -> bool:
+        if not isinstance(v, int) or d is None:
+            return False
+        if d >= len(g.avals[v].shape) or g.avals[v].shape[d] not in (1, N):
+            raise NoMatch(f"value %{v} {g.avals[v]} has no column axis at dim {d}")
+        if cd.get(v, d) != d:
+            raise NoMatch(f"value %{v} meets the column axis at dims {cd[v]} and {d}")
+        new = v not in cd
+        cd[v] = d
+        return new
+
+    def reshape_map(src_shape, d, dst_shape):
+        """The dim of `dst_shape` holding the same columns as dim `d` of `src_shape` (None: none does)."""
+        pre = math.prod(src_shape[:d])
+        for k in range(len(dst_shape)):
+            if math.prod(dst_shape[:k]) == pre and dst_shape[k] == src_shape[d]:
+                return k
+        return None
+
+    changed = True
+    while changed:
+        changed = False
+        for nd in sub.nodes:
+            cls, out = op_class(nd.name), nd.outputs[0]
+            orank = len(g.avals[out].shape)
+            vals = [a for a in nd.inputs if isinstance(a, int)]
+            if cls in (OpClass.ELEMENTWISE, OpClass.SOURCE):
+                same = [v for v in vals + [out] if len(g.avals[v].shape) == orank and orank]
+                known = {cd[v] for v in same if v in cd}
+                for d in known:
+                    for v in same:
+                        changed |= put(v, d)
+            elif cls is OpClass.BROADCAST:
+                if not vals:
+                    continue
+                bd = tuple(nd.params["broadcast_dimensions"])
+                if vals[0] in cd and cd[vals[0]] is not None:
+                    changed |= put(out, bd[cd[vals[0]]])
+                if out in cd:
+                    changed |= put(vals[0], bd.index(cd[out]) if cd[out] in bd else None)
+            elif cls is OpClass.LAYOUT:
+                ish, osh = g.avals[vals[0]].shape, g.avals[out].shape
+                if vals[0] in cd and out not in cd and cd[vals[0]] is not None:
+                    k = reshape_map(ish, cd[vals[0]], osh)
+                    pre = math.prod(ish[:cd[vals[0]]])
+                    if k is None and not any(math.prod(osh[:j]) == pre and osh[j:j + 2] == (G, seg) for j in range(len(osh) - 1)):
+                        raise NoMatch(f"{nd.name} {ish} -> {osh} mixes the column axis with another")
+                    cd[out] = k  # None: the reshape splits the columns into [N / seg, seg] (it becomes a no-op)
+                    changed = True
+                elif out in cd and vals[0] not in cd and cd[out] is not None:
+                    k = reshape_map(osh, cd[out], ish)
+                    if k is not None:
+                        changed |= put(vals[0], k)
+                elif out not in cd:  # [..., N / seg, seg] merged back into [..., N]
+                    for j in range(len(ish) - 1):
+                        k = reshape_map(ish[:j] + (N,) + ish[j + 2:], j, osh) if ish[j:j + 2] == (G, seg) else None
+                        if k is not None:
+                            changed |= put(out, k)
+                            break
+            elif cls is OpClass.REDUCTION:
+                x = vals[0]
+                if x in cd and out not in cd and cd[x] is not None:
+                    axes = tuple(nd.params["axes"])
+                    cd[out] = None if cd[x] in axes else cd[x] - sum(a < cd[x] for a in axes)
+                    changed = True
+            else:
+                raise NoMatch(f"{nd.name} cannot run on segments of a row")
+
+    def expand(v) -> tuple[int, ...]:
+        sh, d = g.avals[v].shape, cd.get(v)
+        if d is None:
+            return sh
+        return sh[:d] + ((G, seg) if sh[d] == N else (1, 1)) + sh[d + 1:]
+
+    def new_dims(v, d) -> list[int]:
+        """The new dims of value `v`'s dim `d`."""
+        c = cd.get(v)
+        if c is None or d < c:
+            return [d]
+        return [c, c + 1] if d == c else [d + 1]
+
+    def run(*xs):
+        env = dict(zip(sub.inputs, xs))
+        for nd in sub.nodes:
+            cls, out = op_class(nd.name), nd.outputs[0]
+            ins = [a.value if isinstance(a, Lit) else env[a] for a in nd.inputs]
+            if cls is OpClass.ELEMENTWISE:
+                r = bind_node(nd, ins)[0]
+            elif cls is OpClass.BROADCAST:
+                if not isinstance(nd.inputs[0], int):
+                    r = jax.lax.broadcast_in_dim(ins[0], expand(out), ())
+                else:
+                    bd = [k for i, j in enumerate(nd.params["broadcast_dimensions"]) for k in
+                          (new_dims(out, j) if cd.get(nd.inputs[0]) == i else new_dims(out, j)[:1])]
+                    r = jax.lax.broadcast_in_dim(ins[0], expand(out), tuple(bd))
+            elif cls is OpClass.LAYOUT:
+                r = jnp.reshape(ins[0], expand(out))
+            elif cls is OpClass.REDUCTION:
+                axes = tuple(k for a in nd.params["axes"] for k in new_dims(nd.inputs[0], a))
+                r = bind_node(Node(nd.id, nd.primitive, {**nd.params, "axes": axes}, nd.inputs, nd.outputs), ins)[0]
+            else:  # iota
+                dt, d, sh = nd.params["dtype"], nd.params["dimension"], expand(out)
+                if cd.get(out) == d and g.avals[out].shape[d] == N:
+                    r = jax.lax.broadcasted_iota(dt, sh, d) * seg + jax.lax.broadcasted_iota(dt, sh, d + 1)
+                else:
+                    r = jax.lax.broadcasted_iota(dt, sh, new_dims(out, d)[0])
+            env[out] = r
+        return [env[v] for v in sub.outputs]
+
+    avals = dict(g.avals)
+    for v in cd:
+        avals[v] = Aval(expand(v), g.avals[v].dtype)
+    try:
+        nodes, _, _ = _splice(run, avals, list(sub.inputs), list(sub.outputs), max(g.avals) + 1)
+    except (TypeError, ValueError) as e:
+        raise NoMatch(f"the epilogue does not trace on segments: {e}") from e
+    graph = Graph([Node(i, nd.primitive, nd.params, nd.inputs, nd.outputs) for i, nd in enumerate(nodes)], avals,
+                  list(sub.inputs), list(sub.outputs), {}, None, None)
+    return Group.of(graph, list(range(len(nodes))))

@@ -56,7 +56,20 @@ class TileEval:
         return edge_mask(self.tile_shape(span), rows, cols)
 
     def tile_shape(self, span: Span) -> tuple[int, int]:
+        """The 2-D block a value of `span` is loaded or stored as."""
         return (self.bm if span.rows else 1, self.bn if span.cols else 1)
+
+    def reg_shape(self, span: Span) -> tuple[int, ...]:
+        """The register tile of a value of `span`: the 2-D block, or with segmented columns (`spec.seg`)
+        [bm|1, bn / seg|1, seg|1] (a segment's statistic: [bm|1, bn / seg, 1])."""
+        if not self.spec.seg:
+            return self.tile_shape(span)
+        seg = self.spec.seg
+        return (self.bm if span.rows else 1, self.bn // seg if span.cols else 1, seg if span.cols and not span.per_segment else 1)
+
+    def view(self, x, span: Span):
+        """A 2-D block of `span` as its register tile (a reshape with segmented columns; else unchanged)."""
+        return x if x is None or not self.spec.seg else jnp.reshape(x, self.reg_shape(span))
 
     # arithmetic --------------------------------------------------------------
     def atom(self, env: dict, a) -> Any:
@@ -81,20 +94,23 @@ class TileEval:
             raise NoMatch(nd.name)
 
     def reduce_partial(self, nd: Node, env: dict, colmask):
+        """A reduction over the tile's columns (segmented: over each segment, which a tile holds whole)."""
         kind = ops.reduction_kind(nd.name)
         x = env[nd.inputs[0]]
-        if not self.spec.span[nd.inputs[0]].cols:  # constant along the row
-            return x * self.spec.C if kind == "sum" else x
+        span = self.spec.span[nd.inputs[0]]
+        seg = self.spec.seg
+        if not span.cols or span.per_segment:  # constant along the row (segment)
+            return x * (seg or self.spec.C) if kind == "sum" else x
         if colmask is not None:
-            x = jnp.where(colmask, x, ops.reduction_identity(kind, x.dtype))
-        return ops.reduce_tile(kind, x, axis=1)
+            x = jnp.where(self.view(colmask, Span(False, True)) if colmask.ndim == 2 else colmask, x, ops.reduction_identity(kind, x.dtype))
+        return ops.reduce_tile(kind, x, axis=2 if seg else 1)
 
     def iota(self, nd: Node, r0, c0):
         S, k, d = self.spec.shape, self.spec.split, self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
         if d is None:  # along a unit axis: all zeros
             return jnp.zeros((1, 1), ops.compute_dtype(nd.params["dtype"]))
         if d >= k:
-            idx, stride = self.col_idx(c0), math.prod(S[d + 1 :])
+            idx, stride = self.view(self.col_idx(c0), Span(False, True)), math.prod(S[d + 1 :])
         else:
-            idx, stride = self.row_idx(r0), math.prod(S[d + 1 : k])
+            idx, stride = self.view(self.row_idx(r0), Span(True, False)), math.prod(S[d + 1 : k])
         return ((idx // stride) % S[d]).astype(ops.compute_dtype(nd.params["dtype"]))

@@ -31,6 +31,7 @@ class NoMatch(Exception):
 class Span:
     rows: bool
     cols: bool
+    per_segment: bool = False  # (segmented tilings) varies along the columns only from one segment to the next
 
 
 @dataclass
@@ -43,6 +44,7 @@ class TileSpec:
     axes: dict[int, tuple]  # value -> S-axis of each of its dims (None: unit dim)
     span: dict[int, Span]  # value -> what its register tile varies along
     reductions: list[int]  # node ids of column reductions
+    seg: int = 0  # segmented tiling (`analyze_segments`): the columns are S[split:] = [C / seg, seg]; 0: not segmented
 
     @property
     def R(self) -> int:
@@ -180,6 +182,51 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
         else:
             span[nd.outputs[0]] = Span(any(s.rows for s in ins), any(s.cols for s in ins))
     return TileSpec(group, S, split, axes, span, reductions)
+
+
+def analyze_segments(group: Group, shape: Sequence[int], split: int) -> TileSpec:
+    """`analyze` for a group whose columns are segments: S = (*rows, G, seg) with split = len(rows), every input
+    and output spanning all of the columns or none of them, and every reduction over the last S-axis (the
+    segment). A value varying along G but not within a segment (a segment's mean) has the span
+    `Span(rows, True, per_segment=True)`; one varying within segments but not across them is a NoMatch.
+    The group comes from `passes.split_columns` (its values already have the [G, seg] axes)."""
+    g = group.graph
+    S = tuple(shape)
+    n = len(S)
+    if n != split + 2:
+        raise NoMatch("a segmented tiling has two column axes")
+    values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
+    axes = place_axes(g, group.nodes, values, S)
+    for v in values:
+        if v not in axes:
+            raise NoMatch(f"cannot place value %{v} of shape {g.avals[v].shape} in {S}")
+        ax = [a for a in axes[v] if a is not None]
+        if ax != sorted(ax) or len(set(ax)) != len(ax):
+            raise NoMatch(f"value %{v} is a transpose of the iteration space")
+    for v in list(group.inputs) + list(group.outputs):
+        _check_2d(v, axes[v], S, split)
+    vary: dict[int, frozenset] = {v: frozenset(a for a in axes[v] if a is not None) for v in group.inputs}
+    reductions = []
+    for nd in group.nodes:
+        ins = frozenset().union(*[vary[a] for a in nd.inputs if isinstance(a, int)])
+        cls = ops.op_class(nd.name)
+        if cls is OpClass.REDUCTION:
+            red = {axes[nd.inputs[0]][d] for d in nd.params["axes"]} - {None}
+            if red - {n - 1} or not red:
+                raise NoMatch(f"{nd.name} over S-axes {sorted(red)} is not a reduction over segments (S-axis {n - 1})")
+            vary[nd.outputs[0]] = ins - red
+            reductions.append(nd.id)
+        elif cls is OpClass.SOURCE:
+            d = axes[nd.outputs[0]][nd.params["dimension"]]
+            vary[nd.outputs[0]] = frozenset() if d is None else frozenset({d})
+        else:
+            vary[nd.outputs[0]] = ins
+    span = {}
+    for v, a in vary.items():
+        if n - 1 in a and split not in a:
+            raise NoMatch(f"value %{v} varies within segments but not across them")
+        span[v] = Span(any(x < split for x in a), bool(a & {split, n - 1}), split in a and n - 1 not in a)
+    return TileSpec(group, S, split, axes, span, reductions, seg=S[-1])
 
 
 def place_axes(g: Any, nodes: Sequence[Node], values: Sequence[int], S: tuple, *, seed: dict[int, tuple] | None = None,

@@ -18,11 +18,12 @@ from .tiles import TileBody, kernel_name, load_tile, pallas_call
 def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> Callable:
     bm, bn, bk = (int(config[k]) for k in ("block_m", "block_n", "block_k"))
     gm = int(config["group_m"])
+    if spec.seg and (bn % spec.seg or spec.seg & (spec.seg - 1)):
+        raise NotImplementedError(f"block_n={bn} must be a multiple of the segment length {spec.seg}, a power of two")
     g = group.graph
     body = _BatchBody(spec.epi, bm, bn, spec.M)
     out_v = spec.dot.outputs[0]
-    in_pro = {nd.id for nodes, _ in spec.pro.values() for nd in nodes}
-    epi_nodes = [n for n in group.nodes if n.id != spec.dot.id and n.id not in in_pro]
+    epi_nodes = spec.epi_nodes
     epi_inputs = [v for v in spec.epi.group.inputs if v != out_v] if epi_nodes else []
     n_m, n_n = cdiv(spec.M, bm), cdiv(spec.N, bn)
     in_order = list(group.inputs)
@@ -53,7 +54,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
             tiles[v] = _prologue_tile(ins, nodes, pspec, v, v == spec.a, major_is_k, other0, other_n, bk, spec.K, g.avals[v].dtype)
         acc = dot_tile(ins.get(spec.a), ins.get(spec.b), r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk,
                        a_off=a_off, b_off=b_off, a_tile=tiles.get(spec.a), b_tile=tiles.get(spec.b))
-        env = {out_v: acc}
+        env = {out_v: body.view(acc, Span(True, True))}  # segmented columns: [bm, bn / seg, seg]
         body.base = bi * spec.M
         rg = body.base + r0  # the tile's first row among all batch entries' rows
         for v in epi_inputs:

@@ -37,11 +37,11 @@ class TileBody(TileEval):
     def load(self, ref, v: int, r0, c0):
         span = self.spec.span[v]
         x = load_tile(ref.at[self._index(span, r0, c0)], self.mask(span, r0, c0))
-        return x.astype(ops.compute_dtype(x.dtype))
+        return self.view(x.astype(ops.compute_dtype(x.dtype)), span)
 
     def store(self, ref, v: int, x, r0, c0):
         span = self.spec.layout_span(v)
-        x = jnp.broadcast_to(x, self.tile_shape(span)).astype(self.g.avals[v].dtype)
+        x = jnp.reshape(jnp.broadcast_to(x, self.reg_shape(span)), self.tile_shape(span)).astype(self.g.avals[v].dtype)
         plgpu.store(ref.at[self._index(span, r0, c0)], x, mask=self.mask(span, r0, c0))
 
 
