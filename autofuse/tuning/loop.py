@@ -61,7 +61,7 @@ class TrialLoop:
                 self.show_best()
         if self.verbose and kind in ("measured", "unmeasured") and r.trials:
             if self.bar is not None:
-                self.bar.write(trial_line(r))
+                self.bar.write(trial_line(r), file=sys.stderr)
             else:
                 print(trial_line(r), file=sys.stderr, flush=True)
         return kind

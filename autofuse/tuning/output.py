@@ -7,10 +7,11 @@ left out unless asked; and the last line says on its own what the job found (``-
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from ..tables import Column, device_label, fmt_ms, fmt_x, format_table
 
@@ -185,3 +186,28 @@ def dry_run_table(d: DryRun) -> str:
                  f"({fmt_x(d.baseline_ms / d.plan_ms) if d.plan_ms else '-'}); budget {budget}")
     lines += [f"warning: {w}" for w in d.warnings]
     return "\n".join(lines)
+
+
+class StatusLine:
+    """A slow phase's progress ("validating plan 2 of 4") on one line of stderr, rewritten in place on a terminal
+    (a log gets each line): the default output stays compact while saying what the job is doing."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.open = False
+
+    def __call__(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+            self.open = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the rewritten line (before the table prints)."""
+        if self.open:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self.open = False

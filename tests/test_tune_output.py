@@ -1,0 +1,230 @@
+"""What `autofuse tune`, `autofuse worker`, the listings and `autofuse report` print for a person (issue 16, "Output
+a person wants to read"): the compact table and its summary line, -v and --quiet, the dry run, run listings
+(measured trials, interrupted runs, modelled devices, program names) and the report's plots. Real SQLite files and
+real `python -m autofuse.cli` subprocesses in model mode, on the small programs of tests/dist_programs.py."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from autofuse.plan import FusedGroup, Plan
+from autofuse.runner.protocol import ValidationResult
+from autofuse.status import TrialStatus
+from autofuse.store import PlanStore
+from autofuse.tuning.dryrun import budget_warnings
+from autofuse.tuning.ledger import CandidateState, TrialRecord
+from autofuse.tuning.output import group_label
+from autofuse.tuning.report import TuneReport
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RMS = ["benchmarks.workloads:rms_norm", "--inputs", "tests.dist_programs:rms_norm_inputs"]
+LRB = ["benchmarks.workloads:log_relu_bias", "--inputs", "tests.dist_programs:log_relu_bias_inputs"]
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("AUTOFUSE_DB", None)
+    return subprocess.run([sys.executable, "-m", "autofuse.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(res: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+# --------------------------------------------------------------------------- names and the table, in process
+
+
+def test_group_label_names_template_and_ops_and_shortens_big_groups() -> None:
+    attention = ["dot_general", "div", "exp", "reduce_sum", "dot_general"]
+    assert group_label("attention", attention) == "attention: dot_general·div·exp·reduce_sum·dot_general"
+    assert group_label("elementwise", ["mul", "mul", "mul", "add"]) == "elementwise: mul×3·add"
+    big = ["broadcast_in_dim", "dot_general", "convert_element_type", "mul", "reduce_max", "sub", "exp", "reduce_sum", "div",
+           "convert_element_type", "dot_general", "reshape"] * 3
+    label = group_label("attention", big, width=60)
+    assert len(label) <= 60 and label.startswith("attention: dot_general·") and "(36 ops)" in label and "…" in label
+    assert "convert" not in label and "broadcast" not in label  # data movement goes first when space is short
+
+
+def _report(plan_groups: tuple[FusedGroup, ...], measure: str = "device") -> TuneReport:
+    def cand(sig: str, template: str, ops: tuple[str, ...], xla: float, times: list[float | None], n: int = 1) -> CandidateState:
+        trials = [TrialRecord(k, {"backend": "triton", "block_rows": k + 1}, TrialStatus.OK if t else TrialStatus.INFEASIBLE, t)
+                  for k, t in enumerate(times)]
+        c = CandidateState(sig, template, list(range(len(ops))), n, xla_ms=xla, trials=trials, ops=ops)
+        c.update_best()
+        return c
+
+    cands = [
+        cand("s-slow", "elementwise", ("add",), 1.0, [1.25]),
+        cand("s-never", "elementwise", ("sub", "mul"), 1.0, [None, None]),  # only infeasible configs: never measured
+        cand("s-norm", "row_reduce", ("mul", "reduce_sum", "div"), 2.0, [1.5, 1.0], n=2),
+        cand("s-fast", "elementwise", ("exp",), 1.0, [0.5]),
+    ]
+    plan = Plan("fp" * 16, plan_groups, {"measure": measure})
+    return TuneReport("m:f", "fp" * 16, measure, plan, 4.0, 2.0, 2.0, 0.004, cands, ValidationResult(TrialStatus.OK, 1e-6), 12.5, 5,
+                      run_id=3, plan_id=7, device="NVIDIA H100 80GB HBM3", model="NVIDIA H200" if measure == "model" else None)
+
+
+def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_summary() -> None:
+    g = FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 2}, "s-norm")
+    rep = _report((g, FusedGroup((5, 6, 7), "row_reduce", {"block_rows": 2}, "s-norm")))
+    lines = rep.table().splitlines()
+    body = lines[3:3 + 3]
+    assert body[0].startswith("*  row_reduce: mul·reduce_sum·div") and "2/2" in body[0] and "2.00x" in body[0]
+    assert body[1].lstrip().startswith("elementwise: exp") and body[2].lstrip().startswith("elementwise: add")  # then by speedup
+    assert "sub·mul" not in rep.table() and "1 candidate(s) never measured not shown" in rep.table()
+    assert "[0, 1, 2]" not in rep.table()  # groups are named by what they compute, not by node indices
+    assert "sub·mul" in rep.table(all_candidates=True)
+    assert lines[-1] == rep.summary()
+    assert rep.summary() == ("autofuse: m:f: 2.00x over jax.jit (4 -> 2 ms, noise ±0.4%, max rel error 1.0e-06; measured on NVIDIA H100 80GB "
+                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7")
+
+
+def test_summary_of_a_modelled_or_xla_plan_says_so() -> None:
+    rep = _report((), measure="model")
+    assert "MODELLED on a model of NVIDIA H200, not measured" in rep.summary() and "XLA's own plan" in rep.summary()
+    assert "H100" not in rep.table().splitlines()[0] and "model of NVIDIA H200" in rep.table().splitlines()[0]
+
+
+def test_budget_warnings() -> None:
+    assert "never get even their default config" in budget_warnings(8, 5, 3, None)[0]
+    assert "cannot give each of the 5 contenders more than its default" in budget_warnings(8, 5, 10, None)[0]
+    assert budget_warnings(8, 5, 13, None) == []
+    assert "time budget" in budget_warnings(8, 5, None, 60.0)[0]
+
+
+# --------------------------------------------------------------------------- the CLI, in real processes
+
+
+def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path}/t.db"
+    out = ok(cli("tune", *RMS, "--trials", "8", "--db", db))
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("autofuse tune benchmarks.workloads:rms_norm") and "MODELLED" in lines[0]
+    assert any(ln.startswith("*  row_reduce: ") for ln in lines) or "XLA's own plan" in lines[-1]
+    assert lines[-1].startswith("autofuse: benchmarks.workloads:rms_norm: ") and lines[-1].endswith("run 1, plan 1")
+    assert "  candidate " not in out.stderr and "  trial " not in out.stderr  # per-candidate and per-trial lines only with -v
+    assert "best plan " in out.stderr and "best candidate" not in out.stderr  # the bar: the job's best plan so far
+
+    quiet = ok(cli("tune", *RMS, "--trials", "4", "--db", db, "--quiet"))
+    assert len(quiet.stdout.strip().splitlines()) == 1 and quiet.stdout.startswith("autofuse: benchmarks.workloads:rms_norm: ")
+    assert "tune benchmarks" not in quiet.stderr  # no bar
+
+    verbose = ok(cli("tune", *RMS, "--trials", "4", "--db", db, "-v", "--all"))
+    assert verbose.stderr.count("  trial ") >= 4 and "  candidate " in verbose.stderr
+    n_cands = len(PlanStore(db).candidates(3))
+    assert sum(1 for ln in verbose.stdout.splitlines() if ln.lstrip("* ").split(":")[0] in ("elementwise", "row_reduce")) == n_cands
+
+    assert cli("tune", *RMS, "--db", db, "-v", "--quiet").returncode == 2  # one or the other
+
+
+def test_cli_dry_run_tunes_and_stores_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "never.db"
+    out = ok(cli("tune", *RMS, "--trials", "3", "--db", f"sqlite:///{db}", "--dry-run"))
+    lines = out.stdout.strip().splitlines()
+    assert "--dry-run" in lines[0] and "nothing compiled, timed or stored" in lines[0]
+    rows = [ln for ln in lines if ln[:1].isdigit() and " triton " in ln]
+    assert len(rows) == 8 and [int(r.split()[0]) for r in rows] == list(range(1, 9))  # the 8 distinct candidates, in phase-1 order
+    assert any(": " in r and "row_reduce" in r for r in rows)
+    assert lines[-1].startswith("warning: 3 trials for 8 distinct candidates")
+    assert not db.exists() and "no GPU measurement" not in out.stderr
+    enough = ok(cli("tune", *RMS, "--trials", "200", "--dry-run", "--json"))
+    data = json.loads(enough.stdout)
+    assert data["warnings"] == [] and len(data["candidates"]) == 8 and data["model"] == "NVIDIA H200"
+    assert {"order", "template", "ops", "instances", "configs", "xla_ms", "default_ms", "saving_ms", "contender"} <= set(data["candidates"][0])
+
+
+def test_listings_name_the_program_as_shown_count_measured_trials_and_show_the_model(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path}/l.db"
+    ok(cli("tune", *RMS, "--trials", "6", "--db", db, "--quiet"))
+    (run,) = json.loads(ok(cli("runs", "--db", db, "--json")).stdout)
+    assert run["program"] == "benchmarks.workloads:rms_norm"
+    trials = PlanStore(db).trials(run["id"])
+    measured = [t for t in trials if t["status"] not in ("infeasible", "pruned", "lost", "running")]
+    assert run["n_trials"] == len(measured) and run["n_infeasible"] == len(trials) - len(measured)
+    table = ok(cli("runs", "--db", db)).stdout
+    assert "benchmarks.workloads:rms_norm " in table and "model of NVIDIA H200" in table and " cpu " not in table
+    for name in ("benchmarks.workloads:rms_norm", "rms_norm", run["fingerprint"][:8]):  # the name shown, its function, the fingerprint
+        assert [p["run_id"] for p in json.loads(ok(cli("plans", "--db", db, "--json", "--program", name)).stdout)] == [run["id"]], name
+    assert cli("plans", "--db", db, "--program", "norm").stdout == ""  # no substring matching
+    assert "model of NVIDIA H200" in ok(cli("plans", "--db", db)).stdout
+    shown = ok(cli("show", "plan", "1", "--db", db)).stdout
+    assert any(ln.split() == ["device", "model", "of", "NVIDIA", "H200"] for ln in shown.splitlines())
+
+
+def test_a_dead_run_reads_interrupted_to_any_command_and_a_resumed_run_clears_its_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/i.db"
+    store = PlanStore(url)
+    p, d, s = store.program("fp1", "m:f", {}, 1), store.device("cpu"), store.software("j", "jl", "a", "pallas")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    kw = dict(budget={"trials": 4}, seed=0, sampler="tpe", measure="model")
+    dead = store.start_run(p, d, s, host=socket.gethostname(), pid=child.pid, **kw)
+    alive = store.start_run(p, d, s, **kw)  # this process
+    elsewhere = store.start_run(p, d, s, host="another-host", pid=child.pid, **kw)
+    rows = {r["id"]: r for r in json.loads(ok(cli("runs", "--db", url, "--json")).stdout)}
+    assert (rows[dead]["status"], rows[alive]["status"], rows[elsewhere]["status"]) == ("interrupted", "running", "running")
+    assert "is gone" in rows[dead]["error"]
+    assert [r["id"] for r in json.loads(ok(cli("runs", "--db", url, "--json", "--status", "interrupted")).stdout)] == [dead]
+    assert store.get_run(dead)["status"] == "interrupted"
+    with store.engine.connect() as conn:  # shown, not written: a reader never writes (read-only stores work the same)
+        assert conn.execute(sa.text("SELECT status FROM autofuse_runs WHERE id = :i"), {"i": dead}).scalar() == "running"
+    assert store.mark_interrupted() == [dead]
+    assert store.get_run(dead)["error"]
+    assert store.resume_run(dead)["error"] is None
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def test_workers_print_the_summary_only_when_quiet(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path}/w.db"
+    out = ok(cli("tune", *LRB, "--trials", "4", "--db", db, "--workers", "2", "--heartbeat", "1", "--quiet"))
+    assert len(out.stdout.strip().splitlines()) == 1 and out.stdout.startswith("autofuse: benchmarks.workloads:log_relu_bias: ")
+    assert "autofuse worker" not in out.stderr and "  trial " not in out.stderr
+    assert [ln for ln in out.stderr.strip().splitlines() if "no GPU measurement" not in ln and "not current" not in ln] == []
+
+
+# --------------------------------------------------------------------------- autofuse report
+
+
+def test_report_plots_converge_per_job_trial_and_mark_the_plan(tmp_path: Path) -> None:
+    from autofuse.report import convergence_series, run_title, speedup_axis, speedup_figure
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    cands = [{"id": i, "xla_ms": 1.0, "signature": f"s{i}", "template": "elementwise", "speedup": v}
+             for i, v in ((1, 1.06), (2, 1.13), (3, 0.9))]
+    trials = [{"id": k, "candidate_id": c, "status": "ok", "median_ms": ms, "created_at": t0 + dt.timedelta(seconds=k)}
+              for k, (c, ms) in enumerate([(1, 1 / 1.06), (2, 1 / 1.13), (3, 1 / 0.9)])]  # one trial per candidate
+    series = convergence_series(trials, cands)
+    assert series[1] == ([1, 3], [pytest.approx(1.06), pytest.approx(1.06)])  # a level held to the job's last trial
+    assert series[3] == ([3], [pytest.approx(0.9)])
+
+    scale, lo, hi = speedup_axis([1.06, 1.13])
+    assert scale == "linear" and lo < 1.0 < 1.13 < hi and (1.13 - 1.06) / (hi - lo) > 0.3  # 1.06x vs 1.13x: far apart
+    assert speedup_axis([0.5, 9.0])[0] == "log"
+    ax = speedup_figure(cands, {"s2"}, "t").axes[0]
+    widths = sorted(round(p.get_width(), 3) for p in ax.patches if p.get_width())
+    assert widths == [-0.1, 0.06, 0.13] and all(p.get_x() == 1.0 for p in ax.patches if p.get_width())  # grown from 1.0
+    bold = [t.get_text() for t in ax.get_yticklabels() if t.get_fontweight() == "bold"]
+    assert bold == ["#2 elementwise s2 (plan)"]
+
+    assert run_title({"id": 4, "program": "m:f", "measure": "model", "device": "cpu", "budget": {"model": "NVIDIA H200"}}) == \
+        "run 4: m:f on a model of NVIDIA H200"
+    assert run_title({"id": 4, "program": "m:f", "measure": "device", "device": "NVIDIA H100", "budget": {}}) == "run 4: m:f on NVIDIA H100"
+
+
+def test_cli_report_of_a_real_run_names_the_model(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path}/r.db"
+    ok(cli("tune", *RMS, "--trials", "9", "--db", db, "--quiet"))
+    report = Path(ok(cli("report", "1", "--out", str(tmp_path / "rep"), "--db", db)).stdout.strip())
+    text = report.read_text()
+    assert "**model of NVIDIA H200** (modelled" in text and (tmp_path / "rep" / "convergence.png").stat().st_size > 5000
