@@ -2,6 +2,7 @@
 
     autofuse runs [--program NAME] [--device NAME] [--since YYYY-MM-DD] [--min-speedup X] [--json|--csv]
     autofuse plans [...same filters...] [--current]
+    autofuse plans promote|pin|unpin|rm ID ; autofuse plans events [--plan ID]
     autofuse trials RUN [--status S]
     autofuse show run ID | show plan ID
     autofuse compare [...filters...]
@@ -11,7 +12,7 @@
     autofuse worker RUN [--workers N]  (join a run tuned with workers, from another host; autofuse.cli_tune)
 
 Every command takes ``--db URL`` (else ``$AUTOFUSE_DB``, else the per-user
-SQLite file). Errors are one line on stderr and exit status 2; set
+SQLite file); the listings open it read-only and never create one. Errors are one line on stderr and exit status 2; set
 ``AUTOFUSE_DEBUG=1`` for a traceback. Nothing here imports JAX at module
 level, and the store is imported only when a command runs.
 """

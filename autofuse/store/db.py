@@ -463,7 +463,7 @@ def open_readonly(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
         engine = _sqlite_readonly(path, timeout, immutable=False)
         try:
             revs = _read_schema(engine)
-        except exc.OperationalError as e:
+        except (exc.SQLAlchemyError, sqlite3.Error) as e:
             engine.dispose()
             if "unable to open" not in _first_line(e).lower():
                 raise translate_error(e, resolved) or e from None
