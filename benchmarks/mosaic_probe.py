@@ -1,11 +1,13 @@
 """GPU probe: the Mosaic GPU and Triton lowerings of a template against XLA, same process, same inputs: the
-`matmul` template (and, for a plain GEMM, JAX's hand-written `hopper_matmul_mgpu`), and the `attention` template
-(and cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`).
+`matmul` template (and, for a plain GEMM, JAX's hand-written `hopper_matmul_mgpu`; `groupnorm`: matmul + bias +
+swish + GroupNorm(32), the epilogue reducing over 128-column segments of each product row), and the `attention`
+template (and cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`).
 
 Every kernel is checked against jax.jit on the inputs before it is timed; times are medians of many back-to-back
 calls per sync over 3 rotating input sets (`runner.measure.time_fn`), with the spread (min..max of the repeats).
 
     python -m benchmarks.mosaic_probe [--only attention] [--out results/mosaic_probe_h100.json] [--quick]
+    python -m benchmarks.mosaic_probe --only groupnorm --out results/groupnorm_probe_h100.json
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from autofuse.kernels import TEMPLATES
 from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn
 from autofuse.graph import Group
 from autofuse.tuning.partition import Candidate
+from benchmarks.workloads import matmul_bias_swish_groupnorm
 
 BF16 = jnp.bfloat16
 
@@ -57,6 +60,7 @@ WORKLOADS = {
     "gemm-1024x8192x8192": (plain, [(1024, 8192), (8192, 8192)]),
     "bias-gelu-8192x4096x8192": (bias_gelu, [(8192, 4096), (4096, 8192), (8192,)]),
     "bias-residual-8192x4096x8192": (bias_residual, [(8192, 4096), (4096, 8192), (8192,), (8192, 8192)]),
+    "groupnorm-16384x2048x4096-G32": (matmul_bias_swish_groupnorm, [(16384, 2048), (2048, 4096), (4096,), (4096,), (4096,)]),
 }
 MOSAIC = {"matmul": [
     {},  # the lowering's default
@@ -66,6 +70,15 @@ MOSAIC = {"matmul": [
     {"block_k": 128, "max_concurrent_steps": 2},
     {"wg_dimension": 1},
     {"epi_tile_n": 128},
+], "groupnorm": [  # epi_tile_n is the segment (128) in every one: one epilogue piece per segment
+    {},  # the lowering's default: 2 x [128, 128] warpgroup tiles along M, 3-deep ring of 64-column K steps
+    {"block_m": 64, "wg_dimension": 1},  # CTA 64 x 256: half the accumulator registers per thread (64), 4 stages fit
+    {"block_m": 64, "wg_dimension": 1, "max_concurrent_steps": 4},
+    {"block_m": 64, "block_n": 256, "wg_dimension": 0},  # CTA 128 x 256, two pieces (segments) per warpgroup
+    {"block_m": 64, "block_n": 128, "wg_dimension": 0, "max_concurrent_steps": 4},  # CTA 128 x 128
+    {"block_m": 64, "wg_dimension": 1, "max_concurrent_steps": 2, "block_k": 128},  # 256-byte K steps, 2-deep ring
+    {"grid_tile_width": 4},
+    {"grid_tile_width": 16},
 ], "attention": [
     {},
     {"semantics": 0},
@@ -74,6 +87,7 @@ MOSAIC = {"matmul": [
     {"schedule_barrier": 0},
 ]}
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
+          "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}
 
 
@@ -100,6 +114,7 @@ def main(argv=None) -> int:
             continue
         graph, cand = _group(fn, shapes)
         tmpl = TEMPLATES[cand.template]
+        kind = "groupnorm" if cand.template == "matmul" and cand.spec.seg else cand.template  # the configs to try
         g = cand.group
         avals = g.input_avals()
         sets = [random_inputs(avals, 100 + k) for k in range(3)]
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
                   flush=True)
 
         measure("xla", ref)
-        for cfg in ([{}] if a.quick else MOSAIC[cand.template]):
+        for cfg in ([{}] if a.quick else MOSAIC[kind]):
             full = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), **cfg}
             why = tmpl.unsupported(cand.spec, "mosaic_gpu", full)
             if why:
@@ -138,8 +153,9 @@ def main(argv=None) -> int:
                 continue
             k = tmpl.build(g, full, backend="mosaic_gpu", spec=cand.spec)
             measure(f"mosaic {json.dumps(cfg)}", jax.jit(lambda *xs, k=k: k(*xs)), full)
-        k = tmpl.build(g, TRITON[cand.template], spec=cand.spec)
-        measure("triton", jax.jit(lambda *xs, k=k: k(*xs)), TRITON[cand.template])
+        for tcfg in [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}]):
+            k = tmpl.build(g, tcfg, spec=cand.spec)
+            measure(f"triton bn={tcfg['block_n']}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))
         if cand.template == "attention":  # cuDNN's fused attention takes [B, L, H, D]: transposed outside its timing
             cud = jax.jit(lambda q, k, v: [jax.nn.dot_product_attention(q, k, v, is_causal=fn is attention_causal, implementation="cudnn")])

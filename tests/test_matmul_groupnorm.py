@@ -121,3 +121,87 @@ def test_groupnorm_kernel_passes_the_cuda_lowering_guard(dtype):
     for cfg in (matmul.default_config(spec), {**SMALL, "block_n": 128}):
         kernel = TEMPLATES["matmul"].build(group, cfg, interpret=False, spec=spec)
         lowering_guard(kernel, [jax.ShapeDtypeStruct(g.avals[v].shape, g.avals[v].dtype) for v in group.inputs])
+
+
+# ---------------------------------------------------------------------------
+# The Mosaic GPU lowering: one epilogue piece per segment (epi_tile_n = seg), the segment's statistics row
+# reductions of the WGMMA piece; interpret mode against jax.jit, and the real lowering exported for CUDA.
+MOSAIC_CASES = [
+    pytest.param(GN4, ((100, 40), (40, 128), (128,), (128,), (128,)), BF16, None, id="swish-gn-bf16-ragged-M"),
+    pytest.param(GN4, ((200, 96), (96, 256), (256,), (256,), (256,)), F16,
+                 {"block_m": 64, "block_n": 128, "block_k": 32, "max_concurrent_steps": 2, "epi_tile_m": 64, "epi_tile_n": 64,
+                  "grid_tile_width": 2, "grid_minor_dim": 0, "wg_dimension": 1}, id="swish-gn-f16-seg64-two-pieces-per-tile"),
+    pytest.param(gn_ex2, ((70, 48), (96, 48), (96,), (96,), (96,)), F16, None, id="Bt-ex2-gn-f16-ragged-N"),
+    pytest.param(gn_at, ((40, 50), (40, 192), (50, 1)), BF16, None, id="At-gn-rowscale-bf16-seg64"),
+    pytest.param(gn_3d, ((2, 37, 40), (40, 64), (64,)), BF16, None, id="3d-lhs-mean-max-bf16"),
+]
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,config", MOSAIC_CASES)
+def test_mosaic_groupnorm_interpret_matches_xla(fn, shapes, dtype, config):
+    from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
+    from tests.kernel_checks import rel_err
+
+    _, group = _whole(fn, shapes, dtype)
+    spec = matmul.match(group)
+    cfg = config or mgpu_matmul.default_config(spec)
+    assert TEMPLATES["matmul"].unsupported(spec, "mosaic_gpu", cfg) is None
+    kernel = mgpu_matmul.lower(group, spec, cfg, interpret=True, num_sms=2)
+    keys = jax.random.split(jax.random.key(0), len(group.inputs))
+    xs = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
+    (out,) = jax.block_until_ready(kernel(*xs))
+    ref = jax.jit(fn)(*xs)
+    assert out.dtype == ref.dtype
+    assert rel_err(out, ref) <= {BF16: 2e-2, F16: 4e-3}[dtype], cfg
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,config", MOSAIC_CASES)
+def test_mosaic_groupnorm_lowers_for_cuda(fn, shapes, dtype, config):
+    from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
+    from autofuse.runner.evaluator import export_for_cuda
+
+    _, group = _whole(fn, shapes, dtype)
+    spec = matmul.match(group)
+    for cfg in ([config] if config else []) + [mgpu_matmul.default_config(spec)]:
+        exp = export_for_cuda(mgpu_matmul.lower(group, spec, cfg), [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()])
+        assert "mosaic_gpu_v2" in exp.mlir_module()
+
+
+def test_mosaic_groupnorm_full_shape_configs_lower_and_fit():
+    """The benchmark shape (16384x2048x4096, 32 groups of 128): the default and the probe's configs lower for CUDA
+    within shared memory; a piece narrower than a segment is declined."""
+    from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
+    from autofuse.kernels.mosaic_gpu.tiles import Unsupported
+    from autofuse.runner.evaluator import export_for_cuda
+    from benchmarks.mosaic_probe import MOSAIC
+
+    shapes = ((16384, 2048), (2048, 4096), (4096,), (4096,), (4096,))
+    _, group = _whole(matmul_bias_swish_groupnorm, shapes, BF16)
+    spec = matmul.match(group)
+    assert spec.seg == 128
+    base = mgpu_matmul.default_config(spec)
+    for extra in MOSAIC["groupnorm"]:
+        cfg = {**base, **extra}
+        assert TEMPLATES["matmul"].unsupported(spec, "mosaic_gpu", cfg) is None, cfg
+        export_for_cuda(mgpu_matmul.lower(group, spec, cfg), [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()])
+    with pytest.raises(Unsupported, match="segment"):
+        mgpu_matmul.lower(group, spec, {**base, "epi_tile_n": 64})
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["benchmark-shape", "small-shape"])
+def test_tuner_offers_the_whole_groupnorm_program_on_both_backends(small):
+    """The suite's workload (benchmarks/workloads.py) enumerates one matmul candidate covering every node, whose
+    default config is feasible for Triton and, with the segment as its epilogue piece, for Mosaic GPU."""
+    from autofuse.tuning.space import CandidateSpace
+    from benchmarks.workloads import specs, workloads
+
+    w = next(w for w in workloads(small) if w.name == "matmul_bias_swish_groupnorm")
+    g = autofuse.capture(w.fn, *specs(w, BF16))
+    whole = [c for c in enumerate_candidates(g) if c.template == "matmul" and len(c.nodes) == len(g.nodes)]
+    assert len(whole) == 1
+    spec = whole[0].spec
+    assert spec.seg == w.shapes[1][1] // 32
+    space = CandidateSpace.of("matmul", whole[0].group, spec, backends=("mosaic_gpu", "triton"))
+    assert list(space.spaces) == ["mosaic_gpu", "triton"]
+    for sp in space.spaces.values():
+        assert not sp.violated(sp.default), sp.backend

@@ -14,6 +14,12 @@ layout, a bias [N] as a column vector, a per-row scale [M, 1] as a row vector,
 a residual [M, N] as a tile, all brought into SMEM by TMA), then writes each
 output of the group through SMEM with a TMA store.
 
+An epilogue that reduces over segments of a product row (GroupNorm: `MatmulSpec.seg`, the epilogue rewritten
+onto [..., N / seg, seg] by `passes.split_columns`) runs one epilogue piece per segment (`epi_tile_n` = seg, so
+block_n holds whole segments): a segment's statistics are row reductions of the [epi_tile_m, seg] WGMMA piece
+(each row's columns are held by the four threads of one quad, so they stay within a warp), row vectors that
+broadcast back over the piece, where the normalisation runs before the piece is stored.
+
 Ragged shapes: no masks, and no padding to the tile sizes. TMA loads zero-fill
 whatever part of a box lies outside the array (so the K tail contributes zeros
 to the product, and the epilogue of rows / columns past the edge runs on zeros),
@@ -58,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
 from ..matmul import MatmulSpec
-from .gemm import LOW as _LOW, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
+from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import require_smem
 from .gemm import compute_dtype as _compute, from_kernel as _from_kernel, kernel_dtype as _kernel_dtype  # noqa: F401
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
@@ -131,6 +137,9 @@ def default_config(spec: MatmulSpec) -> dict:
         cfg["block_n"] = 64
     cfg["epi_tile_m"] = min(cfg["epi_tile_m"], cfg["block_m"])
     cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
+    if spec.seg:  # one epilogue piece per segment, whole segments per tile
+        cfg["block_n"] = max(cfg["block_n"], spec.seg) // spec.seg * spec.seg
+        cfg["epi_tile_n"] = spec.seg
     wide = 128 // itemsize  # K elements of one 128-byte swizzle row
     rings = ([(2 * wide, 2)] if spec.K >= 4 * wide else []) + [(wide, 4), (wide, 3), (wide, 2)] if spec.K > wide else [(64 // itemsize, 4)]
     while True:
@@ -138,7 +147,7 @@ def default_config(spec: MatmulSpec) -> dict:
             cfg["block_k"], cfg["max_concurrent_steps"] = bk, steps
             if smem_bytes(spec, Config.of(cfg)) <= SMEM_LIMIT:
                 return cfg
-        if cfg["block_n"] <= 64:
+        if cfg["block_n"] <= max(64, spec.seg) or (spec.seg and (cfg["block_n"] // 2) % spec.seg):
             return cfg  # the lowering's own check says why it does not fit
         cfg["block_n"] //= 2
         cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
@@ -156,7 +165,9 @@ def check_group(spec: MatmulSpec) -> None:
         raise Unsupported("a prologue (elementwise work on a dot operand inside the group): not yet in the Mosaic GPU lowering")
     if dt not in _LOW and dt != np.dtype(jnp.float32):
         raise Unsupported(f"operand dtype {dt}: wgmma takes bf16, f16 and float32 (as TF32)")
-    check_nodes([n for n in spec.group.nodes if n.id != spec.dot.id])
+    check_nodes(spec.epi_nodes, reductions=bool(spec.seg))
+    if spec.seg and any(n.name == "iota" for n in spec.epi_nodes):
+        raise Unsupported("an iota in an epilogue over segments of a row: not in the Mosaic GPU lowering")
     for v in spec.group.outputs:
         if spec.epi.layout_span(v) != FULL:
             raise Unsupported(f"output %{v} {g.avals[v]} is not a full [M, N] tile of the product")
@@ -185,6 +196,9 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported(f"epi_tile_m={cfg.epi_tile_m} must be a multiple of 64 dividing block_m={bm}")
     if bn % cfg.epi_tile_n or cfg.epi_tile_n % 8:
         raise Unsupported(f"epi_tile_n={cfg.epi_tile_n} must divide block_n={bn} and be a multiple of 8")
+    if spec.seg and cfg.epi_tile_n != spec.seg:
+        raise Unsupported(f"epi_tile_n={cfg.epi_tile_n}: the epilogue reduces over segments of {spec.seg} columns, "
+                          "one epilogue piece per segment (epi_tile_n = the segment length)")
     if cfg.max_concurrent_steps < 1 or cfg.grid_tile_width < 1:
         raise Unsupported("max_concurrent_steps and grid_tile_width must be >= 1")
     if cfg.wg_dimension not in (M_DIM, N_DIM) or cfg.grid_minor_dim not in (M_DIM, N_DIM):
@@ -216,7 +230,8 @@ def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
     for v in epi_inputs(spec):
         sp, isz = spec.epi.span[v], _kernel_dtype(g.avals[v].dtype).itemsize
         ins += 2 * isz * (em * en if sp == FULL else em if sp == ROWS else en if sp.cols else 0)
-    return ring + outs + ins + SMEM_MARGIN  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
+    scratch = REDUCTION_SCRATCH if spec.seg else 0  # Mosaic GPU reserves it in a kernel with reductions
+    return ring + outs + ins + scratch + SMEM_MARGIN  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
 
 
 # ---------------------------------------------------------------------------
@@ -251,7 +266,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     wg_m = cfg.wg_dimension == M_DIM
 
     out_v = spec.dot.outputs[0]
-    epi_nodes = [n for n in group.nodes if n.id != spec.dot.id]
+    epi_nodes = spec.epi_nodes
     ein = epi_inputs(spec)
     espan = {v: spec.epi.span[v] for v in ein}
     tile_in = [v for v in ein if espan[v] == FULL]  # fetched per epilogue piece

@@ -71,13 +71,18 @@ def supported_primitives() -> frozenset[str]:
         })
 
 
-def check_nodes(nodes: list[Node]) -> None:
-    """Raise `Unsupported` naming the first equation the Mosaic GPU lowering cannot run on register arrays."""
+def check_nodes(nodes: list[Node], *, reductions: bool = False) -> None:
+    """Raise `Unsupported` naming the first equation the Mosaic GPU lowering cannot run on register arrays
+    (`reductions`: row reductions of a piece are allowed, as a segmented epilogue has them)."""
     have = supported_primitives()
     for nd in nodes:
         cls = ops.op_class(nd.name)
         if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
             continue  # no code: spans say where a value varies
+        if reductions and cls is OpClass.REDUCTION:
+            if nd.name not in have:
+                raise Unsupported(f"primitive {nd.name} has no Mosaic GPU lowering in jax {jax.__version__}")
+            continue
         if cls is OpClass.SOURCE:
             continue  # iota: built from plgpu.broadcasted_iota
         if cls is not OpClass.ELEMENTWISE:
@@ -112,11 +117,17 @@ class RegisterTiles:
         self.spec, self.bm, self.bn = spec, bm, bn
         self.g = spec.group.graph
 
+    def piece(self, span: Span) -> Span:
+        """What a value of `span` varies along within one piece. With segmented columns (`spec.seg`) a piece is
+        one segment wide, so a segment's statistic (`per_segment`) is a row vector there (or a scalar)."""
+        return Span(span.rows, False) if span.per_segment else span
+
     def shape(self, span: Span) -> tuple[int, ...]:
+        span = self.piece(span)
         return (self.bm,) * span.rows + (self.bn,) * span.cols
 
     def span_of(self, a) -> Span:
-        return NONE if isinstance(a, Lit) else self.spec.span[a]
+        return NONE if isinstance(a, Lit) else self.piece(self.spec.span[a])
 
     def widen(self, x, have: Span, want: Span):
         """`x` (a value of span `have`) broadcast to span `want` (which contains it)."""
@@ -135,9 +146,17 @@ class RegisterTiles:
     def eval_node(self, nd: Node, env: dict, r0=0, c0=0) -> None:
         cls = ops.op_class(nd.name)
         out = nd.outputs[0]
-        want = self.spec.span[out]
+        want = self.piece(self.spec.span[out])
         if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
             env[out] = self.atom(env, nd.inputs[0])  # the span (what it varies along) is unchanged: no code
+        elif cls is OpClass.REDUCTION and self.spec.seg and self.bn == self.spec.seg:
+            # over one segment = over this piece's columns: a row reduction that stays within each warp
+            kind = ops.reduction_kind(nd.name)
+            x, have = self.atom(env, nd.inputs[0]), self.span_of(nd.inputs[0])
+            if not have.cols:  # constant along the segment
+                env[out] = x * self.spec.seg if kind == "sum" else x
+            else:
+                env[out] = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind](x, axis=1)
         elif cls is OpClass.ELEMENTWISE:
             ins = [self.widen(self.atom(env, a), self.span_of(a), want) for a in nd.inputs]
             env[out] = ops.eval_elementwise(nd.primitive, nd.params, self.g.avals[out].dtype, ins,
@@ -166,4 +185,4 @@ class RegisterTiles:
 
     def store_value(self, env: dict, v: int, dtype) -> jax.Array:
         """Output `v` as a full [bm, bn] tile in its own dtype (rounded from float32 where it is a low float)."""
-        return self.widen(env[v], self.spec.span[v], FULL).astype(dtype)
+        return self.widen(env[v], self.span_of(v), FULL).astype(dtype)
