@@ -37,7 +37,7 @@ def _env(**extra: str) -> dict:
 
 def _tune(program: list[str], url: str, workers: int, trials: int, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", *program, "--trials", str(trials), "--db", url,
-                             "--workers", str(workers), "--heartbeat", "1"],
+                             "--workers", str(workers), "--heartbeat", "1", "-v"],  # -v: each worker says what it did
                             cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -97,7 +97,7 @@ def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
             break
         except KeyError:
             time.sleep(0.2)
-    joiner = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", "--db", pg_url], cwd=ROOT, env=_env(),
+    joiner = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", "--db", pg_url, "-v"], cwd=ROOT, env=_env(),
                             capture_output=True, text=True, timeout=600)
     assert joiner.returncode == 0, joiner.stderr[-4000:]
     out, err = _finish(launcher)
@@ -106,7 +106,8 @@ def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
     assert len(books["workers"]) >= 2, "the trials were shared out between workers"  # a worker starting late may find none left
     assert err.count("plan saved") == 1 and err.count("joined run") == 3 and " exit " not in err
     assert sum(worker_counts(err)) == 15 and len(worker_counts(err)) == 3
-    assert "plan:" in out and f"run {books['run']['id']}" in out
+    assert out.splitlines()[-1].startswith("autofuse: ") and f"run {books['run']['id']}, plan " in out  # the summary line
+    assert joiner.stdout.startswith(f"autofuse worker: run {books['run']['id']} ")
     # our migrations and Optuna's tables side by side in one PostgreSQL schema
     tables = set(sa.inspect(books["store"].engine).get_table_names())
     assert {"autofuse_runs", "autofuse_trials", "autofuse_alembic_version", "studies", "trials", "alembic_version"} <= tables
@@ -141,7 +142,7 @@ def test_pg_sigkilled_worker_trial_is_retried_and_the_run_completes(pg_url: str)
     retried = [t for t in books["rows"] if t["signature"] == killed["signature"] and t["config"] == killed["config"] and t["status"] != "lost"]
     assert len(retried) == 1 and retried[0]["number"] > killed["number"], "the dead worker's config was measured by another worker"
     assert not any(w.endswith(f":{pid}") for w in books["workers"] if w)  # the trial it had is not counted as its
-    assert "exit -9" in err and "plan:" in out
+    assert "exit -9" in err and out.splitlines()[-1].startswith("autofuse: ")
 
 
 def test_sqlite_four_workers_on_one_host(tmp_path) -> None:
