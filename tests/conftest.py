@@ -39,3 +39,16 @@ def pg_url() -> Iterator[str]:
         with admin.begin() as conn:
             conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+    """Say why the PostgreSQL tests were skipped (``-q`` shows only a count): one line, with how to run them."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "postgres" in getattr(r, "keywords", {})]
+    if not skipped:
+        return
+    longrepr = skipped[0].longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    terminalreporter.write_line(f"{len(skipped)} PostgreSQL test(s) skipped: {reason} "
+                                "(AUTOFUSE_TEST_PG_URL=$(scripts/start-postgres) ./scripts/test -m postgres starts a local server)",
+                                yellow=True)

@@ -224,3 +224,15 @@ def test_device_mode_refuses_more_workers_than_gpus(monkeypatch, tmp_path) -> No
                                store=f"sqlite:///{tmp_path}/g.db", name=None, measure="device", model="h200", quiet=True, isolate=True,
                                trial_timeout_s=60.0, static_argnums=(), static_argnames=(), heartbeat_s=1, progress=None)
     assert not (tmp_path / "g.db").exists()
+
+
+def test_postgres_skips_say_why() -> None:
+    """Without a server the PostgreSQL tests skip, and `pytest -q` says why and how to run them in one line."""
+    env = _env()
+    env.pop("AUTOFUSE_TEST_PG_URL", None)
+    env.pop("AUTOFUSE_REQUIRE_PG", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_store_postgres.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if "PostgreSQL test(s) skipped" in ln)
+    assert "set AUTOFUSE_TEST_PG_URL=postgresql+psycopg://" in line and "scripts/start-postgres" in line
