@@ -14,6 +14,13 @@ runs its batch entries on a second grid axis; an A of shape [..., K] (h @ W
 with h [B, S, D]) is a matrix of its flattened rows. A prologue (elementwise
 work on an operand before the dot: a scale, a cast) runs on each operand tile
 as it is loaded. `precision=HIGHEST` stays in XLA.
+
+An epilogue may also reduce over segments of a product row (GroupNorm: a reshape of [..., N] into
+[..., G, N / G], reductions over the last axis, broadcasts back, a reshape back): `passes.split_columns` rewrites
+it so that every value carrying the product's columns carries them as [G, seg] (seg = N / G), and
+`tiling.analyze_segments` tiles that (`MatmulSpec.seg`). A tile then holds whole segments (block_n a multiple of
+seg: a search-space constraint), so each segment's statistics are computed inside the tile, from the float32
+accumulator, and only the normalised result is written.
 """
 from __future__ import annotations
 
