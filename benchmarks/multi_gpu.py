@@ -1,0 +1,235 @@
+"""Tuning on a machine with several GPUs (issue 18): `autofuse tune ... --workers N` for each N on the same trial
+budget, for the suite's attention and SPLADE head workloads and GPT-2 medium's forward; one Markdown table.
+
+    python -m benchmarks.multi_gpu --workers 1,2 --out $OUT/multi_gpu.md [--workloads gpt2,attention,splade]
+        [--trials gpt2=24,attention=12,splade=12] [--deadline 560] [--commit HASH]
+
+Each configuration runs `python -m autofuse.cli tune` in its own process group, with its own SQLite file
+(beside the table), under a time limit (what is left of `--deadline`, at most `--timeout`): a failure or a
+timeout is a row that says so, and the rest go on. The table is rewritten after every configuration, so a
+run cut short keeps what it did; each command's output is kept in `<out>.logs/`.
+
+Per row, from the run's store: the command's wall time; "start": the run's start to its first trial (capture,
+the XLA timing of every distinct candidate, compiling ahead); "first plan": the command's start to the first
+plan stored for the run (the run's timestamps; a run stores its validated plan once, at its end);
+trials counted against the budget and per minute of wall time; jax.jit and plan ms and the speedup as the
+final validation measured them; and per worker (host:pid) the device its trial process ran on
+(`CUDA_VISIBLE_DEVICES` and the jax device), its XLA timings and its trials.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.workloads import specs, workloads
+
+PROGRAMS = {  # name: (function, inputs factory, what it is)
+    "gpt2": ("examples.gpt2:forward", "benchmarks.multi_gpu:gpt2_shapes", "GPT-2 medium forward (24 layers, B8 S2048, bf16)"),
+    "attention": ("benchmarks.workloads:attention_bhld", "benchmarks.multi_gpu:attention_shapes", "attention [8,32,2048,128] bf16"),
+    "splade": ("benchmarks.workloads:splade_head", "benchmarks.multi_gpu:splade_shapes", "SPLADE head [32,256,768]x[768,30522] bf16"),
+}
+DEFAULT_TRIALS = {"gpt2": 24, "attention": 12, "splade": 12}
+SMALL_INPUTS = {  # --small: CPU-sized shapes, for trying the script without a GPU (model mode)
+    "gpt2": "examples.gpt2:small_inputs", "attention": "benchmarks.multi_gpu:attention_small", "splade": "benchmarks.multi_gpu:splade_small",
+}
+
+
+def _suite(name: str, small: bool = False) -> tuple:
+    (w,) = [w for w in workloads(small) if w.name == name]
+    return tuple(specs(w, jnp.float32 if small else jnp.bfloat16))
+
+
+def attention_small() -> tuple:
+    return _suite("attention", small=True)
+
+
+def splade_small() -> tuple:
+    return _suite("splade_head", small=True)
+
+
+def attention_shapes() -> tuple:
+    """The suite's attention workload, as shapes (workers rebuild arguments from shapes anyway)."""
+    return _suite("attention")
+
+
+def splade_shapes() -> tuple:
+    return _suite("splade_head")
+
+
+def gpt2_shapes() -> tuple:
+    """GPT-2 medium's forward arguments as shapes: no 0.7 GB of weights made in the launcher."""
+    from examples import gpt2
+
+    return jax.eval_shape(gpt2.example_inputs)
+
+
+def run_one(program: str, workers: int, trials: int, workdir: str, limit_s: float, extra: list[str], small: bool = False) -> dict[str, Any]:
+    """One `autofuse tune --workers N` in its own process group, killed whole at `limit_s`; its facts from the store."""
+    fn, inputs, _ = PROGRAMS[program]
+    inputs = SMALL_INPUTS[program] if small else inputs
+    db = os.path.join(workdir, f"{program}_w{workers}.db")
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(db + suffix):
+            os.unlink(db + suffix)
+    cmd = ["autofuse", "tune", fn, "--inputs", inputs, "--trials", str(trials), "--workers", str(workers), "--db", f"sqlite:///{db}", *extra]
+    log = os.path.join(workdir, f"{program}_w{workers}.log")
+    row: dict[str, Any] = {"program": program, "small": small, "workers": workers, "trials_budget": trials, "command": " ".join(cmd), "log": log}
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "autofuse.cli", *cmd[1:]], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers and their trial processes
+            proc.wait()
+            code = "timeout"
+    row["wall_s"], row["t0"] = time.time() - t0, t0
+    row["exit"] = code
+    try:
+        row.update(read_store(db, t0))
+    except Exception as e:  # noqa: BLE001 - a run that never got far has no store to read: the row says why
+        row["store_error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def read_store(db: str, t0: float) -> dict[str, Any]:
+    """What the run's store says: status, timings, speedup, and who measured what on which device."""
+    from autofuse.store import PlanStore
+
+    store = PlanStore(f"sqlite:///{db}")
+    (run,) = store.runs()
+    run = store.get_run(run["id"])
+    trials = store.trials(run["id"])
+    cands = store.candidates(run["id"])
+    counted = [t for t in trials if t["status"] not in ("infeasible", "pruned", "lost", "running")]
+    plans = [p for p in store.plans() if p["run_id"] == run["id"]]
+    started = run["started_at"].timestamp()
+    first_trial = min((t["created_at"].timestamp() for t in counted), default=None)
+    per_worker: dict[str, dict] = defaultdict(lambda: {"devices": Counter(), "xla": 0, "trials": 0})
+    for c in cands:
+        if c.get("xla_worker"):
+            w = per_worker[c["xla_worker"]]
+            w["xla"] += 1
+            w["devices"][c.get("xla_device") or "?"] += 1
+    for t in counted:
+        w = per_worker[t.get("worker") or "?"]
+        w["trials"] += 1
+        w["devices"][t.get("device") or "?"] += 1
+    return {
+        "status": run["status"], "error": run.get("error"), "device": run["device"],
+        "versions": f"jax {run.get('jax')}, jaxlib {run.get('jaxlib')}, autofuse {run.get('autofuse')}",
+        "candidates": len(cands), "trials": len(counted),
+        "start_s": first_trial - started if first_trial else None,
+        "first_plan_s": min(p["created_at"].timestamp() for p in plans) - t0 if plans else None,
+        "baseline_ms": run.get("baseline_ms"), "best_ms": run.get("best_ms"), "speedup": run.get("speedup"),
+        "per_worker": {k: dict(v) for k, v in per_worker.items()},
+    }
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def workers_cell(per_worker: dict) -> str:
+    """Per worker: the devices it ran on (counts), its XLA timings and its trials."""
+    parts = []
+    for w, v in sorted(per_worker.items()):
+        devs = "; ".join(f"{d} x{n}" for d, n in v["devices"].most_common())
+        parts.append(f"`{w}`: {v['xla']} XLA + {v['trials']} trials on {devs}")
+    return "<br>".join(parts) or "—"
+
+
+def table(rows: list[dict], header: dict[str, str]) -> str:
+    lines = ["# Tuning with several GPUs: `autofuse tune --workers N` (issue 18)", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items()]
+    lines += ["", "| workload | workers | exit | status | wall s | start s | first plan s | trials | trials/min | jax.jit ms | plan ms "
+              "| speedup | per worker: XLA timings, trials, devices | command |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tpm = 60 * r["trials"] / r["wall_s"] if r.get("trials") and r.get("wall_s") else None
+        status = r.get("status") or r.get("store_error", "no store")
+        if r.get("error"):
+            status += f" ({r['error'][:120]})"
+        what = f"{r['program']} (small shapes)" if r.get("small") else PROGRAMS[r["program"]][2]
+        lines.append(f"| {what} | {r['workers']} | {r['exit']} | {status} | {_f(r.get('wall_s'))} | "
+                     f"{_f(r.get('start_s'))} | {_f(r.get('first_plan_s'))} | {r.get('trials', '—')}/{r['trials_budget']} | {_f(tpm)} | "
+                     f"{_f(r.get('baseline_ms'), '{:.4g}')} | {_f(r.get('best_ms'), '{:.4g}')} | {_f(r.get('speedup'), '{:.2f}x')} | "
+                     f"{workers_cell(r.get('per_worker', {}))} | `{r['command']}` |")
+    return "\n".join(lines) + "\n"
+
+
+def commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("AUTOFUSE_COMMIT", "unknown (no git here: pass --commit)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.multi_gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="gpt2,attention,splade", help=f"of {','.join(PROGRAMS)}, run in this order")
+    ap.add_argument("--workers", default="1,2", help="worker counts, each on the same trial budget")
+    ap.add_argument("--trials", default="", help="per workload, e.g. gpt2=24,attention=12 (defaults: "
+                    + ",".join(f"{k}={v}" for k, v in DEFAULT_TRIALS.items()) + ")")
+    ap.add_argument("--deadline", type=float, default=560.0, help="seconds for everything; a configuration gets what is left")
+    ap.add_argument("--timeout", type=float, default=300.0, help="at most this many seconds per configuration")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "multi_gpu.md"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--small", action="store_true", help="CPU-sized shapes (to try the script without a GPU)")
+    ap.add_argument("--extra", default="", help="more arguments for every autofuse tune (e.g. --compile-workers 8)")
+    a = ap.parse_args(argv)
+    t_start = time.time()
+    trials = dict(DEFAULT_TRIALS, **{k: int(v) for k, v in (kv.split("=") for kv in a.trials.split(",") if kv)})
+    progs = [p.strip() for p in a.workloads.split(",") if p.strip()]
+    unknown = [p for p in progs if p not in PROGRAMS]
+    if unknown:
+        ap.error(f"unknown workload(s) {unknown}; known: {', '.join(PROGRAMS)}")
+    counts = [int(x) for x in a.workers.split(",")]
+    workdir = os.path.splitext(os.path.abspath(a.out))[0] + ".logs"
+    os.makedirs(workdir, exist_ok=True)
+    header = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(a.commit),
+              "host": f"{os.uname().nodename}, {os.cpu_count()} cores, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
+              "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.multi_gpu", *(argv if argv is not None else sys.argv[1:])])}
+    rows: list[dict] = []
+    plan = [(p, n) for p in progs for n in counts]
+    for k, (p, n) in enumerate(plan):
+        left = a.deadline - (time.time() - t_start)
+        if left < 30:
+            print(f"[{time.time() - t_start:5.0f} s] skip {p} --workers {n}: {left:.0f} s left of --deadline", flush=True)
+            rows.append({"program": p, "workers": n, "trials_budget": trials[p], "command": "(skipped: out of time)", "exit": "skipped"})
+            continue
+        limit = min(a.timeout, left)
+        print(f"[{time.time() - t_start:5.0f} s] ({k + 1}/{len(plan)}) {p} --workers {n} --trials {trials[p]} (limit {limit:.0f} s)", flush=True)
+        row = run_one(p, n, trials[p], workdir, limit, a.extra.split(), a.small)
+        rows.append(row)
+        for key in ("device", "versions"):
+            if row.get(key):
+                header.setdefault({"device": "card", "versions": "versions"}[key], row[key])
+        print(f"[{time.time() - t_start:5.0f} s]   exit {row['exit']}, {row.get('status') or row.get('store_error')}: wall {row['wall_s']:.1f} s, "
+              f"start {_f(row.get('start_s'))} s, first plan {_f(row.get('first_plan_s'))} s, {row.get('trials', 0)} trials, "
+              f"speedup {_f(row.get('speedup'), '{:.2f}x')}; workers: {len(row.get('per_worker', {}))} (log {row['log']})", flush=True)
+        with open(a.out, "w") as f:
+            f.write(table(rows, header))
+    with open(a.out, "w") as f:
+        f.write(table(rows, header))
+    print(table(rows, header))
+    print(f"written: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
