@@ -90,8 +90,31 @@ def test_concurrent_start_records_what_the_serial_one_does():
     chunk, pos = ahead.chunk_size(2), 0
     for start in range(0, len(cands), chunk):
         part = [XlaRequest(tuple(r.nodes)) for r in cands[start:start + chunk]]
-        assert conc.requests[pos] == CompileRequest(tuple(part), 2) and conc.requests[pos + 1:pos + 1 + len(part)] == part
+        assert conc.requests[pos] == CompileRequest(tuple(part), 2, ahead.BATCH_TIMEOUT_S) and conc.requests[pos + 1:pos + 1 + len(part)] == part
         pos += 1 + len(part)
+
+
+class CrashingBatches(Recorder):
+    """Every batch compiled ahead kills the trial process."""
+
+    def call(self, req):
+        if isinstance(req, CompileRequest):
+            self.requests.append(req)
+            return CompileResult(TrialStatus.CRASHED, failed=len(req.items), error="trial process died")
+        return super().call(req)
+
+
+def test_after_a_batch_crashes_the_start_compiles_one_at_a_time():
+    """A crash that would repeat costs one restart, not one per batch: compiling ahead stops, the timings go on."""
+    *_, cands, spaces = _program()
+    rec = CrashingBatches()
+    time_xla(cands, rec, compile_workers=2)
+    assert [type(q) for q in rec.requests].count(CompileRequest) == 1 and all(r.xla_ms for r in cands)
+    rec.requests.clear()
+    ahead_ = CompileAhead(rec, cands, spaces, "device", 2)
+    ahead_.before(0)
+    ahead_.before(next(j for j in range(len(cands)) if j not in ahead_.sent))  # would be a batch of its own
+    assert [type(q) for q in rec.requests] == [CompileRequest] and ahead_.workers == 1
 
 
 def test_compiling_ahead_gives_the_serial_executables_and_results():

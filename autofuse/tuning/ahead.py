@@ -7,9 +7,9 @@ GIL while it compiles, so the trial process compiles a chunk of them on a
 thread pool (`CompileRequest`), then the usual requests time them one at a
 time on the GPU, finding their executables ready. The results are those of the
 serial path: what failed to compile ahead compiles again in its own request,
-and a kernel that crashes the trial process during a batch only loses the batch
-(the process restarts and its items compile in their own requests, where the
-crash fails its one trial).
+and a kernel that crashes (or hangs) the trial process during a batch only loses
+the batch: the process restarts, its items compile in their own requests, where
+the crash fails its one trial, and the job compiles one at a time from then on.
 
 How many threads: `compile_workers` (``--compile-workers``,
 ``$AUTOFUSE_COMPILE_WORKERS``), else the cores this process may use, shared
@@ -17,10 +17,12 @@ among the workers of this host, at most `MAX_COMPILE_WORKERS`.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Sequence
 
 from ..runner.protocol import CompileRequest, TrialRequest, TrialResult, XlaRequest
+from ..status import TrialStatus
 from .ledger import CandidateState
 from .scheduler import phase1_order
 from .space import CandidateSpace
@@ -28,6 +30,8 @@ from .space import CandidateSpace
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
 MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
+BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
+log = logging.getLogger("autofuse")
 
 
 def compile_workers(requested: int | None = None, share: int = 1) -> int:
@@ -50,6 +54,17 @@ def chunk_size(workers: int) -> int:
     return max(1, CHUNK_PER_THREAD * workers)
 
 
+def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest], workers: int) -> bool:
+    """Send one batch to be compiled ahead; False if it crashed or hung the trial process (restarted for the next
+    request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch."""
+    res = runner.call(CompileRequest(tuple(items), workers, timeout_s=BATCH_TIMEOUT_S))
+    if res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT):
+        log.warning("autofuse: compiling %d items ahead on %d threads: %s (%s); compiling one at a time from here",
+                    len(items), workers, res.status.value, res.error)
+        return False
+    return True
+
+
 def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None) -> list[TrialResult]:
     """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
     at a time; one result per candidate, in order."""
@@ -57,8 +72,8 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
     size = chunk_size(workers)
     for start in range(0, len(cands), size):
         part = cands[start:start + size]
-        if workers > 1 and len(part) > 1:
-            runner.call(CompileRequest(tuple(XlaRequest(tuple(r.nodes)) for r in part), workers))
+        if workers > 1 and len(part) > 1 and not compile_batch(runner, [XlaRequest(tuple(r.nodes)) for r in part], workers):
+            workers = 1
         for r in part:
             res = runner.call(XlaRequest(tuple(r.nodes)))
             r.xla_ms = res.median_ms if res.ok else None
@@ -102,4 +117,5 @@ class CompileAhead:
         reqs = tuple(q for q in (self.first_request(j) for j in pick) if q is not None)
         if len(reqs) > 1:
             self.batches.append(len(reqs))
-            self.runner.call(CompileRequest(reqs, self.workers))
+            if not compile_batch(self.runner, reqs, self.workers):
+                self.workers = 1
