@@ -52,6 +52,9 @@ def test_group_label_names_template_and_ops_and_shortens_big_groups() -> None:
     label = group_label("attention", big, width=60)
     assert len(label) <= 60 and label.startswith("attention: dot_general·") and "(36 ops)" in label and "…" in label
     assert "convert" not in label and "broadcast" not in label  # data movement goes first when space is short
+    flash = ["dot_general", "mul", "iota", "ge", "select_n", "reduce_max", "stop_gradient", "sub", "exp", "reduce_sum", "div",
+             "convert_element_type", "dot_general"] + ["broadcast_in_dim", "add", "mul", "integer_pow"] * 3
+    assert group_label("attention", flash) == "attention: dot_general·reduce_max·exp·reduce_sum·dot_general (25 ops)"  # what defines it
 
 
 def _report(plan_groups: tuple[FusedGroup, ...], measure: str = "device") -> TuneReport:

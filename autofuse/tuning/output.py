@@ -20,16 +20,21 @@ if TYPE_CHECKING:
     from .ledger import CandidateState
     from .report import TuneReport
 
-LABEL_WIDTH = 60
+LABEL_WIDTH = 72
 # Ops that only move or retype data: left out of a long group's name (they say little about what it computes).
 _PLUMBING = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
                        "iota", "stop_gradient", "select_n"})
 _SHORT = {"convert_element_type": "convert", "broadcast_in_dim": "broadcast"}
+# Ops that say what a long group computes (its contractions, reductions and transcendentals): a name too long for
+# its column keeps these.
+_DEFINING = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum", "cummax",
+                       "exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "erf", "erf_inv", "sin", "cos", "pow"})
 
 
 def group_label(template: str, ops: Sequence[str], width: int = LABEL_WIDTH) -> str:
     """``template: op·op·op`` with repeats folded (``mul×3``); a group too long for `width` drops its data-movement
-    ops, then elides its middle (``…``) and gives its op count."""
+    ops, then keeps only the ops that define it (dots, reductions, transcendentals) with its op count, then elides
+    its middle (``…``)."""
     def parts_of(names: Sequence[str]) -> list[str]:
         runs: list[list] = []
         for o in names:
@@ -47,6 +52,10 @@ def group_label(template: str, ops: Sequence[str], width: int = LABEL_WIDTH) -> 
     if len(head + "·".join(parts)) <= width:
         return head + "·".join(parts)
     tail = f" ({len(ops)} ops)"
+    key = parts_of([o for o in ops if o in _DEFINING])  # what makes it this computation: its dots, reductions, transcendentals
+    if len(key) >= 2 and len(head + "·".join(key) + tail) <= width:
+        return head + "·".join(key) + tail
+    parts = key if len(key) >= 2 else parts
     for keep in range(len(parts) - 1, 0, -1):  # the first `keep` parts, an ellipsis, the last part
         text = head + "·".join(parts[:keep]) + "·…·" + parts[-1] + tail
         if len(text) <= width:

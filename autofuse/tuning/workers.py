@@ -216,6 +216,7 @@ def watch(procs: Sequence[subprocess.Popen], pstore: Any, run_id: int, bar: Any,
     from .output import best_postfix
 
     ledger = StoreLedger(pstore, run_id)
+    solve_next = 0.0
     while any(p.poll() is None for p in procs):
         if not getattr(bar, "disable", False):
             try:
@@ -226,8 +227,11 @@ def watch(procs: Sequence[subprocess.Popen], pstore: Any, run_id: int, bar: Any,
                     for c in cands:
                         c.update_best()
                     bar.n = scheduler.spent()
-                    cover = scheduler.cover()
-                    bar.set_postfix_str(best_postfix(cover.baseline_ms, cover.tuned_ms), refresh=False)
+                    if time.monotonic() >= solve_next:  # the cover (a MILP, seconds on a whole model) a tenth of the time at most
+                        t0 = time.monotonic()
+                        cover = scheduler.cover()
+                        solve_next = t0 + max(2.0, 10 * (time.monotonic() - t0))
+                        bar.set_postfix_str(best_postfix(cover.baseline_ms, cover.tuned_ms), refresh=False)
                 else:
                     bar.n = sum(TrialStatus(t["status"]).spends_budget for t in pstore.trials(run_id))
                 bar.refresh()
