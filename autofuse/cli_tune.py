@@ -231,7 +231,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.workers} workers but {len(gpus)} visible GPU(s) here: one worker per GPU")
     procs = start_workers(args.run, url, args.workers, gpus, not args.verbose)
     total = (run.get("budget") or {}).get("trials")
-    with progress_bar(total or 0, f"run {args.run}", args.quiet, "worker", "trial") as bar:
+    with progress_bar(total if total else None, f"run {args.run}", args.quiet, "worker", "trial") as bar:
         codes = watch(procs, store, args.run, bar)
     run = store.get_run(args.run)
     print(worker_summary(args.run, run, codes))

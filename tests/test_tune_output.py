@@ -231,3 +231,12 @@ def test_cli_report_of_a_real_run_names_the_model(tmp_path: Path) -> None:
     report = Path(ok(cli("report", "1", "--out", str(tmp_path / "rep"), "--db", db)).stdout.strip())
     text = report.read_text()
     assert "**model of NVIDIA H200** (modelled" in text and (tmp_path / "rep" / "convergence.png").stat().st_size > 5000
+
+
+def test_worker_summary_is_one_line_on_the_run() -> None:
+    from autofuse.cli_tune import worker_summary
+
+    run = {"status": "finished", "speedup": 1.2, "measure": "model", "device": "cpu", "budget": {"model": "NVIDIA H200"}}
+    assert worker_summary(5, run, [0, 0]) == "autofuse worker: run 5 finished: 1.20x jax.jit (MODELLED, model of NVIDIA H200); 2 worker(s) here, exit 0, 0"
+    busy = {"status": "running", "selected_by": "h:12", "measure": "device", "device": "NVIDIA H100"}
+    assert worker_summary(5, busy, [0]) == "autofuse worker: run 5 is running (plan being selected by h:12); 1 worker(s) here, exit 0"
