@@ -99,9 +99,9 @@ def _eval(node: ast.AST, names: dict) -> Any:
         return -_eval(node.operand, names)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         return not _eval(node.operand, names)
-    if isinstance(node, ast.BoolOp):
-        vals = [_eval(v, names) for v in node.values]
-        return all(vals) if isinstance(node.op, ast.And) else any(vals)
+    if isinstance(node, ast.BoolOp):  # short-circuit as Python does: `seg == 0 or block_n % seg == 0` is safe
+        want = not isinstance(node.op, ast.And)
+        return want if any(bool(_eval(v, names)) == want for v in node.values) else not want
     if isinstance(node, ast.Compare):
         left = _eval(node.left, names)
         for op, comp in zip(node.ops, node.comparators):

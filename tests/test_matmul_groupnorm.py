@@ -205,3 +205,20 @@ def test_tuner_offers_the_whole_groupnorm_program_on_both_backends(small):
     assert list(space.spaces) == ["mosaic_gpu", "triton"]
     for sp in space.spaces.values():
         assert not sp.violated(sp.default), sp.backend
+
+
+def test_matmul_without_segments_keeps_its_triton_space():
+    """A matmul whose epilogue reduces nothing (seg = 0) keeps every Triton config the segment rule would not touch:
+    `seg == 0 or block_n % seg == 0` short-circuits as in Python (it once divided by zero and made every Triton
+    config of matmul+bias+GELU infeasible on the GPU)."""
+    from autofuse.tuning.space import CandidateSpace
+    from benchmarks.workloads import specs, workloads
+
+    w = next(w for w in workloads(True) if w.name == "matmul_bias_gelu")
+    g = autofuse.capture(w.fn, *specs(w, BF16))
+    cand = next(c for c in enumerate_candidates(g) if c.template == "matmul" and len(c.nodes) == len(g.nodes))
+    assert not cand.spec.seg
+    space = CandidateSpace.of("matmul", cand.group, cand.spec, backends=("mosaic_gpu", "triton"))
+    for sp in space.spaces.values():
+        assert not sp.violated(sp.default), sp.backend
+    assert not space.spaces["triton"].violated({**space.spaces["triton"].default, "block_n": 32})
