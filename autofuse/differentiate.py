@@ -16,7 +16,8 @@ differentiating the plain program:
 
 Second-order reverse mode (`jax.grad(jax.grad(f))`) works for groups under the
 recompute rule: its forward calls the wrapped kernel itself and its backward is
-plain JAX. Forward mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`,
+plain JAX. A template's own rule runs kernels that are not differentiable again
+(`first_order_only`): going through one a second time raises a clear error. Forward mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`,
 `jax.linearize`) is refused by JAX for any `custom_vjp` function with
 "can't apply forward-mode autodiff (jvp) to a custom_vjp function"; run
 `jax.jit(fn)` for forward-mode work.
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 
 from .graph import Group
 
-__all__ = ["VJPRule", "differentiable", "is_differentiable", "recompute_rule"]
+__all__ = ["VJPRule", "differentiable", "first_order_only", "is_differentiable", "recompute_rule"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,21 @@ def differentiable(group: Group, kernel: Callable, rule: VJPRule | None = None) 
 
     fused.defvjp(fwd, bwd)
     return fused
+
+
+def first_order_only(fn: Callable, what: str) -> Callable:
+    """`fn` (kernels a template's VJP rule runs) with a VJP that refuses clearly: differentiating them again
+    would otherwise fail deep inside Pallas."""
+    @jax.custom_vjp
+    def once(*args: Any) -> Any:
+        return fn(*args)
+
+    def fwd(*args: Any) -> tuple[Any, None]:
+        return fn(*args), None
+
+    def bwd(_: None, __: Any) -> tuple:
+        raise NotImplementedError(f"autofuse: {what} cannot be differentiated again (second-order reverse mode "
+                                  "through a template's own VJP rule); use jax.jit(fn) for higher-order derivatives")
+
+    once.defvjp(fwd, bwd)
+    return once

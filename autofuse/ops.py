@@ -128,7 +128,8 @@ def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]
         return jax.lax.select_n(pred, *cases)
     if name == "square":
         return ops[0] * ops[0]
-    params = {k: v for k, v in params.items() if not (k == "out_dtype" and v is None)}
+    # `out_dtype=None` stays: mul's transpose rule needs it (the flash backward differentiates tiles), and both
+    # Pallas lowerings accept it (jax 0.11.2)
     if name in ("exp", "log", "tanh", "logistic", "exp2", "log1p", "expm1", "sin", "cos") and "accuracy" in params:
         params = {**params, "accuracy": None}
     return prim.bind(*ops, **params)

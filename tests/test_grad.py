@@ -11,13 +11,14 @@ import pytest
 
 import autofuse
 from autofuse.differentiate import VJPRule, recompute_rule
-from autofuse.kernels import TEMPLATES
+from autofuse.kernels import TEMPLATES, attention
 from autofuse.plan import Plan, PlanError, bind_plan, plan_from_choices
 from autofuse.runner.measure import compare
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
 from benchmarks.workloads import attention_bhld_causal, cross_entropy, layer_norm, rms_norm
-from tests.attention_programs import bias_blhd, gqa_repeat, padding_mask, softcap_then_causal
+from tests.attention_programs import (bias_blhd, causal_iota_minus_1e9, causal_then_softcap, gqa_repeat, heads_split_causal,
+                                     padding_mask, sliding_window, softcap_then_causal)
 
 S = jax.ShapeDtypeStruct
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -82,14 +83,15 @@ def _bindable(plan: Plan, graph) -> Plan:
     return dataclasses.replace(plan, groups=tuple(fg for fg in plan.groups if ok(fg)))
 
 
-def _kernels_in(jaxpr) -> int:
-    """pallas_call equations anywhere in a jaxpr (the fused kernels that ran)."""
-    n = 0
+def _kernels_in(jaxpr) -> list[str]:
+    """The names of the pallas_call equations anywhere in a jaxpr (the fused kernels that run)."""
+    names = []
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "pallas_call"
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params.get("name")))
         for sub in _subjaxprs(eqn.params):
-            n += _kernels_in(sub)
-    return n
+            names += _kernels_in(sub)
+    return names
 
 
 def _subjaxprs(params):
@@ -105,22 +107,61 @@ ATTENTION = [
     pytest.param(attention_bhld_causal, [S((1, 2, 40, 32), F32)] * 3, (0, 1, 2), id="causal-ragged"),
     pytest.param(padding_mask, [S((2, 2, 32, 32), F32)] * 3 + [S((2, 32), jnp.bool_)], (0, 1, 2), id="padding-mask"),
     pytest.param(gqa_repeat, [S((1, 32, 8, 32), F32), S((1, 32, 2, 32), F32), S((1, 32, 2, 32), F32)], (0, 1, 2), id="gqa"),
-    pytest.param(bias_blhd, [S((1, 32, 2, 32), F32)] * 3 + [S((2, 32, 32), F32)], (0, 1, 2, 3), id="bias"),
+    pytest.param(heads_split_causal, [S((2, 48, 64), F32)] * 3, (0, 1, 2), id="heads-split-causal"),
     pytest.param(softcap_then_causal, [S((1, 2, 32, 32), F32)] * 3, (0, 1, 2), id="softcap-causal"),
+    pytest.param(causal_then_softcap, [S((1, 2, 32, 32), F32)] * 3, (0, 1, 2), id="causal-then-softcap"),
+    pytest.param(causal_iota_minus_1e9, [S((1, 2, 48, 32), F32)] * 3, (0, 1, 2), id="max-not-stopped"),
+    pytest.param(sliding_window, [S((1, 2, 64, 32), F32)] * 3, (0, 1, 2), id="sliding-window"),
 ]
 
 
 @pytest.mark.parametrize("fn,specs,argnums", ATTENTION)
-def test_grad_through_fused_attention(fn, specs, argnums):
+def test_grad_through_fused_attention_runs_the_flash_pair(fn, specs, argnums):
+    """The forward kernel emits the logsumexp, the backward kernels re-evaluate the scores per tile (masks,
+    soft-capping and scale differentiated from the group's own equations, GQA heads summed); nothing of the
+    score matrix's size is kept between the passes."""
     plan, _ = _plan(fn, specs, "attention", SMALL_ATTN)
     fused, args = _assert_grads_match(fn, specs, plan, argnums)
-    assert _kernels_in(jax.make_jaxpr(jax.grad(_loss(fused), argnums))(*args).jaxpr) >= 1  # the forward ran the kernel
+    names = _kernels_in(jax.make_jaxpr(jax.grad(_loss(fused), argnums))(*args).jaxpr)
+    assert sum("attention_bwd" in n for n in names) == 2 and len(names) == 3, names
+    _, pull = jax.vjp(fused, *args)  # kept between the passes: the inputs, the output, the [batch, Lq] logsumexp
+    kept = [x.shape for x in jax.tree_util.tree_leaves(pull) if hasattr(x, "shape")]
+    assert len(kept) <= len(args) + 2 and len(kept[-1]) == 2, kept
+
+
+def test_attention_with_a_float_bias_keeps_the_recompute_rule():
+    """A bias's gradient is not generated: its group is differentiated by XLA, and the gradients still match."""
+    specs = [S((1, 32, 2, 32), F32)] * 3 + [S((2, 32, 32), F32)]
+    plan, graph = _plan(bias_blhd, specs, "attention", SMALL_ATTN)
+    cand = next(c for c in enumerate_candidates(graph) if c.template == "attention")
+    assert "side input" in attention.flash_backward_unsupported(cand.spec)
+    fused, args = _assert_grads_match(bias_blhd, specs, plan, (0, 1, 2, 3))
+    names = _kernels_in(jax.make_jaxpr(jax.grad(_loss(fused), (0, 1, 2, 3)))(*args).jaxpr)
+    assert names and not any("attention_bwd" in n for n in names), names
+
+
+def test_flash_rule_serves_every_backend_and_refuses_second_order():
+    """A Mosaic GPU group differentiates with the Triton flash pair (its forward does not emit the logsumexp yet);
+    going through the flash kernels a second time is refused with autofuse's message."""
+    specs = [S((1, 2, 32, 32), F32)] * 3
+    plan, graph = _plan(attention_bhld_causal, specs, "attention", SMALL_ATTN)
+    group = next(c.group for c in enumerate_candidates(graph) if c.template == "attention")
+    rule = TEMPLATES["attention"].vjp_rule(group, {"block_q": 64, "block_kv": 64}, backend="mosaic_gpu", interpret=True)
+    assert rule is not None and rule.name == "flash"
+    fused = autofuse.jit(attention_bhld_causal, plan=plan, on_miss="error")
+    args = _inputs(specs)
+    second = jax.grad(lambda q: jnp.sum(jax.grad(_loss(lambda q: fused(q, *args[1:])))(q) ** 2))
+    with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
+        second(args[0])
 
 
 def test_grad_through_fused_attention_bf16():
     specs = [S((1, 2, 64, 64), BF16)] * 3
     plan, _ = _plan(attention_bhld_causal, specs, "attention")
     _assert_grads_match(attention_bhld_causal, specs, plan, (0, 1, 2), tol=2e-2)
+    specs = [S((2, 64, 8, 64), BF16), S((2, 64, 2, 64), BF16), S((2, 64, 2, 64), BF16)]
+    plan, _ = _plan(gqa_repeat, specs, "attention")
+    _assert_grads_match(gqa_repeat, specs, plan, (0, 1, 2), tol=2e-2)
 
 
 NORMS = [

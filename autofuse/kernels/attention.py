@@ -664,6 +664,16 @@ class AttentionTemplate(Template[AttentionSpec]):
         except NoMatch:
             return None
 
+    def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False):
+        """The flash pair (`flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
+        XLA). Differentiated, the forward runs on Triton: with the group's own config when that is its backend, else
+        Triton's default (the Mosaic GPU forward does not emit the logsumexp yet)."""
+        spec = self.match(group)
+        if spec is None or flash_backward_unsupported(spec) is not None:
+            return None
+        fwd = {**self.defaults, **config} if backend == "triton" else self.default_config(spec)
+        return flash_vjp_rule(group, spec, fwd, None, interpret=interpret)
+
     def default_config(self, spec: AttentionSpec) -> dict:
         """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md)."""
         big = spec.Lq >= 128 and spec.Lk >= 128
@@ -710,3 +720,126 @@ def live_fraction(spec: AttentionSpec, bq: int, bk: int) -> float:
 TEMPLATE = AttentionTemplate()
 match, default_config, space, model_time_ms, build = (TEMPLATE.match, TEMPLATE.default_config, TEMPLATE.space,
                                                       TEMPLATE.model_time_ms, TEMPLATE.build)
+
+
+# ---------------------------------------------------------------------------
+# Reverse mode: the flash pair (forward emitting the row logsumexp, backward kernels re-evaluating the scores).
+def flash_backward_unsupported(spec: AttentionSpec) -> str | None:
+    """Why the flash backward cannot differentiate this group (None: it can).
+
+    It needs the softmax itself (`exp(y - max) / sum`, the division directly by the sum, which the identity
+    rowsum(dP * P) = rowsum(dO * O) rests on) and no floating-point side input: a bias's gradient is not
+    generated, so such groups keep the recompute rule (XLA)."""
+    g = spec.group.graph
+    if spec.combine.name != "div" or not spec.e_first:
+        return "the normalisation is not a division by the row sum"
+    if any(op_class(nd.name) not in (OpClass.BROADCAST, OpClass.LAYOUT) and nd.name != "convert_element_type" for nd in spec.row_l):
+        return "work on the row sum before the division"
+    qkv = {spec.q.value, spec.k.value, spec.v.value}
+    for v in spec.tile.group.inputs:
+        if v not in qkv and v != spec.dot1.outputs[0] and jnp.issubdtype(g.avals[v].dtype, jnp.inexact):
+            return "a floating-point side input (its gradient is not generated)"
+    return None
+
+
+def _dot_roles(spec: AttentionSpec) -> dict[int, list]:
+    """The roles of the axes of each dot operand as it enters its dot (after the broadcasts and reshapes):
+    a score axis (batch), "s" (sequence), "d" (head dim) or None (a unit axis) -- keyed by "q", "k", "v"."""
+    g = spec.group.graph
+    S, osh = spec.score_shape, g.avals[spec.dot1.outputs[0]].shape
+    nu_s, nu_o = [d for d in range(len(S)) if S[d] != 1], [d for d in range(len(osh)) if osh[d] != 1]
+    seed: list = [None] * len(osh)
+    for do, ds in zip(nu_o, nu_s):
+        seed[do] = ds
+    (lc, rc), (lb, rb) = spec.dot1.params["dimension_numbers"]
+    nb1 = len(lb)
+
+    def roles(shape, batch, contract, free_seed) -> list:
+        out: list = [None] * len(shape)
+        for i, d in enumerate(batch):
+            out[d] = seed[i]
+        out[contract[0]] = "d"
+        free = next(d for d in range(len(shape)) if d not in batch and d not in contract)
+        out[free] = "s" if free_seed is not None else None
+        return out
+
+    lhs = roles(g.aval(spec.dot1.inputs[0]).shape, lb, lc, seed[nb1])
+    rhs = roles(g.aval(spec.dot1.inputs[1]).shape, rb, rc, seed[nb1 + 1])
+    q_is_lhs = seed[nb1] == spec.q_axis
+    (lc2, rc2), (lb2, rb2) = spec.dot2.params["dimension_numbers"]
+    p_idx = 0 if spec.dot2.inputs[0] in spec.tile.axes else 1
+    p_axes = spec.tile.axes[spec.dot2.inputs[p_idx]]
+    pb, vb, vc = (lb2, rb2, rc2) if p_idx == 0 else (rb2, lb2, lc2)
+    v_shape = g.aval(spec.dot2.inputs[1 - p_idx]).shape
+    v_roles: list = [None] * len(v_shape)
+    for i, d in enumerate(vb):
+        v_roles[d] = p_axes[pb[i]]
+    v_roles[vc[0]] = "s"
+    v_roles[next(d for d in range(len(v_shape)) if d not in vb and d != vc[0])] = "d"
+    return {"q": lhs if q_is_lhs else rhs, "k": rhs if q_is_lhs else lhs, "v": v_roles,
+            "atoms": {"q": spec.dot1.inputs[0 if q_is_lhs else 1], "k": spec.dot1.inputs[1 if q_is_lhs else 0],
+                      "v": spec.dot2.inputs[1 - p_idx]}}
+
+
+def _to_operand(spec: AttentionSpec, x: jax.Array, roles: list, shape: tuple) -> jax.Array:
+    """A [batch, L, D] gradient laid out as the dot operand with `roles` and `shape`."""
+    bsizes = [spec.score_shape[a] for a in spec.batch_axes]
+    x = jnp.reshape(x, (*bsizes, x.shape[1], x.shape[2]))
+    names = list(spec.batch_axes) + ["s", "d"]
+    kept = [r for r in roles if r is not None]
+    x = jnp.sum(x, axis=tuple(i for i, n in enumerate(names) if n not in kept)) if set(names) - set(kept) else x
+    names = [n for n in names if n in kept]
+    return jnp.reshape(jnp.transpose(x, [names.index(r) for r in kept]), shape)
+
+
+def _through_chain(spec: AttentionSpec, atom: int, src_value: jax.Array, grad_atom: jax.Array) -> jax.Array:
+    """The cotangent of a group input from that of the dot operand it becomes: the VJP of the broadcasts and
+    reshapes between them (GQA's repeated heads are summed here)."""
+    from ..graph import bind_node
+
+    g = spec.group.graph
+    chain = [g.node_index[i] for i in reversed(_chain_nodes(spec.group, atom))]
+    if not chain:
+        return grad_atom
+
+    def f(x):
+        for nd in chain:
+            (x,) = bind_node(nd, [x])
+        return x
+
+    _, pull = jax.vjp(f, src_value)
+    return pull(grad_atom.astype(g.avals[atom].dtype))[0]
+
+
+def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
+    """The attention group's reverse-mode rule: the Triton forward that also emits the row logsumexp (residuals:
+    the group's inputs, its output and the logsumexp, no [Lq, Lk] array) and the generated backward kernels."""
+    from ..differentiate import VJPRule, first_order_only
+    from .triton import attention as fwd_lowering
+    from .triton import attention_bwd
+
+    forward_kernel = first_order_only(fwd_lowering.lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
+                                      "the attention forward that emits the logsumexp")
+    bwd_kernels = first_order_only(attention_bwd.lower(group, spec, bwd_config or attention_bwd.default_config(spec),
+                                                       interpret=interpret), "the attention backward kernels")
+    roles = _dot_roles(spec)
+    g = group.graph
+    n_in = len(group.inputs)
+
+    def forward(kernel, ins):
+        out, lse = forward_kernel(*ins)
+        return [out], (*ins, out, lse)
+
+    def backward(res, cts):
+        ins, out, lse = list(res[:n_in]), res[n_in], res[n_in + 1]
+        dq, dk, dv = bwd_kernels(ins, out, lse, cts[0])
+        env = dict(zip(group.inputs, ins))
+        grads: dict[int, jax.Array] = {}
+        for name, d, op in (("q", dq, spec.q), ("k", dk, spec.k), ("v", dv, spec.v)):
+            atom = roles["atoms"][name]
+            ga = _to_operand(spec, d, roles[name], g.aval(atom).shape)
+            gi = _through_chain(spec, atom, env[op.value], ga).astype(jnp.float32)
+            grads[op.value] = grads[op.value] + gi if op.value in grads else gi
+        return [grads.get(v) for v in group.inputs]
+
+    return VJPRule(forward, backward, "flash")

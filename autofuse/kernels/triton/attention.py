@@ -32,7 +32,10 @@ def _exp2(x, *, fast_math: bool):
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -> Callable:
+def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool, emit_lse: bool = False) -> Callable:
+    """The forward kernel; with `emit_lse` it also returns each query row's logsumexp of the exp branch's input
+    (float32, [batch, Lq] with the batch axes flattened): the residual the flash backward recomputes the
+    probabilities from (`triton/attention_bwd.py`)."""
     g = group.graph
     bq, bk = int(config["block_q"]), int(config["block_k"])
     warps, stages = int(config["num_warps"]), int(config["num_stages"])
@@ -62,7 +65,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
         n_in = len(in_order)
         ins = dict(zip(in_order, refs[:n_in]))
         tbl = refs[n_in] if ranges is not None else None
-        o_ref = refs[-1]
+        o_ref, lse_ref = (refs[-2], refs[-1]) if emit_lse else (refs[-1], None)
         body = AttentionEval(spec, bq, bk)
         qi = pl.program_id(0)
         if ranges is not None:
@@ -128,7 +131,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
             carry = jax.lax.fori_loop(lo, flo, lambda j, c: step(j, c, False), carry)
             carry = jax.lax.fori_loop(flo, fhi, lambda j, c: step(j, c, True), carry)
             carry = jax.lax.fori_loop(fhi, hi, lambda j, c: step(j, c, False), carry)
-        acc, _, _, l_i = carry
+        acc, _, msub, l_i = carry
+        if lse_ref is not None:  # P = exp(y - msub) / l = exp(y - lse); a row with no live key: P = 0
+            lse = jnp.where(l_i > 0, msub + jnp.log(jnp.where(l_i > 0, l_i, 1.0)), jnp.inf)
+            qok = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)) < Lq if Lq % bq else None
+            plgpu.store(lse_ref.at[bflat, pl.ds(q0, bq)], lse.reshape(bq), mask=qok)
         env = {spec.sum_node.outputs[0]: l_i}
         for nd in spec.row_l:
             body.eval_node(nd, env, 0, 0)
@@ -140,7 +147,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
         _store_out(o_ref, spec, bidx, o, q0, bq, Lq, Dvp, Dv)
 
     out_aval = g.avals[spec.out]
-    call = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out_aval.shape, out_aval.dtype), grid=(nq, spec.batch),
+    out_shape = jax.ShapeDtypeStruct(out_aval.shape, out_aval.dtype)
+    if emit_lse:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((spec.batch, Lq), jnp.float32))
+    call = pallas_call(kernel, out_shape=out_shape, grid=(nq, spec.batch),
                        name=kernel_name("attention", group), interpret=interpret, num_warps=warps, num_stages=stages)
     table = None if ranges is None else np.ascontiguousarray(ranges.reshape(-1))  # made a jax array per call: a
     # build-time jax array would be a tracer of whatever trace built the kernel (a jax.custom_vjp cannot close over it)
@@ -155,7 +165,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
             args.append(x)
         if table is not None:
             args.append(jnp.asarray(table))
-        return [call(*args)]
+        return list(call(*args)) if emit_lse else [call(*args)]
 
     return run
 

@@ -1,0 +1,211 @@
+"""Triton lowering of attention's backward (FlashAttention-2): dQ, dK and dV from the output, its cotangent and
+the forward's row logsumexp, the scores re-evaluated per tile from the group's own equations.
+
+Two kernels. `dkdv`: one program per (block of keys, batch position), a loop over the query blocks that see any
+of its keys; `dq`: one program per (block of queries, batch position), a loop over the live key blocks (both
+skip blocks the build-time mask analysis finds dead, `block_ranges`). Per [block_q, block_k] tile:
+
+    s  = q k^T                     y = score work(s)   (the group's equations: scale, masks, bias, soft-capping)
+    p  = exp(y - lse)              dv += p^T dO
+    dp = dO v^T                    dy = p (dp - delta),  delta = rowsum(dO * O)
+    ds = d score work / ds (dy)    dk += ds^T q,  dq += ds k
+
+`ds` is `jax.vjp` of the score work on the tile: JAX differentiates the group's own equations (a masking select
+passes no gradient, tanh soft-capping its derivative, a scale its factor), so nothing is written per pattern.
+The max the forward subtracts is a constant here: the softmax does not depend on it. The kernels write dQ, dK,
+dV per score batch position ([batch, L, D]); the template maps them back through the operands' broadcasts and
+reshapes (GQA's repeated heads are summed there, by XLA).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ...graph import Group
+from ..attention import AttentionEval, AttentionSpec, block_ranges
+from ..tiling import cdiv, needed, next_pow2
+from .attention import _load_extra, _load_operand
+from .tiles import bool_as_int8, kernel_name, pallas_call
+
+
+def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    """Per key block: [lo, hi) of the query blocks with a live position in it (None: no mask known)."""
+    r = block_ranges(spec, bq, bk)
+    if r is None:
+        return None
+    nk = cdiv(spec.Lk, bk)
+    out = np.zeros((nk, 2), np.int32)
+    for j in range(nk):
+        live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
+        out[j] = (live[0], live[-1] + 1) if len(live) else (0, 0)
+    return out
+
+
+def default_config(spec: AttentionSpec) -> dict:
+    """64x64 tiles (five [64, 64] float32 tiles and two accumulators live at once), 4 warps, 2 stages."""
+    small = min(spec.Lq, spec.Lk) < 64 or max(spec.D, spec.Dv) > 128
+    return {"block_q": 32 if small else 64, "block_k": 32 if small else 64, "num_warps": 4, "num_stages": 2}
+
+
+def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -> Callable:
+    """`bwd(ins, out, lse, dout) -> (dq, dk, dv)`: `ins` the group's inputs, `out` its output, `lse` the forward's
+    [batch, Lq] row logsumexp, `dout` the output's cotangent; each gradient is [batch, L, D] float32."""
+    g = group.graph
+    bq, bk = int(config["block_q"]), int(config["block_k"])
+    warps, stages = int(config["num_warps"]), int(config["num_stages"])
+    Lq, Lk, D, Dv, B = spec.Lq, spec.Lk, spec.D, spec.Dv, spec.batch
+    Dp, Dvp = next_pow2(D), next_pow2(Dv)
+    nq, nk = cdiv(Lq, bq), cdiv(Lk, bk)
+    S = spec.score_shape
+    bsizes = [S[a] for a in spec.batch_axes]
+    q_ranges, k_ranges = block_ranges(spec, bq, bk), key_block_ranges(spec, bq, bk)
+    qkv = {spec.q.value, spec.k.value, spec.v.value}
+    extras = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]  # masks
+    in_order = [spec.q.value, spec.k.value, spec.v.value] + extras
+    scores, y_val = spec.dot1.outputs[0], spec.exp_branch[0].inputs[0]
+    score_nodes = needed(spec.pre, {y_val}, set())
+    dt1, dt2 = spec.dot_dtype1, spec.dot_dtype2
+
+    def batch_index(bflat) -> list:
+        bidx: list = [None] * len(S)
+        rem = bflat
+        for a, s in zip(reversed(spec.batch_axes), reversed(bsizes)):
+            bidx[a] = rem % s
+            rem = rem // s
+        return bidx
+
+    def tile(refs: dict, body: AttentionEval, bidx, q0, k0, q, kt, v_t, do, lse, delta):
+        """p (float32) and ds for one [bq, bk] tile; the score work's VJP gives ds."""
+        body.set_program(bidx, q0, k0)
+        side = {v: _load_extra(refs[v], spec, v, bidx, q0, k0, bq, bk) for v in extras}
+
+        def score_work(s):
+            env = {scores: s, **side}
+            for nd in score_nodes:
+                if nd.name == "stop_gradient":
+                    env[nd.outputs[0]] = jax.lax.stop_gradient(env[nd.inputs[0]])
+                else:
+                    body.eval_node(nd, env, 0, 0)
+            return jnp.broadcast_to(env[y_val], (bq, bk)).astype(jnp.float32)
+
+        s = jnp.dot(q, kt, preferred_element_type=jnp.float32)
+        y, score_vjp = jax.vjp(score_work, s)
+        p = jnp.exp(y - lse)
+        ok = None
+        if Lq % bq:
+            ok = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq
+        if Lk % bk:
+            kok = (k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < Lk
+            ok = kok if ok is None else ok & kok
+        if ok is not None:
+            p = jnp.where(ok, p, 0.0)
+        dp = jnp.dot(do, v_t, preferred_element_type=jnp.float32)  # [bq, bk]
+        (ds,) = score_vjp(p * (dp - delta))
+        return p, ds
+
+    def rows(ref, bflat, q0):
+        m = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)) < Lq if Lq % bq else None
+        return plgpu.load(ref.at[bflat, pl.ds(q0, bq)], mask=m, other=0.0).reshape(bq, 1)
+
+    def load_do(ref, bflat, q0):
+        m = None
+        if Lq % bq or Dvp != Dv:
+            m = ((q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq) & (jax.lax.broadcasted_iota(jnp.int32, (1, Dvp), 1) < Dv)
+        return plgpu.load(ref.at[bflat, pl.ds(q0, bq), pl.ds(0, Dvp)], mask=m, other=0.0).astype(dt2)
+
+    def store(ref, bflat, s0, bs, L, Dpad, Dreal, x):
+        m = None
+        if L % bs or Dpad != Dreal:
+            m = ((s0 + jax.lax.broadcasted_iota(jnp.int32, (bs, 1), 0)) < L) & (jax.lax.broadcasted_iota(jnp.int32, (1, Dpad), 1) < Dreal)
+        plgpu.store(ref.at[bflat, pl.ds(s0, bs), pl.ds(0, Dpad)], x, mask=m)
+
+    n_in = len(in_order)
+
+    def dkdv_kernel(*refs):
+        ins = dict(zip(in_order, refs[:n_in]))
+        do_ref, lse_ref, delta_ref = refs[n_in:n_in + 3]
+        tbl = refs[n_in + 3] if k_ranges is not None else None
+        dk_ref, dv_ref = refs[-2], refs[-1]
+        body = AttentionEval(spec, bq, bk)
+        kj, bflat = pl.program_id(0), pl.program_id(1)
+        bidx = batch_index(bflat)
+        k0 = kj * bk
+        kt = _load_operand(ins[spec.k.value], spec.k, bidx, k0, bk, Lk, Dp, D, seq_first=False).astype(dt1)  # [Dp, bk]
+        v_t = _load_operand(ins[spec.v.value], spec.v, bidx, k0, bk, Lk, Dvp, Dv, seq_first=False).astype(dt2)  # [Dvp, bk]
+
+        def step(i, carry):
+            dk, dv = carry
+            q0 = i * bq
+            q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, bq, Lq, Dp, D, seq_first=True).astype(dt1)
+            do = load_do(do_ref, bflat, q0)
+            p, ds = tile(ins, body, bidx, q0, k0, q, kt, v_t, do, rows(lse_ref, bflat, q0), rows(delta_ref, bflat, q0))
+            dv = dv + jnp.dot(p.astype(dt2).T, do, preferred_element_type=jnp.float32)
+            dk = dk + jnp.dot(ds.astype(dt1).T, q, preferred_element_type=jnp.float32)
+            return dk, dv
+
+        lo, hi = (0, nq) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
+        dk, dv = jax.lax.fori_loop(lo, hi, step, (jnp.zeros((bk, Dp), jnp.float32), jnp.zeros((bk, Dvp), jnp.float32)))
+        store(dk_ref, bflat, k0, bk, Lk, Dp, D, dk)
+        store(dv_ref, bflat, k0, bk, Lk, Dvp, Dv, dv)
+
+    def dq_kernel(*refs):
+        ins = dict(zip(in_order, refs[:n_in]))
+        do_ref, lse_ref, delta_ref = refs[n_in:n_in + 3]
+        tbl = refs[n_in + 3] if q_ranges is not None else None
+        dq_ref = refs[-1]
+        body = AttentionEval(spec, bq, bk)
+        qi, bflat = pl.program_id(0), pl.program_id(1)
+        bidx = batch_index(bflat)
+        q0 = qi * bq
+        q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, bq, Lq, Dp, D, seq_first=True).astype(dt1)
+        do = load_do(do_ref, bflat, q0)
+        lse, delta = rows(lse_ref, bflat, q0), rows(delta_ref, bflat, q0)
+
+        def step(j, dq):
+            k0 = j * bk
+            k = _load_operand(ins[spec.k.value], spec.k, bidx, k0, bk, Lk, Dp, D, seq_first=True).astype(dt1)
+            v_t = _load_operand(ins[spec.v.value], spec.v, bidx, k0, bk, Lk, Dvp, Dv, seq_first=False).astype(dt2)
+            _, ds = tile(ins, body, bidx, q0, k0, q, k.T, v_t, do, lse, delta)
+            return dq + jnp.dot(ds.astype(dt1), k, preferred_element_type=jnp.float32)
+
+        lo, hi = (0, nk) if tbl is None else (tbl[qi * 4], tbl[qi * 4 + 3])
+        dq = jax.lax.fori_loop(lo, hi, step, jnp.zeros((bq, Dp), jnp.float32))
+        store(dq_ref, bflat, q0, bq, Lq, Dp, D, dq)
+
+    f32 = jnp.float32
+    dkdv = pallas_call(dkdv_kernel, out_shape=(jax.ShapeDtypeStruct((B, Lk, D), f32), jax.ShapeDtypeStruct((B, Lk, Dv), f32)),
+                       grid=(nk, B), name=kernel_name("attention_bwd_dkdv", group), interpret=interpret,
+                       num_warps=warps, num_stages=stages)
+    dq_call = pallas_call(dq_kernel, out_shape=jax.ShapeDtypeStruct((B, Lq, D), f32), grid=(nq, B),
+                          name=kernel_name("attention_bwd_dq", group), interpret=interpret, num_warps=warps, num_stages=stages)
+    k_tbl = None if k_ranges is None else np.ascontiguousarray(k_ranges.reshape(-1))
+    q_tbl = None if q_ranges is None else np.ascontiguousarray(q_ranges.reshape(-1))
+
+    def bwd(ins: list, out, lse, dout) -> tuple:
+        env = dict(zip(group.inputs, ins))
+        args = []
+        for v in in_order:
+            x = bool_as_int8(env[v])
+            args.append(jnp.reshape(x, (1,)) if x.size == 1 else x)
+        o, do = to_canonical(spec, out), to_canonical(spec, dout)
+        delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)
+        do = do.astype(g.avals[spec.out].dtype)
+        tail = [do, lse, delta]
+        dk, dv = dkdv(*args, *tail, *([jnp.asarray(k_tbl)] if k_tbl is not None else []))
+        dq = dq_call(*args, *tail, *([jnp.asarray(q_tbl)] if q_tbl is not None else []))
+        return dq, dk, dv
+
+    return bwd
+
+
+def to_canonical(spec: AttentionSpec, x: jax.Array) -> jax.Array:
+    """The group output (or its cotangent) as [batch, Lq, Dv], the batch axes flattened in score order."""
+    roles = [r for r, s in zip(spec.out_roles, x.shape) if r is not None or s != 1]
+    x = jnp.reshape(x, [s for r, s in zip(spec.out_roles, x.shape) if r is not None or s != 1])
+    order = [roles.index(a) for a in spec.batch_axes if a in roles] + [roles.index("q"), roles.index("d")]
+    return jnp.reshape(jnp.transpose(x, order), (spec.batch, spec.Lq, spec.Dv))

@@ -1,0 +1,129 @@
+"""Issue 17 benchmark: attention forward + backward (one `jax.vjp` and its pullback) of plain-jnp attention under
+jax.jit, cuDNN's fused fwd+bwd, and autofuse's flash pair (the fused forward emitting the logsumexp, the
+generated backward kernels), same process, same inputs (three rotated sets).
+
+The program timed for each implementation is `(q, k, v, dO) -> (dq, dk, dv)`: the forward, then the pullback of
+`dO`, as a training step runs them. cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) takes
+[B, L, H, D], so it gets the same data transposed beforehand (untimed). autofuse runs
+`autofuse.jit(fn, plan=...)` with the attention group fused at each `--configs` forward config; `--bwd-configs`
+sweeps the backward kernels' tiles (default: `attention_bwd.default_config`).
+
+    python benchmarks/attention_grad_bench.py --out results/attention_grad_h100.md
+    python benchmarks/attention_grad_bench.py --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import autofuse  # noqa: E402
+from autofuse.kernels.triton import attention_bwd  # noqa: E402
+from autofuse.plan import plan_from_choices  # noqa: E402
+from autofuse.runner.measure import compare, random_inputs, time_fn  # noqa: E402
+from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
+from benchmarks.workloads import attention_bhld, attention_bhld_causal, emit  # noqa: E402
+
+
+def _config(s: str) -> dict:
+    bq, rest = s.split("x")
+    bk, rest = rest.split("w")
+    w, st = rest.split("s")
+    return {"block_q": int(bq), "block_k": int(bk), "num_warps": int(w), "num_stages": int(st)}
+
+
+def fwd_bwd(f):
+    """(q, k, v, dO) -> (dq, dk, dv): the forward and its pullback, jitted."""
+    def step(q, k, v, do):
+        _, pull = jax.vjp(f, q, k, v)
+        return pull(do)
+
+    return jax.jit(step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8,32,2048,128", help="B,H,L,D")
+    ap.add_argument("--configs", default="128x128w8s3", help="forward tiles, comma-separated BQxBKwWARPSsSTAGES")
+    ap.add_argument("--bwd-configs", default="", help="backward tiles, same form (default: attention_bwd.default_config)")
+    ap.add_argument("--variants", default="bhld,bhld_causal")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    B, H, L, D = (int(x) for x in a.shape.split(","))
+    scale = 1.0 / math.sqrt(D)
+    fns = {"bhld": attention_bhld, "bhld_causal": attention_bhld_causal}
+    rows = []
+    for name in a.variants.split(","):
+        fn, causal = fns[name], name.endswith("causal")
+        shape = (B, H, L, D)
+        specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3
+        sets = [random_inputs([autofuse.graph.Aval(shape, jnp.dtype(jnp.bfloat16))] * 4, 100 + i) for i in range(3)]
+        flops = 3.5 * 4.0 * B * H * L * L * D * (0.5 if causal else 1.0)  # fwd 2 matmuls, bwd 5 (FlashAttention-2's count)
+        ref = fwd_bwd(fn)
+        t_ref = time_fn(ref, sets, repeats=a.repeats)
+        want = ref(*sets[0])
+
+        def row(label, t, got=None, extra=""):
+            err = "" if got is None else "max rel err " + f"{max(compare(g, w)[1] for g, w in zip(got, want)):.1e}"
+            rows.append((name, label, t.median_ms, (t.q3_ms - t.q1_ms) / t.median_ms, flops / t.median_ms / 1e9,
+                         t_ref.median_ms / t.median_ms, "; ".join(filter(None, (err, extra)))))
+            print(rows[-1], flush=True)
+
+        row("jax.jit (XLA)", t_ref)
+        try:
+            cud = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=causal, implementation="cudnn")
+            blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
+            step = fwd_bwd(cud)
+            t = time_fn(step, blhd, repeats=a.repeats)
+            row("cuDNN dot_product_attention fwd+bwd", t, [jnp.swapaxes(x, 1, 2) for x in step(*blhd[0])])
+            t_cudnn = t.median_ms
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print("cuDNN failed:", type(e).__name__, str(e)[:300])
+            t_cudnn = None
+
+        g = autofuse.capture(fn, *specs)
+        cand = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
+        default_bwd = attention_bwd.default_config
+        for cs in filter(None, a.configs.split(",")):
+            for bs in (a.bwd_configs.split(",") if a.bwd_configs else [""]):
+                label = f"autofuse flash pair fwd {cs} bwd {bs or 'default ' + str(default_bwd(cand.spec))}"
+                try:
+                    if bs:  # the template asks attention_bwd.default_config for the backward tiles
+                        attention_bwd.default_config = lambda spec, c=_config(bs): c
+                    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", _config(cs))]), on_miss="error")
+                    step = fwd_bwd(fused)
+                    got = step(*sets[0])
+                    assert fused.last_status.startswith("plan:"), fused.last_status
+                    t = time_fn(step, sets, repeats=a.repeats)
+                    row(label, t, got, "" if t_cudnn is None else f"{t.median_ms / t_cudnn:.2f}x cuDNN's time")
+                except Exception as e:  # noqa: BLE001
+                    print(label, "failed:", type(e).__name__, str(e)[:300], flush=True)
+                finally:
+                    attention_bwd.default_config = default_bwd
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    lines = [
+        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit}; "
+        f"B,H,L,D = {a.shape}, bfloat16; fwd+bwd (vjp and pullback); command: python {' '.join(sys.argv)}",
+        "",
+        "| program | implementation | ms | IQR/median | TFLOP/s | speedup vs jax.jit | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, label, ms, iqr, tf, sp, extra in rows:
+        lines.append(f"| {name} | {label} | {ms:.3f} | {iqr:.1%} | {tf:.0f} | {sp:.2f}x | {extra} |")
+    emit(lines, a.out)
+
+
+if __name__ == "__main__":
+    main()
