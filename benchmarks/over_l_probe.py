@@ -142,6 +142,7 @@ def main() -> int:
     base = [{}, {"max_concurrent_steps": 5}, {"max_concurrent_steps": 2}, {"block_m": 64}, {"block_n": 64},
             {"epi_tile": 64}, {"epi_tile": 128}, {"block_m": 256, "epi_tile": 64}]
     run("plain_max ragged", plain_max, [(3, 200, 256), (256, 1000)], base[:3])
+    ce_memory()
     run("splade full", splade_head, [(32, 256, 768), (768, 30522), (30522,), (32, 256)], base[:5])
     sh = [(32, 256, 768), (768, 30522), (30522,), (32, 256)]
 
