@@ -136,9 +136,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
         loop.ahead = CompileAhead(runner, cands, spaces, measure, threads)
         loop.verbose = verbose and not quiet
+        selected = ids is not None and ids.selected  # a run killed in its selection phase (a store's run only)
         if resume is not None:
-            say(resumed_line(run_id, loop.scheduler.spent(), loop.scheduler.total, ids.selected))
-        if not ids.selected:  # a run killed while selecting its plan has all its trials: only the selection runs again
+            say(resumed_line(run_id, loop.scheduler.spent(), loop.scheduler.total, selected))
+        if not selected:  # a run killed while selecting its plan has all its trials: only the selection runs again
             loop.bar = progress_bar(loop.scheduler.total, name, quiet or progress is not None, "tune", "trial")
             loop.bar.update(loop.scheduler.spent())  # a resumed run's trials
             loop.run()
