@@ -264,3 +264,25 @@ def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path
         assert t["worker"].rpartition(":")[0] == socket.gethostname()
     workers = {t["worker"] for t in trials} | {c["xla_worker"] for c in cands}
     assert len(workers) <= 2 and all(w.rpartition(":")[2].isdigit() for w in workers)
+
+
+def test_each_worker_is_pinned_to_its_gpu_and_its_trial_process_records_it(monkeypatch):
+    """start_workers gives worker i GPU i alone, no memory preallocation and its share of the cores for compiling;
+    a trial process started under such a worker records that CUDA_VISIBLE_DEVICES with every result."""
+    import autofuse.tuning.workers as dist
+
+    envs = []
+    monkeypatch.setattr(dist.subprocess, "Popen", lambda argv, env: envs.append(env))
+    monkeypatch.delenv(ahead.ENV_VAR, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    dist.start_workers(3, "sqlite:///x.db", 2, ["2", "5"], True, indexed=True)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "5"]
+    assert all(e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and e[ahead.ENV_VAR] == "8" for e in envs)
+    monkeypatch.undo()
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # as a worker pinned to GPU 5 has it (the CPU backend ignores it)
+    graph, _, cands, _ = _program(log_relu_bias, log_relu_bias_inputs)
+    spec = ProgramSpec(log_relu_bias, log_relu_bias_inputs(), fingerprint=graph.fingerprint)
+    with ProcessRunner(spec, {"measure": "model"}, timeout_s=120) as runner:
+        res = runner.call(XlaRequest(tuple(cands[0].nodes)))
+    assert res.ok and res.device == "cpu:0 cpu (CUDA_VISIBLE_DEVICES=5)"
