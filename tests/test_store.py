@@ -354,7 +354,7 @@ def test_run_lifecycle(store: PlanStore) -> None:
     assert store.unfinished_runs()[0]["id"] == run
     store.finish_run(run, "finished", baseline_ms=1.2, best_ms=1.0, speedup=1.2)
     r = store.get_run(run)
-    assert (r["status"], r["speedup"], r["n_candidates"], r["n_trials"]) == ("finished", 1.2, 2, 5)
+    assert (r["status"], r["speedup"], r["n_candidates"], r["n_trials"], r["n_infeasible"]) == ("finished", 1.2, 2, 4, 1)  # measured; infeasible apart
     assert r["ended_at"] >= r["started_at"]
     assert store.unfinished_runs() == []
 
