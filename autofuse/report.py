@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ def convergence_series(trials: list[dict[str, Any]], cands: list[dict[str, Any]]
     which its best-so-far speedup over XLA changed, and those speedups; each series ends at the job's last trial.
     Candidates without an XLA time or an ok trial have no series."""
     xla = {c["id"]: c.get("xla_ms") for c in cands}
-    order = sorted(trials, key=lambda t: (t.get("created_at") or _dt.datetime.min.replace(tzinfo=_dt.timezone.utc), t.get("id") or 0))
+    order = sorted(trials, key=lambda t: (t.get("created_at") or _dt.datetime.min.replace(tzinfo=_dt.UTC), t.get("id") or 0))
     out: dict[int, tuple[list[int], list[float]]] = {}
     best: dict[int, float] = {}
     for k, t in enumerate(order, start=1):
@@ -224,8 +223,8 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
         "",
         "## Search convergence",
         "",
-        "Each candidate's best-so-far speedup over XLA against the job's trials (all candidates' trials, in the order run); "
-        "the plan's groups bold.",
+        ("Each candidate's best-so-far speedup over XLA against the job's trials (all candidates' trials, in the order run); "
+         "the plan's groups bold."),
         "",
         "![convergence](convergence.png)",
         "",

@@ -169,7 +169,7 @@ def test_a_dead_run_reads_interrupted_to_any_command_and_a_resumed_run_clears_it
     p, d, s = store.program("fp1", "m:f", {}, 1), store.device("cpu"), store.software("j", "jl", "a", "pallas")
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    kw = dict(budget={"trials": 4}, seed=0, sampler="tpe", measure="model")
+    kw = {"budget": {"trials": 4}, "seed": 0, "sampler": "tpe", "measure": "model"}
     dead = store.start_run(p, d, s, host=socket.gethostname(), pid=child.pid, **kw)
     alive = store.start_run(p, d, s, **kw)  # this process
     elsewhere = store.start_run(p, d, s, host="another-host", pid=child.pid, **kw)
@@ -200,9 +200,14 @@ def test_workers_print_the_summary_only_when_quiet(tmp_path: Path) -> None:
 
 
 def test_report_plots_converge_per_job_trial_and_mark_the_plan(tmp_path: Path) -> None:
-    from autofuse.report import convergence_series, run_title, speedup_axis, speedup_figure
+    from autofuse.report import (
+        convergence_series,
+        run_title,
+        speedup_axis,
+        speedup_figure,
+    )
 
-    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     cands = [{"id": i, "xla_ms": 1.0, "signature": f"s{i}", "template": "elementwise", "speedup": v}
              for i, v in ((1, 1.06), (2, 1.13), (3, 0.9))]
     trials = [{"id": k, "candidate_id": c, "status": "ok", "median_ms": ms, "created_at": t0 + dt.timedelta(seconds=k)}
@@ -212,7 +217,7 @@ def test_report_plots_converge_per_job_trial_and_mark_the_plan(tmp_path: Path) -
     assert series[3] == ([3], [pytest.approx(0.9)])
 
     scale, lo, hi = speedup_axis([1.06, 1.13])
-    assert scale == "linear" and lo < 1.0 < 1.13 < hi and (1.13 - 1.06) / (hi - lo) > 0.3  # 1.06x vs 1.13x: far apart
+    assert scale == "linear" and lo < 1.0 and hi > 1.13 and (1.13 - 1.06) / (hi - lo) > 0.3  # 1.06x vs 1.13x: far apart
     assert speedup_axis([0.5, 9.0])[0] == "log"
     ax = speedup_figure(cands, {"s2"}, "t").axes[0]
     widths = sorted(round(p.get_width(), 3) for p in ax.patches if p.get_width())
