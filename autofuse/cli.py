@@ -217,9 +217,9 @@ CANDIDATE_COLUMNS: list[Column] = [
 ]
 
 COMPARE_COLUMNS: list[Column] = [
-    Column("program", "program", fmt_short(24)),
+    Column("program", "program"),
     Column("fingerprint", "fingerprint", fmt_short(12)),
-    Column("device", "device"),
+    Column("device", of_row=_shown_device),
     Column("jax", "jax"),
     Column("jaxlib", "jaxlib"),
     Column("autofuse", "autofuse"),
