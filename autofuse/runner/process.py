@@ -116,17 +116,30 @@ class ProcessRunner:
         self._proc: subprocess.Popen | None = None
         self._to: Connection | None = None
         self._from: Connection | None = None
+        self._ready = False
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the trial process now without waiting for it: it imports jax and captures the program while
+        this process goes on (the first request waits for it to be ready)."""
+        if self._proc is None:
+            self._spawn()
+
+    def _spawn(self) -> None:
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen([sys.executable, "-m", "autofuse.runner.process"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
         self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
         self._to.send({"sys_path": list(sys.path), "spec": pickle.dumps(self.spec), "options": self.options})
+        self._ready = False
+
+    def _start(self) -> None:
+        if self._proc is None:
+            self._spawn()
         hello = self._recv(self.start_timeout_s)
         if hello != "ready":
             self._kill()
             raise RuntimeError(f"trial process failed to start: {hello}")
+        self._ready = True
 
     def _recv(self, timeout_s: float) -> Any:
         """The child's next message; "timeout" or "died" when none comes."""
@@ -148,6 +161,7 @@ class ProcessRunner:
                 except (OSError, AttributeError):
                     pass
         self._proc = self._to = self._from = None
+        self._ready = False
         return code
 
     def close(self) -> None:
@@ -166,8 +180,8 @@ class ProcessRunner:
         self.close()
 
     def call(self, req: Request) -> Result:
-        if self._proc is None or self._proc.poll() is not None:
-            if self._proc is not None:
+        if self._proc is None or self._proc.poll() is not None or not self._ready:
+            if self._proc is not None and self._proc.poll() is not None:
                 self._kill()
             self._start()
         try:

@@ -55,7 +55,7 @@ import numpy as np
 from .. import costmodel
 from ..graph import capture
 from ..plan import Plan
-from ..runner.process import ProgramSpec, make_runner
+from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
 from .job import (RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates,
@@ -324,6 +324,10 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     fn = import_ref(job["fn"])
     args, kwargs = decode_args(job["args"]), decode_args(job["kwargs"])
     statics = (tuple(job["static_argnums"]), tuple(job["static_argnames"]))
+    spec = ProgramSpec(fn, args, kwargs, *statics, run["fingerprint"])
+    runner = make_runner(spec, {"measure": measure, "model": job["model"]}, isolate=job["isolate"], timeout_s=job["trial_timeout_s"])
+    if isinstance(runner, ProcessRunner):
+        runner.start()  # the trial process imports jax and captures the program while this one enumerates its candidates
     graph = capture(fn, *args, static_argnums=statics[0], static_argnames=statics[1], **kwargs)
     if graph.fingerprint != run["fingerprint"]:
         raise RuntimeError(f"{job['fn']} captures as program {graph.fingerprint} here, but run {run_id} tunes {run['fingerprint']} "
@@ -335,12 +339,11 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     budget = run["budget"] or {}
     deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
-    spec = ProgramSpec(fn, args, kwargs, *statics, graph.fingerprint)
     scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(budget.get("trials") or 10**9, deadline), gmodel)
     say(f"joined run {run_id} ({len(cands)} candidates, budget {scheduler.total} trials"
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
-        with make_runner(spec, {"measure": measure, "model": job["model"]}, isolate=job["isolate"], timeout_s=job["trial_timeout_s"]) as runner:
+        with runner:
             threads = compile_workers(job.get("compile_workers"))
             timed = share_xla(pstore, run_id, cands, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60)
             say(f"timed {timed} of {len(cands)} candidates in XLA ({threads} compiling at once)")
@@ -377,7 +380,7 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
         ids = pstore.claim_xla(run_id, me, chunk_size(threads), stale_s=stale_s)
         if ids:
             part = [by_id[i] for i in ids]
-            for r, res in zip(part, time_xla(part, runner, compile_workers=threads)):
+            for r, res in zip(part, time_xla(part, runner, compile_workers=threads), strict=True):
                 pstore.finish_xla(r.candidate_id, me, res.status.value, r.xla_ms, res.device)
             timed += len(part)
             continue
