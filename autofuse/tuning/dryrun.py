@@ -21,8 +21,9 @@ from .job import (
     program_name,
     search_spaces,
 )
-from .local import DEFAULT_TRIALS
-from .scheduler import contenders, phase1_order
+from ..tables import Column, fmt_ms, fmt_x, format_table
+from .output import group_label
+from .scheduler import DEFAULT_TRIALS, contenders, phase1_order
 from .select import best_cover
 
 
@@ -69,8 +70,6 @@ class DryRun:
         return sum(r.contender for r in self.rows)
 
     def table(self) -> str:
-        from .output import dry_run_table
-
         return dry_run_table(self)
 
     def to_dict(self) -> dict:
@@ -122,3 +121,25 @@ def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | 
     out = DryRun(name or program_name(fn), graph.fingerprint, gmodel.name, len(graph.nodes), rows, trials, time_budget_s, baseline,
                  cover.tuned_ms if cover else baseline, len(cover.plan.groups) if cover else 0)
     return replace(out, warnings=budget_warnings(len(rows), out.contenders, trials, time_budget_s))
+
+
+def dry_run_table(d: "DryRun") -> str:
+    """The dry run: the candidates in the order the budget reaches them, the modelled plan, the budget's warnings."""
+    cells = [{"#": r.order, "": "*" if r.contender else "", "group": group_label(r.template, r.ops), "x": r.instances, "configs": r.configs,
+              "backends": ",".join(r.backends), "xla ms": r.xla_ms, "default ms": r.default_ms, "saving ms": r.saving_ms} for r in d.rows]
+    columns = [Column("#"), Column(""), Column("group"), Column("x"), Column("configs"), Column("backends"), Column("xla ms", fmt=fmt_ms),
+               Column("default ms", fmt=fmt_ms), Column("saving ms", fmt=lambda v: f"{v:+.3g}")]
+    budget = f"{d.trials} trials" if d.trials is not None else ""
+    if d.time_budget_s:
+        budget += (" and " if budget else "") + f"{d.time_budget_s:g} s"
+    instances = sum(r.instances for r in d.rows)
+    lines = [f"autofuse tune {d.name} --dry-run  program {d.fingerprint[:16]}  (MODELLED on a model of {d.model}: nothing compiled, "
+             + "timed or stored)"]
+    lines.append(format_table(cells, columns) if cells else "(no fusible group: the plan is XLA's own)")
+    lines.append("# = the order phase 1 gives each its default config (largest modelled saving first); * = contender (in the "
+                 "modelled plan, or within 25% of XLA): phase 2 shares the rest of the budget among these, by XLA time")
+    lines.append(f"{len(d.rows)} distinct candidates ({instances} instances) in {d.n_nodes} nodes; {d.contenders} contenders; modelled plan "
+                 f"of default configs: {d.plan_groups} fused groups, {fmt_ms(d.baseline_ms)} -> {fmt_ms(d.plan_ms)} ms "
+                 f"({fmt_x(d.baseline_ms / d.plan_ms) if d.plan_ms else '-'}); budget {budget}")
+    lines += [f"warning: {w}" for w in d.warnings]
+    return "\n".join(lines)

@@ -29,12 +29,11 @@ from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine
 from .report import TuneReport
-from .scheduler import Budget, Scheduler
+from .scheduler import DEFAULT_TRIALS, Budget, Scheduler
 from .trial import TrialContext
 from .validate import finalize
 
 log = logging.getLogger("autofuse")
-DEFAULT_TRIALS = 48
 
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,

@@ -1,5 +1,5 @@
-"""What a tuning job prints, and nothing else: a group's readable name, the final table, the one summary line, the
-progress bar's text and the dry run's table.
+"""How a tuning job names what it prints: a group's readable name, a config's text, the progress bar's text and the
+``-v`` lines (the final table and summary line are `report`'s, the dry run's table `dryrun`'s).
 
 A person reads these after a job, so the chosen groups come first and are named by what they compute
 (``attention: dot_general·div·exp·reduce_sum·dot_general``), not by node indices; candidates never measured are
@@ -8,17 +8,13 @@ left out unless asked; and the last line says on its own what the job found (``-
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from ..tables import Column, device_label, fmt_ms, fmt_x, format_table
+from ..tables import fmt_ms, fmt_x
 
 if TYPE_CHECKING:
-    from .dryrun import DryRun
     from .ledger import CandidateState
-    from .report import TuneReport
 
 LABEL_WIDTH = 72
 # Ops that only move or retype data: left out of a long group's name (they say little about what it computes).
@@ -75,86 +71,6 @@ def config_text(config: dict | None) -> str:
     return f"{config.get('backend', 'triton')} {rest}".strip()
 
 
-@dataclass(frozen=True)
-class Row:
-    """One candidate as the final table shows it."""
-
-    chosen: int  # instances the plan runs fused (0: not in the plan)
-    cand: CandidateState
-
-    @property
-    def saving_ms(self) -> float:
-        c = self.cand
-        return ((c.xla_ms or 0.0) - c.best_ms) * c.instances if c.best_ms is not None else float("-inf")
-
-
-def table_rows(report: TuneReport, all_candidates: bool = False) -> list[Row]:
-    """The plan's groups first (largest saving first), then the other measured candidates by speedup, then (with
-    `all_candidates`) the ones never measured."""
-    used = Counter(g.signature for g in report.plan.groups)
-    rows = [Row(used.get(c.signature, 0), c) for c in report.candidates if all_candidates or c.measured or used.get(c.signature)]
-    return sorted(rows, key=lambda r: (not r.chosen, not r.cand.measured, -r.saving_ms if r.chosen else -(r.cand.speedup or 0.0)))
-
-
-def kind_text(report: TuneReport) -> str:
-    """How the times were obtained: measured on a device, or modelled (never to pass for measured)."""
-    if report.measure == "device":
-        return f"measured on {report.device}"
-    return f"MODELLED: analytic roofline {device_label('model', report.device, report.model)}, no GPU"
-
-
-def final_table(report: TuneReport, all_candidates: bool = False) -> str:
-    """The header, the candidates' table, why the plan is XLA's (if it is) and the summary line."""
-    rows = table_rows(report, all_candidates)
-    labels = [candidate_label(r.cand) for r in rows]
-    twice = {lb for lb in labels if labels.count(lb) > 1}
-    labels = [f"{lb} #{r.cand.signature[:6]}" if lb in twice else lb for lb, r in zip(labels, rows)]  # the same ops, other shapes
-    cells = [{"": "*" if r.chosen else "", "group": label, "x": r.cand.instances,
-              "trials": f"{sum(t.status.value == 'ok' for t in r.cand.trials)}/{sum(t.status.compiled for t in r.cand.trials)}",
-              "xla ms": r.cand.xla_ms, "best ms": r.cand.best_ms, "speedup": r.cand.speedup, "config": config_text(r.cand.best_config)}
-             for r, label in zip(rows, labels)]
-    columns = [Column(""), Column("group"), Column("x"), Column("trials"), Column("xla ms", fmt=fmt_ms), Column("best ms", fmt=fmt_ms),
-               Column("speedup", fmt=fmt_x), Column("config")]
-    lines = [f"autofuse tune {report.name}  program {report.fingerprint[:16]}  ({kind_text(report)})"]
-    lines.append(format_table(cells, columns) if cells else "(no candidate was measured)")
-    hidden = len(report.candidates) - len(rows)
-    notes = []
-    if report.plan.groups:
-        notes.append("* in the plan")
-    if hidden:
-        notes.append(f"{hidden} candidate(s) never measured not shown (--all lists them)")
-    notes.append("trials: ok/run, infeasible configs not counted")
-    lines.append("; ".join(notes))
-    if report.plan.is_xla and report.plan.provenance.get("reason"):
-        lines.append(f"plan: XLA's own, because {report.plan.provenance['reason']}")
-    lines.append(summary_line(report))
-    return "\n".join(lines)
-
-
-def plan_text(report: TuneReport) -> str:
-    """``2 fused groups (attention, row_reduce×2)``."""
-    n = len(report.plan.groups)
-    by_template = Counter(g.template for g in report.plan.groups)
-    kinds = ", ".join(t if k == 1 else f"{t}×{k}" for t, k in sorted(by_template.items(), key=lambda tk: (-tk[1], tk[0])))
-    return f"{n} fused group{'s' if n != 1 else ''} ({kinds})"
-
-
-def summary_line(report: TuneReport) -> str:
-    """Everything a job found, on one line: the speedup and how it was obtained, the plan, the trials, the store rows."""
-    how = f"measured on {report.device}" if report.measure == "device" else \
-        f"MODELLED on a {device_label('model', report.device, report.model)}, not measured"
-    if report.plan.is_xla:
-        found = f"XLA's own plan, nothing beat jax.jit ({fmt_ms(report.baseline_ms)} ms, {how})"
-    else:
-        extra = [f"noise ±{report.noise:.1%}"] if report.noise is not None else []
-        if report.validation.max_error is not None:
-            extra.append(f"max rel error {report.validation.max_error:.1e}")
-        found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
-                 + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
-    store = f"; run {report.run_id}, plan {report.plan_id}" if report.run_id is not None else ""
-    return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s{store}"
-
-
 def best_postfix(baseline_ms: float | None, tuned_ms: float | None) -> str:
     """The progress bar's text: the job's best plan so far (its groups' best configs, measured alone)."""
     return f"best plan {baseline_ms / tuned_ms:.2f}x" if baseline_ms and tuned_ms else "best plan -"
@@ -173,28 +89,6 @@ def candidate_line(c: CandidateState) -> str:
     """One candidate's outcome as ``-v`` prints it at the end of the trials."""
     return (f"  candidate {c.signature[:12]} {candidate_label(c)} x{c.instances}: xla {fmt_ms(c.xla_ms) or '-'} ms, best "
             f"{fmt_ms(c.best_ms) or '-'} ms ({fmt_x(c.speedup) or '-'}) after {len(c.trials)} trials [{c.status}]")
-
-
-def dry_run_table(d: DryRun) -> str:
-    """The dry run: the candidates in the order the budget reaches them, the modelled plan, the budget's warnings."""
-    cells = [{"#": r.order, "": "*" if r.contender else "", "group": group_label(r.template, r.ops), "x": r.instances, "configs": r.configs,
-              "backends": ",".join(r.backends), "xla ms": r.xla_ms, "default ms": r.default_ms, "saving ms": r.saving_ms} for r in d.rows]
-    columns = [Column("#"), Column(""), Column("group"), Column("x"), Column("configs"), Column("backends"), Column("xla ms", fmt=fmt_ms),
-               Column("default ms", fmt=fmt_ms), Column("saving ms", fmt=lambda v: f"{v:+.3g}")]
-    budget = f"{d.trials} trials" if d.trials is not None else ""
-    if d.time_budget_s:
-        budget += (" and " if budget else "") + f"{d.time_budget_s:g} s"
-    instances = sum(r.instances for r in d.rows)
-    lines = [f"autofuse tune {d.name} --dry-run  program {d.fingerprint[:16]}  (MODELLED on a model of {d.model}: nothing compiled, "
-             + "timed or stored)"]
-    lines.append(format_table(cells, columns) if cells else "(no fusible group: the plan is XLA's own)")
-    lines.append("# = the order phase 1 gives each its default config (largest modelled saving first); * = contender (in the "
-                 "modelled plan, or within 25% of XLA): phase 2 shares the rest of the budget among these, by XLA time")
-    lines.append(f"{len(d.rows)} distinct candidates ({instances} instances) in {d.n_nodes} nodes; {d.contenders} contenders; modelled plan "
-                 f"of default configs: {d.plan_groups} fused groups, {fmt_ms(d.baseline_ms)} -> {fmt_ms(d.plan_ms)} ms "
-                 f"({fmt_x(d.baseline_ms / d.plan_ms) if d.plan_ms else '-'}); budget {budget}")
-    lines += [f"warning: {w}" for w in d.warnings]
-    return "\n".join(lines)
 
 
 class StatusLine:

@@ -1,11 +1,14 @@
 """What a tuning job found (`TuneReport`) and the table it prints."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..plan import Plan
 from ..runner.protocol import ValidationResult
+from ..tables import Column, device_label, fmt_ms, fmt_x, format_table
 from .ledger import CandidateState
+from .output import candidate_label, config_text
 
 
 @dataclass
@@ -35,12 +38,88 @@ class TuneReport:
     def table(self, all_candidates: bool = False) -> str:
         """The job's table: the plan's groups first, named by their ops, the other measured candidates after (all of
         them with `all_candidates`), and the summary line last."""
-        from .output import final_table
-
         return final_table(self, all_candidates)
 
     def summary(self) -> str:
         """One line: the speedup, measured or modelled, the plan, the trials, the run and plan ids."""
-        from .output import summary_line
-
         return summary_line(self)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One candidate as the final table shows it."""
+
+    chosen: int  # instances the plan runs fused (0: not in the plan)
+    cand: CandidateState
+
+    @property
+    def saving_ms(self) -> float:
+        c = self.cand
+        return ((c.xla_ms or 0.0) - c.best_ms) * c.instances if c.best_ms is not None else float("-inf")
+
+
+def table_rows(report: TuneReport, all_candidates: bool = False) -> list[Row]:
+    """The plan's groups first (largest saving first), then the other measured candidates by speedup, then (with
+    `all_candidates`) the ones never measured."""
+    used = Counter(g.signature for g in report.plan.groups)
+    rows = [Row(used.get(c.signature, 0), c) for c in report.candidates if all_candidates or c.measured or used.get(c.signature)]
+    return sorted(rows, key=lambda r: (not r.chosen, not r.cand.measured, -r.saving_ms if r.chosen else -(r.cand.speedup or 0.0)))
+
+
+def kind_text(report: TuneReport) -> str:
+    """How the times were obtained: measured on a device, or modelled (never to pass for measured)."""
+    if report.measure == "device":
+        return f"measured on {report.device}"
+    return f"MODELLED: analytic roofline {device_label('model', report.device, report.model)}, no GPU"
+
+
+def final_table(report: TuneReport, all_candidates: bool = False) -> str:
+    """The header, the candidates' table, why the plan is XLA's (if it is) and the summary line."""
+    rows = table_rows(report, all_candidates)
+    labels = [candidate_label(r.cand) for r in rows]
+    twice = {lb for lb in labels if labels.count(lb) > 1}
+    labels = [f"{lb} #{r.cand.signature[:6]}" if lb in twice else lb for lb, r in zip(labels, rows)]  # the same ops, other shapes
+    cells = [{"": "*" if r.chosen else "", "group": label, "x": r.cand.instances,
+              "trials": f"{sum(t.status.value == 'ok' for t in r.cand.trials)}/{sum(t.status.compiled for t in r.cand.trials)}",
+              "xla ms": r.cand.xla_ms, "best ms": r.cand.best_ms, "speedup": r.cand.speedup, "config": config_text(r.cand.best_config)}
+             for r, label in zip(rows, labels)]
+    columns = [Column(""), Column("group"), Column("x"), Column("trials"), Column("xla ms", fmt=fmt_ms), Column("best ms", fmt=fmt_ms),
+               Column("speedup", fmt=fmt_x), Column("config")]
+    lines = [f"autofuse tune {report.name}  program {report.fingerprint[:16]}  ({kind_text(report)})"]
+    lines.append(format_table(cells, columns) if cells else "(no candidate was measured)")
+    hidden = len(report.candidates) - len(rows)
+    notes = []
+    if report.plan.groups:
+        notes.append("* in the plan")
+    if hidden:
+        notes.append(f"{hidden} candidate(s) never measured not shown (--all lists them)")
+    notes.append("trials: ok/run, infeasible configs not counted")
+    lines.append("; ".join(notes))
+    if report.plan.is_xla and report.plan.provenance.get("reason"):
+        lines.append(f"plan: XLA's own, because {report.plan.provenance['reason']}")
+    lines.append(summary_line(report))
+    return "\n".join(lines)
+
+
+def plan_text(report: TuneReport) -> str:
+    """``2 fused groups (attention, row_reduce×2)``."""
+    n = len(report.plan.groups)
+    by_template = Counter(g.template for g in report.plan.groups)
+    kinds = ", ".join(t if k == 1 else f"{t}×{k}" for t, k in sorted(by_template.items(), key=lambda tk: (-tk[1], tk[0])))
+    return f"{n} fused group{'s' if n != 1 else ''} ({kinds})"
+
+
+def summary_line(report: TuneReport) -> str:
+    """Everything a job found, on one line: the speedup and how it was obtained, the plan, the trials, the store rows."""
+    how = f"measured on {report.device}" if report.measure == "device" else \
+        f"MODELLED on a {device_label('model', report.device, report.model)}, not measured"
+    if report.plan.is_xla:
+        found = f"XLA's own plan, nothing beat jax.jit ({fmt_ms(report.baseline_ms)} ms, {how})"
+    else:
+        extra = [f"noise ±{report.noise:.1%}"] if report.noise is not None else []
+        if report.validation.max_error is not None:
+            extra.append(f"max rel error {report.validation.max_error:.1e}")
+        found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
+                 + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
+    store = f"; run {report.run_id}, plan {report.plan_id}" if report.run_id is not None else ""
+    return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s{store}"

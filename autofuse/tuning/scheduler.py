@@ -29,6 +29,7 @@ from .partition import Candidate
 from .select import Cover, best_cover
 from .space import CandidateSpace
 
+DEFAULT_TRIALS = 48  # a job's trial budget when it is given neither trials nor seconds
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
 CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials
