@@ -13,7 +13,9 @@ Per row, from the run's store: the command's wall time; "start": the run's start
 the XLA timing of every distinct candidate, compiling ahead); "first plan": the command's start to the first
 plan stored for the run (the run's timestamps; a run stores its validated plan once, at its end);
 trials counted against the budget and per minute of wall time; jax.jit and plan ms and the speedup as the
-final validation measured them; and per worker (host:pid) the device its trial process ran on
+final validation measured them; the candidates timed in XLA and the sum of their XLA times (compare it between
+rows, and with `--extra "--compile-workers 1"`, to see that concurrent compilation, whose XLA autotuning shares the
+GPU, left the XLA timings as they were); and per worker (host:pid) the device its trial process ran on
 (`CUDA_VISIBLE_DEVICES` and the jax device), its XLA timings and its trials.
 """
 from __future__ import annotations
@@ -131,6 +133,7 @@ def read_store(db: str, t0: float) -> dict[str, Any]:
         "status": run["status"], "error": run.get("error"), "device": run["device"],
         "versions": f"jax {run.get('jax')}, jaxlib {run.get('jaxlib')}, autofuse {run.get('autofuse')}",
         "candidates": len(cands), "trials": len(counted),
+        "xla_sum_ms": sum(c["xla_ms"] or 0.0 for c in cands), "xla_timed": sum(c["xla_ms"] is not None for c in cands),
         "start_s": first_trial - started if first_trial else None,
         "first_plan_s": min(p["created_at"].timestamp() for p in plans) - t0 if plans else None,
         "baseline_ms": run.get("baseline_ms"), "best_ms": run.get("best_ms"), "speedup": run.get("speedup"),
@@ -155,8 +158,8 @@ def table(rows: list[dict], header: dict[str, str]) -> str:
     lines = ["# Tuning with several GPUs: `autofuse tune --workers N` (issue 18)", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += ["", "| workload | workers | exit | status | wall s | start s | first plan s | trials | trials/min | jax.jit ms | plan ms "
-              "| speedup | per worker: XLA timings, trials, devices | command |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices | command |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpm = 60 * r["trials"] / r["wall_s"] if r.get("trials") and r.get("wall_s") else None
         status = r.get("status") or r.get("store_error", "no store")
@@ -166,8 +169,18 @@ def table(rows: list[dict], header: dict[str, str]) -> str:
         lines.append(f"| {what} | {r['workers']} | {r['exit']} | {status} | {_f(r.get('wall_s'))} | "
                      f"{_f(r.get('start_s'))} | {_f(r.get('first_plan_s'))} | {r.get('trials', '—')}/{r['trials_budget']} | {_f(tpm)} | "
                      f"{_f(r.get('baseline_ms'), '{:.4g}')} | {_f(r.get('best_ms'), '{:.4g}')} | {_f(r.get('speedup'), '{:.2f}x')} | "
+                     f"{r.get('xla_timed', '—')}/{r.get('candidates', '—')}, {_f(r.get('xla_sum_ms'), '{:.4g}')} | "
                      f"{workers_cell(r.get('per_worker', {}))} | `{r['command']}` |")
     return "\n".join(lines) + "\n"
+
+
+def gpus() -> str:
+    """The host's GPUs as nvidia-smi lists them (no CUDA context made here)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "(no nvidia-smi)"
+    return f"{len(out)}: " + "; ".join(line.split(" (UUID")[0] for line in out) if out else "(none)"
 
 
 def commit(given: str | None) -> str:
@@ -202,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = os.path.splitext(os.path.abspath(a.out))[0] + ".logs"
     os.makedirs(workdir, exist_ok=True)
     header = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(a.commit),
-              "host": f"{os.uname().nodename}, {os.cpu_count()} cores, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
+              "gpus": gpus(), "host": f"{os.uname().nodename}, {os.cpu_count()} cores, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
               "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.multi_gpu", *(argv if argv is not None else sys.argv[1:])])}
     rows: list[dict] = []
     plan = [(p, n) for p in progs for n in counts]
