@@ -5,9 +5,12 @@ calls dispatch through JAX's own fast path. When JAX traces a new input
 signature, autofuse captures the program, finds its plan (given directly, or
 looked up in the plan store for this device and software), checks that the
 fused program builds (and re-verifies plans made with other versions), and
-traces the fused program instead of `fn`. Anything wrong with a plan
-(missing, failing re-verification, malformed, no longer compiling) traces
-plain `fn` with one logged warning, or raises with `on_miss="error"`.
+traces the fused program instead of `fn`. A shape that was not tuned exactly
+may take the plan of a program of the same structure tuned at other sizes
+(`autofuse.shapes`), checked once against `jax.jit` at that shape and
+remembered in the store. Anything wrong with a plan (missing, failing
+re-verification, malformed, no longer compiling) traces plain `fn` with one
+logged warning, or raises with `on_miss="error"`.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ log = logging.getLogger("autofuse")
 class Resolution:
     """What a signature runs, as decided before anything is built: ``kind`` is ``plan`` (a fused plan for this
     program, device and software), ``plan-version`` (one made with other versions: re-verified before use),
-    ``xla-plan`` (a stored plan whose tuning found nothing that beat jax.jit) or ``miss`` (no usable plan:
-    `why`)."""
+    ``plan-shape`` (the plan of a program of the same structure tuned at other sizes, `tuned_at`, adapted to
+    these, `serving`: checked against jax.jit unless a check is `remembered`), ``xla-plan`` (a stored plan whose
+    tuning found nothing that beat jax.jit) or ``miss`` (no usable plan: `why`). `learned`: structures of stored
+    programs computed on the way ((fingerprint, structure) pairs the store did not have), to record."""
 
     kind: str
     plan: Plan | None = None
@@ -39,6 +44,10 @@ class Resolution:
     run_id: int | None = None
     software: dict = field(default_factory=dict)
     why: str = ""
+    tuned_at: str = ""
+    serving: str = ""
+    remembered: Any = None  # store.ShapeVerdict of an earlier check at this shape (plan-shape)
+    learned: tuple[tuple[str, str], ...] = ()
 
     def where(self) -> str:
         """Which stored plan, e.g. ``run 7, plan 12`` (``given plan``: passed as plan=)."""
@@ -53,9 +62,18 @@ class Resolution:
             return f"xla: {self.why}"
         if self.kind == "xla-plan":
             return f"xla-plan: nothing beat jax.jit when it was tuned ({self.where()})"
+        if self.kind == "plan-shape":
+            return f"plan (tuned at {self.tuned_at}, serving {self.serving}): {describe_groups(self.plan)}, {self.where()}, {self.checked()}"
         head = "plan-reverified" if self.kind == "plan-version" else "plan"
         made = f", made with jax {self.software.get('jax')} (re-verified here)" if self.kind == "plan-version" else ""
         return f"{head}: {describe_groups(self.plan)}, {self.where()}{made}"
+
+
+    def checked(self) -> str:
+        """How a plan-shape resolution was checked at its shape: ``checked against jax.jit here`` or
+        ``checked against jax.jit 2026-11-28 10:02 (remembered)``."""
+        when = getattr(self.remembered, "checked_at", None)
+        return f"checked against jax.jit {when:%Y-%m-%d %H:%M} (remembered)" if when is not None else "checked against jax.jit here"
 
 
 def describe_groups(plan: Plan | None) -> str:
@@ -71,17 +89,19 @@ class AutofuseFunction:
 
     def __init__(self, fn: Callable, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
                  static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
-                 on_version_mismatch: str = "verify", interpret: bool | None = None):
+                 on_version_mismatch: str = "verify", on_other_shape: str = "check", interpret: bool | None = None):
         if on_miss not in ("xla", "error"):
             raise ValueError(f"on_miss must be 'xla' or 'error', got {on_miss!r}")
         if on_version_mismatch not in ("verify", "refuse"):
             raise ValueError(f"on_version_mismatch must be 'verify' or 'refuse', got {on_version_mismatch!r}")
+        if on_other_shape not in ("check", "refuse"):
+            raise ValueError(f"on_other_shape must be 'check' or 'refuse', got {on_other_shape!r}")
         self.fn = fn
         self.plan = plan
         self.store = store
         self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-        self.on_miss, self.on_version_mismatch = on_miss, on_version_mismatch
+        self.on_miss, self.on_version_mismatch, self.on_other_shape = on_miss, on_version_mismatch, on_other_shape
         self.interpret = interpret
         # What the most recently traced signature runs (see `Resolution.status`): "plan: 2 fused groups (...), run R, plan P",
         # "plan-reverified: ...", "xla-plan: nothing beat jax.jit (...)" or "xla: <why>".
@@ -133,6 +153,11 @@ class AutofuseFunction:
         if res.kind == "plan-version":
             return (f"{head} re-verifies against jax.jit at the first call, then runs {describe_groups(res.plan)}, {res.where()} "
                     f"(made with jax {res.software.get('jax')}, autofuse {res.software.get('autofuse')})")
+        if res.kind == "plan-shape":
+            first = (f"{res.checked()}, " if res.remembered is not None else
+                     "is checked against jax.jit at the first call (once per store, or per process where it cannot remember), then ")
+            return (f"{head} runs plan (tuned at {res.tuned_at}, serving {res.serving}): {first}{describe_groups(res.plan)}, "
+                    f"{res.where()}")
         return f"{head} runs plan: {describe_groups(res.plan)}, {res.where()} (built at the first call)"
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,11 +171,17 @@ class AutofuseFunction:
 
     def _build(self, graph: Graph) -> tuple[Callable | None, str]:
         res = self._resolve(graph)
+        if res.learned:
+            self._remember(res, graph, None)
         if res.kind == "miss":
             return None, self._miss(graph, res.why)
         if res.kind == "plan-version":
             log.warning("autofuse: %s: program %s: stored plan %s was made with other software (%s); re-verifying it once",
                         self.name, graph.fingerprint, res.plan_id, res.software)
+        checking = res.kind == "plan-shape" and res.remembered is None
+        if checking:
+            log.warning("autofuse: %s: program %s: no plan for these shapes; plan %s, tuned at %s, fits %s: checking it once "
+                        "against jax.jit", self.name, graph.fingerprint, res.plan_id, res.tuned_at, res.serving)
         if res.kind == "xla-plan":
             return None, res.status()
         plan = res.plan
@@ -159,10 +190,45 @@ class AutofuseFunction:
             run = executor(graph, plan, interpret=self.interpret)
             compiled = jax.jit(lambda *leaves: run(leaves)).lower(*specs).compile()
         except Exception as e:  # a plan that no longer builds or compiles never breaks the program
-            return None, self._miss(graph, f"its plan does not build here ({type(e).__name__}: {str(e)[:300]})")
+            why = f"its plan does not build here ({type(e).__name__}: {str(e)[:300]})"
+            if checking:
+                why = f"plan {res.plan_id} (tuned at {res.tuned_at}) does not build at {res.serving} ({type(e).__name__}: {str(e)[:300]})"
+                self._remember(res, graph, ("failed", why))
+            return None, self._miss(graph, why)
         if res.kind == "plan-version" and not self._reverify(graph, compiled):
             return None, self._miss(graph, f"stored plan {res.plan_id}, made with other software versions, failed re-verification")
+        if checking:
+            if not self._reverify(graph, compiled):
+                why = f"plan {res.plan_id} (tuned at {res.tuned_at}) failed its check against jax.jit at {res.serving}"
+                self._remember(res, graph, ("failed", why))
+                return None, self._miss(graph, why)
+            self._remember(res, graph, ("ok", ""))
+            log.warning("autofuse: %s: program %s: plan %s (tuned at %s) passed its check against jax.jit at %s: serving it",
+                        self.name, graph.fingerprint, res.plan_id, res.tuned_at, res.serving)
         return run, res.status()
+
+    def _remember(self, res: Resolution, graph: Graph, verdict: tuple[str, str] | None) -> None:
+        """Record what this trace learned: the `verdict` ((``ok``|``failed``, detail)) of checking a plan at a shape
+        it was not tuned for (in this process always; in the store where it can be written, so the next process
+        skips the check), and the structures of stored programs computed on the way. A store that cannot be written
+        is said so once per process; a failed write is one warning, never an error."""
+        if verdict is not None:
+            _CHECKED[(_store_key(self.store), res.plan_id, graph.fingerprint)] = verdict
+        writer, why = _writer(self.store)
+        if writer is None:
+            if verdict is not None:
+                _say_once(_store_key(self.store), why)
+            return
+        from .device import software
+
+        try:
+            for fp, structure in res.learned:
+                writer.set_structure(fp, structure)
+            if verdict is not None:
+                writer.record_shape(res.plan_id, graph.fingerprint, graph.signature()["inputs"], software(), verdict[0], verdict[1])
+        except Exception as e:  # noqa: BLE001 -- remembering is an optimisation: never break the program
+            log.warning("autofuse: %s: could not record a shape check in the plan store (%s: %s)", self.name, type(e).__name__,
+                        str(e)[:200])
 
     def _miss(self, graph: Graph, why: str) -> str:
         msg = f"autofuse: {self.name}: program {graph.fingerprint}: {why}"
@@ -190,7 +256,14 @@ class AutofuseFunction:
         except Exception as e:
             return Resolution("miss", why=f"the plan store cannot be read ({type(e).__name__}: {e})")
         if hit is None:
-            return Resolution("miss", why=self._why_missing(store, graph, device, sw))
+            served, refusals, learned = self._other_shapes(store, graph, device, sw) if self.on_other_shape == "check" else (None, [], ())
+            if served is not None:
+                return served
+            why = self._why_missing(store, graph, device, sw)
+            if refusals:
+                more = f"; and {len(refusals) - 2} other plan(s) of the same structure" if len(refusals) > 2 else ""
+                why = f"{why}; {'; '.join(refusals[:2])}{more}"
+            return Resolution("miss", why=why, learned=learned)
         try:
             plan = Plan.from_dict(hit.plan_json)
         except PlanError as e:
@@ -200,6 +273,76 @@ class AutofuseFunction:
                                           f"here {_versions(sw)}) and on_version_mismatch='refuse'")
         kind = "xla-plan" if plan.is_xla else "plan" if hit.match == "exact" else "plan-version"
         return Resolution(kind, plan, hit.plan_id, hit.run_id, dict(hit.software))
+
+    def _other_shapes(self, store: Any, graph: Graph, device: str, sw: dict) -> tuple[Resolution | None, list[str], tuple]:
+        """A plan of the same structure tuned at other sizes that serves this program (the nearest shapes first, exact
+        versions first), as a ``plan-shape`` resolution; else None. Also why each one found refuses (a config that
+        no longer fits, the template no longer matching, a failed check remembered) and the structures computed
+        for stored programs that had none. Reads only."""
+        from .shapes import adapt
+        from .signatures import distance, shape_change
+
+        serving = graph.signature()["inputs"]
+        try:
+            found = [(sib, ()) for sib in store.same_structure(graph.structure, device, sw, exclude=graph.fingerprint)]
+            found += self._unstructured(store, graph, device, sw)
+        except Exception as e:  # noqa: BLE001 -- a store that cannot answer is a miss, said why
+            return None, [f"plans of the same structure cannot be read ({type(e).__name__}: {str(e)[:200]})"], ()
+        learned = tuple(x for _, x in found if x)
+        found.sort(key=lambda f: (f[0].plan.match != "exact", distance(f[0].inputs, serving)))
+        refusals = []
+        for sib, _ in found:
+            tuned, serves = shape_change(sib.inputs, serving)
+            head = f"plan {sib.plan.plan_id} (tuned at {tuned})"
+            try:
+                plan = Plan.from_dict(sib.plan.plan_json)
+            except PlanError as e:
+                refusals.append(f"{head} is invalid: {e}")
+                continue
+            if plan.is_xla:
+                continue  # nothing was fused at its shape: it says nothing of this one
+            if sib.plan.match != "exact" and self.on_version_mismatch == "refuse":
+                refusals.append(f"{head} was made with other software and on_version_mismatch='refuse'")
+                continue
+            try:
+                adapted = adapt(plan, graph)
+            except PlanError as e:
+                refusals.append(f"{head} does not serve {serves}: {e}")
+                continue
+            remembered = _remembered(store, sib.plan.plan_id, graph.fingerprint, sw, self.store)
+            if remembered is not None and remembered.verdict != "ok":
+                refusals.append(remembered.detail or f"{head} failed its check against jax.jit at {serves}")
+                continue
+            return (Resolution("plan-shape", adapted, sib.plan.plan_id, sib.plan.run_id, dict(sib.plan.software), tuned_at=tuned,
+                               serving=serves, remembered=remembered, learned=learned), refusals, learned)
+        return None, refusals, learned
+
+    def _unstructured(self, store: Any, graph: Graph, device: str, sw: dict) -> list[tuple[Any, tuple[str, str]]]:
+        """Stored programs of this function whose structure was not recorded (tuned before it was): traced again at
+        their stored input shapes (nothing is compiled); those of this program's structure with a current plan
+        here, each with its (fingerprint, structure) to record. Not for functions with static arguments."""
+        if self.static_argnums or self.static_argnames:
+            return []
+        from .shapes import specs_of
+        from .store.store import SameStructure
+
+        out = []
+        for row in store.unstructured_programs(self.name):
+            inputs = list((row["signature"] or {}).get("inputs") or [])
+            specs = specs_of(inputs)
+            if row["fingerprint"] == graph.fingerprint or specs is None or len(specs) != len(graph.inputs):
+                continue
+            try:
+                d_args, d_kwargs = jax.tree_util.tree_unflatten(graph.in_tree, specs)
+                other = capture(self.fn, *d_args, **d_kwargs)
+            except Exception:  # noqa: BLE001, S112 -- the function no longer traces at those shapes: not a sibling
+                continue
+            if other.fingerprint != row["fingerprint"] or other.structure != graph.structure:
+                continue
+            hit = store.lookup(row["fingerprint"], device, sw)
+            if hit is not None:
+                out.append((SameStructure(hit, row["fingerprint"], tuple(inputs)), (row["fingerprint"], other.structure)))
+        return out
 
     def _why_missing(self, store: Any, graph: Graph, device: str, sw: dict) -> str:
         """The store's account of a miss (never tuned; other shapes, dtypes or static values; another device)."""
@@ -245,26 +388,98 @@ def _store_cache(url: str) -> Any:
     return PlanStore(url, readonly=True)
 
 
+# Shape checks made by this process: (store, plan id, program fingerprint) -> (verdict, detail). A store that cannot
+# be written cannot remember them for the next process; this process still checks each shape once.
+_CHECKED: dict[tuple[str, int | None, str], tuple[str, str]] = {}
+_SAID: set[str] = set()
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A check made earlier by this process (the store could not remember it), read as a `store.ShapeVerdict`."""
+
+    verdict: str
+    detail: str
+    checked_at: Any = None
+
+
+def _store_key(store: Any) -> str:
+    return getattr(store, "url", None) or str(store or os.environ.get("AUTOFUSE_DB") or "")
+
+
+def _remembered(store: Any, plan_id: int, fingerprint: str, sw: dict, given: Any) -> Any:
+    """The verdict of an earlier check of plan `plan_id` at program `fingerprint` with this software: the store's,
+    else this process's; None if never checked."""
+    try:
+        hit = store.shape_verdict(plan_id, fingerprint, sw)
+    except Exception:  # noqa: BLE001 -- not readable: check again
+        hit = None
+    if hit is not None:
+        return hit
+    here = _CHECKED.get((_store_key(given), plan_id, fingerprint))
+    return _Checked(*here) if here is not None else None
+
+
+def _writer(store: Any) -> tuple[Any, str]:
+    """A store that can record shape checks (the given read-write `PlanStore`, or the URL's database opened for
+    writing without migrating it), or None and why not."""
+    from .store import PlanStore
+
+    if isinstance(store, PlanStore):
+        return (None, "it was opened read-only") if store.readonly else (store, "")
+    opened, why = _open_store(store)
+    if opened is None:
+        return None, why
+    return _writable_store(opened.url, opened.revision)
+
+
+@functools.lru_cache(maxsize=8)
+def _writable_store(url: str, revision: str | None) -> tuple[Any, str]:
+    from .store import PlanStore
+    from .store.db import HEAD_REVISION
+
+    if (revision or "") < "0005":
+        return None, f"its schema revision {revision} predates shape checks (autofuse db upgrade --db URL)"
+    if revision != HEAD_REVISION:
+        return None, f"its schema revision {revision} is not this autofuse's {HEAD_REVISION}"
+    try:
+        return PlanStore(url), ""
+    except Exception as e:  # noqa: BLE001 -- a read-only file or volume: remembered per process only
+        return None, str(e).split("\n")[0][:200]
+
+
+def _say_once(key: str, why: str) -> None:
+    if key in _SAID:
+        return
+    _SAID.add(key)
+    log.warning("autofuse: the plan store %s cannot remember which shapes its plans serve (%s): plans serving shapes they "
+                "were not tuned for are checked against jax.jit again in every process", key or "(default)", why)
+
+
 def _versions(sw: dict) -> str:
     return ", ".join(f"{k} {sw[k]}" for k in ("jax", "jaxlib", "autofuse") if k in sw)
 
 
 def jit(fn: Callable | None = None, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
         static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
-        on_version_mismatch: str = "verify", interpret: bool | None = None) -> Any:
+        on_version_mismatch: str = "verify", on_other_shape: str = "check", interpret: bool | None = None) -> Any:
     """Like `jax.jit`, but runs the tuned plan for the program where there is one.
 
     The plan is `plan` if given, else the current plan in `store` (a `PlanStore`
     or URL; default `$AUTOFUSE_DB` or the per-user file) for this program, device
     and software. A plan made with other jax/jaxlib/autofuse versions is
     re-verified once against `jax.jit` (`on_version_mismatch="verify"`) or not
-    used (`"refuse"`). Without a usable plan: plain `jax.jit` and one logged
+    used (`"refuse"`). Input shapes not tuned exactly may take the plan of the
+    same program (its structure) tuned at other sizes, where every group still
+    matches and every config still fits, after one check against `jax.jit` at
+    that shape remembered in the store (`on_other_shape="check"`), or never
+    (`"refuse"`). Without a usable plan: plain `jax.jit` and one logged
     warning (`on_miss="xla"`), or `PlanError` (`on_miss="error"`).
     Usable as `autofuse.jit(f, ...)` or as a decorator `@autofuse.jit(...)`.
     """
     def wrap(f: Callable) -> AutofuseFunction:
         return AutofuseFunction(f, plan=plan, store=store, static_argnums=static_argnums, static_argnames=static_argnames,
                                 donate_argnums=donate_argnums, on_miss=on_miss, on_version_mismatch=on_version_mismatch,
-                                interpret=interpret)
+                                on_other_shape=on_other_shape, interpret=interpret)
 
     return wrap if fn is None else wrap(fn)

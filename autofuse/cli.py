@@ -239,10 +239,49 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return _emit(args, rows, RUN_COLUMNS, "runs")
 
 
+SHAPE_COLUMNS: list[Column] = [
+    Column("plan", "plan_id"),
+    Column("program", "program", fmt_short(24)),
+    Column("shapes", "shapes", fmt_short(60)),
+    Column("verdict", "verdict"),
+    Column("jax", "jax"),
+    Column("at", "at", fmt_time),
+    Column("by", "actor", fmt_short(32)),
+    Column("detail", "detail", fmt_short(90)),
+]
+
+
 def _cmd_plans(args: argparse.Namespace) -> int:
     store = _store(args)
     rows = _with_models(store, store.plans(args.program, args.device, args.since, args.min_speedup, current_only=args.current))
+    if args.shapes:
+        return _plan_shapes(args, store, rows)
     return _emit(args, rows, PLAN_COLUMNS, "plans")
+
+
+def _plan_shapes(args: argparse.Namespace, store: Any, plans: list[dict[str, Any]]) -> int:
+    """Per plan: the shapes it may serve (its structure: the inputs with sizes abstracted), the shapes it was tuned at,
+    and each check at another shape (``ok``: it served it; ``failed``: why not). JSON/CSV: one object per plan."""
+    from autofuse.signatures import pattern, short_inputs
+
+    info = store.plan_shapes([p["id"] for p in plans])
+    out: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    for p in plans:
+        got = info.get(p["id"]) or {"structure": None, "inputs": [], "checks": []}
+        structure = got["structure"]
+        may = (f"same structure {structure[:12]} (sizes free, configs that fit, checked once each)" if structure
+               else "structure not recorded yet (the next autofuse.jit of its function records it)")
+        out.append({"plan_id": p["id"], "program": p["program"], "structure": structure, "may_serve": pattern(got["inputs"]) if structure else None,
+                    "tuned_at": got["inputs"], "checks": got["checks"]})
+        base = {"plan_id": p["id"], "program": p["program"]}
+        rows.append({**base, "shapes": pattern(got["inputs"]) if structure else "?", "verdict": "may serve", "detail": may})
+        rows.append({**base, "shapes": short_inputs(got["inputs"]), "verdict": "tuned", "jax": p.get("jax"), "at": p.get("created_at")})
+        rows += [{**base, "shapes": short_inputs(c["inputs"] or []), "verdict": c["verdict"], "jax": c["jax"], "at": c["checked_at"],
+                  "actor": c["actor"], "detail": c["detail"]} for c in got["checks"]]
+    if getattr(args, "json", False) or getattr(args, "csv", False):
+        return _emit(args, out, SHAPE_COLUMNS, "plans")
+    return _emit(args, rows, SHAPE_COLUMNS, "plans")
 
 
 def _cmd_plan_change(args: argparse.Namespace) -> int:
@@ -436,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
         "autofuse plans events --plan 12",
     )
     p.add_argument("--current", action="store_true", help="only current plans")
+    p.add_argument("--shapes", action="store_true",
+                   help="the shapes each plan may serve (its structure), was tuned at, and served at other shapes (with verdicts)")
     p.set_defaults(func=_cmd_plans)
     psub = p.add_subparsers(dest="action", metavar="[ACTION]")
     for action, text in (("promote", "make plan ID the current plan of its program, device and software"),

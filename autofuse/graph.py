@@ -157,6 +157,23 @@ class Graph:
         h.update(("outputs=" + ",".join(atom_text(a) for a in self.outputs)).encode())
         return h.hexdigest()[:32]
 
+    @cached_property
+    def structure(self) -> str:
+        """Stable hash of the program with its sizes abstracted: the fingerprint's ops, params, dtypes, ranks,
+        constants' dtypes and ranks and pytree structure, without the sizes of any array (shapes, and the
+        shape-valued params of broadcasts, reshapes, iotas, slices). Programs that differ only in their input sizes
+        (a batch, a sequence length) share it, and their nodes correspond one to one by id."""
+        h = hashlib.sha256()
+        h.update(f"in_tree={self.in_tree};out_tree={self.out_tree};static={self.static_repr}\n".encode())
+        h.update(("inputs=" + ",".join(_rank_text(self.avals[v]) for v in self.inputs) + "\n").encode())
+        for v in sorted(self.consts):
+            c = np.asarray(self.consts[v])
+            h.update(f"const {v} {c.dtype} {c.ndim}\n".encode())
+        for n in self.nodes:
+            h.update(structure_text(n, self.avals).encode() + b"\n")
+        h.update(("outputs=" + ",".join(atom_text(a) for a in self.outputs)).encode())
+        return h.hexdigest()[:32]
+
     def signature(self) -> dict:
         """Input/output shapes and dtypes, for people and for the store."""
         sig = {
@@ -202,6 +219,29 @@ def node_text(n: Node, avals: dict[int, Aval], rename: dict[int, int] | None = N
     params = ";".join(f"{k}={_param_text(n.params[k])}" for k in sorted(n.params))
     ins = ",".join(ref(a) for a in n.inputs)
     outs = ",".join(f"{ref(v)}:{avals[v]}" for v in n.outputs)
+    return f"{outs} = {n.name}[{params}]({ins})"
+
+
+# Params whose values are sizes (abstracted in `structure_text`); axes, permutations and dimension numbers are structure.
+SIZE_PARAMS = frozenset({"shape", "new_sizes", "sizes", "slice_sizes", "start_indices", "limit_indices", "strides",
+                         "padding_config", "split_sizes"})
+_SIZES = re.compile(r"\b([a-z]+[0-9]*)\[[0-9, ]*\]")  # f32[8,128] in a nested jaxpr's text
+
+
+def _rank_text(a: Aval) -> str:
+    return f"{np.dtype(a.dtype).name}[{len(a.shape)}d]"
+
+
+def structure_text(n: Node, avals: dict[int, Aval]) -> str:
+    """`node_text` with sizes abstracted: values as dtype and rank, size-valued params as `?`."""
+    def param(k: str, v: Any) -> str:
+        if k in SIZE_PARAMS:
+            return re.sub(r"-?[0-9]+", "?", _param_text(v))
+        return _SIZES.sub(lambda m: f"{m.group(1)}[?]", _param_text(v))
+
+    params = ";".join(f"{k}={param(k, n.params[k])}" for k in sorted(n.params))
+    ins = ",".join(atom_text(a) for a in n.inputs)
+    outs = ",".join(f"%{v}:{_rank_text(avals[v])}" for v in n.outputs)
     return f"{outs} = {n.name}[{params}]({ins})"
 
 

@@ -88,7 +88,7 @@ def test_deploy_path_imports_no_tuner(tuned):
 
 def test_miss_runs_jax_jit_and_logs_once(tuned, caplog):
     url, _ = tuned
-    f = autofuse.jit(layer_norm, store=url)
+    f = autofuse.jit(layer_norm, store=url, on_other_shape="refuse")  # (else plans of the same structure may serve: test_shapes)
     with caplog.at_level(logging.WARNING, logger="autofuse"):
         a = _args(rows=512)  # another shape: another program
         _close(f(*a), jax.jit(layer_norm)(*a))
@@ -96,10 +96,22 @@ def test_miss_runs_jax_jit_and_logs_once(tuned, caplog):
     why = "benchmarks.workloads:layer_norm was tuned for other inputs: input 0 bfloat16[2048, 1024] (this call bfloat16[512, 1024])"
     assert f.last_status == f"xla: {why}"
     assert len([r for r in caplog.records if why in r.message]) == 1
-    strict = autofuse.jit(layer_norm, store=url, on_miss="error")
+    strict = autofuse.jit(layer_norm, store=url, on_miss="error", on_other_shape="refuse")
     fp = autofuse.capture(layer_norm, *_specs(512)).fingerprint
     with pytest.raises(autofuse.PlanError, match=fp):
         strict(*a)
+
+
+def test_tuned_plan_serves_another_batch_size_after_a_check(tuned):
+    """A tuning job records its program's structure, so its plan serves the same layer norm at another batch size."""
+    url, rep = tuned
+    assert autofuse.PlanStore(url, readonly=True).plan_shapes([rep.plan_id])[rep.plan_id]["structure"] == \
+        autofuse.capture(layer_norm, *_specs()).structure
+    f = autofuse.jit(layer_norm, store=url)
+    a = _args(rows=1024)
+    _close(f(*a), jax.jit(layer_norm)(*a))
+    assert f.last_status.startswith(f"plan (tuned at bf16[2048,1024], serving bf16[1024,1024]): 1 fused group (row_reduce), run 1, "
+                                    f"plan {rep.plan_id}, checked against jax.jit"), f.last_status
 
 
 def _store_plan(url, plan_json, jax_version=None):

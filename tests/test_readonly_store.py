@@ -150,7 +150,7 @@ def test_miss_never_tuned(store_url, caplog):
 
 def test_miss_other_shapes_names_the_inputs_that_differ(store_url, caplog):
     _save(PlanStore(store_url), softmax_rows, (SPEC,))
-    why = _miss(softmax_rows, store_url, jnp.ones((16, 128)), caplog=caplog)
+    why = _miss(softmax_rows, store_url, jnp.ones((16, 128)), caplog=caplog, on_other_shape="refuse")  # (else served: test_shapes)
     assert why == "tests.test_readonly_store:softmax_rows was tuned for other inputs: input 0 float32[8, 128] (this call float32[16, 128])"
     why = _miss(softmax_rows, store_url, jnp.ones((8, 128), jnp.bfloat16), caplog=caplog)
     assert "input 0 float32[8, 128] (this call bfloat16[8, 128])" in why
@@ -177,7 +177,7 @@ def test_miss_other_device_and_other_versions(store_url, caplog):
 
 def test_miss_error_and_explain_name_the_function(store_url):
     _save(PlanStore(store_url), softmax_rows, (SPEC,))
-    f = autofuse.jit(softmax_rows, store=store_url, on_miss="error")
+    f = autofuse.jit(softmax_rows, store=store_url, on_miss="error", on_other_shape="refuse")
     assert "not traced yet" in repr(f)
     text = f.explain(jnp.ones((16, 128)))
     assert text.startswith("tests.test_readonly_store:softmax_rows(float32[16, 128]) raises PlanError at the first call: ")

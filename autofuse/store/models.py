@@ -81,6 +81,9 @@ class Program(Base):
     # ``module:qualname`` of the tuned function (migration 0003; NULL for older rows): a miss at deploy
     # time names this function's plans for other shapes or static values.
     function: Mapped[str | None] = mapped_column(sa.String(512), index=True)
+    # Migration 0005: the program with its sizes abstracted (`Graph.structure`; NULL for older rows, filled in
+    # when a deploy meets the function again): a plan of one program may serve the others of its structure.
+    structure: Mapped[str | None] = mapped_column(sa.String(64), index=True)
 
 
 class Device(Base):
@@ -276,3 +279,30 @@ class PlanEvent(Base):
     actor: Mapped[str] = mapped_column(sa.String(255))
     at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     detail: Mapped[str | None] = mapped_column(sa.Text)
+
+
+SHAPE_VERDICTS = ("ok", "failed")
+
+
+class PlanShape(Base):
+    """A plan checked at a shape it was not tuned for (migration 0005): the program it served there (same
+    structure, other sizes), its inputs, the software the check ran with, and the verdict of the check against
+    jax.jit (``ok``: it serves that shape; ``failed``: it does not, ``detail`` says why). A process meeting the
+    shape again with the same software takes the verdict instead of checking again."""
+
+    __tablename__ = "autofuse_plan_shapes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    plan_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_plans.id", ondelete="CASCADE"), index=True)
+    fingerprint: Mapped[str] = mapped_column(sa.String(128))
+    inputs: Mapped[list[str]] = mapped_column(JSONType)
+    software_id: Mapped[int] = mapped_column(sa.ForeignKey("autofuse_software.id"))
+    verdict: Mapped[str] = mapped_column(sa.String(16))
+    detail: Mapped[str | None] = mapped_column(sa.Text)
+    actor: Mapped[str] = mapped_column(sa.String(255))
+    checked_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (
+        sa.UniqueConstraint("plan_id", "fingerprint", "software_id"),
+        sa.CheckConstraint("verdict IN ('ok', 'failed')", name="verdict"),
+    )

@@ -18,6 +18,7 @@ from autofuse.store.models import (
     Device,
     Plan,
     PlanEvent,
+    PlanShape,
     Program,
     Run,
     Software,
@@ -362,3 +363,73 @@ def programs_of(fingerprint: str, function: str | None, legacy_names: tuple[str,
     elif legacy_names:
         cond = sa.or_(cond, Program.name.in_(legacy_names))
     return sa.select(Program.id, Program.fingerprint, Program.name, Program.signature).where(cond).order_by(Program.id.desc())
+
+
+def same_structure(structure: str, device_name: str, software: dict[str, str], exclude: str) -> Select[Any]:
+    """The current plans of the programs of `structure` (other than `exclude`, a fingerprint) on this device
+    and backend, exact versions first, newest first: the plans that may serve a shape not tuned exactly."""
+    exact = sa.and_(
+        Software.jax == software["jax"],
+        Software.jaxlib == software["jaxlib"],
+        Software.autofuse == software["autofuse"],
+    )
+    return (
+        sa.select(
+            Plan.id,
+            Plan.plan_json,
+            Plan.speedup,
+            Plan.measured_ms,
+            Plan.measure,
+            Plan.tolerance,
+            Plan.run_id,
+            *_software_columns(),
+            sa.case((exact, 1), else_=0).label("exact"),
+            Program.fingerprint,
+            Program.signature,
+        )
+        .join(Program, Program.id == Plan.program_id)
+        .join(Device, Device.id == Plan.device_id)
+        .join(Software, Software.id == Plan.software_id)
+        .where(
+            Program.structure == structure,
+            Program.fingerprint != exclude,
+            Device.name == device_name,
+            Software.backend == software["backend"],
+            Plan.is_current == sa.true(),
+        )
+        .order_by(sa.desc("exact"), Plan.created_at.desc(), Plan.id.desc())
+    )
+
+
+def unstructured_programs(function: str, limit: int) -> Select[Any]:
+    """Programs of `function` (``module:qualname``) whose structure is not known yet (stored before migration
+    0005), newest first."""
+    return (
+        sa.select(Program.id, Program.fingerprint, Program.signature)
+        .where(Program.function == function, Program.structure.is_(None))
+        .order_by(Program.id.desc())
+        .limit(limit)
+    )
+
+
+def shape_checks(plan_ids: list[int] | None = None, fingerprint: str | None = None) -> Select[Any]:
+    """Checks of plans at shapes they were not tuned for, newest first, with the software they ran with."""
+    q = (
+        sa.select(PlanShape.id, PlanShape.plan_id, PlanShape.fingerprint, PlanShape.inputs, PlanShape.verdict,
+                  PlanShape.detail, PlanShape.actor, PlanShape.checked_at, *_software_columns())
+        .join(Software, Software.id == PlanShape.software_id)
+    )
+    if plan_ids is not None:
+        q = q.where(PlanShape.plan_id.in_(plan_ids))
+    if fingerprint is not None:
+        q = q.where(PlanShape.fingerprint == fingerprint)
+    return q.order_by(PlanShape.checked_at.desc(), PlanShape.id.desc())
+
+
+def plan_programs(plan_ids: list[int]) -> Select[Any]:
+    """Each plan's program: its fingerprint, structure and input signature."""
+    return (
+        sa.select(Plan.id.label("plan_id"), Program.fingerprint, Program.structure, Program.signature)
+        .join(Program, Program.id == Plan.program_id)
+        .where(Plan.id.in_(plan_ids))
+    )

@@ -48,10 +48,12 @@ from autofuse.store import db, queries
 from autofuse.store.models import (
     MEASURES,
     RUN_STATUSES,
+    SHAPE_VERDICTS,
     Candidate,
     Device,
     Plan,
     PlanEvent,
+    PlanShape,
     Program,
     Run,
     Software,
@@ -86,6 +88,30 @@ class LookupResult:
     measure: str = "device"
     tolerance: dict[str, Any] = dataclasses.field(default_factory=dict)
     run_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SameStructure:
+    """A current plan of another program of the same structure (the same computation at other sizes), found by
+    :meth:`PlanStore.same_structure`: the plan, and the fingerprint and input signature of the program it was tuned
+    for (``["bfloat16[8, 128]", ...]``)."""
+
+    plan: LookupResult
+    fingerprint: str
+    inputs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeVerdict:
+    """A remembered check of a plan at a shape it was not tuned for: ``ok`` (it serves that shape) or ``failed``
+    (``detail`` says why), when and by whom."""
+
+    plan_id: int
+    fingerprint: str
+    verdict: str
+    detail: str
+    checked_at: _dt.datetime
+    actor: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +186,11 @@ class PlanStore:
         """Whether the schema has migration 0003's columns (a read-only store may be older)."""
         return (self.revision or "") >= "0003"
 
+    @property
+    def _v5(self) -> bool:
+        """Whether the schema has migration 0005's program structures and shape checks."""
+        return (self.revision or "") >= "0005"
+
     # ------------------------------------------------------------ plumbing
 
     def __repr__(self) -> str:
@@ -229,11 +260,13 @@ class PlanStore:
 
     # ------------------------------------------------------- dimension rows
 
-    def program(self, fingerprint: str, name: str, signature: dict[str, Any], size: int, function: str | None = None) -> int:
+    def program(self, fingerprint: str, name: str, signature: dict[str, Any], size: int, function: str | None = None,
+                structure: str | None = None) -> int:
         """Id of the program with *fingerprint*, created if new.
 
         An existing program keeps its first name, signature and size; *function*
-        (``module:qualname``) is filled in where it was not known.
+        (``module:qualname``) and *structure* (``Graph.structure``: the program with
+        its sizes abstracted) are filled in where they were not known.
         """
         if not fingerprint:
             raise ValueError("program fingerprint must be a non-empty string")
@@ -243,8 +276,11 @@ class PlanStore:
             if found is not None:
                 if function and not found.function:
                     found.function = function
+                if structure and not found.structure:
+                    found.structure = structure
                 return found.id
-            row = Program(fingerprint=fingerprint, name=name, signature=signature, size=int(size), function=function)
+            row = Program(fingerprint=fingerprint, name=name, signature=signature, size=int(size), function=function,
+                          structure=structure)
             s.add(row)
             s.flush()
             return row.id
@@ -935,6 +971,83 @@ class PlanStore:
                 return MissReason("changed", f"{function} has plans for the same inputs but as another program "
                                              f"{near[0]['fingerprint'][:12]} (its code or constants changed since it was tuned)")
         return MissReason("no_plan", f"no plan for this program at all {where} (never tuned: autofuse tune)")
+
+    # ---------------------------------------------------- shape-generic plans
+
+    def same_structure(self, structure: str, device_name: str, software: dict[str, str], *, exclude: str) -> list[SameStructure]:
+        """The current plans, on this device and backend, of the programs of *structure* other than *exclude* (the
+        fingerprint that missed): plans tuned at other sizes that may serve it. Exact versions first, newest first.
+        Empty for a schema older than 0005. Reads only."""
+        if not self._v5:
+            return []
+        out = []
+        for r in self._read(queries.same_structure(structure, device_name, software, exclude)):
+            hit = LookupResult(plan_id=r["id"], plan_json=json.loads(r["plan_json"]), match="exact" if r["exact"] else "version",
+                               speedup=r["speedup"], measured_ms=r["measured_ms"], software={k: r[k] for k in SOFTWARE_KEYS},
+                               measure=r["measure"], tolerance=r["tolerance"] or {}, run_id=r["run_id"])
+            out.append(SameStructure(hit, r["fingerprint"], tuple((r["signature"] or {}).get("inputs") or ())))
+        return out
+
+    def unstructured_programs(self, function: str, limit: int = 8) -> list[dict[str, Any]]:
+        """Programs of *function* whose structure is not recorded (stored before migration 0005): id, fingerprint,
+        signature. Empty for an older schema."""
+        return self._read(queries.unstructured_programs(function, limit)) if self._v5 else []
+
+    def set_structure(self, fingerprint: str, structure: str) -> bool:
+        """Record the structure of a program stored without one; False if it had one or is not stored."""
+
+        def fn(s: Session) -> bool:
+            res = s.execute(sa.update(Program).where(Program.fingerprint == fingerprint, Program.structure.is_(None))
+                            .values(structure=structure))
+            return res.rowcount == 1
+
+        return self._write(fn)
+
+    def shape_verdict(self, plan_id: int, fingerprint: str, software: dict[str, str]) -> ShapeVerdict | None:
+        """The remembered check of plan *plan_id* at the program *fingerprint* made with exactly this *software*
+        (jax, jaxlib, autofuse, backend), or None (never checked so, or a schema older than 0005)."""
+        if not self._v5:
+            return None
+        for r in self._read(queries.shape_checks([plan_id], fingerprint)):
+            if all(r[k] == software.get(k) for k in SOFTWARE_KEYS):
+                return ShapeVerdict(plan_id, fingerprint, r["verdict"], r["detail"] or "", r["checked_at"], r["actor"])
+        return None
+
+    def record_shape(self, plan_id: int, fingerprint: str, inputs: list[str], software: dict[str, str], verdict: str,
+                     detail: str = "", *, actor: str | None = None) -> None:
+        """Remember the verdict (``ok`` or ``failed``) of checking plan *plan_id* at the program *fingerprint*
+        (inputs as ``Graph.signature()["inputs"]``) with *software*; a later check with the same software replaces it."""
+        if verdict not in SHAPE_VERDICTS:
+            raise ValueError(f"invalid shape verdict {verdict!r}: expected one of {', '.join(SHAPE_VERDICTS)}")
+        missing = [k for k in SOFTWARE_KEYS if k not in software]
+        if missing:
+            raise ValueError(f"software dict lacks {', '.join(missing)}")
+        sw_id = self.software(**{k: software[k] for k in SOFTWARE_KEYS})
+        who = (actor or f"{whoami()}:{os.getpid()}")[:255]
+
+        def fn(s: Session) -> None:
+            self._require(s, Plan, plan_id, "plan")
+            row = s.scalar(sa.select(PlanShape).where(PlanShape.plan_id == plan_id, PlanShape.fingerprint == fingerprint,
+                                                      PlanShape.software_id == sw_id))
+            if row is None:
+                row = PlanShape(plan_id=plan_id, fingerprint=fingerprint, software_id=sw_id)
+                s.add(row)
+            row.inputs, row.verdict, row.detail, row.actor, row.checked_at = list(inputs), verdict, detail, who, utcnow()
+
+        self._write(fn, retry_integrity=True)
+
+    def plan_shapes(self, plan_ids: list[int]) -> dict[int, dict[str, Any]]:
+        """Per plan: ``structure`` (None: not recorded), ``inputs`` (the shapes it was tuned at) and ``checks`` (its
+        checks at other shapes, newest first: inputs, verdict, detail, checked_at, actor, versions)."""
+        if not plan_ids:
+            return {}
+        progs = self._read(queries.plan_programs(plan_ids)) if self._v5 else []
+        out: dict[int, dict[str, Any]] = {
+            r["plan_id"]: {"structure": r["structure"], "inputs": list((r["signature"] or {}).get("inputs") or []), "checks": []}
+            for r in progs}
+        for r in self._read(queries.shape_checks(plan_ids)) if self._v5 else []:
+            out.setdefault(r["plan_id"], {"structure": None, "inputs": [], "checks": []})["checks"].append(r)
+        return out
 
     # --------------------------------------------------------------- listings
 

@@ -136,7 +136,7 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
         raise ValueError(f"{pstore} is read-only: a tuning job needs a store it can write (pass a URL, not a read-only PlanStore)")
     pstore.mark_interrupted()
     dev = device_info()
-    ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes), function=function),
+    ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes), function=function, structure=graph.structure),
                  pstore.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
                  pstore.software(**software()))
     if resume is not None:
