@@ -25,7 +25,7 @@ from autofuse.tuning import ahead
 from autofuse.tuning.ahead import CompileAhead, compile_workers
 from autofuse.tuning.job import distinct_candidates, open_run, register_candidates, search_spaces, time_xla
 from autofuse.tuning.local import local_loop
-from autofuse.tuning.scheduler import Budget
+from autofuse.tuning.scheduler import Budget, phase1_order
 from autofuse.tuning.workers import share_xla
 from benchmarks.workloads import log_relu_bias, rms_norm
 from tests.dist_programs import log_relu_bias_inputs, rms_norm_inputs
@@ -286,3 +286,15 @@ def test_each_worker_is_pinned_to_its_gpu_and_its_trial_process_records_it(monke
     with ProcessRunner(spec, {"measure": "model"}, timeout_s=120) as runner:
         res = runner.call(XlaRequest(tuple(cands[0].nodes)))
     assert res.ok and res.device == "cpu:0 cpu (CUDA_VISIBLE_DEVICES=5)"
+
+
+def test_compiling_ahead_stops_at_this_workers_part_of_the_budget():
+    """Two workers with 5 trials left: a batch holds this worker's 3 at most, every second candidate of phase 1."""
+    *_, cands, spaces = _program()
+    time_xla(cands, Recorder())
+    rec = Recorder()
+    ca = CompileAhead(rec, cands, spaces, "device", 8, share=2, budget=5)
+    order = phase1_order(cands, spaces)
+    ca.before(order[0])
+    (batch,) = rec.requests
+    assert [q.nodes for q in batch.items] == [tuple(cands[j].nodes) for j in (order[0], order[2], order[4])]

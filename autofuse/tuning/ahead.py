@@ -88,15 +88,15 @@ class CompileAhead:
 
     `before(i)` runs before each trial of candidate i: when i has no trial yet and its first config was not
     sent ahead, the trial process compiles it together with the next untried candidates in phase 1 order
-    (with `share` workers taking turns, every `share`-th of them: those this worker is likely to run).
-    A guess that misses costs compile time on a spare core, never a result: the trial compiles what it
-    does not find.
+    (with `share` workers taking turns, every `share`-th of them: those this worker is likely to run), no more
+    than this worker's part of the trials left of `budget`. A guess that misses costs compile time on a spare
+    core, never a result: the trial compiles what it does not find.
     """
 
     def __init__(self, runner: Any, cands: list[CandidateState], spaces: dict[str, CandidateSpace], measure: str, workers: int,
-                 share: int = 1):
+                 share: int = 1, budget: int | None = None):
         self.runner, self.cands, self.spaces, self.measure = runner, cands, spaces, measure
-        self.workers, self.share = workers, max(1, share)
+        self.workers, self.share, self.budget = workers, max(1, share), budget
         self.sent: set[int] = set()
         self.batches: list[int] = []  # the size of each batch sent
 
@@ -111,8 +111,11 @@ class CompileAhead:
     def before(self, i: int) -> None:
         if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
             return
+        n = chunk_size(self.workers)
+        if self.budget is not None:  # this worker's part of the trials left
+            n = min(n, -(-(self.budget - sum(len(c.spent()) for c in self.cands)) // self.share))
         rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent]
-        pick = [i] + rest[self.share - 1::self.share][:chunk_size(self.workers) - 1]
+        pick = [i] + rest[self.share - 1::self.share][:max(0, n - 1)]
         self.sent.update(pick)
         reqs = tuple(q for q in (self.first_request(j) for j in pick) if q is not None)
         if len(reqs) > 1:

@@ -133,7 +133,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
                         "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
-        loop.ahead = CompileAhead(runner, cands, spaces, measure, threads)
+        loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, budget=loop.scheduler.total)
         loop.verbose = verbose and not quiet
         selected = ids is not None and ids.selected  # a run killed in its selection phase (a store's run only)
         if resume is not None:

@@ -350,7 +350,7 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
             w = _Worker(pstore, run_id, cands, spaces, scheduler,
                         TrialContext(StoreLedger(pstore, run_id, me), runner, measure, scheduler.total, me),
                         run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
-            w.loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1)
+            w.loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
             w.loop.verbose = not quiet  # a line per trial
             w.work()
             selected = pstore.begin_selection(run_id, me)
