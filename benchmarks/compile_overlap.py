@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def child(fn_ref: str, inputs_ref: str, threads: int, limit: int | None) -> dict:
@@ -56,7 +56,7 @@ def record_compiles() -> list[tuple[float, float]]:
     spans: list[tuple[float, float]] = []
     compile_ = jax.stages.Lowered.compile
 
-    def timed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def timed(self, *a, **k):
         t0 = time.perf_counter()
         try:
             return compile_(self, *a, **k)

@@ -157,8 +157,8 @@ def workers_cell(per_worker: dict) -> str:
 def table(rows: list[dict], header: dict[str, str]) -> str:
     lines = ["# Tuning with several GPUs: `autofuse tune --workers N` (issue 18)", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", "| workload | workers | exit | status | wall s | start s | first plan s | trials | trials/min | jax.jit ms | plan ms "
-              "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices | command |",
+    lines += ["", ("| workload | workers | exit | status | wall s | start s | first plan s | trials | trials/min | jax.jit ms | plan ms "
+                   "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices | command |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpm = 60 * r["trials"] / r["wall_s"] if r.get("trials") and r.get("wall_s") else None
@@ -177,7 +177,7 @@ def table(rows: list[dict], header: dict[str, str]) -> str:
 def gpus() -> str:
     """The host's GPUs as nvidia-smi lists them (no CUDA context made here)."""
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout.strip().splitlines()
     except (OSError, subprocess.SubprocessError):
         return "(no nvidia-smi)"
     return f"{len(out)}: " + "; ".join(line.split(" (UUID")[0] for line in out) if out else "(none)"
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in a.workers.split(",")]
     workdir = os.path.splitext(os.path.abspath(a.out))[0] + ".logs"
     os.makedirs(workdir, exist_ok=True)
-    header = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(a.commit),
+    header = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(a.commit),
               "gpus": gpus(), "host": f"{os.uname().nodename}, {os.cpu_count()} cores, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
               "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.multi_gpu", *(argv if argv is not None else sys.argv[1:])])}
     rows: list[dict] = []

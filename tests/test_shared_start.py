@@ -18,12 +18,24 @@ import autofuse
 from autofuse import costmodel
 from autofuse.runner.evaluator import Evaluator, _trial_key
 from autofuse.runner.process import ProcessRunner, ProgramSpec
-from autofuse.runner.protocol import CompileRequest, CompileResult, TrialRequest, TrialResult, XlaRequest
+from autofuse.runner.protocol import (
+    CompileRequest,
+    CompileResult,
+    TrialRequest,
+    TrialResult,
+    XlaRequest,
+)
 from autofuse.status import TrialStatus
 from autofuse.store import PlanStore
 from autofuse.tuning import ahead
 from autofuse.tuning.ahead import CompileAhead, compile_workers
-from autofuse.tuning.job import distinct_candidates, open_run, register_candidates, search_spaces, time_xla
+from autofuse.tuning.job import (
+    distinct_candidates,
+    open_run,
+    register_candidates,
+    search_spaces,
+    time_xla,
+)
 from autofuse.tuning.local import local_loop
 from autofuse.tuning.scheduler import Budget, phase1_order
 from autofuse.tuning.workers import share_xla
@@ -145,7 +157,7 @@ def test_compiling_ahead_gives_the_serial_executables_and_results():
 
 def _hlo(compiled) -> str:
     """The optimised HLO without source locations (the Python stack that traced it differs between threads)."""
-    text = re.sub(r"\nFileNames\n.*?\nStackFrames\n.*?\n\n", "\n", compiled.as_text(), flags=re.S)
+    text = re.sub(r"\nFileNames\n.*?\nStackFrames\n.*?\n\n", "\n", compiled.as_text(), flags=re.DOTALL)
     return re.sub(r",? ?metadata=\{[^}]*\}", "", text)
 
 
@@ -186,7 +198,7 @@ def test_phase_one_default_configs_are_compiled_ahead_as_their_trials_ask_for_th
 
 
 def _run_with_candidates(tmp_path, fn=rms_norm, inputs=rms_norm_inputs):
-    graph, by_sig, cands, spaces = _program(fn, inputs)
+    graph, _, cands, _ = _program(fn, inputs)
     pstore = PlanStore(f"sqlite:///{tmp_path}/x.db")
     _, run_id, _ = open_run(pstore, graph, "p", "device", 8, None, 0, None)
     register_candidates(pstore, run_id, cands)
@@ -227,7 +239,7 @@ def test_workers_share_the_xla_timings_each_candidate_timed_once(tmp_path):
 
 
 def test_a_dead_workers_xla_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
-    pstore, run_id, cands = _run_with_candidates(tmp_path)
+    pstore, run_id, _ = _run_with_candidates(tmp_path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     here = socket.gethostname()
@@ -250,7 +262,7 @@ def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path
     env.pop("AUTOFUSE_DB", None)
     out = subprocess.run([sys.executable, "-m", "autofuse.cli", "tune", "benchmarks.workloads:rms_norm", "--inputs",
                           "tests.dist_programs:rms_norm_inputs", "--trials", "6", "--db", url, "--workers", "2", "--heartbeat", "1",
-                          "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     store = PlanStore(url)
     (run,) = store.runs()

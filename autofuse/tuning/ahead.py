@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..runner.protocol import CompileRequest, TrialRequest, TrialResult, XlaRequest
 from ..status import TrialStatus

@@ -14,15 +14,15 @@ and GPU measured each trial, and when. All nullable: existing rows read as
 "not recorded".
 """
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0004"
-down_revision: Union[str, Sequence[str], None] = "0003"
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | Sequence[str] | None = "0003"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 CANDIDATE_COLUMNS = (
     ("xla_status", sa.String(length=32)),
