@@ -83,7 +83,7 @@ def run_one(program: str, workers: int, trials: int, workdir: str, limit_s: floa
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(db + suffix):
             os.unlink(db + suffix)
-    cmd = ["autofuse", "tune", fn, "--inputs", inputs, "--trials", str(trials), "--workers", str(workers), "--db", f"sqlite:///{db}", *extra]
+    cmd = ["autofuse", "tune", fn, "--inputs", inputs, "--trials", str(trials), "--workers", str(workers), "--db", f"sqlite:///{db}", "-v", *extra]
     log = os.path.join(workdir, f"{program}_w{workers}.log")
     row: dict[str, Any] = {"program": program, "small": small, "workers": workers, "trials_budget": trials, "command": " ".join(cmd), "log": log}
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
