@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -89,9 +90,10 @@ class AutofuseFunction:
 
     def __init__(self, fn: Callable, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
                  static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
-                 on_version_mismatch: str = "verify", on_other_shape: str = "check", interpret: bool | None = None):
-        if on_miss not in ("xla", "error"):
-            raise ValueError(f"on_miss must be 'xla' or 'error', got {on_miss!r}")
+                 on_version_mismatch: str = "verify", on_other_shape: str = "check", interpret: bool | None = None,
+                 tune_budget: Any = None):
+        if on_miss not in ("xla", "error", "tune"):
+            raise ValueError(f"on_miss must be 'xla', 'error' or 'tune', got {on_miss!r}")
         if on_version_mismatch not in ("verify", "refuse"):
             raise ValueError(f"on_version_mismatch must be 'verify' or 'refuse', got {on_version_mismatch!r}")
         if on_other_shape not in ("check", "refuse"):
@@ -103,22 +105,56 @@ class AutofuseFunction:
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.on_miss, self.on_version_mismatch, self.on_other_shape = on_miss, on_version_mismatch, on_other_shape
         self.interpret = interpret
+        self.tune_budget: Any = None
+        if on_miss == "tune":
+            from .background import BackgroundTune
+
+            self.tune_budget = BackgroundTune.of(tune_budget)
+        # Background tuning jobs this function started (on_miss="tune") and not yet seen finish; while there are any,
+        # a call checks at most once a second whether one finished, and then traces again to pick its plan up.
+        self.tuning_jobs: list[Any] = []
+        self._next_poll = 0.0
         # What the most recently traced signature runs (see `Resolution.status`): "plan: 2 fused groups (...), run R, plan P",
         # "plan-reverified: ...", "xla-plan: nothing beat jax.jit (...)" or "xla: <why>".
         self.last_status: str = ""
         self._traced_status: dict[str, str] = {}  # by program fingerprint: what each traced signature runs
-        @functools.wraps(fn)  # named after the user's function in HLO dumps and profiles (jit_<name>, not jit__traced)
+        self._donate_argnums = donate_argnums
+        self._jitted = self._new_jit()
+        functools.update_wrapper(self, fn)
+
+    def _new_jit(self) -> Any:
+        """A `jax.jit` of a new function object: JAX caches traces by function, so a new one traces every signature
+        again (after a background tuning job stored a plan)."""
+        @functools.wraps(self.fn)  # named after the user's function in HLO dumps and profiles (jit_<name>, not jit__traced)
         def traced(*args: Any, **kwargs: Any) -> Any:
             return self._traced(*args, **kwargs)
 
-        self._jitted = jax.jit(traced, static_argnums=self.static_argnums, static_argnames=self.static_argnames, donate_argnums=donate_argnums)
-        functools.update_wrapper(self, fn)
+        return jax.jit(traced, static_argnums=self.static_argnums, static_argnames=self.static_argnames,
+                       donate_argnums=self._donate_argnums)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.tuning_jobs:
+            self._poll_jobs()
         return self._jitted(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.lower(*args, **kwargs)
+
+    def _poll_jobs(self) -> None:
+        """At most once a second: if a background tuning job ended, forget the traces made so far, so that the
+        next call traces again and finds its plan (the other signatures find theirs again)."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return
+        self._next_poll = now + 1.0
+        ended = [j for j in self.tuning_jobs if j.done()]
+        if ended:
+            self.tuning_jobs = [j for j in self.tuning_jobs if not j.done()]
+            for j in ended:
+                log.warning("autofuse: %s: the background tuning job for %s ended (exit status %s, log %s): tracing again to "
+                            "pick up its plan", self.name, ", ".join(j.inputs), j.process.returncode, j.log)
+            self._jitted = self._new_jit()
+            self._traced_status.clear()
 
     # tracing a new signature ---------------------------------------------------
     def capture(self, *args: Any, **kwargs: Any) -> Graph:
@@ -162,19 +198,20 @@ class AutofuseFunction:
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
         graph = self.capture(*args, **kwargs)
-        run, self.last_status = self._build(graph)
+        run, self.last_status = self._build(graph, (args, kwargs))
         self._traced_status[graph.fingerprint] = self.last_status
         if run is None:
             return self.fn(*args, **kwargs)
         leaves = flatten_args(graph, self.fn, args, kwargs, self.static_argnums, self.static_argnames)
         return jax.tree_util.tree_unflatten(graph.out_tree, run(leaves))
 
-    def _build(self, graph: Graph) -> tuple[Callable | None, str]:
+    def _build(self, graph: Graph, call: tuple[tuple, dict] | None = None) -> tuple[Callable | None, str]:
         res = self._resolve(graph)
         if res.learned:
             self._remember(res, graph, None)
         if res.kind == "miss":
-            return None, self._miss(graph, res.why)
+            status = self._miss(graph, res.why)
+            return None, status + self._queue_tuning(graph, call) if self.on_miss == "tune" else status
         if res.kind == "plan-version":
             log.warning("autofuse: %s: program %s: stored plan %s was made with other software (%s); re-verifying it once",
                         self.name, graph.fingerprint, res.plan_id, res.software)
@@ -206,6 +243,32 @@ class AutofuseFunction:
             log.warning("autofuse: %s: program %s: plan %s (tuned at %s) passed its check against jax.jit at %s: serving it",
                         self.name, graph.fingerprint, res.plan_id, res.tuned_at, res.serving)
         return run, res.status()
+
+    def _queue_tuning(self, graph: Graph, call: tuple[tuple, dict] | None) -> str:
+        """Start a background job tuning this missed program (`autofuse.background`); what the status adds, or why
+        not (logged once). Never waits for the job."""
+        from .background import NotQueued, queue
+        from .store import PlanStore
+        from .store.db import default_url
+
+        store = self.store
+        if isinstance(store, PlanStore) and store.readonly:
+            why = "the plan store was opened read-only"
+        else:
+            url = store.url if isinstance(store, PlanStore) else store or os.environ.get("AUTOFUSE_DB") or default_url()
+            try:
+                args, kwargs = call if call is not None else ((), {})
+                job = queue(self.fn, self.name, graph.fingerprint, graph.signature()["inputs"], args, kwargs, self.static_argnums,
+                            self.static_argnames, str(url), self.tune_budget)
+            except (NotQueued, OSError) as e:
+                why = str(e)
+            else:
+                self.tuning_jobs.append(job)
+                log.warning("autofuse: %s: program %s: queued a background tuning job (pid %s, log %s)", self.name,
+                            graph.fingerprint, job.process.pid, job.log)
+                return f"; tuning these shapes in the background (pid {job.process.pid})"
+        log.warning("autofuse: %s: program %s: not tuned in the background: %s", self.name, graph.fingerprint, why)
+        return f"; not tuned in the background: {why}"
 
     def _remember(self, res: Resolution, graph: Graph, verdict: tuple[str, str] | None) -> None:
         """Record what this trace learned: the `verdict` ((``ok``|``failed``, detail)) of checking a plan at a shape
@@ -462,7 +525,8 @@ def _versions(sw: dict) -> str:
 
 def jit(fn: Callable | None = None, *, plan: Plan | None = None, store: Any = None, static_argnums: Sequence[int] = (),
         static_argnames: Sequence[str] = (), donate_argnums: Sequence[int] = (), on_miss: str = "xla",
-        on_version_mismatch: str = "verify", on_other_shape: str = "check", interpret: bool | None = None) -> Any:
+        on_version_mismatch: str = "verify", on_other_shape: str = "check", interpret: bool | None = None,
+        tune_budget: Any = None) -> Any:
     """Like `jax.jit`, but runs the tuned plan for the program where there is one.
 
     The plan is `plan` if given, else the current plan in `store` (a `PlanStore`
@@ -474,12 +538,17 @@ def jit(fn: Callable | None = None, *, plan: Plan | None = None, store: Any = No
     matches and every config still fits, after one check against `jax.jit` at
     that shape remembered in the store (`on_other_shape="check"`), or never
     (`"refuse"`). Without a usable plan: plain `jax.jit` and one logged
-    warning (`on_miss="xla"`), or `PlanError` (`on_miss="error"`).
+    warning (`on_miss="xla"`), `PlanError` (`on_miss="error"`), or plain `jax.jit`
+    at once and the missed shapes queued for a background tuning job
+    (`on_miss="tune"`: a separate low-priority process, `tune_budget` trials or an
+    `autofuse.background.BackgroundTune`, one job per program at a time; the
+    function must be importable by name); a later trace of those shapes, in this
+    process once the job ends or in the next, picks its plan up.
     Usable as `autofuse.jit(f, ...)` or as a decorator `@autofuse.jit(...)`.
     """
     def wrap(f: Callable) -> AutofuseFunction:
         return AutofuseFunction(f, plan=plan, store=store, static_argnums=static_argnums, static_argnames=static_argnames,
                                 donate_argnums=donate_argnums, on_miss=on_miss, on_version_mismatch=on_version_mismatch,
-                                on_other_shape=on_other_shape, interpret=interpret)
+                                on_other_shape=on_other_shape, interpret=interpret, tune_budget=tune_budget)
 
     return wrap if fn is None else wrap(fn)
