@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .graph import Graph, capture, flatten_args, qualified_name
-from .plan import Plan, PlanError, executor
+from .plan import Plan, PlanError, executor, preload_pallas_lowerings
 
 log = logging.getLogger("autofuse")
 
@@ -119,6 +119,7 @@ class AutofuseFunction:
         self.last_status: str = ""
         self._traced_status: dict[str, str] = {}  # by program fingerprint: what each traced signature runs
         self._donate_argnums = donate_argnums
+        preload_pallas_lowerings(interpret)  # else the second call of each signature traces again (see plan.py)
         self._jitted = self._new_jit()
         functools.update_wrapper(self, fn)
 

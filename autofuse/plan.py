@@ -148,6 +148,25 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+# Modules that JAX imports the first time it lowers a pallas_call (per backend, and for interpret mode). Some
+# register configuration that is part of jax.jit's cache key, so one imported during a jit's first trace makes
+# its second call trace (and compile) again; `preload_pallas_lowerings` imports them before any call.
+_PALLAS_LOWERINGS = ("jax._src.pallas.triton.pallas_call_registration", "jax._src.pallas.mosaic_gpu.pallas_call_registration",
+                     "jax._src.pallas.mosaic.interpret.interpret_pallas_call", "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+
+
+def preload_pallas_lowerings(interpret: bool | None = None) -> None:
+    """Import the Pallas lowering modules a fused plan's kernels need here (interpret mode's too off the GPU)."""
+    import importlib
+
+    names = _PALLAS_LOWERINGS if (default_interpret() if interpret is None else interpret) else _PALLAS_LOWERINGS[:2]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a backend this jaxlib does not ship: its kernels cannot run here anyway
+            pass
+
+
 def build_group(group: Group, template: str, config: dict, *, backend: str = "triton", interpret: bool | None = None) -> Callable:
     mod = TEMPLATES[template]
     spec = mod.match(group)

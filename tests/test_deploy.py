@@ -86,6 +86,37 @@ def test_deploy_path_imports_no_tuner(tuned):
     assert "LOADED []" in out.stdout, out.stdout
 
 
+def test_each_signature_is_traced_once(tuned):
+    """A stored plan's function traces (and compiles) each signature once: JAX's first lowering of a pallas_call
+    imports modules that register configuration in jax.jit's cache key, which made every second call trace again
+    until autofuse.jit imported them up front. In a fresh process, where nothing was lowered yet."""
+    url, _ = tuned
+    script = textwrap.dedent(f"""
+        import jax.numpy as jnp, numpy as np, autofuse
+        from benchmarks.workloads import layer_norm
+        traces = []
+        def counted(*a):
+            traces.append(1)
+            return layer_norm(*a)
+        counted.__module__, counted.__qualname__ = layer_norm.__module__, layer_norm.__qualname__
+        f = autofuse.jit(counted, store={url!r})
+        rng = np.random.default_rng(3)
+        xs = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in {SHAPES!r}]
+        per_call = []
+        for _ in range(3):
+            n = len(traces)
+            f(*xs).block_until_ready()
+            per_call.append(len(traces) - n)
+        print("STATUS", f.last_status)
+        print("TRACES", per_call)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "STATUS plan" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "TRACES [1, 0, 0]" in out.stdout, out.stdout
+
+
 def test_miss_runs_jax_jit_and_logs_once(tuned, caplog):
     url, _ = tuned
     f = autofuse.jit(layer_norm, store=url, on_other_shape="refuse")  # (else plans of the same structure may serve: test_shapes)
