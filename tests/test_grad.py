@@ -273,3 +273,87 @@ def test_grad_of_small_gpt2_loss_with_every_group_fused():
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)):
         ok, _, why = compare(g, w, 1e-3)
         assert ok, f"{jax.tree_util.keystr(path)}: {why}"
+
+
+# ---------------------------------------------------------------------------
+# Tuning a gradient program: attention's forward chain with its own backward (template attention_vjp).
+def _linear_loss_grad(fn, specs, argnums):
+    """jax.grad of a loss linear in the attention output: the cotangent does not depend on the output, so the
+    forward chain and its backward form one convex group."""
+    def loss(*a):
+        *x, w = a
+        return jnp.sum(fn(*x).astype(F32) * w)
+
+    out = jax.eval_shape(fn, *specs)
+    return jax.grad(loss, argnums), list(specs) + [S(out.shape, F32)]
+
+
+GRAD_PROGRAMS = [
+    pytest.param(attention_bhld_causal, [S((1, 2, 40, 32), F32)] * 3, (0, 1, 2), 1e-4, id="causal-ragged"),
+    pytest.param(gqa_repeat, [S((1, 32, 8, 32), F32), S((1, 32, 2, 32), F32), S((1, 32, 2, 32), F32)], (0, 1, 2), 1e-4, id="gqa"),
+    pytest.param(padding_mask, [S((2, 2, 32, 32), F32)] * 3 + [S((2, 32), jnp.bool_)], (0, 1, 2), 1e-4, id="padding-mask"),
+    pytest.param(attention_bhld_causal, [S((1, 2, 40, 32), F32)] * 3, (1,), 1e-4, id="only-dk"),
+    pytest.param(attention_bhld_causal, [S((1, 2, 64, 64), BF16)] * 3, (0, 1, 2), 2e-2, id="bf16"),
+]
+
+
+@pytest.mark.parametrize("fn,specs,argnums,tol", GRAD_PROGRAMS)
+def test_gradient_program_fuses_attention_with_its_backward(fn, specs, argnums, tol):
+    """In the jaxpr of jax.grad the chain's probabilities are read by the backward; the partitioner offers the chain
+    with every node of its derivative as one `attention_vjp` candidate (recognised by re-deriving jax.vjp of the
+    chain), and the plan running it as the flash pair matches jax.jit."""
+    gfn, specs = _linear_loss_grad(fn, specs, argnums)
+    graph = autofuse.capture(gfn, *specs)
+    (cand,) = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    assert len(cand.spec.grads) == len(argnums) and sum(n.name == "dot_general" for n in cand.group.nodes) >= 4
+    plan = plan_from_choices(graph, [(cand.group, "attention_vjp", SMALL_ATTN)])
+    args = _inputs(specs)
+    fused = autofuse.jit(gfn, plan=plan, on_miss="error")
+    got = fused(*args)
+    assert fused.last_status.startswith("plan:")
+    names = _kernels_in(jax.make_jaxpr(fused)(*args).jaxpr)
+    assert sum("attention_bwd" in n for n in names) == 2, names
+    for g, w in zip(got, jax.jit(gfn)(*args)):
+        ok, _, why = compare(g, w, tol)
+        assert ok, why
+
+
+def test_training_step_attention_is_recognised_but_not_convex():
+    """GPT-2's grad_step: each layer's attention chain is recognised with its backward (the same derivation), but
+    the cotangent depends on the output through the rest of the network, so forward + backward is not one convex
+    group and no `attention_vjp` candidate is offered (running it needs a two-stage plan group)."""
+    from autofuse.kernels import attention_vjp
+    from autofuse.tuning.partition import is_fusible
+    from examples import gpt2
+
+    graph = autofuse.capture(gpt2.grad_step, *gpt2.small_inputs())
+    chains = attention_vjp.forward_chains(graph, lambda i: is_fusible(graph, i))
+    assert len(chains) == 2  # one per layer
+    for ids, fwd, attn in chains:
+        found = [attention_vjp.backward_of(graph, ids, fwd, attn, d) for d in attention_vjp.cotangent_candidates(graph, ids, fwd, attn)]
+        assert any(len(members) > len(ids) + 20 and not convex for members, convex in found), [(len(m), c) for m, c in found]
+    assert not [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+
+
+@pytest.mark.parametrize("fn,specs,cfg", [
+    pytest.param(attention_bhld_causal, [S((2, 4, 256, 128), BF16)] * 3, {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 3}, id="causal-d128"),
+    pytest.param(gqa_repeat, [S((1, 128, 8, 64), BF16), S((1, 128, 2, 64), BF16), S((1, 128, 2, 64), BF16)], SMALL_ATTN, id="gqa"),
+    pytest.param(padding_mask, [S((2, 2, 100, 64), BF16)] * 3 + [S((2, 100), jnp.bool_)], SMALL_ATTN, id="padding-ragged"),
+])
+def test_flash_pair_lowers_for_cuda(fn, specs, cfg):
+    """The forward with the logsumexp and both backward kernels go through the real Triton lowering for CUDA
+    (interpret mode hides what it rejects: a load with a fill but no mask, non-power-of-two tiles)."""
+    from autofuse.plan import executor
+    from autofuse.runner.evaluator import export_for_cuda
+
+    graph = autofuse.capture(fn, *specs)
+    cand = next(c for c in enumerate_candidates(graph) if c.template == "attention")
+    run = executor(graph, plan_from_choices(graph, [(cand.group, "attention", cfg)]), interpret=False)
+    out = jax.eval_shape(lambda *a: run(a)[0], *specs)
+
+    def step(*a):
+        _, pull = jax.vjp(lambda *x: run(x)[0], *a[:-1])
+        return pull(a[-1])
+
+    text = export_for_cuda(step, [*specs, S(out.shape, out.dtype)]).mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 3

@@ -13,12 +13,12 @@ import importlib
 import os
 
 from ..graph import Group
-from . import attention, elementwise, matmul, matmul_reduce, row_reduce
+from . import attention, attention_vjp, elementwise, matmul, matmul_reduce, row_reduce
 from .template import Template
 
 __all__ = ["TEMPLATES", "Template", "match_template", "register_template"]
 
-TEMPLATES: dict[str, Template] = {t.name: t for t in (attention.TEMPLATE, row_reduce.TEMPLATE, elementwise.TEMPLATE,
+TEMPLATES: dict[str, Template] = {t.name: t for t in (attention.TEMPLATE, attention_vjp.TEMPLATE, row_reduce.TEMPLATE, elementwise.TEMPLATE,
                                                       matmul_reduce.TEMPLATE, matmul.TEMPLATE)}
 
 

@@ -302,8 +302,8 @@ def _chain_nodes(group: Group, atom) -> list[int]:
         nd = g.node_index[g.producer[v]]
         if nd.name not in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims") or not isinstance(nd.inputs[0], int):
             raise NoMatch(f"dot operand computed by {nd.name}")
-        if len(g.consumers.get(v, ())) != 1 or v in group.outputs:
-            raise NoMatch("an operand chain value is shared")
+        if len([c for c in g.consumers.get(v, ()) if c in members]) != 1 or v in group.outputs:
+            raise NoMatch("an operand chain value is shared")  # (a reader outside makes it an output)
         out.append(nd.id)
         v = nd.inputs[0]
     return out
@@ -811,10 +811,11 @@ def _through_chain(spec: AttentionSpec, atom: int, src_value: jax.Array, grad_at
     return pull(grad_atom.astype(g.avals[atom].dtype))[0]
 
 
-def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
-    """The attention group's reverse-mode rule: the Triton forward that also emits the row logsumexp (residuals:
-    the group's inputs, its output and the logsumexp, no [Lq, Lk] array) and the generated backward kernels."""
-    from ..differentiate import VJPRule, first_order_only
+def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
+    """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the Triton forward emitting the row
+    logsumexp) and `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs
+    without one: the generated backward kernels, then the VJP of the operands' broadcasts and reshapes)."""
+    from ..differentiate import first_order_only
     from .triton import attention as fwd_lowering
     from .triton import attention_bwd
 
@@ -824,15 +825,13 @@ def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_conf
                                                        interpret=interpret), "the attention backward kernels")
     roles = _dot_roles(spec)
     g = group.graph
-    n_in = len(group.inputs)
 
-    def forward(kernel, ins):
+    def forward(ins):
         out, lse = forward_kernel(*ins)
-        return [out], (*ins, out, lse)
+        return out, lse
 
-    def backward(res, cts):
-        ins, out, lse = list(res[:n_in]), res[n_in], res[n_in + 1]
-        dq, dk, dv = bwd_kernels(ins, out, lse, cts[0])
+    def backward(ins, out, lse, dout) -> list:
+        dq, dk, dv = bwd_kernels(list(ins), out, lse, dout)
         env = dict(zip(group.inputs, ins))
         grads: dict[int, jax.Array] = {}
         for name, d, op in (("q", dq, spec.q), ("k", dk, spec.k), ("v", dv, spec.v)):
@@ -842,4 +841,22 @@ def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_conf
             grads[op.value] = grads[op.value] + gi if op.value in grads else gi
         return [grads.get(v) for v in group.inputs]
 
-    return VJPRule(forward, backward, "flash")
+    return forward, backward
+
+
+def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
+    """The attention group's reverse-mode rule: the flash pair (residuals: the group's inputs, its output and the
+    row logsumexp, no [Lq, Lk] array)."""
+    from ..differentiate import VJPRule
+
+    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret)
+    n_in = len(group.inputs)
+
+    def fwd(kernel, ins):
+        out, lse = forward(ins)
+        return [out], (*ins, out, lse)
+
+    def bwd(res, cts):
+        return backward(res[:n_in], res[n_in], res[n_in + 1], cts[0])
+
+    return VJPRule(fwd, bwd, "flash")

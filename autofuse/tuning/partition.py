@@ -10,7 +10,9 @@ norm, and its elementwise tail on its own, not every prefix; a stack of norms
 yields groups that end at each norm, not only at the size bound).
 A dot_general also grows forward (its consumers before its operands'
 producers), so a dot's epilogue, reductions and a second dot (attention)
-form one group even when reshapes feed the dot. A group holding a dot is also
+form one group even when reshapes feed the dot. In a gradient program, an
+attention forward chain with its own backward is one more candidate
+(`kernels/attention_vjp.candidate_groups`), of whatever size. A group holding a dot is also
 offered with the side inputs of its epilogue made inside it (producers only
 it reads and that feed no dot: a bool mask's broadcast and conversion, GQA's
 broadcast), so a template sees what they are (a {0, 1} factor, not any float).
@@ -28,7 +30,7 @@ import numpy as np
 
 from .. import ops
 from ..graph import Graph, Group, node_text
-from ..kernels import TEMPLATES, match_template
+from ..kernels import TEMPLATES, attention_vjp, match_template
 from ..kernels.passes import foldable_gather
 from ..ops import OpClass
 
@@ -195,6 +197,12 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             else:
                 nxt.append((grown, run, forward))
         paths = nxt
+    # In a gradient program, attention's forward chain with its own backward (recognised by derivation, whatever
+    # the group size bound: the flash pair replaces both)
+    for grp in attention_vjp.candidate_groups(graph, lambda i: is_fusible(graph, i)):
+        spec = TEMPLATES[attention_vjp.TEMPLATE.name].match(grp)
+        if spec is not None:
+            emit(Candidate(grp, attention_vjp.TEMPLATE.name, spec))
     return found
 
 

@@ -30,7 +30,7 @@ from ...graph import Group
 from ..attention import AttentionEval, AttentionSpec, block_ranges
 from ..tiling import cdiv, needed, next_pow2
 from .attention import _load_extra, _load_operand
-from .tiles import bool_as_int8, kernel_name, pallas_call
+from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
 
 
 def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
@@ -110,13 +110,13 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
 
     def rows(ref, bflat, q0):
         m = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)) < Lq if Lq % bq else None
-        return plgpu.load(ref.at[bflat, pl.ds(q0, bq)], mask=m, other=0.0).reshape(bq, 1)
+        return load_tile(ref.at[bflat, pl.ds(q0, bq)], m).reshape(bq, 1)
 
     def load_do(ref, bflat, q0):
         m = None
         if Lq % bq or Dvp != Dv:
             m = ((q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq) & (jax.lax.broadcasted_iota(jnp.int32, (1, Dvp), 1) < Dv)
-        return plgpu.load(ref.at[bflat, pl.ds(q0, bq), pl.ds(0, Dvp)], mask=m, other=0.0).astype(dt2)
+        return load_tile(ref.at[bflat, pl.ds(q0, bq), pl.ds(0, Dvp)], m).astype(dt2)
 
     def store(ref, bflat, s0, bs, L, Dpad, Dreal, x):
         m = None

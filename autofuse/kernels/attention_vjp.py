@@ -1,0 +1,348 @@
+"""Template `attention_vjp`: an attention forward chain together with its own backward, as a gradient program
+(`jax.grad(loss)`) holds them, run as the flash pair (the forward kernel emitting the row logsumexp, the
+generated backward kernels of `triton/attention_bwd.py`).
+
+In the jaxpr of `jax.grad` of plain-jnp attention the forward chain (q·k, score work, max, exp, sum, divide, ·v)
+is followed by its transposes: dV = Pᵀ·dO and dP = dO·Vᵀ read the probabilities and V, the softmax backward reads
+exp(s - max), the row sum and (for a masked softmax) the mask, and dQ, dK contract dS with K and Q. The forward
+chain alone has several outputs there (P, the exponentials, the sums, the masks), so the `attention` template
+does not match it; this one takes the forward chain with every node of its backward.
+
+Recognition is by derivation, not by pattern: the forward chain is matched by the `attention` template (with
+its output as the only output), then `jax.vjp` of that chain's own equations is traced with the cotangent as an
+extra input, and every node of the group must compute a value of that derivation (values are compared by a
+hash of their whole computation from the chain's inputs and the cotangent). The group's outputs are the chain's
+output and cotangents of the chain's inputs. Anything else (a custom JVP rule that differentiates otherwise, a
+probability read by another consumer) does not match.
+
+Where it applies today: only where the group is convex, i.e. the cotangent does not depend on the output (a loss
+linear in the attention output). In a real training step dO depends on O through the rest of the network and the
+loss, so forward chain + backward is not convex and a plan (disjoint, convex groups run in one topological order)
+cannot hold it. What that needs, not built yet: a group that runs in two stages (the forward chain where the
+forward is, emitting O and the logsumexp; the backward nodes where the backward is, reading the logsumexp
+through an executor-private residual), with `execution_order`/`group_cycle` and the cover seeing the two stages
+as two units of one candidate; `match` already splits the group into the two (`AttentionVJPSpec.forward`).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ..costmodel import H200, GPUModel
+from ..differentiate import is_differentiable
+from ..graph import Graph, Group, Lit, bind_node, capture, node_text
+from ..ops import OpClass, op_class
+from . import attention
+from .template import NoMatch, Template
+from .tiling import next_pow2, template_space
+
+_CHAIN = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+_DERIVED: dict[tuple, tuple[set[str], dict[str, int]]] = {}  # (forward signature, cotangent aval) -> (hash set, output hashes)
+
+
+@dataclass
+class AttentionVJPSpec:
+    group: Group
+    forward: Group  # the forward chain, its output the only output
+    attn: attention.AttentionSpec  # the forward chain as the `attention` template reads it
+    dout: int  # the group input that is the output's cotangent
+    grads: dict[int, int]  # group output -> the forward input whose cotangent it is
+    out: int  # the forward output (a group output when something else reads it)
+
+
+_LIT = re.compile(r"lit\([^()]*\)")
+
+
+def value_hashes(graph: Graph, leaves: dict[int, str], nodes=None) -> dict[int, str]:
+    """Hash of each value computable from `leaves` (value -> name) through `nodes` (default: all): its whole
+    computation (primitives, params, shapes, literals), whatever the value ids. A scalar computed from literals
+    alone hashes as the literal it is (tracing folds `convert(-inf)` in one program and not in another)."""
+    h = dict(leaves)
+    for n in graph.nodes if nodes is None else nodes:
+        if any(v in h for v in n.outputs) or not all(isinstance(a, Lit) or a in h for a in n.inputs):
+            continue
+        kids = [_lit_text(a.value, a.aval) if isinstance(a, Lit) else h[a] for a in n.inputs]
+        if all(k.startswith("lit(") for k in kids) and len(n.outputs) == 1 and graph.avals[n.outputs[0]].shape == () \
+                and n.inputs:
+            with jax.ensure_compile_time_eval():
+                (val,) = bind_node(n, [np.asarray(a.value) if isinstance(a, Lit) else _LIT_VALUES[k] for a, k in zip(n.inputs, kids)])
+            h[n.outputs[0]] = _lit_text(np.asarray(val), graph.avals[n.outputs[0]])
+            continue
+        text = _LIT.sub("%0", node_text(n, graph.avals, {a: 0 for a in (*n.inputs, *n.outputs) if isinstance(a, int)}))
+        for i, v in enumerate(n.outputs):
+            h[v] = hashlib.sha256(f"{text}|{','.join(kids)}|{i}".encode()).hexdigest()[:20]
+    return h
+
+
+_LIT_VALUES: dict[str, np.ndarray] = {}
+
+
+def _lit_text(value, aval) -> str:
+    arr = np.asarray(value, dtype=aval.dtype)
+    text = f"lit({arr.item()!r}:{aval})"
+    _LIT_VALUES[text] = arr
+    return text
+
+
+def _derivation(forward: Group, dout_aval) -> tuple[set[str], dict[str, int]]:
+    """The hashes of every value of `jax.vjp` of the forward chain (its inputs and the cotangent as leaves), and
+    the hash of the cotangent of each floating-point input -> that input's position."""
+    key = (forward.signature, str(dout_aval))
+    if key not in _DERIVED:
+        avals = forward.input_avals()
+        diff = [is_differentiable(a.dtype) for a in avals]  # (np.issubdtype misses bfloat16)
+
+        def fwd_bwd(*args):
+            ins, ct = list(args[:-1]), args[-1]
+
+            def f(*d):
+                it = iter(d)
+                return forward.evaluate([next(it) if df else x for x, df in zip(ins, diff)])[0]
+
+            out, pull = jax.vjp(f, *[x for x, df in zip(ins, diff) if df])
+            return [out, *pull(ct)]
+
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals] + [jax.ShapeDtypeStruct(dout_aval.shape, dout_aval.dtype)]
+        g2 = capture(fwd_bwd, *specs)
+        h = value_hashes(g2, {v: f"in{i}" for i, v in enumerate(g2.inputs)})
+        grads_for = [i for i, df in enumerate(diff) if df]
+        grads = {h[a]: i for a, i in zip(g2.outputs[1:], grads_for) if isinstance(a, int) and a not in g2.inputs}
+        _DERIVED[key] = ({x for v, x in h.items() if v not in g2.inputs}, grads)
+    return _DERIVED[key]
+
+
+def forward_chain(graph: Graph, dot2: int, members: set[int] | None = None, fusible: Callable[[int], bool] | None = None) -> set[int] | None:
+    """The nodes of the attention forward chain ending at `dot2` (P·V): the probabilities' ancestors back to the
+    scores' dot, the broadcasts/reshapes feeding the three operands; None when that is not one score dot.
+    `members` limits the search to a group; `fusible` (without `members`) to fusible nodes."""
+    ok = (lambda i: i in members) if members is not None else (fusible or (lambda i: True))
+    nd2 = graph.node_index[dot2]
+    out: set[int] = {dot2}
+
+    def chain(v) -> None:
+        while isinstance(v, int) and v in graph.producer and ok(graph.producer[v]):
+            nd = graph.node_index[graph.producer[v]]
+            if nd.name not in _CHAIN:
+                return
+            out.add(nd.id)
+            v = nd.inputs[0]
+
+    p_side = []
+    for a in nd2.inputs:
+        if not isinstance(a, int):
+            return None
+        seen, stack, dots, has_max = set(), [a], [], False
+        while stack:
+            v = stack.pop()
+            pid = graph.producer.get(v)
+            if pid is None or pid in seen or not ok(pid):
+                continue
+            seen.add(pid)
+            nd = graph.node_index[pid]
+            if op_class(nd.name) is OpClass.CONTRACTION:
+                dots.append(pid)
+                continue
+            has_max |= nd.name == "reduce_max"
+            stack.extend(x for x in nd.inputs if isinstance(x, int))
+        if has_max:
+            if len(dots) != 1:
+                return None
+            p_side.append((seen - set(dots), dots[0]))
+        else:
+            chain(a)
+    if len(p_side) != 1:
+        return None
+    nodes, dot1 = p_side[0]
+    out |= nodes | {dot1}
+    for a in graph.node_index[dot1].inputs:
+        chain(a)
+    return out
+
+
+def _derived(hv: str | None, derived: set[str]) -> bool:
+    """Whether a value of hash `hv` is one of the derivation's (a scalar constant always is: tracing may fold it)."""
+    return hv is not None and (hv in derived or hv.startswith("lit("))
+
+
+def _backward_op(name: str) -> bool:
+    """Ops a backward may hold: those of the primitive table (no control flow, no custom calls) and the
+    transposes' own `transpose` and `add_any`."""
+    return op_class(name) is not OpClass.OPAQUE or name in ("transpose", "add_any")
+
+
+def _forward_group(graph: Graph, ids: set[int], out: int) -> Group:
+    g = Group.of(graph, ids)
+    return Group(graph, g.node_ids, g.inputs, (out,))
+
+
+def _match(group: Group) -> AttentionVJPSpec:
+    g = group.graph
+    dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
+    if len(dots) < 4 or not any(n.name == "reduce_max" for n in group.nodes):
+        raise NoMatch("not an attention chain with its backward")
+    members = set(group.node_ids)
+    for d in dots:
+        ids = forward_chain(g, d.id, members)
+        if ids is None:
+            continue
+        fwd = _forward_group(g, ids, d.outputs[0])
+        try:
+            attn = attention._match(fwd)
+        except NoMatch:
+            continue
+        if attention.flash_backward_unsupported(attn) is not None:
+            raise NoMatch(attention.flash_backward_unsupported(attn))
+        extra = [v for v in group.inputs if v not in fwd.inputs]
+        out_aval = g.avals[attn.out]
+        if len(extra) != 1 or g.avals[extra[0]] != out_aval:
+            raise NoMatch("the backward reads more than the forward's inputs and one cotangent")
+        derived, by_hash = _derivation(fwd, out_aval)
+        h = value_hashes(g, {**{v: f"in{i}" for i, v in enumerate(fwd.inputs)}, extra[0]: f"in{len(fwd.inputs)}"}, group.nodes)
+        if any(not _derived(h.get(v), derived) for n in group.nodes for v in n.outputs):
+            raise NoMatch("a node is not part of the chain's derivative")
+        grads = {}
+        for v in group.outputs:
+            if v == attn.out:
+                continue
+            if h[v] not in by_hash:
+                raise NoMatch("an output is neither the attention output nor a cotangent of its inputs")
+            grads[v] = by_hash[h[v]]
+        if not grads:
+            raise NoMatch("no cotangent computed")
+        return AttentionVJPSpec(group, fwd, attn, extra[0], grads, attn.out)
+    raise NoMatch("no attention forward chain")
+
+
+def forward_chains(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[set[int], Group, attention.AttentionSpec]]:
+    """Every attention forward chain of `graph` the flash pair can differentiate: (its nodes, the chain as a group
+    with its output as the only output, the `attention` template's reading of it)."""
+    out = []
+    for d in graph.nodes:
+        if op_class(d.name) is not OpClass.CONTRACTION or not fusible(d.id):
+            continue
+        ids = forward_chain(graph, d.id, fusible=fusible)
+        if ids is None:
+            continue
+        fwd = _forward_group(graph, ids, d.outputs[0])
+        try:
+            attn = attention._match(fwd)
+        except NoMatch:
+            continue
+        if attention.flash_backward_unsupported(attn) is None:
+            out.append((ids, fwd, attn))
+    return out
+
+
+def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[Group]:
+    """The groups this template could take in a gradient program: per forward chain, the chain with every node
+    computing a value of its derivative from the chain's values and one cotangent, where that group is convex."""
+    out = []
+    for ids, fwd, attn in forward_chains(graph, fusible):
+        for dout in cotangent_candidates(graph, ids, fwd, attn):  # the one whose derivation the readers compute
+            members, convex = backward_of(graph, ids, fwd, attn, dout)
+            if convex and TEMPLATE.match(Group.of(graph, members)) is not None:
+                out.append(Group.of(graph, members))
+                break
+    return out
+
+
+def cotangent_candidates(graph: Graph, ids: set[int], fwd: Group, attn: attention.AttentionSpec) -> list[int]:
+    """Values that could be the output's cotangent: of its aval, read beside the chain's values or inputs."""
+    inside = {v for i in ids for v in graph.node_index[i].outputs} - {attn.out}
+    readers = {c for v in inside | set(fwd.inputs) for c in graph.consumers.get(v, ()) if c not in ids}
+    return sorted({a for c in readers for a in graph.node_index[c].inputs if isinstance(a, int)
+                   and graph.producer.get(a) not in ids and a not in fwd.inputs and graph.avals[a] == graph.avals[attn.out]})
+
+
+def backward_of(graph: Graph, ids: set[int], fwd: Group, attn: attention.AttentionSpec, dout: int) -> tuple[set[int], bool]:
+    """The forward chain with every node computing a value of its derivative (`dout` the cotangent), and whether
+    that set is convex."""
+    derived, _ = _derivation(fwd, graph.avals[attn.out])
+    leaves = {**{v: f"in{i}" for i, v in enumerate(fwd.inputs)}, dout: f"in{len(fwd.inputs)}"}
+    members = set(ids)
+    known = set(leaves) | {v for i in ids for v in graph.node_index[i].outputs}
+    h = value_hashes(graph, leaves, [graph.node_index[i] for i in sorted(ids)])
+    start = min(ids)
+
+    def source(a) -> bool:  # an input-less value of the derivation (a broadcast zero): it joins
+        nd = graph.node_index.get(graph.producer.get(a, -1))
+        if nd is None or any(isinstance(x, int) for x in nd.inputs) or not _backward_op(nd.name):
+            return False
+        hv = value_hashes(graph, {}, [nd])
+        if not all(_derived(hv.get(v), derived) for v in nd.outputs):
+            return False
+        members.add(nd.id)
+        known.update(nd.outputs)
+        h.update({v: hv[v] for v in nd.outputs})
+        return True
+
+    for nd in graph.nodes[start:]:  # the backward: any node (the pair replaces them all, none is lowered alone)
+        if nd.id in members or not _backward_op(nd.name):
+            continue
+        ins = [a for a in nd.inputs if isinstance(a, int)]
+        if not ins or not any(a in known for a in ins) or not all(a in known or source(a) for a in ins):
+            continue
+        text = value_hashes(graph, {a: h[a] for a in ins}, [nd])
+        if all(_derived(text.get(v), derived) for v in nd.outputs):
+            members.add(nd.id)
+            known.update(nd.outputs)
+            h.update({v: text[v] for v in nd.outputs})
+    return members, _convex(graph, members)
+
+
+def _convex(graph: Graph, members: set[int]) -> bool:
+    """Whether no path leaves `members` and comes back. In a training step the cotangent depends on the output
+    through the rest of the network and the loss, so the forward chain and its backward are never one convex
+    group there: running them needs a plan group in two stages (see the module docstring)."""
+    seen: set[int] = set()
+    stack = [c for i in members for c in graph.succs(i) if c not in members]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        for c in graph.succs(i):
+            if c in members:
+                return False
+            stack.append(c)
+    return True
+
+
+class AttentionVJPTemplate(Template[AttentionVJPSpec]):
+    name = "attention_vjp"
+    params = attention.AttentionTemplate.params
+    backends = ("triton",)
+
+    def match(self, group: Group) -> AttentionVJPSpec | None:
+        """The forward chain, its cotangent input and the cotangents the group returns, or None."""
+        try:
+            return _match(group)
+        except NoMatch:
+            return None
+
+    def default_config(self, spec: AttentionVJPSpec) -> dict:
+        """The forward kernel's config (the backward kernels take `attention_bwd.default_config`)."""
+        return attention.TEMPLATE.default_config(spec.attn)
+
+    def space(self, group: Group, spec: AttentionVJPSpec | None = None) -> dict:
+        """The forward kernel's parameters (search_spaces/attention.toml)."""
+        from ..spaces import load_spaces
+
+        spec = spec or self.match(group)
+        a = spec.attn
+        return template_space("attention", self.default_config(spec), {
+            "Lq": a.Lq, "Lk": a.Lk, "D": next_pow2(a.D), "Dv": next_pow2(a.Dv), "itemsize": a.dot_dtype1.itemsize,
+            "smem_bytes": H200.smem_bytes}, load_spaces()["attention"])
+
+    def model_time_ms(self, spec: AttentionVJPSpec, config: dict, model: GPUModel = H200) -> float:
+        """The forward's model, times 3.5: the backward's five products to the forward's two (its two kernels
+        re-evaluate the scores, seven in all, at a lower efficiency than the forward's)."""
+        return 3.5 * attention.TEMPLATE.model_time_ms(spec.attn, config, model)
+
+
+TEMPLATE = AttentionVJPTemplate()
