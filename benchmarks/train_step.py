@@ -1,0 +1,116 @@
+"""Issue 17 benchmark: a training step's gradients through a plan tuned on the forward loss.
+
+A plan's fused groups are differentiable (`autofuse.differentiate`: each group a `jax.custom_vjp`; attention's
+backward the generated flash pair, from the forward's output and row logsumexp), so the gradients of a model can
+run through the plan of its *loss*: `jax.jit(jax.grad(autofuse.jit(loss, plan=...)))`. This tunes `loss` of
+an example model (`autofuse.tune`, measured on the device), then times, in one process and in alternation,
+
+    jax.jit(jax.grad(loss))                        # XLA
+    jax.jit(jax.grad(autofuse.jit(loss, plan)))   # the tuned forward plan, differentiated
+
+after checking that every gradient leaf matches XLA's within the dtype's tolerance, and reports each program's
+device memory (XLA's memory analysis of the compiled step: temporaries, arguments, outputs).
+
+    python -m benchmarks.train_step --models gpt2,llama --trials 8 --out results/train_step_h100.md
+    python -m benchmarks.train_step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autofuse
+from autofuse.runner.measure import time_pair
+
+TOL = {np.dtype(jnp.bfloat16): 5e-2, np.dtype(jnp.float16): 1e-2, np.dtype(jnp.float32): 1e-3}
+
+
+def _rel_errors(got: Any, want: Any) -> list[float]:
+    """Relative error (norm of the difference over the norm of XLA's) of every gradient leaf."""
+    errs = []
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        errs.append(float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)))
+    return errs
+
+
+def _memory_mib(step: Any, args: tuple) -> dict[str, float]:
+    m = step.lower(*args).compile().memory_analysis()
+    mib = 1 << 20
+    return {"temp": m.temp_size_in_bytes / mib, "args": m.argument_size_in_bytes / mib, "out": m.output_size_in_bytes / mib}
+
+
+def run_model(name: str, trials: int, budget_s: float, small: bool) -> dict:
+    mod = importlib.import_module(f"examples.{name}")
+    args = mod.small_inputs() if small else mod.example_inputs()
+    t0 = time.time()
+    rep = autofuse.tune(mod.loss, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, name=f"examples.{name}:loss")
+    tune_s = time.time() - t0
+    ref = jax.jit(jax.grad(mod.loss))
+    fused = jax.jit(jax.grad(autofuse.jit(mod.loss, plan=rep.plan)))
+    want, got = ref(*args), fused(*args)
+    errs = _rel_errors(got, want)
+    dtype = np.dtype(jax.tree_util.tree_leaves(args[0])[0].dtype)
+    ok = max(errs) <= TOL[dtype]
+    row = {"model": name, "plan": ", ".join(sorted({f"{g.template}/{g.backend}" for g in rep.plan.groups})) or "XLA",
+           "groups": len(rep.plan.groups), "fwd_speedup": rep.speedup, "tune_s": tune_s, "max_rel_err": max(errs), "ok": ok,
+           "mem_xla": _memory_mib(ref, args), "mem_af": _memory_mib(fused, args)}
+    if ok:
+        sets = [args] + [_scaled(args, 1 + 0.01 * k) for k in (1, 2)]  # other values, so that caches do not flatter
+        base, plan, ratio = time_pair(ref, fused, sets, repeats=10)
+        row.update(xla_ms=base.median_ms, af_ms=plan.median_ms, speedup=1.0 / ratio.median_ms, noise=(ratio.q3_ms - ratio.q1_ms))
+    return row
+
+
+def _scaled(args: tuple, f: float) -> tuple:
+    return jax.tree_util.tree_map(lambda x: (x * f).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2")
+    ap.add_argument("--trials", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=0.0, help="tuning seconds per model (0: the trials alone bound it)")
+    ap.add_argument("--small", action="store_true", help="the examples' small inputs (a CPU smoke run)")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    rows = []
+    for name in a.models.split(","):
+        try:
+            rows.append(run_model(name, a.trials, a.budget, a.small))
+        except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
+            rows.append({"model": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(rows[-1], flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit}; "
+             f"command: python -m benchmarks.train_step {' '.join(sys.argv[1:] if argv is None else argv)}", "",
+             "| model | forward plan | fwd speedup (tuning) | grad: jax.jit ms | grad: autofuse ms | speedup | noise | max rel err "
+             "| temp MiB jax.jit / autofuse | tuning s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error']} |||||||||")
+            continue
+        t = (f"{r['xla_ms']:.3f} | {r['af_ms']:.3f} | {r['speedup']:.2f}x | ±{r['noise']:.1%}" if "xla_ms" in r
+             else "- | - | WRONG | -")
+        fwd = f"{r['fwd_speedup']:.2f}x" if r["fwd_speedup"] else "-"
+        lines.append(f"| {r['model']} | {r['groups']} groups: {r['plan']} | {fwd} | {t} | {r['max_rel_err']:.1e} | "
+                     f"{r['mem_xla']['temp']:.0f} / {r['mem_af']['temp']:.0f} | {r['tune_s']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0 if all("error" not in r and r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
