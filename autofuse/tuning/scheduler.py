@@ -5,7 +5,11 @@
    time fusing may save ((XLA time - modelled time) x instances, most first); a
    candidate whose configs all failed on shared memory or compilation gets
    another config right away, up to `RETRY_CONFIGS`, and one with no working
-   config gets its next backend's default (its study has them enqueued).
+   config gets its next backend's default (its study has them enqueued). A
+   trial budget smaller than the candidates gives phase 1 half of it
+   (`PHASE1_SHARE`): the rest goes to phase 2 first, and the candidates phase 1
+   did not reach come after (cross-entropy's 38 candidates once took all 24
+   trials, leaving its one kernel that mattered at its default config).
 3. Phase 2: the rest goes to the contenders (the fused groups of the cheapest
    cover so far, candidates within 25% of their XLA time, those whose configs
    all failed to fit or compile), each trial to the one furthest behind its
@@ -32,6 +36,7 @@ from .space import CandidateSpace
 DEFAULT_TRIALS = 48  # a job's trial budget when it is given neither trials nor seconds
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
+PHASE1_SHARE = 0.5  # of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts
 CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials
 STUCK_AFTER = 16  # a candidate whose sampler proposed this many done configs in a row gets no more trials
 MAX_RETRY = 2  # a config whose worker died is retried this many times
@@ -119,6 +124,8 @@ class Scheduler:
         self.graph, self.by_sig, self.cands, self.spaces, self.budget, self.model = graph, by_sig, cands, spaces, budget, model
         self.caps = [spaces[c.signature].size for c in cands]
         self.total = min(budget.trials, sum(self.caps))
+        # first visits phase 1 may make before phase 2 (all, where the budget covers every candidate's default)
+        self.phase1_visits = len(cands) if self.total >= len(cands) else max(1, int(self.total * PHASE1_SHARE))
         self.idle = [0] * len(cands)  # proposals in a row that were configs already done
         self._contenders: tuple[tuple, list[int]] | None = None
         self._cover: tuple[tuple, Cover] | None = None
@@ -140,13 +147,15 @@ class Scheduler:
             lost = [_key(t.config) for t in self.cands[i].trials if t.status is TrialStatus.LOST]
             if any(k not in live and lost.count(k) <= MAX_RETRY for k in lost):
                 return i
-        for i in phase1_order(self.cands, self.spaces):
+        visits_left = self.phase1_visits - sum(1 for n in counted if n)
+        order = phase1_order(self.cands, self.spaces)
+        for i in order:
             r = self.cands[i]
-            if i in open_ and (not counted[i] or config_failures_only(r) or backend_untried(r, self.spaces[r.signature])):
+            if i in open_ and ((not counted[i] and visits_left > 0) or config_failures_only(r) or backend_untried(r, self.spaces[r.signature])):
                 return i
         cont = [i for i in self.contenders() if i in open_]
-        if not cont:
-            return None
+        if not cont:  # phase 2 has no one left: the candidates phase 1 did not reach
+            return next((i for i in order if i in open_ and not counted[i]), None)
         have = [counted[i] for i in cont]
         weights = [self.cands[i].xla_ms or 0.0 for i in cont]
         target = allocate(weights, [self.caps[i] for i in cont], sum(have) + self.total - sum(counted))
