@@ -17,14 +17,11 @@ from autofuse.kernels import TEMPLATES
 from autofuse.runner.measure import check, random_inputs
 from autofuse.plan import bind_plan
 from autofuse.tuning.select import default_plan
-from benchmarks.workloads import (SMALL, attention_bhld, attention_bhld_causal, layer_norm, log_relu_bias, logsumexp, matmul_bias_gelu,
-                                  rms_norm, softmax, splade_head, cross_entropy)
+from benchmarks.workloads import SMALL, WORKLOADS
 
 S = jax.ShapeDtypeStruct
 TRITON = "__gpu$xla.gpu.triton"
-FNS = {"log_relu_bias": log_relu_bias, "softmax": softmax, "layer_norm": layer_norm, "rms_norm": rms_norm, "logsumexp": logsumexp,
-       "matmul_bias_gelu": matmul_bias_gelu, "attention": attention_bhld, "attention_causal": attention_bhld_causal,
-       "splade_head": splade_head, "cross_entropy": cross_entropy}
+FNS = {w.name: w.fn for w in WORKLOADS}  # every suite workload, at its SMALL shape below
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
 
@@ -84,14 +81,14 @@ def test_multi_chunk_row_reduce_kernels_lower_for_cuda(name, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_small_blocks_lower_for_cuda(dtype):
-    for group, fg in _groups(log_relu_bias, SMALL["log_relu_bias"], dtype):
+    for group, fg in _groups(FNS["log_relu_bias"], SMALL["log_relu_bias"], dtype):
         for bm, bn in MULTI:
             _assert_exports(group, "elementwise", {**fg.config, "block_rows": bm, "block_cols": bn})
 
 
 def test_every_search_space_choice_lowers_for_one_group():
     # The tuner only proposes configs from the template's space: each block choice must lower.
-    for group, fg in _groups(softmax, ((37, 300),), jnp.bfloat16):
+    for group, fg in _groups(FNS["softmax"], ((37, 300),), jnp.bfloat16):
         params = TEMPLATES[fg.template].space(group)["params"]
         for bn in params["block_cols"]:
             for bm in params["block_rows"][:3]:
