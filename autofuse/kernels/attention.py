@@ -21,6 +21,7 @@ skip the mask arithmetic.
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -665,14 +666,14 @@ class AttentionTemplate(Template[AttentionSpec]):
             return None
 
     def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False):
-        """The flash pair (`flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
+        """The flash pair (`triton.attention_bwd.flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
         XLA). Differentiated, the forward runs on Triton: with the group's own config when that is its backend, else
         Triton's default (the Mosaic GPU forward does not emit the logsumexp yet)."""
         spec = self.match(group)
         if spec is None or flash_backward_unsupported(spec) is not None:
             return None
         fwd = {**self.defaults, **config} if backend == "triton" else self.default_config(spec)
-        return flash_vjp_rule(group, spec, fwd, None, interpret=interpret)
+        return importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule(group, spec, fwd, None, interpret=interpret)
 
     def default_config(self, spec: AttentionSpec) -> dict:
         """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md)."""
@@ -811,52 +812,3 @@ def _through_chain(spec: AttentionSpec, atom: int, src_value: jax.Array, grad_at
     return pull(grad_atom.astype(g.avals[atom].dtype))[0]
 
 
-def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
-    """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the Triton forward emitting the row
-    logsumexp) and `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs
-    without one: the generated backward kernels, then the VJP of the operands' broadcasts and reshapes)."""
-    from ..differentiate import first_order_only
-    from .triton import attention as fwd_lowering
-    from .triton import attention_bwd
-
-    forward_kernel = first_order_only(fwd_lowering.lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
-                                      "the attention forward that emits the logsumexp")
-    bwd_kernels = first_order_only(attention_bwd.lower(group, spec, bwd_config or attention_bwd.default_config(spec),
-                                                       interpret=interpret), "the attention backward kernels")
-    roles = _dot_roles(spec)
-    g = group.graph
-
-    def forward(ins):
-        out, lse = forward_kernel(*ins)
-        return out, lse
-
-    def backward(ins, out, lse, dout) -> list:
-        dq, dk, dv = bwd_kernels(list(ins), out, lse, dout)
-        env = dict(zip(group.inputs, ins))
-        grads: dict[int, jax.Array] = {}
-        for name, d, op in (("q", dq, spec.q), ("k", dk, spec.k), ("v", dv, spec.v)):
-            atom = roles["atoms"][name]
-            ga = _to_operand(spec, d, roles[name], g.aval(atom).shape)
-            gi = _through_chain(spec, atom, env[op.value], ga).astype(jnp.float32)
-            grads[op.value] = grads[op.value] + gi if op.value in grads else gi
-        return [grads.get(v) for v in group.inputs]
-
-    return forward, backward
-
-
-def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
-    """The attention group's reverse-mode rule: the flash pair (residuals: the group's inputs, its output and the
-    row logsumexp, no [Lq, Lk] array)."""
-    from ..differentiate import VJPRule
-
-    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret)
-    n_in = len(group.inputs)
-
-    def fwd(kernel, ins):
-        out, lse = forward(ins)
-        return [out], (*ins, out, lse)
-
-    def bwd(res, cts):
-        return backward(res[:n_in], res[n_in], res[n_in + 1], cts[0])
-
-    return VJPRule(fwd, bwd, "flash")

@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...graph import Group
-from ..attention import AttentionEval, AttentionSpec, block_ranges
+from ..attention import AttentionEval, AttentionSpec, _dot_roles, _through_chain, _to_operand, block_ranges
 from ..tiling import cdiv, needed, next_pow2
+from . import attention as fwd_lowering
 from .attention import _load_extra, _load_operand
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
 
@@ -209,3 +210,52 @@ def to_canonical(spec: AttentionSpec, x: jax.Array) -> jax.Array:
     x = jnp.reshape(x, [s for r, s in zip(spec.out_roles, x.shape) if r is not None or s != 1])
     order = [roles.index(a) for a in spec.batch_axes if a in roles] + [roles.index("q"), roles.index("d")]
     return jnp.reshape(jnp.transpose(x, order), (spec.batch, spec.Lq, spec.Dv))
+
+
+def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
+    """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the Triton forward emitting the row
+    logsumexp) and `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs
+    without one: the generated backward kernels, then the VJP of the operands' broadcasts and reshapes)."""
+    from ...differentiate import first_order_only
+
+    forward_kernel = first_order_only(fwd_lowering.lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
+                                      "the attention forward that emits the logsumexp")
+    bwd_kernels = first_order_only(lower(group, spec, bwd_config or default_config(spec),
+                                                       interpret=interpret), "the attention backward kernels")
+    roles = _dot_roles(spec)
+    g = group.graph
+
+    def forward(ins):
+        out, lse = forward_kernel(*ins)
+        return out, lse
+
+    def backward(ins, out, lse, dout) -> list:
+        dq, dk, dv = bwd_kernels(list(ins), out, lse, dout)
+        env = dict(zip(group.inputs, ins))
+        grads: dict[int, jax.Array] = {}
+        for name, d, op in (("q", dq, spec.q), ("k", dk, spec.k), ("v", dv, spec.v)):
+            atom = roles["atoms"][name]
+            ga = _to_operand(spec, d, roles[name], g.aval(atom).shape)
+            gi = _through_chain(spec, atom, env[op.value], ga).astype(jnp.float32)
+            grads[op.value] = grads[op.value] + gi if op.value in grads else gi
+        return [grads.get(v) for v in group.inputs]
+
+    return forward, backward
+
+
+def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
+    """The attention group's reverse-mode rule: the flash pair (residuals: the group's inputs, its output and the
+    row logsumexp, no [Lq, Lk] array)."""
+    from ...differentiate import VJPRule
+
+    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret)
+    n_in = len(group.inputs)
+
+    def fwd(kernel, ins):
+        out, lse = forward(ins)
+        return [out], (*ins, out, lse)
+
+    def bwd(res, cts):
+        return backward(res[:n_in], res[n_in], res[n_in + 1], cts[0])
+
+    return VJPRule(fwd, bwd, "flash")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...graph import Group
-from ..attention import flash_pair
+from .attention_bwd import flash_pair
 from ..attention_vjp import AttentionVJPSpec
 
 
