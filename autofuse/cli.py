@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .tables import Column, device_label, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_table, jsonable
+from .tables import Column, device_label, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_phases, format_table, jsonable
 
 PROG = "autofuse"
 
@@ -337,7 +337,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
             out = dict(run, candidates=cands, trial_status=counts, plans=plans)
             print(json.dumps(jsonable(out), indent=2))
             return 0
-        _print_fields(dict(run, device=_shown_device(run)))
+        _print_fields(dict(run, device=_shown_device(run)), skip=("phases",))
+        print()
+        print("phases (seconds from the run's start, + since the mark before):")
+        for line in format_phases(run.get("phases")):
+            print(f"  {line}")
         print()
         print(f"candidates ({len(cands)}):")
         print(format_table(cands, CANDIDATE_COLUMNS) if cands else "  (none)")

@@ -87,3 +87,31 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], *, m
     out = ["  ".join(just(c.header, w, r) for c, w, r in zip(columns, widths, right)).rstrip(), "  ".join("-" * w for w in widths)]
     out += ["  ".join(just(t, w, r) for (t, _), w, r in zip(line, widths, right)).rstrip() for line in cells]
     return "\n".join(out)
+
+
+#: A run's phase marks in the order a job reaches them (`autofuse.tuning.job.PhaseMarks`).
+PHASE_ORDER = ("start", "candidates", "setup", "xla", "trials", "selected", "saved")
+
+
+def format_phases(phases: dict[str, Any] | None) -> list[str]:
+    """A run's recorded phases as lines: the run's marks in time order (seconds from the run's start, and since the
+    mark before), each worker's, and where the selection's time went."""
+    if not phases:
+        return ["(not recorded)"]
+    marks = sorted(((k, v) for k, v in phases.items() if isinstance(v, (int, float))), key=lambda kv: (kv[1], PHASE_ORDER.index(kv[0])
+                                                                                                         if kv[0] in PHASE_ORDER else 99))
+    out, prev = [], None
+    for k, v in marks:
+        out.append(f"{k} {v:.2f}" + (f" (+{v - prev:.2f})" if prev is not None else ""))
+        prev = v
+    lines = ["run: " + ", ".join(out)]
+    for w, wm in sorted((phases.get("workers") or {}).items()):
+        lines.append(f"worker {w}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(wm.items(), key=lambda kv: kv[1])))
+    sel = phases.get("selection")
+    if isinstance(sel, dict):
+        parts = [f"{k} {sel[k]:.2f}" for k in ("check", "singles", "cover", "compile_ahead", "validate") if isinstance(sel.get(k), (int, float))]
+        lines.append("selection: " + ", ".join(parts))
+        for i, p in enumerate(sel.get("plans") or []):
+            inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
+            lines.append(f"  plan {i + 1} ({p.get('groups')} groups, {p.get('status')}): {p.get('seconds', 0):.2f}" + (f" = {inner}" if inner else ""))
+    return lines

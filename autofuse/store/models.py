@@ -153,6 +153,10 @@ class Run(Base):
     # which worker (host:pid) won the one final selection.
     job: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     selected_by: Mapped[str | None] = mapped_column(sa.String(255))
+    # Migration 0006: seconds from started_at at which each phase of the job ended (setup, xla, trials, selected,
+    # saved; the job's own start before the run row as "start"), each worker's under "workers", the selection's
+    # parts under "selection" (`PlanStore.mark_phase`); NULL for older runs.
+    phases: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
 
     __table_args__ = (
         sa.CheckConstraint(

@@ -151,9 +151,12 @@ def runs(
     return q.order_by(Run.started_at.desc(), Run.id.desc())
 
 
-def run(run_id: int) -> Select[Any]:
-    """One run with everything :func:`runs` shows, plus the program signature/size."""
-    return _with_names(run_columns(), Run).add_columns(Program.signature, Program.size, Run.job, Run.selected_by).where(Run.id == run_id)
+def run(run_id: int, v6: bool = True) -> Select[Any]:
+    """One run with everything :func:`runs` shows, plus the program signature/size; `v6`: the schema has migration
+    0006's phases (an older read-only store reads as not recorded)."""
+    return (_with_names(run_columns(), Run)
+            .add_columns(Program.signature, Program.size, Run.job, Run.selected_by, Run.phases if v6 else sa.null().label("phases"))
+            .where(Run.id == run_id))
 
 
 def plan_columns(v3: bool = True) -> list[Any]:

@@ -187,6 +187,11 @@ class PlanStore:
         return (self.revision or "") >= "0003"
 
     @property
+    def _v6(self) -> bool:
+        """Whether the schema has migration 0006's run phases."""
+        return (self.revision or "") >= "0006"
+
+    @property
     def _v5(self) -> bool:
         """Whether the schema has migration 0005's program structures and shape checks."""
         return (self.revision or "") >= "0005"
@@ -697,6 +702,32 @@ class PlanStore:
 
         return self._write(fn)
 
+    def mark_phase(self, run_id: int, name: str, *, worker: str | None = None, at: float | None = None, value: Any = None,
+                   keep_first: bool = True) -> None:
+        """Record in the run's ``phases`` that phase *name* ended now (or at the epoch time *at*), as seconds from the
+        run's start (negative before it); with *value*, that JSON value instead (a phase's parts). *worker*
+        (host:pid): under that worker's marks. *keep_first*: a mark already recorded (by another worker) stays."""
+
+        def fn(s: Session) -> None:
+            run = self._require(s, Run, run_id, "run", lock=True)
+            phases = dict(run.phases or {})
+            workers = dict(phases.get("workers") or {})
+            marks = dict(workers.get(worker) or {}) if worker is not None else phases
+            if keep_first and name in marks:
+                return
+            if value is None:
+                now = _dt.datetime.now(_dt.UTC).timestamp() if at is None else at
+                started = run.started_at if run.started_at.tzinfo else run.started_at.replace(tzinfo=_dt.UTC)
+                marks[name] = round(now - started.timestamp(), 3)
+            else:
+                marks[name] = value
+            if worker is not None:
+                workers[worker] = marks
+                phases["workers"] = workers
+            run.phases = phases
+
+        self._write(fn)
+
     def begin_selection(self, run_id: int, worker: str) -> bool:
         """Compare-and-set: *worker* becomes the one that selects and saves the run's plan.
 
@@ -1091,7 +1122,7 @@ class PlanStore:
 
     def get_run(self, run_id: int) -> dict[str, Any]:
         """One run with program, device and software details; KeyError if absent."""
-        rows = self._read(queries.run(run_id))
+        rows = self._read(queries.run(run_id, self._v6))
         if not rows:
             raise KeyError(f"no run with id {run_id} in {db.display_url(self.url)}")
         return _live(rows)[0]
