@@ -58,6 +58,10 @@ class Evaluator:
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
         self._ahead: dict[tuple, Callable] = {}  # kernels compiled ahead (`compile_ahead`), taken by their trial
+        self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
+        self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job, not per plan validated
+        self._program_sens: list[float] | None = None  # its rounding sensitivity on random inputs (`rounding_sensitivity`)
+        self._examples: tuple[list, list[float]] | None = None  # the caller's inputs, and the sensitivity there
         self.device = device_label()  # recorded on every result: which device of which worker ran it
 
     def handle(self, req: Request) -> Result:
@@ -69,7 +73,7 @@ class Evaluator:
         if isinstance(req, CompileRequest):
             return self.compile_ahead(req.items, req.workers)
         if isinstance(req, ValidateRequest):
-            return self.validate(Plan.from_json(req.plan_json))
+            return self.validate(Plan.from_json(req.plan_json), key=req.plan_json)
         raise TypeError(f"unknown request {req!r}")
 
     # helpers ---------------------------------------------------------------
@@ -108,8 +112,14 @@ class Evaluator:
         compiled: XLA's reference in device mode, a kernel where trials compile; nothing in model mode's XLA
         timings. A failure is not kept: its own request compiles it again, and fails as on the serial path."""
         t0 = time.perf_counter()
-        todo: list[tuple[str, tuple, Callable[[], Callable]]] = []
+        todo: list[tuple[str, Any, Callable[[], Callable]]] = []
         for it in items:
+            if isinstance(it, ValidateRequest):  # a whole plan, and once the whole program's reference
+                if self._program is None and not any(kind == "program" for kind, _, _ in todo):
+                    todo.append(("program", None, self._compile_program))
+                if it.plan_json not in self._plans:
+                    todo.append(("plan", it.plan_json, lambda pj=it.plan_json: self._compile_plan(Plan.from_json(pj))))
+                continue
             group = Group.of(self.graph, it.nodes)
             if isinstance(it, XlaRequest) and self.measure == "device" and tuple(group.node_ids) not in self._refs:
                 todo.append(("xla", tuple(group.node_ids), lambda g=group: jax.jit(lambda *a: g.evaluate(a)).lower(*_structs(g)).compile()))
@@ -127,8 +137,12 @@ class Evaluator:
         with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
             built = list(pool.map(attempt, [b for _, _, b in todo]))
         for (kind, key, _), fn in zip(todo, built):
-            if fn is not None:
-                (self._refs if kind == "xla" else self._ahead)[key] = fn
+            if fn is None:
+                continue
+            if kind == "program":
+                self._program = fn
+            else:
+                {"xla": self._refs, "trial": self._ahead, "plan": self._plans}[kind][key] = fn
         failed = sum(fn is None for fn in built)
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0)
 
@@ -175,36 +189,71 @@ class Evaluator:
         except Exception as e:
             return TrialResult(TrialStatus.ERROR, error=_short(e))
 
-    def validate(self, plan: Plan) -> ValidationResult:
-        """The whole plan against jax.jit of the whole program: correctness, then both timed."""
+    def _compile_program(self) -> Callable:
+        """The whole program under jax.jit, compiled for its input shapes."""
+        g = self.graph
+        return jax.jit(lambda *a: g.evaluate(a)).lower(*_program_structs(g)).compile()
+
+    def _compile_plan(self, plan: Plan) -> Callable:
+        """A whole plan as one jitted function, compiled for the program's input shapes."""
+        run = executor(self.graph, plan, interpret=self.interpret)
+        return jax.jit(lambda *a: run(a)).lower(*_program_structs(self.graph)).compile()
+
+    def _reference_program(self, avals: Sequence[Any]) -> tuple[Callable, list[float]]:
+        """jax.jit of the whole program and its rounding sensitivity, computed once per job (every plan validated,
+        the chosen one and its fallbacks, is held to the same reference)."""
+        if self._program is None:
+            self._program = self._compile_program()
+        if self._program_sens is None:
+            self._program_sens = rounding_sensitivity(self._program, avals, self.seeds[0])
+        return self._program, self._program_sens
+
+    def validate(self, plan: Plan, key: str | None = None) -> ValidationResult:
+        """The whole plan against jax.jit of the whole program: correctness, then both timed. `key`: the plan's JSON
+        as requested, under which `compile_ahead` may have compiled it."""
         g = self.graph
         avals = [g.avals[v] for v in g.inputs]
-        run = executor(g, plan, interpret=self.interpret)
-        fused = jax.jit(lambda *a: run(a))
-        ref = jax.jit(lambda *a: g.evaluate(a))
-        sens = rounding_sensitivity(ref, avals, self.seeds[0])
+        secs: dict[str, float] = {}
+        t0 = time.perf_counter()
+        fused = self._plans.pop(key, None) if key is not None else None
+        if fused is None:
+            try:
+                fused = self._compile_plan(plan)
+            except Exception as e:  # noqa: BLE001 - fails the check below, as a plan that failed to build always did
+                fused = _raiser(e)
+        t1 = time.perf_counter()
+        ref, sens = self._reference_program(avals)
+        t2 = time.perf_counter()
+        secs.update(compile=t1 - t0, reference=t2 - t1)
         res = check(fused, ref, avals, self.seeds, self._program_tolerances(sens))
+        secs["check"] = time.perf_counter() - t2
         status = TrialStatus.OK if res.ok else TrialStatus.WRONG_RESULT
         error = res.reason or None
         examples = None
         if res.ok and self.example_inputs:
+            t3 = time.perf_counter()
             examples = self._check_examples(fused, ref, avals)
+            secs["examples"] = time.perf_counter() - t3
             if not examples.ok:
                 status, error = TrialStatus.WRONG_RESULT, f"on the example inputs: {examples.error}"
-        out = ValidationResult(status, res.max_error, res.tolerance, error, sens, examples)
+        out = ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, seconds=secs)
         if status is not TrialStatus.OK or self.measure == "model":
             return out
+        t4 = time.perf_counter()
         base, plan_t, ratio = time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats)
-        return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, base, plan_t, ratio)
+        secs["time"] = time.perf_counter() - t4
+        return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, base, plan_t, ratio, seconds=secs)
 
     def _check_examples(self, fused: Callable, ref: Callable, avals: Sequence[Any]) -> InputsCheck:
         """The plan on the user's own inputs (a model's real weights, not N(0, 1) ones, under which a deep
-        bf16 network is chaotic), held to jax.jit's rounding spread at those inputs (tight there)."""
+        bf16 network is chaotic), held to jax.jit's rounding spread at those inputs (tight there; computed once)."""
         import pickle
 
-        with open(self.example_inputs, "rb") as f:
-            args = [jnp.asarray(x) for x in pickle.load(f)]
-        sens = rounding_sensitivity(ref, avals, self.seeds[0], args=args)
+        if self._examples is None:
+            with open(self.example_inputs, "rb") as f:
+                args = [jnp.asarray(x, dtype=a.dtype) for x, a in zip(pickle.load(f), avals)]
+            self._examples = args, rounding_sensitivity(ref, avals, self.seeds[0], args=args)
+        args, sens = self._examples
         tols = self._program_tolerances(sens)
         res = check(fused, ref, avals, tolerances=tols, inputs=args)
         return InputsCheck(res.ok, res.max_error, tols, sens, res.reason)
@@ -219,6 +268,18 @@ class Evaluator:
 def _structs(group: Group) -> list[jax.ShapeDtypeStruct]:
     """The group's inputs as the shapes its executables are compiled for (the random inputs have exactly these)."""
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()]
+
+
+def _program_structs(graph: Graph) -> list[jax.ShapeDtypeStruct]:
+    """The whole program's inputs as the shapes its executables are compiled for."""
+    return [jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype) for v in graph.inputs]
+
+
+def _raiser(e: BaseException) -> Callable:
+    """A function that raises `e` when called: a plan that failed to compile, failing its check as it always did."""
+    def fn(*_: Any) -> Any:
+        raise e
+    return fn
 
 
 def _trial_key(nodes: Sequence[int], template: str, config: dict) -> tuple:

@@ -32,7 +32,8 @@ class TrialRequest:
 
 @dataclass(frozen=True)
 class CompileRequest:
-    """Compile ahead, concurrently on `workers` threads, what later XLA and trial requests will time one at a time.
+    """Compile ahead, concurrently on `workers` threads, what later XLA, trial and validation requests will time one
+    at a time (a validation's whole plan, and once the whole program's jax.jit reference).
 
     Compilation is CPU work (XLA releases the GIL while it compiles); timing needs
     the GPU alone. The later requests find their executables compiled (an item that
@@ -41,7 +42,7 @@ class CompileRequest:
     (None: the runner's per-request limit).
     """
 
-    items: tuple[XlaRequest | TrialRequest, ...]
+    items: tuple[XlaRequest | TrialRequest | ValidateRequest, ...]
     workers: int
     timeout_s: float | None = None
 
@@ -131,6 +132,7 @@ class ValidationResult:
     baseline: Timing | None = None  # jax.jit of the whole program (device mode)
     plan: Timing | None = None  # the plan (device mode), timed in alternation with the baseline
     ratio: Timing | None = None  # plan / baseline, per alternation (its spread is the comparison's noise)
+    seconds: dict = field(default_factory=dict)  # where the validation's time went: compile, reference, check, examples, time
 
     @property
     def ok(self) -> bool:

@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..runner.protocol import CompileRequest, TrialRequest, TrialResult, XlaRequest
+from ..runner.protocol import (
+    CompileRequest,
+    TrialRequest,
+    TrialResult,
+    ValidateRequest,
+    XlaRequest,
+)
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .scheduler import phase1_order
@@ -55,10 +62,11 @@ def chunk_size(workers: int) -> int:
     return max(1, CHUNK_PER_THREAD * workers)
 
 
-def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest], workers: int) -> bool:
+def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | ValidateRequest], workers: int,
+                  timeout_s: float = BATCH_TIMEOUT_S) -> bool:
     """Send one batch to be compiled ahead; False if it crashed or hung the trial process (restarted for the next
     request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch."""
-    res = runner.call(CompileRequest(tuple(items), workers, timeout_s=BATCH_TIMEOUT_S))
+    res = runner.call(CompileRequest(tuple(items), workers, timeout_s=timeout_s))
     if res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT):
         log.warning("autofuse: compiling %d items ahead on %d threads: %s (%s); compiling one at a time from here",
                     len(items), workers, res.status.value, res.error)
@@ -104,7 +112,7 @@ class CompileAhead:
     def first_request(self, i: int) -> TrialRequest | None:
         """Candidate i's first config as its trial will ask for it; None if it will not be compiled."""
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
-        cfg = space.first_configs()[0]
+        cfg = space.default  # the first of `first_configs`, without enumerating the space for the model's best
         if space.unmeasured_reason(cfg, self.measure):
             return None
         return TrialRequest(tuple(r.nodes), r.template, dict(cfg))
@@ -123,3 +131,25 @@ class CompileAhead:
             self.batches.append(len(reqs))
             if not compile_batch(self.runner, reqs, self.workers):
                 self.workers = 1
+
+
+def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> threading.Event:
+    """Each candidate's model-best config (`CandidateSpace.model_best`, the third config of its study, queued by its
+    first trial) found on a background thread, in phase 1's order, while this process mostly waits on the trial
+    process (the XLA timings, the trials): enumerating a space takes up to a second (GPT-2's 158 candidates: about
+    14 s with Mosaic GPU and Triton), which its first trial would otherwise wait for. The answer is the same
+    whenever it is found (each space keeps it for its facts). Returns the event that stops it (set it when the job
+    ends)."""
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for i in phase1_order(list(cands), spaces):
+                if stop.is_set():
+                    return
+                spaces[cands[i].signature].model_best()
+        except Exception as e:  # noqa: BLE001 - a trial finds it again itself, and fails there if it must
+            log.debug("autofuse: finding the model's best configs ahead stopped: %s: %s", type(e).__name__, e)
+
+    threading.Thread(target=work, name="autofuse-model-best", daemon=True).start()
+    return stop

@@ -3,6 +3,7 @@ compute the same thing are tuned once), their search spaces, the run in the stor
 and one Optuna study per candidate with its first configs enqueued."""
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -24,6 +25,8 @@ from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
 from .report import TuneReport
 from .space import CandidateSpace
+
+log = logging.getLogger("autofuse")
 
 
 def resolve_measure(measure: str | None, has_gpu: bool) -> str:
@@ -98,13 +101,30 @@ def study_name(run_id: int | None, signature: str) -> str:
 
 
 def create_study(storage: Any, run_id: int | None, space: CandidateSpace, signature: str) -> None:
-    """A candidate's study, with the default config and the model's best enqueued first (once, for a new study)."""
+    """A candidate's study, with each backend's default config enqueued first (once, for a new study). The model's
+    best comes next (`space.first_configs`), enqueued by the candidate's first trial (`enqueue_model_best`): finding
+    it enumerates the space (a tenth of a second on a large one, seconds for a whole model's candidates), which a
+    candidate the budget never reaches need not pay."""
     import optuna
 
     study = optuna.create_study(direction="minimize", storage=storage, study_name=study_name(run_id, signature), load_if_exists=True)
     if not study.trials:
-        for cfg in space.first_configs():
+        for cfg in space.defaults():
             study.enqueue_trial(space.optuna_params(cfg))
+
+
+def enqueue_model_best(study: Any, space: CandidateSpace) -> None:
+    """The model's best config queued after the defaults (the third of `space.first_configs`), by the trial that took
+    the study's first enqueued trial (number 0: one worker takes it), so each study gets it once, where it got it
+    when it was created before; not again if the study already has it (a study created so)."""
+    defaults = space.defaults()
+    best = space.model_best()
+    if best is None or best in defaults:
+        return
+    params = space.optuna_params(best)
+    if any(t.params == params or t.system_attrs.get("fixed_params") == params for t in study.get_trials(deepcopy=False)):
+        return
+    study.enqueue_trial(params)
 
 
 def load_study(storage: Any, run_id: int | None, signature: str, seed: int) -> Any:
@@ -149,6 +169,24 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
     run_id = pstore.start_run(ids.program, ids.device, ids.software, budget=budget, seed=seed,
                               sampler="TPESampler", measure=measure, host=socket.gethostname(), pid=os.getpid(), optuna_storage=pstore.url)
     return pstore, run_id, ids
+
+
+class PhaseMarks:
+    """When each phase of a run ended, in its store (`PlanStore.mark_phase`: seconds from the run's start, shown by
+    ``autofuse show run``); nothing without a store. Run-level marks: start (the job's own start, before the run
+    row), setup, xla, trials, selected, saved; `worker` marks go under that worker. A mark that cannot be written
+    is logged, never fails the job."""
+
+    def __init__(self, pstore: Any, run_id: int | None, *, keep_first: bool = True):
+        self.pstore, self.run_id, self.keep_first = pstore, run_id, keep_first
+
+    def __call__(self, name: str, *, at: float | None = None, value: Any = None, worker: str | None = None) -> None:
+        if self.pstore is None or self.run_id is None:
+            return
+        try:
+            self.pstore.mark_phase(self.run_id, name, worker=worker, at=at, value=value, keep_first=self.keep_first and worker is None)
+        except Exception as e:  # noqa: BLE001 - a mark is for people reading the run later, never a reason to stop
+            log.warning("autofuse: could not record phase %s of run %s: %s: %s", name, self.run_id, type(e).__name__, e)
 
 
 def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState]) -> None:

@@ -19,11 +19,11 @@ import jax
 
 from .. import costmodel
 from ..graph import capture, qualified_name
-from ..runner.process import ProgramSpec, make_runner
+from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
-from .ahead import CompileAhead
+from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .job import (check_backends, check_budget, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
+from .job import (PhaseMarks, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
                   register_candidates, resolve_measure, save_example_inputs, save_report, search_spaces, spec_of, time_xla)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
@@ -104,23 +104,28 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         trials = DEFAULT_TRIALS
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
     name = name or program_name(fn)
-    by_sig, cands = distinct_candidates(graph)
-    spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
-
-    pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume, gmodel, qualified_name(fn)) if store is not None else (None, None, None)
-    if pstore is not None:
-        name = pstore.get_run(run_id)["program"]  # the name the store knows the program by (its first), as `plans --program` finds it
     spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,
                        graph.fingerprint)
     examples = save_example_inputs(graph, fn, args, kwargs, static_argnums, static_argnames)
     runner = make_runner(spec, {"measure": measure, "model": model, **({"example_inputs": examples} if examples else {})}, isolate=isolate,
                          timeout_s=trial_timeout_s)
-    status, report = "failed", None
+    if isinstance(runner, ProcessRunner):
+        runner.start()  # the trial process imports jax and captures the program while this one enumerates and opens the run
+    status, report, pstore, run_id, ids, prefetch = "failed", None, None, None, None, None
     try:
+        by_sig, cands = distinct_candidates(graph)
+        spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
+        if store is not None:
+            pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume, gmodel, qualified_name(fn))
+            name = pstore.get_run(run_id)["program"]  # the name the store knows the program by (its first), as `plans --program` finds it
+        marks = PhaseMarks(pstore, run_id, keep_first=False)  # one process writes this run's marks (the last one's, resumed)
+        marks("start", at=t_start)
         if isolate and not spec.picklable():
             say("autofuse: the function cannot be pickled by reference, so trials run in this process (no crash isolation)")
         if pstore is not None:
             register_candidates(pstore, run_id, cands)
+        marks("setup")
+        prefetch = prefetch_model_bests(cands, spaces)
         todo = [r for r in cands if r.xla_ms is None]
         if progress is not None:
             say(f"autofuse: timing {len(todo)} distinct candidates in XLA")
@@ -128,6 +133,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         if pstore is not None:
             for r in todo:
                 pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
+        marks("xla")
         budget = Budget(trials if trials is not None else 10**9, t_start + time_budget_s if time_budget_s else None, clock)
         if budget.out_of_time():
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
@@ -145,9 +151,13 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             loop.bar.close()
         if pstore is not None:
             pstore.begin_selection(run_id, f"{os.uname().nodename}:{os.getpid()}")  # a resume after a kill from here on selects only
+        marks("trials")
         n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
+        timings: dict = {}
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
-                          say if verbose else (lambda s: None), phase)
+                          say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings)
+        marks("selected")
+        marks("selection", value=timings)
         report.wall_s = clock() - t_start
         status = "finished"
     except KeyboardInterrupt:
@@ -158,6 +168,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             pstore.finish_run(run_id, "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
+        if prefetch is not None:
+            prefetch.set()
         if isinstance(phase, StatusLine):
             phase.close()
         runner.close()
@@ -172,6 +184,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     if pstore is not None:
         report.run_id = run_id
         report.plan_id = save_report(pstore, ids, run_id, report, promote)
+        marks("saved")
     return report
 
 
@@ -212,8 +225,8 @@ def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budg
                     ledger.mark_lost(r, t.optuna_trial_id, "the job running it was interrupted")
     else:
         storage, ledger = optuna.storages.InMemoryStorage(), MemoryLedger(cands)
-    for r in cands:
-        create_study(storage, run_id, spaces[r.signature], r.signature)
     scheduler = Scheduler(graph, by_sig, cands, spaces, budget, gmodel)
     ctx = TrialContext(ledger, runner, measure, scheduler.total, f"{os.uname().nodename}:{os.getpid()}")
-    return TrialLoop(cands, spaces, scheduler, ctx, storage, run_id, seed)
+    loop = TrialLoop(cands, spaces, scheduler, ctx, storage, run_id, seed)
+    loop.creates_studies = True  # each candidate's study made at its first trial: one process, so once (a resumed run's exist)
+    return loop

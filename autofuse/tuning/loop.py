@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Any
 
-from .job import load_study
+from .job import create_study, load_study
 from .ledger import CandidateState, Ledger
 from .output import best_postfix, trial_line
 from .scheduler import Scheduler
@@ -29,6 +29,7 @@ class TrialLoop:
         self.measured = 0
         self.order: list[tuple[int, str]] = []  # each trial run: its candidate and what became of it
         self.ahead: Any = None  # an `ahead.CompileAhead`: phase 1's next configs compiled ahead, concurrently
+        self.creates_studies = False  # whether a candidate's study is created here, at its first trial (one driver alone)
 
     @property
     def ledger(self) -> Ledger:
@@ -36,6 +37,9 @@ class TrialLoop:
 
     def study(self, i: int) -> Any:
         if i not in self.studies:
+            if self.creates_studies:
+                r = self.cands[i]
+                create_study(self.storage, self.run_id, self.spaces[r.signature], r.signature)
             self.studies[i] = load_study(self.storage, self.run_id, self.cands[i].signature, self.seed + i + 7919 * self.worker_seed)
         return self.studies[i]
 

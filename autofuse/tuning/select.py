@@ -84,6 +84,19 @@ def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Pl
     return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
 
 
+def lone_contractions(graph: Graph) -> list[int]:
+    """The fusible dots a cover may leave alone, one node per distinct dot (those `lone_contraction_costs` times)."""
+    seen, out = set(), []
+    for nd in graph.nodes:
+        if ops.op_class(nd.name) is not ops.OpClass.CONTRACTION or not is_fusible(graph, nd.id):
+            continue
+        sig = Group.of(graph, [nd.id]).signature
+        if sig not in seen:
+            seen.add(sig)
+            out.append(nd.id)
+    return out
+
+
 def lone_contraction_costs(graph: Graph, runner: Any) -> dict[int, float]:
     """XLA's measured time of each fusible dot that a cover may leave alone (once per distinct dot).
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from .. import costmodel
@@ -34,6 +35,9 @@ class SearchSpace:
     model_ms: Callable[[dict], float]
     backend: str = "triton"
     check: Callable[[dict], str | None] | None = None  # the lowering's own rules, checked without compiling
+    # `model_best`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
+    _best: tuple[dict, dict | None] | None = field(default=None, repr=False, compare=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @staticmethod
     def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200, backend: str = "triton") -> "SearchSpace":
@@ -64,7 +68,15 @@ class SearchSpace:
         return None
 
     def model_best(self) -> dict | None:
-        """The feasible config with the lowest modelled time (None for spaces too large to enumerate)."""
+        """The feasible config with the lowest modelled time (None for spaces too large to enumerate). Found once
+        per facts (enumerating a space takes up to a second: `ahead.prefetch_model_bests` finds them ahead)."""
+        with self._lock:
+            if self._best is None or self._best[0] is not self.facts:
+                self._best = (self.facts, self._find_model_best())
+            best = self._best[1]
+        return None if best is None else dict(best)
+
+    def _find_model_best(self) -> dict | None:
         if self.size > MODEL_BEST_LIMIT:
             return None
         names = list(self.params)
@@ -99,7 +111,7 @@ class SearchSpace:
         return True
 
     def copy(self) -> "SearchSpace":
-        return replace(self, facts=dict(self.facts))
+        return replace(self, facts=dict(self.facts), _best=None, _lock=threading.Lock())
 
 
 _SMEM_REPORT = re.compile(r"(?:requested|required|smem_bytes)[:=]?\s*(\d+)\D+?(?:available|hardware limit|max_smem_bytes)[:=]?\s*(\d+)",
@@ -153,9 +165,13 @@ class CandidateSpace:
         best = [{"backend": b, **c} for b, sp in self.spaces.items() for c in [sp.model_best()] if c is not None]
         return min(best, key=self.model_ms) if best else None
 
+    def defaults(self) -> list[dict]:
+        """Each backend's default, the preferred backend first: what a new study is created with."""
+        return [{"backend": b, **sp.default} for b, sp in self.spaces.items()]
+
     def first_configs(self) -> list[dict]:
         """A new study's first trials: each backend's default (the preferred backend first), then the model's best."""
-        out = [{"backend": b, **sp.default} for b, sp in self.spaces.items()]
+        out = self.defaults()
         best = self.model_best()
         return out + ([best] if best is not None and best not in out else [])
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..runner.protocol import TrialRequest, TrialResult
 from ..status import TrialStatus
+from .job import enqueue_model_best
 from .ledger import CandidateState, Ledger
 from .space import CandidateSpace
 
@@ -50,6 +51,8 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
 
     def objective(trial: Any) -> float:
         cfg = space.suggest(trial)
+        if trial.number == 0:  # the study's first enqueued default: the model's best queued behind the defaults
+            enqueue_model_best(study, space)
         trial.set_user_attr("worker", ctx.worker)
         unmeasured = space.unmeasured_reason(cfg, ctx.measure)
         if unmeasured:

@@ -17,17 +17,24 @@ from typing import Any, Callable
 from .. import costmodel
 from ..graph import Graph
 from ..plan import Plan
-from ..runner.protocol import TrialRequest, ValidateRequest, ValidationResult
+from ..runner.protocol import (
+    TrialRequest,
+    ValidateRequest,
+    ValidationResult,
+    XlaRequest,
+)
 from ..status import TrialStatus
+from .ahead import compile_batch
 from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, best_cover, lone_contraction_costs
+from .select import Cover, best_cover, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # smaller plans validated beside the chosen one (its groups with the largest savings)
 MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
+PLAN_BATCH_TIMEOUT_S = 600.0  # the plans to validate compiled at once (whole programs): longer than a batch of kernels
 
 
 def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledger) -> None:
@@ -53,10 +60,16 @@ def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledge
 
 def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], runner: Any, measure: str,
              model: costmodel.GPUModel, ledger: Ledger, name: str, n_trials: int, t_start: float,
-             say: Callable[[str], None], phase: Callable[[str], None] | None = None) -> TuneReport:
+             say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
+             timings: dict | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
-    `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n)."""
+    `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
+    `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
+    references; the plans to validate with the whole program's reference). `timings` receives where the time went
+    (seconds: check, singles, cover, validate, and per plan validated its parts)."""
     phase = phase or (lambda s: None)
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
     phase(f"autofuse: selecting the plan from {sum(1 for r in cands if r.trials)} tuned candidates")
     _pause_for_tests()
     to_check = [r for r in cands if measure == "model" and any(t.status is TrialStatus.OK for t in r.trials)
@@ -67,29 +80,54 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
         finish_candidate(r, runner, measure, ledger)
         if r.trials:
             say(candidate_line(r))
-    singles = lone_contraction_costs(graph, runner) if measure == "device" else None
+    t1 = time.perf_counter()
+    singles = None
+    if measure == "device":
+        lone = lone_contractions(graph)
+        if compile_workers > 1 and len(lone) > 1:
+            compile_batch(runner, [XlaRequest((n,)) for n in lone], compile_workers)
+        singles = lone_contraction_costs(graph, runner)
+    t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
-    return validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase)
+    t3 = time.perf_counter()
+    timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
+    report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
+                      timings=timings)
+    timings["validate"] = round(time.perf_counter() - t3, 3)
+    return report
 
 
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
-             t_start: float, phase: Callable[[str], None] | None = None) -> TuneReport:
+             t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
+             timings: dict | None = None) -> TuneReport:
     """The chosen plan and the smaller plans of `smaller_plans` against jax.jit on the whole program.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit
     beyond noise. On the GPU all are measured and the one fastest against its own
     jax.jit run is kept (groups measured alone do not add up: a smaller plan can be
     faster); with the model, the first that passes. None passes: XLA's own plan.
+    On the GPU with `compile_workers` > 1, all of them and jax.jit's reference are
+    compiled at once first (the trial process then checks and times them one by one).
     """
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned, noise = cover.baseline_ms, cover.tuned_ms, None
     notes, kept, passed = [], None, []  # passed (GPU): (speedup, plan, validation, noise)
     tries = [(plan, 0.0)] + smaller_plans(plan, cands) if not plan.is_xla else []
+    plans_t = [] if timings is None else timings.setdefault("plans", [])
+    if measure == "device" and compile_workers > 1 and len(tries) > 1:
+        t0 = time.perf_counter()
+        phase is not None and phase(f"autofuse: compiling {len(tries)} plans and jax.jit's reference, {compile_workers} at once")
+        compile_batch(runner, [ValidateRequest(cand.to_json()) for cand, _ in tries], compile_workers, timeout_s=PLAN_BATCH_TIMEOUT_S)
+        if timings is not None:
+            timings["compile_ahead"] = round(time.perf_counter() - t0, 3)
     for k, (cand, given_up) in enumerate(tries):
         if phase is not None:
             phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
+        t0 = time.perf_counter()
         v = runner.call(ValidateRequest(cand.to_json()))
+        plans_t.append({"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
+                        **{key: round(x, 3) for key, x in (v.seconds or {}).items()}})
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
             notes.append(f"{len(cand.groups)} groups: validation failed: {v.status}: {v.error}")

@@ -58,10 +58,10 @@ from ..plan import Plan
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from .job import (RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates,
-                  resolve_measure, save_report, search_spaces, study_name, time_xla)
+from .job import (PhaseMarks, RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
+                  register_candidates, resolve_measure, save_report, search_spaces, study_name, time_xla)
 from .ahead import ENV_VAR as AHEAD_ENV
-from .ahead import CompileAhead, chunk_size, compile_workers
+from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
 from .report import TuneReport
@@ -167,25 +167,31 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
            "heartbeat_s": int(heartbeat_s), "backends": list(check_backends(backends)), "workers": workers,
            "compile_workers": compile_workers}
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
-    by_sig, cands = distinct_candidates(graph)
     pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel,
                                    function_ref(fn))
     name = pstore.get_run(run_id)["program"]  # the name the store knows it by
+    marks = PhaseMarks(pstore, run_id)
+    marks("start", at=t_start)
     procs: list[subprocess.Popen] = []
     try:
-        # what every worker needs first: the candidates (the workers share out their XLA timings) and the studies
-        # with their first configs
+        # The workers start at once (importing jax, starting their trial processes, capturing and enumerating the
+        # program take them seconds) while this process registers the candidates (they wait for the "candidates"
+        # mark: the workers share out their XLA timings) and creates the studies with their first configs (they wait
+        # for the "setup" mark before their first trial).
+        pstore.set_run_job(run_id, {**job, "staged": True})
+        procs = start_workers(run_id, pstore.url, workers, gpus, not verbose, indexed=True)
+        by_sig, cands = distinct_candidates(graph)
         register_candidates(pstore, run_id, cands)
+        marks("candidates")
+        say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
+            + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
+            + f"; join from another host: autofuse worker {run_id} --db URL")
         spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
         storage = optuna_storage(pstore.url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         for r in cands:
             create_study(storage, run_id, spaces[r.signature], r.signature)
-        pstore.set_run_job(run_id, job)
-        say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
-            + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
-            + f"; join from another host: autofuse worker {run_id} --db URL")
-        procs = start_workers(run_id, pstore.url, workers, gpus, not verbose, indexed=True)
+        marks("setup")
         scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(trials if trials is not None else 10**9), gmodel)
         with progress_bar(scheduler.total, name, quiet or progress is not None, "tune", "trial") as bar:
             codes = watch(procs, pstore, run_id, bar, cands, scheduler)
@@ -318,6 +324,8 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
         say(f"run {run_id} is {run['status']}{' and being selected' if run['selected_by'] else ''}: nothing to do")
         return {"measured": 0, "selected": False}
     job, measure = run["job"], run["measure"]
+    marks = PhaseMarks(pstore, run_id)
+    marks("joined", worker=me)
     if measure == "device" and jax.default_backend() != "gpu":
         raise RuntimeError(f"run {run_id} measures on a GPU; this host has none")
     lock = _gpu_lock() if measure == "device" else None
@@ -333,39 +341,68 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
         raise RuntimeError(f"{job['fn']} captures as program {graph.fingerprint} here, but run {run_id} tunes {run['fingerprint']} "
                            "(another version of the code or of jax?)")
     by_sig, cands = distinct_candidates(graph)
+    if job.get("staged"):  # the launcher registers the candidates while its workers start
+        wait_for_phase(pstore, run_id, "candidates", ready_timeout_s)
     register_candidates(pstore, run_id, cands)
+    marks("ready", worker=me)
     gmodel = costmodel.get_model(job["model"])
     spaces = search_spaces(by_sig, cands, gmodel, job.get("backends", ["triton"]))
     budget = run["budget"] or {}
     deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
     scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(budget.get("trials") or 10**9, deadline), gmodel)
+    prefetch = None
     say(f"joined run {run_id} ({len(cands)} candidates, budget {scheduler.total} trials"
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with runner:
             threads = compile_workers(job.get("compile_workers"))
+            prefetch = prefetch_model_bests(cands, spaces)
             timed = share_xla(pstore, run_id, cands, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60)
             say(f"timed {timed} of {len(cands)} candidates in XLA ({threads} compiling at once)")
+            marks("xla")  # every candidate's XLA time is known (the first worker to see it)
+            marks("xla", worker=me)
+            if job.get("staged"):  # the studies with their first configs
+                wait_for_phase(pstore, run_id, "setup", ready_timeout_s)
             w = _Worker(pstore, run_id, cands, spaces, scheduler,
                         TrialContext(StoreLedger(pstore, run_id, me), runner, measure, scheduler.total, me),
                         run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
             w.loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
             w.loop.verbose = not quiet  # a line per trial
             w.work()
+            marks("trials", worker=me)
             selected = pstore.begin_selection(run_id, me)
             if selected:
+                marks("trials")
                 say(f"measured {w.loop.measured} trials; selecting the plan of run {run_id}")
-                w.select(graph, by_sig, gmodel, run)
+                w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks)
             say(f"done: measured {w.loop.measured} trials" + ("; plan saved" if selected else ""))
     except BaseException as e:
         if pstore.get_run(run_id)["selected_by"] == me:  # this worker was selecting: the run ends with it
             pstore.finish_run(run_id, "failed", error=f"selection failed in {me}: {type(e).__name__}: {e}")
         raise
     finally:
+        if prefetch is not None:
+            prefetch.set()
         if lock is not None:
             os.close(lock)
     return {"measured": w.loop.measured, "selected": selected}
+
+
+def wait_for_phase(pstore: Any, run_id: int, name: str, timeout_s: float) -> None:
+    """Wait until the run's launcher has marked phase `name` (`PhaseMarks`); an error if the run stops first or
+    `timeout_s` passes."""
+    t0 = time.time()
+    while True:
+        run = pstore.get_run(run_id)
+        if name in (run.get("phases") or {}):
+            return
+        if run["status"] != "running":
+            raise RuntimeError(f"run {run_id} is {run['status']} before its launcher finished setting it up"
+                               + (f": {run['error']}" if run.get("error") else ""))
+        if time.time() - t0 > timeout_s:
+            raise RuntimeError(f"run {run_id}: its launcher did not mark {name!r} within {timeout_s:.0f} s")
+        time.sleep(POLL_S / 5)
 
 
 def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any, me: str, threads: int, *, stale_s: float) -> int:
@@ -469,15 +506,21 @@ class _Worker:
             if t.status is TrialStatus.RUNNING and t.optuna_trial_id in failed:
                 self.loop.ledger.mark_lost(self.cands[i], t.optuna_trial_id, "worker died (its trial failed by heartbeat)")
 
-    def select(self, graph: Any, by_sig: dict, gmodel: costmodel.GPUModel, run: dict) -> None:
+    def select(self, graph: Any, by_sig: dict, gmodel: costmodel.GPUModel, run: dict, *, compile_workers: int = 1,
+               marks: PhaseMarks | None = None) -> None:
         """Check the bests, choose the cover, validate it and save the plan (the worker that won begin_selection)."""
+        marks = marks or PhaseMarks(None, None)
         self.loop.ledger.refresh(self.cands)
         for r in self.cands:
             r.trials = [t for t in r.trials if t.status is not TrialStatus.LOST]
         n = sum(t.status.value not in UNCOUNTED for r in self.cands for t in r.trials)
+        timings: dict = {}
         report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
-                          run["started_at"].timestamp(), lambda s: None)
+                          run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings)
+        marks("selected")
+        marks("selection", value=timings)
         save_report(self.pstore, RunIds(run["program_id"], run["device_id"], run["software_id"]), self.run_id, report)
+        marks("saved")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
