@@ -5,7 +5,9 @@ tuned plan (or plain `jax.jit`); `autofuse.PlanStore(url)` answers questions
 about past runs. Attributes load lazily so that the store and the CLI's
 query commands start without importing JAX. Importing it keeps JAX from
 preallocating most of the GPU in this process where that is still possible
-(`autofuse.gpumem`): the trial processes of `tune()` need the memory.
+(`autofuse.gpumem`): the trial processes of `tune()` need the memory; and it
+points XLA's autotune cache at one directory (`autofuse.xla_autotune`), so that
+a deployed process compiles the GEMMs a tuning job measured.
 """
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ __version__ = "0.1.0"
 from . import gpumem as _gpumem  # noqa: E402 -- before anything starts JAX's GPU client
 
 _gpumem.STATE = _gpumem.configure()  # XLA_PYTHON_CLIENT_PREALLOCATE=false where it still takes effect and nothing was chosen
+
+from . import xla_autotune as _xla_autotune  # noqa: E402 -- before anything starts JAX's backends
+
+_xla_autotune.DIR = _xla_autotune.configure()  # one XLA autotune cache for tuning jobs and deployed processes
 
 _LAZY = {
     "jit": "autofuse.api",
