@@ -343,8 +343,8 @@ class AutofuseFunction:
         versions first), as a ``plan-shape`` resolution; else None. Also why each one found refuses (a config that
         no longer fits, the template no longer matching, a failed check remembered) and the structures computed
         for stored programs that had none. Reads only."""
-        from .shapes import adapt
-        from .signatures import distance, shape_change
+        from .shapes import adapt, nearest_first
+        from .signatures import shape_change
 
         serving = graph.signature()["inputs"]
         try:
@@ -353,7 +353,7 @@ class AutofuseFunction:
         except Exception as e:  # noqa: BLE001 -- a store that cannot answer is a miss, said why
             return None, [f"plans of the same structure cannot be read ({type(e).__name__}: {str(e)[:200]})"], ()
         learned = tuple(x for _, x in found if x)
-        found.sort(key=lambda f: (f[0].plan.match != "exact", distance(f[0].inputs, serving)))
+        found = nearest_first(found, serving, inputs=lambda f: f[0].inputs, exact=lambda f: f[0].plan.match == "exact")
         refusals = []
         for sib, _ in found:
             tuned, serves = shape_change(sib.inputs, serving)

@@ -1,7 +1,7 @@
 """The ``autofuse tune`` and ``autofuse worker`` commands: their arguments, and what they print.
 
     autofuse tune MODULE:FUNCTION --inputs MODULE:FACTORY [--trials N] [--time-budget S] [-v | --quiet] [--all]
-                  [--dry-run] [--workers N] ...
+                  [--dry-run] [--workers N] [--shapes SPEC] ...
     autofuse worker RUN [--workers N] [-v | --quiet]
 
 By default a job shows a progress bar with its best plan so far, then a table of the groups it measured (the
@@ -35,13 +35,27 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
             "then the measured groups (the plan's first, marked *, named by template and ops) and one summary line. "
             "Try --dry-run first on a big program: it says in a second what the budget can and cannot cover.", 100),
         epilog="examples:\n  autofuse tune examples.norms:forward --inputs examples.norms:example_inputs --trials 40\n"
-               "  autofuse tune examples.gpt2:forward --inputs examples.gpt2:example_inputs --trials 300 --dry-run",
+               "  autofuse tune examples.gpt2:forward --inputs examples.gpt2:example_inputs --trials 300 --dry-run\n"
+               "  autofuse tune examples.gpt2:forward --inputs examples.gpt2:inputs_at --shapes batch=1-8,seq=128-1024 --trials 100\n"
+               "  autofuse tune mymodel:forward --shapes mymodel:buckets --trials 100\n\n"
+               "shape buckets (--shapes SPEC): one job tunes the program at each bucket, smallest first, each its own run and plan\n"
+               "(stored under that bucket's program; all buckets must be the same program at other sizes). SPEC is\n"
+               "  NAME=LO-HI[,NAME=LO-HI...]  axes: every power of two from LO to HI (both powers of two); NAME=N fixes an\n"
+               "                              axis at N. Each bucket is --inputs FACTORY(NAME=value, ...); at most 64 buckets\n"
+               "  MODULE:BUCKETS              a function returning a list of argument tuples, one per bucket, or a dict of\n"
+               "                              them by name (--inputs is then not needed)\n"
+               "--trials and --time-budget are each bucket's. Each candidate's study at a bucket first tries the best configs\n"
+               "(up to 2) of the same candidate at the nearest bucket tuned before, those that fit this bucket's constraints.\n"
+               "At deploy, autofuse.jit serves a shape not tuned with the plan of the nearest bucket (in log size) that adapts.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="MODULE:FUNCTION", help="the function to tune (importable from the current directory)")
-    p.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
+    p.add_argument("--inputs", default=None, metavar="MODULE:FACTORY",
                    help="a function returning the example arguments: a tuple of positional args (arrays or jax.ShapeDtypeStruct "
                         "pytrees); arrays are also used to check the whole plan (e.g. a model's own weights), beside random inputs")
+    p.add_argument("--shapes", default=None, metavar="SPEC",
+                   help="tune a set of shape buckets in one job: NAME=LO-HI,... (powers of two, each bucket built by --inputs "
+                        "FACTORY(NAME=...)) or MODULE:BUCKETS (a list or dict of argument tuples); see below")
     p.add_argument("--trials", type=int, default=None, help="trial budget for the whole job (default 48 when no --time-budget)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="time budget for the whole job, in seconds, counted from its start (which times every distinct candidate in XLA first)")
@@ -109,6 +123,8 @@ def _example(args: argparse.Namespace) -> tuple[Callable, tuple, tuple[int, ...]
     from autofuse.graph import capture
 
     fn = import_ref(args.target)
+    if args.inputs is None:
+        raise ValueError("--inputs MODULE:FACTORY is required (or --shapes MODULE:BUCKETS)")
     factory = import_ref(args.inputs)
     # before the inputs touch a GPU: this process shares the GPUs with the trial processes and the workers, and
     # jax's default would take 75% of every visible GPU's memory here
@@ -141,6 +157,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
     if args.compile_workers is not None and args.compile_workers < 1:
         raise ValueError(f"--compile-workers must be at least 1, got {args.compile_workers}")
+    if args.shapes is not None:
+        return cmd_tune_buckets(args)
     fn, example, statics = _example(args)
     if args.dry_run:
         from autofuse.tuning.dryrun import dry_run
@@ -183,6 +201,43 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           "summary": report.summary()}, indent=2))
     else:
         print(report.summary() if args.quiet else report.table(all_candidates=args.all))
+    return 0
+
+
+def cmd_tune_buckets(args: argparse.Namespace) -> int:
+    """``autofuse tune --shapes SPEC``: every bucket tuned in turn (`autofuse.tuning.buckets`), each report as a
+    single job prints it, then a line per bucket."""
+    from autofuse.tuning import buckets
+
+    for flag, on in (("--resume", args.resume is not None), ("--workers", args.workers is not None), ("--dry-run", args.dry_run)):
+        if on:
+            raise ValueError(f"--shapes tunes its buckets in this process, one run each: drop {flag} (or tune one shape with --inputs)")
+    fn = import_ref(args.target)
+    try:
+        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the buckets' inputs touch a GPU (as `_example`)
+    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, import_ref), statics)
+    store = None
+    if not args.no_store:
+        from autofuse.store import PlanStore
+
+        store = PlanStore(getattr(args, "db", None))
+
+    def show(i: int, run: buckets.BucketRun) -> None:
+        if not args.json:
+            print(f"== bucket {i + 1}/{len(bucket_list)}: {run.bucket.name}")
+            print(run.report.summary() if args.quiet else run.report.table(all_candidates=args.all), flush=True)
+
+    runs = buckets.tune_buckets(fn, bucket_list, static_argnums=statics, quiet=args.quiet, on_bucket=show, trials=args.trials,
+                                time_budget_s=args.time_budget, seed=args.seed, store=store, name=args.name or args.target,
+                                measure=args.measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
+                                backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
+    if args.json:
+        print(json.dumps({"buckets": [r.to_dict() for r in runs]}, indent=2))
+    else:
+        print(buckets.summary(runs))
     return 0
 
 

@@ -65,6 +65,21 @@ def adapt(plan: Plan, graph: Graph) -> Plan:
     return Plan(graph.fingerprint, tuple(groups), {**plan.provenance, "tuned_for": plan.fingerprint})
 
 
+def nearest_first(found: Sequence[Any], serving: Sequence[str], inputs: Any = lambda f: f.inputs,
+                  exact: Any = lambda f: f.plan.match == "exact") -> list[Any]:
+    """Plans of the same structure (`store.SameStructure`s, or anything `inputs` and `exact` read) in the order a
+    shape not tuned exactly tries them: exact software versions first, then the bucket nearest `serving` in size
+    (the sum over dimensions of |log2| of the size ratios: `signatures.distance`), then, between buckets as near,
+    the larger (whose configs were tuned for more work per kernel), then the order given (newest first). Where
+    `autofuse tune --shapes` tuned several buckets, a shape between them takes the nearest that adapts."""
+    from .signatures import distance, parse_aval
+
+    def elements(f: Any) -> int:
+        return sum(int(np.prod(p[1])) for p in map(parse_aval, inputs(f)) if p is not None)
+
+    return sorted(found, key=lambda f: (not exact(f), distance(inputs(f), serving), -elements(f)))
+
+
 def broken_constraint(space: Any, config: dict, facts: dict) -> str | None:
     """The first choice or constraint of `space` (a `spaces.Space`) that `config` breaks with these `facts`, in
     words with the values that break it; None if it fits."""

@@ -14,3 +14,13 @@ def norm(x: jax.Array, g: jax.Array) -> jax.Array:
 
 def norm_specs(rows: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     return jax.ShapeDtypeStruct((rows, 128), jnp.float32), jax.ShapeDtypeStruct((128,), jnp.float32)
+
+
+def norm_buckets() -> dict[str, tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+    """Three buckets of `norm` by name, given out of size order (`autofuse tune --shapes MODULE:BUCKETS`)."""
+    return {"large": norm_specs(128), "small": norm_specs(8), "mid": norm_specs(32)}
+
+
+def norm_mixed_buckets() -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+    """Two buckets that are not one program at other sizes (float32, then bfloat16): refused by --shapes."""
+    return [norm_specs(8), (jax.ShapeDtypeStruct((16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.bfloat16))]

@@ -370,7 +370,8 @@ def programs_of(fingerprint: str, function: str | None, legacy_names: tuple[str,
 
 def same_structure(structure: str, device_name: str, software: dict[str, str], exclude: str) -> Select[Any]:
     """The current plans of the programs of `structure` (other than `exclude`, a fingerprint) on this device
-    and backend, exact versions first, newest first: the plans that may serve a shape not tuned exactly."""
+    and backend, exact versions first, newest first: the plans that may serve a shape not tuned exactly (the caller
+    orders them nearest in size first: `autofuse.shapes.nearest_first`)."""
     exact = sa.and_(
         Software.jax == software["jax"],
         Software.jaxlib == software["jaxlib"],

@@ -100,17 +100,21 @@ def study_name(run_id: int | None, signature: str) -> str:
     return f"autofuse-run{run_id}-{signature}" if run_id is not None else f"autofuse-{signature}"
 
 
-def create_study(storage: Any, run_id: int | None, space: CandidateSpace, signature: str) -> None:
+def create_study(storage: Any, run_id: int | None, space: CandidateSpace, signature: str, first: Sequence[dict] = ()) -> None:
     """A candidate's study, with each backend's default config enqueued first (once, for a new study). The model's
     best comes next (`space.first_configs`), enqueued by the candidate's first trial (`enqueue_model_best`): finding
     it enumerates the space (a tenth of a second on a large one, seconds for a whole model's candidates), which a
-    candidate the budget never reaches need not pay."""
+    candidate the budget never reaches need not pay. `first`: configs to try before the defaults (a shape bucket's
+    study seeded with the best configs of the same computation at the bucket before: `buckets`)."""
     import optuna
 
     study = optuna.create_study(direction="minimize", storage=storage, study_name=study_name(run_id, signature), load_if_exists=True)
     if not study.trials:
-        for cfg in space.defaults():
-            study.enqueue_trial(space.optuna_params(cfg))
+        queued: list[dict] = []
+        for cfg in [*first, *space.defaults()]:
+            if cfg not in queued:
+                queued.append(cfg)
+                study.enqueue_trial(space.optuna_params(cfg))
 
 
 def enqueue_model_best(study: Any, space: CandidateSpace) -> None:

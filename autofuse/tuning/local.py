@@ -41,7 +41,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
          quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
-         compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time) -> TuneReport:
+         compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time,
+         warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
     (with `store`) persist.
 
@@ -63,6 +64,9 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     reference of each candidate, phase 1's default configs), timed on the GPU
     one at a time after (default: $AUTOFUSE_COMPILE_WORKERS, else this host's
     cores shared among its workers, at most 16).
+    `warm_start(by_sig, cands, spaces)` (this process's driver only) names,
+    by candidate signature, configs each new study tries before its defaults
+    (`buckets.tune_buckets`: the best configs of the bucket before).
     `quiet` shows no progress bar; `verbose` adds a line per trial and per
     candidate. `name` (default ``module:function``) is the program's name in
     the store, as ``autofuse plans --program`` finds it.
@@ -79,6 +83,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
 
         if resume is not None:
             raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
+        if warm_start is not None:
+            raise ValueError("seeding studies (warm_start) is for a job run by this process: drop workers")
         warn_preallocated(progress)
         report = tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
                                  name=name, measure=measure, model=model, quiet=quiet, verbose=verbose, isolate=isolate, trial_timeout_s=trial_timeout_s,
@@ -125,7 +131,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         if pstore is not None:
             register_candidates(pstore, run_id, cands)
         marks("setup")
-        prefetch = prefetch_model_bests(cands, spaces)
+        if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
+            prefetch = prefetch_model_bests(cands, spaces)
         todo = [r for r in cands if r.xla_ms is None]
         if progress is not None:
             say(f"autofuse: timing {len(todo)} distinct candidates in XLA")
@@ -139,6 +146,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
                         "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
+        if warm_start is not None:
+            loop.seeds = warm_start(by_sig, cands, spaces)
         loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, budget=loop.scheduler.total)
         loop.verbose = verbose and not quiet
         selected = ids is not None and ids.selected  # a run killed in its selection phase (a store's run only)

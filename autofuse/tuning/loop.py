@@ -30,6 +30,7 @@ class TrialLoop:
         self.order: list[tuple[int, str]] = []  # each trial run: its candidate and what became of it
         self.ahead: Any = None  # an `ahead.CompileAhead`: phase 1's next configs compiled ahead, concurrently
         self.creates_studies = False  # whether a candidate's study is created here, at its first trial (one driver alone)
+        self.seeds: dict[str, list[dict]] = {}  # by signature: configs a new study tries before its defaults (`buckets`)
 
     @property
     def ledger(self) -> Ledger:
@@ -39,7 +40,7 @@ class TrialLoop:
         if i not in self.studies:
             if self.creates_studies:
                 r = self.cands[i]
-                create_study(self.storage, self.run_id, self.spaces[r.signature], r.signature)
+                create_study(self.storage, self.run_id, self.spaces[r.signature], r.signature, self.seeds.get(r.signature, ()))
             self.studies[i] = load_study(self.storage, self.run_id, self.cands[i].signature, self.seed + i + 7919 * self.worker_seed)
         return self.studies[i]
 
