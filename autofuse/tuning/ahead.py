@@ -136,7 +136,7 @@ class CompileAhead:
 def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> threading.Event:
     """Each candidate's model-best config (`CandidateSpace.model_best`, the third config of its study, queued by its
     first trial) found on a background thread, in phase 1's order, while this process mostly waits on the trial
-    process (the XLA timings, the trials): enumerating a space takes up to a second (GPT-2's 158 candidates: about
+    process (on the GPU: the XLA timings, tens of seconds for a whole model; then the trials): enumerating a space takes up to a second (GPT-2's 158 candidates: about
     14 s with Mosaic GPU and Triton), which its first trial would otherwise wait for. The answer is the same
     whenever it is found (each space keeps it for its facts). Returns the event that stops it (set it when the job
     ends)."""

@@ -357,7 +357,8 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     try:
         with runner:
             threads = compile_workers(job.get("compile_workers"))
-            prefetch = prefetch_model_bests(cands, spaces)
+            if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
+                prefetch = prefetch_model_bests(cands, spaces)
             timed = share_xla(pstore, run_id, cands, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60)
             say(f"timed {timed} of {len(cands)} candidates in XLA ({threads} compiling at once)")
             marks("xla")  # every candidate's XLA time is known (the first worker to see it)
