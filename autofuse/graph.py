@@ -10,6 +10,7 @@ from __future__ import annotations
 import graphlib
 import hashlib
 import inspect
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -461,38 +462,61 @@ class Group:
         return [self.graph.avals[v] for v in self.outputs]
 
 
+def stage_groups(group: Group, stages: Sequence[Sequence[int]]) -> list[Group]:
+    """The stages of a group that runs in stages (each a convex set of its nodes, the group itself need not
+    be), as groups of their own: a stage's inputs are the group's inputs that its nodes read, its outputs the
+    group's outputs that its nodes make. Values passing between stages inside the group exist in no stage's
+    inputs or outputs: the template's stage functions hand them on privately (the executor keeps them)."""
+    g = group.graph
+    out = []
+    for ids in stages:
+        ids = tuple(sorted(ids))
+        made = {v for i in ids for v in g.node_index[i].outputs}
+        read = [a for i in ids for a in g.node_index[i].inputs if isinstance(a, int)]
+        ins = tuple(v for v in group.inputs if v in set(read))
+        outs = tuple(v for v in group.outputs if v in made)
+        out.append(Group(g, ids, ins, outs))
+    return out
+
+
 # ---------------------------------------------------------------------------
 # Order of a graph with groups contracted to single units.
 Unit = tuple[str, int]  # ("node", node id) or ("group", index into the groups)
 
 
-def _contracted(graph: Graph, groups: Sequence[frozenset[int]]) -> dict[Unit, set[Unit]]:
-    """Each unit's predecessors in the graph with every group contracted to one unit (graph order kept)."""
+def _contracted(graph: Graph, groups: Sequence[frozenset[int]], chains: Sequence[Sequence[int]] = ()) -> dict[Unit, set[Unit]]:
+    """Each unit's predecessors in the graph with every group contracted to one unit (graph order kept); each
+    chain (group indices: the stages of one staged group) also runs in its order."""
     owner = {i: k for k, grp in enumerate(groups) for i in grp}
     unit = lambda i: ("group", owner[i]) if i in owner else ("node", i)  # noqa: E731
     deps: dict[Unit, set[Unit]] = {}
     for nd in graph.nodes:
         u = unit(nd.id)
         deps.setdefault(u, set()).update(p for p in map(unit, graph.preds(nd.id)) if p != u)
+    for chain in chains:
+        for a, b in itertools.pairwise(chain):
+            deps.setdefault(("group", b), set()).add(("group", a))
     return deps
 
 
-def execution_order(graph: Graph, groups: Sequence[frozenset[int]]) -> list[Unit]:
+def execution_order(graph: Graph, groups: Sequence[frozenset[int]], chains: Sequence[Sequence[int]] = ()) -> list[Unit]:
     """Topological order of the graph with each group contracted: ("node", id) or ("group", index).
 
-    Raises ValueError when the groups depend on each other in a cycle (a group
-    that is not convex, or two groups that need each other's outputs).
+    A group that runs in stages is given as one unit per stage (each convex on its own; their union need not
+    be), with its stages' indices as one of `chains`: each stage runs after the one before it.
+    Raises ValueError when the groups depend on each other in a cycle (a group or stage that is not convex,
+    or two groups that need each other's outputs).
     """
     try:
-        return list(graphlib.TopologicalSorter(_contracted(graph, groups)).static_order())
+        return list(graphlib.TopologicalSorter(_contracted(graph, groups, chains)).static_order())
     except graphlib.CycleError:
         raise ValueError("fused groups depend on each other in a cycle") from None
 
 
-def group_cycle(graph: Graph, groups: Sequence[frozenset[int]]) -> list[int] | None:
+def group_cycle(graph: Graph, groups: Sequence[frozenset[int]], chains: Sequence[Sequence[int]] = ()) -> list[int] | None:
     """Indices of the groups on one cycle of the contracted graph, or None when it is acyclic."""
     try:
-        graphlib.TopologicalSorter(_contracted(graph, groups)).prepare()
+        graphlib.TopologicalSorter(_contracted(graph, groups, chains)).prepare()
     except graphlib.CycleError as e:
         return sorted({k for kind, k in e.args[1] if kind == "group"})
     return None

@@ -4,6 +4,22 @@ A plan is data: versioned JSON, validated on load, never pickle, so loading
 one never executes stored code. The executor turns a graph and a plan into
 one function: fused groups as `pallas_call`s, every other node re-bound as
 its original primitive. Wrap it in `jax.jit`.
+
+Two-stage groups (schema 3). A group may run in *stages*: its nodes split into
+ordered sets (`FusedGroup.stages`), each convex on its own while the union need
+not be. The case it exists for is attention in a training step (template
+`attention_vjp`): stage 1 is the forward chain (the flash forward, emitting O
+and the row logsumexp), stage 2 its backward (dQ, dK, dV from the inputs, O, the
+logsumexp and dO); dO depends on O through the rest of the network, so the two
+cannot be one unit. The executor orders each stage as a unit of its own
+(`graph.execution_order` with the stages as a chain) and passes what one stage
+hands the next (the logsumexp, the saved inputs and output) privately: those
+values live only in the executor, never in the program's environment. The
+template says how its group splits (`Template.stage_split`) and runs each stage
+(`Template.build_stages`); `bind_plan` checks that the recorded stages are that
+split, cover the group's nodes exactly and are each convex. A staged group has
+no VJP of its own (it already is a backward): differentiating a plan through
+one raises a clear error.
 """
 from __future__ import annotations
 
@@ -14,11 +30,11 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .differentiate import differentiable
-from .graph import Graph, Group, bind_node, execution_order, read_atom
+from .graph import Graph, Group, bind_node, execution_order, read_atom, stage_groups
 from .kernels import TEMPLATES
 
-SCHEMA_VERSION = 2  # 2: each group names its backend (1: every group ran on Triton)
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3  # 3: a group may run in stages ("stages"); 2: each group names its backend (1: every group ran on Triton)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class PlanError(ValueError):
@@ -32,10 +48,14 @@ class FusedGroup:
     config: dict
     signature: str
     backend: str = "triton"  # which lowering of the template runs it ("triton", "mosaic_gpu")
+    stages: tuple[tuple[int, ...], ...] = ()  # a group run in stages: its nodes split into them, in order (empty: one unit)
 
     def to_dict(self) -> dict:
-        return {"nodes": list(self.nodes), "template": self.template, "backend": self.backend, "config": dict(self.config),
-                "signature": self.signature}
+        d = {"nodes": list(self.nodes), "template": self.template, "backend": self.backend, "config": dict(self.config),
+             "signature": self.signature}
+        if self.stages:
+            d["stages"] = [list(st) for st in self.stages]
+        return d
 
 
 @dataclass(frozen=True)
@@ -91,7 +111,9 @@ class Plan:
         for k, g in enumerate(groups):
             where = f"plan.groups[{k}]"
             keys = {"nodes", "template", "config", "signature"} | ({"backend"} if version >= 2 else set())
-            _expect(isinstance(g, dict) and set(g) == keys, f"{where} must have exactly {', '.join(sorted(keys))}")
+            optional = {"stages"} if version >= 3 else set()
+            _expect(isinstance(g, dict) and keys <= set(g) <= keys | optional,
+                    f"{where} must have exactly {', '.join(sorted(keys))}" + (f" (and optionally {', '.join(sorted(optional))})" if optional else ""))
             nodes = g["nodes"]
             _expect(isinstance(nodes, list) and nodes and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nodes), f"{where}.nodes must be a non-empty list of node ids")
             _expect(not (set(nodes) & seen), f"{where} overlaps another group")
@@ -103,13 +125,68 @@ class Plan:
             cfg = g["config"]
             _expect(isinstance(cfg, dict) and all(isinstance(v, (int, float, str, bool)) for v in cfg.values()), f"{where}.config must map names to scalars")
             _expect(isinstance(g["signature"], str), f"{where}.signature must be a string")
-            out.append(FusedGroup(tuple(sorted(nodes)), g["template"], dict(cfg), g["signature"], backend))
+            stages = g.get("stages", [])
+            _expect(isinstance(stages, list) and len(stages) != 1 and all(
+                isinstance(st, list) and st and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in st) for st in stages),
+                f"{where}.stages must be a list of at least two non-empty lists of node ids")
+            if stages:
+                _expect(not _stage_split_error(nodes, stages), f"{where}.stages {_stage_split_error(nodes, stages)}")
+            out.append(FusedGroup(tuple(sorted(nodes)), g["template"], dict(cfg), g["signature"], backend,
+                                  tuple(tuple(sorted(st)) for st in stages)))
         return Plan(data["fingerprint"], tuple(out), dict(data.get("provenance", {})))
 
 
 def _expect(cond: bool, msg: str) -> None:
     if not cond:
         raise PlanError(msg)
+
+
+def _stage_split_error(nodes: Sequence[int], stages: Sequence[Sequence[int]]) -> str | None:
+    """Why `stages` do not split `nodes` exactly (every node in one stage), or None."""
+    seen: set[int] = set()
+    twice = sorted({i for st in stages for i in st if i in seen or seen.add(i)})
+    missing, extra = sorted(set(nodes) - seen), sorted(seen - set(nodes))
+    if twice or missing or extra:
+        return ("do not split the group's nodes:" + (f" nodes {missing} are in no stage" if missing else "")
+                + (f" nodes {extra} are not the group's" if extra else "") + (f" nodes {twice} are in two stages" if twice else ""))
+    return None
+
+
+def _check_stages(graph: Graph, fg: FusedGroup, spec: Any) -> None:
+    """A staged group's stages: they split its nodes, they are the template's own split, each is convex."""
+    where = f"plan group {list(fg.nodes)}"
+    if len(fg.stages) < 2:
+        raise PlanError(f"{where}: a group in stages needs at least two, got {len(fg.stages)}")
+    why = _stage_split_error(fg.nodes, fg.stages)
+    if why:
+        raise PlanError(f"{where}: its stages {why}")
+    split = TEMPLATES[fg.template].stage_split(spec)
+    if split is None:
+        raise PlanError(f"{where}: template {fg.template} does not run in stages")
+    if [tuple(sorted(st)) for st in split] != [tuple(sorted(st)) for st in fg.stages]:
+        raise PlanError(f"{where}: its stages are not template {fg.template}'s split of the group "
+                        f"(stage sizes {[len(st) for st in fg.stages]}, the template's {[len(st) for st in split]})")
+    for k, st in enumerate(fg.stages):
+        try:
+            execution_order(graph, [frozenset(st)])
+        except ValueError:
+            raise PlanError(f"{where}: stage {k + 1} (nodes {list(st)}) is not convex: a path leaves it and comes back") from None
+
+
+def plan_units(bound: Sequence[tuple[Group, FusedGroup]]) -> tuple[list[frozenset[int]], list[list[int]], list[tuple[int, int]]]:
+    """The executor's units of bound groups: node sets (one per group, or one per stage of a staged group), the
+    chains of unit indices that run in order (each staged group's stages), and each unit's (group, stage)."""
+    units, chains, owner = [], [], []
+    for k, (_, fg) in enumerate(bound):
+        if fg.stages:
+            chains.append(list(range(len(units), len(units) + len(fg.stages))))
+            for s, st in enumerate(fg.stages):
+                units.append(frozenset(st))
+                owner.append((k, s))
+        else:
+            units.append(frozenset(fg.nodes))
+            owner.append((k, -1))
+    return units, chains, owner
 
 
 def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
@@ -128,18 +205,23 @@ def bind_plan(graph: Graph, plan: Plan) -> list[tuple[Group, FusedGroup]]:
         missing = set(mod.params_of(fg.backend)) - set(fg.config) - set(defaults)
         if missing:
             raise PlanError(f"plan group {list(fg.nodes)}: config lacks {sorted(missing)}")
-        if mod.match(group) is None:
+        spec = mod.match(group)
+        if spec is None:
             raise PlanError(f"plan group {list(fg.nodes)}: template {fg.template} does not match group")
+        if fg.stages:
+            _check_stages(graph, fg, spec)
         choices = mod.space_of(group, None, fg.backend)["params"]
         for k in mod.params_of(fg.backend):
             v = fg.config.get(k, defaults.get(k))
             if isinstance(v, bool) or v not in choices.get(k, [v]):
                 raise PlanError(f"plan group {list(fg.nodes)}: config {k}={v!r} is not one of the search space's choices {choices.get(k)}")
         out.append((group, fg))
+    units, chains, _ = plan_units(out)
     try:
-        execution_order(graph, [frozenset(g.node_ids) for g, _ in out])
+        execution_order(graph, units, chains)
     except ValueError as e:
-        raise PlanError(f"plan groups cannot be ordered ({e}): a group is not convex, or two groups need each other's outputs") from None
+        raise PlanError(f"plan groups cannot be ordered ({e}): a group is not convex (one whose forward and backward "
+                        "are not convex together runs in stages), or two groups need each other's outputs") from None
     return out
 
 
@@ -185,33 +267,59 @@ def build_differentiable_group(group: Group, template: str, config: dict, *, bac
     return differentiable(group, kernel, rule)
 
 
+def build_staged_group(group: Group, stages: Sequence[Sequence[int]], template: str, config: dict, *, backend: str = "triton",
+                       interpret: bool | None = None) -> list[Callable]:
+    """The stage functions of a group run in stages: `stage(ins, private) -> (outs, private)`, `ins` and `outs`
+    those of `graph.stage_groups(group, stages)`, `private` what the stage before handed on (None for the first)."""
+    mod = TEMPLATES[template]
+    spec = mod.match(group)
+    if spec is None:
+        raise PlanError(f"template {template} does not match group {list(group.node_ids)}")
+    return mod.build_stages(group, stages, config, backend=backend, interpret=default_interpret() if interpret is None else interpret,
+                            spec=spec)
+
+
 def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Callable[[Sequence[Any]], list]:
     """A function of the flat inputs that runs the graph under `plan` (trace it under `jax.jit`).
 
-    Every fused group is differentiable (`jax.grad`, `jax.vjp`): see `autofuse.differentiate`."""
+    Every fused group is differentiable (`jax.grad`, `jax.vjp`): see `autofuse.differentiate`; a group in
+    stages runs each stage as a unit of its own, handing values on privately (see the module docstring)."""
     bound = bind_plan(graph, plan)
-    kernels = [build_differentiable_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret) for g, fg in bound]
-    order = execution_order(graph, [frozenset(g.node_ids) for g, _ in bound])
+    units, chains, owner = plan_units(bound)
+    steps: list[tuple[Group, Callable]] = []  # per unit: its inputs and outputs, and fn(ins, private) -> (outs, private)
+    for g, fg in bound:
+        if fg.stages:
+            fns = build_staged_group(g, fg.stages, fg.template, fg.config, backend=fg.backend, interpret=interpret)
+            steps.extend(zip(stage_groups(g, fg.stages), fns))
+        else:
+            kernel = build_differentiable_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret)
+            steps.append((g, lambda ins, _, kernel=kernel: (kernel(*ins), None)))
+    order = execution_order(graph, units, chains)
 
     def run(flat_args: Sequence[Any]) -> list:
         env: dict[int, Any] = dict(zip(graph.inputs, flat_args))
         env.update(graph.consts)
+        private: dict[int, Any] = {}  # per staged group: what its last stage run hands the next (never in env)
         for kind, ref in order:
             if kind == "node":
                 nd = graph.node_index[ref]
                 env.update(zip(nd.outputs, bind_node(nd, [read_atom(env, a) for a in nd.inputs])))
             else:
-                group = bound[ref][0]
-                env.update(zip(group.outputs, kernels[ref](*[env[v] for v in group.inputs])))
+                unit, fn = steps[ref]
+                k = owner[ref][0]
+                outs, private[k] = fn([env[v] for v in unit.inputs], private.get(k))
+                env.update(zip(unit.outputs, outs))
         return [read_atom(env, a) for a in graph.outputs]
 
     return run
 
 
-def plan_from_choices(graph: Graph, choices: Sequence[tuple[Group, str, dict]], provenance: dict | None = None) -> Plan:
-    """A plan of `(group, template, config)` choices; a config's "backend" (a tuned parameter) goes to its group."""
+def plan_from_choices(graph: Graph, choices: Sequence[tuple], provenance: dict | None = None) -> Plan:
+    """A plan of `(group, template, config)` or `(group, template, config, stages)` choices (stages: the node
+    sets of a group run in stages, empty for one unit); a config's "backend" (a tuned parameter) goes to its group."""
     groups = tuple(
-        FusedGroup(tuple(g.node_ids), template, {k: v for k, v in cfg.items() if k != "backend"}, g.signature, cfg.get("backend", "triton"))
-        for g, template, cfg in sorted(choices, key=lambda c: c[0].node_ids)
+        FusedGroup(tuple(c[0].node_ids), c[1], {k: v for k, v in c[2].items() if k != "backend"}, c[0].signature, c[2].get("backend", "triton"),
+                   tuple(tuple(sorted(st)) for st in (c[3] if len(c) > 3 else ()) or ()))
+        for c in sorted(choices, key=lambda c: c[0].node_ids)
     )
     return Plan(graph.fingerprint, groups, dict(provenance or {}))

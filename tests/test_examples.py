@@ -32,9 +32,9 @@ CASES = [(m, f) for m in ("gpt2", "splade", "llama") for f in ("forward", "grad_
 
 def fuse_all(graph, configs: dict[str, dict]) -> Plan:
     """A plan that fuses as many instances of the given candidates (signature -> config) as an acyclic cover allows."""
-    options = [Option(c.nodes, -float(len(c.nodes)), c) for c in enumerate_candidates(graph) if c.group.signature in configs]
+    options = [Option(c.nodes, -float(len(c.nodes)), c, c.stages) for c in enumerate_candidates(graph) if c.group.signature in configs]
     chosen = select_cover(graph, options, {})
-    return plan_from_choices(graph, [(o.label.group, o.label.template, configs[o.label.group.signature]) for o in chosen])
+    return plan_from_choices(graph, [(o.label.group, o.label.template, configs[o.label.group.signature], o.label.stages) for o in chosen])
 
 
 def assert_matches_jit(fn, plan: Plan, args) -> None:

@@ -15,13 +15,15 @@ hash of their whole computation from the chain's inputs and the cotangent). The 
 output and cotangents of the chain's inputs. Anything else (a custom JVP rule that differentiates otherwise, a
 probability read by another consumer) does not match.
 
-Where it applies today: only where the group is convex, i.e. the cotangent does not depend on the output (a loss
-linear in the attention output). In a real training step dO depends on O through the rest of the network and the
-loss, so forward chain + backward is not convex and a plan (disjoint, convex groups run in one topological order)
-cannot hold it. What that needs, not built yet: a group that runs in two stages (the forward chain where the
-forward is, emitting O and the logsumexp; the backward nodes where the backward is, reading the logsumexp
-through an executor-private residual), with `execution_order`/`group_cycle` and the cover seeing the two stages
-as two units of one candidate; `match` already splits the group into the two (`AttentionVJPSpec.forward`).
+Where the group is convex (the cotangent does not depend on the output: a loss linear in the attention output)
+it runs as one unit. In a real training step dO depends on O through the rest of the network and the loss, so
+forward chain + backward is not convex; there the group runs in two stages (`plan.FusedGroup.stages`,
+`stage_split`): the forward chain where the forward is (the flash forward, emitting O and the row logsumexp),
+the backward nodes where the backward is (the two backward kernels), the logsumexp, inputs and O handed from
+one to the other privately by the executor. The partitioner offers it as one candidate whose stages are each
+convex; the cover (`tuning/select.py`) orders the stages as two units of one option. The group's trials and its
+XLA reference run it as one function of the forward's inputs and dO (well defined even though dO depends on O
+in the program), so measuring, caching and the store need nothing new.
 """
 from __future__ import annotations
 
@@ -238,15 +240,27 @@ def forward_chains(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[s
     return out
 
 
-def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[Group]:
-    """The groups this template could take in a gradient program: per forward chain, the chain with every node
-    computing a value of its derivative from the chain's values and one cotangent, where that group is convex."""
+def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+    """The groups this template could take in a gradient program, with their stages: per forward chain, the chain
+    with every node computing a value of its derivative from the chain's values and one cotangent. Where that
+    group is convex it is one unit (stages `()`); where it is not (a training step: the cotangent depends on the
+    output) it runs in two stages, the forward chain then the backward, when each of those is convex."""
     out = []
     for ids, fwd, attn in forward_chains(graph, fusible):
         for dout in cotangent_candidates(graph, ids, fwd, attn):  # the one whose derivation the readers compute
             members, convex = backward_of(graph, ids, fwd, attn, dout)
-            if convex and TEMPLATE.match(Group.of(graph, members)) is not None:
-                out.append(Group.of(graph, members))
+            if len(members) == len(ids):
+                continue
+            group = Group.of(graph, members)
+            spec = TEMPLATE.match(group)
+            if spec is None:
+                continue
+            if convex:
+                out.append((group, ()))
+                break
+            stages = TEMPLATE.stage_split(spec)
+            if all(_convex(graph, set(st)) for st in stages):
+                out.append((group, stages))
                 break
     return out
 
@@ -298,7 +312,7 @@ def backward_of(graph: Graph, ids: set[int], fwd: Group, attn: attention.Attenti
 def _convex(graph: Graph, members: set[int]) -> bool:
     """Whether no path leaves `members` and comes back. In a training step the cotangent depends on the output
     through the rest of the network and the loss, so the forward chain and its backward are never one convex
-    group there: running them needs a plan group in two stages (see the module docstring)."""
+    group there: they run as a group in two stages (see the module docstring)."""
     seen: set[int] = set()
     stack = [c for i in members for c in graph.succs(i) if c not in members]
     while stack:
@@ -324,6 +338,12 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
             return _match(group)
         except NoMatch:
             return None
+
+    def stage_split(self, spec: AttentionVJPSpec) -> tuple[frozenset[int], ...]:
+        """Stage 1: the forward chain (the flash forward: O and the row logsumexp); stage 2: the backward nodes
+        (the backward kernels: dQ, dK, dV from the saved inputs, O, the logsumexp and dO)."""
+        fwd = frozenset(spec.forward.node_ids)
+        return fwd, frozenset(spec.group.node_ids) - fwd
 
     def default_config(self, spec: AttentionVJPSpec) -> dict:
         """The forward kernel's config (the backward kernels take `attention_bwd.default_config`)."""

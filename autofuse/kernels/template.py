@@ -65,6 +65,21 @@ class Template(ABC, Generic[Spec]):
         (`autofuse.differentiate.recompute_rule`)."""
         return None
 
+    def stage_split(self, spec: Spec) -> tuple[frozenset[int], ...] | None:
+        """For a template whose group may run in stages (`plan.FusedGroup.stages`): the matched group's nodes split
+        into them, in order; None for a template that runs each group as one kernel."""
+        return None
+
+    def build_stages(self, group: Group, stages, config: dict, *, backend: str = "triton", interpret: bool = False,
+                     spec: Spec | None = None) -> list[Callable]:
+        """The stage functions of `group` run in `stages` (its `stage_split`): `stage(ins, private) -> (outs,
+        private)`, with `ins`/`outs` those of `graph.stage_groups(group, stages)` and `private` what the stage
+        before handed on. From the backend's `lower_stages(group, spec, stages, config, *, interpret)`."""
+        spec = spec if spec is not None else self.match(group)
+        if spec is None or self.stage_split(spec) is None:
+            raise NoMatch(f"{self.name} does not run this group in stages")
+        return self.lowering_module(backend).lower_stages(group, spec, stages, {**self.defaults, **config}, interpret=interpret)
+
     def lowering(self, backend: str) -> Callable:
         """The backend's `lower(group, spec, config, *, interpret)` for this template, imported on first use (a
         plan loads only the backends it runs). A template outside this package overrides this or `build`."""

@@ -12,7 +12,9 @@ A dot_general also grows forward (its consumers before its operands'
 producers), so a dot's epilogue, reductions and a second dot (attention)
 form one group even when reshapes feed the dot. In a gradient program, an
 attention forward chain with its own backward is one more candidate
-(`kernels/attention_vjp.candidate_groups`), of whatever size. A group holding a dot is also
+(`kernels/attention_vjp.candidate_groups`), of whatever size; in a training step, where the two are not
+convex together, that candidate runs in two stages (`Candidate.stages`: each convex, the forward chain then its
+backward; the cover orders them as two units of one option). A group holding a dot is also
 offered with the side inputs of its epilogue made inside it (producers only
 it reads and that feed no dot: a bool mask's broadcast and conversion, GQA's
 broadcast), so a template sees what they are (a {0, 1} factor, not any float).
@@ -46,6 +48,7 @@ class Candidate:
     group: Group
     template: str
     spec: object
+    stages: tuple[frozenset[int], ...] = ()  # a group run in stages (each convex, in order; their union need not be)
 
     @property
     def nodes(self) -> frozenset[int]:
@@ -199,10 +202,11 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         paths = nxt
     # In a gradient program, attention's forward chain with its own backward (recognised by derivation, whatever
     # the group size bound: the flash pair replaces both)
-    for grp in attention_vjp.candidate_groups(graph, lambda i: is_fusible(graph, i)):
+    # (in two stages where they are not convex together: a training step)
+    for grp, stages in attention_vjp.candidate_groups(graph, lambda i: is_fusible(graph, i)):
         spec = TEMPLATES[attention_vjp.TEMPLATE.name].match(grp)
         if spec is not None:
-            emit(Candidate(grp, attention_vjp.TEMPLATE.name, spec))
+            emit(Candidate(grp, attention_vjp.TEMPLATE.name, spec, stages))
     return found
 
 

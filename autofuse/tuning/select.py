@@ -3,7 +3,9 @@
 Each node is covered by exactly one chosen option (a fused group, or XLA);
 the cheapest such cover is an exact 0/1 program solved by HiGHS
 (`scipy.optimize.milp`). A cover whose groups would depend on each other in a
-cycle is cut off and the program solved again.
+cycle is cut off and the program solved again. An option run in stages (a
+training step's attention forward + backward) covers all its nodes as one
+option, and is ordered as one unit per stage (each convex, in order).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Option:
     nodes: frozenset[int]
     cost: float
     label: object = None
+    stages: tuple[frozenset[int], ...] = ()  # run in stages: the units the ordering sees (empty: `nodes`, one unit)
 
 
 def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, float], *, max_rounds: int = 50) -> list[Option]:
@@ -55,12 +58,19 @@ def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, f
         if res.x is None:
             raise RuntimeError(f"cover selection failed: {res.message}")
         chosen = [j for j in range(len(opts)) if res.x[j] > 0.5]
-        cyc = group_cycle(graph, [opts[j].nodes for j in chosen])
+        units, chains, owner = [], [], []
+        for j in chosen:
+            parts = opts[j].stages or (opts[j].nodes,)
+            if len(parts) > 1:
+                chains.append(list(range(len(units), len(units) + len(parts))))
+            units.extend(parts)
+            owner.extend([j] * len(parts))
+        cyc = group_cycle(graph, units, chains)
         if cyc is None:
             return [opts[j] for j in chosen]
         cut = np.zeros(len(allopts))
         for k in cyc:
-            cut[chosen[k]] = 1.0
+            cut[owner[k]] = 1.0
         cuts.append(cut)
     raise RuntimeError("cover selection: too many cyclic covers")
 
@@ -78,9 +88,9 @@ def model_cost_ms(cand: Candidate, model: costmodel.GPUModel = costmodel.H200, c
 def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Plan:
     """A plan from default configs and modelled costs (no measurement)."""
     cands = enumerate_candidates(graph)
-    options = [Option(c.nodes, model_cost_ms(c, model), c) for c in cands]
+    options = [Option(c.nodes, model_cost_ms(c, model), c, c.stages) for c in cands]
     chosen = select_cover(graph, options, single_node_costs(graph, model))
-    choices = [(o.label.group, o.label.template, TEMPLATES[o.label.template].default_config(o.label.spec)) for o in chosen]
+    choices = [(o.label.group, o.label.template, TEMPLATES[o.label.template].default_config(o.label.spec), o.label.stages) for o in chosen]
     return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
 
 
@@ -137,11 +147,11 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
     for r in cands:
         for c in by_sig[r.signature]:
             if r.xla_ms is not None:
-                o = Option(c.nodes, r.xla_ms, ("xla", c))
+                o = Option(c.nodes, r.xla_ms, ("xla", c), c.stages)
                 options.append(o)
                 xla_only.append(o)
             if r.best_ms is not None:
-                options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config)))
+                options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config), c.stages))
     singles = {**single_node_costs(graph, model), **(measured_singles or {})}
 
     def cost(chosen: list[Option]) -> float:
@@ -150,6 +160,6 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
 
     chosen = select_cover(graph, options, singles)
     base = select_cover(graph, xla_only, singles) if xla_only else []
-    fused = [(o.label[1].group, o.label[1].template, o.label[2]) for o in chosen if o.label[0] == "fused"]
+    fused = [(o.label[1].group, o.label[1].template, o.label[2], o.label[1].stages) for o in chosen if o.label[0] == "fused"]
     plan = plan_from_choices(graph, fused, {"measure": measure, "model": model.name if measure == "model" else None})
     return Cover(plan, cost(base), cost(chosen))

@@ -1,12 +1,14 @@
 """Triton lowering of `attention_vjp`: the flash pair of the forward chain (`attention.flash_pair`), its outputs
-laid out as the group's: the forward output and the cotangents of the chain's inputs."""
+laid out as the group's: the forward output and the cotangents of the chain's inputs. `lower` runs both as one
+unit (a convex group); `lower_stages` as two (a training step: see `plan.py`, two-stage groups), the forward's
+inputs, output and row logsumexp handed from the first to the second privately."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...graph import Group
-from .attention_bwd import flash_pair
+from ...graph import Group, stage_groups
 from ..attention_vjp import AttentionVJPSpec
+from .attention_bwd import flash_pair
 
 
 def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret: bool) -> Callable:
@@ -26,3 +28,30 @@ def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret: bool
         return res
 
     return run
+
+
+def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, interpret: bool) -> list[Callable]:
+    """Stage 1 (the forward chain): `(ins, None) -> ([O], (forward inputs, O, lse))`; stage 2 (the backward):
+    `(ins, private) -> (cotangents, None)`, reading dO from the program and the rest from stage 1."""
+    g = group.graph
+    fwd = spec.forward
+    first, second = stage_groups(group, stages)
+    if set(first.outputs) - {spec.out}:
+        raise ValueError(f"attention_vjp stage 1 of group {list(group.node_ids)} would have to return more than the output")
+    if spec.dout not in second.inputs or any(v not in spec.grads for v in second.outputs):
+        raise ValueError(f"attention_vjp stage 2 of group {list(group.node_ids)} does not read dO or returns more than cotangents")
+    forward, backward = flash_pair(fwd, spec.attn, config, None, interpret=interpret)
+
+    def stage1(xs, _):
+        env = dict(zip(first.inputs, xs))
+        ins = [env[v] for v in fwd.inputs]
+        out, lse = forward(ins)
+        return [out.astype(g.avals[v].dtype).reshape(g.avals[v].shape) for v in first.outputs], (ins, out, lse)
+
+    def stage2(xs, private):
+        ins, out, lse = private
+        env = dict(zip(second.inputs, xs))
+        grads = backward(ins, out, lse, env[spec.dout])
+        return [grads[spec.grads[v]].astype(g.avals[v].dtype).reshape(g.avals[v].shape) for v in second.outputs], None
+
+    return [stage1, stage2]

@@ -1,0 +1,183 @@
+"""Two-stage plan groups: a training step runs attention's forward and backward as the flash pair.
+
+In `grad_step` the attention output's cotangent depends on the output through the rest of the network, so the
+forward chain and its backward are not one convex group; the partitioner offers them as one `attention_vjp`
+candidate in two stages (the forward chain, then the backward), the cover orders the stages as two units, and
+the executor hands the logsumexp from one to the other privately (CPU, interpret mode)."""
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+import autofuse
+from autofuse.graph import Group, execution_order
+from autofuse.plan import (
+    SCHEMA_VERSION,
+    FusedGroup,
+    Plan,
+    PlanError,
+    bind_plan,
+    plan_from_choices,
+)
+from autofuse.runner.measure import compare
+from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.select import default_plan
+
+SMALL_ATTN = {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}
+TOL = 1e-4
+
+
+def _kernels_in(jaxpr) -> list[str]:
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params.get("name_and_src_info", eqn.params.get("name", ""))))
+        for sub in jax.core.jaxprs_in_params(eqn.params) if hasattr(jax.core, "jaxprs_in_params") else ():
+            names += _kernels_in(sub)
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                names += _kernels_in(inner)
+            elif hasattr(v, "eqns"):
+                names += _kernels_in(v)
+    return names
+
+
+_GRAPHS: dict[str, tuple] = {}
+
+
+def _program(model: str):
+    """(module, graph, args, the two-stage attention_vjp candidates) of `examples.<model>:grad_step`, cached."""
+    if model not in _GRAPHS:
+        import importlib
+
+        mod = importlib.import_module(f"examples.{model}")
+        args = mod.small_inputs()
+        graph = autofuse.capture(mod.grad_step, *args)
+        cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+        _GRAPHS[model] = (mod, graph, args, cands)
+    return _GRAPHS[model]
+
+
+def _assert_matches_jit(fn, plan, args):
+    fused = autofuse.jit(fn, plan=plan, on_miss="error")
+    outs = jax.tree_util.tree_leaves(fused(*args))
+    assert fused.last_status.startswith("plan:"), fused.last_status
+    refs = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    assert len(outs) == len(refs)
+    for (path, o), r in zip(jax.tree_util.tree_leaves_with_path(fused(*args)), refs):
+        ok, _, why = compare(o, r, TOL)
+        assert ok, f"{jax.tree_util.keystr(path)}: {why}"
+    return fused
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_training_step_offers_two_stage_attention(model):
+    """Every layer's attention chain is one candidate covering forward + backward, in two convex stages."""
+    _, graph, _, cands = _program(model)
+    assert len(cands) == 2  # one per layer
+    for c in cands:
+        fwd, bwd = c.stages
+        assert fwd | bwd == c.nodes and not fwd & bwd and fwd == frozenset(c.spec.forward.node_ids)
+        assert sum(graph.node_index[i].name == "dot_general" for i in bwd) >= 4  # dV, dP, dQ, dK
+        with pytest.raises(ValueError):  # not one unit ...
+            execution_order(graph, [c.nodes])
+        execution_order(graph, list(c.stages), [[0, 1]])  # ... but two
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_two_stage_plan_matches_jit_and_runs_flash_backward(model):
+    """A plan of the two-stage groups: grad_step matches jax.jit, and runs the flash forward (with the
+    logsumexp) and the two backward kernels per layer; the JSON round trip keeps the stages."""
+    mod, graph, args, cands = _program(model)
+    plan = plan_from_choices(graph, [(c.group, "attention_vjp", SMALL_ATTN, c.stages) for c in cands], {"measure": "test"})
+    assert all(len(g.stages) == 2 for g in plan.groups)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and json.loads(plan.to_json())["schema_version"] == SCHEMA_VERSION == 3
+    fused = _assert_matches_jit(mod.grad_step, again, args)
+    names = _kernels_in(jax.make_jaxpr(fused)(*args).jaxpr)
+    assert sum("attention_bwd_dq" in n for n in names) == 2 and sum("attention_bwd_dkdv" in n for n in names) == 2, names
+
+
+def test_default_plan_of_training_step_takes_two_stage_attention():
+    """The cover (modelled costs, default configs) picks the two-stage groups in GPT-2's grad_step and the plan
+    matches jax.jit."""
+    mod, graph, args, _ = _program("gpt2")
+    plan = default_plan(graph)
+    staged = [g for g in plan.groups if g.stages]
+    assert len(staged) == 2 and all(g.template == "attention_vjp" for g in staged)
+    _assert_matches_jit(mod.grad_step, plan, args)
+
+
+def _one(model="gpt2"):
+    _, graph, _, cands = _program(model)
+    c = cands[0]
+    return graph, c, FusedGroup(tuple(sorted(c.nodes)), "attention_vjp", dict(SMALL_ATTN), c.group.signature, "triton",
+                                tuple(tuple(sorted(st)) for st in c.stages))
+
+
+def test_bind_plan_refuses_invalid_two_stage_groups():
+    graph, _, fg = _one()
+    fwd, bwd = fg.stages
+    bind_plan(graph, Plan(graph.fingerprint, (fg,)))
+    cases = {
+        "not convex": FusedGroup(fg.nodes, fg.template, fg.config, fg.signature, "triton", ()),  # forward + backward as one unit
+        "in no stage": FusedGroup(fg.nodes, fg.template, fg.config, fg.signature, "triton", (fwd, bwd[:-1])),
+        "in two stages": FusedGroup(fg.nodes, fg.template, fg.config, fg.signature, "triton", (fwd, bwd + fwd[:1])),
+        "not template attention_vjp's split": FusedGroup(fg.nodes, fg.template, fg.config, fg.signature, "triton",
+                                                         (fwd[:-1], (fwd[-1],) + bwd)),
+        "at least two": FusedGroup(fg.nodes, fg.template, fg.config, fg.signature, "triton", (fg.nodes,)),
+    }
+    for why, bad in cases.items():
+        with pytest.raises(PlanError, match=why):
+            bind_plan(graph, Plan(graph.fingerprint, (bad,)))
+    # missing nodes: the group without its last backward node is another computation
+    short = Group.of(graph, fg.nodes[:-1])
+    bad = FusedGroup(short.node_ids, fg.template, fg.config, short.signature, "triton", (fwd, tuple(i for i in bwd if i in short.node_ids)))
+    with pytest.raises(PlanError, match="does not match group"):
+        bind_plan(graph, Plan(graph.fingerprint, (bad,)))
+
+
+def test_bind_plan_refuses_a_stage_that_is_not_convex():
+    """A template split whose stage is not convex is refused by name (the split is stubbed: attention's never is)."""
+    from autofuse.kernels import attention_vjp
+
+    graph, _, fg = _one()
+    fwd, bwd = fg.stages
+    # stage 1 without a node in the middle of the forward chain: a path leaves it through that node and comes back
+    mid = sorted(fwd)[len(fwd) // 2]
+    s1 = tuple(i for i in fwd if i != mid)
+    s2 = tuple(sorted((mid,) + bwd))
+    split = (frozenset(s1), frozenset(s2))
+    orig = attention_vjp.TEMPLATE.stage_split
+    attention_vjp.TEMPLATE.stage_split = lambda spec: split
+    try:
+        bad = FusedGroup(fg.nodes, fg.template, fg.config, fg.signature, "triton", (s1, s2))
+        with pytest.raises(PlanError, match=r"stage 1 \(nodes .*\) is not convex"):
+            bind_plan(graph, Plan(graph.fingerprint, (bad,)))
+    finally:
+        attention_vjp.TEMPLATE.stage_split = orig
+
+
+def test_plan_json_versions():
+    """Version 3 records the stages; version 2 plans (no stages) still load; stages are validated on load."""
+    graph, _, fg = _one()
+    plan = Plan(graph.fingerprint, (fg,))
+    d = json.loads(plan.to_json())
+    assert d["groups"][0]["stages"] == [list(s) for s in fg.stages]
+    plain = FusedGroup((0, 1), "elementwise", {"block_rows": 1, "block_cols": 1024, "num_warps": 4, "num_stages": 1}, "sig")
+    old = {"schema_version": 2, "fingerprint": "f", "groups": [plain.to_dict()], "provenance": {}}
+    assert Plan.from_dict(old).groups == (plain,)
+    assert "stages" not in plain.to_dict()
+    bad = json.loads(plan.to_json())
+    bad["schema_version"] = 2
+    with pytest.raises(PlanError, match="must have exactly"):
+        Plan.from_dict(bad)
+    for stages, why in (([list(fg.stages[0])], "at least two"), ([list(fg.stages[0]), []], "at least two"),
+                        ([list(fg.stages[0]), list(fg.stages[1])[:-1]], "in no stage")):
+        bad = json.loads(plan.to_json())
+        bad["groups"][0]["stages"] = stages
+        with pytest.raises(PlanError, match=why):
+            Plan.from_dict(bad)
