@@ -11,7 +11,11 @@ run cut short keeps what it did; each command's output is kept in `<out>.logs/`.
 
 Per row, from the run's store: the command's wall time; "start": the run's start to its first trial (capture,
 the XLA timing of every distinct candidate, compiling ahead); "first plan": the command's start to the first
-plan stored for the run (the run's timestamps; a run stores its validated plan once, at its end);
+plan stored for the run (the run's timestamps; a run stores its validated plan once, at its end); the run's
+recorded phases (migration 0006) as seconds from the command's start at which its setup (candidates registered,
+studies created), its XLA timings, its trials and its selection ended, and the selection's parts (seconds:
+checking the bests, timing lone dots, the cover, compiling the plans ahead, validating; per plan validated its
+compile, jax.jit reference, check and timing);
 trials counted against the budget and per minute of wall time; jax.jit and plan ms and the speedup as the
 final validation measured them; the candidates timed in XLA and the sum of their XLA times (compare it between
 rows, and with `--extra "--compile-workers 1"`, to see that concurrent compilation, whose XLA autotuning shares the
@@ -41,6 +45,7 @@ PROGRAMS = {  # name: (function, inputs factory, what it is)
     "splade": ("benchmarks.workloads:splade_head", "benchmarks.multi_gpu:splade_shapes", "SPLADE head [32,256,768]x[768,30522] bf16"),
 }
 DEFAULT_TRIALS = {"gpt2": 24, "attention": 12, "splade": 12}
+PHASES = ("start", "setup", "xla", "trials", "selected", "saved")  # a run's recorded phase marks (autofuse show run)
 SMALL_INPUTS = {  # --small: CPU-sized shapes, for trying the script without a GPU (model mode)
     "gpt2": "examples.gpt2:small_inputs", "attention": "benchmarks.multi_gpu:attention_small", "splade": "benchmarks.multi_gpu:splade_small",
 }
@@ -138,7 +143,25 @@ def read_store(db: str, t0: float) -> dict[str, Any]:
         "first_plan_s": min(p["created_at"].timestamp() for p in plans) - t0 if plans else None,
         "baseline_ms": run.get("baseline_ms"), "best_ms": run.get("best_ms"), "speedup": run.get("speedup"),
         "per_worker": {k: dict(v) for k, v in per_worker.items()},
+        "phases": phases_from(run.get("phases"), started - t0),
     }
+
+
+def phases_from(phases: dict | None, offset: float) -> dict[str, Any]:
+    """A run's recorded phases (migration 0006) as seconds from the command's start (`offset`: the run row's), and
+    the selection's parts."""
+    if not phases:
+        return {}
+    out: dict[str, Any] = {k: offset + phases[k] for k in PHASES if isinstance(phases.get(k), (int, float))}
+    sel = phases.get("selection") or {}
+    out["selection_parts"] = ", ".join(f"{k} {sel[k]:.1f}" for k in ("check", "singles", "cover", "compile_ahead", "validate")
+                                       if isinstance(sel.get(k), (int, float)))
+    plans = sel.get("plans") or []
+    if plans:
+        out["selection_parts"] += "; plans: " + ", ".join(
+            f"{p.get('groups')}g {p.get('seconds', 0):.1f} (compile {p.get('compile', 0):.1f}, ref {p.get('reference', 0):.1f}, "
+            f"check {p.get('check', 0):.1f}, time {p.get('time', 0):.1f})" for p in plans)
+    return out
 
 
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -154,12 +177,18 @@ def workers_cell(per_worker: dict) -> str:
     return "<br>".join(parts) or "—"
 
 
+def phases_cell(ph: dict) -> str:
+    """When the setup, the XLA timings, the trials and the selection ended, in seconds from the command's start."""
+    return " / ".join(_f(ph.get(k)) for k in ("setup", "xla", "trials", "selected")) if ph else "—"
+
+
 def table(rows: list[dict], header: dict[str, str]) -> str:
     lines = ["# Tuning with several GPUs: `autofuse tune --workers N` (issue 18)", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", ("| workload | workers | exit | status | wall s | start s | first plan s | trials | trials/min | jax.jit ms | plan ms "
+    lines += ["", ("| workload | workers | exit | status | wall s | start s | first plan s | phases ended at s: setup / XLA / trials / selected "
+                   "| selection s: parts | trials | trials/min | jax.jit ms | plan ms "
                    "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices | command |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpm = 60 * r["trials"] / r["wall_s"] if r.get("trials") and r.get("wall_s") else None
         status = r.get("status") or r.get("store_error", "no store")
@@ -167,7 +196,8 @@ def table(rows: list[dict], header: dict[str, str]) -> str:
             status += f" ({r['error'][:120]})"
         what = f"{r['program']} (small shapes)" if r.get("small") else PROGRAMS[r["program"]][2]
         lines.append(f"| {what} | {r['workers']} | {r['exit']} | {status} | {_f(r.get('wall_s'))} | "
-                     f"{_f(r.get('start_s'))} | {_f(r.get('first_plan_s'))} | {r.get('trials', '—')}/{r['trials_budget']} | {_f(tpm)} | "
+                     f"{_f(r.get('start_s'))} | {_f(r.get('first_plan_s'))} | {phases_cell(r.get('phases') or {})} | "
+                     f"{(r.get('phases') or {}).get('selection_parts') or '—'} | {r.get('trials', '—')}/{r['trials_budget']} | {_f(tpm)} | "
                      f"{_f(r.get('baseline_ms'), '{:.4g}')} | {_f(r.get('best_ms'), '{:.4g}')} | {_f(r.get('speedup'), '{:.2f}x')} | "
                      f"{r.get('xla_timed', '—')}/{r.get('candidates', '—')}, {_f(r.get('xla_sum_ms'), '{:.4g}')} | "
                      f"{workers_cell(r.get('per_worker', {}))} | `{r['command']}` |")
