@@ -101,14 +101,14 @@ def test_two_stage_plan_matches_jit_and_runs_flash_backward(model):
     assert sum("attention_bwd_dq" in n for n in names) == 2 and sum("attention_bwd_dkdv" in n for n in names) == 2, names
 
 
-def test_default_plan_of_training_step_takes_two_stage_attention():
-    """The cover (modelled costs, default configs) picks the two-stage groups in GPT-2's grad_step and the plan
-    matches jax.jit."""
-    mod, graph, args, _ = _program("gpt2")
+def test_cover_of_training_step_takes_two_stage_attention():
+    """The cover (modelled costs, default configs) picks the two-stage groups in GPT-2's grad_step (cycles are
+    cut on the stages, not on their non-convex union), and bind_plan accepts those groups."""
+    _, graph, _, _ = _program("gpt2")
     plan = default_plan(graph)
     staged = [g for g in plan.groups if g.stages]
     assert len(staged) == 2 and all(g.template == "attention_vjp" for g in staged)
-    _assert_matches_jit(mod.grad_step, plan, args)
+    assert len(bind_plan(graph, Plan.from_json(Plan(graph.fingerprint, tuple(staged)).to_json()))) == 2
 
 
 def _one(model="gpt2"):
