@@ -3,6 +3,7 @@ structure), each bucket's studies first try the nearest tuned bucket's best conf
 takes the nearest bucket's plan, and bad specs are one-line errors."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import autofuse
 from autofuse.cli import main
 from autofuse.shapes import nearest_first
-from autofuse.store import PlanStore
+from autofuse.store import PlanStore, queries
 from autofuse.tuning.buckets import parse_axes
 from tests.shape_programs import norm
 from tests.test_shapes import _args, _close, _save
@@ -40,7 +41,7 @@ def test_bucket_tuning_stores_one_plan_per_bucket_and_seeds_each_study_from_the_
     store = PlanStore(db, readonly=True)
     plan_ids = [r["plan_id"] for r in runs]
     assert len(set(plan_ids)) == 3 and len({r["run_id"] for r in runs}) == 3
-    programs = {p["plan_id"]: p for p in store._read(__import__("autofuse.store.queries", fromlist=["x"]).plan_programs(plan_ids))}
+    programs = {p["plan_id"]: p for p in store._read(queries.plan_programs(plan_ids))}
     assert len({programs[i]["fingerprint"] for i in plan_ids}) == 3  # each bucket its own program ...
     assert len({programs[i]["structure"] for i in plan_ids}) == 1  # ... of one structure
     assert [programs[i]["fingerprint"] for i in plan_ids] == [r["fingerprint"] for r in runs]
@@ -53,7 +54,7 @@ def test_bucket_tuning_stores_one_plan_per_bucket_and_seeds_each_study_from_the_
         return out
 
     assert runs[0]["seeded"] == {}  # the first bucket has none to learn from
-    for before, after in zip(runs, runs[1:]):
+    for before, after in itertools.pairwise(runs):
         assert after["seeded"], after
         prev, cur = trials_by_candidate(before["run_id"]), trials_by_candidate(after["run_id"])
         sig_of = {c["signature"]: (c["template"], tuple(c["nodes"])) for c in store.candidates(after["run_id"])}
