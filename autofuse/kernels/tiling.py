@@ -135,6 +135,20 @@ def tile_time_ms(spec: TileSpec, config: dict, model: GPUModel, *, passes: int =
 
 # ---------------------------------------------------------------------------
 # Analysis.
+
+def _placed_in_order(group: Group, values: list[int], S: tuple[int, ...]) -> dict[int, tuple]:
+    """Each value's axes in the iteration space `S` (`place_axes`); NoMatch where a value has no place, or is a
+    transpose of the space (its axes out of order): a tile reads and writes every value in the space's order."""
+    g = group.graph
+    axes = place_axes(g, group.nodes, values, S)
+    for v in values:
+        if v not in axes:
+            raise NoMatch(f"cannot place value %{v} of shape {g.avals[v].shape} in {S}")
+        ax = [a for a in axes[v] if a is not None]
+        if ax != sorted(ax) or len(set(ax)) != len(ax):
+            raise NoMatch(f"value %{v} is a transpose of the iteration space")
+    return axes
+
 def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequence[int] | None = None) -> TileSpec:
     """Assign every value of `group` its S-axes and tile span, or raise NoMatch.
 
@@ -142,18 +156,11 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
     `reduce_axes` when given; then inputs and outputs need not be 2-D views
     (the caller lays them out itself).
     """
-    g = group.graph
     S = tuple(shape)
     n = len(S)
     values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
-    axes = place_axes(g, group.nodes, values, S)
+    axes = _placed_in_order(group, values, S)
 
-    for v in values:
-        if v not in axes:
-            raise NoMatch(f"cannot place value %{v} of shape {g.avals[v].shape} in {S}")
-        ax = [a for a in axes[v] if a is not None]
-        if ax != sorted(ax) or len(set(ax)) != len(ax):
-            raise NoMatch(f"value %{v} is a transpose of the iteration space")
     if reduce_axes is None:
         for v in list(group.inputs) + list(group.outputs):
             _check_2d(v, axes[v], S, split)
@@ -190,19 +197,12 @@ def analyze_segments(group: Group, shape: Sequence[int], split: int) -> TileSpec
     segment). A value varying along G but not within a segment (a segment's mean) has the span
     `Span(rows, True, per_segment=True)`; one varying within segments but not across them is a NoMatch.
     The group comes from `passes.split_columns` (its values already have the [G, seg] axes)."""
-    g = group.graph
     S = tuple(shape)
     n = len(S)
     if n != split + 2:
         raise NoMatch("a segmented tiling has two column axes")
     values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
-    axes = place_axes(g, group.nodes, values, S)
-    for v in values:
-        if v not in axes:
-            raise NoMatch(f"cannot place value %{v} of shape {g.avals[v].shape} in {S}")
-        ax = [a for a in axes[v] if a is not None]
-        if ax != sorted(ax) or len(set(ax)) != len(ax):
-            raise NoMatch(f"value %{v} is a transpose of the iteration space")
+    axes = _placed_in_order(group, values, S)
     for v in list(group.inputs) + list(group.outputs):
         _check_2d(v, axes[v], S, split)
     vary: dict[int, frozenset] = {v: frozenset(a for a in axes[v] if a is not None) for v in group.inputs}
