@@ -29,14 +29,7 @@ import autofuse  # noqa: E402
 from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
-from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd, emit  # noqa: E402
-
-
-def _config(s: str) -> dict:
-    bq, rest = s.split("x")
-    bk, rest = rest.split("w")
-    w, st = rest.split("s")
-    return {"block_q": int(bq), "block_k": int(bk), "num_warps": int(w), "num_stages": int(st)}
+from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_blhd, emit  # noqa: E402
 
 
 def _mha(causal: bool, scale: float):
@@ -93,7 +86,7 @@ def main() -> None:
         g = autofuse.capture(fn, *specs)
         cand = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
         for cs in filter(None, a.configs.split(",")):
-            cfg = _config(cs)
+            cfg = attention_config(cs)
             try:
                 kern = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]))
                 res = check(lambda *x: [kern(*x)], lambda *x: [ref(*x)], [g.avals[v] for v in g.inputs], (1,))

@@ -32,14 +32,7 @@ from autofuse.kernels.triton import attention_bwd  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
 from autofuse.runner.measure import compare, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
-from benchmarks.workloads import attention_bhld, attention_bhld_causal, emit  # noqa: E402
-
-
-def _config(s: str) -> dict:
-    bq, rest = s.split("x")
-    bk, rest = rest.split("w")
-    w, st = rest.split("s")
-    return {"block_q": int(bq), "block_k": int(bk), "num_warps": int(w), "num_stages": int(st)}
+from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, emit  # noqa: E402
 
 
 def fwd_bwd(f):
@@ -100,8 +93,8 @@ def main() -> None:
                 label = f"autofuse flash pair fwd {cs} bwd {bs or 'default ' + str(default_bwd(cand.spec))}"
                 try:
                     if bs:  # the template asks attention_bwd.default_config for the backward tiles
-                        attention_bwd.default_config = lambda spec, c=_config(bs): c
-                    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", _config(cs))]), on_miss="error")
+                        attention_bwd.default_config = lambda spec, c=attention_config(bs): c
+                    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", attention_config(cs))]), on_miss="error")
                     step = fwd_bwd(fused)
                     got = step(*sets[0])
                     assert fused.last_status.startswith("plan:"), fused.last_status

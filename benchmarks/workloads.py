@@ -134,6 +134,14 @@ def specs(w: Workload, dtype) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(s, dtype if d is None else jnp.dtype(d)) for s, d in zip(w.shapes, dts)]
 
 
+def attention_config(s: str) -> dict:
+    """A Triton attention tile config from its short form ``128x64w8s3`` (block_q x block_k, warps, stages)."""
+    bq, rest = s.split("x")
+    bk, rest = rest.split("w")
+    w, st = rest.split("s")
+    return {"block_q": int(bq), "block_k": int(bk), "num_warps": int(w), "num_stages": int(st)}
+
+
 def emit(lines: list[str], out: str = "") -> None:
     """Print a result table, and write it to `out` if given."""
     text = "\n".join(lines)
