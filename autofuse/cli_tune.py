@@ -36,7 +36,7 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
             "Try --dry-run first on a big program: it says in a second what the budget can and cannot cover.", 100),
         epilog="examples:\n  autofuse tune examples.norms:forward --inputs examples.norms:example_inputs --trials 40\n"
                "  autofuse tune examples.gpt2:forward --inputs examples.gpt2:example_inputs --trials 300 --dry-run\n"
-               "  autofuse tune examples.gpt2:forward --inputs examples.gpt2:inputs_at --shapes batch=1-8,seq=128-1024 --trials 100\n"
+               "  autofuse tune mymodel:forward --inputs mymodel:inputs_at --shapes batch=1-8,seq=128-1024 --trials 100\n"
                "  autofuse tune mymodel:forward --shapes mymodel:buckets --trials 100\n\n"
                "shape buckets (--shapes SPEC): one job tunes the program at each bucket, smallest first, each its own run and plan\n"
                "(stored under that bucket's program; all buckets must be the same program at other sizes). SPEC is\n"
