@@ -181,3 +181,24 @@ def test_plan_json_versions():
         bad["groups"][0]["stages"] = stages
         with pytest.raises(PlanError, match=why):
             Plan.from_dict(bad)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_tuning_job_tunes_two_stage_attention(model):
+    """A tuning job (model mode, small budget) on grad_step tunes the two-stage candidate like any other; the
+    plan of its best config, built by the cover, keeps the stages, matches jax.jit and runs the flash backward.
+    (At these CPU-sized shapes the cost model keeps XLA for the job's own plan, as it should: 32 tokens.)"""
+    from autofuse.tuning.local import tune
+    from autofuse.tuning.select import Option, select_cover
+
+    mod, graph, args, cands = _program(model)
+    report = tune(mod.grad_step, *args, trials=4, measure="model", isolate=False, quiet=True, progress=lambda s: None)
+    (rec,) = [c for c in report.candidates if c.template == "attention_vjp"]
+    assert rec.instances == 2 and rec.best_config is not None
+    options = [Option(c.nodes, -1.0, c, c.stages) for c in cands]
+    chosen = select_cover(graph, options, {})
+    plan = plan_from_choices(graph, [(o.label.group, o.label.template, rec.best_config, o.label.stages) for o in chosen])
+    assert len(plan.groups) == 2 and all(len(g.stages) == 2 for g in plan.groups)
+    fused = _assert_matches_jit(mod.grad_step, plan, args)
+    names = _kernels_in(jax.make_jaxpr(fused)(*args).jaxpr)
+    assert sum("attention_bwd" in n for n in names) == 4, names
