@@ -63,9 +63,10 @@ def chunk_size(workers: int) -> int:
 
 
 def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | ValidateRequest], workers: int,
-                  timeout_s: float = BATCH_TIMEOUT_S) -> bool:
+                  timeout_s: float | None = BATCH_TIMEOUT_S) -> bool:
     """Send one batch to be compiled ahead; False if it crashed or hung the trial process (restarted for the next
-    request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch."""
+    request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch.
+    `timeout_s` None: the runner's per-request limit (whole programs, which take longer than a batch of kernels)."""
     res = runner.call(CompileRequest(tuple(items), workers, timeout_s=timeout_s))
     if res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT):
         log.warning("autofuse: compiling %d items ahead on %d threads: %s (%s); compiling one at a time from here",

@@ -34,7 +34,6 @@ from .select import Cover, best_cover, lone_contraction_costs, lone_contractions
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # smaller plans validated beside the chosen one (its groups with the largest savings)
 MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
-PLAN_BATCH_TIMEOUT_S = 600.0  # the plans to validate compiled at once (whole programs): longer than a batch of kernels
 
 
 def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledger) -> None:
@@ -118,7 +117,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     if measure == "device" and compile_workers > 1 and len(tries) > 1:
         t0 = time.perf_counter()
         phase is not None and phase(f"autofuse: compiling {len(tries)} plans and jax.jit's reference, {compile_workers} at once")
-        compile_batch(runner, [ValidateRequest(cand.to_json()) for cand, _ in tries], compile_workers, timeout_s=PLAN_BATCH_TIMEOUT_S)
+        compile_batch(runner, [ValidateRequest(cand.to_json()) for cand, _ in tries], compile_workers, timeout_s=None)
         if timings is not None:
             timings["compile_ahead"] = round(time.perf_counter() - t0, 3)
     for k, (cand, given_up) in enumerate(tries):
