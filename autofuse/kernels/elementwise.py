@@ -35,9 +35,9 @@ class ElementwiseTemplate(Template[TileSpec]):
         return None
 
     def default_config(self, spec: TileSpec) -> dict:
-        bn = min(next_pow2(spec.C), 1024)
+        bn = min(max(32, next_pow2(spec.C)), 1024)  # the space's narrowest block (masked past C) for a few columns
         bm = max(1, min(next_pow2(spec.R), 2048 // bn))
-        return {"block_rows": bm, "block_cols": bn, "num_warps": 4, "num_stages": 1, "col_major": 0}
+        return {"block_rows": bm, "block_cols": bn, "num_warps": min(4, bm * bn // 32), "num_stages": 1, "col_major": 0}
 
     def space(self, group: Group, spec: TileSpec | None = None) -> dict:
         """Tunable parameters (search_spaces/elementwise.toml), the default config and the constraint facts."""

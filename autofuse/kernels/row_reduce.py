@@ -42,9 +42,9 @@ class RowReduceTemplate(Template[TileSpec]):
             return None
 
     def default_config(self, spec: TileSpec) -> dict:
-        bn = min(next_pow2(spec.C), MAX_BLOCK_COLS)
+        bn = min(max(32, next_pow2(spec.C)), MAX_BLOCK_COLS)  # the space's narrowest block (masked past C) for a few columns
         bm = max(1, min(next_pow2(spec.R), 4096 // bn))
-        warps = 4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16
+        warps = min(4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16, bm * bn // 32)  # a thread per element at least
         return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
 
     def space(self, group: Group, spec: TileSpec | None = None) -> dict:

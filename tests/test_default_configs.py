@@ -1,0 +1,28 @@
+"""Every candidate's default config takes its values from its search space's choices, so a plan of defaults binds
+(bind_plan checks each config against the choices): groups of one column or one row once got block_cols=1 from the
+elementwise and row_reduce defaults, below the spaces' narrowest block, and GPT-2's training step had no plan of
+defaults."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import autofuse
+from autofuse import costmodel
+from autofuse.plan import bind_plan
+from autofuse.tuning.job import distinct_candidates, search_spaces
+from autofuse.tuning.select import default_plan
+
+
+@pytest.mark.parametrize("model,entry", [("gpt2", "grad_step"), ("llama", "grad_step"), ("splade", "forward")])
+def test_default_configs_are_feasible_and_their_plan_binds(model, entry):
+    mod = importlib.import_module(f"examples.{model}")
+    graph = autofuse.capture(getattr(mod, entry), *mod.small_inputs())
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    for r in cands:
+        for backend, space in spaces[r.signature].spaces.items():
+            outside = {k: v for k, v in space.default.items() if k in space.params and v not in space.params[k]}
+            assert not outside, (r.template, backend, outside)
+    assert bind_plan(graph, default_plan(graph))
