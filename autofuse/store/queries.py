@@ -297,29 +297,26 @@ def trials(run_id: int, status: str | None = None) -> Select[Any]:
     return q.order_by(Candidate.id, Trial.number)
 
 
+def _plan_select(software: dict[str, str], *extra: Any) -> Select[Any]:
+    """A plan with what a deploy-time lookup needs (its software's columns, and ``exact``: 1 where it was made with
+    these very versions, to sort first), plus `extra` columns."""
+    exact = sa.and_(
+        Software.jax == software["jax"],
+        Software.jaxlib == software["jaxlib"],
+        Software.autofuse == software["autofuse"],
+    )
+    return sa.select(Plan.id, Plan.plan_json, Plan.speedup, Plan.measured_ms, Plan.measure, Plan.tolerance, Plan.run_id,
+                     *_software_columns(), sa.case((exact, 1), else_=0).label("exact"), *extra)
+
+
 def lookup(fingerprint: str, device_name: str, software: dict[str, str]) -> Select[Any]:
     """The current plan for fingerprint + device name + backend, exact versions first.
 
     One query over unique/partial indexes: program by fingerprint, devices by
     name, software by backend, plans by the current-plan index.
     """
-    exact = sa.and_(
-        Software.jax == software["jax"],
-        Software.jaxlib == software["jaxlib"],
-        Software.autofuse == software["autofuse"],
-    )
     return (
-        sa.select(
-            Plan.id,
-            Plan.plan_json,
-            Plan.speedup,
-            Plan.measured_ms,
-            Plan.measure,
-            Plan.tolerance,
-            Plan.run_id,
-            *_software_columns(),
-            sa.case((exact, 1), else_=0).label("exact"),
-        )
+        _plan_select(software)
         .join(Program, Program.id == Plan.program_id)
         .join(Device, Device.id == Plan.device_id)
         .join(Software, Software.id == Plan.software_id)
@@ -372,25 +369,8 @@ def same_structure(structure: str, device_name: str, software: dict[str, str], e
     """The current plans of the programs of `structure` (other than `exclude`, a fingerprint) on this device
     and backend, exact versions first, newest first: the plans that may serve a shape not tuned exactly (the caller
     orders them nearest in size first: `autofuse.shapes.nearest_first`)."""
-    exact = sa.and_(
-        Software.jax == software["jax"],
-        Software.jaxlib == software["jaxlib"],
-        Software.autofuse == software["autofuse"],
-    )
     return (
-        sa.select(
-            Plan.id,
-            Plan.plan_json,
-            Plan.speedup,
-            Plan.measured_ms,
-            Plan.measure,
-            Plan.tolerance,
-            Plan.run_id,
-            *_software_columns(),
-            sa.case((exact, 1), else_=0).label("exact"),
-            Program.fingerprint,
-            Program.signature,
-        )
+        _plan_select(software, Program.fingerprint, Program.signature)
         .join(Program, Program.id == Plan.program_id)
         .join(Device, Device.id == Plan.device_id)
         .join(Software, Software.id == Plan.software_id)

@@ -755,28 +755,9 @@ class PlanStore:
 
     # ----------------------------------------------------------------- plans
 
-    def save_plan(
-        self,
-        program_id: int,
-        device_id: int,
-        software_id: int,
-        plan_json: dict[str, Any] | str,
-        *,
-        run_id: int | None = None,
-        measured_ms: float,
-        baseline_ms: float,
-        speedup: float,
-        measure: str,
-        tolerance: dict[str, Any],
-        max_error: float,
-        current: bool | None = None,
-        noise: float | None = None,
-        actor: str | None = None,
-    ) -> int:
-        """Store a plan (a JSON-able dict, or JSON text); returns its id. See :meth:`add_plan`."""
-        return self.add_plan(program_id, device_id, software_id, plan_json, run_id=run_id, measured_ms=measured_ms,
-                             baseline_ms=baseline_ms, speedup=speedup, measure=measure, tolerance=tolerance, max_error=max_error,
-                             current=current, noise=noise, actor=actor).plan_id
+    def save_plan(self, program_id: int, device_id: int, software_id: int, plan_json: dict[str, Any] | str, **fields: Any) -> int:
+        """Store a plan (a JSON-able dict, or JSON text); returns its id. The keyword fields are :meth:`add_plan`'s."""
+        return self.add_plan(program_id, device_id, software_id, plan_json, **fields).plan_id
 
     def add_plan(
         self,
