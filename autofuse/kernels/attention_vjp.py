@@ -37,7 +37,7 @@ import numpy as np
 
 from ..costmodel import H200, GPUModel
 from ..differentiate import is_differentiable
-from ..graph import Graph, Group, Lit, bind_node, capture, node_text
+from ..graph import Graph, Group, Lit, Node, bind_node, capture, node_text
 from ..ops import OpClass, op_class
 from . import attention
 from .template import NoMatch, Template
@@ -189,16 +189,13 @@ def _match(group: Group) -> AttentionVJPSpec:
         raise NoMatch("not an attention chain with its backward")
     members = set(group.node_ids)
     for d in dots:
-        ids = forward_chain(g, d.id, members)
-        if ids is None:
+        chain = _attention_chain(g, d, members)
+        if chain is None:
             continue
-        fwd = _forward_group(g, ids, d.outputs[0])
-        try:
-            attn = attention._match(fwd)
-        except NoMatch:
-            continue
-        if attention.flash_backward_unsupported(attn) is not None:
-            raise NoMatch(attention.flash_backward_unsupported(attn))
+        _, fwd, attn = chain
+        why = attention.flash_backward_unsupported(attn)
+        if why is not None:
+            raise NoMatch(why)
         extra = [v for v in group.inputs if v not in fwd.inputs]
         out_aval = g.avals[attn.out]
         if len(extra) != 1 or g.avals[extra[0]] != out_aval:
@@ -227,17 +224,25 @@ def forward_chains(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[s
     for d in graph.nodes:
         if op_class(d.name) is not OpClass.CONTRACTION or not fusible(d.id):
             continue
-        ids = forward_chain(graph, d.id, fusible=fusible)
-        if ids is None:
-            continue
-        fwd = _forward_group(graph, ids, d.outputs[0])
-        try:
-            attn = attention._match(fwd)
-        except NoMatch:
-            continue
-        if attention.flash_backward_unsupported(attn) is None:
-            out.append((ids, fwd, attn))
+        chain = _attention_chain(graph, d, fusible=fusible)
+        if chain is not None and attention.flash_backward_unsupported(chain[2]) is None:
+            out.append(chain)
     return out
+
+
+def _attention_chain(graph: Graph, d: Node, members: set[int] | None = None, *,
+                     fusible: Callable[[int], bool] | None = None) -> tuple[set[int], Group, attention.AttentionSpec] | None:
+    """The attention forward chain ending at dot `d` (within `members`, or through `fusible` nodes): its nodes, the
+    chain as a group with its output as the only output, and the `attention` template's reading of it; None where
+    there is no chain or the template does not read it as attention."""
+    ids = forward_chain(graph, d.id, members, fusible)
+    if ids is None:
+        return None
+    fwd = _forward_group(graph, ids, d.outputs[0])
+    try:
+        return ids, fwd, attention._match(fwd)
+    except NoMatch:
+        return None
 
 
 def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
