@@ -29,7 +29,7 @@ import autofuse  # noqa: E402
 from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
-from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_blhd, emit  # noqa: E402
+from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, attention_blhd, emit  # noqa: E402
 
 
 def _mha(causal: bool, scale: float):
@@ -103,13 +103,8 @@ def main() -> None:
     lines = [
         f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; "
         f"B,H,L,D = {a.shape}, bfloat16; command: python {' '.join(sys.argv)}",
-        "",
-        "| program | implementation | ms | IQR/median | TFLOP/s | speedup vs jax.jit | note |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for name, label, ms, iqr, tf, sp, extra in rows:
-        lines.append(f"| {name} | {label} | {ms:.3f} | {iqr:.1%} | {tf:.0f} | {sp:.2f}x | {extra} |")
-    emit(lines, a.out)
+    emit(lines + attention_table(rows), a.out)
 
 
 if __name__ == "__main__":

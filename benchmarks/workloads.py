@@ -142,6 +142,14 @@ def attention_config(s: str) -> dict:
     return {"block_q": int(bq), "block_k": int(bk), "num_warps": int(w), "num_stages": int(st)}
 
 
+def attention_table(rows: list[tuple]) -> list[str]:
+    """The attention benchmarks' Markdown table (after a blank line) of (program, implementation, ms, IQR/median,
+    TFLOP/s, speedup vs jax.jit, note) rows."""
+    lines = ["", "| program | implementation | ms | IQR/median | TFLOP/s | speedup vs jax.jit | note |", "|---|---|---|---|---|---|---|"]
+    return lines + [f"| {name} | {label} | {ms:.3f} | {iqr:.1%} | {tf:.0f} | {sp:.2f}x | {extra} |"
+                    for name, label, ms, iqr, tf, sp, extra in rows]
+
+
 def emit(lines: list[str], out: str = "") -> None:
     """Print a result table, and write it to `out` if given."""
     text = "\n".join(lines)
