@@ -90,7 +90,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], *, m
 
 
 #: A run's phase marks in the order a job reaches them (`autofuse.tuning.job.PhaseMarks`).
-PHASE_ORDER = ("start", "candidates", "setup", "xla", "trials", "selected", "saved")
+PHASE_ORDER = ("start", "candidates", "setup", "xla", "trials", "first_plan", "selected", "saved")
 
 
 def format_phases(phases: dict[str, Any] | None) -> list[str]:

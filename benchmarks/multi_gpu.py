@@ -11,9 +11,10 @@ run cut short keeps what it did; each command's output is kept in `<out>.logs/`.
 
 Per row, from the run's store: the command's wall time; "start": the run's start to its first trial (capture,
 the XLA timing of every distinct candidate, compiling ahead); "first plan": the command's start to the first
-plan stored for the run (the run's timestamps; a run stores its validated plan once, at its end); the run's
-recorded phases (migration 0006) as seconds from the command's start at which its setup (candidates registered,
-studies created), its XLA timings, its trials and its selection ended, and the selection's parts (seconds:
+plan stored for the run (the run's timestamps: the chosen plan is stored as soon as it passes validation, before
+the smaller plans are validated); the run's recorded phases (migration 0006) as seconds from the command's start at
+which its setup (candidates registered, studies created), its XLA timings, its trials, its first validated plan
+and its selection ended, and the selection's parts (seconds:
 checking the bests, timing lone dots, the cover, compiling the plans ahead, validating; per plan validated its
 compile, jax.jit reference, check and timing);
 trials counted against the budget and per minute of wall time; jax.jit and plan ms and the speedup as the
@@ -45,7 +46,7 @@ PROGRAMS = {  # name: (function, inputs factory, what it is)
     "splade": ("benchmarks.workloads:splade_head", "benchmarks.multi_gpu:splade_shapes", "SPLADE head [32,256,768]x[768,30522] bf16"),
 }
 DEFAULT_TRIALS = {"gpt2": 24, "attention": 12, "splade": 12}
-PHASES = ("start", "setup", "xla", "trials", "selected", "saved")  # a run's recorded phase marks (autofuse show run)
+PHASES = ("start", "setup", "xla", "trials", "first_plan", "selected", "saved")  # a run's recorded phase marks (autofuse show run)
 SMALL_INPUTS = {  # --small: CPU-sized shapes, for trying the script without a GPU (model mode)
     "gpt2": "examples.gpt2:small_inputs", "attention": "benchmarks.multi_gpu:attention_small", "splade": "benchmarks.multi_gpu:splade_small",
 }
@@ -179,13 +180,13 @@ def workers_cell(per_worker: dict) -> str:
 
 def phases_cell(ph: dict) -> str:
     """When the setup, the XLA timings, the trials and the selection ended, in seconds from the command's start."""
-    return " / ".join(_f(ph.get(k)) for k in ("setup", "xla", "trials", "selected")) if ph else "—"
+    return " / ".join(_f(ph.get(k)) for k in ("setup", "xla", "trials", "first_plan", "selected")) if ph else "—"
 
 
 def table(rows: list[dict], header: dict[str, str]) -> str:
     lines = ["# Tuning with several GPUs: `autofuse tune --workers N` (issue 18)", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", ("| workload | workers | exit | status | wall s | start s | first plan s | phases ended at s: setup / XLA / trials / selected "
+    lines += ["", ("| workload | workers | exit | status | wall s | start s | first plan s | phases ended at s: setup / XLA / trials / first plan / selected "
                    "| selection s: parts | trials | trials/min | jax.jit ms | plan ms "
                    "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices | command |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -112,3 +112,98 @@ def test_validation_compiles_the_reference_once_and_plans_ahead_with_the_serial_
         assert (a.max_error, a.tolerance, a.rounding_sensitivity) == (b.max_error, b.tolerance, b.rounding_sensitivity)
         assert b.baseline is not None and {"compile", "reference", "check", "time"} <= set(b.seconds)
     assert got[1].seconds["reference"] < got[0].seconds["reference"] or ahead  # the second plan reuses the reference
+
+
+class _ScriptedRunner:
+    """A trial process whose whole-plan validations return given speedups (by the plan's group count), and that
+    records the order of its requests and of the job's early saves."""
+
+    def __init__(self, speedup_by_groups: dict[int, float | None], events: list):
+        self.speedup_by_groups, self.events = speedup_by_groups, events
+
+    def call(self, req):
+        from autofuse.runner.protocol import CompileResult, Timing, ValidationResult
+
+        if isinstance(req, CompileRequest):
+            self.events.append(("compile", tuple(len(Plan.from_json(it.plan_json).groups) for it in req.items)))
+            return CompileResult(TrialStatus.OK, len(req.items), 0, 0.0)
+        n = len(Plan.from_json(req.plan_json).groups)
+        self.events.append(("validate", n))
+        s = self.speedup_by_groups[n]
+        if s is None:
+            return ValidationResult(TrialStatus.WRONG_RESULT, error="wrong")
+        t = lambda ms: Timing(ms, ms, ms, ms * 0.999, ms * 1.001)  # noqa: E731
+        return ValidationResult(TrialStatus.OK, baseline=t(10.0), plan=t(10.0 / s), ratio=t(1.0 / s))
+
+
+def _four_group_plan():
+    from autofuse.plan import FusedGroup
+
+    groups = tuple(FusedGroup((i,), "elementwise", {}, f"sig{i}") for i in range(4))
+    return Plan("fp", groups, {})
+
+
+@pytest.mark.parametrize("speedups, kept_groups, early_groups", [
+    ({4: 1.5, 2: 1.505, 1: 1.2}, 4, 4),  # the smaller plans are no faster beyond noise (0.5%): the chosen plan, stored early, kept
+    ({4: 1.5, 2: 2.0, 1: 1.2}, 2, 4),    # a smaller plan faster beyond noise replaces it
+    ({4: None, 2: 1.3, 1: 1.2}, 2, 2),   # the chosen plan is wrong: the first smaller one that passes is stored early
+    ({4: None, 2: None, 1: None}, 0, None),  # none passes: XLA's plan, nothing stored early
+])
+def test_the_first_plan_that_passes_is_handed_over_before_the_smaller_plans_are_compiled(monkeypatch, speedups, kept_groups, early_groups):
+    """On the GPU the chosen plan and jax.jit's reference are compiled and validated first; the first plan that
+    passes goes to `on_passed` at once (the job stores it: a first validated plan does not wait for the rest), and
+    a later plan replaces it only when faster beyond noise."""
+    from autofuse.tuning import validate as V
+    from autofuse.tuning.select import Cover
+
+    plan = _four_group_plan()
+    monkeypatch.setattr(V, "smaller_plans", lambda p, cands: [(Plan(p.fingerprint, p.groups[:2], {}), 0.0),
+                                                              (Plan(p.fingerprint, p.groups[:1], {}), 0.0)])
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    events: list = []
+    early: list = []
+    report = V.validate(graph, Cover(plan, 10.0, 5.0), _ScriptedRunner(speedups, events), "device", "p", [], 4, 0.0,
+                        compile_workers=4, on_passed=lambda rep: (early.append(rep), events.append(("early", len(rep.plan.groups)))))
+    assert events[:2] == [("compile", (4,)), ("validate", 4)]  # the chosen plan alone first (with jax.jit's reference)
+    assert len(report.plan.groups) == kept_groups
+    if early_groups is None:
+        assert early == [] and report.plan.is_xla
+        return
+    assert [len(r.plan.groups) for r in early] == [early_groups]
+    assert events.index(("early", early_groups)) == events.index(("validate", early_groups)) + 1  # right after its validation
+    assert events.index(("compile", (2, 1))) > events.index(("validate", 4))  # the smaller plans compiled after the chosen one's check
+    assert (report is early[0]) == (kept_groups == early_groups)  # the job stores the kept plan once
+    assert report.speedup == pytest.approx(speedups[kept_groups])
+    if kept_groups != 4:
+        assert report.plan.provenance["reason"].startswith(f"smaller plan kept ({kept_groups} of 4 groups)")
+
+
+def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promotion_rule(tmp_path):
+    """`PlanSaver`: the early plan is stored (current: the first plan of its key); the same report at the end only
+    finishes the run; a later, faster plan is stored beside it and becomes current by the promotion rule."""
+    from autofuse.runner.protocol import ValidationResult
+    from autofuse.tuning.job import PlanSaver, RunIds
+    from autofuse.tuning.report import TuneReport
+
+    url = f"sqlite:///{tmp_path}/p.db"
+    rep0 = autofuse.tune(rms_norm, *rms_norm_inputs(), trials=2, store=url, quiet=True, measure="model")
+    store = PlanStore(url)
+    run = store.get_run(rep0.run_id)
+    ids = RunIds(run["program_id"], run["device_id"], run["software_id"])
+
+    def report(groups: int, speedup: float) -> TuneReport:
+        plan = Plan(rep0.fingerprint, _four_group_plan().groups[:groups], {})
+        return TuneReport("p", rep0.fingerprint, "device", plan, 10.0, 10.0 / speedup, speedup, 0.01, [], ValidationResult(TrialStatus.OK), 1.0, 4)
+
+    for early_speedup, later_speedup, stored in ((1.5, 1.5, 1), (2.0, 3.0, 2)):  # each run beats the one before beyond noise
+        run_id = store.start_run(ids.program, ids.device, ids.software, budget={"trials": 4}, seed=0, sampler="tpe", measure="device")
+        saver = PlanSaver(store, ids, run_id)
+        first = report(4, early_speedup)
+        saver.early(first)
+        current = lambda: [p["id"] for p in store.plans(current_only=True) if p["program_id"] == ids.program]  # noqa: E731
+        assert current() == [first.plan_id]
+        final = first if later_speedup == early_speedup else report(2, later_speedup)
+        assert saver.final(final) == final.plan_id
+        assert len([p for p in store.plans() if p["run_id"] == run_id]) == stored
+        assert current() == [final.plan_id] and final.plan_current
+        assert store.get_run(run_id)["status"] == "finished"

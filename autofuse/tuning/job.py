@@ -178,8 +178,8 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
 class PhaseMarks:
     """When each phase of a run ended, in its store (`PlanStore.mark_phase`: seconds from the run's start, shown by
     ``autofuse show run``); nothing without a store. Run-level marks: start (the job's own start, before the run
-    row), setup, xla, trials, selected, saved; `worker` marks go under that worker. A mark that cannot be written
-    is logged, never fails the job."""
+    row), setup, xla, trials, first_plan (the first validated plan stored), selected, saved; `worker` marks go under
+    that worker. A mark that cannot be written is logged, never fails the job."""
 
     def __init__(self, pstore: Any, run_id: int | None, *, keep_first: bool = True):
         self.pstore, self.run_id, self.keep_first = pstore, run_id, keep_first
@@ -205,24 +205,43 @@ def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState
             r.status, r.best_ms, r.best_config, r.checked_trials = row["status"], row["best_ms"], row["best_config"], row["n_trials"]
 
 
-def save_report(pstore: Any, ids: RunIds, run_id: int, report: TuneReport, promote: bool | None = None) -> int:
-    """Finish the run and store its plan; returns the plan's id.
+class PlanSaver:
+    """Stores a job's plan in its run: the first plan that passed validation as soon as it passes (`early`, so a
+    long selection phase does not keep a validated plan from deploys), the job's final plan at its end (`final`;
+    once, when it is that same plan).
 
-    The plan becomes current only by the store's promotion rule (measured, and faster than the current plan
+    A plan becomes current only by the store's promotion rule (measured, and faster than the current plan
     beyond noise; never over a pinned plan), or with `promote`; otherwise it is stored beside the current
     plan and one line on stderr says why (also in `report.plan_note`)."""
-    v = report.validation
-    pstore.finish_run(run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
-    saved = pstore.add_plan(ids.program, ids.device, ids.software, report.plan.to_dict(), run_id=run_id, measured_ms=report.tuned_ms,
-                            baseline_ms=report.baseline_ms, speedup=report.speedup, measure=report.measure, tolerance=v.tolerance or {},
-                            max_error=float(v.max_error or 0.0), current=True if promote else None, noise=report.noise,
-                            actor=f"tune run {run_id} ({whoami()})")
-    report.plan_current = saved.current
-    if not saved.current:
-        report.plan_note = (f"autofuse: plan {saved.plan_id} is stored but not current: {saved.reason}; "
-                            f"autofuse plans promote {saved.plan_id} makes it current")
-        print(report.plan_note, file=sys.stderr, flush=True)
-    return saved.plan_id
+
+    def __init__(self, pstore: Any, ids: RunIds, run_id: int, promote: bool | None = None):
+        self.pstore, self.ids, self.run_id, self.promote = pstore, ids, run_id, promote
+        self.first: TuneReport | None = None
+
+    def early(self, report: TuneReport) -> None:
+        """Store the first validated plan now (the run goes on selecting)."""
+        self.first = report
+        self._add(report)
+
+    def final(self, report: TuneReport) -> int:
+        """Finish the run with `report`'s plan (stored now unless `early` stored it); returns the plan's id."""
+        self.pstore.finish_run(self.run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
+        if report is not self.first:
+            self._add(report)
+        if not report.plan_current:
+            print(report.plan_note, file=sys.stderr, flush=True)
+        return report.plan_id
+
+    def _add(self, report: TuneReport) -> None:
+        v = report.validation
+        saved = self.pstore.add_plan(self.ids.program, self.ids.device, self.ids.software, report.plan.to_dict(), run_id=self.run_id,
+                                     measured_ms=report.tuned_ms, baseline_ms=report.baseline_ms, speedup=report.speedup,
+                                     measure=report.measure, tolerance=v.tolerance or {}, max_error=float(v.max_error or 0.0),
+                                     current=True if self.promote else None, noise=report.noise,
+                                     actor=f"tune run {self.run_id} ({whoami()})")
+        report.plan_id, report.plan_current = saved.plan_id, saved.current
+        report.plan_note = "" if saved.current else (f"autofuse: plan {saved.plan_id} is stored but not current: {saved.reason}; "
+                                                     f"autofuse plans promote {saved.plan_id} makes it current")
 
 
 def spec_of(x: Any) -> Any:

@@ -24,7 +24,7 @@ from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
 from .job import (PhaseMarks, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
-                  register_candidates, resolve_measure, save_example_inputs, save_report, search_spaces, spec_of, time_xla)
+                  register_candidates, resolve_measure, save_example_inputs, PlanSaver, search_spaces, spec_of, time_xla)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine
@@ -117,7 +117,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
                          timeout_s=trial_timeout_s)
     if isinstance(runner, ProcessRunner):
         runner.start()  # the trial process imports jax and captures the program while this one enumerates and opens the run
-    status, report, pstore, run_id, ids, prefetch = "failed", None, None, None, None, None
+    status, report, pstore, run_id, ids, prefetch, saver = "failed", None, None, None, None, None, None
     try:
         by_sig, cands = distinct_candidates(graph)
         spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
@@ -163,8 +163,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         marks("trials")
         n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
         timings: dict = {}
+        saver = PlanSaver(pstore, ids, run_id, promote) if pstore is not None else None
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
-                          say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings)
+                          say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings,
+                          on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")))
         marks("selected")
         marks("selection", value=timings)
         report.wall_s = clock() - t_start
@@ -192,7 +194,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     report.model = gmodel.name if measure == "model" else None
     if pstore is not None:
         report.run_id = run_id
-        report.plan_id = save_report(pstore, ids, run_id, report, promote)
+        saver.final(report)
         marks("saved")
     return report
 

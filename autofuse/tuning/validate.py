@@ -2,9 +2,12 @@
 
 On the GPU the chosen plan and the plans of its groups with the largest
 savings (half, a quarter, ...) are each checked and timed against jax.jit on
-the whole program, and the fastest correct one faster beyond the measured
-noise is kept (groups measured alone do not always add up); with the model,
-the first that passes. None passes: XLA's own plan, recorded as such.
+the whole program; the chosen plan is kept unless a smaller one is faster
+beyond the noise of both (groups measured alone do not always add up); with
+the model, the first that passes. None passes: XLA's own plan, recorded as
+such. The chosen plan is compiled and validated first, and the job may store
+it as soon as it passes (`on_passed`): a first validated plan does not wait
+for the smaller plans' compilation and timing.
 """
 from __future__ import annotations
 
@@ -60,12 +63,13 @@ def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledge
 def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], runner: Any, measure: str,
              model: costmodel.GPUModel, ledger: Ledger, name: str, n_trials: int, t_start: float,
              say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
-             timings: dict | None = None) -> TuneReport:
+             timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
     `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
     `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
     references; the plans to validate with the whole program's reference). `timings` receives where the time went
-    (seconds: check, singles, cover, validate, and per plan validated its parts)."""
+    (seconds: check, singles, cover, validate, and per plan validated its parts). `on_passed` hears the report of
+    the first plan that passes on the GPU, before the others are validated (the job stores it at once)."""
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
@@ -91,36 +95,41 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                      timings=timings)
+                      timings=timings, on_passed=on_passed)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
 
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
-             timings: dict | None = None) -> TuneReport:
+             timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None) -> TuneReport:
     """The chosen plan and the smaller plans of `smaller_plans` against jax.jit on the whole program.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit
-    beyond noise. On the GPU all are measured and the one fastest against its own
-    jax.jit run is kept (groups measured alone do not add up: a smaller plan can be
-    faster); with the model, the first that passes. None passes: XLA's own plan.
-    On the GPU with `compile_workers` > 1, all of them and jax.jit's reference are
-    compiled at once first (the trial process then checks and times them one by one).
+    beyond noise. On the GPU all are measured; the first that passes (the chosen
+    plan, or the largest smaller one) is kept unless a later one's speedup beats
+    it beyond the noise of both (groups measured alone do not add up: a smaller
+    plan can be faster), and `on_passed` hears it at once; with the model, the
+    first that passes. None passes: XLA's own plan. On the GPU with
+    `compile_workers` > 1, the chosen plan and jax.jit's reference are compiled
+    at once first, and the smaller plans together once it is validated.
     """
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned, noise = cover.baseline_ms, cover.tuned_ms, None
-    notes, kept, passed = [], None, []  # passed (GPU): (speedup, plan, validation, noise)
+    notes, kept, best, first = [], None, None, None  # best (GPU): (speedup, plan, validation, noise) of the plan kept so far
     tries = [(plan, 0.0)] + smaller_plans(plan, cands) if not plan.is_xla else []
     plans_t = [] if timings is None else timings.setdefault("plans", [])
-    if measure == "device" and compile_workers > 1 and len(tries) > 1:
-        t0 = time.perf_counter()
-        phase is not None and phase(f"autofuse: compiling {len(tries)} plans and jax.jit's reference, {compile_workers} at once")
-        compile_batch(runner, [ValidateRequest(cand.to_json()) for cand, _ in tries], compile_workers, timeout_s=None)
-        if timings is not None:
-            timings["compile_ahead"] = round(time.perf_counter() - t0, 3)
+    ahead = measure == "device" and compile_workers > 1
     for k, (cand, given_up) in enumerate(tries):
+        if ahead and k < 2 and (k == 0 or len(tries) > 1):
+            batch = [cand] if k == 0 else [c for c, _ in tries[1:]]
+            t0 = time.perf_counter()
+            what = "the chosen plan and jax.jit's reference" if k == 0 else f"{len(batch)} smaller plans"
+            phase is not None and phase(f"autofuse: compiling {what}, {compile_workers} at once")
+            compile_batch(runner, [ValidateRequest(c.to_json()) for c in batch], compile_workers, timeout_s=None)
+            if timings is not None:
+                timings["compile_ahead"] = round(timings.get("compile_ahead", 0.0) + time.perf_counter() - t0, 3)
         if phase is not None:
             phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
         t0 = time.perf_counter()
@@ -134,8 +143,16 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
             b, p, r = v.baseline, v.plan, v.ratio
             nz = max(r.q3_ms - r.q1_ms, MIN_NOISE)  # the spread of plan/jax.jit over alternating repeats
             if r.q3_ms < 1.0 and r.median_ms < 1 - nz:
-                passed.append((b.median_ms / p.median_ms, cand, v, nz))
                 notes.append(f"{len(cand.groups)} groups: {p.median_ms:.4f} ms vs jax.jit {b.median_ms:.4f} ms")
+                this = (b.median_ms / p.median_ms, cand, v, nz)
+                if best is None:
+                    best = this
+                    first = _report(graph, _with_reason(plan, cand, notes), name, measure, b.median_ms, p.median_ms, nz, cands, v,
+                                    n_trials, t_start)
+                    if on_passed is not None:
+                        on_passed(first)
+                elif this[0] > best[0] * (1 + max(nz, best[3])):
+                    best = this
             else:
                 base, noise, validation = b.median_ms, nz, v
                 notes.append(f"{len(cand.groups)} groups: plan {p.median_ms:.4f} ms is not faster than jax.jit {b.median_ms:.4f} ms beyond noise ±{nz:.1%}")
@@ -144,8 +161,11 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
             break
         else:
             notes.append(f"{len(cand.groups)} groups: modelled plan is not faster than XLA")
-    if passed:
-        _, kept, validation, noise = max(passed, key=lambda x: x[0])
+    if best is not None:
+        _, kept, validation, noise = best
+        if first.plan.groups == kept.groups:  # the first plan that passed: the report the job may have stored already
+            first.wall_s = time.time() - t_start
+            return first
         base, tuned = validation.baseline.median_ms, validation.plan.median_ms
     if kept is None:
         plan = Plan(graph.fingerprint, (), {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"})
@@ -155,8 +175,21 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
             base = validation.baseline.median_ms
         tuned = base
     else:
-        plan = kept if kept is plan else replace(kept, provenance={
-            **kept.provenance, "reason": f"smaller plan kept ({len(kept.groups)} of {len(plan.groups)} groups): " + "; ".join(notes)})
+        plan = _with_reason(plan, kept, notes)
+    return _report(graph, plan, name, measure, base, tuned, noise, cands, validation, n_trials, t_start)
+
+
+def _with_reason(chosen: Plan, kept: Plan, notes: list[str]) -> Plan:
+    """`kept`, saying in its provenance why, when it is a smaller plan than the chosen one."""
+    if kept is chosen:
+        return kept
+    return replace(kept, provenance={
+        **kept.provenance, "reason": f"smaller plan kept ({len(kept.groups)} of {len(chosen.groups)} groups): " + "; ".join(notes)})
+
+
+def _report(graph: Graph, plan: Plan, name: str, measure: str, base: float | None, tuned: float | None, noise: float | None,
+            cands: list[CandidateState], validation: ValidationResult, n_trials: int, t_start: float) -> TuneReport:
+    """The job's report of `plan`, its times recorded in its provenance."""
     plan = replace(plan, provenance={**plan.provenance, "baseline_ms": base, "tuned_ms": tuned})
     speedup = base / tuned if base and tuned else None
     return TuneReport(name, graph.fingerprint, measure, plan, base, tuned, speedup, noise, cands, validation, time.time() - t_start, n_trials)

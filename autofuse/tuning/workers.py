@@ -59,7 +59,7 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
 from .job import (PhaseMarks, RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
-                  register_candidates, resolve_measure, save_report, search_spaces, study_name, time_xla)
+                  register_candidates, resolve_measure, PlanSaver, search_spaces, study_name, time_xla)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
@@ -516,11 +516,13 @@ class _Worker:
             r.trials = [t for t in r.trials if t.status is not TrialStatus.LOST]
         n = sum(t.status.value not in UNCOUNTED for r in self.cands for t in r.trials)
         timings: dict = {}
+        saver = PlanSaver(self.pstore, RunIds(run["program_id"], run["device_id"], run["software_id"]), self.run_id)
         report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
-                          run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings)
+                          run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings,
+                          on_passed=lambda first: (saver.early(first), marks("first_plan")))
         marks("selected")
         marks("selection", value=timings)
-        save_report(self.pstore, RunIds(run["program_id"], run["device_id"], run["software_id"]), self.run_id, report)
+        saver.final(report)
         marks("saved")
 
 
