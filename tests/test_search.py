@@ -290,6 +290,12 @@ def test_cover_prices_a_lone_dot_at_its_measured_xla_time():
     measured = lone_contraction_costs(g, runner)
     (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
     assert set(measured) == {dot} and measured[dot] > 0
+    from autofuse.graph import Group
+    from autofuse.tuning.select import lone_contractions
+
+    sig = Group.of(g, [dot]).signature  # a dot timed with the candidates is not timed again
+    assert lone_contractions(g, [sig]) == [] and lone_contractions(g) == [dot]
+    assert lone_contraction_costs(g, None, {sig: 0.7}) == {dot: 0.7}  # no runner needed
     chosen = best_cover(g, by_sig, results, costmodel.H200, "device", {dot: 1.0}).plan
     assert [fg.template for fg in chosen.groups] == ["matmul_reduce"]
 

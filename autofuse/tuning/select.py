@@ -94,9 +94,10 @@ def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Pl
     return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
 
 
-def lone_contractions(graph: Graph) -> list[int]:
-    """The fusible dots a cover may leave alone, one node per distinct dot (those `lone_contraction_costs` times)."""
-    seen, out = set(), []
+def lone_contractions(graph: Graph, known: Sequence[str] = ()) -> list[int]:
+    """The fusible dots a cover may leave alone, one node per distinct dot (those `lone_contraction_costs` times),
+    but for those whose group signature is in `known`."""
+    seen, out = set(known), []
     for nd in graph.nodes:
         if ops.op_class(nd.name) is not ops.OpClass.CONTRACTION or not is_fusible(graph, nd.id):
             continue
@@ -107,14 +108,15 @@ def lone_contractions(graph: Graph) -> list[int]:
     return out
 
 
-def lone_contraction_costs(graph: Graph, runner: Any) -> dict[int, float]:
-    """XLA's measured time of each fusible dot that a cover may leave alone (once per distinct dot).
+def lone_contraction_costs(graph: Graph, runner: Any, known: dict[str, float] | None = None) -> dict[int, float]:
+    """XLA's measured time of each fusible dot that a cover may leave alone (once per distinct dot; `known`: XLA's
+    times already measured, by group signature: a dot that is a candidate by itself was timed with the candidates).
 
     The roofline puts a lone dot at its flop floor, far below what XLA's dot with
     its output write measures (SPLADE's head: 0.49 modelled, about 1.2 ms measured),
     which made "XLA dot + fused epilogue" look cheaper than one fused kernel.
     """
-    by_sig: dict[str, float | None] = {}
+    by_sig: dict[str, float | None] = dict(known or {})
     out = {}
     for nd in graph.nodes:
         if ops.op_class(nd.name) is not ops.OpClass.CONTRACTION or not is_fusible(graph, nd.id):

@@ -86,10 +86,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     t1 = time.perf_counter()
     singles = None
     if measure == "device":
-        lone = lone_contractions(graph)
+        known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
+        lone = lone_contractions(graph, known)
         if compile_workers > 1 and len(lone) > 1:
             compile_batch(runner, [XlaRequest((n,)) for n in lone], compile_workers)
-        singles = lone_contraction_costs(graph, runner)
+        singles = lone_contraction_costs(graph, runner, known)
     t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
     t3 = time.perf_counter()
