@@ -27,6 +27,11 @@ from .measure import check, compare, cone_tolerances, random_inputs, time_fn, ti
 from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
 
+#: How long one timed batch of a candidate's calls lasts (XLA's group or a kernel config; the median of `repeats`
+#: batches is its time). 10 ms is tens of calls of a typical group, enough for a stable median, and keeps a
+#: model's XLA timings (GPT-2 medium: 158 distinct groups, each 12 batches) from being a job's longest phase;
+#: whole plans are timed in 25 ms batches (`time_pair`'s default), where the decision is final.
+CANDIDATE_BATCH_MS = 10.0
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
 
 
@@ -46,14 +51,15 @@ class Evaluator:
     """Answers the requests of `protocol.py` for one program."""
 
     def __init__(self, graph: Graph, *, measure: str = "device", model: str = "h200", seeds: Sequence[int] = (1, 2, 3),
-                 interpret: bool | None = None, n_input_sets: int = 3, repeats: int = 10, example_inputs: str | None = None):
+                 interpret: bool | None = None, n_input_sets: int = 3, repeats: int = 10, example_inputs: str | None = None,
+                 target_ms: float = CANDIDATE_BATCH_MS):
         if measure not in ("device", "model"):
             raise ValueError(f"measure must be 'device' or 'model', got {measure!r}")
         self.graph, self.measure = graph, measure
         self.model = costmodel.get_model(model)
         self.seeds = tuple(seeds)
         self.interpret = default_interpret() if interpret is None else interpret
-        self.n_input_sets, self.repeats = n_input_sets, repeats
+        self.n_input_sets, self.repeats, self.target_ms = n_input_sets, repeats, target_ms
         self.example_inputs = example_inputs  # a pickle of the user's own input leaves (graph input order), if given
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
@@ -147,7 +153,7 @@ class Evaluator:
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0)
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
-        return time_fn(fn, self._input_sets(avals), repeats=self.repeats)
+        return time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=self.target_ms)
 
     def _timed(self, fn: Callable, avals: Sequence[Any], **extra: Any) -> TrialResult:
         t = self._time(fn, avals)
