@@ -11,7 +11,7 @@ an example model (`autofuse.tune`, measured on the device), then times, in one p
 after checking that every gradient leaf matches XLA's within the dtype's tolerance, and reports each program's
 device memory (XLA's memory analysis of the compiled step: temporaries, arguments, outputs).
 
-    python -m benchmarks.train_step --models gpt2,llama --trials 8 --out results/train_step_h100.md
+    python -m benchmarks.train_step --models gpt2,llama --modes loss,grad_step --trials 8 --out results/train_step_h100.md
     python -m benchmarks.train_step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import os
 import subprocess
 import sys
 import time
@@ -49,19 +50,27 @@ def _memory_mib(step: Any, args: tuple) -> dict[str, float]:
     return {"temp": m.temp_size_in_bytes / mib, "args": m.argument_size_in_bytes / mib, "out": m.output_size_in_bytes / mib}
 
 
-def run_model(name: str, trials: int, budget_s: float, small: bool) -> dict:
+def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = "loss") -> dict:
+    """One model's gradient step, jax.jit against autofuse: with `mode` "loss", the plan tuned on the forward loss
+    and differentiated (each fused group's custom VJP); with "grad_step", the plan tuned on the gradient program
+    itself (attention's forward and backward chains as the flash pair)."""
     mod = importlib.import_module(f"examples.{name}")
     args = mod.small_inputs() if small else mod.example_inputs()
+    fn = mod.loss if mode == "loss" else mod.grad_step
     t0 = time.time()
-    rep = autofuse.tune(mod.loss, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, name=f"examples.{name}:loss")
+    rep = autofuse.tune(fn, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, name=f"examples.{name}:{mode}")
     tune_s = time.time() - t0
-    ref = jax.jit(jax.grad(mod.loss))
-    fused = jax.jit(jax.grad(autofuse.jit(mod.loss, plan=rep.plan)))
+    if mode == "loss":
+        ref = jax.jit(jax.grad(mod.loss))
+        fused = jax.jit(jax.grad(autofuse.jit(mod.loss, plan=rep.plan)))
+    else:
+        ref = jax.jit(mod.grad_step)
+        fused = jax.jit(autofuse.jit(mod.grad_step, plan=rep.plan))
     want, got = ref(*args), fused(*args)
     errs = _rel_errors(got, want)
     dtype = np.dtype(jax.tree_util.tree_leaves(args[0])[0].dtype)
     ok = max(errs) <= TOL[dtype]
-    row = {"model": name, "plan": ", ".join(sorted({f"{g.template}/{g.backend}" for g in rep.plan.groups})) or "XLA",
+    row = {"model": name, "mode": mode, "plan": ", ".join(sorted({f"{g.template}/{g.backend}" for g in rep.plan.groups})) or "XLA",
            "groups": len(rep.plan.groups), "fwd_speedup": rep.speedup, "tune_s": tune_s, "max_rel_err": max(errs), "ok": ok,
            "mem_xla": _memory_mib(ref, args), "mem_af": _memory_mib(fused, args)}
     if ok:
@@ -78,6 +87,8 @@ def _scaled(args: tuple, f: float) -> tuple:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2")
+    ap.add_argument("--modes", default="loss", help="loss (the forward loss's plan, differentiated), grad_step (the gradient "
+                    "program tuned itself), or both: loss,grad_step")
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--budget", type=float, default=0.0, help="tuning seconds per model (0: the trials alone bound it)")
     ap.add_argument("--small", action="store_true", help="the examples' small inputs (a CPU smoke run)")
@@ -85,31 +96,47 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rows = []
     for name in a.models.split(","):
-        try:
-            rows.append(run_model(name, a.trials, a.budget, a.small))
-        except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
-            rows.append({"model": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        print(rows[-1], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        for mode in a.modes.split(","):
+            try:
+                rows.append(run_model(name, a.trials, a.budget, a.small, mode))
+            except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
+                rows.append({"model": name, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(rows[-1], flush=True)
+            if a.out:
+                write_table(rows, a.out, argv)  # after every row: a run cut short keeps what it did
+    text = write_table(rows, a.out, argv)
+    print(text)
+    return 0 if all("error" not in r and r["ok"] for r in rows) else 1
+
+
+def write_table(rows: list[dict], out: str, argv: list[str] | None) -> str:
+    """The Markdown table of `rows` (written to `out` when given): per model and mode, the plan, both steps' times
+    and their device memory (XLA's memory analysis of the compiled step: temporaries; arguments and outputs)."""
+    commit = os.environ.get("AUTOFUSE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                                 text=True).stdout.strip()
     lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit}; "
              f"command: python -m benchmarks.train_step {' '.join(sys.argv[1:] if argv is None else argv)}", "",
-             "| model | forward plan | fwd speedup (tuning) | grad: jax.jit ms | grad: autofuse ms | speedup | noise | max rel err "
-             "| temp MiB jax.jit / autofuse | tuning s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "mode loss: the plan tuned on the forward loss, differentiated (`jax.jit(jax.grad(autofuse.jit(loss, plan)))`); "
+             "mode grad_step: the plan tuned on `grad_step` itself (`jax.jit(autofuse.jit(grad_step, plan))`). Memory: XLA's "
+             "memory analysis of each compiled step, MiB: temporaries (peak working set beyond arguments and outputs), "
+             "and arguments + outputs.", "",
+             "| model | mode | plan | speedup at tuning | step: jax.jit ms | step: autofuse ms | speedup | noise | max rel err "
+             "| temp MiB jax.jit / autofuse | args+out MiB | tuning s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error']} |||||||||")
+            lines.append(f"| {r['model']} | {r.get('mode', '')} | error: {r['error']} ||||||||||")
             continue
         t = (f"{r['xla_ms']:.3f} | {r['af_ms']:.3f} | {r['speedup']:.2f}x | ±{r['noise']:.1%}" if "xla_ms" in r
              else "- | - | WRONG | -")
         fwd = f"{r['fwd_speedup']:.2f}x" if r["fwd_speedup"] else "-"
-        lines.append(f"| {r['model']} | {r['groups']} groups: {r['plan']} | {fwd} | {t} | {r['max_rel_err']:.1e} | "
-                     f"{r['mem_xla']['temp']:.0f} / {r['mem_af']['temp']:.0f} | {r['tune_s']:.0f} |")
+        io = r["mem_xla"]["args"] + r["mem_xla"]["out"]
+        lines.append(f"| {r['model']} | {r['mode']} | {r['groups']} groups: {r['plan']} | {fwd} | {t} | {r['max_rel_err']:.1e} | "
+                     f"{r['mem_xla']['temp']:.0f} / {r['mem_af']['temp']:.0f} | {io:.0f} | {r['tune_s']:.0f} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
-    return 0 if all("error" not in r and r["ok"] for r in rows) else 1
+    return text
 
 
 if __name__ == "__main__":
