@@ -416,13 +416,21 @@ class AutofuseFunction:
             return f"no stored plan for this program on {device}"
 
     def _reverify(self, graph: Graph, fused: Callable) -> bool:
-        """Check the fused program against jax.jit on fresh inputs, eagerly (this runs while JAX traces)."""
+        """Check the fused program against jax.jit on fresh inputs, eagerly (this runs while JAX traces), held to the
+        bound the tuning job's validation holds a whole plan to: per output its cone's dtype tolerance, or jax.jit's
+        own rounding spread at those inputs where larger (at most MAX_PROGRAM_TOLERANCE). A deep bf16 model on the
+        check's N(0, 1) inputs moves by more than one bf16 operation's bound when its inputs move by one rounding step,
+        and so does a fused plan that rounds its intermediates differently (`rounding_sensitivity`)."""
+        from .runner.evaluator import MAX_PROGRAM_TOLERANCE, rounding_sensitivity
         from .runner.measure import check, cone_tolerances
 
         ref = jax.jit(lambda *a: graph.evaluate(a))
+        avals, seeds = [graph.avals[v] for v in graph.inputs], (11, 12)
         with jax.ensure_compile_time_eval():
-            res = check(fused, ref, [graph.avals[v] for v in graph.inputs], (11, 12),
-                        cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs))
+            spread = rounding_sensitivity(ref, avals, seeds[0])
+            tols = [max(t, min(s, MAX_PROGRAM_TOLERANCE))
+                    for t, s in zip(cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs), spread, strict=True)]
+            res = check(fused, ref, avals, seeds, tols)
         return res.ok
 
 
