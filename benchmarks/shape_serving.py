@@ -13,13 +13,15 @@ Per model (the GPT-2 and Llama examples' `forward`, bf16):
    rows only ever see the base plan), its plan run by `autofuse.jit(forward, plan=...)`, timed against `jax.jit`
    and, in alternation, against the served plan: the served speedup must be at least 0.90 of the exact one.
 
-A job costs about the same at any size and depth: its start times every distinct candidate in XLA (GPT-2's 158,
-Llama's 83; about 0.45 s each on an H100, mostly compiling) and its end validates the whole plan and its fallbacks,
-so a job of 8 trials is about 2 minutes for GPT-2 (4 layers) and 1.5 for Llama: six of them do not fit one GPU's
-10-minute command. `--gpus 0,1,2,3` shares each model's work among `len(gpus) // len(models)` processes, one per
-GPU (`CUDA_VISIBLE_DEVICES`): the first tunes the base shape and serves its shapes, the others tune their shapes
-exactly first and then serve them from the same base store (waiting for its plan if need be); this process merges
-their rows into one table. Without `--gpus`, one process does everything in turn, as far as `--deadline` allows.
+A job costs about the same at any size: its start times every distinct candidate in XLA (GPT-2's 158, Llama's 83;
+about 0.2 s each on an H100) and its end compiles and validates the whole plan and its fallbacks (GPT-2 medium's 24
+layers on an H100: 31 s and 88 s, `benchmarks.multi_gpu`), so a job of 8 trials should take about 1.5 minutes for
+GPT-2 (4 layers) and 1 for Llama (2 blocks), and base + 5 exact jobs + 6 served shapes about 11 and 8 minutes: more
+than GPT-2's fit in one GPU's 10-minute command. `--gpus 0,1,2,3` shares each model's work among
+`len(gpus) // len(models)` processes, one per GPU (`CUDA_VISIBLE_DEVICES`): the first tunes the base shape and
+serves its shapes, the others tune their shapes exactly first and then serve them from the same base store (waiting
+for its plan if need be); this process merges their rows into one table. Without `--gpus`, one process does
+everything in turn, as far as `--deadline` allows.
 
 The table (`--out`, and its rows as JSON beside it, `<out>.json`) is rewritten after every step, so a run cut short
 keeps what it did; `--deadline` (seconds from the start) skips what would not finish in time, with a row saying so.
@@ -73,9 +75,10 @@ SMALL_SHAPES = {
     "llama": ((2, 16), ((1, 8), (4, 8), (1, 24), (4, 24), (8, 8))),
 }
 DEFAULT_LAYERS = {"gpt2": 4, "llama": 2}
-# Seconds one job takes before this process has timed one (to plan against --deadline): the XLA timing of every
-# distinct candidate (GPT-2 158, Llama 83, about 0.45 s each on an H100), 8 trials, the final validation.
-JOB_S_GUESS = {"gpt2": 130.0, "llama": 90.0}
+# Seconds one job takes before this process has timed one (to plan against --deadline): its start (about 15 s), the
+# XLA timing of every distinct candidate (GPT-2 158, Llama 83, about 0.2 s each on an H100), 8 trials, the final
+# selection and validation (compiling whole plans: GPT-2 medium's 24 layers took 88 s; 4 layers, about a sixth).
+JOB_S_GUESS = {"gpt2": 110.0, "llama": 80.0}
 SERVE_S_GUESS = 30.0  # a shape served: the fused program and jax.jit compiled, checked, timed
 PASS_RATIO = 0.90
 
