@@ -286,14 +286,19 @@ def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Call
     stages runs each stage as a unit of its own, handing values on privately (see the module docstring)."""
     bound = bind_plan(graph, plan)
     units, chains, owner = plan_units(bound)
+    preload_pallas_lowerings(interpret)  # else a shared kernel's first call traces under other config than the rest
     steps: list[tuple[Group, Callable]] = []  # per unit: its inputs and outputs, and fn(ins, private) -> (outs, private)
+    shared: dict[tuple, list[Callable]] = {}  # per distinct computation and config: its unit functions, built once
     for g, fg in bound:
-        if fg.stages:
-            fns = build_staged_group(g, fg.stages, fg.template, fg.config, backend=fg.backend, interpret=interpret)
-            steps.extend(zip(stage_groups(g, fg.stages), fns))
-        else:
-            kernel = build_differentiable_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret)
-            steps.append((g, lambda ins, _, kernel=kernel: (kernel(*ins), None)))
+        key = kernel_key(g, fg)
+        if key not in shared:
+            if fg.stages:
+                fns = build_staged_group(g, fg.stages, fg.template, fg.config, backend=fg.backend, interpret=interpret)
+            else:
+                kernel = build_differentiable_group(g, fg.template, fg.config, backend=fg.backend, interpret=interpret)
+                fns = [lambda ins, _, kernel=kernel: (kernel(*ins), None)]
+            shared[key] = [jax.jit(fn) for fn in fns]
+        steps.extend(zip(stage_groups(g, fg.stages) if fg.stages else [g], shared[key]))
     order = execution_order(graph, units, chains)
 
     def run(flat_args: Sequence[Any]) -> list:
@@ -312,6 +317,18 @@ def executor(graph: Graph, plan: Plan, *, interpret: bool | None = None) -> Call
         return [read_atom(env, a) for a in graph.outputs]
 
     return run
+
+
+def kernel_key(group: Group, fg: FusedGroup) -> tuple:
+    """What makes two fused groups of a plan one kernel: the same computation (`Group.signature`: inputs, outputs and
+    ops, ids renamed), template, backend, config and stage split (positions within the group).
+
+    The executor builds one jitted function per key and calls it at every instance, so that a model's repeated
+    layers lower and compile their kernel once: lowered per call site, GPT-2 medium's 24 identical Mosaic GPU
+    attention kernels each got their own module (they differ only in a dump counter) and compile (66 s on an H100)."""
+    pos = {n: k for k, n in enumerate(group.node_ids)}
+    stages = tuple(tuple(pos[n] for n in st) for st in fg.stages)
+    return group.signature, fg.template, fg.backend, json.dumps(fg.config, sort_keys=True), stages
 
 
 def plan_from_choices(graph: Graph, choices: Sequence[tuple], provenance: dict | None = None) -> Plan:

@@ -276,3 +276,30 @@ def test_mutually_dependent_groups_rejected():
     _bind_rejects(g, p, "cannot be ordered")
     ok = plan_from_choices(g, [(Group.of(g, [0, 1, 2, 3]), "elementwise", _EW)])
     assert len(bind_plan(g, ok)) == 1
+
+
+def test_repeated_layers_lower_their_kernel_once():
+    """Groups of the same computation and config share one jitted kernel: the lowered program calls one kernel
+    (a `pallas_call` custom call) at every layer rather than lowering one per layer."""
+    from autofuse.runner.evaluator import _program_structs, export_for_cuda
+
+    def layers(x, g):
+        for _ in range(4):
+            x = x + jax.nn.softmax(x * g, axis=-1)
+        return x
+
+    graph = autofuse.capture(layers, S((64, 256), F32), S((256,), F32))
+    (whole,) = default_plan(graph).groups  # one row_reduce group over all three layers: split it into one per layer
+    n = len(graph.nodes) // 4
+    groups = tuple(FusedGroup(tuple(range(k * n, (k + 1) * n)), "row_reduce", whole.config, Group.of(graph, range(k * n, (k + 1) * n)).signature)
+                   for k in range(4))
+    assert len(graph.nodes) == 4 * n and len({fg.signature for fg in groups}) == 1
+    plan = Plan(graph.fingerprint, groups, {})
+    run = executor(graph, plan, interpret=False)
+    text = export_for_cuda(lambda *a: run(a), _program_structs(graph)).mlir_module()
+    # one kernel lowered for all four layers (JAX lowers the call on the program's own argument apart: at most two)
+    assert text.count("stablehlo.custom_call") <= 2 and text.count(" = call @") == 4, text.count("stablehlo.custom_call")
+    x = jnp.linspace(-1, 1, 64 * 256, dtype=F32).reshape(64, 256)
+    g = jnp.linspace(0.5, 1.5, 256, dtype=F32)
+    run = executor(graph, plan, interpret=True)
+    assert jnp.allclose(jax.jit(lambda *a: run(a))(x, g)[0], jax.jit(layers)(x, g), atol=1e-5)
