@@ -207,3 +207,11 @@ def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promot
         assert len([p for p in store.plans() if p["run_id"] == run_id]) == stored
         assert current() == [final.plan_id] and final.plan_current
         assert store.get_run(run_id)["status"] == "finished"
+
+
+def test_xla_chunks_shrink_with_the_worker_count_so_the_workers_end_together():
+    from autofuse.tuning.workers import xla_chunk
+
+    assert xla_chunk(158, 16, 1) == 32  # one worker: what its 16 threads compile at once
+    assert xla_chunk(158, 16, 4) == 20  # four: 8 chunks, two each, not 32+32+32+62
+    assert xla_chunk(5, 16, 4) == 1 and xla_chunk(0, 16, 4) == 1
