@@ -74,3 +74,35 @@ def test_trial_process_gets_host_copies_of_the_callers_arrays():
         os.unlink(path)
     assert [type(a) for a in leaves] == [np.ndarray, np.ndarray] and not any(isinstance(a, jax.Array) for a in leaves)
     np.testing.assert_array_equal(leaves[0], np.ones((4, 8), np.float32))
+
+
+def test_a_trial_process_of_a_preallocated_caller_gets_a_pool_capped_at_what_is_free():
+    """No GPU here: the rule on the states `import autofuse` records. Without a preallocated pool in this process,
+    the trial process only turns preallocation off; with one, its pool is capped at 90% of what the GPU has free
+    (nvidia-smi), or of what the caller's pool leaves when that cannot be read."""
+    started_before = gpumem.AllocatorState(True, {}, False)
+    assert gpumem.trial_process_env("cpu", started_before, {}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert gpumem.trial_process_env("gpu", gpumem.AllocatorState(False, {}, True), {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                                    lambda: 0.9) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    capped = gpumem.trial_process_env("gpu", started_before, {}, lambda: 0.24)
+    assert capped == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.216"}
+    half = gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, False)
+    assert gpumem.trial_process_env("gpu", half, {}, lambda: None)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"
+    assert gpumem.gpu_free_fraction({"CUDA_VISIBLE_DEVICES": "0"}) is None or 0 <= gpumem.gpu_free_fraction() <= 1
+
+
+def test_the_runner_starts_its_trial_process_with_that_environment(monkeypatch):
+    """The trial process is started with `trial_process_env`'s variables (here: as if this process held a pool)."""
+    from autofuse.runner import process
+
+    seen = {}
+    monkeypatch.setattr(gpumem, "client_platform", lambda: "gpu")
+    monkeypatch.setattr(gpumem, "STATE", gpumem.AllocatorState(True, {}, False))
+    monkeypatch.setattr(gpumem, "gpu_free_fraction", lambda environ=None: 0.5)
+    monkeypatch.setattr(process.subprocess, "Popen", lambda *a, **kw: seen.update(kw) or (_ for _ in ()).throw(RuntimeError("stop")))
+    runner = process.ProcessRunner.__new__(process.ProcessRunner)
+    try:
+        runner._spawn()
+    except RuntimeError:
+        pass
+    assert seen["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450" and seen["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"

@@ -125,7 +125,10 @@ class ProcessRunner:
             self._spawn()
 
     def _spawn(self) -> None:
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+        from .. import gpumem
+
+        state = gpumem.STATE or gpumem.AllocatorState(True, {}, False)
+        env = dict(os.environ, **gpumem.trial_process_env(gpumem.client_platform(), state), PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen([sys.executable, "-m", "autofuse.runner.process"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
         self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
