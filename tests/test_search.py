@@ -485,24 +485,3 @@ def test_function_arguments_named_like_tune_options_reach_the_function():
     assert rep.trials_run == 2 and rep.fingerprint == autofuse.capture(scaled, *args, trials=scalar, seed=scalar).fingerprint
     with pytest.raises(TypeError):
         tune(scaled, *args, not_an_option=1)  # nothing is passed through to the function by accident
-
-
-def test_random_inputs_are_made_by_one_program_with_each_leafs_own_key():
-    """All leaves come from one jitted program (compiled once per input signature), each from the run's key
-    folded with its position: the same values as made leaf by leaf, new ones for another seed, never zeros."""
-    import numpy as np
-
-    from autofuse.runner.measure import _input_maker, random_inputs
-
-    avals = [jax.ShapeDtypeStruct((3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((5,), jnp.float32),
-             jax.ShapeDtypeStruct((2, 3), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.bool_)]
-    a = random_inputs(avals, 7)
-    key = jax.random.fold_in(jax.random.PRNGKey(7), 1)
-    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(jax.random.normal(key, (5,), jnp.float32)))
-    assert [(x.shape, x.dtype) for x in a] == [(v.shape, v.dtype) for v in avals]
-    assert not np.array_equal(np.asarray(a[0], np.float32), np.asarray(random_inputs(avals, 8)[0], np.float32))
-    misses = _input_maker.cache_info().misses
-    random_inputs(avals, 9)
-    assert _input_maker.cache_info().misses == misses  # one program per signature
-    with pytest.raises(TypeError, match="complex64"):
-        random_inputs([jax.ShapeDtypeStruct((2,), jnp.complex64)], 0)

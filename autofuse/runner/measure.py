@@ -7,7 +7,6 @@ must match exactly; integer and boolean results must be equal.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -59,38 +58,24 @@ def cone_tolerances(graph: Any, node_ids: Sequence[int], outputs: Sequence[Any])
 
 
 def random_inputs(avals: Sequence[Aval], seed: int) -> list[jax.Array]:
-    """Fresh random inputs made on the device: normal floats, small integers, random booleans (never zeros).
-
-    One jitted program per input signature makes them all (a model's hundreds of weights made one by one
-    compiled a random-number kernel per distinct shape: seconds of every whole-program check)."""
-    return list(_input_maker(tuple((tuple(a.shape), np.dtype(a.dtype).str if np.dtype(a.dtype) != np.dtype(jnp.bfloat16) else "bfloat16")
-                                   for a in avals))(jnp.uint32(seed)))
-
-
-@functools.lru_cache(maxsize=32)
-def _input_maker(sig: tuple[tuple[tuple[int, ...], str], ...]) -> Callable[[jax.Array], list[jax.Array]]:
-    dtypes = [np.dtype(jnp.bfloat16) if name == "bfloat16" else np.dtype(name) for _, name in sig]
-    for d in dtypes:  # the error at once, not at the first trace
-        if not (np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16) or d == np.bool_ or np.issubdtype(d, np.integer)):
+    """Fresh random inputs made on the device: normal floats, small integers, random booleans (never zeros)."""
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, a in enumerate(avals):
+        k = jax.random.fold_in(key, i)
+        d = np.dtype(a.dtype)
+        if np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16):
+            x = jax.random.normal(k, a.shape, jnp.float32).astype(d)
+        elif d == np.bool_:
+            x = jax.random.bernoulli(k, 0.5, a.shape)
+        elif np.issubdtype(d, np.integer):
+            hi = int(min(np.iinfo(d).max, 64))
+            lo = 0 if np.issubdtype(d, np.unsignedinteger) else -hi
+            x = jax.random.randint(k, a.shape, lo, hi, jnp.int32).astype(d)
+        else:
             raise TypeError(f"cannot make random inputs of dtype {d}")
-
-    def make(seed: jax.Array) -> list[jax.Array]:
-        key = jax.random.PRNGKey(seed)
-        out = []
-        for i, ((shape, _), d) in enumerate(zip(sig, dtypes)):
-            k = jax.random.fold_in(key, i)
-            if np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16):
-                x = jax.random.normal(k, shape, jnp.float32).astype(d)
-            elif d == np.bool_:
-                x = jax.random.bernoulli(k, 0.5, shape)
-            else:
-                hi = int(min(np.iinfo(d).max, 64))
-                lo = 0 if np.issubdtype(d, np.unsignedinteger) else -hi
-                x = jax.random.randint(k, shape, lo, hi, jnp.int32).astype(d)
-            out.append(x)
-        return out
-
-    return jax.jit(make)
+        out.append(x)
+    return out
 
 
 @dataclass
