@@ -107,10 +107,15 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
     lines = ["run: " + ", ".join(out)]
     for w, wm in sorted((phases.get("workers") or {}).items()):
         lines.append(f"worker {w}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(wm.items(), key=lambda kv: kv[1])))
+    for key, parts in sorted(phases.items()):  # where each process's XLA timings went (compiling ahead, timing, waiting)
+        if key.startswith("xla_parts") and isinstance(parts, dict):
+            who = key[len("xla_parts"):].strip() or "this process"
+            lines.append(f"XLA timings ({who}): " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in parts.items()))
     sel = phases.get("selection")
     if isinstance(sel, dict):
         parts = [f"{k} {sel[k]:.2f}" for k in ("check", "singles", "cover", "compile_ahead", "validate") if isinstance(sel.get(k), (int, float))]
-        lines.append("selection: " + ", ".join(parts))
+        compiled = [", ".join(f"{k} {v:.2f}" for k, v in batch.items()) for batch in sel.get("compiled") or [] if isinstance(batch, dict) and batch]
+        lines.append("selection: " + ", ".join(parts) + (f" (longest compile of one: {'; then '.join(compiled)})" if compiled else ""))
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
             lines.append(f"  plan {i + 1} ({p.get('groups')} groups, {p.get('status')}): {p.get('seconds', 0):.2f}" + (f" = {inner}" if inner else ""))

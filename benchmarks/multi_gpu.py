@@ -157,6 +157,9 @@ def phases_from(phases: dict | None, offset: float) -> dict[str, Any]:
     sel = phases.get("selection") or {}
     out["selection_parts"] = ", ".join(f"{k} {sel[k]:.1f}" for k in ("check", "singles", "cover", "compile_ahead", "validate")
                                        if isinstance(sel.get(k), (int, float)))
+    compiled = [", ".join(f"{k} {v:.1f}" for k, v in batch.items()) for batch in sel.get("compiled") or [] if batch]
+    if compiled:
+        out["selection_parts"] += " (longest compile of one: " + "; then ".join(compiled) + ")"
     plans = sel.get("plans") or []
     if plans:
         out["selection_parts"] += "; plans: " + ", ".join(

@@ -46,6 +46,10 @@ def test_a_local_run_records_its_phases_and_show_prints_them(tmp_path):
     assert set(RUN_MARKS) <= set(phases) and phases["start"] <= 0 and _in_order(phases, RUN_MARKS), phases
     sel = phases["selection"]
     assert {"check", "singles", "cover", "validate"} <= set(sel) and sel["plans"], sel
+    assert {"compile", "time", "groups"} <= set(phases["xla_parts"]) and phases["xla_parts"]["groups"] > 0, phases
+    assert any(ln.startswith("XLA timings (this process): compile ") for ln in format_phases(phases))
+    with_compiles = dict(phases, selection=dict(sel, compile_ahead=3.0, compiled=[{"program": 2.5, "plan": 1.25}]))
+    assert "(longest compile of one: program 2.50, plan 1.25)" in "\n".join(format_phases(with_compiles))
     assert all({"groups", "status", "seconds", "compile", "reference", "check"} <= set(p) for p in sel["plans"]), sel
     lines = format_phases(phases)
     assert lines[0].startswith("run: start ") and lines[-1].lstrip().startswith("plan 1 (")
@@ -66,6 +70,8 @@ def test_a_run_with_workers_records_the_launchers_and_each_workers_phases(tmp_pa
     assert _in_order(phases, ("start", "candidates", "setup")) and _in_order(phases, ("candidates", "xla", "trials", "selected", "saved"))
     workers = phases["workers"]
     assert len(workers) == 2, phases
+    parts = {k: v for k, v in phases.items() if k.startswith("xla_parts ")}
+    assert {k.split(" ", 1)[1] for k in parts} == set(workers) and sum(p.get("groups", 0) for p in parts.values()) > 0, phases
     for marks in workers.values():
         assert _in_order(marks, ("joined", "ready", "xla", "trials")) and marks["ready"] >= phases["candidates"], phases
 
@@ -105,6 +111,7 @@ def test_validation_compiles_the_reference_once_and_plans_ahead_with_the_serial_
     if ahead:
         done = ev.handle(CompileRequest(tuple(ValidateRequest(p.to_json()) for p in (plan, smaller)), 2))
         assert done.ok and (done.compiled, done.failed) == (3, 0)  # the reference and two plans
+        assert set(done.longest) == {"program", "plan"} and 0 < done.longest["plan"] <= done.seconds  # what took the time
     got = [ev.handle(ValidateRequest(p.to_json())) for p in (plan, smaller)]
     assert len(compiled) == 1 and ev._plans == {}
     for a, b in zip(expect, got):

@@ -134,14 +134,19 @@ class Evaluator:
                 if key not in self._ahead:
                     todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config): self._kernel(g, t, c)))
 
-        def attempt(build: Callable[[], Callable]) -> Callable | None:
+        def attempt(build: Callable[[], Callable]) -> tuple[Callable | None, float]:
+            t = time.perf_counter()
             try:
-                return build()
+                return build(), time.perf_counter() - t
             except Exception:
-                return None
+                return None, time.perf_counter() - t
 
         with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
-            built = list(pool.map(attempt, [b for _, _, b in todo]))
+            done = list(pool.map(attempt, [b for _, _, b in todo]))
+        built = [fn for fn, _ in done]
+        longest: dict[str, float] = {}
+        for (kind, _, _), (_, secs) in zip(todo, done):
+            longest[kind] = round(max(longest.get(kind, 0.0), secs), 3)
         for (kind, key, _), fn in zip(todo, built):
             if fn is None:
                 continue
@@ -150,7 +155,7 @@ class Evaluator:
             else:
                 {"xla": self._refs, "trial": self._ahead, "plan": self._plans}[kind][key] = fn
         failed = sum(fn is None for fn in built)
-        return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0)
+        return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest)
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
         return time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=self.target_ms)

@@ -49,13 +49,15 @@ class CompileRequest:
 
 @dataclass(frozen=True)
 class CompileResult:
-    """What a `CompileRequest` did: items compiled, items that failed, and the wall time."""
+    """What a `CompileRequest` did: items compiled, items that failed, the wall time, and per kind of item
+    ("program": jax.jit's whole program, "plan", "xla", "trial") the longest compilation of one, in seconds."""
 
     status: TrialStatus
     compiled: int = 0
     failed: int = 0
     seconds: float = 0.0
     error: str | None = None
+    longest: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

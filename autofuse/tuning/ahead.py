@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,11 +64,14 @@ def chunk_size(workers: int) -> int:
 
 
 def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | ValidateRequest], workers: int,
-                  timeout_s: float | None = BATCH_TIMEOUT_S) -> bool:
+                  timeout_s: float | None = BATCH_TIMEOUT_S, longest: dict | None = None) -> bool:
     """Send one batch to be compiled ahead; False if it crashed or hung the trial process (restarted for the next
     request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch.
-    `timeout_s` None: the runner's per-request limit (whole programs, which take longer than a batch of kernels)."""
+    `timeout_s` None: the runner's per-request limit (whole programs, which take longer than a batch of kernels).
+    `longest` receives the longest compilation of one item per kind (`CompileResult.longest`)."""
     res = runner.call(CompileRequest(tuple(items), workers, timeout_s=timeout_s))
+    if longest is not None:
+        longest.update(getattr(res, "longest", None) or {})
     if res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT):
         log.warning("autofuse: compiling %d items ahead on %d threads: %s (%s); compiling one at a time from here",
                     len(items), workers, res.status.value, res.error)
@@ -75,21 +79,29 @@ def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | Valid
     return True
 
 
-def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None) -> list[TrialResult]:
+def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None,
+                          spent: dict | None = None) -> list[TrialResult]:
     """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
-    at a time; one result per candidate, in order."""
+    at a time; one result per candidate, in order. `spent` adds up where the time went: seconds compiling ahead
+    ("compile"), seconds of the timing requests ("time", with what they compiled themselves), groups ("groups")."""
     results: list[TrialResult] = []
+    spent = {} if spent is None else spent
     size = chunk_size(workers)
     for start in range(0, len(cands), size):
         part = cands[start:start + size]
+        t0 = time.perf_counter()
         if workers > 1 and len(part) > 1 and not compile_batch(runner, [XlaRequest(tuple(r.nodes)) for r in part], workers):
             workers = 1
+        t1 = time.perf_counter()
+        spent["compile"] = round(spent.get("compile", 0.0) + t1 - t0, 3)
         for r in part:
             res = runner.call(XlaRequest(tuple(r.nodes)))
             r.xla_ms = res.median_ms if res.ok else None
             results.append(res)
             if bar is not None:
                 bar.update(1)
+        spent["time"] = round(spent.get("time", 0.0) + time.perf_counter() - t1, 3)
+        spent["groups"] = spent.get("groups", 0) + len(part)
     return results
 
 

@@ -83,10 +83,12 @@ def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateS
             for r in cands}
 
 
-def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None, *, compile_workers: int = 1) -> list[TrialResult]:
+def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None, *, compile_workers: int = 1,
+             spent: dict | None = None) -> list[TrialResult]:
     """XLA's time of every distinct candidate (always an option of the cover), set on each; with `compile_workers`
-    > 1 compiled that many at a time ahead of the timings (`ahead`). Returns each candidate's result."""
-    return time_xla_concurrently(list(cands), runner, compile_workers, bar)
+    > 1 compiled that many at a time ahead of the timings (`ahead`; `spent`: where the time went). Returns each
+    candidate's result."""
+    return time_xla_concurrently(list(cands), runner, compile_workers, bar, spent)
 
 
 def program_name(fn: Callable) -> str:

@@ -136,7 +136,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         todo = [r for r in cands if r.xla_ms is None]
         if progress is not None:
             say(f"autofuse: timing {len(todo)} distinct candidates in XLA")
-        time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"), compile_workers=threads)
+        spent: dict = {}
+        time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"), compile_workers=threads,
+                 spent=spent)
+        marks("xla_parts", value=spent)
         if pstore is not None:
             for r in todo:
                 pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)

@@ -128,9 +128,11 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
             t0 = time.perf_counter()
             what = "the chosen plan and jax.jit's reference" if k == 0 else f"{len(batch)} smaller plans"
             phase is not None and phase(f"autofuse: compiling {what}, {compile_workers} at once")
-            compile_batch(runner, [ValidateRequest(c.to_json()) for c in batch], compile_workers, timeout_s=None)
+            longest: dict = {}
+            compile_batch(runner, [ValidateRequest(c.to_json()) for c in batch], compile_workers, timeout_s=None, longest=longest)
             if timings is not None:
                 timings["compile_ahead"] = round(timings.get("compile_ahead", 0.0) + time.perf_counter() - t0, 3)
+                timings.setdefault("compiled", []).append(longest)  # per batch: jax.jit's program and the slowest plan, s
         if phase is not None:
             phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
         t0 = time.perf_counter()

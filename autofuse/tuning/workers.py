@@ -359,8 +359,10 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
             threads = compile_workers(job.get("compile_workers"))
             if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
                 prefetch = prefetch_model_bests(cands, spaces)
+            spent: dict = {}
             timed = share_xla(pstore, run_id, cands, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60,
-                              share=job.get("workers") or 1)
+                              share=job.get("workers") or 1, spent=spent)
+            marks(f"xla_parts {me}", value=spent)
             say(f"timed {timed} of {len(cands)} candidates in XLA ({threads} compiling at once)")
             marks("xla")  # every candidate's XLA time is known (the first worker to see it)
             marks("xla", worker=me)
@@ -408,12 +410,13 @@ def wait_for_phase(pstore: Any, run_id: int, name: str, timeout_s: float) -> Non
 
 
 def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any, me: str, threads: int, *, stale_s: float,
-              share: int = 1) -> int:
+              share: int = 1, spent: dict | None = None) -> int:
     """This worker's part of the run's XLA timings, then everyone's: claim a chunk of candidates nobody timed,
     compile them `threads` at a time and time them one by one (`ahead`), record them with this worker's device;
     again until none is left to claim; then wait for the other workers' chunks (a dead worker's claim is taken
     over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
-    `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`).
+    `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`);
+    `spent`: where this worker's time went (`ahead.time_xla_concurrently`, and "waiting" for the others' chunks).
     Sets every candidate's `xla_ms`; returns how many this worker timed."""
     by_id = {r.candidate_id: r for r in cands}
     timed = 0
@@ -421,7 +424,7 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
         ids = pstore.claim_xla(run_id, me, xla_chunk(len(cands), threads, share), stale_s=stale_s)
         if ids:
             part = [by_id[i] for i in ids]
-            for r, res in zip(part, time_xla(part, runner, compile_workers=threads), strict=True):
+            for r, res in zip(part, time_xla(part, runner, compile_workers=threads, spent=spent), strict=True):
                 pstore.finish_xla(r.candidate_id, me, res.status.value, r.xla_ms, res.device)
             timed += len(part)
             continue
@@ -429,6 +432,8 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
         if not pending or pstore.get_run(run_id)["status"] != "running":
             return timed
         time.sleep(POLL_S)
+        if spent is not None:
+            spent["waiting"] = round(spent.get("waiting", 0.0) + POLL_S, 3)
 
 
 def xla_chunk(n_cands: int, threads: int, share: int) -> int:
