@@ -6,12 +6,14 @@ parts of a program a plan leaves to XLA, and the jax.jit baseline it was judged 
 the tuning job and the deployed process. `import autofuse` therefore points XLA's per-fusion autotune cache
 (``--xla_gpu_per_fusion_autotune_cache_dir``) at one directory, where the trial processes of a tuning job
 write what they chose and a deployed process reads it back, so that both compile the same kernels:
-``$AUTOFUSE_XLA_AUTOTUNE_DIR``, else ``~/.cache/autofuse/xla-autotune``. Ship that directory with the plan
-database to deploy on another machine. Nothing is changed where the user set the flag, where JAX's backends
+``$AUTOFUSE_XLA_AUTOTUNE_DIR``, else ``~/.cache/autofuse/xla-autotune/jaxlib-<version>`` (XLA leaves checking
+that an entry was made by the same compiler to its user: a jaxlib upgrade starts a new directory). Ship that
+directory with the plan database to deploy on another machine. Nothing is changed where the user set the flag, where JAX's backends
 already started (XLA reads its flags once), or where the directory cannot be made. Imports nothing from JAX.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from .gpumem import backends_initialised
@@ -21,7 +23,14 @@ ENV_DIR = "AUTOFUSE_XLA_AUTOTUNE_DIR"
 
 
 def default_dir(environ: dict[str, str] | os._Environ = os.environ) -> str:
-    return environ.get(ENV_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "xla-autotune")
+    """``$AUTOFUSE_XLA_AUTOTUNE_DIR`` as given, else one directory per jaxlib version under ``~/.cache/autofuse``."""
+    if environ.get(ENV_DIR):
+        return environ[ENV_DIR]
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "xla-autotune", f"jaxlib-{version}")
 
 
 def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:

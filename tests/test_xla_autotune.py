@@ -46,3 +46,13 @@ def test_no_directory_no_flag(tmp_path):
     blocker.write_text("")
     environ = {xla_autotune.ENV_DIR: str(blocker / "sub")}  # under a file: cannot be made
     assert xla_autotune.configure(environ) is None and "XLA_FLAGS" not in environ
+
+
+def test_the_default_directory_is_one_per_jaxlib_version(tmp_path, monkeypatch):
+    """XLA does not check that a cached entry came from the same compiler: each jaxlib gets its own directory."""
+    import importlib.metadata
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    version = importlib.metadata.version("jaxlib")
+    assert xla_autotune.default_dir({}) == os.path.join(str(tmp_path), ".cache", "autofuse", "xla-autotune", f"jaxlib-{version}")
+    assert xla_autotune.default_dir({xla_autotune.ENV_DIR: "/x/y"}) == "/x/y"  # the user's directory as given
