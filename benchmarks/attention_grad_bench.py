@@ -18,7 +18,6 @@ import datetime
 import functools
 import math
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -32,6 +31,7 @@ from autofuse.kernels.triton import attention_bwd  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
 from autofuse.runner.measure import compare, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
+from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, emit  # noqa: E402
 
 
@@ -104,10 +104,8 @@ def main() -> None:
                     print(label, "failed:", type(e).__name__, str(e)[:300], flush=True)
                 finally:
                     attention_bwd.default_config = default_bwd
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     lines = [
-        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit}; "
+        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit()}; "
         f"B,H,L,D = {a.shape}, bfloat16; fwd+bwd (vjp and pullback); command: python {' '.join(sys.argv)}",
     ]
     emit(lines + attention_table(rows), a.out)

@@ -59,6 +59,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.provenance import commit  # noqa: E402  (the tree's root on the path first: run as a script too)
+
 FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"  # autofuse.xla_autotune.FLAG (importing autofuse here would set it)
 ENV_DIR = "AUTOFUSE_XLA_AUTOTUNE_DIR"
 ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
@@ -72,6 +74,7 @@ ALLOC_FAILED = "ran out of memory trying to allocate"  # JAX's allocator, once p
 
 
 # ---------------------------------------------------------------------------------------------------- programs
+
 def fn_ref(name: str) -> str:
     """`MODULE:FUNCTION` of a program: a suite workload by its name, or gpt2 (GPT-2 medium's forward)."""
     if name == "gpt2":
@@ -417,13 +420,6 @@ def summary_lines(tunes: list[dict], fresh: list[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- the parent
-def commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (pass --commit)"
 
 
 def main(argv: list[str] | None = None) -> int:

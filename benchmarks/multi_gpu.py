@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from benchmarks.provenance import commit
 from benchmarks.workloads import specs, workloads
 
 PROGRAMS = {  # name: (function, inputs factory, what it is)
@@ -215,15 +216,6 @@ def gpus() -> str:
     except (OSError, subprocess.SubprocessError):
         return "(no nvidia-smi)"
     return f"{len(out)}: " + "; ".join(line.split(" (UUID")[0] for line in out) if out else "(none)"
-
-
-def commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("AUTOFUSE_COMMIT", "unknown (no git here: pass --commit)")
 
 
 def main(argv: list[str] | None = None) -> int:

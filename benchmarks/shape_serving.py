@@ -58,6 +58,7 @@ import jaxlib
 
 import autofuse  # before JAX starts its GPU client: no preallocation (tune()'s trial process needs the memory)
 from autofuse.runner.measure import compare, time_pair
+from benchmarks.provenance import commit
 from examples import gpt2, llama
 
 Shape = tuple[int, int]  # (batch, sequence)
@@ -532,15 +533,6 @@ def table(rows: list[Row], head: dict, setups: list[dict]) -> str:
         passed = sum(r.verdict() == "pass" for r in served)
         lines += ["", f"{passed} of {len(served)} served shapes pass (fused, correct, within {1 - PASS_RATIO:.0%} of the exact job's speedup)."]
     return "\n".join(lines) + "\n"
-
-
-def commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("AUTOFUSE_COMMIT", "unknown (no git here: pass --commit)")
 
 
 def split_shapes(serve: tuple[Shape, ...], parts: int) -> list[list[Shape]]:

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import importlib
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -31,6 +30,7 @@ import numpy as np
 
 import autofuse
 from autofuse.runner.measure import time_pair
+from benchmarks.provenance import commit
 
 TOL = {np.dtype(jnp.bfloat16): 5e-2, np.dtype(jnp.float16): 1e-2, np.dtype(jnp.float32): 1e-3}
 
@@ -112,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 def write_table(rows: list[dict], out: str, argv: list[str] | None) -> str:
     """The Markdown table of `rows` (written to `out` when given): per model and mode, the plan, both steps' times
     and their device memory (XLA's memory analysis of the compiled step: temporaries; arguments and outputs)."""
-    commit = os.environ.get("AUTOFUSE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                                 text=True).stdout.strip()
-    lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit}; "
+    commit_ = commit()
+    lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit_}; "
              f"command: python -m benchmarks.train_step {' '.join(sys.argv[1:] if argv is None else argv)}", "",
              "mode loss: the plan tuned on the forward loss, differentiated (`jax.jit(jax.grad(autofuse.jit(loss, plan)))`); "
              "mode grad_step: the plan tuned on `grad_step` itself (`jax.jit(autofuse.jit(grad_step, plan))`). Memory: XLA's "
