@@ -118,12 +118,12 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned, noise = cover.baseline_ms, cover.tuned_ms, None
-    notes, kept, best, first = [], None, None, None  # best (GPU): (speedup, plan, validation, noise) of the plan kept so far
+    notes, kept, best, first, first_passed = [], None, None, None, None  # best (GPU): (speedup, plan, validation, noise), kept so far
     tries = [(plan, 0.0)] + smaller_plans(plan, cands) if not plan.is_xla else []
     plans_t = [] if timings is None else timings.setdefault("plans", [])
     ahead = measure == "device" and compile_workers > 1
     for k, (cand, given_up) in enumerate(tries):
-        if ahead and k < 2 and (k == 0 or len(tries) > 1):
+        if ahead and k < 2:  # the chosen plan (with jax.jit's reference) first, then every smaller plan at once
             batch = [cand] if k == 0 else [c for c, _ in tries[1:]]
             t0 = time.perf_counter()
             what = "the chosen plan and jax.jit's reference" if k == 0 else f"{len(batch)} smaller plans"
@@ -149,7 +149,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
                 notes.append(f"{len(cand.groups)} groups: {p.median_ms:.4f} ms vs jax.jit {b.median_ms:.4f} ms")
                 this = (b.median_ms / p.median_ms, cand, v, nz)
                 if best is None:
-                    best = this
+                    best = first_passed = this
                     first = _report(graph, _with_reason(plan, cand, notes), name, measure, b.median_ms, p.median_ms, nz, cands, v,
                                     n_trials, t_start)
                     if on_passed is not None:
@@ -166,7 +166,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
             notes.append(f"{len(cand.groups)} groups: modelled plan is not faster than XLA")
     if best is not None:
         _, kept, validation, noise = best
-        if first.plan.groups == kept.groups:  # the first plan that passed: the report the job may have stored already
+        if best is first_passed:  # the first plan that passed: the report the job may have stored already
             first.wall_s = time.time() - t_start
             return first
         base, tuned = validation.baseline.median_ms, validation.plan.median_ms
