@@ -324,8 +324,9 @@ def kernel_key(group: Group, fg: FusedGroup) -> tuple:
     ops, ids renamed), template, backend, config and stage split (positions within the group).
 
     The executor builds one jitted function per key and calls it at every instance, so that a model's repeated
-    layers lower and compile their kernel once: lowered per call site, GPT-2 medium's 24 identical Mosaic GPU
-    attention kernels each got their own module (they differ only in a dump counter) and compile (66 s on an H100)."""
+    layers lower their kernel once and the GPU compiles it once: lowered per call site, GPT-2 medium's 24 identical
+    Mosaic GPU attention kernels were 24 modules differing only in a dump counter (so 24 kernel hashes), lowered one
+    by one (10 s on the CPU; 0.3 s shared)."""
     pos = {n: k for k, n in enumerate(group.node_ids)}
     stages = tuple(tuple(pos[n] for n in st) for st in fg.stages)
     return group.signature, fg.template, fg.backend, json.dumps(fg.config, sort_keys=True), stages

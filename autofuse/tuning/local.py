@@ -23,8 +23,8 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .job import (PhaseMarks, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
-                  register_candidates, resolve_measure, save_example_inputs, PlanSaver, search_spaces, spec_of, time_xla)
+from .job import (PhaseMarks, PlanSaver, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name,
+                  progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine

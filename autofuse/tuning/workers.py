@@ -58,8 +58,8 @@ from ..plan import Plan
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from .job import (PhaseMarks, RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name, progress_bar,
-                  register_candidates, resolve_measure, PlanSaver, search_spaces, study_name, time_xla)
+from .job import (PhaseMarks, PlanSaver, RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name,
+                  progress_bar, register_candidates, resolve_measure, search_spaces, study_name, time_xla)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
