@@ -90,10 +90,8 @@ class CheckResult:
 
 
 @jax.jit
-@jax.jit
 def _float_stats(o: jax.Array, r: jax.Array) -> tuple:
-    """On the device, as one program per shape (eager, its dozen operations compiled one by one at each new shape):
-    NaN/inf position mismatches and the error and reference norms over finite entries."""
+    """On the device: NaN/inf position mismatches and the error and reference norms over finite entries."""
     o, r = o.astype(jnp.float32), r.astype(jnp.float32)
     nan_bad = jnp.sum(jnp.isnan(o) != jnp.isnan(r))
     inf_bad = jnp.sum(jnp.isinf(o) != jnp.isinf(r)) + jnp.sum(jnp.isinf(r) & (o != r))
