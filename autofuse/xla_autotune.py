@@ -8,8 +8,9 @@ the tuning job and the deployed process. `import autofuse` therefore points XLA'
 write what they chose and a deployed process reads it back, so that both compile the same kernels:
 ``$AUTOFUSE_XLA_AUTOTUNE_DIR``, else ``~/.cache/autofuse/xla-autotune/jaxlib-<version>`` (XLA leaves checking
 that an entry was made by the same compiler to its user: a jaxlib upgrade starts a new directory). Ship that
-directory with the plan database to deploy on another machine. Nothing is changed where the user set the flag, where JAX's backends
-already started (XLA reads its flags once), or where the directory cannot be made. Imports nothing from JAX.
+directory with the plan database to deploy on another machine. Nothing is changed where the user set the flag,
+where JAX's backends already started (XLA reads its flags once), or where the directory cannot be made. Imports
+nothing from JAX.
 """
 from __future__ import annotations
 
