@@ -15,7 +15,7 @@ from autofuse.tuning.job import distinct_candidates, search_spaces
 from autofuse.tuning.select import default_plan
 
 
-@pytest.mark.parametrize("model,entry", [("gpt2", "grad_step"), ("llama", "grad_step"), ("splade", "forward")])
+@pytest.mark.parametrize("model,entry", [("gpt2", "grad_step"), ("llama", "grad_step"), ("splade", "forward"), ("llama", "forward")])
 def test_default_configs_are_feasible_and_their_plan_binds(model, entry):
     mod = importlib.import_module(f"examples.{model}")
     graph = autofuse.capture(getattr(mod, entry), *mod.small_inputs())
@@ -25,4 +25,7 @@ def test_default_configs_are_feasible_and_their_plan_binds(model, entry):
         for backend, space in spaces[r.signature].spaces.items():
             outside = {k: v for k, v in space.default.items() if k in space.params and v not in space.params[k]}
             assert not outside, (r.template, backend, outside)
+            # and keeps its space's rules (a default that breaks them is a study's first trial lost, and a plan of
+            # defaults that cannot adapt to other shapes): short sequences and dimensions took 64- or 128-long blocks
+            assert not space.violated(space.default), (r.template, backend, space.default, space.violated(space.default))
     assert bind_plan(graph, default_plan(graph))

@@ -676,9 +676,12 @@ class AttentionTemplate(Template[AttentionSpec]):
         return importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule(group, spec, fwd, None, interpret=interpret)
 
     def default_config(self, spec: AttentionSpec) -> dict:
-        """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md)."""
+        """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md);
+        no block longer than its sequence (the space's rule), so that a short sequence's default is a config of the
+        space (a plan of defaults then adapts to other shapes, and a study's first trial is measured)."""
         big = spec.Lq >= 128 and spec.Lk >= 128
-        return {"block_q": 128 if big else 64, "block_k": 64 if max(spec.D, spec.Dv) > 128 or not big else 128,
+        fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
+        return {"block_q": fit(128 if big else 64, spec.Lq), "block_k": fit(64 if max(spec.D, spec.Dv) > 128 or not big else 128, spec.Lk),
                 "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
 
     def space(self, group: Group, spec: AttentionSpec | None = None) -> dict:

@@ -43,6 +43,7 @@ from .tiling import (
     analyze_segments,
     cdiv,
     needed,
+    next_pow2,
     template_space,
 )
 
@@ -124,11 +125,13 @@ class MatmulTemplate(Template[MatmulSpec]):
         return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro)
 
     def default_config(self, spec: MatmulSpec) -> dict:
+        """128x128x64 tiles, 64x64 where a side is short; no block longer than its dimension (the space's rule)."""
         small = min(spec.M, spec.N) < 128
-        bn = 64 if small else 128
+        fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
+        bn = fit(64 if small else 128, spec.N)
         if spec.seg:  # a tile holds whole segments
             bn = max(bn, spec.seg) // spec.seg * spec.seg
-        return {"block_m": 64 if small else 128, "block_n": bn, "block_k": 32 if spec.K < 64 else 64,
+        return {"block_m": fit(64 if small else 128, spec.M), "block_n": bn, "block_k": fit(32 if spec.K < 64 else 64, spec.K),
                 "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
 
     def space(self, group: Group, spec: MatmulSpec | None = None) -> dict:
