@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from .processes import pid_alive
+
 #: Set in a background job's environment: the job never queues another one.
 NO_BACKGROUND_ENV = "AUTOFUSE_NO_BACKGROUND_TUNE"
 
@@ -179,7 +181,7 @@ def _claim(lock: str) -> bool:
                     pid = int(f.read().strip() or "0")
             except (OSError, ValueError):
                 pid = 0
-            if pid > 0 and _alive(pid):
+            if pid > 0 and pid_alive(pid):
                 return False
             _release(lock)
             continue
@@ -187,15 +189,6 @@ def _claim(lock: str) -> bool:
             f.write(str(os.getpid()))
         return True
     return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")

@@ -462,15 +462,33 @@ def test_whole_plan_is_also_checked_on_the_callers_own_inputs(tmp_path):
 
     x = jax.random.normal(jax.random.PRNGKey(0), (2048, 1024), jnp.float32).astype(jnp.bfloat16)
     g, b = jnp.full((1024,), 1.5, jnp.bfloat16), jnp.full((1024,), 0.1, jnp.bfloat16)
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*")))
+    mine = os.path.join(tempfile.gettempdir(), f"autofuse-inputs-{os.getpid()}-*")  # what this process writes
+    before = set(glob.glob(mine))
     rep = tune(layer_norm, x, g, b, trials=10, seed=0, quiet=True)
     assert not rep.plan.is_xla
     ex = rep.validation.example_inputs
     assert ex.ok and ex.max_error <= ex.tolerance[0]
     assert ex.rounding_sensitivity != rep.validation.rounding_sensitivity  # measured at the caller's inputs
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "autofuse-inputs-*"))) == before
+    assert set(glob.glob(mine)) == before
     shapes = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True)
     assert shapes.validation.example_inputs is None
+
+
+def test_input_pickles_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    """A job killed before its cleanup leaves the caller's arrays in a pickle named by its pid; the next job on the
+    host removes those of processes that are gone, never a live process's (nor a name it cannot read a pid from)."""
+    import subprocess
+    import sys
+
+    from autofuse.tuning.job import INPUTS_PREFIX, remove_orphaned_inputs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    files = {name: tmp_path / f"{INPUTS_PREFIX}{name}-x.pkl" for name in (dead.stdout.strip(), str(os.getpid()), str(os.getppid()))}
+    files["no pid"] = tmp_path / f"{INPUTS_PREFIX}abc.pkl"
+    for f in files.values():
+        f.write_bytes(b"weights")
+    assert remove_orphaned_inputs(str(tmp_path)) == 1
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(f.name for k, f in files.items() if k != dead.stdout.strip())
 
 
 def test_function_arguments_named_like_tune_options_reach_the_function():

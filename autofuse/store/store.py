@@ -36,7 +36,6 @@ import json
 import os
 import socket
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
@@ -44,6 +43,7 @@ from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from autofuse.processes import pid_alive
 from autofuse.store import db, queries
 from autofuse.store.models import (
     MEASURES,
@@ -417,7 +417,7 @@ class PlanStore:
             if run.status == "finished":
                 raise ValueError(f"run {run_id} is finished; nothing to resume")
             if run.status == "running" and not (run.host == host and run.pid == pid):
-                if run.host == socket.gethostname() and run.pid is not None and not _pid_alive(
+                if run.host == socket.gethostname() and run.pid is not None and not pid_alive(
                     run.pid, run.started_at
                 ):
                     pass  # its process is gone: take it over
@@ -448,7 +448,7 @@ class PlanStore:
                     Run.status == "running", Run.host == host, Run.pid.is_not(None)
                 )
             ).all()
-            dead = [r.id for r in rows if not _pid_alive(r.pid, r.started_at)]
+            dead = [r.id for r in rows if not pid_alive(r.pid, r.started_at)]
             if dead:
                 s.execute(
                     sa.update(Run)
@@ -1184,7 +1184,7 @@ def _claim_stale(worker: str | None, claimed_at: _dt.datetime | None, now: _dt.d
     if claimed_at is None or (now - claimed_at).total_seconds() > stale_s:
         return True
     host, _, pid = (worker or "").rpartition(":")
-    return host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid), claimed_at)
+    return host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid), claimed_at)
 
 
 def _live(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1193,45 +1193,7 @@ def _live(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     :meth:`PlanStore.mark_interrupted` writes it. Runs of other hosts cannot be checked and are left as stored."""
     host = socket.gethostname()
     for r in runs:
-        if r.get("status") == "running" and r.get("host") == host and r.get("pid") is not None and not _pid_alive(r["pid"], r.get("started_at")):
+        if r.get("status") == "running" and r.get("host") == host and r.get("pid") is not None and not pid_alive(r["pid"], r.get("started_at")):
             r["status"] = "interrupted"
             r["error"] = r.get("error") or f"its process ({host}, pid {r['pid']}) is gone"
     return runs
-
-
-def _pid_alive(pid: int, started_at: _dt.datetime | None = None) -> bool:
-    """Whether *pid* is a live process on this host that may be the run's own.
-
-    Zombies count as dead; on Linux a process that started more than a few
-    seconds after *started_at* is a reused pid, so also dead.
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    except OSError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        text = stat.read_text()
-    except OSError:
-        return True  # not Linux, or raced with its exit: trust kill(0)
-    fields = text[text.rfind(")") + 2 :].split()
-    if fields and fields[0] in ("Z", "X"):
-        return False
-    if started_at is not None and len(fields) > 19:
-        try:
-            ticks = int(fields[19])  # field 22 of /proc/PID/stat: start time, clock ticks after boot
-            btime = next(
-                int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-            )
-            proc_start = btime + ticks / os.sysconf("SC_CLK_TCK")
-            if proc_start > started_at.timestamp() + 5.0:
-                return False
-        except (OSError, ValueError, StopIteration):
-            pass
-    return True

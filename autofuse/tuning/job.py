@@ -3,6 +3,7 @@ compute the same thing are tuned once), their search spaces, the run in the stor
 and one Optuna study per candidate with its first configs enqueued."""
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import pickle
@@ -18,6 +19,7 @@ import numpy as np
 from .. import costmodel
 from ..device import default_backends, device_info, software
 from ..graph import Graph, flatten_args, qualified_name
+from ..processes import pid_alive
 from ..runner.protocol import TrialResult
 from ..store.store import whoami
 from .ahead import time_xla_concurrently
@@ -257,10 +259,31 @@ def save_example_inputs(graph: Graph, fn: Callable, args: tuple, kwargs: dict, s
     leaves = flatten_args(graph, fn, args, kwargs, static_argnums, static_argnames)
     if not leaves or any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         return None
-    fd, path = tempfile.mkstemp(prefix="autofuse-inputs-", suffix=".pkl")
+    remove_orphaned_inputs()
+    fd, path = tempfile.mkstemp(prefix=f"{INPUTS_PREFIX}{os.getpid()}-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
         pickle.dump([np.asarray(x) for x in leaves], f, protocol=pickle.HIGHEST_PROTOCOL)
     return path
+
+
+INPUTS_PREFIX = "autofuse-inputs-"  # then the writing process's pid: `remove_orphaned_inputs` tells whose a file is
+
+
+def remove_orphaned_inputs(folder: str | None = None) -> int:
+    """Remove the input pickles (`save_example_inputs`) of this host's tuning processes that are gone: a job killed
+    before its `finally` leaves a copy of the caller's arrays (a model's weights) behind. Files of live processes,
+    and of names without a pid, stay. Returns how many were removed."""
+    removed = 0
+    for path in glob.glob(os.path.join(folder or tempfile.gettempdir(), INPUTS_PREFIX + "*.pkl")):
+        pid = os.path.basename(path)[len(INPUTS_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:  # removed by another job at the same moment, or not ours to remove
+            pass
+    return removed
 
 
 def progress_bar(work: int | Sequence, name: str, disable: bool, what: str, unit: str) -> Any:
