@@ -55,6 +55,7 @@ import numpy as np
 from .. import costmodel
 from ..graph import capture
 from ..plan import Plan
+from ..processes import pid_alive
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
@@ -267,14 +268,12 @@ def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: boo
 def _wait_for_selection(pstore: Any, run_id: int) -> dict:
     """The run once no worker anywhere is running a trial of it or selecting its plan (after this host's workers exited,
     workers of other hosts may still be)."""
-    from ..store.store import _pid_alive
-
     while True:
         run = pstore.get_run(run_id)
         if run["status"] != "running" or (run["selected_by"] is None and not pstore.trials(run_id, "running")):
             return run
         host, _, pid = (run["selected_by"] or "").rpartition(":")
-        if host == socket.gethostname() and not _pid_alive(int(pid)):  # the selecting worker of this host died
+        if host == socket.gethostname() and not pid_alive(int(pid)):  # the selecting worker of this host died
             pstore.finish_run(run_id, "failed", error=f"worker {run['selected_by']} died while selecting the plan")
             return pstore.get_run(run_id)
         time.sleep(POLL_S)
