@@ -421,15 +421,13 @@ class AutofuseFunction:
         own rounding spread at those inputs where larger (at most MAX_PROGRAM_TOLERANCE). A deep bf16 model on the
         check's N(0, 1) inputs moves by more than one bf16 operation's bound when its inputs move by one rounding step,
         and so does a fused plan that rounds its intermediates differently (`rounding_sensitivity`)."""
-        from .runner.evaluator import MAX_PROGRAM_TOLERANCE, rounding_sensitivity
-        from .runner.measure import check, cone_tolerances
+        from .runner.evaluator import program_tolerances, rounding_sensitivity
+        from .runner.measure import check
 
         ref = jax.jit(lambda *a: graph.evaluate(a))
         avals, seeds = [graph.avals[v] for v in graph.inputs], (11, 12)
         with jax.ensure_compile_time_eval():
-            spread = rounding_sensitivity(ref, avals, seeds[0])
-            tols = [max(t, min(s, MAX_PROGRAM_TOLERANCE))
-                    for t, s in zip(cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs), spread, strict=True)]
+            tols = program_tolerances(graph, rounding_sensitivity(ref, avals, seeds[0]))
             res = check(fused, ref, avals, seeds, tols)
         return res.ok
 

@@ -270,10 +270,14 @@ class Evaluator:
         return InputsCheck(res.ok, res.max_error, tols, sens, res.reason)
 
     def _program_tolerances(self, sens: Sequence[float]) -> list[float]:
-        """Per output of the whole program: its cone's dtype bound, or jax.jit's rounding spread `sens` where
-        larger (at most MAX_PROGRAM_TOLERANCE)."""
-        g = self.graph
-        return [max(t, min(e, MAX_PROGRAM_TOLERANCE)) for t, e in zip(cone_tolerances(g, [n.id for n in g.nodes], g.outputs), sens)]
+        return program_tolerances(self.graph, sens)
+
+
+def program_tolerances(graph: Graph, sens: Sequence[float]) -> list[float]:
+    """Per output of the whole program: its cone's dtype bound, or jax.jit's rounding spread `sens` where larger
+    (at most MAX_PROGRAM_TOLERANCE): the bound of a whole plan against jax.jit, at tuning and at deploy."""
+    return [max(t, min(e, MAX_PROGRAM_TOLERANCE))
+            for t, e in zip(cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs), sens, strict=True)]
 
 
 def _structs(group: Group) -> list[jax.ShapeDtypeStruct]:
