@@ -23,7 +23,7 @@ from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
-from .measure import check, compare, cone_tolerances, random_inputs, time_fn, time_pair
+from .measure import check, compare, cone_tolerances, pool_view, random_inputs, time_fn, time_pair
 from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
 
@@ -313,18 +313,19 @@ def rounding_sensitivity(ref: Callable, avals: Sequence[Any], seed: int, args: S
     `args`: the inputs to nudge (default: random ones from `seed`).
     """
     args = random_inputs(avals, seed) if args is None else list(args)
-    key = jax.random.PRNGKey(seed + 7919)
-    nudged = []
-    for i, (a, x) in enumerate(zip(avals, args)):
-        d = np.dtype(a.dtype)
-        if d in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-            sign = jax.random.rademacher(jax.random.fold_in(key, i), tuple(a.shape), jnp.float32)
-            x = (x.astype(jnp.float32) * (1 + 2.0 ** -jnp.finfo(d).nmant * sign)).astype(d)
-        nudged.append(x)
+    nudged = [_nudged(x, pool_view(tuple(a.shape), a.dtype, seed + 7919, i, kind="sign"))
+              if np.dtype(a.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) else x
+              for i, (a, x) in enumerate(zip(avals, args))]
     outs, moved = ref(*args), ref(*nudged)
     errs = [compare(m, o, 0.0)[1] if np.issubdtype(np.dtype(o.dtype), np.inexact) or o.dtype == jnp.bfloat16 else 0.0
             for o, m in zip(outs, moved)]
     return [e if math.isfinite(e) else 0.0 for e in errs]
+
+
+@jax.jit
+def _nudged(x: jax.Array, sign: jax.Array) -> jax.Array:
+    """x moved by one rounding step of its dtype, up or down by `sign` (one compiled program per shape)."""
+    return (x.astype(jnp.float32) * (1 + 2.0 ** -jnp.finfo(x.dtype).nmant * sign)).astype(x.dtype)
 
 
 def lowering_guard(kernel: Callable, structs: Sequence[Any]) -> None:

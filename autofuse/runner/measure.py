@@ -7,6 +7,7 @@ must match exactly; integer and boolean results must be equal.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -57,25 +58,75 @@ def cone_tolerances(graph: Any, node_ids: Sequence[int], outputs: Sequence[Any])
     return out
 
 
+POOL_SIZE = 1_000_003  # a prime: a view's period never divides a power-of-two stride of the shapes it fills
+
+
 def random_inputs(avals: Sequence[Aval], seed: int) -> list[jax.Array]:
-    """Fresh random inputs made on the device: normal floats, small integers, random booleans (never zeros)."""
-    key = jax.random.PRNGKey(seed)
+    """Fresh random inputs made on the device: normal floats, small integers, random booleans (never zeros).
+
+    Each input is a view of one pool of random numbers per process, x[i] = pool[(a * i + b) mod POOL_SIZE] with
+    (a, b) drawn from (seed, position): a model's hundreds of weights and a job's hundreds of candidates then
+    compile one small gather per distinct shape (tens of ms on a GPU) instead of a random-number generator per
+    shape (threefry: several times that, seconds of every job's start and of every whole-program check).
+    Arrays longer than the prime pool repeat it with that period, which no indexing bug's stride matches."""
     out = []
     for i, a in enumerate(avals):
-        k = jax.random.fold_in(key, i)
         d = np.dtype(a.dtype)
-        if np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16):
-            x = jax.random.normal(k, a.shape, jnp.float32).astype(d)
-        elif d == np.bool_:
-            x = jax.random.bernoulli(k, 0.5, a.shape)
-        elif np.issubdtype(d, np.integer):
-            hi = int(min(np.iinfo(d).max, 64))
-            lo = 0 if np.issubdtype(d, np.unsignedinteger) else -hi
-            x = jax.random.randint(k, a.shape, lo, hi, jnp.int32).astype(d)
-        else:
+        if not (np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16) or d == np.bool_ or np.issubdtype(d, np.integer)):
             raise TypeError(f"cannot make random inputs of dtype {d}")
-        out.append(x)
+        out.append(pool_view(tuple(a.shape), d, seed, i))
     return out
+
+
+def pool_view(shape: tuple[int, ...], dtype: Any, seed: int, position: int, kind: str = "value") -> jax.Array:
+    """One array of `random_inputs` (`kind` "value"), or a random +-1 of the same shape in float32 ("sign")."""
+    normal, uniform = _pools(jax.devices()[0])
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, position, kind == "sign"])
+    step, start = int(rng.integers(1, 2048)), int(rng.integers(0, POOL_SIZE))
+    if int(np.prod(shape, dtype=np.int64)) >= 2**31 - 2**24:  # past int32 indices: the generator itself
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
+        if kind == "sign":
+            return jax.random.rademacher(key, shape, jnp.float32)
+        return _generated(key, shape, np.dtype(dtype))
+    return _viewer(shape, np.dtype(dtype).str if np.dtype(dtype) != np.dtype(jnp.bfloat16) else "bfloat16", kind)(
+        normal, uniform, jnp.int32(step), jnp.int32(start))
+
+
+@functools.lru_cache(maxsize=4)
+def _pools(device: Any) -> tuple[jax.Array, jax.Array]:
+    key = jax.device_put(jax.random.PRNGKey(0), device)
+    return (jax.random.normal(key, (POOL_SIZE,), jnp.float32),
+            jax.random.uniform(jax.random.fold_in(key, 1), (POOL_SIZE,), jnp.float32, minval=1e-7, maxval=1.0))
+
+
+@functools.lru_cache(maxsize=1024)
+def _viewer(shape: tuple[int, ...], dtype_name: str, kind: str) -> Callable:
+    d = np.dtype(jnp.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    n = int(np.prod(shape, dtype=np.int64))
+
+    def view(normal: jax.Array, uniform: jax.Array, step: jax.Array, start: jax.Array) -> jax.Array:
+        i = jnp.arange(n, dtype=jnp.int32) % POOL_SIZE
+        idx = ((step * i) + start) % POOL_SIZE  # step < 2048, i < POOL_SIZE: no int32 overflow
+        if kind == "sign":
+            return jnp.where(uniform[idx] < 0.5, -1.0, 1.0).astype(jnp.float32).reshape(shape)
+        return _shaped(normal[idx], uniform[idx], d).reshape(shape)
+
+    return jax.jit(view)
+
+
+def _shaped(normal: jax.Array, uniform: jax.Array, d: np.dtype) -> jax.Array:
+    """Normal floats, booleans, or integers uniform in [-hi, hi) (unsigned: [0, hi)), hi at most 64."""
+    if np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16):
+        return normal.astype(d)
+    if d == np.bool_:
+        return uniform < 0.5
+    hi = int(min(np.iinfo(d).max, 64))
+    lo = 0 if np.issubdtype(d, np.unsignedinteger) else -hi
+    return jnp.clip(jnp.floor(uniform * (hi - lo)).astype(jnp.int32) + lo, lo, hi - 1).astype(d)
+
+
+def _generated(key: jax.Array, shape: tuple[int, ...], d: np.dtype) -> jax.Array:
+    return _shaped(jax.random.normal(key, shape, jnp.float32), jax.random.uniform(jax.random.fold_in(key, 1), shape, jnp.float32), d)
 
 
 @dataclass
