@@ -32,6 +32,8 @@ from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Resu
 #: model's XLA timings (GPT-2 medium: 158 distinct groups, each 12 batches) from being a job's longest phase;
 #: whole plans are timed in 25 ms batches (`time_pair`'s default), where the decision is final.
 CANDIDATE_BATCH_MS = 10.0
+#: About how long a whole plan's timing against jax.jit may take: 20 pairs of a small program, 8 of a whole model.
+VALIDATION_TIMING_MS = 3000.0
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
 
 
@@ -251,7 +253,7 @@ class Evaluator:
         if status is not TrialStatus.OK or self.measure == "model":
             return out
         t4 = time.perf_counter()
-        base, plan_t, ratio = time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats)
+        base, plan_t, ratio = time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats, budget_ms=VALIDATION_TIMING_MS)
         secs["time"] = time.perf_counter() - t4
         return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, base, plan_t, ratio, seconds=secs)
 

@@ -231,16 +231,18 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 1
 
 
 def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0,
-              warmup: int = 2) -> tuple[Timing, Timing, Timing]:
+              warmup: int = 2, budget_ms: float | None = None, min_repeats: int = 8) -> tuple[Timing, Timing, Timing]:
     """Two functions timed in alternation (a, b, a, b, ...), each repeat as in `time_fn`: their timings and that of
     the ratio b / a per repeat.
 
     A GPU's clock drifts with its power and temperature over a run (an H100 moved 10% between 25 ms batches of one
     GEMM); timed back to back, each pair sees the same clock, so the ratio's spread is the comparison's noise.
+    `budget_ms`: fewer repeats (no fewer than `min_repeats`) where `repeats` pairs would take longer: a whole
+    model's pair (GPT-2 medium: 3 calls of 86 ms and 3 of 30 ms) is long enough that 8 already span seconds.
     """
     import time
 
-    calls = []
+    calls, pair_ms = [], 0.0
     for fn in (fn_a, fn_b):
         jax.block_until_ready(fn(*arg_sets[0]))
         t0 = time.perf_counter()
@@ -248,6 +250,9 @@ def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]],
             jax.block_until_ready(fn(*args))
         one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
         calls.append(max(len(arg_sets), min(2000, int(target_ms / max(one, 1e-3)))))
+        pair_ms += calls[-1] * one
+    if budget_ms is not None:
+        repeats = max(min(repeats, min_repeats), min(repeats, int(budget_ms / max(pair_ms, 1e-3)) - warmup))
 
     def batch(fn: Callable, n: int) -> float:
         t0 = time.perf_counter()

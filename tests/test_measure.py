@@ -1,0 +1,70 @@
+"""Random inputs and paired timing (autofuse.runner.measure): what every check and every timing stands on."""
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from autofuse.graph import Aval
+from autofuse.runner.measure import POOL_SIZE, random_inputs, time_pair
+
+
+def _avals(*specs):
+    return [Aval(shape, jnp.dtype(dt)) for shape, dt in specs]
+
+
+def test_random_inputs_are_fixed_by_seed_and_differ_by_seed_and_position():
+    av = _avals(((64, 48), jnp.bfloat16), ((64, 48), jnp.bfloat16), ((5,), jnp.float32))
+    a, b, c = random_inputs(av, 1), random_inputs(av, 1), random_inputs(av, 2)
+    for x, y in zip(a, b):
+        assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert not np.array_equal(np.asarray(a[0], np.float32), np.asarray(c[0], np.float32))
+    assert not np.array_equal(np.asarray(a[0], np.float32), np.asarray(a[1], np.float32))  # q and k are not one array
+    assert [x.shape for x in a] == [(64, 48), (64, 48), (5,)] and [x.dtype for x in a] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+
+
+def test_random_floats_look_normal_and_never_zero():
+    (x,) = random_inputs(_avals(((256, 512), jnp.float32)), 7)
+    x = np.asarray(x)
+    assert abs(x.mean()) < 0.02 and abs(x.std() - 1) < 0.02 and np.count_nonzero(x) == x.size
+    assert len(np.unique(x)) > 0.99 * x.size  # no repeats within the pool's length
+
+
+def test_arrays_longer_than_the_pool_do_not_repeat_at_power_of_two_strides():
+    """A kernel that mixes up batch elements must see different numbers in them: 2^k strides never match the period."""
+    (x,) = random_inputs(_avals(((4, 2**19), jnp.float32), ), 3)
+    x = np.asarray(x)
+    assert x.size > POOL_SIZE
+    for i in range(1, 4):
+        assert not np.array_equal(x[0], x[i])
+
+
+def test_integer_and_boolean_inputs_stay_small_and_mixed():
+    i32, u8, b = random_inputs(_avals(((4000,), jnp.int32), ((4000,), jnp.uint8), ((4000,), jnp.bool_)), 5)
+    i32, u8, b = np.asarray(i32), np.asarray(u8), np.asarray(b)
+    assert i32.min() >= -64 and i32.max() < 64 and i32.min() < -50 and i32.max() > 50
+    assert u8.min() >= 0 and u8.max() < 64 and u8.dtype == np.uint8
+    assert 0.4 < b.mean() < 0.6
+
+
+def test_unsupported_dtypes_are_refused():
+    with pytest.raises(TypeError, match="complex64"):
+        random_inputs(_avals(((3,), jnp.complex64)), 0)
+
+
+def _slow(ms):
+    def fn(x):
+        time.sleep(ms / 1e3)
+        return x
+    return fn
+
+
+def test_time_pair_shortens_to_its_budget_but_keeps_its_minimum():
+    sets = [[np.ones(3)] for _ in range(3)]
+    _, _, ratio = time_pair(_slow(10), _slow(5), sets, repeats=20, target_ms=1.0, warmup=1, budget_ms=200.0, min_repeats=4)
+    assert ratio.repeats == 4  # a pair of 3 + 3 calls is 45 ms: 200 ms allows 3, the minimum is 4
+    a, b, ratio = time_pair(_slow(1), _slow(1), sets, repeats=6, target_ms=1.0, warmup=1, budget_ms=10_000.0, min_repeats=4)
+    assert ratio.repeats == 6 and a.repeats == 6  # a budget never adds repeats
+    _, _, ratio = time_pair(_slow(10), _slow(5), sets, repeats=5, target_ms=1.0, warmup=1)
+    assert ratio.repeats == 5  # without a budget: as asked
+    assert 0.3 < ratio.median_ms < 0.7
