@@ -60,6 +60,7 @@ def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = 
     t0 = time.time()
     rep = autofuse.tune(fn, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, name=f"examples.{name}:{mode}")
     tune_s = time.time() - t0
+    print(f"{name} {mode}: {rep.summary()}\nvalidation: {rep.validation.status} {rep.validation.error or ''}\n{rep.table()}", file=sys.stderr, flush=True)  # why a plan kept XLA's: the candidates' bests
     if mode == "loss":
         ref = jax.jit(jax.grad(mod.loss))
         fused = jax.jit(jax.grad(autofuse.jit(mod.loss, plan=rep.plan)))
