@@ -107,10 +107,11 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
     lines = ["run: " + ", ".join(out)]
     for w, wm in sorted((phases.get("workers") or {}).items()):
         lines.append(f"worker {w}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(wm.items(), key=lambda kv: kv[1])))
-    for key, parts in sorted(phases.items()):  # where each process's XLA timings went (compiling ahead, timing, waiting)
-        if key.startswith("xla_parts") and isinstance(parts, dict):
-            who = key[len("xla_parts"):].strip() or "this process"
-            lines.append(f"XLA timings ({who}): " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in parts.items()))
+    for prefix, label in (("xla_parts", "XLA timings"), ("trial_parts", "trials")):  # where each process's time went
+        for key, parts in sorted(phases.items()):
+            if key.startswith(prefix) and isinstance(parts, dict):
+                who = key[len(prefix):].strip() or "this process"
+                lines.append(f"{label} ({who}): " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in parts.items()))
     sel = phases.get("selection")
     if isinstance(sel, dict):
         parts = [f"{k} {sel[k]:.2f}" for k in ("check", "singles", "cover", "compile_ahead", "validate") if isinstance(sel.get(k), (int, float))]

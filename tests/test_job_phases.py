@@ -72,8 +72,12 @@ def test_a_run_with_workers_records_the_launchers_and_each_workers_phases(tmp_pa
     assert len(workers) == 2, phases
     parts = {k: v for k, v in phases.items() if k.startswith("xla_parts ")}
     assert {k.split(" ", 1)[1] for k in parts} == set(workers) and sum(p.get("groups", 0) for p in parts.values()) > 0, phases
+    assert all("store" in p for p in parts.values()), phases  # claiming and recording the timings: apart from the work
+    trial_parts = {k.split(" ", 1)[1]: v for k, v in phases.items() if k.startswith("trial_parts ")}
+    assert set(trial_parts) == set(workers) and all({"compiled_ahead", "batches", "compile_ahead"} <= set(v) for v in trial_parts.values()), phases
     for marks in workers.values():
-        assert _in_order(marks, ("joined", "ready", "xla", "trials")) and marks["ready"] >= phases["candidates"], phases
+        assert _in_order(marks, ("joined", "ready", "xla", "loop", "trials")) and marks["ready"] >= phases["candidates"], phases
+    assert any(line.startswith("trials (") for line in format_phases(phases)), format_phases(phases)
 
 
 def test_the_models_best_is_queued_by_a_studys_first_trial_where_it_came_before():

@@ -250,6 +250,11 @@ def test_a_dead_workers_xla_claim_is_taken_over_and_a_live_ones_is_not(tmp_path)
     assert set(got) <= set(again) and not set(live) & set(again)  # the dead one's claims, never the live one's
     assert not pstore.finish_xla(got[0], f"{here}:{dead.pid}", "ok", 1.0, "gpu:0")  # its late result is refused
     assert pstore.finish_xla(got[0], "other-host:1", "ok", 1.0, "gpu:0")
+    # a chunk is recorded in one write; where a claim was taken over, that result alone is refused
+    assert pstore.finish_xla_many(f"{here}:{dead.pid}", [(got[1], "ok", 2.0, "gpu:0"), (got[2], "ok", 3.0, "gpu:0")]) == [False, False]
+    assert pstore.finish_xla_many("other-host:1", [(got[1], "ok", 2.0, "gpu:1"), (live[0], "ok", 9.0, "gpu:1")]) == [True, False]
+    rows = {c["id"]: c for c in pstore.candidates(run_id)}
+    assert rows[got[1]]["xla_ms"] == 2.0 and rows[got[1]]["xla_device"] == "gpu:1" and rows[live[0]]["xla_ms"] is None
     stale = pstore.claim_xla(run_id, "third:1", 100, stale_s=0.0)  # any claim older than stale_s
     assert set(live) <= set(stale) and got[0] not in stale  # a finished timing is never claimed again
 
@@ -301,7 +306,8 @@ def test_each_worker_is_pinned_to_its_gpu_and_its_trial_process_records_it(monke
 
 
 def test_compiling_ahead_stops_at_this_workers_part_of_the_budget():
-    """Two workers with 5 trials left: a batch holds this worker's 3 at most, every second candidate of phase 1."""
+    """Two workers with 5 trials left: a batch holds this worker's 3 candidates at most, the next of phase 1 (the
+    workers go through it in step), each with every default config (a worker takes whichever is enqueued next)."""
     *_, cands, spaces = _program()
     time_xla(cands, Recorder())
     rec = Recorder()
@@ -309,4 +315,7 @@ def test_compiling_ahead_stops_at_this_workers_part_of_the_budget():
     order = phase1_order(cands, spaces)
     ca.before(order[0])
     (batch,) = rec.requests
-    assert [q.nodes for q in batch.items] == [tuple(cands[j].nodes) for j in (order[0], order[2], order[4])]
+    want = [(tuple(cands[j].nodes), dict(c)) for j in order[:3] for c in spaces[cands[j].signature].defaults()]
+    assert [(q.nodes, q.config) for q in batch.items] == want
+    ca1 = CompileAhead(Recorder(), cands, spaces, "device", 8, share=1, budget=5)
+    assert [q.config for q in ca1.first_requests(order[0])] == [spaces[cands[order[0]].signature].default]  # one worker: its first

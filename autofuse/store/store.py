@@ -36,7 +36,7 @@ import json
 import os
 import socket
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Sequence, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc
@@ -466,27 +466,26 @@ class PlanStore:
 
         Idempotent so that a resumed run finds its candidates again.
         """
+        return self.add_candidates(run_id, [(signature, template, nodes)])[0]
 
-        def fn(s: Session) -> int:
-            found = s.scalar(
-                sa.select(Candidate.id).where(
-                    Candidate.run_id == run_id, Candidate.signature == signature, Candidate.template == template
-                )
-            )
-            if found is not None:
-                return found
+    def add_candidates(self, run_id: int, cands: Sequence[tuple[str, str, list[int]]]) -> list[int]:
+        """`add_candidate` of each (signature, template, nodes), in one transaction: a whole model's candidates
+        (GPT-2 medium: 158) are one write, not one each while the run's workers start and read the store."""
+
+        def fn(s: Session) -> list[int]:
             self._require(s, Run, run_id, "run")
-            row = Candidate(
-                run_id=run_id,
-                signature=signature,
-                template=template,
-                nodes=[int(n) for n in nodes],
-                status="pending",
-                n_trials=0,
-            )
-            s.add(row)
-            s.flush()
-            return row.id
+            known = {(sig, tmpl): cid for cid, sig, tmpl in s.execute(
+                sa.select(Candidate.id, Candidate.signature, Candidate.template).where(Candidate.run_id == run_id))}
+            ids = []
+            for signature, template, nodes in cands:
+                if (signature, template) not in known:
+                    row = Candidate(run_id=run_id, signature=signature, template=template, nodes=[int(n) for n in nodes],
+                                    status="pending", n_trials=0)
+                    s.add(row)
+                    s.flush()
+                    known[(signature, template)] = row.id
+                ids.append(known[(signature, template)])
+            return ids
 
         return self._write(fn, retry_integrity=True)
 
@@ -678,14 +677,23 @@ class PlanStore:
 
     def finish_xla(self, cand_id: int, worker: str, status: str, xla_ms: float | None, device: str | None) -> bool:
         """Record a claimed XLA timing (*status* ok, or why it failed); False if another worker took the claim over."""
+        return self.finish_xla_many(worker, [(cand_id, status, xla_ms, device)]) == [True]
 
-        def fn(s: Session) -> bool:
-            res = s.execute(
-                sa.update(Candidate)
-                .where(Candidate.id == cand_id, Candidate.xla_status == "running", Candidate.xla_worker == worker)
-                .values(xla_status=status, xla_ms=_float(xla_ms), xla_device=device)
-            )
-            return res.rowcount == 1
+    def finish_xla_many(self, worker: str, results: Sequence[tuple[int, str, float | None, str | None]]) -> list[bool]:
+        """`finish_xla` of a chunk's (candidate id, status, ms, device), in one transaction: a worker's chunk is one
+        write, not one per candidate (four workers' per-candidate writes on one SQLite file waited on each other's
+        locks for seconds of every worker's XLA phase). Per result, False where another worker took the claim over."""
+
+        def fn(s: Session) -> list[bool]:
+            done = []
+            for cand_id, status, xla_ms, device in results:
+                res = s.execute(
+                    sa.update(Candidate)
+                    .where(Candidate.id == cand_id, Candidate.xla_status == "running", Candidate.xla_worker == worker)
+                    .values(xla_status=status, xla_ms=_float(xla_ms), xla_device=device)
+                )
+                done.append(res.rowcount == 1)
+            return done
 
         return self._write(fn)
 

@@ -109,10 +109,13 @@ class CompileAhead:
     """Phase 1's default configs compiled ahead, a chunk at a time, just before the driver reaches them.
 
     `before(i)` runs before each trial of candidate i: when i has no trial yet and its first config was not
-    sent ahead, the trial process compiles it together with the next untried candidates in phase 1 order
-    (with `share` workers taking turns, every `share`-th of them: those this worker is likely to run), no more
-    than this worker's part of the trials left of `budget`. A guess that misses costs compile time on a spare
-    core, never a result: the trial compiles what it does not find.
+    sent ahead, the trial process compiles it together with the next untried candidates in phase 1 order, no
+    more than this worker's part of the trials left of `budget`. With `share` workers, each compiles every
+    default config (one per backend) of those candidates: the workers go through phase 1 in the same order, each
+    taking whichever of a candidate's enqueued configs is next (on 4 H100s, GPT-2's four workers all began with
+    attention, then the same row reductions; a guess of every fourth candidate per worker missed nearly always,
+    and those trials compiled for 1-2 s each). A guess that misses costs compile time on a spare core, never a
+    result: the trial compiles what it does not find.
     """
 
     def __init__(self, runner: Any, cands: list[CandidateState], spaces: dict[str, CandidateSpace], measure: str, workers: int,
@@ -121,14 +124,14 @@ class CompileAhead:
         self.workers, self.share, self.budget = workers, max(1, share), budget
         self.sent: set[int] = set()
         self.batches: list[int] = []  # the size of each batch sent
+        self.seconds: list[float] = []  # how long each batch took to compile
 
-    def first_request(self, i: int) -> TrialRequest | None:
-        """Candidate i's first config as its trial will ask for it; None if it will not be compiled."""
+    def first_requests(self, i: int) -> list[TrialRequest]:
+        """Candidate i's first config (with several workers: each backend's default) as its trial will ask for it,
+        those that will be compiled."""
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
-        cfg = space.default  # the first of `first_configs`, without enumerating the space for the model's best
-        if space.unmeasured_reason(cfg, self.measure):
-            return None
-        return TrialRequest(tuple(r.nodes), r.template, dict(cfg))
+        cfgs = space.defaults() if self.share > 1 else [space.default]  # without enumerating the space for the model's best
+        return [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs if not space.unmeasured_reason(c, self.measure)]
 
     def before(self, i: int) -> None:
         if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
@@ -137,13 +140,15 @@ class CompileAhead:
         if self.budget is not None:  # this worker's part of the trials left
             n = min(n, -(-(self.budget - sum(len(c.spent()) for c in self.cands)) // self.share))
         rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent]
-        pick = [i] + rest[self.share - 1::self.share][:max(0, n - 1)]
+        pick = [i] + rest[:max(0, n - 1)]
         self.sent.update(pick)
-        reqs = tuple(q for q in (self.first_request(j) for j in pick) if q is not None)
+        reqs = tuple(q for j in pick for q in self.first_requests(j))
         if len(reqs) > 1:
             self.batches.append(len(reqs))
+            t0 = time.perf_counter()
             if not compile_batch(self.runner, reqs, self.workers):
                 self.workers = 1
+            self.seconds.append(round(time.perf_counter() - t0, 3))
 
 
 def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> threading.Event:

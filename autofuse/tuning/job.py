@@ -200,9 +200,13 @@ class PhaseMarks:
 def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState]) -> None:
     """Each candidate's row in the run (found again when the run is resumed)."""
     known = {c["signature"]: c for c in pstore.candidates(run_id)}
+    new = [r for r in cands if r.signature not in known]
+    for r, cid in zip(new, pstore.add_candidates(run_id, [(r.signature, r.template, r.nodes) for r in new]) if new else [], strict=True):
+        r.candidate_id = cid
     for r in cands:
         row = known.get(r.signature)
-        r.candidate_id = row["id"] if row else pstore.add_candidate(run_id, r.signature, r.template, r.nodes)
+        if row:
+            r.candidate_id = row["id"]
         if row and row["xla_ms"] is not None and r.xla_ms is None:
             r.xla_ms = row["xla_ms"]
         if row and row["status"] in ("tuned", "failed", "skipped"):  # finished by the run's earlier process: its best is read back

@@ -372,8 +372,11 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
                         run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
             w.loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
             w.loop.verbose = not quiet  # a line per trial
+            marks("loop", worker=me)  # the trial loop is ready (its storage connected): the first trial comes next
             w.work()
             marks("trials", worker=me)
+            marks(f"trial_parts {me}", value={"compiled_ahead": sum(w.loop.ahead.batches), "batches": len(w.loop.ahead.batches),
+                                               "compile_ahead": round(sum(w.loop.ahead.seconds), 3)})
             selected = pstore.begin_selection(run_id, me)
             if selected:
                 marks("trials")
@@ -415,24 +418,35 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
     again until none is left to claim; then wait for the other workers' chunks (a dead worker's claim is taken
     over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
     `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`);
-    `spent`: where this worker's time went (`ahead.time_xla_concurrently`, and "waiting" for the others' chunks).
+    `spent`: where this worker's time went (`ahead.time_xla_concurrently`, "store": claiming, recording and reading
+    back the timings, and "waiting" for the others' chunks).
     Sets every candidate's `xla_ms`; returns how many this worker timed."""
     by_id = {r.candidate_id: r for r in cands}
     timed = 0
+    spent = {} if spent is None else spent
+
+    def stored(t0: float) -> None:
+        spent["store"] = round(spent.get("store", 0.0) + time.perf_counter() - t0, 3)
+
     while True:
+        t0 = time.perf_counter()
         ids = pstore.claim_xla(run_id, me, xla_chunk(len(cands), threads, share), stale_s=stale_s)
+        stored(t0)
         if ids:
             part = [by_id[i] for i in ids]
-            for r, res in zip(part, time_xla(part, runner, compile_workers=threads, spent=spent), strict=True):
-                pstore.finish_xla(r.candidate_id, me, res.status.value, r.xla_ms, res.device)
+            results = time_xla(part, runner, compile_workers=threads, spent=spent)
+            t0 = time.perf_counter()
+            pstore.finish_xla_many(me, [(r.candidate_id, res.status.value, r.xla_ms, res.device) for r, res in zip(part, results, strict=True)])
+            stored(t0)
             timed += len(part)
             continue
+        t0 = time.perf_counter()
         pending = read_xla(pstore, run_id, cands)
+        stored(t0)
         if not pending or pstore.get_run(run_id)["status"] != "running":
             return timed
         time.sleep(POLL_S)
-        if spent is not None:
-            spent["waiting"] = round(spent.get("waiting", 0.0) + POLL_S, 3)
+        spent["waiting"] = round(spent.get("waiting", 0.0) + POLL_S, 3)
 
 
 def xla_chunk(n_cands: int, threads: int, share: int) -> int:
