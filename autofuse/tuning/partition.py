@@ -41,14 +41,25 @@ MAX_CANDIDATES = 5000
 _FUSIBLE_DTYPES = {np.dtype(d) for d in ("float32", "bfloat16", "float16", "int32", "uint32", "int8", "uint8", "bool")}
 
 
+_LAZY = object()  # a match not made yet: `Candidate.spec` makes it when first asked
+
+
 @dataclass(frozen=True, eq=False)
 class Candidate:
-    """A group that a template can implement, with the template's match data."""
+    """A group that a template can implement, with the template's match data (`spec`, matched when first asked
+    where the group's structure matched before: a repeated layer's groups are matched once while enumerating)."""
 
     group: Group
     template: str
-    spec: object
+    match_data: object = _LAZY
     stages: tuple[frozenset[int], ...] = ()  # a group run in stages (each convex, in order; their union need not be)
+    reductions: int = 0  # the template's reductions (a run of growing groups ends where this changes)
+
+    @property
+    def spec(self) -> object:
+        if self.match_data is _LAZY:
+            object.__setattr__(self, "match_data", TEMPLATES[self.template].match(self.group))
+        return self.match_data
 
     @property
     def nodes(self) -> frozenset[int]:
@@ -119,14 +130,15 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             dots |= 1 << nd.id
             feeds_dot |= producers[nd.id]
     cache: dict[int, Candidate | None] = {}
-    matched: dict[tuple, str | None] = {}
+    matched: dict[tuple, tuple[str, int] | None] = {}
     emitted: set[int] = set()
     found: list[Candidate] = []
     distinct: set[str] = set()  # the budget counts computations: a repeated layer's instances count once
 
     def emit(c: Candidate | None) -> None:
         mask = sum(1 << i for i in c.group.node_ids) if c else 0
-        if c is not None and mask not in emitted and (c.group.signature in distinct or len(distinct) < max_candidates):
+        if c is not None and mask not in emitted and (c.group.signature in distinct or len(distinct) < max_candidates) \
+                and c.spec is not None:
             emitted.add(mask)
             distinct.add(c.group.signature)
             found.append(c)
@@ -170,7 +182,7 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     def kind(c: Candidate | None) -> tuple | None:
         # A run is one template with one loop structure: a row_reduce that takes in one
         # more reduction may need one more pass over the columns, so a run ends there.
-        return None if c is None else (c.template, len(getattr(c.spec, "reductions", ())))
+        return None if c is None else (c.template, c.reductions)
 
     # All seeds grow in step (one node per round), so a budget that runs out cuts
     # the largest groups everywhere, not every seed after the first few. Growth is
@@ -210,9 +222,10 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     return found
 
 
-def _candidate(graph: Graph, mask: int, matched: dict[tuple, str | None] | None = None) -> Candidate | None:
+def _candidate(graph: Graph, mask: int, matched: dict[tuple, tuple[str, int] | None] | None = None) -> Candidate | None:
     """The group of `mask` with its template, or None. `matched` memoises which template (if any) took
-    each group structure: a repeated layer's groups are matched once, not once per layer."""
+    each group structure, and its reductions: a repeated layer's groups are matched once, not once per layer
+    (their `spec` is made when asked: for the candidates emitted, not the many groups a growing path passes)."""
     ids = _bits(mask)
     if not any(ops.op_class(graph.node_index[i].name) in (OpClass.ELEMENTWISE, OpClass.REDUCTION) for i in ids):
         return None
@@ -221,13 +234,13 @@ def _candidate(graph: Graph, mask: int, matched: dict[tuple, str | None] | None 
         return None
     key = _structure(group) if matched is not None else None
     if key is not None and key in matched:
-        name = matched[key]
-        spec = TEMPLATES[name].match(group) if name is not None else None
-        return Candidate(group, name, spec) if spec is not None else None
+        known = matched[key]
+        return Candidate(group, known[0], reductions=known[1]) if known is not None else None
     m = match_template(group)
+    reductions = len(getattr(m[1], "reductions", ())) if m else 0
     if key is not None:
-        matched[key] = m[0] if m else None
-    return Candidate(group, m[0], m[1]) if m else None
+        matched[key] = (m[0], reductions) if m else None
+    return Candidate(group, m[0], m[1], reductions=reductions) if m else None
 
 
 def _structure(group: Group) -> tuple:
