@@ -216,6 +216,8 @@ class AutofuseFunction:
         if res.kind == "plan-version":
             log.warning("autofuse: %s: program %s: stored plan %s was made with other software (%s); re-verifying it once",
                         self.name, graph.fingerprint, res.plan_id, res.software)
+        if res.plan_id is not None:  # a plan from the store: its GEMMs compiled as its tuning job measured them
+            _restore_autotune(self.store)
         checking = res.kind == "plan-shape" and res.remembered is None
         if checking:
             log.warning("autofuse: %s: program %s: no plan for these shapes; plan %s, tuned at %s, fits %s: checking it once "
@@ -488,6 +490,37 @@ def _remembered(store: Any, plan_id: int, fingerprint: str, sw: dict, given: Any
         return hit
     here = _CHECKED.get((_store_key(given), plan_id, fingerprint))
     return _Checked(*here) if here is not None else None
+
+
+# (store, autotune directory, jaxlib, device) whose entries this process wrote: once is enough.
+_RESTORED: set[tuple[str, str, str, str]] = set()
+
+
+def _restore_autotune(store: Any) -> None:
+    """Write the store's XLA autotune entries for this jaxlib and device that this process's autotune directory lacks,
+    before a plan from it compiles: XLA reads a cache file for each fusion it has no result for in memory, so the
+    plan's GEMMs get the kernels its tuning job measured, even on a machine that never tuned. Silent where there is
+    no directory, it cannot be written, or the store cannot be read: XLA then autotunes as it would."""
+    from . import xla_autotune
+    from .device import device_info, software
+
+    if xla_autotune.DIR is None:
+        return
+    opened, _ = _open_store(store)
+    if opened is None:
+        return
+    jaxlib, device = software()["jaxlib"], device_info()["name"]
+    key = (_store_key(opened), xla_autotune.DIR, jaxlib, device)
+    if key in _RESTORED:
+        return
+    _RESTORED.add(key)
+    try:
+        written = xla_autotune.write_entries(xla_autotune.DIR, opened.autotune_entries(jaxlib, device))
+    except Exception as e:  # noqa: BLE001 -- the kernels' choice is XLA's again: never a reason to break the program
+        log.debug("autofuse: XLA autotune entries not restored into %s: %s: %s", xla_autotune.DIR, type(e).__name__, e)
+        return
+    if written:
+        log.debug("autofuse: wrote %d XLA autotune entries of %s into %s", len(written), _store_key(opened), xla_autotune.DIR)
 
 
 def _writer(store: Any) -> tuple[Any, str]:

@@ -7,8 +7,10 @@ the tuning job and the deployed process. `import autofuse` therefore points XLA'
 (``--xla_gpu_per_fusion_autotune_cache_dir``) at one directory, where the trial processes of a tuning job
 write what they chose and a deployed process reads it back, so that both compile the same kernels:
 ``$AUTOFUSE_XLA_AUTOTUNE_DIR``, else ``~/.cache/autofuse/xla-autotune/jaxlib-<version>`` (XLA leaves checking
-that an entry was made by the same compiler to its user: a jaxlib upgrade starts a new directory). Ship that
-directory with the plan database to deploy on another machine. Nothing is changed where the user set the flag,
+that an entry was made by the same compiler to its user: a jaxlib upgrade starts a new directory). The plan store
+carries the entries too: a tuning job that measured on a GPU copies the directory's files into it for its jaxlib and
+GPU, and a deployed process that finds a plan there writes those missing from its own directory before compiling, so
+shipping the plan database alone is enough (`read_entries`, `write_entries`). No flag is added where the user set their own,
 where JAX's backends already started (XLA reads its flags once), or where the directory cannot be made. Imports
 nothing from JAX.
 """
@@ -53,3 +55,67 @@ def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
 
 
 DIR: str | None = None  # set by `import autofuse`
+
+
+# ----------------------------------------------------------------------- entries <-> files
+# A tuning job copies the directory's entries into its plan store and a deploy writes them back (the store's side:
+# `PlanStore.save_autotune` / `autotune_entries`), so that shipping the plan database alone is enough.
+
+MAX_ENTRY_BYTES = 1 << 20  # one fusion's result is a few hundred bytes: anything far larger is not XLA's
+
+
+def read_entries(path: str) -> dict[str, str]:
+    """The entries of an autotune directory, file name (XLA's cache key) -> content: its top-level regular files
+    (XLA writes each one whole, by renaming it from its ``tmp/`` subdirectory, which is skipped; so are hidden files,
+    which include our own half-written ones). Files that vanish or are not text are skipped."""
+    out: dict[str, str] = {}
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return out
+    for name in names:
+        full = os.path.join(path, name)
+        if name.startswith(".") or not os.path.isfile(full) or os.path.getsize(full) > MAX_ENTRY_BYTES:
+            continue
+        try:
+            with open(full, "rb") as f:
+                out[name] = f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def write_entries(path: str, entries: dict[str, str]) -> list[str]:
+    """Write the `entries` missing from the directory `path` (never overwriting a file there: the local one is what
+    this machine's XLA chose); the names written. Each file appears whole (written aside, then linked into place),
+    since a compile running meanwhile in another process would fail on a partial one. Raises OSError where the
+    directory cannot be written."""
+    written = []
+    for name, content in entries.items():
+        if os.path.basename(name) != name or name.startswith(".") or os.path.exists(os.path.join(path, name)):
+            continue  # a name that is not one plain file name is not XLA's: never write outside the directory
+        if _write_new(os.path.join(path, name), content.encode("utf-8")):
+            written.append(name)
+    return written
+
+
+def _write_new(target: str, data: bytes) -> bool:
+    """Put `data` at `target` atomically unless a file is there already; whether it was written."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".autofuse-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, target)  # fails where the file exists: never replaces one made meanwhile
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links
+            if os.path.exists(target):
+                return False
+            os.replace(tmp, target)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

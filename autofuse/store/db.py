@@ -36,7 +36,7 @@ ENV_VAR = "AUTOFUSE_DB"
 VERSION_TABLE = "autofuse_alembic_version"
 #: The newest schema revision this code knows; a test checks it equals the
 #: Alembic head, so the fast path of opening a database needs no Alembic.
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 DEFAULT_TIMEOUT_S = 30.0
 # Any constant: serialises schema migrations between processes on PostgreSQL.

@@ -310,3 +310,22 @@ class PlanShape(Base):
         sa.UniqueConstraint("plan_id", "fingerprint", "software_id"),
         sa.CheckConstraint("verdict IN ('ok', 'failed')", name="verdict"),
     )
+
+
+class XlaAutotune(Base):
+    """One file of XLA's per-fusion autotune cache (migration 0007): its name (XLA's cache key) and content, as a
+    tuning job measured with them on `device` under `jaxlib`. A deploy that finds a plan writes them into its own
+    cache directory, so that the plan database alone carries the GEMM kernels the job measured. XLA does not check
+    that an entry came from the same compiler or GPU: the key includes both."""
+
+    __tablename__ = "autofuse_xla_autotune"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    jaxlib: Mapped[str] = mapped_column(sa.String(64))
+    device: Mapped[str] = mapped_column(sa.String(255))
+    name: Mapped[str] = mapped_column(sa.String(255))
+    content: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[_dt.datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    # Also the index that serves "the entries of a jaxlib and device".
+    __table_args__ = (sa.UniqueConstraint("jaxlib", "device", "name"),)

@@ -58,6 +58,7 @@ from autofuse.store.models import (
     Run,
     Software,
     Trial,
+    XlaAutotune,
     utcnow,
 )
 from autofuse.store.promotion import PlanFigures, decide
@@ -195,6 +196,11 @@ class PlanStore:
     def _v5(self) -> bool:
         """Whether the schema has migration 0005's program structures and shape checks."""
         return (self.revision or "") >= "0005"
+
+    @property
+    def _v7(self) -> bool:
+        """Whether the schema has migration 0007's XLA autotune entries."""
+        return (self.revision or "") >= "0007"
 
     # ------------------------------------------------------------ plumbing
 
@@ -1068,6 +1074,32 @@ class PlanStore:
         for r in self._read(queries.shape_checks(plan_ids)) if self._v5 else []:
             out.setdefault(r["plan_id"], {"structure": None, "inputs": [], "checks": []})["checks"].append(r)
         return out
+
+    # ------------------------------------------------- XLA autotune entries
+
+    def save_autotune(self, jaxlib: str, device: str, entries: dict[str, str]) -> int:
+        """Keep XLA's per-fusion autotune `entries` (file name -> content, `xla_autotune.read_entries`) made under
+        *jaxlib* on *device*, so that the store alone carries the GEMM kernels its plans were measured with. An entry
+        already stored under its key stays as it is (the kernels the first plans were measured with); returns how many
+        were added."""
+        if not entries:
+            return 0
+
+        def fn(s: Session) -> int:
+            known = set(s.scalars(sa.select(XlaAutotune.name).where(XlaAutotune.jaxlib == jaxlib, XlaAutotune.device == device)))
+            new = [XlaAutotune(jaxlib=jaxlib, device=device, name=n, content=c) for n, c in entries.items() if n not in known]
+            s.add_all(new)
+            return len(new)
+
+        return self._write(fn, retry_integrity=True)
+
+    def autotune_entries(self, jaxlib: str, device: str) -> dict[str, str]:
+        """The autotune entries stored for *jaxlib* and *device* (file name -> content), for a deploy to write into
+        its XLA cache directory before compiling a plan; empty for a schema older than 0007. Reads only."""
+        if not self._v7:
+            return {}
+        stmt = sa.select(XlaAutotune.name, XlaAutotune.content).where(XlaAutotune.jaxlib == jaxlib, XlaAutotune.device == device)
+        return {r["name"]: r["content"] for r in self._read(stmt)}
 
     # --------------------------------------------------------------- listings
 

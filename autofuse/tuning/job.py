@@ -236,6 +236,8 @@ class PlanSaver:
         self.pstore.finish_run(self.run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
         if report is not self.first:
             self._add(report)
+        if report.measure == "device":
+            store_autotune(self.pstore)
         if not report.plan_current:
             print(report.plan_note, file=sys.stderr, flush=True)
         return report.plan_id
@@ -250,6 +252,22 @@ class PlanSaver:
         report.plan_id, report.plan_current = saved.plan_id, saved.current
         report.plan_note = "" if saved.current else (f"autofuse: plan {saved.plan_id} is stored but not current: {saved.reason}; "
                                                      f"autofuse plans promote {saved.plan_id} makes it current")
+
+
+def store_autotune(pstore: Any) -> int:
+    """Copy the files of XLA's autotune directory (where this job's trial processes wrote the GEMM kernels they measured
+    with) into the store for this jaxlib and device, so that a deploy shipping only the database compiles the same ones.
+    Returns how many were added; a failure is one warning, never the job's end."""
+    from .. import xla_autotune
+
+    if xla_autotune.DIR is None:
+        return 0
+    try:
+        return pstore.save_autotune(software()["jaxlib"], device_info()["name"], xla_autotune.read_entries(xla_autotune.DIR))
+    except Exception as e:  # noqa: BLE001 - the plan is stored already: a deploy without these entries autotunes anew
+        log.warning("autofuse: could not copy XLA's autotune results from %s into the plan store: %s: %s", xla_autotune.DIR,
+                    type(e).__name__, e)
+        return 0
 
 
 def spec_of(x: Any) -> Any:
