@@ -97,19 +97,31 @@ def gpu_free_fraction(environ: dict[str, str] | os._Environ = os.environ) -> flo
     return free / total if total > 0 else None
 
 
+TRIAL_POOL_SHARE = 0.9  # of the GPU memory free when a trial process starts: what its pool may grow to
+
+
 def trial_process_env(platform: str, state: AllocatorState, environ: dict[str, str] | os._Environ = os.environ,
                       free_fraction: Callable[[], float | None] | None = None) -> dict[str, str]:
-    """The allocator variables of a trial process started by this one: no preallocation; and where this process
-    holds a preallocated pool, a pool capped at 90% of what the GPU has free now (else of what the pool leaves),
-    so that a candidate too big for what is left fails at once as out of memory rather than each of its
-    allocations failing on a full GPU."""
+    """The allocator variables of a trial process started by this one: no preallocation, and a pool of at most
+    `TRIAL_POOL_SHARE` of what the GPU has free now. Where this process holds a preallocated pool, that cap
+    makes a candidate too big for what is left fail at once as out of memory rather than each of its allocations
+    failing on a full GPU (what the pool leaves stands in where nvidia-smi cannot say). Where it holds none,
+    the trial process may have more than JAX's default 75% of the card: the whole-program reference of GPT-2
+    medium's training step (B8 S2048) needs 57 GiB of temporaries, which 75% of an H100 (60 GiB) with the job's
+    inputs beside it did not hold, and its plan (4.7x on attention) failed validation out of memory. A fraction
+    the user set is kept."""
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     held = held_pool_fraction(platform, state, environ)
     if held is None:
+        if platform == "cpu" or any(environ.get(v) for v in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")):
+            return env
+        free = (free_fraction or gpu_free_fraction)()
+        if free is not None:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{max(0.01, TRIAL_POOL_SHARE * free):.3f}"
         return env
     free = (free_fraction or gpu_free_fraction)()
     free = max(0.0, 1.0 - held) if free is None else free
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{max(0.01, 0.9 * free):.3f}"
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{max(0.01, TRIAL_POOL_SHARE * free):.3f}"
     return env
 
 
