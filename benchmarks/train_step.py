@@ -25,7 +25,10 @@ import time
 from typing import Any
 
 # GPT-2 medium's training step under jax.jit (B8 S2048) needs 57 GiB of temporaries: more than JAX's default 75% of
-# an H100. This process runs it after the tuning job's trial process has exited, so it may take most of the card.
+# an H100. This process runs it after the tuning job's trial process has exited, so it may grow to most of the card;
+# it must not preallocate that (a fraction set alone leaves JAX preallocating it at once: the tuning job's trial
+# process, which gets the same fraction of what is free, then had 7% of the card and every XLA timing failed).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
