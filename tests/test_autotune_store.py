@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import jax
@@ -22,6 +21,7 @@ from autofuse import xla_autotune
 from autofuse.device import device_info, software
 from autofuse.store import PlanStore, db
 from autofuse.tuning.job import PlanSaver, RunIds
+from tests.readonly import read_only
 from tests.test_readonly_store import SPEC, _save, softmax_rows
 
 ENTRIES = {"k1PkE0aZ-w_Ab.textproto": 'results {\n  gemm { algorithm: 7 }\n}\n', "Zq9_x2-LmN.textproto": "triton { block_m: 64 }\n"}
@@ -169,21 +169,8 @@ def readonly_url(tmp_path: Path):
     d.mkdir()
     url = f"sqlite:///{d}/plans.db"
     plan = _fill(url)
-    files = [d / "plans.db", d]
-    if os.geteuid() == 0:
-        made = subprocess.run(["chattr", "+i", *map(str, files)], capture_output=True, text=True, check=False)
-        if made.returncode != 0:
-            pytest.skip(f"running as root and chattr +i is not available here ({made.stderr.strip()})")
-    else:
-        for f in files:
-            f.chmod(0o555 if f.is_dir() else 0o444)
-    assert not os.access(d, os.W_OK) and not os.access(d / "plans.db", os.W_OK)
-    yield url, plan
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", *map(str, files)], check=True)
-    else:
-        for f in files:
-            f.chmod(0o755 if f.is_dir() else 0o644)
+    with read_only(d / "plans.db", d):
+        yield url, plan
 
 
 def test_a_readonly_store_serves_its_entries(readonly_url, tmp_path, monkeypatch):

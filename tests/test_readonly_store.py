@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import jax
@@ -21,6 +20,7 @@ from autofuse.graph import qualified_name
 from autofuse.plan import Plan
 from autofuse.store import PlanStore, StoreError
 from autofuse.tuning.select import default_plan
+from tests.readonly import read_only
 
 SPEC = jax.ShapeDtypeStruct((8, 128), jnp.float32)
 
@@ -58,23 +58,10 @@ def readonly_store(tmp_path: Path):
     xla = _save(store, scaled, (SPEC, 2), plan_of=lambda g: Plan(g.fingerprint, (), {"reason": "no fused group is cheaper"}),
                 static_argnums=1)
     store.close()
-    files = [d / "plans.db", d]
-    if os.geteuid() == 0:
-        made = subprocess.run(["chattr", "+i", *map(str, files)], capture_output=True, text=True, check=False)
-        if made.returncode != 0:
-            pytest.skip(f"running as root and chattr +i is not available here ({made.stderr.strip()}): no way to make a directory read-only")
-    else:
-        for f in files:
-            f.chmod(0o555 if f.is_dir() else 0o444)
-    assert not os.access(d, os.W_OK) and not os.access(d / "plans.db", os.W_OK)
-    before = sorted(os.listdir(d))
-    yield url, d, fused, xla
-    assert sorted(os.listdir(d)) == before  # nothing was created beside the database (no journal, no WAL index)
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", *map(str, files)], check=True)
-    else:
-        for f in files:
-            f.chmod(0o755 if f.is_dir() else 0o644)
+    with read_only(d / "plans.db", d):
+        before = sorted(os.listdir(d))
+        yield url, d, fused, xla
+        assert sorted(os.listdir(d)) == before  # nothing was created beside the database (no journal, no WAL index)
 
 
 def test_jit_runs_the_plan_from_a_readonly_store(readonly_store):
