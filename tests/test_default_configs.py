@@ -29,3 +29,26 @@ def test_default_configs_are_feasible_and_their_plan_binds(model, entry):
             # defaults that cannot adapt to other shapes): short sequences and dimensions took 64- or 128-long blocks
             assert not space.violated(space.default), (r.template, backend, space.default, space.violated(space.default))
     assert bind_plan(graph, default_plan(graph))
+
+
+@pytest.mark.parametrize("model,entry", [("gpt2", "grad_step"), ("llama", "grad_step"), ("splade", "grad_step")])
+def test_mosaic_gpu_defaults_keep_the_lowerings_rules(model, entry):
+    """Each Mosaic GPU default is a config its lowering accepts (tile, TMA and shared-memory rules): a training
+    step's matmul epilogues with several outputs needed 242-274 KB of shared memory at the narrowest block, and
+    their first trial was infeasible."""
+    from autofuse.kernels import TEMPLATES
+
+    mod = importlib.import_module(f"examples.{model}")
+    graph = autofuse.capture(getattr(mod, entry), *mod.small_inputs())
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, costmodel.H200, ("mosaic_gpu", "triton"))
+    checked = 0
+    for r in cands:
+        space = spaces[r.signature].spaces.get("mosaic_gpu")
+        if space is None:
+            continue
+        tmpl, spec = TEMPLATES[r.template], by_sig[r.signature][0].spec
+        assert not space.violated(space.default), (r.template, space.default, space.violated(space.default))
+        assert tmpl.unsupported(spec, "mosaic_gpu", space.default) is None, (r.template, space.default, tmpl.unsupported(spec, "mosaic_gpu", space.default))
+        checked += 1
+    assert checked

@@ -125,7 +125,9 @@ def default_config(spec: MatmulSpec) -> dict:
     """A good config without tuning. On an H100 (bf16, bias+GELU 8192x4096x8192) K steps of 256 bytes in a 2-deep
     ring ran 0.830 ms against 0.882 for hopper_matmul_mgpu's 128-byte steps in a 4-deep ring (the ring's bytes are
     the same); where the epilogue's buffers leave no room for that, the 4-, 3-, 2-deep 128-byte rings, then
-    narrower tiles."""
+    narrower tiles, then smaller epilogue pieces and shorter tiles (a training step's epilogues with several outputs
+    and inputs needed 242-274 KB at the narrowest tile: their first trial was infeasible, their plan of defaults did
+    not bind)."""
     cfg = dict(DEFAULTS)
     itemsize = np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
     if spec.N <= 64:
@@ -147,10 +149,25 @@ def default_config(spec: MatmulSpec) -> dict:
             cfg["block_k"], cfg["max_concurrent_steps"] = bk, steps
             if smem_bytes(spec, Config.of(cfg)) <= SMEM_LIMIT:
                 return cfg
-        if cfg["block_n"] <= max(64, spec.seg) or (spec.seg and (cfg["block_n"] // 2) % spec.seg):
+        if not _shrink(cfg, spec.seg):
             return cfg  # the lowering's own check says why it does not fit
+
+
+def _shrink(cfg: dict, seg: int) -> bool:
+    """The next smaller tile for `default_config`: a narrower block, then a narrower and a shorter epilogue piece,
+    then a shorter block (each within its space's choices, whole segments kept); False when none is left."""
+    if cfg["block_n"] > max(64, seg) and not (seg and (cfg["block_n"] // 2) % seg):
         cfg["block_n"] //= 2
         cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
+    elif not seg and cfg["epi_tile_n"] > 32:
+        cfg["epi_tile_n"] //= 2
+    elif cfg["epi_tile_m"] > 64:
+        cfg["epi_tile_m"] //= 2
+    elif cfg["block_m"] > 64:
+        cfg["block_m"] //= 2
+    else:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------
