@@ -200,8 +200,9 @@ class PhaseMarks:
 def register_candidates(pstore: Any, run_id: int, cands: Sequence[CandidateState]) -> None:
     """Each candidate's row in the run (found again when the run is resumed)."""
     known = {c["signature"]: c for c in pstore.candidates(run_id)}
-    new = [r for r in cands if r.signature not in known]
-    for r, cid in zip(new, pstore.add_candidates(run_id, [(r.signature, r.template, r.nodes) for r in new]) if new else [], strict=True):
+    new = [r for r in cands if r.signature not in known]  # registered in one write: a whole model's 158 at once
+    ids = pstore.add_candidates(run_id, [(r.signature, r.template, r.nodes) for r in new]) if new else []
+    for r, cid in zip(new, ids, strict=True):
         r.candidate_id = cid
     for r in cands:
         row = known.get(r.signature)
