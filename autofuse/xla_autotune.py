@@ -40,9 +40,9 @@ def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
     """Add the autotune cache flag to ``XLA_FLAGS`` where it still takes effect and the user set none; the
     directory XLA's autotuning results go to (the user's own where they set the flag), or None."""
     flags = environ.get("XLA_FLAGS", "")
-    own = [f.split("=", 1)[1] for f in flags.split() if f.startswith(FLAG + "=")]
-    if own:
-        return own[-1] or None
+    own = _own_flag(flags)
+    if own is not None:
+        return own or None
     if backends_initialised():
         return None
     path = default_dir(environ)
@@ -55,6 +55,23 @@ def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
 
 
 DIR: str | None = None  # set by `import autofuse`
+
+
+def trial_dir(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """Where a tuning job's trial processes write XLA's autotune results: this process's directory (`DIR`), else
+    the one `configure` gives a fresh process with this environment (the user's flag, else `default_dir`): a caller
+    whose JAX had started before `import autofuse` has no directory itself, but its trial processes, which import
+    autofuse before JAX starts, do."""
+    if DIR is not None:
+        return DIR
+    own = _own_flag(environ.get("XLA_FLAGS", ""))
+    return (own or None) if own is not None else default_dir(environ)
+
+
+def _own_flag(flags: str) -> str | None:
+    """The directory the user's ``XLA_FLAGS`` give XLA's autotune cache (the last such flag; "" if empty), or None."""
+    own = [f.split("=", 1)[1] for f in flags.split() if f.startswith(FLAG + "=")]
+    return own[-1] if own else None
 
 
 # ----------------------------------------------------------------------- entries <-> files

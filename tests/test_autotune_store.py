@@ -111,7 +111,14 @@ def test_a_failed_copy_is_a_warning_never_the_jobs_end(tmp_path, monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="autofuse"):
         assert store_autotune(ro) == 0
     assert "could not copy XLA's autotune results" in caplog.text and "read-only" in caplog.text
-    monkeypatch.setattr(xla_autotune, "DIR", None)  # no directory configured (JAX had started before autofuse)
+    # JAX had started before `import autofuse`: this process has no directory, its trial processes have the default
+    monkeypatch.setattr(xla_autotune, "DIR", None)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv(xla_autotune.ENV_DIR, str(_autotune_dir(tmp_path / "trials", {"k1": "a"})))
+    assert store_autotune(store) == 1 and store.autotune_entries(*_here()) == {"k1": "a"}
+    monkeypatch.setenv("XLA_FLAGS", f"{xla_autotune.FLAG}={_autotune_dir(tmp_path / 'own', {'k2': 'b'})}")  # the user's flag wins
+    assert store_autotune(store) == 1 and store.autotune_entries(*_here()) == {"k1": "a", "k2": "b"}
+    monkeypatch.setenv("XLA_FLAGS", f"{xla_autotune.FLAG}=")  # the user turned the cache off
     assert store_autotune(store) == 0
 
 

@@ -261,12 +261,13 @@ def store_autotune(pstore: Any) -> int:
     Returns how many were added; a failure is one warning, never the job's end."""
     from .. import xla_autotune
 
-    if xla_autotune.DIR is None:
+    path = xla_autotune.trial_dir()
+    if path is None:
         return 0
     try:
-        return pstore.save_autotune(software()["jaxlib"], device_info()["name"], xla_autotune.read_entries(xla_autotune.DIR))
+        return pstore.save_autotune(software()["jaxlib"], device_info()["name"], xla_autotune.read_entries(path))
     except Exception as e:  # noqa: BLE001 - the plan is stored already: a deploy without these entries autotunes anew
-        log.warning("autofuse: could not copy XLA's autotune results from %s into the plan store: %s: %s", xla_autotune.DIR,
+        log.warning("autofuse: could not copy XLA's autotune results from %s into the plan store: %s: %s", path,
                     type(e).__name__, e)
         return 0
 
