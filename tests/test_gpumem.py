@@ -79,18 +79,23 @@ def test_trial_process_gets_host_copies_of_the_callers_arrays():
 def test_a_trial_process_of_a_preallocated_caller_gets_a_pool_capped_at_what_is_free():
     """No GPU here: the rule on the states `import autofuse` records. The trial process turns preallocation off,
     and its pool may take 90% of what the GPU has free (nvidia-smi): more than JAX's default 75% where this process
-    holds no pool, a cap where it does (of what the caller's pool leaves when nvidia-smi cannot say)."""
+    holds no pool, a cap where it does (of what the caller's pool leaves when nvidia-smi cannot say). Its allocator
+    is CUDA's stream-ordered pool unless the user chose one."""
+    off = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}
     started_before = gpumem.AllocatorState(True, {}, False)
-    assert gpumem.trial_process_env("cpu", started_before, {}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert gpumem.trial_process_env("cpu", started_before, {}) == off
     no_pool = gpumem.AllocatorState(False, {}, True)
     assert gpumem.trial_process_env("gpu", no_pool, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, lambda: 0.9) == \
-        {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.810"}  # more than JAX's 75% of the card
-    assert gpumem.trial_process_env("none", no_pool, {}, lambda: None) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # no nvidia-smi
+        {**off, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.810"}  # more than JAX's 75% of the card
+    assert gpumem.trial_process_env("none", no_pool, {}, lambda: None) == off  # no nvidia-smi
     own = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-    assert gpumem.trial_process_env("gpu", no_pool, own, lambda: 0.9) == \
-        {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the user's own fraction reaches the trial process unchanged
+    assert gpumem.trial_process_env("gpu", no_pool, own, lambda: 0.9) == off  # the user's own fraction reaches the trial process unchanged
     capped = gpumem.trial_process_env("gpu", started_before, {}, lambda: 0.24)
-    assert capped == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.216"}
+    assert capped == {**off, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.216"}
+    # an allocator the user chose, now or before JAX started, is theirs
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in gpumem.trial_process_env("gpu", no_pool, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, lambda: 0.9)
+    bfc = gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, False)
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in gpumem.trial_process_env("gpu", bfc, {}, lambda: 0.9)
     half = gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, False)
     assert gpumem.trial_process_env("gpu", half, {}, lambda: None)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"
     assert gpumem.gpu_free_fraction({"CUDA_VISIBLE_DEVICES": "0"}) is None or 0 <= gpumem.gpu_free_fraction() <= 1
