@@ -35,6 +35,12 @@ from benchmarks.provenance import commit  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, emit  # noqa: E402
 
 
+def backward_tiles(s: str) -> dict:
+    """The backward kernels' config from its short form ``128x32w8s3`` (held x step, warps, stages)."""
+    c = attention_config(s)
+    return {"bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"]}
+
+
 def fwd_bwd(f):
     """(q, k, v, dO) -> (dq, dk, dv): the forward and its pullback, jitted."""
     def step(q, k, v, do):
@@ -48,7 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8,32,2048,128", help="B,H,L,D")
     ap.add_argument("--configs", default="128x128w8s3", help="forward tiles, comma-separated BQxBKwWARPSsSTAGES")
-    ap.add_argument("--bwd-configs", default="", help="backward tiles, same form (default: attention_bwd.default_config)")
+    ap.add_argument("--bwd-configs", default="", help="backward tiles HELDxSTEPwWARPSsSTAGES, e.g. 128x32w8s3: each "
+                    "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
+                    "time (default: attention_bwd.default_config)")
     ap.add_argument("--variants", default="bhld,bhld_causal")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="")
@@ -93,7 +101,7 @@ def main() -> None:
                 label = f"autofuse flash pair fwd {cs} bwd {bs or 'default ' + str(default_bwd(cand.spec))}"
                 try:
                     if bs:  # the template asks attention_bwd.default_config for the backward tiles
-                        attention_bwd.default_config = lambda spec, c=attention_config(bs): c
+                        attention_bwd.default_config = lambda spec, c=backward_tiles(bs): c
                     fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", attention_config(cs))]), on_miss="error")
                     step = fwd_bwd(fused)
                     got = step(*sets[0])

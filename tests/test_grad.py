@@ -358,3 +358,35 @@ def test_flash_pair_lowers_for_cuda(fn, specs, cfg):
 
     text = export_for_cuda(step, [*specs, S(out.shape, out.dtype)]).mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_backward_tiles_are_the_backwards_own():
+    """attention_vjp's `bwd_` parameters tile the backward kernels apart from the forward: dK/dV hold `bwd_held`
+    keys and step through the queries `bwd_step` at a time, dQ the reverse. Held 32 and stepped 16 on a ragged
+    causal program matches jax.jit (interpret mode); held 128 and stepped 32 at D128 goes through the real Triton
+    lowering for CUDA; both are configs of the template's search space."""
+    from autofuse.kernels import attention_vjp
+    from autofuse.plan import executor
+    from autofuse.runner.evaluator import export_for_cuda
+
+    def vjp_plan(specs, cfg):
+        gfn, specs = _linear_loss_grad(attention_bhld_causal, specs, (0, 1, 2))
+        graph = autofuse.capture(gfn, *specs)
+        (cand,) = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+        space = attention_vjp.TEMPLATE.space(cand.group, cand.spec)
+        assert not space["space"].violated(cfg, space["facts"]), space["space"].violated(cfg, space["facts"])
+        return gfn, specs, graph, plan_from_choices(graph, [(cand.group, "attention_vjp", cfg)])
+
+    gfn, specs, _, plan = vjp_plan([S((1, 2, 40, 32), F32)] * 3, {**SMALL_ATTN, "bwd_held": 32, "bwd_step": 16, "bwd_warps": 4, "bwd_stages": 2})
+    args = _inputs(specs)
+    fused = autofuse.jit(gfn, plan=plan, on_miss="error")
+    for g, w in zip(fused(*args), jax.jit(gfn)(*args)):
+        ok, _, why = compare(g, w, 1e-4)
+        assert ok, why
+    assert fused.last_status.startswith("plan:")
+
+    big = {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 3, "bwd_held": 128, "bwd_step": 32, "bwd_warps": 8, "bwd_stages": 3}
+    gfn, specs, graph, plan = vjp_plan([S((2, 4, 256, 128), BF16)] * 3, big)
+    run = executor(graph, plan, interpret=False)
+    text = export_for_cuda(lambda *a: run(a), specs).mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 3

@@ -351,18 +351,19 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
         return fwd, frozenset(spec.group.node_ids) - fwd
 
     def default_config(self, spec: AttentionVJPSpec) -> dict:
-        """The forward kernel's config (the backward kernels take `attention_bwd.default_config`)."""
-        return attention.TEMPLATE.default_config(spec.attn)
+        """The forward kernel's config and the backward kernels' (`bwd_` keys: `attention_bwd.default_config`)."""
+        from .triton.attention_bwd import default_config as backward_default
+
+        return {**attention.TEMPLATE.default_config(spec.attn), **backward_default(spec.attn)}
 
     def space(self, group: Group, spec: AttentionVJPSpec | None = None) -> dict:
-        """The forward kernel's parameters (search_spaces/attention.toml)."""
-        from ..spaces import load_spaces
-
+        """The forward kernel's parameters and the backward's (search_spaces/attention_vjp.toml): in a training
+        step the backward is most of the pair's time, and its best tiles are not the forward's."""
         spec = spec or self.match(group)
         a = spec.attn
-        return template_space("attention", self.default_config(spec), {
+        return template_space("attention_vjp", self.default_config(spec), {
             "Lq": a.Lq, "Lk": a.Lk, "D": next_pow2(a.D), "Dv": next_pow2(a.Dv), "itemsize": a.dot_dtype1.itemsize,
-            "smem_bytes": H200.smem_bytes}, load_spaces()["attention"])
+            "smem_bytes": H200.smem_bytes})
 
     def model_time_ms(self, spec: AttentionVJPSpec, config: dict, model: GPUModel = H200) -> float:
         """The forward's model, times 3.5: the backward's five products to the forward's two (its two kernels

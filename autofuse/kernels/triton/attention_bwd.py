@@ -48,23 +48,33 @@ def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None
 
 
 def default_config(spec: AttentionSpec) -> dict:
-    """64x64 tiles (five [64, 64] float32 tiles and two accumulators live at once), 4 warps, 2 stages."""
+    """The backward kernels' tiles: each program holds `bwd_held` rows (keys for dK/dV, queries for dQ) and steps
+    through the other side `bwd_step` rows at a time. 64 and 64 (five [64, 64] float32 tiles and two accumulators
+    live at once), 4 warps, 2 stages: the best of the three tried at B8 H32 L2048 D128 on an H100
+    (results/attention_grad_h100.md)."""
     small = min(spec.Lq, spec.Lk) < 64 or max(spec.D, spec.Dv) > 128
-    return {"block_q": 32 if small else 64, "block_k": 32 if small else 64, "num_warps": 4, "num_stages": 2}
+    return {"bwd_held": 32 if small else 64, "bwd_step": 32 if small else 64, "bwd_warps": 4, "bwd_stages": 2}
 
 
-def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -> Callable:
+def backward_config(spec: AttentionSpec, config: dict | None) -> dict:
+    """The backward's parameters of a config (the `bwd_` keys of an `attention_vjp` config), the defaults for
+    those it lacks (a forward template's config, or a plan stored before the backward was tuned)."""
+    return {**default_config(spec), **{k: v for k, v in (config or {}).items() if k.startswith("bwd_")}}
+
+
+def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: bool) -> Callable:
     """`bwd(ins, out, lse, dout) -> (dq, dk, dv)`: `ins` the group's inputs, `out` its output, `lse` the forward's
-    [batch, Lq] row logsumexp, `dout` the output's cotangent; each gradient is [batch, L, D] float32."""
+    [batch, Lq] row logsumexp, `dout` the output's cotangent; each gradient is [batch, L, D] float32. `config`'s
+    `bwd_` keys pick the tiles (`backward_config`): dK/dV hold `bwd_held` keys and step `bwd_step` queries at a
+    time, dQ holds `bwd_held` queries and steps `bwd_step` keys."""
     g = group.graph
-    bq, bk = int(config["block_q"]), int(config["block_k"])
-    warps, stages = int(config["num_warps"]), int(config["num_stages"])
+    cfg = backward_config(spec, config)
+    held, step_rows = int(cfg["bwd_held"]), int(cfg["bwd_step"])
+    warps, stages = int(cfg["bwd_warps"]), int(cfg["bwd_stages"])
     Lq, Lk, D, Dv, B = spec.Lq, spec.Lk, spec.D, spec.Dv, spec.batch
     Dp, Dvp = next_pow2(D), next_pow2(Dv)
-    nq, nk = cdiv(Lq, bq), cdiv(Lk, bk)
     S = spec.score_shape
     bsizes = [S[a] for a in spec.batch_axes]
-    q_ranges, k_ranges = block_ranges(spec, bq, bk), key_block_ranges(spec, bq, bk)
     qkv = {spec.q.value, spec.k.value, spec.v.value}
     extras = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]  # masks
     in_order = [spec.q.value, spec.k.value, spec.v.value] + extras
@@ -80,7 +90,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
             rem = rem // s
         return bidx
 
-    def tile(refs: dict, body: AttentionEval, bidx, q0, k0, q, kt, v_t, do, lse, delta):
+    def tile(refs: dict, body: AttentionEval, bq: int, bk: int, bidx, q0, k0, q, kt, v_t, do, lse, delta):
         """p (float32) and ds for one [bq, bk] tile; the score work's VJP gives ds."""
         body.set_program(bidx, q0, k0)
         side = {v: _load_extra(refs[v], spec, v, bidx, q0, k0, bq, bk) for v in extras}
@@ -109,11 +119,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
         (ds,) = score_vjp(p * (dp - delta))
         return p, ds
 
-    def rows(ref, bflat, q0):
+    def rows(ref, bflat, q0, bq):
         m = (q0 + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)) < Lq if Lq % bq else None
         return load_tile(ref.at[bflat, pl.ds(q0, bq)], m).reshape(bq, 1)
 
-    def load_do(ref, bflat, q0):
+    def load_do(ref, bflat, q0, bq):
         m = None
         if Lq % bq or Dvp != Dv:
             m = ((q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) < Lq) & (jax.lax.broadcasted_iota(jnp.int32, (1, Dvp), 1) < Dv)
@@ -126,6 +136,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
         plgpu.store(ref.at[bflat, pl.ds(s0, bs), pl.ds(0, Dpad)], x, mask=m)
 
     n_in = len(in_order)
+
+    bq, bk = step_rows, held  # dK/dV: a block of keys held, the queries stepped through
+    nq_steps, nk = cdiv(Lq, bq), cdiv(Lk, bk)
+    k_ranges = key_block_ranges(spec, bq, bk)
 
     def dkdv_kernel(*refs):
         ins = dict(zip(in_order, refs[:n_in]))
@@ -143,40 +157,44 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool) -
             dk, dv = carry
             q0 = i * bq
             q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, bq, Lq, Dp, D, seq_first=True).astype(dt1)
-            do = load_do(do_ref, bflat, q0)
-            p, ds = tile(ins, body, bidx, q0, k0, q, kt, v_t, do, rows(lse_ref, bflat, q0), rows(delta_ref, bflat, q0))
+            do = load_do(do_ref, bflat, q0, bq)
+            p, ds = tile(ins, body, bq, bk, bidx, q0, k0, q, kt, v_t, do, rows(lse_ref, bflat, q0, bq), rows(delta_ref, bflat, q0, bq))
             dv = dv + jnp.dot(p.astype(dt2).T, do, preferred_element_type=jnp.float32)
             dk = dk + jnp.dot(ds.astype(dt1).T, q, preferred_element_type=jnp.float32)
             return dk, dv
 
-        lo, hi = (0, nq) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
+        lo, hi = (0, nq_steps) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
         dk, dv = jax.lax.fori_loop(lo, hi, step, (jnp.zeros((bk, Dp), jnp.float32), jnp.zeros((bk, Dvp), jnp.float32)))
         store(dk_ref, bflat, k0, bk, Lk, Dp, D, dk)
         store(dv_ref, bflat, k0, bk, Lk, Dvp, Dv, dv)
+
+    qb, kb = held, step_rows  # dQ: a block of queries held, the keys stepped through
+    nq, nk_steps = cdiv(Lq, qb), cdiv(Lk, kb)
+    q_ranges = block_ranges(spec, qb, kb)
 
     def dq_kernel(*refs):
         ins = dict(zip(in_order, refs[:n_in]))
         do_ref, lse_ref, delta_ref = refs[n_in:n_in + 3]
         tbl = refs[n_in + 3] if q_ranges is not None else None
         dq_ref = refs[-1]
-        body = AttentionEval(spec, bq, bk)
+        body = AttentionEval(spec, qb, kb)
         qi, bflat = pl.program_id(0), pl.program_id(1)
         bidx = batch_index(bflat)
-        q0 = qi * bq
-        q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, bq, Lq, Dp, D, seq_first=True).astype(dt1)
-        do = load_do(do_ref, bflat, q0)
-        lse, delta = rows(lse_ref, bflat, q0), rows(delta_ref, bflat, q0)
+        q0 = qi * qb
+        q = _load_operand(ins[spec.q.value], spec.q, bidx, q0, qb, Lq, Dp, D, seq_first=True).astype(dt1)
+        do = load_do(do_ref, bflat, q0, qb)
+        lse, delta = rows(lse_ref, bflat, q0, qb), rows(delta_ref, bflat, q0, qb)
 
         def step(j, dq):
-            k0 = j * bk
-            k = _load_operand(ins[spec.k.value], spec.k, bidx, k0, bk, Lk, Dp, D, seq_first=True).astype(dt1)
-            v_t = _load_operand(ins[spec.v.value], spec.v, bidx, k0, bk, Lk, Dvp, Dv, seq_first=False).astype(dt2)
-            _, ds = tile(ins, body, bidx, q0, k0, q, k.T, v_t, do, lse, delta)
+            k0 = j * kb
+            k = _load_operand(ins[spec.k.value], spec.k, bidx, k0, kb, Lk, Dp, D, seq_first=True).astype(dt1)
+            v_t = _load_operand(ins[spec.v.value], spec.v, bidx, k0, kb, Lk, Dvp, Dv, seq_first=False).astype(dt2)
+            _, ds = tile(ins, body, qb, kb, bidx, q0, k0, q, k.T, v_t, do, lse, delta)
             return dq + jnp.dot(ds.astype(dt1), k, preferred_element_type=jnp.float32)
 
-        lo, hi = (0, nk) if tbl is None else (tbl[qi * 4], tbl[qi * 4 + 3])
-        dq = jax.lax.fori_loop(lo, hi, step, jnp.zeros((bq, Dp), jnp.float32))
-        store(dq_ref, bflat, q0, bq, Lq, Dp, D, dq)
+        lo, hi = (0, nk_steps) if tbl is None else (tbl[qi * 4], tbl[qi * 4 + 3])
+        dq = jax.lax.fori_loop(lo, hi, step, jnp.zeros((qb, Dp), jnp.float32))
+        store(dq_ref, bflat, q0, qb, Lq, Dp, D, dq)
 
     f32 = jnp.float32
     dkdv = pallas_call(dkdv_kernel, out_shape=(jax.ShapeDtypeStruct((B, Lk, D), f32), jax.ShapeDtypeStruct((B, Lk, Dv), f32)),
@@ -215,13 +233,13 @@ def to_canonical(spec: AttentionSpec, x: jax.Array) -> jax.Array:
 def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
     """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the Triton forward emitting the row
     logsumexp) and `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs
-    without one: the generated backward kernels, then the VJP of the operands' broadcasts and reshapes)."""
+    without one: the generated backward kernels, then the VJP of the operands' broadcasts and reshapes).
+    `bwd_config`: the backward's tiles (its `bwd_` keys, `backward_config`; None: the defaults)."""
     from ...differentiate import first_order_only
 
     forward_kernel = first_order_only(fwd_lowering.lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
                                       "the attention forward that emits the logsumexp")
-    bwd_kernels = first_order_only(lower(group, spec, bwd_config or default_config(spec),
-                                                       interpret=interpret), "the attention backward kernels")
+    bwd_kernels = first_order_only(lower(group, spec, bwd_config, interpret=interpret), "the attention backward kernels")
     roles = _dot_roles(spec)
     g = group.graph
 

@@ -14,7 +14,7 @@ from .attention_bwd import flash_pair
 def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret: bool) -> Callable:
     g = group.graph
     fwd = spec.forward
-    forward, backward = flash_pair(fwd, spec.attn, config, None, interpret=interpret)
+    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
@@ -40,7 +40,7 @@ def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, 
         raise ValueError(f"attention_vjp stage 1 of group {list(group.node_ids)} would have to return more than the output")
     if spec.dout not in second.inputs or any(v not in spec.grads for v in second.outputs):
         raise ValueError(f"attention_vjp stage 2 of group {list(group.node_ids)} does not read dO or returns more than cotangents")
-    forward, backward = flash_pair(fwd, spec.attn, config, None, interpret=interpret)
+    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret)
 
     def stage1(xs, _):
         env = dict(zip(first.inputs, xs))
