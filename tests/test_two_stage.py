@@ -202,3 +202,45 @@ def test_tuning_job_tunes_two_stage_attention(model):
     fused = _assert_matches_jit(mod.grad_step, plan, args)
     names = _kernels_in(jax.make_jaxpr(fused)(*args).jaxpr)
     assert sum("attention_bwd" in n for n in names) == 4, names
+
+
+def test_bf16_training_step_plan_is_judged_on_the_callers_inputs(tmp_path, monkeypatch):
+    """Llama's bf16 training step on N(0, 1) weights is chaotic: one rounding step of the inputs moves jax.jit's own
+    gradients by ~100%, so a random-input check cannot tell a right plan from a wrong one (on an H100 the right
+    2-group plan was 0.994 from jax.jit there and was refused). Without the caller's inputs the validation refuses
+    and says why; with them the chaotic outputs are judged there: the flash-pair plan passes, and the same plan
+    with a backward kernel that doubles dQ fails."""
+    import pickle
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from autofuse.kernels.triton import attention_bwd
+    from autofuse.runner.evaluator import Evaluator
+    from examples import llama
+
+    args = llama.make_inputs(llama.SMALL, batch=2, seq=32, dtype=jnp.bfloat16)
+    graph = autofuse.capture(llama.grad_step, *args)
+    cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    plan = plan_from_choices(graph, [(c.group, "attention_vjp", SMALL_ATTN, c.stages) for c in cands])
+    path = tmp_path / "inputs.pkl"
+    path.write_bytes(pickle.dumps([np.asarray(x) for x in jax.tree_util.tree_leaves(args)]))
+
+    blind = Evaluator(graph, measure="model").validate(plan)
+    assert not blind.ok and "cannot be checked there: tune with the program's real inputs" in blind.error
+    assert max(blind.rounding_sensitivity) > 0.5  # jax.jit's own spread on random inputs
+
+    judged = Evaluator(graph, measure="model", example_inputs=str(path)).validate(plan)
+    assert judged.ok, judged.error
+    assert judged.example_inputs.ok and judged.example_inputs.max_error < 0.05
+    assert len(judged.tolerance) < len(graph.outputs)  # the chaotic outputs were left to the caller's inputs
+
+    lower = attention_bwd.lower
+
+    def doubled_dq(*a, **kw):
+        bwd = lower(*a, **kw)
+        return lambda *x: (lambda dq, dk, dv: (2 * dq, dk, dv))(*bwd(*x))
+
+    monkeypatch.setattr(attention_bwd, "lower", doubled_dq)
+    wrong = Evaluator(graph, measure="model", example_inputs=str(path)).validate(plan)
+    assert not wrong.ok and "real inputs" not in wrong.error  # caught on an output that holds still

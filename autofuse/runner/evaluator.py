@@ -223,7 +223,8 @@ class Evaluator:
 
     def validate(self, plan: Plan, key: str | None = None) -> ValidationResult:
         """The whole plan against jax.jit of the whole program: correctness, then both timed. `key`: the plan's JSON
-        as requested, under which `compile_ahead` may have compiled it."""
+        as requested, under which `compile_ahead` may have compiled it. An output jax.jit cannot hold still on random
+        inputs (`chaotic_outputs`) is checked on the caller's inputs alone, where the job has them."""
         g = self.graph
         avals = [g.avals[v] for v in g.inputs]
         secs: dict[str, float] = {}
@@ -238,10 +239,18 @@ class Evaluator:
         ref, sens = self._reference_program(avals)
         t2 = time.perf_counter()
         secs.update(compile=t1 - t0, reference=t2 - t1)
-        res = check(fused, ref, avals, self.seeds, self._program_tolerances(sens))
+        tols, chaotic = self._program_tolerances(sens), chaotic_outputs(sens)
+        if chaotic and self.example_inputs:  # there the caller's inputs decide (`_check_examples`, always run)
+            tols = [None if k in chaotic else t for k, t in enumerate(tols)]
+        res = check(fused, ref, avals, self.seeds, tols)
         secs["check"] = time.perf_counter() - t2
         status = TrialStatus.OK if res.ok else TrialStatus.WRONG_RESULT
         error = res.reason or None
+        if not res.ok and chaotic and not self.example_inputs:
+            shown = ", ".join(map(str, chaotic[:4])) + (", ..." if len(chaotic) > 4 else "")
+            error += (f"; on random inputs jax.jit's own result moves by up to {max(sens):.2g} when the inputs move by one "
+                      f"rounding step ({len(chaotic)} output(s): {shown}), so it cannot be checked there: tune with the "
+                      "program's real inputs (arrays, not shapes)")
         examples = None
         if res.ok and self.example_inputs:
             t3 = time.perf_counter()
@@ -273,6 +282,14 @@ class Evaluator:
 
     def _program_tolerances(self, sens: Sequence[float]) -> list[float]:
         return program_tolerances(self.graph, sens)
+
+
+def chaotic_outputs(sens: Sequence[float]) -> list[int]:
+    """The outputs that jax.jit's own result moves by more than MAX_PROGRAM_TOLERANCE under `rounding_sensitivity`'s
+    nudge: a check on such inputs cannot tell a right plan from a wrong one. A bf16 training step on N(0, 1)
+    weights is so (Llama's blocks: 0.97 at the first gradient at CPU size, its 2-block plan on an H100 0.994 from
+    jax.jit, every fused group of it right on its own); at the model's own weights it is not."""
+    return [k for k, e in enumerate(sens) if e > MAX_PROGRAM_TOLERANCE]
 
 
 def program_tolerances(graph: Graph, sens: Sequence[float]) -> list[float]:
