@@ -28,8 +28,11 @@ from typing import Any
 # an H100. This process runs it after the tuning job's trial process has exited, so it may grow to most of the card;
 # it must not preallocate that (a fraction set alone leaves JAX preallocating it at once: the tuning job's trial
 # process, which gets the same fraction of what is free, then had 7% of the card and every XLA timing failed).
+# It runs jax.jit's step (64.7 GiB of temporaries) and the plan's in turn: in CUDA's stream-ordered pool, as the
+# trial processes do (`gpumem.TRIAL_ALLOCATOR`), so that a few buffers left in a freed region cannot split it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
 
 import jax  # noqa: E402
 import jax.numpy as jnp
