@@ -387,6 +387,13 @@ def test_backward_tiles_are_the_backwards_own():
 
     big = {"block_q": 128, "block_k": 128, "num_warps": 8, "num_stages": 3, "bwd_held": 128, "bwd_step": 32, "bwd_warps": 8, "bwd_stages": 3}
     gfn, specs, graph, plan = vjp_plan([S((2, 4, 256, 128), BF16)] * 3, big)
+    (cand,) = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    # the model sees the backward's tiles (so its best is not an arbitrary backward), and finds the causal block
+    # ranges once per tile shape (per config, attention_vjp's 15360 configs took a minute at L2048)
+    model = attention_vjp.TEMPLATE.model_time_ms
+    assert model(cand.spec, big) != model(cand.spec, {**big, "bwd_held": 32, "bwd_step": 16})
+    from autofuse.kernels.attention import block_ranges
+    assert block_ranges(cand.spec.attn, 64, 32) is block_ranges(cand.spec.attn, 64, 32)
     run = executor(graph, plan, interpret=False)
     text = export_for_cuda(lambda *a: run(a), specs).mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 3

@@ -89,6 +89,7 @@ class AttentionSpec:
     mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
     dead: np.ndarray | None = None  # [Lq, Lk] positions masked out regardless of runtime inputs
     masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
+    ranges: dict[tuple[int, int], np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)  # `block_ranges` by tiles
 
     @property
     def Lq(self) -> int:
@@ -591,7 +592,14 @@ def scale_fold(spec: AttentionSpec) -> tuple[int, int, float] | None:
 
 
 def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """Per query block: [lo, full_lo, full_hi, hi) key blocks (live range; the mask-free middle), or None."""
+    """Per query block: [lo, full_lo, full_hi, hi) key blocks (live range; the mask-free middle), or None. Found
+    once per tile shape (the model asks per config: 5 ms each at L2048, a minute for attention_vjp's space)."""
+    if (bq, bk) not in spec.ranges:
+        spec.ranges[(bq, bk)] = _block_ranges(spec, bq, bk)
+    return spec.ranges[(bq, bk)]
+
+
+def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     _analyze_masks(spec)
     if spec.dead is None:
         return None

@@ -366,9 +366,15 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
             "smem_bytes": H200.smem_bytes})
 
     def model_time_ms(self, spec: AttentionVJPSpec, config: dict, model: GPUModel = H200) -> float:
-        """The forward's model, times 3.5: the backward's five products to the forward's two (its two kernels
+        """The forward's model, plus 2.5 times the same model at the backward's tiles (a program of `bwd_held`
+        rows stepping `bwd_step` at a time): the backward's five products to the forward's two (its two kernels
         re-evaluate the scores, seven in all, at a lower efficiency than the forward's)."""
-        return 3.5 * attention.TEMPLATE.model_time_ms(spec.attn, config, model)
+        from .triton.attention_bwd import backward_config
+
+        b = backward_config(spec.attn, config)
+        as_forward = {"block_q": b["bwd_held"], "block_k": b["bwd_step"], "num_warps": b["bwd_warps"], "num_stages": b["bwd_stages"]}
+        fwd = {k: v for k, v in config.items() if not k.startswith("bwd_")}
+        return attention.TEMPLATE.model_time_ms(spec.attn, fwd, model) + 2.5 * attention.TEMPLATE.model_time_ms(spec.attn, as_forward, model)
 
 
 TEMPLATE = AttentionVJPTemplate()
