@@ -97,12 +97,7 @@ def gpu_free_fraction(environ: dict[str, str] | os._Environ = os.environ) -> flo
     return free / total if total > 0 else None
 
 
-TRIAL_POOL_SHARE = 0.9  # of the GPU memory free when a trial process starts: what its pool may grow to
-# A trial process's allocator: CUDA's stream-ordered pool, whose free memory is remapped at page granularity. JAX's
-# default BFC pool grows in regions and a buffer left in a freed region splits it: validating GPT-2 medium's training
-# step (64.7 GiB of temporaries, twice in a row for the rounding check) failed out of memory on an H100 whose pool
-# had room for it, because the first run's region held a few small outputs when the second asked for it again.
-TRIAL_ALLOCATOR = "cuda_async"
+TRIAL_POOL_SHARE = 0.9  # of the GPU memory free when a trial process starts: its pool, reserved at once
 
 
 def trial_process_env(platform: str, state: AllocatorState, environ: dict[str, str] | os._Environ = os.environ,
@@ -114,22 +109,25 @@ def trial_process_env(platform: str, state: AllocatorState, environ: dict[str, s
     the trial process may have more than JAX's default 75% of the card: the whole-program reference of GPT-2
     medium's training step (B8 S2048) needs 57 GiB of temporaries, which 75% of an H100 (60 GiB) with the job's
     inputs beside it did not hold, and its plan (4.7x on attention) failed validation out of memory. A fraction
-    the user set is kept. The allocator is `TRIAL_ALLOCATOR` unless the user chose one."""
-    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if not (environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") or state.env_at_import.get("XLA_PYTHON_CLIENT_ALLOCATOR")):
-        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = TRIAL_ALLOCATOR
+    the user set is kept (and the pool then grows as needed).
+
+    A pool of our own fraction is reserved at once, one region: JAX's pool grown region by region let a few small
+    outputs split the region of that step's 64.7 GiB of temporaries, and the rounding check's second run of it
+    failed out of memory with the pool mostly free (H100). CUDA's stream-ordered pool (`cuda_async`) avoided that
+    but made XLA rematerialise jax.jit's step (243 -> 349 ms), which would flatter every plan measured against it."""
+    grow = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     held = held_pool_fraction(platform, state, environ)
+    free = None
     if held is None:
         if platform == "cpu" or any(environ.get(v) for v in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")):
-            return env
+            return grow
         free = (free_fraction or gpu_free_fraction)()
-        if free is not None:
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{max(0.01, TRIAL_POOL_SHARE * free):.3f}"
-        return env
-    free = (free_fraction or gpu_free_fraction)()
-    free = max(0.0, 1.0 - held) if free is None else free
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{max(0.01, TRIAL_POOL_SHARE * free):.3f}"
-    return env
+        if free is None:
+            return grow
+    else:
+        free = (free_fraction or gpu_free_fraction)()
+        free = max(0.0, 1.0 - held) if free is None else free
+    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{max(0.01, TRIAL_POOL_SHARE * free):.3f}"}
 
 
 def client_platform() -> str:

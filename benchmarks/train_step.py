@@ -24,15 +24,14 @@ import sys
 import time
 from typing import Any
 
-# GPT-2 medium's training step under jax.jit (B8 S2048) needs 57 GiB of temporaries: more than JAX's default 75% of
-# an H100. This process runs it after the tuning job's trial process has exited, so it may grow to most of the card;
-# it must not preallocate that (a fraction set alone leaves JAX preallocating it at once: the tuning job's trial
-# process, which gets the same fraction of what is free, then had 7% of the card and every XLA timing failed).
-# It runs jax.jit's step (64.7 GiB of temporaries) and the plan's in turn: in CUDA's stream-ordered pool, as the
-# trial processes do (`gpumem.TRIAL_ALLOCATOR`), so that a few buffers left in a freed region cannot split it.
+# GPT-2 medium's training step under jax.jit (B8 S2048) needs 64.7 GiB of temporaries: more than JAX's default 75% of
+# an H100. The steps are compared in a child process started after the tuning job's trial process has exited
+# (`measure_in_child`), with one preallocated pool of 92% of the card: jax.jit's step and the plan's then take turns
+# in one region (a pool grown region by region let a few small buffers split the big step's region and the next
+# call failed out of memory; CUDA's stream-ordered pool made XLA rematerialise jax.jit's step, 243 -> 349 ms).
+# This process itself must not preallocate: the tuning job's trial process gets 90% of what it leaves free.
+MEASURE_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
 
 import jax  # noqa: E402
 import jax.numpy as jnp
@@ -63,7 +62,7 @@ def _memory_mib(step: Any, args: tuple) -> dict[str, float]:
 def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = "loss") -> dict:
     """One model's gradient step, jax.jit against autofuse: with `mode` "loss", the plan tuned on the forward loss
     and differentiated (each fused group's custom VJP); with "grad_step", the plan tuned on the gradient program
-    itself (attention's forward and backward chains as the flash pair)."""
+    itself (attention's forward and backward chains as the flash pair). Tuned here, compared in a child process."""
     mod = importlib.import_module(f"examples.{name}")
     args = mod.small_inputs() if small else mod.example_inputs()
     fn = mod.loss if mode == "loss" else mod.grad_step
@@ -71,23 +70,50 @@ def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = 
     rep = autofuse.tune(fn, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, name=f"examples.{name}:{mode}")
     tune_s = time.time() - t0
     print(f"{name} {mode}: {rep.summary()}\nvalidation: {rep.validation.status} {rep.validation.error or ''}\n{rep.table()}", file=sys.stderr, flush=True)  # why a plan kept XLA's: the candidates' bests
+    del args
+    row = {"model": name, "mode": mode, "plan": ", ".join(sorted({f"{g.template}/{g.backend}" for g in rep.plan.groups})) or "XLA",
+           "groups": len(rep.plan.groups), "fwd_speedup": rep.speedup, "tune_s": tune_s}
+    return {**row, **measure_in_child(name, mode, rep.plan.to_json(), small)}
+
+
+def measure_in_child(name: str, mode: str, plan_json: str, small: bool) -> dict:
+    """`compare_steps` in a fresh process with `MEASURE_ENV`'s pool; its row fields (an "error" if it failed)."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        plan_path, out_path = os.path.join(d, "plan.json"), os.path.join(d, "row.json")
+        with open(plan_path, "w") as f:
+            f.write(plan_json)
+        cmd = [sys.executable, "-m", "benchmarks.train_step", "--compare", name, mode, plan_path, out_path] + (["--small"] if small else [])
+        proc = subprocess.run(cmd, env={**os.environ, **MEASURE_ENV}, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if proc.returncode or not os.path.exists(out_path):
+            return {"error": f"the comparing process exited with {proc.returncode}"}
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def compare_steps(name: str, mode: str, plan: Any, small: bool) -> dict:
+    """jax.jit's step and the plan's: every gradient leaf checked against XLA's, XLA's memory analysis of each,
+    then both timed in alternation on rotated inputs."""
+    mod = importlib.import_module(f"examples.{name}")
+    args = mod.small_inputs() if small else mod.example_inputs()
     if mode == "loss":
         ref = jax.jit(jax.grad(mod.loss))
-        fused = jax.jit(jax.grad(autofuse.jit(mod.loss, plan=rep.plan)))
+        fused = jax.jit(jax.grad(autofuse.jit(mod.loss, plan=plan)))
     else:
         ref = jax.jit(mod.grad_step)
-        fused = jax.jit(autofuse.jit(mod.grad_step, plan=rep.plan))
+        fused = jax.jit(autofuse.jit(mod.grad_step, plan=plan))
     want, got = ref(*args), fused(*args)
     errs = _rel_errors(got, want)
+    del want, got
     dtype = np.dtype(jax.tree_util.tree_leaves(args[0])[0].dtype)
-    ok = max(errs) <= TOL[dtype]
-    row = {"model": name, "mode": mode, "plan": ", ".join(sorted({f"{g.template}/{g.backend}" for g in rep.plan.groups})) or "XLA",
-           "groups": len(rep.plan.groups), "fwd_speedup": rep.speedup, "tune_s": tune_s, "max_rel_err": max(errs), "ok": ok,
-           "mem_xla": _memory_mib(ref, args), "mem_af": _memory_mib(fused, args)}
-    if ok:
+    row = {"max_rel_err": max(errs), "ok": max(errs) <= TOL[dtype], "mem_xla": _memory_mib(ref, args), "mem_af": _memory_mib(fused, args)}
+    if row["ok"]:
         sets = [args] + [_scaled(args, 1 + 0.01 * k) for k in (1, 2)]  # other values, so that caches do not flatter
-        base, plan, ratio = time_pair(ref, fused, sets, repeats=10)
-        row.update(xla_ms=base.median_ms, af_ms=plan.median_ms, speedup=1.0 / ratio.median_ms, noise=(ratio.q3_ms - ratio.q1_ms))
+        base, plan_t, ratio = time_pair(ref, fused, sets, repeats=10)
+        row.update(xla_ms=base.median_ms, af_ms=plan_t.median_ms, speedup=1.0 / ratio.median_ms, noise=(ratio.q3_ms - ratio.q1_ms))
     return row
 
 
@@ -104,7 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.0, help="tuning seconds per model (0: the trials alone bound it)")
     ap.add_argument("--small", action="store_true", help="the examples' small inputs (a CPU smoke run)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--compare", nargs=4, metavar=("MODEL", "MODE", "PLAN_JSON", "ROW_JSON"), help=argparse.SUPPRESS)  # the child
     a = ap.parse_args(argv)
+    if a.compare:
+        import json
+
+        from autofuse.plan import Plan
+
+        name, mode, plan_path, out_path = a.compare
+        with open(plan_path) as f:
+            plan = Plan.from_json(f.read())
+        row = compare_steps(name, mode, plan, a.small)
+        with open(out_path, "w") as f:
+            json.dump(row, f)
+        return 0
     rows = []
     for name in a.models.split(","):
         for mode in a.modes.split(","):
@@ -117,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_table(rows, a.out, argv)  # after every row: a run cut short keeps what it did
     text = write_table(rows, a.out, argv)
     print(text)
-    return 0 if all("error" not in r and r["ok"] for r in rows) else 1
+    return 0 if all("error" not in r and r.get("ok") for r in rows) else 1
 
 
 def write_table(rows: list[dict], out: str, argv: list[str] | None) -> str:

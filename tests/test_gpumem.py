@@ -77,25 +77,20 @@ def test_trial_process_gets_host_copies_of_the_callers_arrays():
 
 
 def test_a_trial_process_of_a_preallocated_caller_gets_a_pool_capped_at_what_is_free():
-    """No GPU here: the rule on the states `import autofuse` records. The trial process turns preallocation off,
-    and its pool may take 90% of what the GPU has free (nvidia-smi): more than JAX's default 75% where this process
-    holds no pool, a cap where it does (of what the caller's pool leaves when nvidia-smi cannot say). Its allocator
-    is CUDA's stream-ordered pool unless the user chose one."""
-    off = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}
+    """No GPU here: the rule on the states `import autofuse` records. The trial process's pool is 90% of what the GPU has free (nvidia-smi), reserved at once as one region: more than JAX's
+    default 75% where this process holds no pool, a cap where it does (of what the caller's pool leaves when
+    nvidia-smi cannot say). A fraction the user set, or no nvidia-smi, leaves the pool to grow as needed."""
+    grow = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     started_before = gpumem.AllocatorState(True, {}, False)
-    assert gpumem.trial_process_env("cpu", started_before, {}) == off
+    assert gpumem.trial_process_env("cpu", started_before, {}) == grow
     no_pool = gpumem.AllocatorState(False, {}, True)
     assert gpumem.trial_process_env("gpu", no_pool, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, lambda: 0.9) == \
-        {**off, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.810"}  # more than JAX's 75% of the card
-    assert gpumem.trial_process_env("none", no_pool, {}, lambda: None) == off  # no nvidia-smi
+        {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.810"}  # more than JAX's 75% of the card
+    assert gpumem.trial_process_env("none", no_pool, {}, lambda: None) == grow  # no nvidia-smi
     own = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-    assert gpumem.trial_process_env("gpu", no_pool, own, lambda: 0.9) == off  # the user's own fraction reaches the trial process unchanged
+    assert gpumem.trial_process_env("gpu", no_pool, own, lambda: 0.9) == grow  # the user's own fraction reaches the trial process unchanged
     capped = gpumem.trial_process_env("gpu", started_before, {}, lambda: 0.24)
-    assert capped == {**off, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.216"}
-    # an allocator the user chose, now or before JAX started, is theirs
-    assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in gpumem.trial_process_env("gpu", no_pool, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, lambda: 0.9)
-    bfc = gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, False)
-    assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in gpumem.trial_process_env("gpu", bfc, {}, lambda: 0.9)
+    assert capped == {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.216"}
     half = gpumem.AllocatorState(True, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, False)
     assert gpumem.trial_process_env("gpu", half, {}, lambda: None)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"
     assert gpumem.gpu_free_fraction({"CUDA_VISIBLE_DEVICES": "0"}) is None or 0 <= gpumem.gpu_free_fraction() <= 1
@@ -115,4 +110,4 @@ def test_the_runner_starts_its_trial_process_with_that_environment(monkeypatch):
         runner._spawn()
     except RuntimeError:
         pass
-    assert seen["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450" and seen["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert seen["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450" and seen["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
