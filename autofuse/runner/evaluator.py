@@ -218,11 +218,13 @@ class Evaluator:
 
     def _reference_program(self, avals: Sequence[Any]) -> tuple[Callable, list[float]]:
         """jax.jit of the whole program and its rounding sensitivity, computed once per job (every plan validated,
-        the chosen one and its fallbacks, is held to the same reference)."""
+        the chosen one and its fallbacks, is held to the same reference). The sensitivity is the largest over the
+        check's seeds: one nudge is one sample of the spread, and GPT-2 medium's training step moved by at most
+        0.02 at one seed's nudge where its right plan was 0.043 from jax.jit at another seed (H100)."""
         if self._program is None:
             self._program = self._compile_program()
         if self._program_sens is None:
-            self._program_sens = rounding_sensitivity(self._program, avals, self.seeds[0])
+            self._program_sens = rounding_spread(self._program, avals, self.seeds)
         return self._program, self._program_sens
 
     def validate(self, plan: Plan, key: str | None = None) -> ValidationResult:
@@ -280,7 +282,7 @@ class Evaluator:
         if self._examples is None:
             with open(self.example_inputs, "rb") as f:
                 args = [jnp.asarray(x, dtype=a.dtype) for x, a in zip(pickle.load(f), avals)]
-            self._examples = args, rounding_sensitivity(ref, avals, self.seeds[0], args=args)
+            self._examples = args, rounding_spread(ref, avals, self.seeds, args=args)  # each seed: other nudges
         args, sens = self._examples
         tols = self._program_tolerances(sens)
         res = check(fused, ref, avals, tolerances=tols, inputs=args)
@@ -350,6 +352,13 @@ def rounding_sensitivity(ref: Callable, avals: Sequence[Any], seed: int, args: S
     errs = [compare(m, o, 0.0)[1] if np.issubdtype(np.dtype(o.dtype), np.inexact) or o.dtype == jnp.bfloat16 else 0.0
             for o, m in zip(outs, moved)]
     return [e if math.isfinite(e) else 0.0 for e in errs]
+
+
+def rounding_spread(ref: Callable, avals: Sequence[Any], seeds: Sequence[int], args: Sequence[Any] | None = None) -> list[float]:
+    """Per output, the largest `rounding_sensitivity` over `seeds` (each its own random inputs, or the given `args`,
+    and its own nudge): one nudge is one sample of the spread."""
+    per_seed = [rounding_sensitivity(ref, avals, s, args=args) for s in seeds]
+    return [max(e) for e in zip(*per_seed, strict=True)]
 
 
 @jax.jit
