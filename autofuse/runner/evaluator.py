@@ -23,7 +23,7 @@ from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
-from .measure import check, compare, cone_tolerances, pool_view, random_inputs, time_fn, time_pair
+from .measure import CheckResult, check, compare, cone_tolerances, pool_view, random_inputs, time_fn, time_pair
 from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
 
@@ -73,7 +73,8 @@ class Evaluator:
         self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
         self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job, not per plan validated
         self._program_sens: list[float] | None = None  # its rounding sensitivity on random inputs (`rounding_sensitivity`)
-        self._examples: tuple[list, list[float]] | None = None  # the caller's inputs, and the sensitivity there
+        self._program_widened = False  # whether that is over every seed's nudge (`_widened`)
+        self._examples: tuple[list, list[float], bool] | None = None  # the caller's inputs, the sensitivity there, widened
         self.device = device_label()  # recorded on every result: which device of which worker ran it
 
     def handle(self, req: Request) -> Result:
@@ -217,21 +218,35 @@ class Evaluator:
         return jax.jit(lambda *a: run(a)).lower(*_program_structs(self.graph)).compile()
 
     def _reference_program(self, avals: Sequence[Any]) -> tuple[Callable, list[float]]:
-        """jax.jit of the whole program and its rounding sensitivity, computed once per job (every plan validated,
-        the chosen one and its fallbacks, is held to the same reference). The sensitivity is the largest over the
-        check's seeds: one nudge is one sample of the spread, and GPT-2 medium's training step moved by at most
-        0.02 at one seed's nudge where its right plan was 0.043 from jax.jit at another seed (H100)."""
+        """jax.jit of the whole program and its rounding sensitivity under the first seed's nudge, computed once per
+        job (every plan validated, the chosen one and its fallbacks, is held to the same reference)."""
         if self._program is None:
             self._program = self._compile_program()
         if self._program_sens is None:
-            self._program_sens = rounding_spread(self._program, avals, self.seeds)
+            self._program_sens = rounding_sensitivity(self._program, avals, self.seeds[0])
         return self._program, self._program_sens
+
+    def _widened(self, sens: list[float], avals: Sequence[Any], ref: Callable, args: Sequence[Any] | None = None) -> list[float]:
+        """`sens` widened to the largest move under every seed's nudge (`rounding_spread`): one nudge is one sample
+        of the spread, and GPT-2 medium's training step moved by at most 0.02 under seed 1's where its right plan
+        was 0.043 from jax.jit at seed 2 (H100). Asked only after a check failed: the other nudges cost two runs of
+        the whole program each, seconds of a whole model's first plan."""
+        more = rounding_spread(ref, avals, self.seeds[1:], args=args) if len(self.seeds) > 1 else sens
+        return [max(a, b) for a, b in zip(sens, more, strict=True)]
+
+    def _random_check(self, fused: Callable, ref: Callable, avals: Sequence[Any], sens: Sequence[float]) -> CheckResult:
+        """The plan on random inputs, each output held to its `_program_tolerances`; where the job has the caller's
+        inputs, an output whose bound would come from jax.jit's own spread rather than its dtype's is left to them
+        (`_check_examples`, always run): on random inputs that bound is one sample of a spread."""
+        tols = self._program_tolerances(sens)
+        if self.example_inputs:
+            tols = [None if e > b else t for t, e, b in zip(tols, sens, output_bounds(self.graph), strict=True)]
+        return check(fused, ref, avals, self.seeds, tols)
 
     def validate(self, plan: Plan, key: str | None = None) -> ValidationResult:
         """The whole plan against jax.jit of the whole program: correctness, then both timed. `key`: the plan's JSON
-        as requested, under which `compile_ahead` may have compiled it. Where the job has the caller's inputs, an
-        output that jax.jit itself moves by more than its dtype's bound on random inputs (`rounding_sensitivity`)
-        is checked on the caller's inputs alone: its random-input bound would be one sample of jax.jit's spread."""
+        as requested, under which `compile_ahead` may have compiled it. A check that fails within the bound's reach
+        is made again with jax.jit's spread over every seed's nudge (`_widened`, kept for the job's later plans)."""
         g = self.graph
         avals = [g.avals[v] for v in g.inputs]
         secs: dict[str, float] = {}
@@ -246,14 +261,15 @@ class Evaluator:
         ref, sens = self._reference_program(avals)
         t2 = time.perf_counter()
         secs.update(compile=t1 - t0, reference=t2 - t1)
-        tols, chaotic = self._program_tolerances(sens), chaotic_outputs(sens)
-        if self.example_inputs:  # the caller's inputs decide (`_check_examples`, always run) where jax.jit's own spread,
-            bounds = output_bounds(g)  # not the dtype's bound, would set the bound on random inputs
-            tols = [None if e > b else t for t, e, b in zip(tols, sens, bounds, strict=True)]
-        res = check(fused, ref, avals, self.seeds, tols)
+        res = self._random_check(fused, ref, avals, sens)
+        if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not self._program_widened:
+            self._program_sens = sens = self._widened(sens, avals, ref)
+            self._program_widened = True
+            res = self._random_check(fused, ref, avals, sens)
         secs["check"] = time.perf_counter() - t2
         status = TrialStatus.OK if res.ok else TrialStatus.WRONG_RESULT
         error = res.reason or None
+        chaotic = chaotic_outputs(sens)
         if not res.ok and chaotic and not self.example_inputs:
             shown = ", ".join(map(str, chaotic[:4])) + (", ..." if len(chaotic) > 4 else "")
             error += (f"; on random inputs jax.jit's own result moves by up to {max(sens):.2g} when the inputs move by one "
@@ -282,11 +298,14 @@ class Evaluator:
         if self._examples is None:
             with open(self.example_inputs, "rb") as f:
                 args = [jnp.asarray(x, dtype=a.dtype) for x, a in zip(pickle.load(f), avals)]
-            self._examples = args, rounding_spread(ref, avals, self.seeds, args=args)  # each seed: other nudges
-        args, sens = self._examples
-        tols = self._program_tolerances(sens)
-        res = check(fused, ref, avals, tolerances=tols, inputs=args)
-        return InputsCheck(res.ok, res.max_error, tols, sens, res.reason)
+            self._examples = args, rounding_sensitivity(ref, avals, self.seeds[0], args=args), False
+        args, sens, widened = self._examples
+        res = check(fused, ref, avals, tolerances=self._program_tolerances(sens), inputs=args)
+        if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not widened:  # as on random inputs (`_widened`)
+            sens = self._widened(sens, avals, ref, args)
+            self._examples = args, sens, True
+            res = check(fused, ref, avals, tolerances=self._program_tolerances(sens), inputs=args)
+        return InputsCheck(res.ok, res.max_error, self._program_tolerances(sens), sens, res.reason)
 
     def _program_tolerances(self, sens: Sequence[float]) -> list[float]:
         return program_tolerances(self.graph, sens)
