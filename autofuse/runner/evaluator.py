@@ -261,11 +261,9 @@ class Evaluator:
         ref, sens = self._reference_program(avals)
         t2 = time.perf_counter()
         secs.update(compile=t1 - t0, reference=t2 - t1)
-        res = self._random_check(fused, ref, avals, sens)
-        if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not self._program_widened:
-            self._program_sens = sens = self._widened(sens, avals, ref)
-            self._program_widened = True
-            res = self._random_check(fused, ref, avals, sens)
+        res, sens, self._program_widened = _judged(lambda sp: self._random_check(fused, ref, avals, sp), sens, self._program_widened,
+                                                   lambda sp: self._widened(sp, avals, ref))
+        self._program_sens = sens
         secs["check"] = time.perf_counter() - t2
         status = TrialStatus.OK if res.ok else TrialStatus.WRONG_RESULT
         error = res.reason or None
@@ -300,15 +298,25 @@ class Evaluator:
                 args = [jnp.asarray(x, dtype=a.dtype) for x, a in zip(pickle.load(f), avals)]
             self._examples = args, rounding_sensitivity(ref, avals, self.seeds[0], args=args), False
         args, sens, widened = self._examples
-        res = check(fused, ref, avals, tolerances=self._program_tolerances(sens), inputs=args)
-        if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not widened:  # as on random inputs (`_widened`)
-            sens = self._widened(sens, avals, ref, args)
-            self._examples = args, sens, True
-            res = check(fused, ref, avals, tolerances=self._program_tolerances(sens), inputs=args)
+        res, sens, widened = _judged(lambda sp: check(fused, ref, avals, tolerances=self._program_tolerances(sp), inputs=args), sens, widened,
+                                     lambda sp: self._widened(sp, avals, ref, args))
+        self._examples = args, sens, widened
         return InputsCheck(res.ok, res.max_error, self._program_tolerances(sens), sens, res.reason)
 
     def _program_tolerances(self, sens: Sequence[float]) -> list[float]:
         return program_tolerances(self.graph, sens)
+
+
+def _judged(judge: Callable[[list[float]], CheckResult], sens: list[float], widened: bool,
+            widen: Callable[[list[float]], list[float]]) -> tuple[CheckResult, list[float], bool]:
+    """`judge(sens)`; where it fails within MAX_PROGRAM_TOLERANCE and `sens` is still one nudge's, judged again with
+    `widen(sens)` (every seed's nudge, `Evaluator._widened`). Returns the result, the spread used and whether it is
+    widened."""
+    res = judge(sens)
+    if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not widened:
+        sens, widened = widen(sens), True
+        res = judge(sens)
+    return res, sens, widened
 
 
 def chaotic_outputs(sens: Sequence[float]) -> list[int]:
