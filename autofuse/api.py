@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class AutofuseFunction:
         self.last_status: str = ""
         self._traced_status: dict[str, str] = {}  # by program fingerprint: what each traced signature runs
         self._donate_argnums = donate_argnums
+        self._call = threading.local()  # this thread's call's own arguments while it traces (`_caller_leaves`)
         preload_pallas_lowerings(interpret)  # else the second call of each signature traces again (see plan.py)
         self._jitted = self._new_jit()
         functools.update_wrapper(self, fn)
@@ -136,7 +138,11 @@ class AutofuseFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.tuning_jobs:
             self._poll_jobs()
-        return self._jitted(*args, **kwargs)
+        self._call.args = (args, kwargs)
+        try:
+            return self._jitted(*args, **kwargs)
+        finally:
+            self._call.args = None
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.lower(*args, **kwargs)
@@ -235,12 +241,16 @@ class AutofuseFunction:
                 why = f"plan {res.plan_id} (tuned at {res.tuned_at}) does not build at {res.serving} ({type(e).__name__}: {str(e)[:300]})"
                 self._remember(res, graph, ("failed", why))
             return None, self._miss(graph, why)
-        if res.kind == "plan-version" and not self._reverify(graph, compiled):
-            return None, self._miss(graph, f"stored plan {res.plan_id}, made with other software versions, failed re-verification")
+        if res.kind == "plan-version":
+            ok, detail = self._reverify(graph, compiled)
+            if not ok:
+                return None, self._miss(graph, f"stored plan {res.plan_id}, made with other software versions, failed re-verification ({detail})")
         if checking:
-            if not self._reverify(graph, compiled):
-                why = f"plan {res.plan_id} (tuned at {res.tuned_at}) failed its check against jax.jit at {res.serving}"
-                self._remember(res, graph, ("failed", why))
+            ok, detail = self._reverify(graph, compiled)
+            if not ok:
+                why = f"plan {res.plan_id} (tuned at {res.tuned_at}) failed its check against jax.jit at {res.serving} ({detail})"
+                if not detail.startswith("undecided"):  # an undecided check is made again at the next trace
+                    self._remember(res, graph, ("failed", why))
                 return None, self._miss(graph, why)
             self._remember(res, graph, ("ok", ""))
             log.warning("autofuse: %s: program %s: plan %s (tuned at %s) passed its check against jax.jit at %s: serving it",
@@ -417,21 +427,37 @@ class AutofuseFunction:
         except Exception:  # noqa: BLE001 -- an explanation must never break the program
             return f"no stored plan for this program on {device}"
 
-    def _reverify(self, graph: Graph, fused: Callable) -> bool:
-        """Check the fused program against jax.jit on fresh inputs, eagerly (this runs while JAX traces), held to the
-        bound the tuning job's validation holds a whole plan to: per output its cone's dtype tolerance, or jax.jit's
-        own rounding spread at those inputs where larger (at most MAX_PROGRAM_TOLERANCE). A deep bf16 model on the
-        check's N(0, 1) inputs moves by more than one bf16 operation's bound when its inputs move by one rounding step,
-        and so does a fused plan that rounds its intermediates differently (`rounding_sensitivity`)."""
-        from .runner.evaluator import program_tolerances, rounding_sensitivity
-        from .runner.measure import check
+    def _reverify(self, graph: Graph, fused: Callable) -> tuple[bool, str]:
+        """Check the fused program against jax.jit, eagerly (this runs while JAX traces), by the rule the tuning job's
+        validation holds a whole plan to (`ProgramCheck`): fresh random inputs, and this call's own arguments where
+        they are arrays (not tracers of an enclosing transformation). A bf16 training step on N(0, 1) inputs is
+        chaotic: jax.jit's own result moves by more than the bound when its inputs move by one rounding step, so a
+        right plan can be told from a wrong one only at the caller's inputs. Returns whether it passed and, if not,
+        why; a failure on such outputs without the caller's arrays says "undecided" (not to be remembered)."""
+        from .runner.program_check import ProgramCheck
 
         ref = jax.jit(lambda *a: graph.evaluate(a))
-        avals, seeds = [graph.avals[v] for v in graph.inputs], (11, 12)
+        leaves = self._caller_leaves(graph)
         with jax.ensure_compile_time_eval():
-            tols = program_tolerances(graph, rounding_sensitivity(ref, avals, seeds[0]))
-            res = check(fused, ref, avals, seeds, tols)
-        return res.ok
+            verdict = ProgramCheck(graph, ref, (11, 12), leaves).judge(fused)
+        if verdict.ok:
+            return True, ""
+        if verdict.chaotic() and leaves is None:
+            return False, (f"undecided: on random inputs jax.jit's own result moves by up to {max(verdict.sensitivity):.2g} when they move "
+                           "by one rounding step, and this call's arguments were tracers (call it with arrays to check it there)")
+        return False, verdict.reason[:300]
+
+    def _caller_leaves(self, graph: Graph) -> list | None:
+        """The arguments of the call now tracing, as `graph`'s input leaves, where they are concrete arrays; None when
+        traced otherwise (under `jax.grad`, an enclosing `jax.jit`, `lower`)."""
+        call = getattr(self._call, "args", None)
+        if call is None:
+            return None
+        try:
+            leaves = flatten_args(graph, self.fn, call[0], call[1], self.static_argnums, self.static_argnames)
+        except ValueError:
+            return None
+        return None if any(isinstance(x, jax.core.Tracer) for x in leaves) else leaves
 
 
 def _open_store(store: Any) -> tuple[Any, str]:

@@ -12,7 +12,8 @@ from autofuse.graph import capture
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import Option, select_cover
 from autofuse.plan import executor, plan_from_choices
-from autofuse.runner.evaluator import Evaluator, rounding_sensitivity
+from autofuse.runner.evaluator import Evaluator
+from autofuse.runner.program_check import rounding_sensitivity
 from autofuse.kernels import TEMPLATES
 from autofuse.runner.measure import random_inputs, compare, time_fn
 

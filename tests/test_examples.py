@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
-from autofuse.runner.evaluator import Evaluator, rounding_sensitivity
+from autofuse.runner.evaluator import Evaluator
+from autofuse.runner.program_check import rounding_sensitivity
 from autofuse.graph import capture
 from autofuse.kernels import TEMPLATES
 from autofuse.runner.measure import compare
@@ -97,22 +98,22 @@ def test_a_failed_check_is_made_again_with_every_seeds_spread(monkeypatch):
     """The whole-plan check first holds each output to jax.jit's move under the first seed's nudge; a plan that
     fails it within the 25% bound is checked again against the largest move under every seed's nudge (one nudge is
     one sample), and the job keeps that wider spread. A plan that passes at once never pays for the other nudges."""
-    import autofuse.runner.evaluator as ev_mod
+    import autofuse.runner.program_check as pc
 
     cfg = gpt2.Config(vocab=96, d_model=128, n_layers=2, max_seq=64)
     graph = capture(gpt2.forward, *jax.eval_shape(lambda: gpt2.make_inputs(cfg, batch=1, seq=64, dtype=jnp.bfloat16)))
     (attn,) = {c.group.signature: c for c in enumerate_candidates(graph) if c.template == "attention"}.values()
     plan = fuse_all(graph, {attn.group.signature: TEMPLATES["attention"].default_config(attn.spec)})
     at_once = Evaluator(graph, measure="model")
-    assert at_once.validate(plan).ok and not at_once._program_widened
+    assert at_once.validate(plan).ok and not at_once._check._widened
 
-    real = ev_mod.rounding_sensitivity
-    monkeypatch.setattr(ev_mod, "rounding_sensitivity", lambda ref, avals, seed, args=None: [0.0] if seed == 1 else real(ref, avals, seed, args))
-    monkeypatch.setattr(ev_mod, "output_bounds", lambda g: [1e-4])  # so that the first check fails (the plan is ~1e-2 off)
+    real = pc.rounding_sensitivity
+    monkeypatch.setattr(pc, "rounding_sensitivity", lambda ref, avals, seed, args=None: [0.0] if seed == 1 else real(ref, avals, seed, args))
+    monkeypatch.setattr(pc, "output_bounds", lambda g: [1e-4])  # so that the first check fails (the plan is ~1e-2 off)
     ev = Evaluator(graph, measure="model")
     res = ev.validate(plan)
     ref = ev._program
-    assert res.ok and ev._program_widened
+    assert res.ok and ev._check._widened
     assert res.rounding_sensitivity == [max(real(ref, [graph.avals[v] for v in graph.inputs], s)[0] for s in (2, 3))]
 
 

@@ -76,7 +76,7 @@ def test_rounding_spread_is_the_largest_move_over_the_seeds():
     right plan was 0.043 from jax.jit at seed 2); with given inputs, each seed nudges them differently."""
     import jax
 
-    from autofuse.runner.evaluator import rounding_sensitivity, rounding_spread
+    from autofuse.runner.program_check import rounding_sensitivity, rounding_spread
 
     av = _avals(((64, 256), jnp.bfloat16), ((256, 256), jnp.bfloat16))
 

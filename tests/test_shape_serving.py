@@ -81,3 +81,57 @@ def test_benchmark_small_smoke_run(tmp_path) -> None:
         assert float(cells[5]) < 1e-4, row  # the served plan's error on the model's weights (float32)
         assert cells[-3] in ("pass", "FAIL") and cells[-2] == gpu, row  # an exact job run and timed against the served plan
     assert sorted(os.listdir(out.parent)) == ["shape_serving.md", "shape_serving.md.json"]  # stores and parts in --workdir
+
+
+def _save_llama_step_plan(url: str, batch: int, seq: int) -> int:
+    """A plan of the bf16 Llama blocks' training step at (batch, seq) with every attention's forward and backward
+    fused (the flash pair, 16x16 tiles), stored as made with another jax (so that a lookup re-verifies it); its id."""
+    from examples import llama
+
+    graph = capture(llama.grad_step, *jax.eval_shape(lambda: llama.make_inputs(llama.SMALL, batch, seq, dtype=jnp.bfloat16)))
+    cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    config = {**TEMPLATES["attention_vjp"].default_config(cands[0].spec), "block_q": 16, "block_k": 16, "bwd_held": 16, "bwd_step": 16}
+    plan = plan_from_choices(graph, [(c.group, "attention_vjp", config, c.stages) for c in cands], {"measure": "model"})
+    assert len(plan.groups) == llama.SMALL.n_layers
+    store, dev = PlanStore(url), device_info()
+    pid = store.program(graph.fingerprint, "llama_step", graph.signature(), len(graph.nodes), function=qualified_name(llama.grad_step),
+                        structure=graph.structure)
+    did = store.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"])
+    return store.save_plan(pid, did, store.software(**{**software(), "jax": "0.0.1"}), plan.to_dict(), measured_ms=1.0, baseline_ms=1.5,
+                           speedup=1.5, measure="model", tolerance={}, max_error=0.0)
+
+
+def test_training_step_plan_is_reverified_at_the_callers_arrays(tmp_path, monkeypatch) -> None:
+    """A bf16 training step on N(0, 1) inputs is chaotic (jax.jit's own gradients move by ~100% when the inputs move
+    by one rounding step), so `autofuse.jit`'s re-verification of a plan made with other software cannot decide on
+    random inputs alone. Called with arrays, the chaotic outputs are judged at the call's own arguments, as the
+    tuning job judges them at the caller's inputs: the right plan serves, one whose backward doubles dQ does not.
+    Traced under another transformation (tracers, no arrays) the check is undecided and plain jax.jit runs."""
+    from autofuse.kernels.triton import attention_bwd
+    from examples import llama
+
+    url = f"sqlite:///{tmp_path}/plans.db"
+    plan_id = _save_llama_step_plan(url, 2, 32)
+    args = llama.make_inputs(llama.SMALL, 2, 32, dtype=jnp.bfloat16, seed=3)
+    want = jax.jit(llama.grad_step)(*args)
+
+    traced = autofuse.jit(llama.grad_step, store=url)
+    jax.jit(lambda *a: traced(*a))(*args)  # the arguments are tracers of the enclosing jit
+    assert "undecided" in traced.last_status and "call it with arrays" in traced.last_status, traced.last_status
+
+    f = autofuse.jit(llama.grad_step, store=url)
+    got = f(*args)
+    assert f"plan {plan_id}" in f.last_status and not f.last_status.startswith("xla"), f.last_status
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert compare(a, b)[0]
+
+    lower = attention_bwd.lower
+
+    def doubled_dq(*a, **kw):
+        bwd = lower(*a, **kw)
+        return lambda *x: (lambda dq, dk, dv: (2 * dq, dk, dv))(*bwd(*x))
+
+    monkeypatch.setattr(attention_bwd, "lower", doubled_dq)
+    g = autofuse.jit(llama.grad_step, store=url)
+    g(*args)
+    assert "failed re-verification" in g.last_status and "undecided" not in g.last_status, g.last_status

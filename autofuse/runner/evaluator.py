@@ -7,15 +7,12 @@ roofline model (results marked `modelled`).
 """
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from .. import costmodel
 from ..device import device_label
@@ -23,8 +20,9 @@ from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
-from .measure import CheckResult, check, compare, cone_tolerances, pool_view, random_inputs, time_fn, time_pair
-from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
+from .measure import check, cone_tolerances, random_inputs, time_fn, time_pair
+from .program_check import ProgramCheck
+from .protocol import (CompileRequest, CompileResult, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
 
 #: How long one timed batch of a candidate's calls lasts (XLA's group or a kernel config; the median of `repeats`
@@ -34,11 +32,6 @@ from .protocol import (CompileRequest, CompileResult, InputsCheck, Request, Resu
 CANDIDATE_BATCH_MS = 10.0
 #: About how long a whole plan's timing against jax.jit may take: 20 pairs of a small program, 8 of a whole model.
 VALIDATION_TIMING_MS = 3000.0
-MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
-#: jax.jit's own spread (`rounding_sensitivity`) from which a random-input check cannot decide an output: one nudge
-#: is one sample of the spread, and a plan rounding differently at every operation has been 0.6-0.75x of it on
-#: forward programs but 1.5-2x on GPT-2 medium's training step (0.369 at 0.249, 0.0585 at 0.03; H100).
-CHAOTIC_SPREAD = MAX_PROGRAM_TOLERANCE / 2
 
 
 def classify_compile_error(e: BaseException) -> TrialStatus:
@@ -71,10 +64,8 @@ class Evaluator:
         self._refs: dict[tuple, Callable] = {}
         self._ahead: dict[tuple, Callable] = {}  # kernels compiled ahead (`compile_ahead`), taken by their trial
         self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
-        self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job, not per plan validated
-        self._program_sens: list[float] | None = None  # its rounding sensitivity on random inputs (`rounding_sensitivity`)
-        self._program_widened = False  # whether that is over every seed's nudge (`_widened`)
-        self._examples: tuple[list, list[float], bool] | None = None  # the caller's inputs, the sensitivity there, widened
+        self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job (perhaps ahead)
+        self._check: ProgramCheck | None = None  # judging plans against it, its spreads measured once per job, not per plan
         self.device = device_label()  # recorded on every result: which device of which worker ran it
 
     def handle(self, req: Request) -> Result:
@@ -217,38 +208,24 @@ class Evaluator:
         run = executor(self.graph, plan, interpret=self.interpret)
         return jax.jit(lambda *a: run(a)).lower(*_program_structs(self.graph)).compile()
 
-    def _reference_program(self, avals: Sequence[Any]) -> tuple[Callable, list[float]]:
-        """jax.jit of the whole program and its rounding sensitivity under the first seed's nudge, computed once per
-        job (every plan validated, the chosen one and its fallbacks, is held to the same reference)."""
-        if self._program is None:
-            self._program = self._compile_program()
-        if self._program_sens is None:
-            self._program_sens = rounding_sensitivity(self._program, avals, self.seeds[0])
-        return self._program, self._program_sens
+    def _program_check(self) -> ProgramCheck:
+        """jax.jit of the whole program, compiled once per job with its rounding spreads (every plan validated, the
+        chosen one and its fallbacks, is held to the same reference), and the caller's inputs where the job has them."""
+        if self._check is None:
+            examples = None
+            if self.example_inputs:
+                import pickle
 
-    def _widened(self, sens: list[float], avals: Sequence[Any], ref: Callable, args: Sequence[Any] | None = None) -> list[float]:
-        """`sens` widened to the largest move under every seed's nudge (`rounding_spread`): one nudge is one sample
-        of the spread, and GPT-2 medium's training step moved by at most 0.02 under seed 1's where its right plan
-        was 0.043 from jax.jit at seed 2 (H100). Asked only after a check failed: the other nudges cost two runs of
-        the whole program each, seconds of a whole model's first plan."""
-        more = rounding_spread(ref, avals, self.seeds[1:], args=args) if len(self.seeds) > 1 else sens
-        return [max(a, b) for a, b in zip(sens, more, strict=True)]
-
-    def _random_check(self, fused: Callable, ref: Callable, avals: Sequence[Any], sens: Sequence[float]) -> CheckResult:
-        """The plan on random inputs, each output held to its `_program_tolerances`; where the job has the caller's
-        inputs, an output whose bound would come from jax.jit's own spread rather than its dtype's is left to them
-        (`_check_examples`, always run): on random inputs that bound is one sample of a spread."""
-        tols = self._program_tolerances(sens)
-        if self.example_inputs:
-            tols = [None if e > b else t for t, e, b in zip(tols, sens, output_bounds(self.graph), strict=True)]
-        return check(fused, ref, avals, self.seeds, tols)
+                with open(self.example_inputs, "rb") as f:
+                    examples = pickle.load(f)
+            if self._program is None:
+                self._program = self._compile_program()
+            self._check = ProgramCheck(self.graph, self._program, self.seeds, examples)
+        return self._check
 
     def validate(self, plan: Plan, key: str | None = None) -> ValidationResult:
-        """The whole plan against jax.jit of the whole program: correctness, then both timed. `key`: the plan's JSON
-        as requested, under which `compile_ahead` may have compiled it. A check that fails within the bound's reach
-        is made again with jax.jit's spread over every seed's nudge (`_widened`, kept for the job's later plans)."""
-        g = self.graph
-        avals = [g.avals[v] for v in g.inputs]
+        """The whole plan against jax.jit of the whole program: correctness (`ProgramCheck`), then both timed. `key`:
+        the plan's JSON as requested, under which `compile_ahead` may have compiled it."""
         secs: dict[str, float] = {}
         t0 = time.perf_counter()
         fused = self._plans.pop(key, None) if key is not None else None
@@ -258,85 +235,29 @@ class Evaluator:
             except Exception as e:  # noqa: BLE001 - fails the check below, as a plan that failed to build always did
                 fused = _raiser(e)
         t1 = time.perf_counter()
-        ref, sens = self._reference_program(avals)
-        t2 = time.perf_counter()
-        secs.update(compile=t1 - t0, reference=t2 - t1)
-        res, sens, self._program_widened = _judged(lambda sp: self._random_check(fused, ref, avals, sp), sens, self._program_widened,
-                                                   lambda sp: self._widened(sp, avals, ref))
-        self._program_sens = sens
-        secs["check"] = time.perf_counter() - t2
-        status = TrialStatus.OK if res.ok else TrialStatus.WRONG_RESULT
-        error = res.reason or None
-        chaotic = chaotic_outputs(sens)
+        judge = self._program_check()
+        judge.sensitivity()
+        secs.update(compile=t1 - t0, reference=time.perf_counter() - t1)
+        verdict = judge.judge(fused)
+        secs.update(verdict.seconds)
+        res = verdict.random
+        status = TrialStatus.OK if verdict.ok else TrialStatus.WRONG_RESULT
+        error = verdict.reason or None
+        chaotic = verdict.chaotic()
         if not res.ok and chaotic and not self.example_inputs:
             shown = ", ".join(map(str, chaotic[:4])) + (", ..." if len(chaotic) > 4 else "")
-            error += (f"; on random inputs jax.jit's own result moves by up to {max(sens):.2g} when the inputs move by one "
-                      f"rounding step ({len(chaotic)} output(s): {shown}), so it cannot be checked there: tune with the "
+            error += (f"; on random inputs jax.jit's own result moves by up to {max(verdict.sensitivity):.2g} when the inputs move "
+                      f"by one rounding step ({len(chaotic)} output(s): {shown}), so it cannot be checked there: tune with the "
                       "program's real inputs (arrays, not shapes)")
-        examples = None
-        if res.ok and self.example_inputs:
-            t3 = time.perf_counter()
-            examples = self._check_examples(fused, ref, avals)
-            secs["examples"] = time.perf_counter() - t3
-            if not examples.ok:
-                status, error = TrialStatus.WRONG_RESULT, f"on the example inputs: {examples.error}"
-        out = ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, seconds=secs)
+        out = ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, seconds=secs)
         if status is not TrialStatus.OK or self.measure == "model":
             return out
         t4 = time.perf_counter()
-        base, plan_t, ratio = time_pair(ref, fused, self._input_sets(avals), repeats=2 * self.repeats, budget_ms=VALIDATION_TIMING_MS)
+        base, plan_t, ratio = time_pair(judge.ref, fused, self._input_sets(judge.avals), repeats=2 * self.repeats,
+                                        budget_ms=VALIDATION_TIMING_MS)
         secs["time"] = time.perf_counter() - t4
-        return ValidationResult(status, res.max_error, res.tolerance, error, sens, examples, base, plan_t, ratio, seconds=secs)
-
-    def _check_examples(self, fused: Callable, ref: Callable, avals: Sequence[Any]) -> InputsCheck:
-        """The plan on the user's own inputs (a model's real weights, not N(0, 1) ones, under which a deep
-        bf16 network is chaotic), held to jax.jit's rounding spread at those inputs (tight there; computed once)."""
-        import pickle
-
-        if self._examples is None:
-            with open(self.example_inputs, "rb") as f:
-                args = [jnp.asarray(x, dtype=a.dtype) for x, a in zip(pickle.load(f), avals)]
-            self._examples = args, rounding_sensitivity(ref, avals, self.seeds[0], args=args), False
-        args, sens, widened = self._examples
-        res, sens, widened = _judged(lambda sp: check(fused, ref, avals, tolerances=self._program_tolerances(sp), inputs=args), sens, widened,
-                                     lambda sp: self._widened(sp, avals, ref, args))
-        self._examples = args, sens, widened
-        return InputsCheck(res.ok, res.max_error, self._program_tolerances(sens), sens, res.reason)
-
-    def _program_tolerances(self, sens: Sequence[float]) -> list[float]:
-        return program_tolerances(self.graph, sens)
-
-
-def _judged(judge: Callable[[list[float]], CheckResult], sens: list[float], widened: bool,
-            widen: Callable[[list[float]], list[float]]) -> tuple[CheckResult, list[float], bool]:
-    """`judge(sens)`; where it fails within MAX_PROGRAM_TOLERANCE and `sens` is still one nudge's, judged again with
-    `widen(sens)` (every seed's nudge, `Evaluator._widened`). Returns the result, the spread used and whether it is
-    widened."""
-    res = judge(sens)
-    if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not widened:
-        sens, widened = widen(sens), True
-        res = judge(sens)
-    return res, sens, widened
-
-
-def chaotic_outputs(sens: Sequence[float]) -> list[int]:
-    """The outputs that jax.jit's own result moves by more than CHAOTIC_SPREAD under `rounding_sensitivity`'s
-    nudge: a check on such inputs cannot tell a right plan from a wrong one within MAX_PROGRAM_TOLERANCE. A bf16
-    training step on N(0, 1) weights is so (Llama's blocks: 0.97 at the first gradient at CPU size, its 2-block
-    plan on an H100 0.994 from jax.jit, every fused group of it right on its own); at the model's own weights it
-    is not."""
-    return [k for k, e in enumerate(sens) if e > CHAOTIC_SPREAD]
-
-
-def output_bounds(graph: Graph) -> list[float]:
-    """Per output of the whole program: its cone's dtype bound."""
-    return cone_tolerances(graph, [n.id for n in graph.nodes], graph.outputs)
-
-
-def program_tolerances(graph: Graph, sens: Sequence[float]) -> list[float]:
-    """Per output of the whole program: its cone's dtype bound, or jax.jit's rounding spread `sens` where larger
-    (at most MAX_PROGRAM_TOLERANCE): the bound of a whole plan against jax.jit, at tuning and at deploy."""
-    return [max(t, min(e, MAX_PROGRAM_TOLERANCE)) for t, e in zip(output_bounds(graph), sens, strict=True)]
+        return ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, base, plan_t, ratio,
+                                seconds=secs)
 
 
 def _structs(group: Group) -> list[jax.ShapeDtypeStruct]:
@@ -358,40 +279,6 @@ def _raiser(e: BaseException) -> Callable:
 
 def _trial_key(nodes: Sequence[int], template: str, config: dict) -> tuple:
     return tuple(nodes), template, tuple(sorted(config.items()))
-
-
-def rounding_sensitivity(ref: Callable, avals: Sequence[Any], seed: int, args: Sequence[Any] | None = None) -> list[float]:
-    """Per output, how far the XLA program's own result moves (relative error norm) when each low-precision
-    float input moves by about one rounding step, x * (1 +- 2^-mantissa_bits).
-
-    A deep bf16 program amplifies rounding: XLA's GPT-2 forward in bf16 is 2.5% (4 layers) to 5.7% (24 layers)
-    away from the same program in float32 on random inputs, and at GPT-2-medium width (6 layers, H200) its
-    result moves 15.6% under such a nudge, while the fused plan was 9-12% from it. A fused program that rounds
-    its intermediates differently is held to this spread (at most MAX_PROGRAM_TOLERANCE), not to one
-    operation's bf16 tolerance; each fused group was already checked on its own at that tighter tolerance.
-    `args`: the inputs to nudge (default: random ones from `seed`).
-    """
-    args = random_inputs(avals, seed) if args is None else list(args)
-    nudged = [_nudged(x, pool_view(tuple(a.shape), a.dtype, seed + 7919, i, kind="sign"))
-              if np.dtype(a.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)) else x
-              for i, (a, x) in enumerate(zip(avals, args))]
-    outs, moved = ref(*args), ref(*nudged)
-    errs = [compare(m, o, 0.0)[1] if np.issubdtype(np.dtype(o.dtype), np.inexact) or o.dtype == jnp.bfloat16 else 0.0
-            for o, m in zip(outs, moved)]
-    return [e if math.isfinite(e) else 0.0 for e in errs]
-
-
-def rounding_spread(ref: Callable, avals: Sequence[Any], seeds: Sequence[int], args: Sequence[Any] | None = None) -> list[float]:
-    """Per output, the largest `rounding_sensitivity` over `seeds` (each its own random inputs, or the given `args`,
-    and its own nudge): one nudge is one sample of the spread."""
-    per_seed = [rounding_sensitivity(ref, avals, s, args=args) for s in seeds]
-    return [max(e) for e in zip(*per_seed, strict=True)]
-
-
-@jax.jit
-def _nudged(x: jax.Array, sign: jax.Array) -> jax.Array:
-    """x moved by one rounding step of its dtype, up or down by `sign` (one compiled program per shape)."""
-    return (x.astype(jnp.float32) * (1 + 2.0 ** -jnp.finfo(x.dtype).nmant * sign)).astype(x.dtype)
 
 
 def lowering_guard(kernel: Callable, structs: Sequence[Any]) -> None:
