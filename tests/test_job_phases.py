@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import optuna
 import pytest
 
@@ -25,7 +24,6 @@ from autofuse.tuning.job import (
     distinct_candidates,
     enqueue_model_best,
     load_study,
-    open_run,
     search_spaces,
 )
 from autofuse.tuning.select import default_plan
@@ -222,18 +220,9 @@ def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promot
         assert store.get_run(run_id)["status"] == "finished"
 
 
-def test_xla_claims_shrink_as_the_work_runs_out_so_the_workers_end_together(tmp_path):
-    """With four workers each claim takes at most an eighth of what is left unclaimed (and no more than its threads
-    compile at once): the chunks shrink to one as the candidates run out, where fixed chunks of 20 had one GPT-2
-    worker on 4 H100s time 58 candidates while another timed 20. Alone, a worker takes full chunks."""
-    store = PlanStore(f"sqlite:///{tmp_path}/c.db")
-    graph = autofuse.capture(lambda x: x + 1, jnp.ones((4,)))
-    _, run_id, _ = open_run(store, graph, "p", "device", 8, None, 0, None)
-    store.add_candidates(run_id, [(f"s{k}", "elementwise", [k]) for k in range(40)])
-    sizes = []
-    while got := store.claim_xla(run_id, f"w:{len(sizes)}", 16, stale_s=600, share=4):
-        sizes.append(len(got))
-    assert sum(sizes) == 40 and sizes[0] == 5 and sizes == sorted(sizes, reverse=True) and sizes[-1] == 1, sizes
-    _, alone, _ = open_run(store, graph, "q", "device", 8, None, 0, None)
-    store.add_candidates(alone, [(f"t{k}", "elementwise", [k]) for k in range(40)])
-    assert [len(store.claim_xla(alone, "w:1", 16, stale_s=600)) for _ in range(4)] == [16, 16, 8, 0]
+def test_xla_chunks_shrink_with_the_worker_count_so_the_workers_end_together():
+    from autofuse.tuning.workers import xla_chunk
+
+    assert xla_chunk(158, 16, 1) == 32  # one worker: what its 16 threads compile at once
+    assert xla_chunk(158, 16, 4) == 20  # four: 8 chunks, two each, not 32+32+32+62
+    assert xla_chunk(5, 16, 4) == 1 and xla_chunk(0, 16, 4) == 1

@@ -656,13 +656,10 @@ class PlanStore:
 
         return self._write(fn)
 
-    def claim_xla(self, run_id: int, worker: str, n: int, *, stale_s: float, share: int | None = None) -> list[int]:
+    def claim_xla(self, run_id: int, worker: str, n: int, *, stale_s: float) -> list[int]:
         """Up to *n* candidates of the run whose XLA timing nobody has done or is doing, now claimed by
         *worker* (host:pid); their ids. A claim older than *stale_s* seconds, or of a dead process of this
-        host, is taken over. One transaction serialised on the run row: each candidate is timed once.
-        *share*: the number of workers sharing the timings; a claim then takes at most a 1/(2 *share*) part of
-        what is left unclaimed (guided self-scheduling: the chunks shrink as the work runs out, so that the
-        workers end together rather than one timing a last big chunk while the others wait)."""
+        host, is taken over. One transaction serialised on the run row: each candidate is timed once."""
 
         def fn(s: Session) -> list[int]:
             self._require(s, Run, run_id, "run", lock=True)
@@ -672,13 +669,9 @@ class PlanStore:
                                            sa.or_(Candidate.xla_status.is_(None), Candidate.xla_status == "running"))
                 .order_by(Candidate.id)
             ).scalars().all()
-            want = n
-            if share is not None:
-                left = sum(c.xla_status is None for c in rows)
-                want = min(n, max(1, -(-left // (2 * max(1, share)))))
             got = []
             for c in rows:
-                if len(got) >= want:
+                if len(got) >= n:
                     break
                 if c.xla_status == "running" and not _claim_stale(c.xla_worker, c.xla_claimed_at, now, stale_s):
                     continue

@@ -417,8 +417,7 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
     compile them `threads` at a time and time them one by one (`ahead`), record them with this worker's device;
     again until none is left to claim; then wait for the other workers' chunks (a dead worker's claim is taken
     over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
-    `share`: the run's worker count: a claim takes at most what the threads compile at once and a 1/(2 `share`) part
-    of what is left, so that the chunks shrink as the work runs out and the workers end together (`claim_xla`);
+    `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`);
     `spent`: where this worker's time went (`ahead.time_xla_concurrently`, "store": claiming, recording and reading
     back the timings, and "waiting" for the others' chunks).
     Sets every candidate's `xla_ms`; returns how many this worker timed."""
@@ -431,7 +430,7 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
 
     while True:
         t0 = time.perf_counter()
-        ids = pstore.claim_xla(run_id, me, chunk_size(threads), stale_s=stale_s, share=share if share > 1 else None)
+        ids = pstore.claim_xla(run_id, me, xla_chunk(len(cands), threads, share), stale_s=stale_s)
         stored(t0)
         if ids:
             part = [by_id[i] for i in ids]
@@ -448,6 +447,16 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
             return timed
         time.sleep(POLL_S)
         spent["waiting"] = round(spent.get("waiting", 0.0) + POLL_S, 3)
+
+
+def xla_chunk(n_cands: int, threads: int, share: int) -> int:
+    """How many candidates a worker claims at once for XLA timings: what its threads compile at once
+    (`ahead.chunk_size`), but no more than a half of each worker's part, so that the last chunks spread over the
+    workers (GPT-2 medium's 158 candidates in chunks of 32 on 4 workers: one worker timed 62, the others 32). Chunks
+    that shrink as the work runs out (guided self-scheduling, tried at c8130c1 on 4 H100s) gave each worker more
+    chunks, each waiting for its longest compile, and did not end the workers together either (21.9 s for the
+    slowest worker's 44 candidates, 14-18 s for the others)."""
+    return max(1, min(chunk_size(threads), -(-n_cands // (2 * max(1, share)))))
 
 
 def read_xla(pstore: Any, run_id: int, cands: list[CandidateState]) -> int:
