@@ -75,8 +75,8 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
                    help="with --workers: Optuna heartbeat interval; a worker silent for 5 intervals is dead and its trial retried (default 10)")
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="threads compiling at once at the job's start (XLA's reference of each candidate, phase 1's default configs), "
-                        "timed on the GPU one at a time after (default: $AUTOFUSE_COMPILE_WORKERS, else this host's cores, at most 16, "
-                        "shared among its workers)")
+                        "timed on the GPU one at a time after (default: $AUTOFUSE_COMPILE_WORKERS, else this host's cores shared among "
+                        "its workers, at most 16)")
     p.add_argument("--backends", default=None, metavar="B,C",
                    help="Pallas lowerings to search, the preferred first: mosaic_gpu (Hopper: TMA, wgmma), triton "
                         "(default: mosaic_gpu,triton on a Hopper GPU, else triton)")

@@ -38,7 +38,7 @@ from .scheduler import phase1_order
 from .space import CandidateSpace
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
-MAX_COMPILE_WORKERS = 16  # on one host, all its workers together: beyond this, lowering (which holds the GIL), XLA's own threads and memory dominate
+MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
 BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
 log = logging.getLogger("autofuse")
@@ -46,10 +46,7 @@ log = logging.getLogger("autofuse")
 
 def compile_workers(requested: int | None = None, share: int = 1) -> int:
     """Threads that compile at once in one trial process: `requested`, else $AUTOFUSE_COMPILE_WORKERS, else the
-    cores this process may use, at most MAX_COMPILE_WORKERS, divided among the `share` workers of this host: the cap
-    holds for the host, not per worker. Each XLA:GPU compile runs threads of its own and autotunes on its GPU; on 4
-    H100s with 64 cores, four GPT-2 workers of 16 threads each kept the cores 85-95% busy with 60-90 runnable threads
-    and compiled their 40 candidates in 6-9 s, with 4 threads each in 3-5 s (the CPU 15-25% busy)."""
+    cores this process may use divided among the `share` workers of this host, at most MAX_COMPILE_WORKERS."""
     if requested is None and os.environ.get(ENV_VAR, "").strip():
         try:
             requested = int(os.environ[ENV_VAR])
@@ -60,7 +57,7 @@ def compile_workers(requested: int | None = None, share: int = 1) -> int:
             raise ValueError(f"compile workers must be a positive whole number, got {requested!r}")
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_COMPILE_WORKERS, cores) // max(1, share))
+    return max(1, min(MAX_COMPILE_WORKERS, cores // max(1, share)))
 
 
 def chunk_size(workers: int) -> int:
