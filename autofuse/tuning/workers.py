@@ -60,7 +60,7 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
 from .job import (PhaseMarks, PlanSaver, RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name,
-                  progress_bar, register_candidates, resolve_measure, search_spaces, study_name, time_xla)
+                  progress_bar, register_candidates, resolve_measure, restore_autotune, search_spaces, study_name, time_xla)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
@@ -328,6 +328,8 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     if measure == "device" and jax.default_backend() != "gpu":
         raise RuntimeError(f"run {run_id} measures on a GPU; this host has none")
     lock = _gpu_lock() if measure == "device" else None
+    if measure == "device":  # a worker of another host: its trial process starts with the store's autotune entries
+        restore_autotune(pstore)
     fn = import_ref(job["fn"])
     args, kwargs = decode_args(job["args"]), decode_args(job["kwargs"])
     statics = (tuple(job["static_argnums"]), tuple(job["static_argnames"]))
