@@ -1,0 +1,58 @@
+"""The rule a whole plan is judged by against jax.jit (`runner/program_check.py`), on a program with an output that
+is rounding noise at the caller's inputs: the gradient of attention with respect to a bias added to every key, which
+is zero in exact arithmetic (softmax ignores a shift of a whole row of scores). SPLADE's `grad_step` has two such
+outputs; on an H100 its right 2-group plan was 1.4 from jax.jit there (jax.jit itself 113x the norm away from a
+float32 result) and was refused."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import autofuse
+from autofuse.runner.program_check import NOISE_FACTOR, NOISE_SPREAD, ProgramCheck, rounding_sensitivity
+
+
+def key_bias_step(q, k, kb, v):
+    def loss(kb):
+        s = (q @ (k + kb).T) / 8
+        p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+        return jnp.sum((p @ v).astype(jnp.float32) ** 2)
+    return jax.grad(loss)(kb), (q @ k.T).astype(jnp.float32).sum(axis=1)
+
+
+def _inputs():
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (jax.random.normal(ks[i], (64, 32)).astype(jnp.bfloat16) for i in (0, 1, 3))
+    return [q, k, (0.5 * jax.random.normal(ks[2], (32,))).astype(jnp.bfloat16), v]
+
+
+def _in_float32(*a):
+    """The same program computed in float32 and rounded at the end: a plan that rounds differently (more exactly)."""
+    return [o.astype(r.dtype) for o, r in zip(key_bias_step(*[x.astype(jnp.float32) for x in a]), jax.eval_shape(key_bias_step, *a))]
+
+
+def test_an_output_that_is_rounding_noise_at_the_callers_inputs_is_held_to_jax_jits_own_accuracy():
+    args = _inputs()
+    graph = autofuse.capture(key_bias_step, *args)
+    ref = jax.jit(lambda *a: graph.evaluate(a))
+    noise, signal = rounding_sensitivity(ref, [graph.avals[v] for v in graph.inputs], 1, args=args)
+    assert noise >= NOISE_SPREAD > signal  # jax.jit's key-bias gradient moves by more than its norm under one rounding step
+
+    exact = jax.jit(_in_float32)
+    verdict = ProgramCheck(graph, ref, (1, 2, 3), args).judge(exact)
+    assert verdict.ok, verdict.reason
+    assert verdict.examples.tolerance[0] == NOISE_FACTOR * verdict.examples.rounding_sensitivity[0]
+    assert 0.5 < verdict.examples.max_error  # ~1: the exact result is 0, jax.jit's is noise
+
+    def noise_scaled(*a):  # wrong by far more than jax.jit's own noise there
+        g, s = ref(*a)
+        return [g * -6, s]
+
+    def signal_off(*a):  # wrong on the output that holds still
+        g, s = ref(*a)
+        return [g, s * 1.05]
+
+    for wrong in (noise_scaled, signal_off):
+        assert not ProgramCheck(graph, ref, (1, 2, 3), args).judge(jax.jit(wrong)).ok, wrong.__name__
+    blind = ProgramCheck(graph, ref, (1, 2, 3)).judge(exact)  # random inputs alone: held to MAX_PROGRAM_TOLERANCE there
+    assert not blind.ok and 0 in blind.chaotic()
