@@ -116,7 +116,6 @@ def test_validation_compiles_the_reference_once_and_plans_ahead_with_the_serial_
         done = ev.handle(CompileRequest(tuple(ValidateRequest(p.to_json()) for p in (plan, smaller)), 2))
         assert done.ok and (done.compiled, done.failed) == (3, 0)  # the reference and two plans
         assert set(done.longest) == {"program", "plan"} and 0 < done.longest["plan"] <= done.seconds  # what took the time
-        assert ev._check is not None and ev._check._sens is not None  # jax.jit's spread measured while the plans compiled
     got = [ev.handle(ValidateRequest(p.to_json())) for p in (plan, smaller)]
     assert len(compiled) == 1 and ev._plans == {}
     for a, b in zip(expect, got):

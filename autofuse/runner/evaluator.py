@@ -139,12 +139,8 @@ class Evaluator:
             except Exception:
                 return None, time.perf_counter() - t
 
-        validating = any(isinstance(it, ValidateRequest) for it in items)
         with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
-            futures = [pool.submit(attempt, b) for _, _, b in todo]
-            if validating:
-                self._spread_while_compiling([f for (kind, _, _), f in zip(todo, futures) if kind == "program"])
-            done = [f.result() for f in futures]
+            done = list(pool.map(attempt, [b for _, _, b in todo]))
         built = [fn for fn, _ in done]
         longest: dict[str, float] = {}
         for (kind, _, _), (_, secs) in zip(todo, done):
@@ -158,24 +154,6 @@ class Evaluator:
                 {"xla": self._refs, "trial": self._ahead, "plan": self._plans}[kind][key] = fn
         failed = sum(fn is None for fn in built)
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest)
-
-    def _spread_while_compiling(self, program: list) -> None:
-        """jax.jit's rounding spread on random inputs (`ProgramCheck.sensitivity`: two runs of the whole program; 2.6 s
-        of GPT-2 medium's first validation), measured as soon as the program is compiled, while plans may still compile
-        on the other threads (a batch of several plans, or a program compiled before). Not a timing, so sharing the GPU
-        with the plans' autotuning changes nothing it measures. A failure here is left to the validation, which
-        measures it again."""
-        if program:
-            fn, _ = program[0].result()
-            if fn is None:
-                return
-            self._program = fn
-        if self._program is None:
-            return
-        try:
-            self._program_check().sensitivity()
-        except Exception:  # noqa: BLE001 - the validation measures it again and reports what fails
-            self._check = None
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
         return time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=self.target_ms)
