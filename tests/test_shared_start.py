@@ -325,17 +325,28 @@ def test_finding_model_bests_ahead_keeps_the_main_threads_gil_waits_short(monkey
     """The model's bests are found on a background thread (pure Python, ~14 s for GPT-2) while the main thread talks
     to the store and the trial process; at the default 5 ms switch interval every return from I/O waited for the GIL
     (four GPT-2 workers on 4 H100s spent 9-11 s of their 26 s XLA phase in store calls). While it runs the interval
-    is PREFETCH_SWITCH_S, and the caller's comes back when it ends."""
+    is PREFETCH_SWITCH_S, and the caller's comes back when the last of two overlapping ones ends."""
     from autofuse.tuning.space import CandidateSpace
 
     _, _, cands, spaces = _program()
     before = sys.getswitchinterval()
     seen: list[float] = []
     real = CandidateSpace.model_best
-    monkeypatch.setattr(CandidateSpace, "model_best", lambda self: (seen.append(sys.getswitchinterval()), real(self))[1])
+    both_in, mine = threading.Barrier(2, timeout=30), threading.local()
+
+    def model_best(self):
+        if not getattr(mine, "met", False):  # each prefetch thread waits here once, so that the two overlap
+            mine.met = True
+            both_in.wait()
+        seen.append(sys.getswitchinterval())
+        return real(self)
+
+    monkeypatch.setattr(CandidateSpace, "model_best", model_best)
+    _, _, again, spaces_again = _program()
     ahead.prefetch_model_bests(cands, spaces)
+    ahead.prefetch_model_bests(again, spaces_again)
     deadline = time.monotonic() + 60
-    while (len(seen) < len(cands) or sys.getswitchinterval() != before) and time.monotonic() < deadline:
+    while (len(seen) < 2 * len(cands) or sys.getswitchinterval() != before) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(seen) == len(cands) and all(abs(v - min(before, ahead.PREFETCH_SWITCH_S)) < 1e-9 for v in seen)
+    assert len(seen) == 2 * len(cands) and all(abs(v - min(before, ahead.PREFETCH_SWITCH_S)) < 1e-9 for v in seen)
     assert sys.getswitchinterval() == before

@@ -17,12 +17,13 @@ among the workers of this host, at most `MAX_COMPILE_WORKERS`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..runner.protocol import (
@@ -157,6 +158,26 @@ class CompileAhead:
 #: process): a store read of a whole model's 158 candidates took 0.18 s instead of 2 ms beside a busy thread, and
 #: each of four GPT-2 workers on 4 H100s spent 9-11 s of its 26 s XLA phase in store calls (1 worker: 3.6 s).
 PREFETCH_SWITCH_S = 1e-4
+_switch_lock = threading.Lock()
+_switch_users: list[float] = []  # the interval before the first prefetch still running lowered it
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Iterator[None]:
+    """The switch interval at most PREFETCH_SWITCH_S while any prefetch runs; the caller's comes back after the last."""
+    with _switch_lock:
+        if not _switch_users:
+            _switch_users.append(sys.getswitchinterval())
+            sys.setswitchinterval(min(_switch_users[0], PREFETCH_SWITCH_S))
+        else:
+            _switch_users.append(_switch_users[0])
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            before = _switch_users.pop()
+            if not _switch_users:
+                sys.setswitchinterval(before)
 
 
 def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> threading.Event:
@@ -169,17 +190,14 @@ def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, Cand
     stop = threading.Event()
 
     def work() -> None:
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch, PREFETCH_SWITCH_S))
         try:
-            for i in phase1_order(list(cands), spaces):
-                if stop.is_set():
-                    return
-                spaces[cands[i].signature].model_best()
+            with _short_switch_interval():
+                for i in phase1_order(list(cands), spaces):
+                    if stop.is_set():
+                        return
+                    spaces[cands[i].signature].model_best()
         except Exception as e:  # noqa: BLE001 - a trial finds it again itself, and fails there if it must
             log.debug("autofuse: finding the model's best configs ahead stopped: %s: %s", type(e).__name__, e)
-        finally:
-            sys.setswitchinterval(switch)
 
     threading.Thread(target=work, name="autofuse-model-best", daemon=True).start()
     return stop
