@@ -167,14 +167,14 @@ def open_run(store: Any, graph: Graph, name: str, measure: str, trials: int | No
     ids = RunIds(pstore.program(graph.fingerprint, name, graph.signature(), len(graph.nodes), function=function, structure=graph.structure),
                  pstore.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"]),
                  pstore.software(**software()))
+    if measure == "device":  # before anything compiles, a resumed run's too
+        restore_autotune(pstore)
     if resume is not None:
         run = pstore.get_run(resume)
         if run.get("program_id") != ids.program:
             raise ValueError(f"run {resume} tuned another program; cannot resume it for {graph.fingerprint}")
         pstore.resume_run(resume, host=socket.gethostname(), pid=os.getpid())
         return pstore, resume, replace(ids, selected=run.get("selected_by") is not None)
-    if measure == "device":
-        restore_autotune(pstore)
     budget = {"trials": trials, "seconds": time_budget_s, **({"model": model.name} if measure == "model" and model is not None else {})}
     run_id = pstore.start_run(ids.program, ids.device, ids.software, budget=budget, seed=seed,
                               sampler="TPESampler", measure=measure, host=socket.gethostname(), pid=os.getpid(), optuna_storage=pstore.url)
