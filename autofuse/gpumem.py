@@ -117,16 +117,13 @@ def trial_process_env(platform: str, state: AllocatorState, environ: dict[str, s
     but made XLA rematerialise jax.jit's step (243 -> 349 ms), which would flatter every plan measured against it."""
     grow = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     held = held_pool_fraction(platform, state, environ)
-    free = None
-    if held is None:
-        if platform == "cpu" or any(environ.get(v) for v in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")):
+    if held is None and (platform == "cpu" or any(environ.get(v) for v in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"))):
+        return grow
+    free = (free_fraction or gpu_free_fraction)()
+    if free is None:
+        if held is None:
             return grow
-        free = (free_fraction or gpu_free_fraction)()
-        if free is None:
-            return grow
-    else:
-        free = (free_fraction or gpu_free_fraction)()
-        free = max(0.0, 1.0 - held) if free is None else free
+        free = max(0.0, 1.0 - held)
     return {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{max(0.01, TRIAL_POOL_SHARE * free):.3f}"}
 
 
