@@ -162,3 +162,67 @@ def test_a_short_trial_budget_leaves_half_to_the_contenders():
     assert sum(1 for n in spent.values() if n) < budget  # some candidate got more than its default
     biggest = max(cands, key=lambda r: r.xla_ms)
     assert spent[biggest.signature] >= 2, spent
+
+
+class Recording(FakeDevice):
+    """FakeDevice that keeps every request, in order."""
+
+    def __init__(self):
+        self.requests = []
+
+    def call(self, req):
+        self.requests.append(req)
+        return super().call(req)
+
+
+def test_a_candidate_not_timed_first_is_timed_in_xla_at_its_first_trial(tmp_path):
+    """Only the candidates a budget can reach are timed in XLA before the trials (`timed_first`); any other is timed
+    just before its first trial, once, by the driver that runs it, and recorded in the run (a time another
+    worker recorded first stays). Candidates without a trial keep no XLA time."""
+    from autofuse.store.optuna_storage import optuna_storage
+    from autofuse.tuning.scheduler import timed_first, trial_total
+
+    graph = autofuse.capture(two_parts, *ARGS)
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    trials = 6
+    first = timed_first(cands, spaces, trial_total(cands, spaces, trials))
+    assert len(first) == trials < len(cands)
+    before = first[1:2]
+    time_xla([cands[i] for i in before], FakeDevice())  # as if the job had timed only one of them first
+    pstore = PlanStore(f"sqlite:///{tmp_path}/w.db")
+    _, run_id, _ = open_run(pstore, graph, "two_parts", "device", trials, None, 7, None)
+    register_candidates(pstore, run_id, cands)
+    storage = optuna_storage(pstore.url)
+    for r in cands:
+        create_study(storage, run_id, spaces[r.signature], r.signature)
+    other = cands[first[0]]  # another worker timed this one at its own first trial: its time stays, not timed here
+    assert pstore.record_xla(other.candidate_id, "elsewhere:1", "ok", 9.0, "gpu:7")
+    assert not pstore.record_xla(other.candidate_id, "third:1", "ok", 8.0, "gpu:8")
+    scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(trials), costmodel.H200)
+    rec = Recording()
+    w = _Worker(pstore, run_id, cands, spaces, scheduler, TrialContext(StoreLedger(pstore, run_id, "me:1"), rec, "device",
+                                                                       scheduler.total, "me:1"), 7, 0, heartbeat_s=10)
+    w.work()
+
+    def key(nodes):
+        return tuple(nodes)
+
+    tried = [r for r in cands if r.trials]
+    timed_here = [q.nodes for q in rec.requests if isinstance(q, XlaRequest)]
+    assert len(timed_here) == len(set(timed_here))  # once each
+    for r in tried:
+        first_trial = next(k for k, q in enumerate(rec.requests) if isinstance(q, TrialRequest) and q.nodes == key(r.nodes))
+        xla_at = [k for k, q in enumerate(rec.requests) if isinstance(q, XlaRequest) and q.nodes == key(r.nodes)]
+        if r is other or cands.index(r) in before:
+            assert not xla_at  # timed before (by the job, or by the other worker)
+        else:
+            assert xla_at and xla_at[0] < first_trial
+        assert r.xla_ms is not None
+    assert other in tried and other.xla_ms == 9.0, "the other worker's time is read back, not measured again"
+    rows = {c["id"]: c for c in pstore.candidates(run_id)}
+    lazily = [r for r in tried if r is not other and cands.index(r) not in before]
+    assert lazily and all(rows[r.candidate_id]["xla_status"] == "ok" and rows[r.candidate_id]["xla_worker"] == "me:1"
+                          and rows[r.candidate_id]["xla_ms"] == r.xla_ms for r in lazily)
+    untried = [r for r in cands if not r.trials and cands.index(r) not in before]
+    assert untried and all(r.xla_ms is None and rows[r.candidate_id]["xla_status"] is None for r in untried)

@@ -656,19 +656,20 @@ class PlanStore:
 
         return self._write(fn)
 
-    def claim_xla(self, run_id: int, worker: str, n: int, *, stale_s: float) -> list[int]:
-        """Up to *n* candidates of the run whose XLA timing nobody has done or is doing, now claimed by
-        *worker* (host:pid); their ids. A claim older than *stale_s* seconds, or of a dead process of this
-        host, is taken over. One transaction serialised on the run row: each candidate is timed once."""
+    def claim_xla(self, run_id: int, worker: str, n: int, *, stale_s: float, among: Sequence[int] | None = None) -> list[int]:
+        """Up to *n* candidates of the run (of *among*, candidate ids, where given) whose XLA timing nobody has done
+        or is doing, now claimed by *worker* (host:pid); their ids. A claim older than *stale_s* seconds, or of a
+        dead process of this host, is taken over. One transaction serialised on the run row: each candidate is
+        timed once."""
 
         def fn(s: Session) -> list[int]:
             self._require(s, Run, run_id, "run", lock=True)
             now = utcnow()
-            rows = s.execute(
-                sa.select(Candidate).where(Candidate.run_id == run_id, Candidate.xla_ms.is_(None),
-                                           sa.or_(Candidate.xla_status.is_(None), Candidate.xla_status == "running"))
-                .order_by(Candidate.id)
-            ).scalars().all()
+            query = sa.select(Candidate).where(Candidate.run_id == run_id, Candidate.xla_ms.is_(None),
+                                               sa.or_(Candidate.xla_status.is_(None), Candidate.xla_status == "running"))
+            if among is not None:
+                query = query.where(Candidate.id.in_(list(among)))
+            rows = s.execute(query.order_by(Candidate.id)).scalars().all()
             got = []
             for c in rows:
                 if len(got) >= n:
@@ -700,6 +701,20 @@ class PlanStore:
                 )
                 done.append(res.rowcount == 1)
             return done
+
+        return self._write(fn)
+
+    def record_xla(self, cand_id: int, worker: str, status: str, xla_ms: float | None, device: str | None) -> bool:
+        """XLA's time of a candidate measured without a claim (at its first trial: `scheduler.timed_first`); False
+        if the candidate has one already (another worker timed it first, which stays)."""
+
+        def fn(s: Session) -> bool:
+            res = s.execute(
+                sa.update(Candidate)
+                .where(Candidate.id == cand_id, Candidate.xla_ms.is_(None), sa.or_(Candidate.xla_status.is_(None), Candidate.xla_status != "ok"))
+                .values(xla_status=status, xla_ms=_float(xla_ms), xla_device=device, xla_worker=worker, xla_claimed_at=utcnow())
+            )
+            return res.rowcount == 1
 
         return self._write(fn)
 

@@ -128,12 +128,14 @@ class CompileAhead:
         self.batches: list[int] = []  # the size of each batch sent
         self.seconds: list[float] = []  # how long each batch took to compile
 
-    def first_requests(self, i: int) -> list[TrialRequest]:
-        """Candidate i's first config (with several workers: each backend's default) as its trial will ask for it,
+    def first_requests(self, i: int) -> list[XlaRequest | TrialRequest]:
+        """Candidate i's XLA reference where it was not timed yet (`scheduler.timed_first`; its trial checks against
+        it too) and its first config (with several workers: each backend's default) as its trial will ask for it,
         those that will be compiled."""
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
         cfgs = space.defaults() if self.share > 1 else [space.default]  # without enumerating the space for the model's best
-        return [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs if not space.unmeasured_reason(c, self.measure)]
+        xla = [XlaRequest(tuple(r.nodes))] if r.xla_ms is None else []
+        return xla + [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs if not space.unmeasured_reason(c, self.measure)]
 
     def before(self, i: int) -> None:
         if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:

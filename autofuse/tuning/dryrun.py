@@ -109,7 +109,7 @@ def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | 
     spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
     for r in cands:
         sp = spaces[r.signature]
-        r.xla_ms = costmodel.xla_group_time_ms(by_sig[r.signature][0].group, gmodel)
+        r.xla_ms = sp.xla_model_ms
         r.best_ms, r.best_config = sp.model_ms(sp.default), sp.default  # as if every default had been measured as modelled
     order = {i: k + 1 for k, i in enumerate(phase1_order(cands, spaces))}
     cover = best_cover(graph, by_sig, cands, gmodel, "model") if cands else None

@@ -10,7 +10,7 @@ serialised on the run row, so workers on any number of hosts share one budget.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..status import TrialStatus
 from ..runner.protocol import TrialResult
@@ -100,6 +100,10 @@ class Ledger(Protocol):
     def update_candidate(self, cand: CandidateState) -> None:
         """Record the candidate's best config and status."""
 
+    def time_xla(self, cand: CandidateState, measure: Callable[[], TrialResult]) -> None:
+        """Set XLA's time of a candidate at its first trial (one not timed first: `scheduler.timed_first`): the
+        run's where another worker recorded one, else `measure`d here (None where that failed) and recorded."""
+
 
 def _counted(cands: list[CandidateState]) -> int:
     return sum(len(c.spent()) for c in cands)
@@ -152,6 +156,10 @@ class MemoryLedger:
     def update_candidate(self, cand: CandidateState) -> None:
         pass
 
+    def time_xla(self, cand: CandidateState, measure: Callable[[], TrialResult]) -> None:
+        res = measure()
+        cand.xla_ms = res.median_ms if res.ok else None
+
 
 class StoreLedger:
     """The books of a run in the plan store, shared by every worker of the run."""
@@ -177,12 +185,30 @@ class StoreLedger:
         return done and _record(cand, number, result)
 
     def refresh(self, cands: list[CandidateState]) -> None:
+        """Every candidate's trials, and XLA's time of those with trials that this worker did not time itself."""
         rows = self.store.trials(self.run_id)
         for c in cands:
             c.trials = [TrialRecord.from_row(r) for r in rows if r["candidate_id"] == c.candidate_id]
+        if any(c.xla_ms is None and c.trials for c in cands):
+            xla = {row["id"]: row["xla_ms"] for row in self.store.candidates(self.run_id)}
+            for c in cands:
+                if c.xla_ms is None:
+                    c.xla_ms = xla.get(c.candidate_id)
 
     def mark_lost(self, cand: CandidateState, optuna_trial_id: int, error: str) -> bool:
         return self.store.mark_trial_lost(cand.candidate_id, optuna_trial_id, error)
+
+    def time_xla(self, cand: CandidateState, measure: Callable[[], TrialResult]) -> None:
+        cand.xla_ms = self._stored_xla(cand)
+        if cand.xla_ms is not None:
+            return
+        res = measure()
+        ms = res.median_ms if res.ok else None
+        recorded = self.store.record_xla(cand.candidate_id, self.worker or "", res.status.value, ms, res.device)
+        cand.xla_ms = ms if recorded else self._stored_xla(cand)  # another worker's, recorded meanwhile, stays
+
+    def _stored_xla(self, cand: CandidateState) -> float | None:
+        return next((row["xla_ms"] for row in self.store.candidates(self.run_id) if row["id"] == cand.candidate_id), None)
 
     def update_candidate(self, cand: CandidateState) -> None:
         self.store.update_candidate(cand.candidate_id, best_config=cand.best_config, best_ms=cand.best_ms, xla_ms=cand.xla_ms,

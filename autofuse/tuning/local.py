@@ -1,7 +1,8 @@
 """`tune`: a tuning job in this process (the trials in an isolated child process), or with workers.
 
 1. capture the program; enumerate candidate groups (`job`);
-2. time each distinct candidate in XLA (its own kernels are always an option);
+2. time in XLA the distinct candidates the budget can reach (its own kernels
+   are always an option; `scheduler.timed_first`), the others at their first trial;
 3. trials, one at a time, to the candidate the budget rule names (`scheduler`,
    `trial`), each an Optuna trial of that candidate's study;
 4. the cheapest exact cover, validated against jax.jit (`validate`), stored.
@@ -29,7 +30,7 @@ from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine
 from .report import TuneReport
-from .scheduler import DEFAULT_TRIALS, Budget, Scheduler
+from .scheduler import DEFAULT_TRIALS, Budget, Scheduler, timed_first, trial_total
 from .trial import TrialContext
 from .validate import finalize
 
@@ -133,9 +134,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         marks("setup")
         if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
             prefetch = prefetch_model_bests(cands, spaces)
-        todo = [r for r in cands if r.xla_ms is None]
+        budget = Budget(trials if trials is not None else 10**9, t_start + time_budget_s if time_budget_s else None, clock)
+        todo = [cands[i] for i in timed_first(cands, spaces, trial_total(cands, spaces, budget.trials)) if cands[i].xla_ms is None]
         if progress is not None:
-            say(f"autofuse: timing {len(todo)} distinct candidates in XLA")
+            say(f"autofuse: timing {len(todo)} of {len(cands)} distinct candidates in XLA (the others at their first trial)")
         spent: dict = {}
         time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"), compile_workers=threads,
                  spent=spent)
@@ -144,7 +146,6 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             for r in todo:
                 pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
         marks("xla")
-        budget = Budget(trials if trials is not None else 10**9, t_start + time_budget_s if time_budget_s else None, clock)
         if budget.out_of_time():
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
                         "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)

@@ -5,6 +5,7 @@ import sys
 import time
 from typing import Any
 
+from ..runner.protocol import XlaRequest
 from .job import create_study, load_study
 from .ledger import CandidateState, Ledger
 from .output import best_postfix, trial_line
@@ -31,6 +32,7 @@ class TrialLoop:
         self.ahead: Any = None  # an `ahead.CompileAhead`: phase 1's next configs compiled ahead, concurrently
         self.creates_studies = False  # whether a candidate's study is created here, at its first trial (one driver alone)
         self.seeds: dict[str, list[dict]] = {}  # by signature: configs a new study tries before its defaults (`buckets`)
+        self.xla_tried: set[int] = set()  # candidates this driver timed in XLA at their first trial
 
     @property
     def ledger(self) -> Ledger:
@@ -55,6 +57,8 @@ class TrialLoop:
         if self.ahead is not None:
             self.ahead.before(i)
         r = self.cands[i]
+        if r.xla_ms is None and i not in self.xla_tried:  # not among those timed first (`scheduler.timed_first`)
+            self.time_xla(i)
         kind = run_trial(self.study(i), r, self.spaces[r.signature], self.ctx)
         self.scheduler.note(i, kind)
         self.order.append((i, kind))
@@ -70,6 +74,13 @@ class TrialLoop:
             else:
                 print(trial_line(r), file=sys.stderr, flush=True)
         return kind
+
+    def time_xla(self, i: int) -> None:
+        """XLA's time of candidate i at its first trial (`Ledger.time_xla`), once per driver: a failed timing leaves the
+        candidate without an XLA option, as a failure before the trials would."""
+        self.xla_tried.add(i)
+        r = self.cands[i]
+        self.ledger.time_xla(r, lambda: self.ctx.runner.call(XlaRequest(tuple(r.nodes))))
 
     def show_best(self, force: bool = False) -> None:
         """The job's best plan so far on the bar (its cover's speedup, not one candidate's). A whole model's cover is

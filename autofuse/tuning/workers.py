@@ -20,9 +20,10 @@ Roles:
 * ``autofuse worker RUN --db URL`` joins the run from another host (a server
   database: a SQLite file serves one host only);
 * each worker (``python -m autofuse.tuning.workers RUN``, database in
-  ``$AUTOFUSE_DB``) first takes its share of the candidates' XLA timings
-  (claimed a chunk at a time, compiled concurrently, timed on its GPU: each
-  candidate once across the workers; `share_xla`) and waits for the rest, then
+  ``$AUTOFUSE_DB``) first takes its share of the XLA timings of the
+  candidates the budget reaches first (`scheduler.timed_first`; claimed a chunk
+  at a time, compiled concurrently, timed on its GPU: each candidate once
+  across the workers; `share_xla`) and waits for the rest, then
   runs trials until the budget rule names no candidate, then
   waits until no trial of the run is running (or is failed by heartbeat, then
   retried), and tries ``PlanStore.begin_selection``; the one worker that wins
@@ -66,7 +67,7 @@ from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bes
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
 from .report import TuneReport
-from .scheduler import Budget, Scheduler
+from .scheduler import Budget, Scheduler, timed_first
 from .trial import TrialContext
 from .validate import finalize
 
@@ -361,11 +362,13 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
             if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
                 prefetch = prefetch_model_bests(cands, spaces)
             spent: dict = {}
-            timed = share_xla(pstore, run_id, cands, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60,
+            first = [cands[i] for i in timed_first(cands, spaces, scheduler.total)]
+            timed = share_xla(pstore, run_id, first, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60,
                               share=job.get("workers") or 1, spent=spent)
             marks(f"xla_parts {me}", value=spent)
-            say(f"timed {timed} of {len(cands)} candidates in XLA ({threads} compiling at once)")
-            marks("xla")  # every candidate's XLA time is known (the first worker to see it)
+            say(f"timed {timed} of the {len(first)} candidates the budget reaches first in XLA ({threads} compiling at once; "
+                f"{len(cands)} in all, the others at their first trial)")
+            marks("xla")  # the XLA time of every candidate timed first is known (the first worker to see it)
             marks("xla", worker=me)
             if job.get("staged"):  # the studies with their first configs
                 wait_for_phase(pstore, run_id, "setup", ready_timeout_s)
@@ -415,14 +418,15 @@ def wait_for_phase(pstore: Any, run_id: int, name: str, timeout_s: float) -> Non
 
 def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any, me: str, threads: int, *, stale_s: float,
               share: int = 1, spent: dict | None = None) -> int:
-    """This worker's part of the run's XLA timings, then everyone's: claim a chunk of candidates nobody timed,
+    """This worker's part of the XLA timings of `cands` (those the run times first), then everyone's: claim a chunk
+    of them nobody timed,
     compile them `threads` at a time and time them one by one (`ahead`), record them with this worker's device;
     again until none is left to claim; then wait for the other workers' chunks (a dead worker's claim is taken
     over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
     `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`);
     `spent`: where this worker's time went (`ahead.time_xla_concurrently`, "store": claiming, recording and reading
     back the timings, and "waiting" for the others' chunks).
-    Sets every candidate's `xla_ms`; returns how many this worker timed."""
+    Sets the `xla_ms` of each of `cands`; returns how many this worker timed."""
     by_id = {r.candidate_id: r for r in cands}
     timed = 0
     spent = {} if spent is None else spent
@@ -432,7 +436,7 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
 
     while True:
         t0 = time.perf_counter()
-        ids = pstore.claim_xla(run_id, me, xla_chunk(len(cands), threads, share), stale_s=stale_s)
+        ids = pstore.claim_xla(run_id, me, xla_chunk(len(cands), threads, share), stale_s=stale_s, among=list(by_id))
         stored(t0)
         if ids:
             part = [by_id[i] for i in ids]
