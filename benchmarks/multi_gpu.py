@@ -10,7 +10,7 @@ timeout is a row that says so, and the rest go on. The table is rewritten after 
 run cut short keeps what it did; each command's output is kept in `<out>.logs/`.
 
 Per row, from the run's store: the command's wall time; "start": the run's start to its first trial (capture,
-the XLA timing of every distinct candidate, compiling ahead); "first plan": the command's start to the first
+the XLA timing of the candidates the budget reaches first, compiling ahead); "first plan": the command's start to the first
 plan stored for the run (the run's timestamps: the chosen plan is stored as soon as it passes validation, before
 the smaller plans are validated); the run's recorded phases (migration 0006) as seconds from the command's start at
 which its setup (candidates registered, studies created), its XLA timings, its trials, its first validated plan

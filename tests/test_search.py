@@ -511,3 +511,47 @@ def test_function_arguments_named_like_tune_options_reach_the_function():
     assert rep.trials_run == 2 and rep.fingerprint == autofuse.capture(scaled, *args, trials=scalar, seed=scalar).fingerprint
     with pytest.raises(TypeError):
         tune(scaled, *args, not_an_option=1)  # nothing is passed through to the function by accident
+
+
+def _two_heads(x, w1, y, w2):
+    return jax.nn.relu(x @ w1), jnp.log1p(jnp.abs(y @ w2))
+
+
+def test_only_lone_dots_whose_cost_can_change_the_plan_are_timed():
+    """A lone dot's measured time matters only where an option covering it is linked, through shared nodes, to a
+    fused option: elsewhere every cover pays it alike and the plan runs XLA there. A dot reached only through an XLA
+    option that overlaps a fused epilogue still counts; the other head's dot is not timed."""
+    from autofuse.graph import capture as cap
+    from autofuse.runner.protocol import TrialResult, XlaRequest
+    from autofuse.status import TrialStatus
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.select import contested_nodes, lone_contraction_costs, lone_contractions
+
+    args = (jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 48), jnp.float32),
+            jax.ShapeDtypeStruct((128, 16), jnp.float32), jax.ShapeDtypeStruct((16, 80), jnp.float32))
+    g = cap(_two_heads, *args)
+    by_sig, cands = distinct_candidates(g)
+    dot1, dot2 = [n.id for n in g.nodes if n.name == "dot_general"]
+    second = {n.id for n in g.nodes if n.id > dot1 and n.name != "max"}  # the log1p head's nodes (the relu head is dot1 and max)
+    epilogue = next(r for r in cands if dot2 not in r.nodes and set(r.nodes) <= second and "log1p" in r.ops)
+    head = next(r for r in cands if dot2 in r.nodes and "log1p" in r.ops)
+    for r in cands:  # every candidate timed in XLA; the only fused best: the second head's epilogue
+        r.xla_ms, r.best_ms = 1.0, None
+    epilogue.best_ms, epilogue.best_config = 0.5, {}
+    contested = contested_nodes(by_sig, cands)
+    assert set(head.nodes) <= contested and dot1 not in contested  # dot2 through the head's XLA option
+    assert lone_contractions(g, (), contested) == [dot2] and sorted(lone_contractions(g)) == [dot1, dot2]
+
+    class Recorder:
+        def __init__(self):
+            self.nodes = []
+
+        def call(self, req):
+            assert isinstance(req, XlaRequest)
+            self.nodes.append(req.nodes)
+            return TrialResult(TrialStatus.OK, 2.0, 2.0, 2.0)
+
+    rec = Recorder()
+    assert lone_contraction_costs(g, rec, {}, contested) == {dot2: 2.0} and rec.nodes == [(dot2,)]
+    head.xla_ms = None  # no XLA option links the dot to the fused epilogue: nothing to time
+    assert dot2 not in contested_nodes(by_sig, cands) and lone_contractions(g, (), contested_nodes(by_sig, cands)) == []

@@ -138,7 +138,7 @@ def test_compiling_ahead_gives_the_serial_executables_and_results():
     trials = tuple(TrialRequest(tuple(r.nodes), r.template, spaces[r.signature].first_configs()[0]) for r in cands)
     serial = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
     conc = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
-    done = conc.handle(CompileRequest(xla + trials, 2))
+    done = conc.handle(CompileRequest(xla + trials + xla[:1], 2))  # a reference asked twice in a batch compiles once
     assert done.ok and (done.compiled, done.failed) == (2 * len(cands), 0)
     assert len(conc._refs) == len(cands) and len(conc._ahead) == len(cands)
     for q in xla:
@@ -188,10 +188,12 @@ def test_phase_one_default_configs_are_compiled_ahead_as_their_trials_ask_for_th
     loop = local_loop(graph, by_sig, cands, spaces, Budget(len(cands)), costmodel.H200, "device", rec, None, None, 0)
     loop.ahead = CompileAhead(rec, cands, spaces, "device", 2)
     loop.run()
-    sent = {_trial_key(q.nodes, q.template, q.config) for c in rec.requests if isinstance(c, CompileRequest) for q in c.items}
+    items = [q for c in rec.requests if isinstance(c, CompileRequest) for q in c.items]
+    sent = {_trial_key(q.nodes, q.template, q.config) for q in items if isinstance(q, TrialRequest)}
     asked = [_trial_key(q.nodes, q.template, q.config) for q in rec.requests if isinstance(q, TrialRequest)]
     assert len(asked) == len(cands) and set(asked) <= sent
-    assert loop.ahead.batches and max(loop.ahead.batches) <= ahead.chunk_size(2)
+    assert {q.nodes for q in items if isinstance(q, XlaRequest)} == {q[0] for q in sent}  # each with its reference, for its check
+    assert loop.ahead.batches and max(loop.ahead.batches) <= 2 * ahead.chunk_size(2)  # a candidate: its reference and one config
     first_batch = next(i for i, q in enumerate(rec.requests) if isinstance(q, CompileRequest))
     first_trial = next(i for i, q in enumerate(rec.requests) if isinstance(q, TrialRequest))
     assert first_batch < first_trial
@@ -311,7 +313,8 @@ def test_each_worker_is_pinned_to_its_gpu_and_its_trial_process_records_it(monke
 
 def test_compiling_ahead_stops_at_this_workers_part_of_the_budget():
     """Two workers with 5 trials left: a batch holds this worker's 3 candidates at most, the next of phase 1 (the
-    workers go through it in step), each with every default config (a worker takes whichever is enqueued next)."""
+    workers go through it in step), each with its XLA reference (its trial's check needs it) and every default
+    config (a worker takes whichever is enqueued next)."""
     *_, cands, spaces = _program()
     time_xla(cands, Recorder())
     rec = Recorder()
@@ -319,10 +322,37 @@ def test_compiling_ahead_stops_at_this_workers_part_of_the_budget():
     order = phase1_order(cands, spaces)
     ca.before(order[0])
     (batch,) = rec.requests
-    want = [(tuple(cands[j].nodes), dict(c)) for j in order[:3] for c in spaces[cands[j].signature].defaults()]
-    assert [(q.nodes, q.config) for q in batch.items] == want
+    want = [(tuple(cands[j].nodes), cfg) for j in order[:3] for cfg in [None] + spaces[cands[j].signature].defaults()]
+    assert [(q.nodes, getattr(q, "config", None)) for q in batch.items] == want
     ca1 = CompileAhead(Recorder(), cands, spaces, "device", 8, share=1, budget=5)
-    assert [q.config for q in ca1.first_requests(order[0])] == [spaces[cands[order[0]].signature].default]  # one worker: its first
+    first = ca1.first_requests(order[0])
+    assert [q.config for q in first[1:]] == [spaces[cands[order[0]].signature].default] and isinstance(first[0], XlaRequest)  # one worker: its first
+
+
+def test_the_first_trials_compile_with_the_first_xla_references():
+    """The batch `before` would send for phase 1's first candidate (`first_batch`: GPT-2's Mosaic GPU attention,
+    4-5 s) compiles in the XLA phase's first chunk, beside the references; marked sent, so the first trial finds it
+    and sends nothing. A worker that claims no chunk compiles it alone. One worker compiling alone: no batch."""
+    *_, cands, spaces = _program()
+    rec = Recorder()
+    ca = CompileAhead(rec, cands, spaces, "device", 2, budget=8)
+    batch = ca.first_batch()
+    order = phase1_order(cands, spaces)
+    assert batch and batch[0] == XlaRequest(tuple(cands[order[0]].nodes)) and order[0] in ca.sent
+    assert any(isinstance(q, TrialRequest) for q in batch)
+    spent: dict = {}
+    part = cands[:3]
+    time_xla(part, rec, compile_workers=2, spent=spent, first_trials=batch)
+    compiles = [q for q in rec.requests if isinstance(q, CompileRequest)]
+    refs = [XlaRequest(tuple(r.nodes)) for r in part]
+    assert compiles[0].items == tuple(refs + batch) and len(compiles) == 1
+    assert spent["trials"] == sum(isinstance(q, TrialRequest) for q in batch)
+    rec.requests.clear()
+    ca.before(order[0])
+    assert rec.requests == []  # sent already
+    time_xla([], rec, compile_workers=2, first_trials=batch)  # no chunk of its own: the batch alone
+    assert rec.requests == [CompileRequest(tuple(batch), 2, ahead.BATCH_TIMEOUT_S)]
+    assert CompileAhead(Recorder(), cands, spaces, "device", 1).first_batch() == []
 
 
 def test_finding_model_bests_ahead_keeps_the_main_threads_gil_waits_short(monkeypatch):
@@ -354,3 +384,24 @@ def test_finding_model_bests_ahead_keeps_the_main_threads_gil_waits_short(monkey
         time.sleep(0.01)
     assert len(seen) == 2 * len(cands) and all(abs(v - min(before, ahead.PREFETCH_SWITCH_S)) < 1e-9 for v in seen)
     assert sys.getswitchinterval() == before
+
+
+def test_model_bests_are_found_ahead_only_for_the_candidates_the_budget_reaches(monkeypatch):
+    """Given the candidates timed first (`scheduler.timed_first`), the prefetch thread enumerates only their spaces,
+    in that order: GPT-2's 158 took ~14 s of a Python thread that was still busy when phase 2 began."""
+    from autofuse.tuning.scheduler import timed_first
+    from autofuse.tuning.space import CandidateSpace
+
+    _, _, cands, spaces = _program()
+    order = timed_first(cands, spaces, 3)
+    assert len(order) == 3 < len(cands)
+    seen: list[int] = []
+    by_space = {id(spaces[r.signature]): k for k, r in enumerate(cands)}
+    real = CandidateSpace.model_best
+    monkeypatch.setattr(CandidateSpace, "model_best", lambda self: (seen.append(by_space[id(self)]), real(self))[1])
+    ahead.prefetch_model_bests(cands, spaces, order)
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert seen == order

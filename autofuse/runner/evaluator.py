@@ -125,7 +125,8 @@ class Evaluator:
                     todo.append(("plan", it.plan_json, lambda pj=it.plan_json: self._compile_plan(Plan.from_json(pj))))
                 continue
             group = Group.of(self.graph, it.nodes)
-            if isinstance(it, XlaRequest) and self.measure == "device" and tuple(group.node_ids) not in self._refs:
+            if isinstance(it, XlaRequest) and self.measure == "device" and tuple(group.node_ids) not in self._refs \
+                    and not any(kind == "xla" and key == tuple(group.node_ids) for kind, key, _ in todo):
                 todo.append(("xla", tuple(group.node_ids), lambda g=group: jax.jit(lambda *a: g.evaluate(a)).lower(*_structs(g)).compile()))
             elif isinstance(it, TrialRequest) and self._compiles() and TEMPLATES[it.template].match(group) is not None:
                 key = _trial_key(it.nodes, it.template, it.config)

@@ -82,17 +82,24 @@ def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | Valid
 
 
 def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None,
-                          spent: dict | None = None) -> list[TrialResult]:
+                          spent: dict | None = None, first_trials: Sequence[XlaRequest | TrialRequest] = ()) -> list[TrialResult]:
     """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
-    at a time; one result per candidate, in order. `spent` adds up where the time went: seconds compiling ahead
-    ("compile"), seconds of the timing requests ("time", with what they compiled themselves), groups ("groups")."""
+    at a time; one result per candidate, in order. `first_trials` (`CompileAhead.first_batch`) compile with the
+    first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s)
+    compile beside XLA's references instead of after them. `spent` adds up where the time went: seconds compiling
+    ahead ("compile"), seconds of the timing requests ("time", with what they compiled themselves), groups
+    ("groups"), first trials' kernels compiled with them ("trials")."""
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
-    for start in range(0, len(cands), size):
-        part = cands[start:start + size]
+    extra = list(first_trials) if workers > 1 else []
+    for part in [cands[k:k + size] for k in range(0, len(cands), size)] or ([[]] if extra else []):
         t0 = time.perf_counter()
-        if workers > 1 and len(part) > 1 and not compile_batch(runner, [XlaRequest(tuple(r.nodes)) for r in part], workers):
+        items = [XlaRequest(tuple(r.nodes)) for r in part] + extra
+        if extra:
+            spent["trials"] = spent.get("trials", 0) + sum(isinstance(q, TrialRequest) for q in extra)
+        extra = []
+        if workers > 1 and len(items) > 1 and not compile_batch(runner, items, workers):
             workers = 1
         t1 = time.perf_counter()
         spent["compile"] = round(spent.get("compile", 0.0) + t1 - t0, 3)
@@ -129,24 +136,38 @@ class CompileAhead:
         self.seconds: list[float] = []  # how long each batch took to compile
 
     def first_requests(self, i: int) -> list[XlaRequest | TrialRequest]:
-        """Candidate i's XLA reference where it was not timed yet (`scheduler.timed_first`; its trial checks against
-        it too) and its first config (with several workers: each backend's default) as its trial will ask for it,
-        those that will be compiled."""
+        """Candidate i's XLA reference (its trial checks against it; the trial process skips one it has, timed
+        here or not) and its first config (with several workers: each backend's default) as its trial will ask
+        for it, those that will be compiled."""
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
         cfgs = space.defaults() if self.share > 1 else [space.default]  # without enumerating the space for the model's best
-        xla = [XlaRequest(tuple(r.nodes))] if r.xla_ms is None else []
-        return xla + [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs if not space.unmeasured_reason(c, self.measure)]
+        return [XlaRequest(tuple(r.nodes))] + [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs
+                                               if not space.unmeasured_reason(c, self.measure)]
 
-    def before(self, i: int) -> None:
-        if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
-            return
+    def first_batch(self) -> list[XlaRequest | TrialRequest]:
+        """The batch `before` would send for phase 1's first candidate, marked sent: the job compiles it with its
+        first XLA references (`time_xla_concurrently`), whose timings then decide phase 1's order (a first
+        candidate guessed wrong has its batch sent by `before`, as any)."""
+        if self.workers <= 1 or self.measure != "device":
+            return []
+        first = next((j for j in phase1_order(self.cands, self.spaces) if not self.cands[j].trials), None)
+        return [] if first is None else list(self._take(first))
+
+    def _take(self, i: int) -> tuple[XlaRequest | TrialRequest, ...]:
+        """Candidate i's first requests and those of the next untried candidates in phase 1's order, no more than
+        this worker's part of the trials left; marked sent."""
         n = chunk_size(self.workers)
         if self.budget is not None:  # this worker's part of the trials left
             n = min(n, -(-(self.budget - sum(len(c.spent()) for c in self.cands)) // self.share))
         rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent]
         pick = [i] + rest[:max(0, n - 1)]
         self.sent.update(pick)
-        reqs = tuple(q for j in pick for q in self.first_requests(j))
+        return tuple(q for j in pick for q in self.first_requests(j))
+
+    def before(self, i: int) -> None:
+        if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
+            return
+        reqs = self._take(i)
         if len(reqs) > 1:
             self.batches.append(len(reqs))
             t0 = time.perf_counter()
@@ -182,19 +203,23 @@ def _short_switch_interval() -> Iterator[None]:
                 sys.setswitchinterval(before)
 
 
-def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> threading.Event:
-    """Each candidate's model-best config (`CandidateSpace.model_best`, the third config of its study, queued by its
-    first trial) found on a background thread, in phase 1's order, while this process mostly waits on the trial
-    process (on the GPU: the XLA timings, tens of seconds for a whole model; then the trials): enumerating a space takes up to a second (GPT-2's 158 candidates: about
-    14 s with Mosaic GPU and Triton), which its first trial would otherwise wait for. The answer is the same
-    whenever it is found (each space keeps it for its facts). Returns the event that stops it (set it when the job
-    ends)."""
+def prefetch_model_bests(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace],
+                         order: Sequence[int] | None = None) -> threading.Event:
+    """The model-best config (`CandidateSpace.model_best`, the third config of its study, queued by its first trial)
+    of the candidates of `order` (indices; default: all, in phase 1's order) found on a background thread while this
+    process mostly waits on the trial process (on the GPU: the XLA timings; then the trials): enumerating a space
+    takes up to a second, which its first trial would otherwise wait for. The answer is the same whenever it is
+    found (each space keeps it for its facts). Give the candidates the budget can reach (`scheduler.timed_first`):
+    all of GPT-2's 158 took about 14 s with Mosaic GPU and Triton, and a thread still busy at phase 2's start
+    (where each step solves the cover, in Python too) stalled every worker's trials for 2 s. Returns the event that
+    stops it (set it when the job ends)."""
     stop = threading.Event()
+    todo = list(phase1_order(list(cands), spaces) if order is None else order)
 
     def work() -> None:
         try:
             with _short_switch_interval():
-                for i in phase1_order(list(cands), spaces):
+                for i in todo:
                     if stop.is_set():
                         return
                     spaces[cands[i].signature].model_best()

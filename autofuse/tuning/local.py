@@ -132,15 +132,18 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         if pstore is not None:
             register_candidates(pstore, run_id, cands)
         marks("setup")
-        if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
-            prefetch = prefetch_model_bests(cands, spaces)
         budget = Budget(trials if trials is not None else 10**9, t_start + time_budget_s if time_budget_s else None, clock)
-        todo = [cands[i] for i in timed_first(cands, spaces, trial_total(cands, spaces, budget.trials)) if cands[i].xla_ms is None]
+        total = trial_total(cands, spaces, budget.trials)
+        first = timed_first(cands, spaces, total)
+        if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
+            prefetch = prefetch_model_bests(cands, spaces, first)
+        todo = [cands[i] for i in first if cands[i].xla_ms is None]
         if progress is not None:
             say(f"autofuse: timing {len(todo)} of {len(cands)} distinct candidates in XLA (the others at their first trial)")
         spent: dict = {}
+        ahead = CompileAhead(runner, cands, spaces, measure, threads, budget=total)
         time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"), compile_workers=threads,
-                 spent=spent)
+                 spent=spent, first_trials=ahead.first_batch())
         marks("xla_parts", value=spent)
         if pstore is not None:
             for r in todo:
@@ -152,7 +155,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
         if warm_start is not None:
             loop.seeds = warm_start(by_sig, cands, spaces)
-        loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, budget=loop.scheduler.total)
+        loop.ahead = ahead
         loop.verbose = verbose and not quiet
         selected = ids is not None and ids.selected  # a run killed in its selection phase (a store's run only)
         if resume is not None:

@@ -94,34 +94,71 @@ def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Pl
     return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
 
 
-def lone_contractions(graph: Graph, known: Sequence[str] = ()) -> list[int]:
+def contested_nodes(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState]) -> set[int]:
+    """The nodes where what a cover leaves alone can change the plan: those of every option (an instance's XLA or
+    fused option) linked through shared nodes to a fused option. Elsewhere only XLA's options and lone nodes
+    compete, and the plan runs XLA there whichever wins."""
+    options = [frozenset(c.nodes) for r in cands if r.xla_ms is not None or r.best_ms is not None for c in by_sig[r.signature]]
+    fused = [frozenset(c.nodes) for r in cands if r.best_ms is not None for c in by_sig[r.signature]]
+    touching: dict[int, list[int]] = {}
+    for k, nodes in enumerate(options):
+        for n in nodes:
+            touching.setdefault(n, []).append(k)
+    out: set[int] = set()
+    todo = [n for nodes in fused for n in nodes]
+    seen: set[int] = set()
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.add(n)
+        for k in touching.get(n, ()):
+            if k not in seen:
+                seen.add(k)
+                todo.extend(options[k] - out)
+    return out
+
+
+def lone_contractions(graph: Graph, known: Sequence[str] = (), among: set[int] | None = None) -> list[int]:
     """The fusible dots a cover may leave alone, one node per distinct dot (those `lone_contraction_costs` times),
-    but for those whose group signature is in `known`."""
+    but for those whose group signature is in `known`, and, with `among`, for those with no node in it."""
     seen, out = set(known), []
+    wanted = None if among is None else _dot_signatures(graph, among)
     for nd in graph.nodes:
         if ops.op_class(nd.name) is not ops.OpClass.CONTRACTION or not is_fusible(graph, nd.id):
             continue
         sig = Group.of(graph, [nd.id]).signature
-        if sig not in seen:
+        if sig not in seen and (wanted is None or sig in wanted):
             seen.add(sig)
             out.append(nd.id)
     return out
 
 
-def lone_contraction_costs(graph: Graph, runner: Any, known: dict[str, float] | None = None) -> dict[int, float]:
+def _dot_signatures(graph: Graph, nodes: set[int]) -> set[str]:
+    """The group signatures of the fusible dots among `nodes`."""
+    return {Group.of(graph, [n]).signature for n in nodes
+            if ops.op_class(graph.node_index[n].name) is ops.OpClass.CONTRACTION and is_fusible(graph, n)}
+
+
+def lone_contraction_costs(graph: Graph, runner: Any, known: dict[str, float] | None = None,
+                           among: set[int] | None = None) -> dict[int, float]:
     """XLA's measured time of each fusible dot that a cover may leave alone (once per distinct dot; `known`: XLA's
-    times already measured, by group signature: a dot that is a candidate by itself was timed with the candidates).
+    times already measured, by group signature: a dot that is a candidate by itself was timed with the candidates;
+    `among`: only dots with a node there are timed, `contested_nodes`: elsewhere the dot costs every cover alike).
 
     The roofline puts a lone dot at its flop floor, far below what XLA's dot with
     its output write measures (SPLADE's head: 0.49 modelled, about 1.2 ms measured),
     which made "XLA dot + fused epilogue" look cheaper than one fused kernel.
     """
     by_sig: dict[str, float | None] = dict(known or {})
+    wanted = None if among is None else _dot_signatures(graph, among)
     out = {}
     for nd in graph.nodes:
         if ops.op_class(nd.name) is not ops.OpClass.CONTRACTION or not is_fusible(graph, nd.id):
             continue
         sig = Group.of(graph, [nd.id]).signature
+        if sig not in by_sig and wanted is not None and sig not in wanted:
+            continue
         if sig not in by_sig:
             res = runner.call(XlaRequest((nd.id,)))
             by_sig[sig] = res.median_ms if res.ok else None

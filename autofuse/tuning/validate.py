@@ -32,7 +32,7 @@ from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, best_cover, lone_contraction_costs, lone_contractions
+from .select import Cover, best_cover, contested_nodes, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # smaller plans validated beside the chosen one (its groups with the largest savings)
@@ -87,10 +87,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     singles = None
     if measure == "device":
         known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
-        lone = lone_contractions(graph, known)
+        contested = contested_nodes(by_sig, cands)  # elsewhere a lone dot costs every cover alike
+        lone = lone_contractions(graph, known, contested)
         if compile_workers > 1 and len(lone) > 1:
             compile_batch(runner, [XlaRequest((n,)) for n in lone], compile_workers)
-        singles = lone_contraction_costs(graph, runner, known)
+        singles = lone_contraction_costs(graph, runner, known, contested)
     t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
     t3 = time.perf_counter()

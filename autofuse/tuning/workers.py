@@ -359,12 +359,14 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     try:
         with runner:
             threads = compile_workers(job.get("compile_workers"))
+            order = timed_first(cands, spaces, scheduler.total)
             if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
-                prefetch = prefetch_model_bests(cands, spaces)
+                prefetch = prefetch_model_bests(cands, spaces, order)
             spent: dict = {}
-            first = [cands[i] for i in timed_first(cands, spaces, scheduler.total)]
+            first = [cands[i] for i in order]
+            ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
             timed = share_xla(pstore, run_id, first, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60,
-                              share=job.get("workers") or 1, spent=spent)
+                              share=job.get("workers") or 1, spent=spent, first_trials=ahead.first_batch())
             marks(f"xla_parts {me}", value=spent)
             say(f"timed {timed} of the {len(first)} candidates the budget reaches first in XLA ({threads} compiling at once; "
                 f"{len(cands)} in all, the others at their first trial)")
@@ -375,7 +377,7 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
             w = _Worker(pstore, run_id, cands, spaces, scheduler,
                         TrialContext(StoreLedger(pstore, run_id, me), runner, measure, scheduler.total, me),
                         run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
-            w.loop.ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
+            w.loop.ahead = ahead
             w.loop.verbose = not quiet  # a line per trial
             marks("loop", worker=me)  # the trial loop is ready (its storage connected): the first trial comes next
             w.work()
@@ -417,7 +419,7 @@ def wait_for_phase(pstore: Any, run_id: int, name: str, timeout_s: float) -> Non
 
 
 def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any, me: str, threads: int, *, stale_s: float,
-              share: int = 1, spent: dict | None = None) -> int:
+              share: int = 1, spent: dict | None = None, first_trials: Sequence[Any] = ()) -> int:
     """This worker's part of the XLA timings of `cands` (those the run times first), then everyone's: claim a chunk
     of them nobody timed,
     compile them `threads` at a time and time them one by one (`ahead`), record them with this worker's device;
@@ -425,7 +427,8 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
     over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
     `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`);
     `spent`: where this worker's time went (`ahead.time_xla_concurrently`, "store": claiming, recording and reading
-    back the timings, and "waiting" for the others' chunks).
+    back the timings, and "waiting" for the others' chunks). `first_trials` (`CompileAhead.first_batch`) compile
+    with this worker's first chunk, or alone before it waits where it claimed none.
     Sets the `xla_ms` of each of `cands`; returns how many this worker timed."""
     by_id = {r.candidate_id: r for r in cands}
     timed = 0
@@ -440,12 +443,16 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
         stored(t0)
         if ids:
             part = [by_id[i] for i in ids]
-            results = time_xla(part, runner, compile_workers=threads, spent=spent)
+            results = time_xla(part, runner, compile_workers=threads, spent=spent, first_trials=first_trials)
+            first_trials = ()
             t0 = time.perf_counter()
             pstore.finish_xla_many(me, [(r.candidate_id, res.status.value, r.xla_ms, res.device) for r, res in zip(part, results, strict=True)])
             stored(t0)
             timed += len(part)
             continue
+        if first_trials:
+            time_xla([], runner, compile_workers=threads, spent=spent, first_trials=first_trials)
+            first_trials = ()
         t0 = time.perf_counter()
         pending = read_xla(pstore, run_id, cands)
         stored(t0)
