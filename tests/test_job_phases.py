@@ -14,6 +14,7 @@ import pytest
 import autofuse
 from autofuse import costmodel
 from autofuse.plan import Plan
+from autofuse.runner import measure, program_check
 from autofuse.runner.evaluator import Evaluator
 from autofuse.runner.protocol import CompileRequest, ValidateRequest
 from autofuse.status import TrialStatus
@@ -112,12 +113,18 @@ def test_validation_compiles_the_reference_once_and_plans_ahead_with_the_serial_
     compiled = []
     real = ev._compile_program
     monkeypatch.setattr(ev, "_compile_program", lambda: compiled.append(1) or real())
+    measure._viewer.cache_clear()  # the inputs' small programs made afresh: compiled ahead (with the plans) or not
+    program_check._nudged.clear_cache()
     if ahead:
         done = ev.handle(CompileRequest(tuple(ValidateRequest(p.to_json()) for p in (plan, smaller)), 2))
         assert done.ok and (done.compiled, done.failed) == (3, 0)  # the reference and two plans
-        assert set(done.longest) == {"program", "plan"} and 0 < done.longest["plan"] <= done.seconds  # what took the time
+        assert set(done.longest) == {"program", "plan", "inputs"} and 0 < done.longest["plan"] <= done.seconds  # what took the time
+        made = measure._viewer.cache_info().currsize, program_check._nudged._cache_size()
+        assert made[0] > 0  # the random inputs' views (float32 inputs: no nudges)
     got = [ev.handle(ValidateRequest(p.to_json())) for p in (plan, smaller)]
     assert len(compiled) == 1 and ev._plans == {}
+    if ahead:  # jax.jit's rounding spread and the checks ran what was compiled ahead, nothing new
+        assert (measure._viewer.cache_info().currsize, program_check._nudged._cache_size()) == made
     for a, b in zip(expect, got):
         assert a.status is b.status is TrialStatus.OK
         assert (a.max_error, a.tolerance, a.rounding_sensitivity) == (b.max_error, b.tolerance, b.rounding_sensitivity)

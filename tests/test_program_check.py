@@ -56,3 +56,29 @@ def test_an_output_that_is_rounding_noise_at_the_callers_inputs_is_held_to_jax_j
         assert not ProgramCheck(graph, ref, (1, 2, 3), args).judge(jax.jit(wrong)).ok, wrong.__name__
     blind = ProgramCheck(graph, ref, (1, 2, 3)).judge(exact)  # random inputs alone: held to MAX_PROGRAM_TOLERANCE there
     assert not blind.ok and 0 in blind.chaotic()
+
+
+def test_a_plans_check_programs_compile_ahead_and_the_check_then_compiles_none(caplog):
+    """`compile_check_programs` compiles, per distinct input shape and dtype, the random inputs' view and for bf16
+    the nudge's sign and the nudge, and per output the comparison (GPT-2 medium: ~3 s of its first validation one
+    by one); jax.jit's rounding spread and a check against it then compile none of them again (only the
+    program's own function, here a fresh one)."""
+    import logging
+
+    from autofuse.runner import measure, program_check
+
+    avals = [jax.ShapeDtypeStruct((48, 40), jnp.bfloat16), jax.ShapeDtypeStruct((40,), jnp.bfloat16), jax.ShapeDtypeStruct((48, 40), jnp.bfloat16),
+             jax.ShapeDtypeStruct((7,), jnp.float32)]
+    outs = [jax.ShapeDtypeStruct((48, 40), jnp.bfloat16), jax.ShapeDtypeStruct((7,), jnp.float32)]
+    measure._viewer.cache_clear()
+    program_check._nudged.clear_cache()
+    measure._float_stats.clear_cache()
+    # two bf16 input shapes (view, sign, nudge each), one float32 (its view); two output comparisons
+    assert program_check.compile_check_programs(avals, outs) == 3 + 3 + 1 + 2
+    ref = jax.jit(lambda a, b, c, d: (a * b + c, d * 2))
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        sens = rounding_sensitivity(ref, avals, 1)
+        res = measure.check(ref, ref, avals, (1, 2), [0.1, 0.1])
+    assert len(sens) == 2 and sens[0] > 0 and res.ok
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert compiled and all(m.startswith("Compiling jit(<lambda>)") for m in compiled), compiled

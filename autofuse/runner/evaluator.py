@@ -21,7 +21,7 @@ from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
 from .measure import check, cone_tolerances, random_inputs, time_fn, time_pair
-from .program_check import ProgramCheck
+from .program_check import ProgramCheck, compile_check_programs
 from .protocol import (CompileRequest, CompileResult, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
 
@@ -133,15 +133,20 @@ class Evaluator:
                 if key not in self._ahead:
                     todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config): self._kernel(g, t, c)))
 
-        def attempt(build: Callable[[], Callable]) -> tuple[Callable | None, float]:
+        def attempt(build: Callable[[], Any]) -> tuple[Any, float]:
             t = time.perf_counter()
             try:
                 return build(), time.perf_counter() - t
             except Exception:
                 return None, time.perf_counter() - t
 
-        with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
-            done = list(pool.map(attempt, [b for _, _, b in todo]))
+        # with a whole plan: the small programs its check will run (inputs, nudges, comparisons), not a result
+        side = [lambda: compile_check_programs([self.graph.avals[v] for v in self.graph.inputs], [self.graph.aval(a) for a in self.graph.outputs])] \
+            if self.measure == "device" and self._check is None and any(kind == "plan" for kind, _, _ in todo) else []
+        with ThreadPoolExecutor(max(1, min(workers, len(todo) + len(side) or 1)), thread_name_prefix="autofuse-compile") as pool:
+            done = list(pool.map(attempt, [b for _, _, b in todo] + side))
+        if side:
+            longest_inputs, done = done[len(todo)][1], done[:len(todo)]
         built = [fn for fn, _ in done]
         longest: dict[str, float] = {}
         for (kind, _, _), (_, secs) in zip(todo, done):
@@ -153,6 +158,8 @@ class Evaluator:
                 self._program = fn
             else:
                 {"xla": self._refs, "trial": self._ahead, "plan": self._plans}[kind][key] = fn
+        if side:
+            longest["inputs"] = round(longest_inputs, 3)
         failed = sum(fn is None for fn in built)
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest)
 

@@ -83,13 +83,27 @@ def pool_view(shape: tuple[int, ...], dtype: Any, seed: int, position: int, kind
     normal, uniform = _pools(jax.devices()[0])
     rng = np.random.default_rng([seed & 0xFFFFFFFF, position, kind == "sign"])
     step, start = int(rng.integers(1, 2048)), int(rng.integers(0, POOL_SIZE))
-    if int(np.prod(shape, dtype=np.int64)) >= 2**31 - 2**24:  # past int32 indices: the generator itself
+    if not viewed(shape):  # past int32 indices: the generator itself
         key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
         if kind == "sign":
             return jax.random.rademacher(key, shape, jnp.float32)
         return _generated(key, shape, np.dtype(dtype))
-    return _viewer(shape, np.dtype(dtype).str if np.dtype(dtype) != np.dtype(jnp.bfloat16) else "bfloat16", kind)(
-        normal, uniform, jnp.int32(step), jnp.int32(start))
+    return _viewer(shape, _dtype_name(dtype), kind)(normal, uniform, jnp.int32(step), jnp.int32(start))
+
+
+def viewed(shape: tuple[int, ...]) -> bool:
+    """Whether `pool_view` makes an array of this shape as a view of the pool (not with the generator)."""
+    return int(np.prod(shape, dtype=np.int64)) < 2**31 - 2**24
+
+
+def compile_view(shape: tuple[int, ...], dtype: Any, kind: str = "value") -> None:
+    """Compile, without running it, the view `pool_view` runs for this shape, dtype and kind (a shape `viewed`)."""
+    normal, uniform = _pools(jax.devices()[0])
+    _viewer(tuple(shape), _dtype_name(dtype), kind).lower(normal, uniform, jnp.int32(1), jnp.int32(0)).compile()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).str if np.dtype(dtype) != np.dtype(jnp.bfloat16) else "bfloat16"
 
 
 @functools.lru_cache(maxsize=4)
@@ -151,6 +165,17 @@ def _float_stats(o: jax.Array, r: jax.Array) -> tuple:
     rr = jnp.where(fin, r, 0.0)
     scale = jnp.maximum(jnp.max(jnp.abs(rr)), 1e-30)  # scaled sums of squares cannot overflow
     return nan_bad, inf_bad, jnp.sqrt(jnp.sum(jnp.square(d / scale))) * scale, jnp.sqrt(jnp.sum(jnp.square(rr / scale))) * scale
+
+
+def compile_compare(shape: tuple[int, ...], dtype: Any) -> int:
+    """Compile, without running it, what `compare` runs on the device for two floating outputs of this shape and
+    dtype (none for others); returns how many were compiled."""
+    d = np.dtype(dtype)
+    if not (np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16)):
+        return 0
+    arg = jax.ShapeDtypeStruct(tuple(shape), d, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    _float_stats.lower(arg, arg).compile()
+    return 1
 
 
 def compare(out: Any, ref: Any, tol: float | None = None) -> tuple[bool, float, str]:
