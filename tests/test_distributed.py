@@ -105,6 +105,7 @@ def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
     books = check_books(pg_url, 15)
     assert len(books["workers"]) >= 2, "the trials were shared out between workers"  # a worker starting late may find none left
     assert err.count("plan saved") == 1 and err.count("joined run") == 3 and " exit " not in err
+    assert err.count("candidates as its launcher found them") >= 2  # this host's workers read them, not enumerate them
     assert sum(worker_counts(err)) == 15 and len(worker_counts(err)) == 3
     assert out.splitlines()[-1].startswith("autofuse: ") and f"run {books['run']['id']}, plan " in out  # the summary line
     assert joiner.stdout.startswith(f"autofuse worker: run {books['run']['id']} ")

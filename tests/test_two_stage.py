@@ -245,3 +245,26 @@ def test_bf16_training_step_plan_is_judged_on_the_callers_inputs(tmp_path, monke
     monkeypatch.setattr(attention_bwd, "lower", doubled_dq)
     wrong = Evaluator(graph, measure="model", example_inputs=str(path)).validate(plan)
     assert not wrong.ok and "real inputs" not in wrong.error  # caught on an output that holds still
+
+
+def test_a_launchers_candidates_are_read_back_as_enumerated(tmp_path):
+    """`save_candidates` / `load_candidates` (a run's launcher and the workers of its host): the same computations,
+    instances, nodes, templates and stages as enumerating again; a file written for another graph is refused."""
+    from autofuse.tuning.job import distinct_candidates, load_candidates, save_candidates
+
+    _, graph, _, _ = _program("gpt2")
+    by_sig, cands = distinct_candidates(graph)
+    assert any(c.stages for cs in by_sig.values() for c in cs)
+    path = str(tmp_path / "cands.json")
+    save_candidates(graph, by_sig, path)
+    got_sig, got = load_candidates(graph, path)
+
+    def flat(bs):
+        return {sig: [(c.template, c.nodes, c.stages) for c in cs] for sig, cs in bs.items()}
+
+    assert flat(got_sig) == flat(by_sig) and list(got_sig) == list(by_sig)
+    assert [(r.signature, r.template, r.nodes, r.instances, r.ops) for r in got] == [(r.signature, r.template, r.nodes, r.instances, r.ops) for r in cands]
+    staged = next(c for cs in got_sig.values() for c in cs if c.stages)
+    assert staged.spec is not None  # matched when first asked
+    other = autofuse.capture(lambda x: jax.numpy.tanh(x).sum(axis=-1), jax.ShapeDtypeStruct((8, 16), "float32"))
+    assert load_candidates(other, path) is None and load_candidates(graph, str(tmp_path / "none.json")) is None

@@ -38,6 +38,7 @@ launch, refuses to run.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib
 import os
@@ -60,8 +61,9 @@ from ..processes import pid_alive
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from .job import (PhaseMarks, PlanSaver, RunIds, check_backends, create_study, distinct_candidates, modelled_warning, open_run, program_name,
-                  progress_bar, register_candidates, resolve_measure, restore_autotune, search_spaces, study_name, time_xla)
+from .job import (PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates, load_candidates,
+                  modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure, restore_autotune,
+                  save_candidates, search_spaces, study_name, time_xla)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
@@ -175,6 +177,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     marks = PhaseMarks(pstore, run_id)
     marks("start", at=t_start)
     procs: list[subprocess.Popen] = []
+    shared = candidates_file(pstore.url, run_id)
     try:
         # The workers start at once (importing jax, starting their trial processes, capturing and enumerating the
         # program take them seconds) while this process registers the candidates (they wait for the "candidates"
@@ -183,6 +186,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         pstore.set_run_job(run_id, {**job, "staged": True})
         procs = start_workers(run_id, pstore.url, workers, gpus, not verbose, indexed=True)
         by_sig, cands = distinct_candidates(graph)
+        save_candidates(graph, by_sig, shared)  # this host's workers read them rather than enumerate them again
         register_candidates(pstore, run_id, cands)
         marks("candidates")
         say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
@@ -205,6 +209,9 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
             p.wait()
         pstore.finish_run(run_id, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", error=f"{type(e).__name__}: {e}")
         raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(shared)
     run = _wait_for_selection(pstore, run_id)
     died = [f"worker {k} exit {c}" for k, c in enumerate(codes) if c != 0]
     if died:
@@ -342,9 +349,11 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     if graph.fingerprint != run["fingerprint"]:
         raise RuntimeError(f"{job['fn']} captures as program {graph.fingerprint} here, but run {run_id} tunes {run['fingerprint']} "
                            "(another version of the code or of jax?)")
-    by_sig, cands = distinct_candidates(graph)
-    if job.get("staged"):  # the launcher registers the candidates while its workers start
+    if job.get("staged"):  # the launcher enumerates and registers the candidates while its workers start
         wait_for_phase(pstore, run_id, "candidates", ready_timeout_s)
+    # as the launcher of this host found them (another host's worker: enumerated here)
+    shared = load_candidates(graph, candidates_file(pstore.url, run_id))
+    by_sig, cands = shared or distinct_candidates(graph)
     register_candidates(pstore, run_id, cands)
     marks("ready", worker=me)
     gmodel = costmodel.get_model(job["model"])
@@ -354,7 +363,8 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
     scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(budget.get("trials") or 10**9, deadline), gmodel)
     prefetch = None
-    say(f"joined run {run_id} ({len(cands)} candidates, budget {scheduler.total} trials"
+    say(f"joined run {run_id} ({len(cands)} candidates {'as its launcher found them' if shared else 'enumerated here'}, "
+        f"budget {scheduler.total} trials"
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with runner:
