@@ -59,7 +59,7 @@ def test_an_output_that_is_rounding_noise_at_the_callers_inputs_is_held_to_jax_j
 
 
 def test_a_plans_check_programs_compile_ahead_and_the_check_then_compiles_none(caplog):
-    """`compile_check_programs` compiles, per distinct input shape and dtype, the random inputs' view and for bf16
+    """`check_program_builders` compile, per distinct input shape and dtype, the random inputs' view and for bf16
     the nudge's sign and the nudge, and per output the comparison (GPT-2 medium: ~3 s of its first validation one
     by one); jax.jit's rounding spread and a check against it then compile none of them again (only the
     program's own function, here a fresh one)."""
@@ -74,7 +74,8 @@ def test_a_plans_check_programs_compile_ahead_and_the_check_then_compiles_none(c
     program_check._nudged.clear_cache()
     measure._float_stats.clear_cache()
     # two bf16 input shapes (view, sign, nudge each), one float32 (its view); two output comparisons
-    assert program_check.compile_check_programs(avals, outs) == 3 + 3 + 1 + 2
+    builders = program_check.check_program_builders(avals, outs)
+    assert [b() for b in builders] == [3, 3, 1, 1, 1]  # one per distinct shape, each its own compile thread's work
     ref = jax.jit(lambda a, b, c, d: (a * b + c, d * 2))
     with caplog.at_level(logging.WARNING), jax.log_compiles():
         sens = rounding_sensitivity(ref, avals, 1)

@@ -21,7 +21,7 @@ from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
 from .measure import check, cone_tolerances, random_inputs, time_fn, time_pair
-from .program_check import ProgramCheck, compile_check_programs
+from .program_check import ProgramCheck, check_program_builders
 from .protocol import (CompileRequest, CompileResult, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
 
@@ -141,12 +141,12 @@ class Evaluator:
                 return None, time.perf_counter() - t
 
         # with a whole plan: the small programs its check will run (inputs, nudges, comparisons), not a result
-        side = [lambda: compile_check_programs([self.graph.avals[v] for v in self.graph.inputs], [self.graph.aval(a) for a in self.graph.outputs])] \
+        side = check_program_builders([self.graph.avals[v] for v in self.graph.inputs], [self.graph.aval(a) for a in self.graph.outputs]) \
             if self.measure == "device" and self._check is None and any(kind == "plan" for kind, _, _ in todo) else []
         with ThreadPoolExecutor(max(1, min(workers, len(todo) + len(side) or 1)), thread_name_prefix="autofuse-compile") as pool:
             done = list(pool.map(attempt, [b for _, _, b in todo] + side))
         if side:
-            longest_inputs, done = done[len(todo)][1], done[:len(todo)]
+            longest_inputs, done = max(secs for _, secs in done[len(todo):]), done[:len(todo)]
         built = [fn for fn, _ in done]
         longest: dict[str, float] = {}
         for (kind, _, _), (_, secs) in zip(todo, done):

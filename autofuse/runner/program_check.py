@@ -207,26 +207,25 @@ def rounding_spread(ref: Callable, avals: Sequence[Any], seeds: Sequence[int], a
     return [max(e) for e in zip(*per_seed, strict=True)]
 
 
-def compile_check_programs(inputs: Sequence[Any], outputs: Sequence[Any]) -> int:
-    """Compile, without running them, the small programs that checking a whole plan runs for a program with these
-    input and output shapes: the random inputs' views, the nudges' signs and the nudges of `rounding_sensitivity`
-    (per distinct input shape and dtype), and the comparison of each output (`measure.compile_compare`). One by one
-    they were ~3 s of GPT-2 medium's first validation on an H100 (about 15 shapes, three programs each); compiled
-    on a thread beside the plan, they cost it nothing. Returns how many were compiled."""
-    n = 0
+def check_program_builders(inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Callable[[], int]]:
+    """What compiles, without running them, the small programs that checking a whole plan runs for a program with
+    these input and output shapes, one function per distinct shape (each returns how many it compiled): the random
+    inputs' view, the nudge's sign and the nudge of `rounding_sensitivity` per input shape and dtype, and the
+    comparison of each output (`measure.compile_compare`). One by one they were ~3 s of GPT-2 medium's first
+    validation on an H100 (about 15 shapes, three programs each); on the compile threads beside the plan (XLA
+    compiles without the GIL), they cost it nothing."""
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    for shape, dtype in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in inputs):
-        if not viewed(shape):
-            continue
+
+    def made(shape: tuple[int, ...], dtype: np.dtype) -> int:
         compile_view(shape, dtype)
-        n += 1
-        if dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-            compile_view(shape, dtype, "sign")
-            _nudged.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=device), jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)).compile()
-            n += 2
-    for shape, dtype in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in outputs):
-        n += compile_compare(shape, dtype)
-    return n
+        if dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+            return 1
+        compile_view(shape, dtype, "sign")
+        _nudged.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=device), jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)).compile()
+        return 3
+
+    ins = [lambda sh=sh, d=d: made(sh, d) for sh, d in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in inputs) if viewed(sh)]
+    return ins + [lambda sh=sh, d=d: compile_compare(sh, d) for sh, d in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in outputs)]
 
 
 @jax.jit
