@@ -88,14 +88,7 @@ def test_local_and_workers_drivers_hand_out_trials_in_the_same_order(tmp_path, t
 
     # one worker of the workers driver: its books in a SQLite store, its studies in Optuna's RDB storage
     graph, by_sig, cands, spaces = _setup()
-    from autofuse.store.optuna_storage import optuna_storage
-
-    pstore = PlanStore(f"sqlite:///{tmp_path}/w.db")
-    _, run_id, _ = open_run(pstore, graph, "two_parts", "device", trials, seconds, 7, None)
-    register_candidates(pstore, run_id, cands)
-    storage = optuna_storage(pstore.url)
-    for r in cands:
-        create_study(storage, run_id, spaces[r.signature], r.signature)
+    pstore, run_id = _stored_run(tmp_path, graph, cands, spaces, trials, seconds)
     clock = FakeClock()
     scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(trials, seconds, clock), costmodel.H200)
     ctx = TrialContext(StoreLedger(pstore, run_id), Ticking(clock), "device", scheduler.total, "worker-0")
@@ -108,6 +101,19 @@ def test_local_and_workers_drivers_hand_out_trials_in_the_same_order(tmp_path, t
     assert orders["local"] == orders["workers"]
     assert len({sig for sig, kind in steps if kind == "measured"}) > 3  # several candidates got trials: the rule was exercised
     assert any(st is TrialStatus.RESOURCE_EXHAUSTED for trials in configs.values() for _, st in trials)
+
+
+def _stored_run(tmp_path, graph, cands, spaces, trials, seconds):
+    """A run of `two_parts` in a SQLite store with its candidates and their studies (as a workers launcher makes it)."""
+    from autofuse.store.optuna_storage import optuna_storage
+
+    pstore = PlanStore(f"sqlite:///{tmp_path}/w.db")
+    _, run_id, _ = open_run(pstore, graph, "two_parts", "device", trials, seconds, 7, None)
+    register_candidates(pstore, run_id, cands)
+    storage = optuna_storage(pstore.url)
+    for r in cands:
+        create_study(storage, run_id, spaces[r.signature], r.signature)
+    return pstore, run_id
 
 
 def _trials(cands, order):
@@ -179,7 +185,6 @@ def test_a_candidate_not_timed_first_is_timed_in_xla_at_its_first_trial(tmp_path
     """Only the candidates a budget can reach are timed in XLA before the trials (`timed_first`); any other is timed
     just before its first trial, once, by the driver that runs it, and recorded in the run (a time another
     worker recorded first stays). Candidates without a trial keep no XLA time."""
-    from autofuse.store.optuna_storage import optuna_storage
     from autofuse.tuning.scheduler import timed_first, trial_total
 
     graph = autofuse.capture(two_parts, *ARGS)
@@ -190,12 +195,7 @@ def test_a_candidate_not_timed_first_is_timed_in_xla_at_its_first_trial(tmp_path
     assert len(first) == trials < len(cands)
     before = first[1:2]
     time_xla([cands[i] for i in before], FakeDevice())  # as if the job had timed only one of them first
-    pstore = PlanStore(f"sqlite:///{tmp_path}/w.db")
-    _, run_id, _ = open_run(pstore, graph, "two_parts", "device", trials, None, 7, None)
-    register_candidates(pstore, run_id, cands)
-    storage = optuna_storage(pstore.url)
-    for r in cands:
-        create_study(storage, run_id, spaces[r.signature], r.signature)
+    pstore, run_id = _stored_run(tmp_path, graph, cands, spaces, trials, None)
     other = cands[first[0]]  # another worker timed this one at its own first trial: its time stays, not timed here
     assert pstore.record_xla(other.candidate_id, "elsewhere:1", "ok", 9.0, "gpu:7")
     assert not pstore.record_xla(other.candidate_id, "third:1", "ok", 8.0, "gpu:8")
