@@ -196,6 +196,64 @@ def test_the_first_plan_that_passes_is_handed_over_before_the_smaller_plans_are_
         assert report.plan.provenance["reason"].startswith(f"smaller plan kept ({kept_groups} of 4 groups)")
 
 
+class _OutOfMemoryRunner(_ScriptedRunner):
+    """A trial process whose first `oom` validations run out of GPU memory; `restart` is recorded as an event."""
+
+    def __init__(self, speedup_by_groups: dict[int, float | None], events: list, oom: int):
+        super().__init__(speedup_by_groups, events)
+        self.oom = oom
+
+    def call(self, req):
+        from autofuse.runner.protocol import ValidationResult
+
+        if isinstance(req, ValidateRequest) and self.oom:
+            self.oom -= 1
+            self.events.append(("validate", len(Plan.from_json(req.plan_json).groups)))
+            return ValidationResult(TrialStatus.RESOURCE_EXHAUSTED, error="RESOURCE_EXHAUSTED: Out of memory while trying to allocate 63.56GiB")
+        return super().call(req)
+
+    def restart(self):
+        self.events.append(("restart",))
+
+
+@pytest.mark.parametrize("oom, kept_groups", [(1, 4), (2, 2)])
+def test_a_validation_out_of_gpu_memory_is_made_again_once_in_a_fresh_trial_process(monkeypatch, oom, kept_groups):
+    """A whole program near the card's size needs one contiguous block of the trial process's pool, which the trials'
+    buffers may have split (GPT-2 medium's training step, H100): a validation out of memory is made again once per
+    job in a fresh trial process; out of memory again, that plan fails and the next one is validated as usual."""
+    from autofuse.tuning import validate as V
+    from autofuse.tuning.select import Cover
+
+    plan = _four_group_plan()
+    monkeypatch.setattr(V, "smaller_plans", lambda p, cands: [(Plan(p.fingerprint, p.groups[:2], {}), 0.0)])
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    events: list = []
+    report = V.validate(graph, Cover(plan, 10.0, 5.0), _OutOfMemoryRunner({4: 1.5, 2: 1.3}, events, oom), "device", "p", [], 4, 0.0,
+                        compile_workers=4)
+    assert events[:4] == [("compile", (4,)), ("validate", 4), ("restart",), ("validate", 4)]
+    assert events.count(("restart",)) == 1 and len(report.plan.groups) == kept_groups
+    if kept_groups == 2:
+        assert "validation failed: resource_exhausted" in report.plan.provenance["reason"]
+
+
+def test_an_evaluator_reports_a_validation_out_of_gpu_memory_as_such(monkeypatch):
+    """Out of memory while checking a whole plan is RESOURCE_EXHAUSTED, not a generic error: the job tries a fresh
+    trial process for it (other errors still fail the request as before)."""
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    ev = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
+    plan = default_plan(graph)
+
+    def oom(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 63.56GiB with allocator GPU_0_bfc")
+
+    monkeypatch.setattr(ev, "validate", oom)
+    res = ev.handle(ValidateRequest(plan.to_json()))
+    assert res.status is TrialStatus.RESOURCE_EXHAUSTED and "63.56GiB" in res.error
+    monkeypatch.setattr(ev, "validate", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ev.handle(ValidateRequest(plan.to_json()))
+
+
 def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promotion_rule(tmp_path):
     """`PlanSaver`: the early plan is stored (current: the first plan of its key); the same report at the end only
     finishes the run; a later, faster plan is stored beside it and becomes current by the promotion rule."""

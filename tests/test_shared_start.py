@@ -405,3 +405,16 @@ def test_model_bests_are_found_ahead_only_for_the_candidates_the_budget_reaches(
         time.sleep(0.01)
     time.sleep(0.1)
     assert seen == order
+
+
+def test_a_restarted_trial_process_is_a_fresh_one_that_answers():
+    """`ProcessRunner.restart` (a validation out of GPU memory is made again in a fresh process): the old child is
+    gone, a new one is started at once and answers the next request."""
+    graph, _, cands, _ = _program(log_relu_bias, log_relu_bias_inputs)
+    spec = ProgramSpec(log_relu_bias, log_relu_bias_inputs(), fingerprint=graph.fingerprint)
+    with ProcessRunner(spec, {"measure": "model"}, timeout_s=120) as runner:
+        assert runner.call(XlaRequest(tuple(cands[0].nodes))).ok
+        old = runner._proc
+        runner.restart()
+        assert old.poll() is not None and runner._proc is not None and runner._proc.pid != old.pid
+        assert runner.call(XlaRequest(tuple(cands[0].nodes))).ok

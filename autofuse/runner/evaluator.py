@@ -77,7 +77,12 @@ class Evaluator:
         if isinstance(req, CompileRequest):
             return self.compile_ahead(req.items, req.workers)
         if isinstance(req, ValidateRequest):
-            return self.validate(Plan.from_json(req.plan_json), key=req.plan_json)
+            try:
+                return self.validate(Plan.from_json(req.plan_json), key=req.plan_json)
+            except Exception as e:  # noqa: BLE001 - out of GPU memory is a status of its own: the job may try a fresh process
+                if classify_compile_error(e) is not TrialStatus.RESOURCE_EXHAUSTED:
+                    raise
+                return ValidationResult(TrialStatus.RESOURCE_EXHAUSTED, error=_short(e))
         raise TypeError(f"unknown request {req!r}")
 
     # helpers ---------------------------------------------------------------

@@ -100,6 +100,10 @@ class InlineRunner:
     def close(self) -> None:
         self._ev = None
 
+    def restart(self) -> None:
+        """A fresh evaluator for the next request (this process's compiled functions and arrays let go)."""
+        self._ev = None
+
     def __enter__(self) -> "InlineRunner":
         return self
 
@@ -166,6 +170,12 @@ class ProcessRunner:
         self._proc = self._to = self._from = None
         self._ready = False
         return code
+
+    def restart(self) -> None:
+        """A fresh trial process for the next request, started now: nothing of this one's GPU memory (its pool,
+        fragmented by the trials' buffers) carries over."""
+        self.close()
+        self._spawn()
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -153,6 +153,10 @@ class Runner(Protocol):
     def close(self) -> None:
         ...
 
+    def restart(self) -> None:
+        """The next request answered by a fresh evaluator (a fresh child process where there is one)."""
+        ...
+
 
 def failed(request: Request, status: TrialStatus, error: str) -> Result:
     """The result of a request that could not be answered (the trial process crashed, hung or raised)."""

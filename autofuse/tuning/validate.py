@@ -120,6 +120,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     validation = ValidationResult(TrialStatus.OK)
     base, tuned, noise = cover.baseline_ms, cover.tuned_ms, None
     notes, kept, best, first, first_passed = [], None, None, None, None  # best (GPU): (speedup, plan, validation, noise), kept so far
+    restarted = False  # whether the trial process was restarted for a validation out of memory (once per job)
     tries = [(plan, 0.0)] + smaller_plans(plan, cands) if not plan.is_xla else []
     plans_t = [] if timings is None else timings.setdefault("plans", [])
     ahead = measure == "device" and compile_workers > 1
@@ -138,6 +139,16 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
             phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
         t0 = time.perf_counter()
         v = runner.call(ValidateRequest(cand.to_json()))
+        if v.status is TrialStatus.RESOURCE_EXHAUSTED and not restarted:
+            # A whole program near the card's size needs one contiguous block of the trial process's pool, which the
+            # trials' buffers may have split: GPT-2 medium's training step (64.7 GiB of temporaries in a 71 GiB pool)
+            # ran out of memory there. Once per job, the validation is made again in a fresh trial process.
+            restarted = True
+            log.warning("autofuse: validating a plan of %d fused groups ran out of GPU memory (%s); validating it again in a "
+                        "fresh trial process", len(cand.groups), v.error)
+            phase is not None and phase(f"autofuse: out of GPU memory; validating plan {k + 1} again in a fresh trial process")
+            runner.restart()
+            v = runner.call(ValidateRequest(cand.to_json()))
         plans_t.append({"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
                         **{key: round(x, 3) for key, x in (v.seconds or {}).items()}})
         if not v.ok:
