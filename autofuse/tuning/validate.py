@@ -148,6 +148,8 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
                         "fresh trial process", len(cand.groups), v.error)
             phase is not None and phase(f"autofuse: out of GPU memory; validating plan {k + 1} again in a fresh trial process")
             runner.restart()
+            if ahead:  # the plan and jax.jit's reference compiled at once again, in the fresh process
+                compile_batch(runner, [ValidateRequest(cand.to_json())], compile_workers, timeout_s=None)
             v = runner.call(ValidateRequest(cand.to_json()))
         plans_t.append({"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
                         **{key: round(x, 3) for key, x in (v.seconds or {}).items()}})
