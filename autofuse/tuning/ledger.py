@@ -166,6 +166,7 @@ class StoreLedger:
 
     def __init__(self, store: Any, run_id: int, worker: str | None = None):
         self.store, self.run_id, self.worker = store, run_id, worker  # worker: host:pid, recorded on the trials it claims
+        self._xla_read: set[int] = set()  # candidates whose XLA time (or its failure) was read after their first trial
 
     def claim(self, cand: CandidateState, config: dict, optuna_trial_id: int, *, limit: int | None,
               status: TrialStatus = TrialStatus.RUNNING, error: str | None = None) -> Claim:
@@ -189,11 +190,14 @@ class StoreLedger:
         rows = self.store.trials(self.run_id)
         for c in cands:
             c.trials = [TrialRecord.from_row(r) for r in rows if r["candidate_id"] == c.candidate_id]
-        if any(c.xla_ms is None and c.trials for c in cands):
+        # a candidate's XLA time is recorded before its first trial is claimed: read once it has one (a failed
+        # timing stays None, and is not read again at every step)
+        missing = [c for c in cands if c.xla_ms is None and c.trials and c.candidate_id not in self._xla_read]
+        if missing:
             xla = {row["id"]: row["xla_ms"] for row in self.store.candidates(self.run_id)}
-            for c in cands:
-                if c.xla_ms is None:
-                    c.xla_ms = xla.get(c.candidate_id)
+            for c in missing:
+                c.xla_ms = xla.get(c.candidate_id)
+                self._xla_read.add(c.candidate_id)
 
     def mark_lost(self, cand: CandidateState, optuna_trial_id: int, error: str) -> bool:
         return self.store.mark_trial_lost(cand.candidate_id, optuna_trial_id, error)
