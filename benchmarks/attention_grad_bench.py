@@ -36,12 +36,9 @@ from benchmarks.workloads import attention_bhld, attention_bhld_causal, attentio
 
 
 def backward_tiles(s: str) -> dict:
-    """The backward kernels' config from its short form ``128x32w8s3`` (held x step, warps, stages), ``...a`` for one
-    kernel adding dQ atomically (`bwd_dq_atomic`)."""
-    atomic = s.endswith("a")
-    c = attention_config(s[:-1] if atomic else s)
-    return {"bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"],
-            **({"bwd_dq_atomic": 1} if atomic else {})}
+    """The backward kernels' config from its short form ``128x32w8s3`` (held x step, warps, stages)."""
+    c = attention_config(s)
+    return {"bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"]}
 
 
 def fwd_bwd(f):
@@ -59,7 +56,7 @@ def main() -> None:
     ap.add_argument("--configs", default="128x128w8s3", help="forward tiles, comma-separated BQxBKwWARPSsSTAGES")
     ap.add_argument("--bwd-configs", default="", help="backward tiles HELDxSTEPwWARPSsSTAGES, e.g. 128x32w8s3: each "
                     "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
-                    "time; a trailing 'a' (64x64w4s2a): one kernel, dQ added atomically (default: attention_bwd.default_config)")
+                    "time (default: attention_bwd.default_config)")
     ap.add_argument("--variants", default="bhld,bhld_causal")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="")

@@ -3,9 +3,9 @@ the forward's row logsumexp, the scores re-evaluated per tile from the group's o
 
 Two kernels. `dkdv`: one program per (block of keys, batch position), a loop over the query blocks that see any
 of its keys; `dq`: one program per (block of queries, batch position), a loop over the live key blocks (both
-skip blocks the build-time mask analysis finds dead, `block_ranges`). With `bwd_dq_atomic`, one kernel:
-`dkdv` also adds each tile's `ds k` into a float32 dQ in global memory (atomic adds, as FlashAttention-2 does),
-five products per tile instead of seven. Per [block_q, block_k] tile:
+skip blocks the build-time mask analysis finds dead, `block_ranges`). Seven products per tile, not
+FlashAttention-2's five: one kernel adding each tile's part of dQ into global memory with `plgpu.atomic_add` ran
+5-8x slower on an H100 (results/attention_grad_h100.md), so dQ has its own kernel. Per [block_q, block_k] tile:
 
     s  = q k^T                     y = score work(s)   (the group's equations: scale, masks, bias, soft-capping)
     p  = exp(y - lse)              dv += p^T dO
@@ -73,7 +73,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
     cfg = backward_config(spec, config)
     held, step_rows = int(cfg["bwd_held"]), int(cfg["bwd_step"])
     warps, stages = int(cfg["bwd_warps"]), int(cfg["bwd_stages"])
-    atomic = bool(cfg.get("bwd_dq_atomic", 0))  # not in the search space until measured (benchmarks/attention_grad_bench.py)
     Lq, Lk, D, Dv, B = spec.Lq, spec.Lk, spec.D, spec.Dv, spec.batch
     Dp, Dvp = next_pow2(D), next_pow2(Dv)
     S = spec.score_shape
@@ -140,11 +139,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
     def store(ref, bflat, s0, bs, L, Dpad, Dreal, x):
         plgpu.store(ref.at[bflat, pl.ds(s0, bs), pl.ds(0, Dpad)], x, mask=in_bounds(s0, bs, L, Dpad, Dreal))
 
-    def add(ref, bflat, s0, bs, Dpad, x):
-        """x added to rows s0.. of a buffer padded to whole blocks and the padded head dim: no mask (interpret mode
-        has none for atomics), and the padding's rows and columns only ever receive zeros (p and k are zero there)."""
-        plgpu.atomic_add(ref, (bflat, pl.ds(s0, bs), pl.ds(0, Dpad)), x)
-
     n_in = len(in_order)
 
     bq, bk = step_rows, held  # dK/dV: a block of keys held, the queries stepped through
@@ -155,7 +149,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
         ins = dict(zip(in_order, refs[:n_in]))
         do_ref, lse_ref, delta_ref = refs[n_in:n_in + 3]
         tbl = refs[n_in + 3] if k_ranges is not None else None
-        dk_ref, dv_ref = (refs[-3], refs[-2]) if atomic else (refs[-2], refs[-1])
+        dk_ref, dv_ref = refs[-2], refs[-1]
         body = AttentionEval(spec, bq, bk)
         kj, bflat = pl.program_id(0), pl.program_id(1)
         bidx = batch_index(bflat)
@@ -171,8 +165,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
             p, ds = tile(ins, body, bq, bk, bidx, q0, k0, q, kt, v_t, do, rows(lse_ref, bflat, q0, bq), rows(delta_ref, bflat, q0, bq))
             dv = dv + jnp.dot(p.astype(dt2).T, do, preferred_element_type=jnp.float32)
             dk = dk + jnp.dot(ds.astype(dt1).T, q, preferred_element_type=jnp.float32)
-            if atomic:  # this tile's part of dQ, added where every key block's part goes
-                add(refs[-1], bflat, q0, bq, Dp, jnp.dot(ds.astype(dt1), kt.T, preferred_element_type=jnp.float32))
             return dk, dv
 
         lo, hi = (0, nq_steps) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
@@ -210,11 +202,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
 
     f32 = jnp.float32
     dq_shape = jax.ShapeDtypeStruct((B, Lq, D), f32)
-    dq_padded = jax.ShapeDtypeStruct((B, nq_steps * bq, Dp), f32)  # `atomic`: whole blocks, the padded head dim
-    n_args = n_in + 3 + (k_ranges is not None)  # with `atomic`, then dQ's zeros, aliased to its output
-    dkdv = pallas_call(dkdv_kernel, out_shape=(jax.ShapeDtypeStruct((B, Lk, D), f32), jax.ShapeDtypeStruct((B, Lk, Dv), f32))
-                       + ((dq_padded,) if atomic else ()), grid=(nk, B), name=kernel_name("attention_bwd_dkdv", group),
-                       interpret=interpret, num_warps=warps, num_stages=stages, input_output_aliases={n_args: 2} if atomic else None)
+    dkdv = pallas_call(dkdv_kernel, out_shape=(jax.ShapeDtypeStruct((B, Lk, D), f32), jax.ShapeDtypeStruct((B, Lk, Dv), f32)),
+                       grid=(nk, B), name=kernel_name("attention_bwd_dkdv", group), interpret=interpret, num_warps=warps,
+                       num_stages=stages)
     dq_call = pallas_call(dq_kernel, out_shape=dq_shape, grid=(nq, B),
                           name=kernel_name("attention_bwd_dq", group), interpret=interpret, num_warps=warps, num_stages=stages)
     k_tbl = None if k_ranges is None else np.ascontiguousarray(k_ranges.reshape(-1))
@@ -231,9 +221,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
         do = do.astype(g.avals[spec.out].dtype)
         tail = [do, lse, delta]
         k_arg = [jnp.asarray(k_tbl)] if k_tbl is not None else []
-        if atomic:
-            dk, dv, dq = dkdv(*args, *tail, *k_arg, jnp.zeros(dq_padded.shape, f32))
-            return dq[:, :Lq, :D], dk, dv
         dk, dv = dkdv(*args, *tail, *k_arg)
         dq = dq_call(*args, *tail, *([jnp.asarray(q_tbl)] if q_tbl is not None else []))
         return dq, dk, dv

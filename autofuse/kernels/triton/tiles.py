@@ -68,10 +68,9 @@ def kernel_name(template: str, group: Group) -> str:
 
 
 def pallas_call(kernel: Callable, *, out_shape, grid: tuple[int, ...], name: str, interpret: bool, num_warps: int,
-                num_stages: int, input_output_aliases: dict[int, int] | None = None) -> Callable:
+                num_stages: int) -> Callable:
     """`pl.pallas_call` on the Triton backend (without compiler params JAX lowers through Mosaic GPU)."""
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=name,
-                          input_output_aliases=input_output_aliases or {},
                           compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
