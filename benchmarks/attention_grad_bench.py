@@ -5,8 +5,11 @@ generated backward kernels), same process, same inputs (three rotated sets).
 The program timed for each implementation is `(q, k, v, dO) -> (dq, dk, dv)`: the forward, then the pullback of
 `dO`, as a training step runs them. cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) takes
 [B, L, H, D], so it gets the same data transposed beforehand (untimed). autofuse runs
-`autofuse.jit(fn, plan=...)` with the attention group fused at each `--configs` forward config; `--bwd-configs`
-sweeps the backward kernels' tiles (default: `attention_bwd.default_config`).
+`autofuse.jit(fn, plan=...)` with the attention group fused at each `--configs` forward config (Triton ``128x128w8s3``
+or Mosaic GPU ``mgpu64x128s2``, whose forward then writes the logsumexp); `--bwd-configs` sweeps the Triton
+backward kernels' tiles (default: `attention_bwd.default_config`). For reference, JAX's hand-written Mosaic GPU
+attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, forward and its two backward kernels) runs where it
+can: float16 only and not causal in jax 0.11.2.
 
     python benchmarks/attention_grad_bench.py --out results/attention_grad_h100.md
     python benchmarks/attention_grad_bench.py --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
@@ -41,6 +44,19 @@ def backward_tiles(s: str) -> dict:
     return {"bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"]}
 
 
+def jax_attention_mgpu(causal: bool, compute_wgs_bwd: int):
+    """JAX's own Mosaic GPU attention ([B, L, H, D], scale 1/sqrt(D) applied to q) with its backward blocks."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal, compute_wgs_bwd=compute_wgs_bwd,
+                          block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+    def f(q, k, v):
+        return am.attention(q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype), k, v, cfg)
+
+    return f
+
+
 def fwd_bwd(f):
     """(q, k, v, dO) -> (dq, dk, dv): the forward and its pullback, jitted."""
     def step(q, k, v, do):
@@ -53,7 +69,8 @@ def fwd_bwd(f):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8,32,2048,128", help="B,H,L,D")
-    ap.add_argument("--configs", default="128x128w8s3", help="forward tiles, comma-separated BQxBKwWARPSsSTAGES")
+    ap.add_argument("--configs", default="128x128w8s3,mgpu64x128s2", help="forward tiles, comma-separated: Triton "
+                    "BQxBKwWARPSsSTAGES, Mosaic GPU mgpuBQxBKVsSTEPS")
     ap.add_argument("--bwd-configs", default="", help="backward tiles HELDxSTEPwWARPSsSTAGES, e.g. 128x32w8s3: each "
                     "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
                     "time (default: attention_bwd.default_config)")
@@ -82,6 +99,7 @@ def main() -> None:
             print(rows[-1], flush=True)
 
         row("jax.jit (XLA)", t_ref)
+        t_cudnn = None
         try:
             cud = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=causal, implementation="cudnn")
             blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
@@ -91,7 +109,17 @@ def main() -> None:
             t_cudnn = t.median_ms
         except Exception as e:  # noqa: BLE001 - report and go on
             print("cuDNN failed:", type(e).__name__, str(e)[:300])
-            t_cudnn = None
+        if not causal:
+            for wgs in (1, 2):
+                try:
+                    step = fwd_bwd(jax_attention_mgpu(causal, wgs))
+                    blhd16 = [[jnp.swapaxes(x, 1, 2).astype(jnp.float16) for x in s] for s in sets]
+                    t = time_fn(step, blhd16, repeats=a.repeats)
+                    row(f"JAX attention_mgpu fwd+bwd (hand-written Mosaic GPU, float16, {wgs} compute warpgroup(s) in the backward)",
+                        t, [jnp.swapaxes(x, 1, 2) for x in step(*blhd16[0])],
+                        "" if t_cudnn is None else f"{t.median_ms / t_cudnn:.2f}x cuDNN's time")
+                except Exception as e:  # noqa: BLE001
+                    print("attention_mgpu failed:", type(e).__name__, str(e)[:300], flush=True)
 
         g = autofuse.capture(fn, *specs)
         cand = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))

@@ -135,7 +135,14 @@ def specs(w: Workload, dtype) -> list[jax.ShapeDtypeStruct]:
 
 
 def attention_config(s: str) -> dict:
-    """A Triton attention tile config from its short form ``128x64w8s3`` (block_q x block_k, warps, stages)."""
+    """A Triton attention tile config from its short form ``128x64w8s3`` (block_q x block_k, warps, stages), or a
+    Mosaic GPU one from ``mgpu64x128s2`` (block_q rows per compute warpgroup x block_kv, max_concurrent_steps;
+    the config names its backend; schedule barrier on, Lane semantics)."""
+    if s.startswith("mgpu"):
+        bq, rest = s[4:].split("x")
+        bk, st = rest.split("s")
+        return {"backend": "mosaic_gpu", "block_q": int(bq), "block_kv": int(bk), "max_concurrent_steps": int(st),
+                "schedule_barrier": 1, "semantics": 0}
     bq, rest = s.split("x")
     bk, rest = rest.split("w")
     w, st = rest.split("s")

@@ -141,8 +141,8 @@ def test_attention_with_a_float_bias_keeps_the_recompute_rule():
 
 
 def test_flash_rule_serves_every_backend_and_refuses_second_order():
-    """A Mosaic GPU group differentiates with the Triton flash pair (its forward does not emit the logsumexp yet);
-    going through the flash kernels a second time is refused with autofuse's message."""
+    """A Mosaic GPU group its lowering cannot run (float32) differentiates with the Triton flash pair; going through
+    the flash kernels a second time is refused with autofuse's message."""
     specs = [S((1, 2, 32, 32), F32)] * 3
     plan, graph = _plan(attention_bhld_causal, specs, "attention", SMALL_ATTN)
     group = next(c.group for c in enumerate_candidates(graph) if c.template == "attention")
@@ -153,6 +153,37 @@ def test_flash_rule_serves_every_backend_and_refuses_second_order():
     second = jax.grad(lambda q: jnp.sum(jax.grad(_loss(lambda q: fused(q, *args[1:])))(q) ** 2))
     with pytest.raises(NotImplementedError, match="cannot be differentiated again"):
         second(args[0])
+
+
+def _export_text(graph, plan, fn_of_run, specs) -> str:
+    """The MLIR of `fn_of_run(run)` exported for CUDA (the real Triton and Mosaic GPU lowerings, no GPU)."""
+    from autofuse.plan import executor
+    from autofuse.runner.evaluator import export_for_cuda
+
+    return export_for_cuda(fn_of_run(executor(graph, plan, interpret=False)), specs).mlir_module()
+
+
+def test_grad_through_mosaic_gpu_attention_runs_its_own_forward():
+    """A Mosaic GPU attention group differentiates with its own forward (writing the row logsumexp beside O) and
+    the Triton backward kernels: the gradients match (interpret mode), and the CUDA lowering holds one Mosaic GPU
+    kernel and the two Triton backward kernels, no Triton forward."""
+    from autofuse.kernels.mosaic_gpu import attention as mgpu_attention
+
+    specs = [S((1, 2, 64, 64), BF16)] * 3
+    graph = autofuse.capture(attention_bhld_causal, *specs)
+    cand = next(c for c in enumerate_candidates(graph) if c.template == "attention")
+    cfg = {**mgpu_attention.default_config(cand.spec), "block_kv": 64, "backend": "mosaic_gpu"}
+    plan = plan_from_choices(graph, [(cand.group, "attention", cfg)])
+    _assert_grads_match(attention_bhld_causal, specs, plan, (0, 1, 2), tol=2e-2)
+
+    def step(run):
+        def f(*a):
+            _, pull = jax.vjp(lambda *x: run(x)[0], *a[:-1])
+            return pull(a[-1])
+        return f
+
+    text = _export_text(graph, plan, step, [*specs, specs[0]])
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" in text
 
 
 def test_grad_through_fused_attention_bf16():
@@ -316,6 +347,35 @@ def test_gradient_program_fuses_attention_with_its_backward(fn, specs, argnums, 
     for g, w in zip(got, jax.jit(gfn)(*args)):
         ok, _, why = compare(g, w, tol)
         assert ok, why
+
+
+def test_gradient_program_runs_the_mosaic_gpu_forward_in_two_stages():
+    """attention_vjp's Mosaic GPU backend: a loss not linear in the attention output puts forward and backward in
+    two stages; with the forward on Mosaic GPU (the logsumexp handed to the Triton backward kernels) the plan
+    matches jax.jit (interpret mode), and the CUDA lowering holds the Mosaic GPU forward and two Triton kernels."""
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(attention_bhld_causal(q, k, v).astype(F32)))
+
+    specs = [S((1, 2, 64, 64), BF16)] * 3
+    gfn = jax.grad(loss, (0, 1, 2))
+    graph = autofuse.capture(gfn, *specs)
+    (cand,) = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    assert len(cand.stages) == 2
+    tmpl = TEMPLATES["attention_vjp"]
+    cfg = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), "block_kv": 64, "bwd_held": 32, "bwd_step": 16}
+    assert tmpl.unsupported(cand.spec, "mosaic_gpu", cfg) is None
+    assert set(tmpl.space_of(cand.group, cand.spec, "mosaic_gpu")["params"]) == set(cfg)
+    plan = plan_from_choices(graph, [(cand.group, "attention_vjp", {**cfg, "backend": "mosaic_gpu"}, cand.stages)])
+    assert plan.groups[0].backend == "mosaic_gpu"
+    args = _inputs(specs)
+    fused = autofuse.jit(gfn, plan=plan, on_miss="error")
+    got = fused(*args)
+    assert fused.last_status.startswith("plan:")
+    for g, w in zip(got, jax.jit(gfn)(*args)):
+        ok, _, why = compare(g, w, 2e-2)
+        assert ok, why
+    text = _export_text(graph, plan, lambda run: lambda *a: run(a), specs)
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" in text
 
 
 def test_training_step_attention_is_recognised_but_not_convex():

@@ -164,6 +164,49 @@ def test_lowers_for_cuda(fn, shapes, dtype, config):
         assert [(o.shape, o.dtype) for o in exp.out_avals] == [(a.shape, a.dtype) for a in group.output_avals()]
 
 
+LSE_CASES = [
+    pytest.param(attention_bhld, [BHLD] * 3, BF16, K64, id="bhld-bf16-ragged"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F16, {"block_q": 128, "block_kv": 64}, id="causal-f16-bq128"),
+    pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, K64, id="padding-mask-bf16"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, K64, id="gqa-repeat-bf16"),
+    pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f16"),
+]
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,config", LSE_CASES)
+def test_logsumexp_matches_the_triton_forwards(fn, shapes, dtype, config):
+    """With `emit_lse` (the forward of a flash pair) the kernel also writes each query row's logsumexp, [batch, Lq]
+    float32, the residual the Triton backward reads: the same as the Triton forward's, on ragged rows, causal and
+    padding masks, GQA and a runtime temperature; the output is unchanged."""
+    from autofuse.kernels.triton import attention as triton_attention
+
+    g, group, spec = _group(fn, shapes, dtype)
+    xs = _inputs(group)
+    out, lse = jax.block_until_ready(mgpu_attention.lower(group, spec, config, interpret=True, emit_lse=True)(*xs))
+    (plain,) = mgpu_attention.lower(group, spec, config, interpret=True)(*xs)
+    small = {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    _, want = triton_attention.lower(group, spec, small, interpret=True, emit_lse=True)(*xs)
+    assert lse.shape == want.shape == (spec.batch, spec.Lq) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+
+
+def test_logsumexp_buffer_counts_in_shared_memory_and_lowers_for_cuda():
+    """The logsumexp's [2, block_q] float32 buffer is counted (a config at the limit without it is refused with
+    it), and the forward with it goes through the real Mosaic GPU lowering at the issue's shape."""
+    g, group, spec = _group(attention_bhld_causal, [(8, 32, 2048, 128)] * 3, BF16)
+    cfg = mgpu_attention.Config.of(mgpu_attention.default_config(spec))
+    assert mgpu_attention.smem_bytes(spec, cfg, emit_lse=True) == mgpu_attention.smem_bytes(spec, cfg) + 1024
+    kernel = mgpu_attention.lower(group, spec, mgpu_attention.default_config(spec), emit_lse=True)
+    exp = export_for_cuda(kernel, [S(a.shape, a.dtype) for a in group.input_avals()])
+    assert "mosaic_gpu" in exp.mlir_module()
+    assert [(o.shape, o.dtype) for o in exp.out_avals] == [((8, 32, 2048, 128), BF16), ((256, 2048), jnp.float32)]
+    edge = mgpu_attention.Config.of({"block_q": 64, "block_kv": 128, "max_concurrent_steps": 3})  # 104 bytes to spare
+    mgpu_attention.check_config(spec, edge)
+    with pytest.raises(Unsupported):
+        mgpu_attention.check_config(spec, edge, emit_lse=True)
+
+
 @pytest.mark.parametrize("fn", [attention_bhld, attention_bhld_causal])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_issue_target_shape_lowers(fn, dtype):

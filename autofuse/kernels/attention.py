@@ -675,13 +675,18 @@ class AttentionTemplate(Template[AttentionSpec]):
 
     def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False):
         """The flash pair (`triton.attention_bwd.flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
-        XLA). Differentiated, the forward runs on Triton: with the group's own config when that is its backend, else
-        Triton's default (the Mosaic GPU forward does not emit the logsumexp yet)."""
+        XLA). The forward runs on the group's own backend and config, emitting the row logsumexp (Triton's default
+        where the backend's lowering cannot run the group or its config with it); the backward on Triton."""
         spec = self.match(group)
         if spec is None or flash_backward_unsupported(spec) is not None:
             return None
-        fwd = {**self.defaults, **config} if backend == "triton" else self.default_config(spec)
-        return importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule(group, spec, fwd, None, interpret=interpret)
+        pair = importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule
+        if backend != "triton":
+            try:
+                return pair(group, spec, {**self.defaults, **config}, None, interpret=interpret, fwd_lower=self.lowering(backend))
+            except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory
+                return pair(group, spec, self.default_config(spec), None, interpret=interpret)
+        return pair(group, spec, {**self.defaults, **config}, None, interpret=interpret)
 
     def default_config(self, spec: AttentionSpec) -> dict:
         """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md);

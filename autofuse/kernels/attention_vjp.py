@@ -1,6 +1,6 @@
 """Template `attention_vjp`: an attention forward chain together with its own backward, as a gradient program
-(`jax.grad(loss)`) holds them, run as the flash pair (the forward kernel emitting the row logsumexp, the
-generated backward kernels of `triton/attention_bwd.py`).
+(`jax.grad(loss)`) holds them, run as the flash pair (the forward kernel emitting the row logsumexp, on Triton or
+Mosaic GPU, and the generated backward kernels of `triton/attention_bwd.py`).
 
 In the jaxpr of `jax.grad` of plain-jnp attention the forward chain (q·k, score work, max, exp, sum, divide, ·v)
 is followed by its transposes: dV = Pᵀ·dO and dP = dO·Vᵀ read the probabilities and V, the softmax backward reads
@@ -335,7 +335,7 @@ def _convex(graph: Graph, members: set[int]) -> bool:
 class AttentionVJPTemplate(Template[AttentionVJPSpec]):
     name = "attention_vjp"
     params = attention.AttentionTemplate.params
-    backends = ("triton",)
+    backends = ("triton", "mosaic_gpu")  # the forward's backend; the backward kernels are Triton's
 
     def match(self, group: Group) -> AttentionVJPSpec | None:
         """The forward chain, its cotangent input and the cotangents the group returns, or None."""

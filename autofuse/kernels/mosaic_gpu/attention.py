@@ -99,6 +99,7 @@ from .tiles import COLS, FULL, NONE, ROWS, RegisterTiles, Unsupported, check_nod
 
 BACKEND = "mosaic_gpu"
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 _MAX_GRID_Y = 65535
 
 #: Config parameters and their defaults (attention_mgpu's best forward config on an H100, D=128).
@@ -224,8 +225,9 @@ def check_group(spec: AttentionSpec) -> None:
         raise Unsupported(f"output dtype {g.avals[spec.out].dtype}")
 
 
-def check_config(spec: AttentionSpec, cfg: Config) -> None:
-    """Raise `Unsupported` for a config that breaks a wgmma, TMA, register-layout or shared-memory rule."""
+def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> None:
+    """Raise `Unsupported` for a config that breaks a wgmma, TMA, register-layout or shared-memory rule (`emit_lse`:
+    the forward of a flash pair, with the logsumexp's buffer)."""
     bq, bk = cfg.block_q, cfg.block_kv
     if bq not in (64, 128):
         raise Unsupported(f"block_q={bq}: a compute warpgroup's wgmma tile has 64 or 128 rows here (64 * n; more "
@@ -244,14 +246,14 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
             if (n * _vector_dtype(g.avals[v].dtype, n).itemsize) % 128:
                 raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype}: "
                                   "TMA copies here must move a multiple of 128 bytes")
-    require_smem(smem_bytes(spec, cfg))
+    require_smem(smem_bytes(spec, cfg, emit_lse=emit_lse))
 
 
 def _stages(spec: AttentionSpec, cfg: Config) -> int:
     return max(1, min(cfg.max_concurrent_steps, cdiv(spec.Lk, cfg.block_kv)))
 
 
-def smem_bytes(spec: AttentionSpec, cfg: Config) -> int:
+def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> int:
     """Shared memory the kernel allocates on the GPU, as Mosaic GPU counts it: each buffer (Q/O, the K/V ring, the
     score inputs' buffers) in whole KiB, 8 bytes per barrier, the reduction scratch (CompilerParams' 2 KiB).
     Matches the `smem_bytes` of Mosaic GPU's error message exactly on the configs tried."""
@@ -260,7 +262,7 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> int:
     s = _stages(spec, cfg)
     i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
     out_dt = np.dtype(g.avals[spec.out].dtype)
-    bufs = [2 * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2]
+    bufs = [2 * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2] + ([2 * bq * 4] if emit_lse else [])
     if not _o_in_q(spec):
         bufs.append(2 * bq * spec.Dv * out_dt.itemsize)
     for v in score_inputs(spec):
@@ -424,8 +426,11 @@ def _ranges_table(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
 
 # ---------------------------------------------------------------------------
 # The lowering.
-def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -> Callable:
-    """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order).
+def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, emit_lse: bool = False) -> Callable:
+    """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order);
+    with `emit_lse` also each query row's logsumexp of the exp branch's input (float32, [batch, Lq], the batch axes
+    flattened; +inf for a row with no live key), the residual the flash backward (`triton/attention_bwd.py`) reads,
+    as the Triton forward's `emit_lse` gives it.
 
     `config`: the parameters in `DEFAULTS` (missing ones take their defaults).
     `interpret`: True runs under Mosaic GPU interpret mode (CPU; simulates GMEM/SMEM, warpgroups, barriers, TMA);
@@ -436,7 +441,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
         raise Unsupported("the group is not an attention")
     check_group(spec)
     cfg = Config.of(config)
-    check_config(spec, cfg)
+    check_config(spec, cfg, emit_lse=emit_lse)
     g = group.graph
     interp = interpret_params(interpret)
     p_via_smem = interp is not None  # interpret mode: no wgmma with A in registers, no run_state over an ACC
@@ -488,7 +493,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
     def body(q_ref, k_ref, v_ref, *rest):
         in_refs = dict(zip(ins, rest[:len(ins)]))
         tbl_ref = rest[len(ins)] if table is not None else None
-        out_ref = rest[-1]
+        out_ref, lse_ref = (rest[-2], rest[-1]) if emit_lse else (rest[-1], None)
         scratch = dict(
             q_smem=plgpu.SMEM((2, bq, D), dt1, transforms=q_tf),
             o_smem=None if o_in_q else plgpu.SMEM((2, bq, Dv), out_dt, transforms=o_tf),
@@ -498,6 +503,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
             full_smem=[plgpu.SMEM((stages, 2, bq, bk), iviews[v].dtype, transforms=full_tf[v]) for v in full_in],
             cols_smem=[plgpu.SMEM((stages, bk), iviews[v].dtype) for v in cols_in],
             rows_smem=[plgpu.SMEM((2, bq), iviews[v].dtype) for v in rows_in],
+            lse_smem=plgpu.SMEM((2, bq), jnp.float32) if emit_lse else None,
             k_bar=plgpu.Barrier(num_arrivals=1 + 2 * len(full_in) + len(cols_in), num_barriers=stages),
             v_bar=plgpu.Barrier(num_barriers=stages),
             q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=2),
@@ -507,8 +513,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
         )
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(q_smem, o_smem, k_smem, v_smem, p_smem, full_smem, cols_smem, rows_smem, k_bar, v_bar, q_bar,
-                   k_free, v_free, sched_bar):
+        def _scope(q_smem, o_smem, k_smem, v_smem, p_smem, full_smem, cols_smem, rows_smem, lse_smem, k_bar, v_bar,
+                   q_bar, k_free, v_free, sched_bar):
             o_smem = q_smem if o_smem is None else o_smem
             full_smem, cols_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem))
             rows_smem = dict(zip(rows_in, rows_smem))
@@ -732,7 +738,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                 if use_sched:
                     pl.when(wg == 0)(sched)
 
-                acc, _, _, l_i = carry
+                acc, _, msub, l_i = carry
+                if emit_lse:  # P = exp(y - msub) / l = exp(y - lse); msub is in log2 units here
+                    live = l_i > 0
+                    lse_smem.at[wg][...] = jnp.where(live, msub * _LN2 + jnp.log(jnp.where(live, l_i, 1.0)), jnp.inf)
                 env = {spec.sum_node.outputs[0]: l_i}
                 for nd in spec.row_l:
                     tiles.eval_node(nd, env, q0, 0)
@@ -752,12 +761,17 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
                 def _store():
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[oidx])
 
+                if emit_lse:  # whole blocks: the array is padded to them, the rows past Lq sliced off by XLA
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[lax.axis_index("b"), pl.ds(q0, bq)])
                 plgpu.wait_smem_to_gmem(0)
 
     name = f"autofuse_attention_mgpu_{group.signature[:8]}"
     semantics = plgpu.LoweringSemantics.Warpgroup if cfg.semantics else plgpu.LoweringSemantics.Lane
+    out_type = jax.ShapeDtypeStruct(k_out_shape, out_dt)
+    if emit_lse:
+        out_type = (out_type, jax.ShapeDtypeStruct((spec.batch, n_cta * 2 * bq), jnp.float32))
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(k_out_shape, out_dt), grid=(spec.batch, n_cta), grid_names=("b", "q"),
+        body, out_type=out_type, grid=(spec.batch, n_cta), grid_names=("b", "q"),
         num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
         kernel_name=name)
     tbl = None if table is None else np.ascontiguousarray(table.reshape(-1))  # a jax array per call (see triton/attention)
@@ -769,11 +783,16 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False) -
         if tbl is not None:
             args.append(jnp.asarray(tbl))
         o = kernel(*args)
+        lse = None
+        if emit_lse:
+            o, lse = o
+            lse = lse[:, :Lq] if lse.shape[1] != Lq else lse
         if out_rows != out_shape[q_dim]:
             o = lax.slice_in_dim(o, 0, out_shape[q_dim], axis=q_dim)
         if o_perm is not None:
             o = jnp.transpose(o, np.argsort(o_perm))
-        return [jnp.reshape(o, g.avals[spec.out].shape)]
+        o = jnp.reshape(o, g.avals[spec.out].shape)
+        return [o, lse] if emit_lse else [o]
 
     return run
 

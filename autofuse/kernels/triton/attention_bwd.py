@@ -236,14 +236,16 @@ def to_canonical(spec: AttentionSpec, x: jax.Array) -> jax.Array:
     return jnp.reshape(jnp.transpose(x, order), (spec.batch, spec.Lq, spec.Dv))
 
 
-def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
-    """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the Triton forward emitting the row
-    logsumexp) and `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs
-    without one: the generated backward kernels, then the VJP of the operands' broadcasts and reshapes).
+def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool,
+               fwd_lower: Callable = fwd_lowering.lower):
+    """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the forward emitting the row
+    logsumexp: `fwd_lower`, a backend's `attention.lower` taking `emit_lse`, Triton's by default) and
+    `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs without one: the
+    generated backward kernels, then the VJP of the operands' broadcasts and reshapes).
     `bwd_config`: the backward's tiles (its `bwd_` keys, `backward_config`; None: the defaults)."""
     from ...differentiate import first_order_only
 
-    forward_kernel = first_order_only(fwd_lowering.lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
+    forward_kernel = first_order_only(fwd_lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
                                       "the attention forward that emits the logsumexp")
     bwd_kernels = first_order_only(lower(group, spec, bwd_config, interpret=interpret), "the attention backward kernels")
     roles = _dot_roles(spec)
@@ -267,12 +269,13 @@ def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: 
     return forward, backward
 
 
-def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool):
+def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool,
+                   fwd_lower: Callable = fwd_lowering.lower):
     """The attention group's reverse-mode rule: the flash pair (residuals: the group's inputs, its output and the
-    row logsumexp, no [Lq, Lk] array)."""
+    row logsumexp, no [Lq, Lk] array), the forward lowered by `fwd_lower` (see `flash_pair`)."""
     from ...differentiate import VJPRule
 
-    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret)
+    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret, fwd_lower=fwd_lower)
     n_in = len(group.inputs)
 
     def fwd(kernel, ins):

@@ -1,20 +1,23 @@
-"""Triton lowering of `attention_vjp`: the flash pair of the forward chain (`attention.flash_pair`), its outputs
+"""Triton lowering of `attention_vjp`: the flash pair of the forward chain (`attention_bwd.flash_pair`), its outputs
 laid out as the group's: the forward output and the cotangents of the chain's inputs. `lower` runs both as one
 unit (a convex group); `lower_stages` as two (a training step: see `plan.py`, two-stage groups), the forward's
-inputs, output and row logsumexp handed from the first to the second privately."""
+inputs, output and row logsumexp handed from the first to the second privately. `fwd_lower` picks the forward's
+lowering (another backend's `attention.lower` with `emit_lse`: `mosaic_gpu/attention_vjp.py`); the backward
+kernels are Triton's."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ...graph import Group, stage_groups
 from ..attention_vjp import AttentionVJPSpec
+from . import attention as fwd_lowering
 from .attention_bwd import flash_pair
 
 
-def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret: bool) -> Callable:
+def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret, fwd_lower: Callable = fwd_lowering.lower) -> Callable:
     g = group.graph
     fwd = spec.forward
-    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret)
+    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret, fwd_lower=fwd_lower)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
@@ -30,7 +33,8 @@ def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret: bool
     return run
 
 
-def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, interpret: bool) -> list[Callable]:
+def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, interpret,
+                 fwd_lower: Callable = fwd_lowering.lower) -> list[Callable]:
     """Stage 1 (the forward chain): `(ins, None) -> ([O], (forward inputs, O, lse))`; stage 2 (the backward):
     `(ins, private) -> (cotangents, None)`, reading dO from the program and the rest from stage 1."""
     g = group.graph
@@ -40,7 +44,7 @@ def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, 
         raise ValueError(f"attention_vjp stage 1 of group {list(group.node_ids)} would have to return more than the output")
     if spec.dout not in second.inputs or any(v not in spec.grads for v in second.outputs):
         raise ValueError(f"attention_vjp stage 2 of group {list(group.node_ids)} does not read dO or returns more than cotangents")
-    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret)
+    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret, fwd_lower=fwd_lower)
 
     def stage1(xs, _):
         env = dict(zip(first.inputs, xs))
