@@ -13,6 +13,9 @@ device memory (XLA's memory analysis of the compiled step: temporaries, argument
 
     python -m benchmarks.train_step --models gpt2,llama --modes loss,grad_step --trials 8 --out results/train_step_h100.md
     python -m benchmarks.train_step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
+
+`--profile N` adds, per model, the N longest GPU kernels of each step (`benchmarks/kernel_profile.py`): where the
+time the plan leaves to XLA goes.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import numpy as np
 import autofuse
 from autofuse.runner.measure import time_pair
 from autofuse.runner.program_check import NOISE_SPREAD, example_tolerances, rounding_spread
+from benchmarks import kernel_profile
 from benchmarks.provenance import commit
 
 TOL = {np.dtype(jnp.bfloat16): 5e-2, np.dtype(jnp.float16): 1e-2, np.dtype(jnp.float32): 1e-3}
@@ -70,7 +74,7 @@ def _memory_mib(step: Any, args: tuple) -> dict[str, float]:
     return {"temp": m.temp_size_in_bytes / mib, "args": m.argument_size_in_bytes / mib, "out": m.output_size_in_bytes / mib}
 
 
-def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = "loss") -> dict:
+def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = "loss", profile: int = 0) -> dict:
     """One model's gradient step, jax.jit against autofuse: with `mode` "loss", the plan tuned on the forward loss
     and differentiated (each fused group's custom VJP); with "grad_step", the plan tuned on the gradient program
     itself (attention's forward and backward chains as the flash pair). Tuned here, compared in a child process."""
@@ -84,10 +88,10 @@ def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = 
     del args
     row = {"model": name, "mode": mode, "plan": ", ".join(sorted({f"{g.template}/{g.backend}" for g in rep.plan.groups})) or "XLA",
            "groups": len(rep.plan.groups), "fwd_speedup": rep.speedup, "tune_s": tune_s}
-    return {**row, **measure_in_child(name, mode, rep.plan.to_json(), small)}
+    return {**row, **measure_in_child(name, mode, rep.plan.to_json(), small, profile)}
 
 
-def measure_in_child(name: str, mode: str, plan_json: str, small: bool) -> dict:
+def measure_in_child(name: str, mode: str, plan_json: str, small: bool, profile: int = 0) -> dict:
     """`compare_steps` in a fresh process with `MEASURE_ENV`'s pool; its row fields (an "error" if it failed)."""
     import json
     import subprocess
@@ -97,7 +101,8 @@ def measure_in_child(name: str, mode: str, plan_json: str, small: bool) -> dict:
         plan_path, out_path = os.path.join(d, "plan.json"), os.path.join(d, "row.json")
         with open(plan_path, "w") as f:
             f.write(plan_json)
-        cmd = [sys.executable, "-m", "benchmarks.train_step", "--compare", name, mode, plan_path, out_path] + (["--small"] if small else [])
+        cmd = [sys.executable, "-m", "benchmarks.train_step", "--compare", name, mode, plan_path, out_path,
+               "--profile", str(profile)] + (["--small"] if small else [])
         proc = subprocess.run(cmd, env={**os.environ, **MEASURE_ENV}, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if proc.returncode or not os.path.exists(out_path):
             return {"error": f"the comparing process exited with {proc.returncode}"}
@@ -105,9 +110,9 @@ def measure_in_child(name: str, mode: str, plan_json: str, small: bool) -> dict:
             return json.load(f)
 
 
-def compare_steps(name: str, mode: str, plan: Any, small: bool) -> dict:
+def compare_steps(name: str, mode: str, plan: Any, small: bool, profile: int = 0) -> dict:
     """jax.jit's step and the plan's: every gradient leaf checked against XLA's, XLA's memory analysis of each,
-    then both timed in alternation on rotated inputs."""
+    then both timed in alternation on rotated inputs (and, with `profile`, each one's kernels traced)."""
     mod = importlib.import_module(f"examples.{name}")
     args = mod.small_inputs() if small else mod.example_inputs()
     if mode == "loss":
@@ -131,6 +136,8 @@ def compare_steps(name: str, mode: str, plan: Any, small: bool) -> dict:
         sets = [args] + [_scaled(args, 1 + 0.01 * k) for k in (1, 2)]  # other values, so that caches do not flatter
         base, plan_t, ratio = time_pair(ref, fused, sets, repeats=10)
         row.update(xla_ms=base.median_ms, af_ms=plan_t.median_ms, speedup=1.0 / ratio.median_ms, noise=(ratio.q3_ms - ratio.q1_ms))
+    if profile:
+        row["profile"] = {k: kernel_profile.as_json(kernel_profile.kernel_times(f, args)) for k, f in (("jax.jit", ref), ("autofuse", fused))}
     return row
 
 
@@ -146,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--budget", type=float, default=0.0, help="tuning seconds per model (0: the trials alone bound it)")
     ap.add_argument("--small", action="store_true", help="the examples' small inputs (a CPU smoke run)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="list the N longest GPU kernels of each step")
     ap.add_argument("--out", default="")
     ap.add_argument("--compare", nargs=4, metavar=("MODEL", "MODE", "PLAN_JSON", "ROW_JSON"), help=argparse.SUPPRESS)  # the child
     a = ap.parse_args(argv)
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         name, mode, plan_path, out_path = a.compare
         with open(plan_path) as f:
             plan = Plan.from_json(f.read())
-        row = compare_steps(name, mode, plan, a.small)
+        row = compare_steps(name, mode, plan, a.small, a.profile)
         with open(out_path, "w") as f:
             json.dump(row, f)
         return 0
@@ -165,18 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.models.split(","):
         for mode in a.modes.split(","):
             try:
-                rows.append(run_model(name, a.trials, a.budget, a.small, mode))
+                rows.append(run_model(name, a.trials, a.budget, a.small, mode, a.profile))
             except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
                 rows.append({"model": name, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(rows[-1], flush=True)
             if a.out:
-                write_table(rows, a.out, argv)  # after every row: a run cut short keeps what it did
-    text = write_table(rows, a.out, argv)
+                write_table(rows, a.out, argv, a.profile)  # after every row: a run cut short keeps what it did
+    text = write_table(rows, a.out, argv, a.profile)
     print(text)
     return 0 if all("error" not in r and r.get("ok") for r in rows) else 1
 
 
-def write_table(rows: list[dict], out: str, argv: list[str] | None) -> str:
+def write_table(rows: list[dict], out: str, argv: list[str] | None, profile: int = 0) -> str:
     """The Markdown table of `rows` (written to `out` when given): per model and mode, the plan, both steps' times
     and their device memory (XLA's memory analysis of the compiled step: temporaries; arguments and outputs)."""
     commit_ = commit()
@@ -204,6 +212,10 @@ def write_table(rows: list[dict], out: str, argv: list[str] | None) -> str:
                + "".join(f"; a noise leaf {e:.2g} (jax.jit's own move {m:.2g})" for e, m in r.get("noise_leaves", [])))
         lines.append(f"| {r['model']} | {r['mode']} | {r['groups']} groups: {r['plan']} | {fwd} | {t} | {err} | "
                      f"{r['mem_xla']['temp']:.0f} / {r['mem_af']['temp']:.0f} | {io:.0f} | {r['tune_s']:.0f} |")
+    for r in rows:
+        for prog, items in r.get("profile", {}).items():
+            lines += [""] + kernel_profile.kernel_table(kernel_profile.from_json(items), top=profile,
+                                                         title=f"{r['model']} {r['mode']}, {prog}: its longest GPU kernels")
     text = "\n".join(lines) + "\n"
     if out:
         with open(out, "w") as f:

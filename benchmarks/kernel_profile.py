@@ -1,0 +1,74 @@
+"""Where a compiled program's GPU time goes: the kernels of a few traced calls (`jax.profiler`, CUPTI), their
+device time summed by kernel name, per call. Used by the benchmarks to say what is left of a step once a plan
+runs (a kernel's share of the step, before guessing where the next gain is).
+
+    rows = kernel_times(jax.jit(step), args)
+    print("\n".join(kernel_table(rows, top=20)))
+"""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    name: str
+    ms_per_call: float  # device time of every launch of this kernel in one call of the program
+    launches_per_call: float
+
+
+def kernel_times(fn: Callable, args: tuple, *, calls: int = 3) -> list[KernelTime]:
+    """The kernels `fn(*args)` launches on the GPU, longest first (empty where no device plane is traced: the CPU)."""
+    jax.block_until_ready(fn(*args))  # compiled and warm before the trace
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return []
+        data = jax.profiler.ProfileData.from_file(paths[0])
+        total: dict[str, list[float]] = {}
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
+                    continue
+                for ev in line.events:
+                    t = total.setdefault(ev.name, [0.0, 0])
+                    t[0] += ev.duration_ns
+                    t[1] += 1
+    rows = [KernelTime(k, ns / calls / 1e6, n / calls) for k, (ns, n) in total.items()]
+    return sorted(rows, key=lambda r: -r.ms_per_call)
+
+
+def kernel_table(rows: list[KernelTime], *, top: int = 20, title: str = "") -> list[str]:
+    """A Markdown table of the `top` kernels (share of all the kernels' time), then the rest in one line."""
+    whole = sum(r.ms_per_call for r in rows) or 1.0
+    out = ([f"{title}", ""] if title else []) + ["| kernel | ms per call | share | launches per call |", "|---|---|---|---|"]
+    for r in rows[:top]:
+        out.append(f"| `{_short(r.name)}` | {r.ms_per_call:.3f} | {r.ms_per_call / whole:.1%} | {r.launches_per_call:g} |")
+    rest = rows[top:]
+    if rest:
+        out.append(f"| {len(rest)} others | {sum(r.ms_per_call for r in rest):.3f} | {sum(r.ms_per_call for r in rest) / whole:.1%} | |")
+    out.append(f"| all kernels | {whole:.3f} | 100% | {sum(r.launches_per_call for r in rows):g} |")
+    return out
+
+
+def _short(name: str, width: int = 90) -> str:
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def as_json(rows: list[KernelTime]) -> list[dict[str, Any]]:
+    return [r.__dict__ for r in rows]
+
+
+def from_json(items: list[dict[str, Any]]) -> list[KernelTime]:
+    return [KernelTime(**d) for d in items]
