@@ -7,7 +7,8 @@ The program timed for each implementation is `(q, k, v, dO) -> (dq, dk, dv)`: th
 [B, L, H, D], so it gets the same data transposed beforehand (untimed). autofuse runs
 `autofuse.jit(fn, plan=...)` with the attention group fused at each `--configs` forward config (Triton ``128x128w8s3``
 or Mosaic GPU ``mgpu64x128s2``, whose forward then writes the logsumexp); `--bwd-configs` sweeps the Triton
-backward kernels' tiles (default: `attention_bwd.default_config`). For reference, JAX's hand-written Mosaic GPU
+backward kernels' tiles, Triton's or (after a Mosaic GPU forward) Mosaic GPU's ``mgpu64x64s2`` (default: the
+flash pair's own choice, `AttentionTemplate.vjp_rule`). For reference, JAX's hand-written Mosaic GPU
 attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, forward and its two backward kernels) runs where it
 can: float16 only and not causal in jax 0.11.2.
 
@@ -30,7 +31,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
-from autofuse.kernels.triton import attention_bwd  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
 from autofuse.runner.measure import compare, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
@@ -39,9 +39,12 @@ from benchmarks.workloads import attention_bhld, attention_bhld_causal, attentio
 
 
 def backward_tiles(s: str) -> dict:
-    """The backward kernels' config from its short form ``128x32w8s3`` (held x step, warps, stages)."""
+    """The backward kernels' config from its short form: Triton ``128x32w8s3`` (held x step, warps, stages), Mosaic GPU
+    ``mgpu64x128s2`` (held x step, steps in flight; a Mosaic GPU forward's backward only)."""
     c = attention_config(s)
-    return {"bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"]}
+    if c.get("backend") == "mosaic_gpu":
+        return {"bwd_mosaic": 1, "bwd_held": c["block_q"], "bwd_step": c["block_kv"], "bwd_stages": c["max_concurrent_steps"]}
+    return {"bwd_mosaic": 0, "bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"]}
 
 
 def jax_attention_mgpu(causal: bool, compute_wgs_bwd: int):
@@ -73,7 +76,7 @@ def main() -> None:
                     "BQxBKwWARPSsSTAGES, Mosaic GPU mgpuBQxBKVsSTEPS")
     ap.add_argument("--bwd-configs", default="", help="backward tiles HELDxSTEPwWARPSsSTAGES, e.g. 128x32w8s3: each "
                     "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
-                    "time (default: attention_bwd.default_config)")
+                    "time; Mosaic GPU's mgpuHELDxSTEPsSTAGES after a Mosaic GPU forward (default: the flash pair's own)")
     ap.add_argument("--variants", default="bhld,bhld_causal")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="")
@@ -123,14 +126,12 @@ def main() -> None:
 
         g = autofuse.capture(fn, *specs)
         cand = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
-        default_bwd = attention_bwd.default_config
         for cs in filter(None, a.configs.split(",")):
             for bs in (a.bwd_configs.split(",") if a.bwd_configs else [""]):
-                label = f"autofuse flash pair fwd {cs} bwd {bs or 'default ' + str(default_bwd(cand.spec))}"
-                try:
-                    if bs:  # the template asks attention_bwd.default_config for the backward tiles
-                        attention_bwd.default_config = lambda spec, c=backward_tiles(bs): c
-                    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", attention_config(cs))]), on_miss="error")
+                label = f"autofuse flash pair fwd {cs} bwd {bs or 'default'}"
+                try:  # the flash pair reads the backward's tiles from the group's config (`bwd_` keys)
+                    cfg = {**attention_config(cs), **(backward_tiles(bs) if bs else {})}
+                    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]), on_miss="error")
                     step = fwd_bwd(fused)
                     got = step(*sets[0])
                     assert fused.last_status.startswith("plan:"), fused.last_status
@@ -138,8 +139,6 @@ def main() -> None:
                     row(label, t, got, "" if t_cudnn is None else f"{t.median_ms / t_cudnn:.2f}x cuDNN's time")
                 except Exception as e:  # noqa: BLE001
                     print(label, "failed:", type(e).__name__, str(e)[:300], flush=True)
-                finally:
-                    attention_bwd.default_config = default_bwd
     lines = [
         f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit()}; "
         f"B,H,L,D = {a.shape}, bfloat16; fwd+bwd (vjp and pullback); command: python {' '.join(sys.argv)}",

@@ -155,18 +155,23 @@ def test_flash_rule_serves_every_backend_and_refuses_second_order():
         second(args[0])
 
 
-def _export_text(graph, plan, fn_of_run, specs) -> str:
-    """The MLIR of `fn_of_run(run)` exported for CUDA (the real Triton and Mosaic GPU lowerings, no GPU)."""
+def _custom_calls(graph, plan, fn_of_run, specs) -> dict[str, int]:
+    """The kernels of `fn_of_run(run)` exported for CUDA (the real Triton and Mosaic GPU lowerings, no GPU): custom
+    call targets and how many of each."""
+    import collections
+    import re
+
     from autofuse.plan import executor
     from autofuse.runner.evaluator import export_for_cuda
 
-    return export_for_cuda(fn_of_run(executor(graph, plan, interpret=False)), specs).mlir_module()
+    text = export_for_cuda(fn_of_run(executor(graph, plan, interpret=False)), specs).mlir_module()
+    return dict(collections.Counter(re.findall(r"custom_call @([\w$.]+)", text)))
 
 
-def test_grad_through_mosaic_gpu_attention_runs_its_own_forward():
+def test_grad_through_mosaic_gpu_attention_runs_its_own_forward_and_backward():
     """A Mosaic GPU attention group differentiates with its own forward (writing the row logsumexp beside O) and
-    the Triton backward kernels: the gradients match (interpret mode), and the CUDA lowering holds one Mosaic GPU
-    kernel and the two Triton backward kernels, no Triton forward."""
+    the Mosaic GPU backward kernels: the gradients match (interpret mode), and the CUDA lowering holds three Mosaic
+    GPU kernels and no Triton one."""
     from autofuse.kernels.mosaic_gpu import attention as mgpu_attention
 
     specs = [S((1, 2, 64, 64), BF16)] * 3
@@ -182,8 +187,7 @@ def test_grad_through_mosaic_gpu_attention_runs_its_own_forward():
             return pull(a[-1])
         return f
 
-    text = _export_text(graph, plan, step, [*specs, specs[0]])
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" in text
+    assert _custom_calls(graph, plan, step, [*specs, specs[0]]) == {"mosaic_gpu_v2": 3}
 
 
 def test_grad_through_fused_attention_bf16():
@@ -351,8 +355,8 @@ def test_gradient_program_fuses_attention_with_its_backward(fn, specs, argnums, 
 
 def test_gradient_program_runs_the_mosaic_gpu_forward_in_two_stages():
     """attention_vjp's Mosaic GPU backend: a loss not linear in the attention output puts forward and backward in
-    two stages; with the forward on Mosaic GPU (the logsumexp handed to the Triton backward kernels) the plan
-    matches jax.jit (interpret mode), and the CUDA lowering holds the Mosaic GPU forward and two Triton kernels."""
+    two stages; with the forward on Mosaic GPU (the logsumexp handed to the backward kernels, Triton's or Mosaic
+    GPU's: `bwd_mosaic`) the plan matches jax.jit (interpret mode), and the CUDA lowering holds those kernels."""
     def loss(q, k, v):
         return jnp.sum(jnp.sin(attention_bhld_causal(q, k, v).astype(F32)))
 
@@ -365,17 +369,20 @@ def test_gradient_program_runs_the_mosaic_gpu_forward_in_two_stages():
     cfg = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), "block_kv": 64, "bwd_held": 32, "bwd_step": 16}
     assert tmpl.unsupported(cand.spec, "mosaic_gpu", cfg) is None
     assert set(tmpl.space_of(cand.group, cand.spec, "mosaic_gpu")["params"]) == set(cfg)
-    plan = plan_from_choices(graph, [(cand.group, "attention_vjp", {**cfg, "backend": "mosaic_gpu"}, cand.stages)])
-    assert plan.groups[0].backend == "mosaic_gpu"
     args = _inputs(specs)
-    fused = autofuse.jit(gfn, plan=plan, on_miss="error")
-    got = fused(*args)
-    assert fused.last_status.startswith("plan:")
-    for g, w in zip(got, jax.jit(gfn)(*args)):
-        ok, _, why = compare(g, w, 2e-2)
-        assert ok, why
-    text = _export_text(graph, plan, lambda run: lambda *a: run(a), specs)
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" in text
+    want = jax.jit(gfn)(*args)
+    for bwd, kernels in ((0, {"mosaic_gpu_v2": 1, "__gpu$xla.gpu.triton": 2}), (1, {"mosaic_gpu_v2": 3})):
+        mcfg = {**cfg, "bwd_mosaic": bwd, **({"bwd_held": 64, "bwd_step": 64} if bwd else {})}
+        assert tmpl.unsupported(cand.spec, "mosaic_gpu", mcfg) is None
+        plan = plan_from_choices(graph, [(cand.group, "attention_vjp", {**mcfg, "backend": "mosaic_gpu"}, cand.stages)])
+        assert plan.groups[0].backend == "mosaic_gpu"
+        fused = autofuse.jit(gfn, plan=plan, on_miss="error")
+        got = fused(*args)
+        assert fused.last_status.startswith("plan:")
+        for g, w in zip(got, want):
+            ok, _, why = compare(g, w, 2e-2)
+            assert ok, (bwd, why)
+        assert _custom_calls(graph, plan, lambda run: lambda *a: run(a), specs) == kernels
 
 
 def test_training_step_attention_is_recognised_but_not_convex():

@@ -676,17 +676,27 @@ class AttentionTemplate(Template[AttentionSpec]):
     def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False):
         """The flash pair (`triton.attention_bwd.flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
         XLA). The forward runs on the group's own backend and config, emitting the row logsumexp (Triton's default
-        where the backend's lowering cannot run the group or its config with it); the backward on Triton."""
+        where the backend's lowering cannot run the group or its config with it); the backward on Mosaic GPU for a
+        Mosaic GPU group where that lowering runs it (`mosaic_gpu/attention_vjp.lowerings`), else on Triton. The
+        config's `bwd_` keys, if any, tile the backward (their defaults otherwise)."""
         spec = self.match(group)
         if spec is None or flash_backward_unsupported(spec) is not None:
             return None
         pair = importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule
-        if backend != "triton":
+        cfg = {**self.defaults, **config}
+        if backend == "mosaic_gpu":
+            mgpu = importlib.import_module(f"{__package__}.mosaic_gpu.attention_vjp")
             try:
-                return pair(group, spec, {**self.defaults, **config}, None, interpret=interpret, fwd_lower=self.lowering(backend))
+                mgpu.backward.check_group(spec)
+                mgpu.backward.check_config(spec, mgpu.backward.Config.of(cfg))
+                cfg = {"bwd_mosaic": 1, **cfg}
+            except NotImplementedError:
+                cfg = {**cfg, "bwd_mosaic": 0}
+            try:
+                return pair(group, spec, cfg, cfg, interpret=bool(interpret), **mgpu.lowerings(cfg, interpret))
             except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory
-                return pair(group, spec, self.default_config(spec), None, interpret=interpret)
-        return pair(group, spec, {**self.defaults, **config}, None, interpret=interpret)
+                return pair(group, spec, self.default_config(spec), None, interpret=bool(interpret))
+        return pair(group, spec, cfg, cfg, interpret=interpret)
 
     def default_config(self, spec: AttentionSpec) -> dict:
         """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md);

@@ -368,11 +368,14 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
     def model_time_ms(self, spec: AttentionVJPSpec, config: dict, model: GPUModel = H200) -> float:
         """The forward's model, plus 2.5 times the same model at the backward's tiles (a program of `bwd_held`
         rows stepping `bwd_step` at a time): the backward's five products to the forward's two (its two kernels
-        re-evaluate the scores, seven in all, at a lower efficiency than the forward's)."""
+        re-evaluate the scores, seven in all, at a lower efficiency than the forward's). A Mosaic GPU backward
+        (`bwd_mosaic`) is modelled as the Mosaic GPU forward at its tiles."""
         from .triton.attention_bwd import backward_config
 
         b = backward_config(spec.attn, config)
         as_forward = {"block_q": b["bwd_held"], "block_k": b["bwd_step"], "num_warps": b["bwd_warps"], "num_stages": b["bwd_stages"]}
+        if int(config.get("bwd_mosaic", 0)):
+            as_forward = {"backend": "mosaic_gpu", "block_q": b["bwd_held"], "block_kv": b["bwd_step"], "max_concurrent_steps": b["bwd_stages"]}
         fwd = {k: v for k, v in config.items() if not k.startswith("bwd_")}
         return attention.TEMPLATE.model_time_ms(spec.attn, fwd, model) + 2.5 * attention.TEMPLATE.model_time_ms(spec.attn, as_forward, model)
 

@@ -1,8 +1,9 @@
 """Mosaic GPU lowering of `attention_vjp`: the flash pair with its forward on Mosaic GPU (`mosaic_gpu/attention.py`
-emitting the row logsumexp: TMA, wgmma, warp specialisation; 1.00 vs 1.28 ms for Triton's forward at
-B8 H32 L2048 D128 on an H100) and its backward kernels on Triton (`triton/attention_bwd.py`: no Mosaic GPU backward
-is built). The group's layout and stages are `triton/attention_vjp.py`'s. The config: the Mosaic GPU forward's
-parameters and the backward's `bwd_` keys (`search_spaces/attention_vjp.mosaic_gpu.toml`)."""
+emitting the row logsumexp: 1.00 vs 1.28 ms for Triton's forward at B8 H32 L2048 D128 on an H100) and its backward
+on Mosaic GPU (`mosaic_gpu/attention_bwd.py`, `bwd_mosaic=1`) or Triton (`triton/attention_bwd.py`, `bwd_mosaic=0`:
+score work the Mosaic GPU backward declines, e.g. a bias). The group's layout and stages are
+`triton/attention_vjp.py`'s. The config: the Mosaic GPU forward's parameters and the backward's `bwd_` keys
+(`search_spaces/attention_vjp.mosaic_gpu.toml`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,24 +11,27 @@ from collections.abc import Callable
 
 from ...graph import Group
 from ..attention_vjp import AttentionVJPSpec
-from ..triton import attention_bwd
+from ..triton import attention_bwd as triton_backward
 from ..triton import attention_vjp as pair
 from . import attention as forward
+from . import attention_bwd as backward
 
-PARAMS = forward.PARAMS + ("bwd_held", "bwd_step", "bwd_warps", "bwd_stages")
+PARAMS = forward.PARAMS + ("bwd_mosaic", "bwd_held", "bwd_step", "bwd_warps", "bwd_stages")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    forward: forward.Config  # the backward's `bwd_` keys are checked by the space's constraints
+    forward: forward.Config
+    backward: backward.Config | None  # None: the Triton backward (its tiles are checked by the space's constraints)
 
     @staticmethod
     def of(config: dict) -> "Config":
-        return Config(forward.Config.of(config))
+        return Config(forward.Config.of(config), backward.Config.of(config) if int(config.get("bwd_mosaic", 0)) else None)
 
 
 def default_config(spec: AttentionVJPSpec) -> dict:
-    return {**forward.default_config(spec.attn), **attention_bwd.default_config(spec.attn)}
+    """The Mosaic GPU forward's default with the Triton backward's (the Mosaic GPU backward is the search's to try)."""
+    return {**forward.default_config(spec.attn), "bwd_mosaic": 0, **triton_backward.default_config(spec.attn)}
 
 
 def check_group(spec: AttentionVJPSpec) -> None:
@@ -36,21 +40,27 @@ def check_group(spec: AttentionVJPSpec) -> None:
 
 def check_config(spec: AttentionVJPSpec, cfg: Config) -> None:
     forward.check_config(spec.attn, cfg.forward, emit_lse=True)
+    if cfg.backward is not None:
+        backward.check_group(spec.attn)
+        backward.check_config(spec.attn, cfg.backward)
 
 
 def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret=False) -> Callable:
-    """`interpret`: as `mosaic_gpu.attention.lower` takes it (True, or `plgpu.InterpretGPUParams`)."""
-    return pair.lower(group, spec, config, interpret=bool(interpret), fwd_lower=_forward(interpret))
+    """`interpret`: as the Mosaic GPU lowerings take it (True, or `plgpu.InterpretGPUParams`)."""
+    return pair.lower(group, spec, config, interpret=bool(interpret), **lowerings(config, interpret))
 
 
 def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, interpret=False) -> list[Callable]:
-    return pair.lower_stages(group, spec, stages, config, interpret=bool(interpret), fwd_lower=_forward(interpret))
+    return pair.lower_stages(group, spec, stages, config, interpret=bool(interpret), **lowerings(config, interpret))
 
 
-def _forward(params) -> Callable:
-    """The Mosaic GPU forward's lowering run with `params` (True or `plgpu.InterpretGPUParams` for interpret mode):
-    `flash_pair` hands each lowering the Triton backward's plain bool."""
-    def lower(group: Group, spec, config: dict, *, interpret: bool, emit_lse: bool) -> Callable:  # noqa: ARG001
-        return forward.lower(group, spec, config, interpret=params, emit_lse=emit_lse)
+def lowerings(config: dict, params) -> dict[str, Callable | None]:
+    """`flash_pair`'s `fwd_lower` and `bwd_lower` for `config`, run with `params` (True or `plgpu.InterpretGPUParams`
+    in interpret mode): `flash_pair` hands each lowering the Triton backward's plain bool."""
+    def fwd(group: Group, spec, cfg: dict, *, interpret: bool, emit_lse: bool) -> Callable:  # noqa: ARG001
+        return forward.lower(group, spec, cfg, interpret=params, emit_lse=emit_lse)
 
-    return lower
+    def bwd(group: Group, spec, cfg: dict | None, *, interpret: bool) -> Callable:  # noqa: ARG001
+        return backward.lower(group, spec, cfg, interpret=params)
+
+    return {"fwd_lower": fwd, "bwd_lower": bwd if int(config.get("bwd_mosaic", 0)) else None}

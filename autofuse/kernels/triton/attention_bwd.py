@@ -237,17 +237,18 @@ def to_canonical(spec: AttentionSpec, x: jax.Array) -> jax.Array:
 
 
 def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool,
-               fwd_lower: Callable = fwd_lowering.lower):
+               fwd_lower: Callable = fwd_lowering.lower, bwd_lower: Callable | None = None):
     """The flash pair for an attention group: `forward(ins) -> (out, lse)` (the forward emitting the row
     logsumexp: `fwd_lower`, a backend's `attention.lower` taking `emit_lse`, Triton's by default) and
     `backward(ins, out, lse, dout) -> cotangents` (one per group input, float32, None for inputs without one: the
-    generated backward kernels, then the VJP of the operands' broadcasts and reshapes).
+    generated backward kernels, `bwd_lower` (a backend's `attention_bwd.lower`, this module's by default), then
+    the VJP of the operands' broadcasts and reshapes).
     `bwd_config`: the backward's tiles (its `bwd_` keys, `backward_config`; None: the defaults)."""
     from ...differentiate import first_order_only
 
     forward_kernel = first_order_only(fwd_lower(group, spec, fwd_config, interpret=interpret, emit_lse=True),
                                       "the attention forward that emits the logsumexp")
-    bwd_kernels = first_order_only(lower(group, spec, bwd_config, interpret=interpret), "the attention backward kernels")
+    bwd_kernels = first_order_only((bwd_lower or lower)(group, spec, bwd_config, interpret=interpret), "the attention backward kernels")
     roles = _dot_roles(spec)
     g = group.graph
 
@@ -270,12 +271,12 @@ def flash_pair(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: 
 
 
 def flash_vjp_rule(group: Group, spec: AttentionSpec, fwd_config: dict, bwd_config: dict | None, *, interpret: bool,
-                   fwd_lower: Callable = fwd_lowering.lower):
+                   fwd_lower: Callable = fwd_lowering.lower, bwd_lower: Callable | None = None):
     """The attention group's reverse-mode rule: the flash pair (residuals: the group's inputs, its output and the
-    row logsumexp, no [Lq, Lk] array), the forward lowered by `fwd_lower` (see `flash_pair`)."""
+    row logsumexp, no [Lq, Lk] array), lowered by `fwd_lower` and `bwd_lower` (see `flash_pair`)."""
     from ...differentiate import VJPRule
 
-    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret, fwd_lower=fwd_lower)
+    forward, backward = flash_pair(group, spec, fwd_config, bwd_config, interpret=interpret, fwd_lower=fwd_lower, bwd_lower=bwd_lower)
     n_in = len(group.inputs)
 
     def fwd(kernel, ins):

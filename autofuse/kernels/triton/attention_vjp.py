@@ -1,9 +1,9 @@
 """Triton lowering of `attention_vjp`: the flash pair of the forward chain (`attention_bwd.flash_pair`), its outputs
 laid out as the group's: the forward output and the cotangents of the chain's inputs. `lower` runs both as one
 unit (a convex group); `lower_stages` as two (a training step: see `plan.py`, two-stage groups), the forward's
-inputs, output and row logsumexp handed from the first to the second privately. `fwd_lower` picks the forward's
-lowering (another backend's `attention.lower` with `emit_lse`: `mosaic_gpu/attention_vjp.py`); the backward
-kernels are Triton's."""
+inputs, output and row logsumexp handed from the first to the second privately. `fwd_lower` and `bwd_lower` pick
+another backend's forward (`attention.lower` with `emit_lse`) and backward (`attention_bwd.lower`):
+`mosaic_gpu/attention_vjp.py`; by default both are Triton's."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,10 +14,11 @@ from . import attention as fwd_lowering
 from .attention_bwd import flash_pair
 
 
-def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret, fwd_lower: Callable = fwd_lowering.lower) -> Callable:
+def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret, fwd_lower: Callable = fwd_lowering.lower,
+          bwd_lower: Callable | None = None) -> Callable:
     g = group.graph
     fwd = spec.forward
-    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret, fwd_lower=fwd_lower)
+    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret, fwd_lower=fwd_lower, bwd_lower=bwd_lower)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
@@ -34,7 +35,7 @@ def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret, fwd_
 
 
 def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, interpret,
-                 fwd_lower: Callable = fwd_lowering.lower) -> list[Callable]:
+                 fwd_lower: Callable = fwd_lowering.lower, bwd_lower: Callable | None = None) -> list[Callable]:
     """Stage 1 (the forward chain): `(ins, None) -> ([O], (forward inputs, O, lse))`; stage 2 (the backward):
     `(ins, private) -> (cotangents, None)`, reading dO from the program and the rest from stage 1."""
     g = group.graph
@@ -44,7 +45,7 @@ def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, 
         raise ValueError(f"attention_vjp stage 1 of group {list(group.node_ids)} would have to return more than the output")
     if spec.dout not in second.inputs or any(v not in spec.grads for v in second.outputs):
         raise ValueError(f"attention_vjp stage 2 of group {list(group.node_ids)} does not read dO or returns more than cotangents")
-    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret, fwd_lower=fwd_lower)
+    forward, backward = flash_pair(fwd, spec.attn, config, config, interpret=interpret, fwd_lower=fwd_lower, bwd_lower=bwd_lower)
 
     def stage1(xs, _):
         env = dict(zip(first.inputs, xs))
