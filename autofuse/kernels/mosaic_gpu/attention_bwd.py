@@ -62,7 +62,7 @@ class Config:
 
 
 class TransposedScoreTiles(fwd.ScoreTiles):
-    """`ScoreTiles` on the transposed [step queries ... ] tile of `dkdv`: rows are keys, columns queries. A value
+    """`ScoreTiles` on the transposed [held keys, stepped queries] tile of `dkdv`: rows are keys, columns queries. A value
     varying along the queries only is a column vector here (WGMMA.reduce(0)), one along the keys a row vector."""
 
     def __init__(self, spec: AttentionSpec, bq: int, bk: int):
@@ -112,9 +112,9 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
     require_smem(max(smem_bytes(spec, cfg)))
 
 
-def smem_bytes(spec: AttentionSpec, cfg: Config, interpret: bool = False) -> tuple[int, int]:
-    """Shared memory of (dq, dkdv), each buffer in whole KiB as Mosaic GPU counts it, 8 bytes per barrier, 2 KiB
-    of reduction scratch."""
+def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
+    """Shared memory of (dq, dkdv) on the GPU, each buffer in whole KiB as Mosaic GPU counts it, 8 bytes per
+    barrier, 2 KiB of reduction scratch (interpret mode's SMEM copies of P and dS are not counted)."""
     i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
     h, s, st = cfg.held, cfg.step, cfg.stages
 
@@ -123,9 +123,6 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, interpret: bool = False) -> tup
 
     dq = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, 2 * h * 4, 2 * h * 4, st * s * spec.D * i1, st * s * spec.Dv * i2]
     dkdv = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, st * s * spec.D * i1, st * s * spec.Dv * i2, st * s * 4, st * s * 4]
-    if interpret:
-        dq.append(2 * h * s * i1)
-        dkdv += [2 * h * s * i2, 2 * h * s * i1]
     return total(dq, 2 + 4 * st), total(dkdv, 2 + 4 * st)
 
 

@@ -1,0 +1,111 @@
+"""The Mosaic GPU lowering of attention's backward (`mosaic_gpu/attention_bwd.py`), on the CPU.
+
+Numerics run under Mosaic GPU interpret mode (P and dS through SMEM, as interpret mode has no wgmma with an operand
+in registers) against the Triton backward in interpret mode, from the same forward output and logsumexp: ragged
+lengths, causal and sliding-window masks (blocks skipped, the transposed dK/dV tile's masks from iota), soft-capping
+(its derivative by jax.vjp of the group's own equations), GQA and heads split out of [B, L, H*D]. `jax.export` for
+CUDA under an abstract H100 runs the real Mosaic GPU lowering of the register path with no GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autofuse
+from autofuse.kernels.mosaic_gpu import attention as mgpu_forward
+from autofuse.kernels.mosaic_gpu import attention_bwd as mgpu_backward
+from autofuse.kernels.mosaic_gpu.tiles import Unsupported
+from autofuse.kernels.triton import attention_bwd as triton_backward
+from autofuse.runner.evaluator import export_for_cuda
+from autofuse.tuning.partition import enumerate_candidates
+from benchmarks.workloads import attention_bhld, attention_bhld_causal
+from tests.attention_programs import bias_blhd, gqa_repeat, heads_split_causal, padding_mask, sliding_window, softcap_then_causal
+from tests.kernel_checks import rel_err
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+S = jax.ShapeDtypeStruct
+L = 100  # ragged against 64 and 128, not a multiple of 8
+CASES = [
+    pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 64, id="bhld-bf16-ragged"),
+    pytest.param(attention_bhld, [(1, 2, L, 64)] * 3, BF16, 128, id="bhld-bf16-ragged-step128"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F16, 64, id="causal-f16"),
+    pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 128, id="causal-d128-ragged-step128"),
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, 64, id="sliding-window-bf16"),
+    pytest.param(softcap_then_causal, [(1, 2, L, 64)] * 3, BF16, 64, id="softcap-then-causal-bf16"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, 64, id="gqa-repeat-bf16"),
+    pytest.param(heads_split_causal, [(1, L, 128)] * 3, BF16, 64, id="heads-split-causal-bf16"),
+]
+
+
+def _group(fn, shapes, dtype):
+    g = autofuse.capture(fn, *[S(s, dtype) for s in shapes])
+    c = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
+    return c.group, c.spec
+
+
+def _residuals(group, spec, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(group.inputs) + 1)
+    xs = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
+    out, lse = mgpu_forward.lower(group, spec, {"block_kv": 64}, interpret=True, emit_lse=True)(*xs)
+    dout = jax.random.normal(keys[-1], out.shape, jnp.float32).astype(out.dtype)
+    return xs, out, lse, dout
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,step", CASES)
+def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step):
+    group, spec = _group(fn, shapes, dtype)
+    xs, out, lse, dout = _residuals(group, spec)
+    got = mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2}, interpret=True)(xs, out, lse, dout)
+    small = {"bwd_held": 32, "bwd_step": 32, "bwd_warps": 4, "bwd_stages": 2}
+    want = triton_backward.lower(group, spec, small, interpret=True)(xs, out, lse, dout)
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape and a.dtype == spec.dot_dtype1, (name, a.shape, b.shape, a.dtype)
+        assert rel_err(a.astype(F32), b) <= 1e-2, (name, rel_err(a.astype(F32), b))
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,step", CASES[:4] + [CASES[6]])
+def test_lowers_for_cuda(fn, shapes, dtype, step):
+    """The real Mosaic GPU lowering (no GPU): wgmma with Pᵀ and dS from registers, the transposed tile's layouts."""
+    group, spec = _group(fn, shapes, dtype)
+    bwd = mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2})
+    n = len(group.inputs)
+    out = group.output_avals()[0]
+
+    def f(*a):
+        return bwd(list(a[:n]), a[n], a[n + 1], a[n + 2])
+
+    specs = [S(a.shape, a.dtype) for a in group.input_avals()] + [S(out.shape, out.dtype), S((spec.batch, spec.Lq), F32),
+                                                                    S(out.shape, out.dtype)]
+    exp = export_for_cuda(f, specs)
+    assert exp.mlir_module().count("custom_call @mosaic_gpu_v2") == 2
+    assert [o.shape for o in exp.out_avals] == [(spec.batch, spec.Lq, spec.D), (spec.batch, spec.Lk, spec.D), (spec.batch, spec.Lk, spec.Dv)]
+
+
+def test_issue_target_shape_lowers_and_fits():
+    group, spec = _group(attention_bhld_causal, [(8, 32, 2048, 128)] * 3, BF16)
+    for step, stages in ((64, 2), (128, 2), (64, 3)):
+        mgpu_backward.check_config(spec, mgpu_backward.Config(64, step, stages))
+    with pytest.raises(Unsupported, match="shared memory"):
+        mgpu_backward.check_config(spec, mgpu_backward.Config(64, 128, 4))
+
+
+def test_declines_what_it_does_not_support():
+    """Score work reading a side input (a bias, a padding mask) and float32 attention stay with the Triton backward;
+    tiles other than 64 held rows and 64 or 128 stepped ones are refused."""
+    cases = [(bias_blhd, [(1, 64, 2, 64)] * 3 + [(2, 64, 64)], BF16, "besides q and k"),
+             (padding_mask, [(2, 2, 64, 64)] * 3, BF16, "besides q and k"),
+             (attention_bhld, [(1, 2, 64, 64)] * 3, F32, "bf16 / f16")]
+    for fn, shapes, dtype, why in cases:
+        specs = [S(s, dtype) for s in shapes]
+        if fn is padding_mask:
+            specs.append(S((2, 64), jnp.bool_))
+        g = autofuse.capture(fn, *specs)
+        spec = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes)).spec
+        with pytest.raises(Unsupported, match=why):
+            mgpu_backward.check_group(spec)
+    _, spec = _group(attention_bhld, [(1, 2, 64, 64)] * 3, BF16)
+    for cfg in (mgpu_backward.Config(32, 64, 2), mgpu_backward.Config(64, 32, 2), mgpu_backward.Config(64, 64, 1)):
+        with pytest.raises(Unsupported):
+            mgpu_backward.check_config(spec, cfg)
