@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_model(name, a.trials, a.budget, a.small, mode, a.profile))
             except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
                 rows.append({"model": name, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             if a.out:
                 write_table(rows, a.out, argv, a.profile)  # after every row: a run cut short keeps what it did
     text = write_table(rows, a.out, argv, a.profile)

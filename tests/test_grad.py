@@ -16,6 +16,7 @@ from autofuse.plan import Plan, PlanError, bind_plan, plan_from_choices
 from autofuse.runner.measure import compare
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
+from autofuse.tuning.space import SearchSpace
 from benchmarks.workloads import attention_bhld_causal, cross_entropy, layer_norm, rms_norm
 from tests.attention_programs import (bias_blhd, causal_iota_minus_1e9, causal_then_softcap, gqa_repeat, heads_split_causal,
                                      padding_mask, sliding_window, softcap_then_causal)
@@ -366,13 +367,14 @@ def test_gradient_program_runs_the_mosaic_gpu_forward_in_two_stages():
     (cand,) = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
     assert len(cand.stages) == 2
     tmpl = TEMPLATES["attention_vjp"]
-    cfg = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), "block_kv": 64, "bwd_held": 32, "bwd_step": 16}
-    assert tmpl.unsupported(cand.spec, "mosaic_gpu", cfg) is None
+    cfg = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), "block_kv": 64}
     assert set(tmpl.space_of(cand.group, cand.spec, "mosaic_gpu")["params"]) == set(cfg)
+    space = SearchSpace.of("attention_vjp", cand.group, cand.spec, backend="mosaic_gpu")
+    assert space.default["bwd_mosaic"] == 1 and not space.violated(space.default)  # the Mosaic GPU backward by default
     args = _inputs(specs)
     want = jax.jit(gfn)(*args)
     for bwd, kernels in ((0, {"mosaic_gpu_v2": 1, "__gpu$xla.gpu.triton": 2}), (1, {"mosaic_gpu_v2": 3})):
-        mcfg = {**cfg, "bwd_mosaic": bwd, **({"bwd_held": 64, "bwd_step": 64} if bwd else {})}
+        mcfg = {**cfg, "bwd_mosaic": bwd, **({"bwd_held": 64, "bwd_step": 64} if bwd else {"bwd_held": 32, "bwd_step": 16})}
         assert tmpl.unsupported(cand.spec, "mosaic_gpu", mcfg) is None
         plan = plan_from_choices(graph, [(cand.group, "attention_vjp", {**mcfg, "backend": "mosaic_gpu"}, cand.stages)])
         assert plan.groups[0].backend == "mosaic_gpu"
