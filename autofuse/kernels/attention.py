@@ -599,6 +599,20 @@ def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     return spec.ranges[(bq, bk)]
 
 
+def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    """Per key block: [lo, hi) of the query blocks with a live position in it, or None (no mask known): the
+    loop bounds of a backward's dK/dV programs."""
+    r = block_ranges(spec, bq, bk)
+    if r is None:
+        return None
+    nk = cdiv(spec.Lk, bk)
+    out = np.zeros((nk, 2), np.int32)
+    for j in range(nk):
+        live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
+        out[j] = (live[0], live[-1] + 1) if len(live) else (0, 0)
+    return out
+
+
 def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     _analyze_masks(spec)
     if spec.dead is None:

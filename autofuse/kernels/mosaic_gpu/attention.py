@@ -573,24 +573,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     plgpu.copy_gmem_to_smem(v_ref.at[_operand_index(vv.operand, len(vv.shape), bidx, traced(j * bk), bk, Dv)],
                                             v_smem.at[slot], v_bar.at[slot])
 
-                for i in range(stages):
-                    @pl.when(clo + i < chi)
-                    def _prologue():
-                        issue_k(clo + i, i)
-                        issue_v(clo + i, i)
-
-                @pl.loop(clo, chi - stages)
-                def _ring(j):
-                    slot = slot_of(j)
-                    plgpu.barrier_wait(k_free.at[slot])
-                    issue_k(j + stages, slot)
-                    plgpu.barrier_wait(v_free.at[slot])
-                    issue_v(j + stages, slot)
-
-                @pl.loop(lax.max(clo, chi - stages), chi)
-                def _drain(j):  # observe the last releases too (phases are tracked per thread, in order)
-                    plgpu.barrier_wait(k_free.at[slot_of(j)])
-                    plgpu.barrier_wait(v_free.at[slot_of(j)])
+                memory_ring(clo, chi, stages, slot_of, [(k_free, issue_k), (v_free, issue_v)])
 
             @pl.when(wg < 2)
             def _compute_wg():
@@ -795,6 +778,30 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
         return [o, lse] if emit_lse else [o]
 
     return run
+
+
+def memory_ring(lo, hi, stages: int, slot_of: Callable, buffers: list[tuple]) -> None:
+    """The memory warpgroup's TMA ring over blocks [lo, hi) (this kernel's and the backward's): the first `stages`
+    blocks issued at once, then each block's buffers issued again as soon as the compute warpgroups free them, each
+    `(free barrier, issue(block, slot))` in order, and the last releases observed too (barrier phases are tracked
+    per thread, in order)."""
+    for i in range(stages):
+        @pl.when(lo + i < hi)
+        def _prologue():
+            for _, issue in buffers:
+                issue(lo + i, i)
+
+    @pl.loop(lo, hi - stages)
+    def _ring(j):
+        slot = slot_of(j)
+        for free, issue in buffers:
+            plgpu.barrier_wait(free.at[slot])
+            issue(j + stages, slot)
+
+    @pl.loop(lax.max(lo, hi - stages), hi)
+    def _drain(j):
+        for free, _ in buffers:
+            plgpu.barrier_wait(free.at[slot_of(j)])
 
 
 def _call(step, j, carry, *, masked):

@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group
-from ..attention import AttentionSpec, block_ranges
+from ..attention import AttentionSpec, key_block_ranges
 from ..tiling import cdiv, needed
 from . import attention as fwd
 from .gemm import interpret_params, require_smem
@@ -128,14 +128,10 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
 
 def _key_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     """Per CTA (2 key blocks of bk): [lo, hi) of the query blocks (of bq) each block sees, then the CTA's [lo, hi)."""
-    r = block_ranges(spec, bq, bk)
-    if r is None:
+    per = key_block_ranges(spec, bq, bk)
+    if per is None:
         return None
-    nk = cdiv(spec.Lk, bk)
-    per = np.zeros((nk, 2), np.int32)
-    for j in range(nk):
-        live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
-        per[j] = (live[0], live[-1] + 1) if len(live) else (0, 0)
+    nk = len(per)
     n_cta = cdiv(nk, 2)
     out = np.zeros((n_cta, 6), np.int32)
     for c in range(n_cta):
@@ -275,27 +271,15 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             def _memory():
                 plgpu.set_max_registers(40, action="decrease")
 
-                def issue(j, slot):
-                    k0 = j * st_rows + wg * 0
+                def issue_k(j, slot):
+                    k0 = j * st_rows + wg * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
                     plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, st_rows)], k_smem.at[slot], k_bar.at[slot])
+
+                def issue_v(j, slot):
+                    k0 = j * st_rows + wg * 0
                     plgpu.copy_gmem_to_smem(v_ref.at[operand_box("v", bidx, k0, st_rows)], v_smem.at[slot], v_bar.at[slot])
 
-                for i in range(stages):
-                    @pl.when(clo + i < chi)
-                    def _prologue():
-                        issue(clo + i, i)
-
-                @pl.loop(clo, chi - stages)
-                def _ring(j):
-                    slot = slot_of(j)
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
-                    issue(j + stages, slot)
-
-                @pl.loop(lax.max(clo, chi - stages), chi)
-                def _drain(j):
-                    plgpu.barrier_wait(k_free.at[slot_of(j)])
-                    plgpu.barrier_wait(v_free.at[slot_of(j)])
+                fwd.memory_ring(clo, chi, stages, slot_of, [(k_free, issue_k), (v_free, issue_v)])
 
             @pl.when(wg < 2)
             def _compute():
@@ -395,24 +379,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     plgpu.copy_gmem_to_smem(do_ref.at[bflat, pl.ds(q0, st_rows)], do_smem.at[slot], do_bar.at[slot])
                     plgpu.copy_gmem_to_smem(delta_ref.at[bflat, pl.ds(q0, st_rows)], delta_smem.at[slot], do_bar.at[slot])
 
-                for i in range(stages):
-                    @pl.when(clo + i < chi)
-                    def _prologue():
-                        issue_q(clo + i, i)
-                        issue_do(clo + i, i)
-
-                @pl.loop(clo, chi - stages)
-                def _ring(i):
-                    slot = slot_of(i)
-                    plgpu.barrier_wait(do_free.at[slot])
-                    issue_do(i + stages, slot)
-                    plgpu.barrier_wait(q_free.at[slot])
-                    issue_q(i + stages, slot)
-
-                @pl.loop(lax.max(clo, chi - stages), chi)
-                def _drain(i):
-                    plgpu.barrier_wait(do_free.at[slot_of(i)])
-                    plgpu.barrier_wait(q_free.at[slot_of(i)])
+                fwd.memory_ring(clo, chi, stages, slot_of, [(do_free, issue_do), (q_free, issue_q)])
 
             @pl.when(wg < 2)
             def _compute():

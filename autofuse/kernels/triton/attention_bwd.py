@@ -29,24 +29,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...graph import Group
-from ..attention import AttentionEval, AttentionSpec, _dot_roles, _through_chain, _to_operand, block_ranges
+from ..attention import AttentionEval, AttentionSpec, _dot_roles, _through_chain, _to_operand, block_ranges, key_block_ranges
 from ..tiling import cdiv, needed, next_pow2
 from . import attention as fwd_lowering
 from .attention import _load_extra, _load_operand
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
-
-
-def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """Per key block: [lo, hi) of the query blocks with a live position in it (None: no mask known)."""
-    r = block_ranges(spec, bq, bk)
-    if r is None:
-        return None
-    nk = cdiv(spec.Lk, bk)
-    out = np.zeros((nk, 2), np.int32)
-    for j in range(nk):
-        live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
-        out[j] = (live[0], live[-1] + 1) if len(live) else (0, 0)
-    return out
 
 
 def default_config(spec: AttentionSpec) -> dict:
