@@ -700,12 +700,7 @@ class AttentionTemplate(Template[AttentionSpec]):
         cfg = {**self.defaults, **config}
         if backend == "mosaic_gpu":
             mgpu = importlib.import_module(f"{__package__}.mosaic_gpu.attention_vjp")
-            try:
-                mgpu.backward.check_group(spec)
-                mgpu.backward.check_config(spec, mgpu.backward.Config.of(cfg))
-                cfg = {"bwd_mosaic": 1, **cfg}
-            except NotImplementedError:
-                cfg = {**cfg, "bwd_mosaic": 0}
+            cfg = {"bwd_mosaic": 1, **cfg} if mgpu.backward_runs(spec, cfg) else {**cfg, "bwd_mosaic": 0}
             try:
                 return pair(group, spec, cfg, cfg, interpret=bool(interpret), **mgpu.lowerings(cfg, interpret))
             except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory

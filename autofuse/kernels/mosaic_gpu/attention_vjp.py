@@ -33,13 +33,19 @@ def default_config(spec: AttentionVJPSpec) -> dict:
     """The Mosaic GPU forward's default with the Mosaic GPU backward at 64 held and 64 stepped rows, 2 in flight (the
     best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100, results/attention_grad_h100.md),
     or the Triton backward's default where the Mosaic GPU backward declines the group."""
-    try:
-        backward.check_group(spec.attn)
-        backward.check_config(spec.attn, backward.Config(64, 64, 2))
-        bwd = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
-    except NotImplementedError:
-        bwd = {"bwd_mosaic": 0, **triton_backward.default_config(spec.attn)}
+    mosaic = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
+    bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **triton_backward.default_config(spec.attn)}
     return {**forward.default_config(spec.attn), **bwd}
+
+
+def backward_runs(spec, config: dict) -> bool:
+    """Whether the Mosaic GPU backward runs this attention group (an `AttentionSpec`) at `config`'s `bwd_` tiles."""
+    try:
+        backward.check_group(spec)
+        backward.check_config(spec, backward.Config.of(config))
+    except NotImplementedError:
+        return False
+    return True
 
 
 def check_group(spec: AttentionVJPSpec) -> None:
