@@ -108,3 +108,16 @@ def test_declines_what_it_does_not_support():
     for cfg in (mgpu_backward.Config(32, 64, 2), mgpu_backward.Config(64, 32, 2), mgpu_backward.Config(64, 64, 1)):
         with pytest.raises(Unsupported):
             mgpu_backward.check_config(spec, cfg)
+
+
+def test_causal_key_blocks_split_into_masked_and_mask_free_query_blocks():
+    """dK/dV's loop bounds per key block: the query blocks it is live in, and the run of those with no position
+    masked (the masks are not evaluated there); `test_interpret_matches_the_triton_backward` runs both kinds."""
+    from autofuse.kernels.attention import key_block_ranges
+
+    _, spec = _group(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16)
+    assert key_block_ranges(spec, 64, 64).tolist() == [[0, 1, 4, 4], [1, 2, 4, 4], [2, 3, 4, 4], [3, 3, 3, 4]]
+    table = mgpu_backward._key_ranges(spec, 64, 64)  # per CTA of two key blocks: both blocks' ranges, the CTA's
+    assert table.tolist() == [[0, 1, 4, 4, 1, 2, 4, 4, 0, 4], [2, 3, 4, 4, 3, 3, 3, 4, 2, 4]]
+    _, spec = _group(attention_bhld, [(1, 2, 256, 64)] * 3, BF16)
+    assert key_block_ranges(spec, 64, 64) is None and mgpu_backward._key_ranges(spec, 64, 64) is None

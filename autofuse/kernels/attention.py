@@ -600,16 +600,23 @@ def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
 
 
 def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """Per key block: [lo, hi) of the query blocks with a live position in it, or None (no mask known): the
-    loop bounds of a backward's dK/dV programs."""
+    """`block_ranges` transposed, the loop bounds of a backward's dK/dV programs: per key block, [lo, full_lo,
+    full_hi, hi) query blocks (those with a live position in the pair; the middle with no position masked, empty
+    where it is not one run), or None (no mask known)."""
     r = block_ranges(spec, bq, bk)
     if r is None:
         return None
     nk = cdiv(spec.Lk, bk)
-    out = np.zeros((nk, 2), np.int32)
+    out = np.zeros((nk, 4), np.int32)
     for j in range(nk):
         live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
-        out[j] = (live[0], live[-1] + 1) if len(live) else (0, 0)
+        if not len(live):
+            continue
+        lo, hi = int(live[0]), int(live[-1]) + 1
+        full = (r[lo:hi, 1] <= j) & (j < r[lo:hi, 2])
+        idx = np.nonzero(full)[0]
+        flo, fhi = (lo + int(idx[0]), lo + int(idx[-1]) + 1) if len(idx) and full[idx[0]:idx[-1] + 1].all() else (lo, lo)
+        out[j] = (lo, flo, fhi, hi)
     return out
 
 

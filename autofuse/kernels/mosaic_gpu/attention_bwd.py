@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group
-from ..attention import AttentionSpec, key_block_ranges
+from ..attention import AttentionSpec, block_ranges, key_block_ranges
 from ..tiling import cdiv, needed
 from . import attention as fwd
 from .gemm import interpret_params, require_smem
@@ -127,28 +127,23 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
 
 
 def _key_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """Per CTA (2 key blocks of bk): [lo, hi) of the query blocks (of bq) each block sees, then the CTA's [lo, hi)."""
+    """As the forward's `_ranges_table`, transposed: per CTA (2 key blocks of bk) the [lo, full_lo, full_hi, hi) of
+    query blocks (of bq) each key block sees (full: no position of the pair masked), then the CTA's [lo, hi)."""
     per = key_block_ranges(spec, bq, bk)
     if per is None:
         return None
     nk = len(per)
     n_cta = cdiv(nk, 2)
-    out = np.zeros((n_cta, 6), np.int32)
+    out = np.zeros((n_cta, 10), np.int32)
     for c in range(n_cta):
-        blocks = [tuple(per[2 * c + w]) if 2 * c + w < nk else (0, 0) for w in (0, 1)]
-        live = [b for b in blocks if b[1] > b[0]]
+        blocks = [tuple(per[2 * c + w]) if 2 * c + w < nk else (0, 0, 0, 0) for w in (0, 1)]
+        live = [b for b in blocks if b[3] > b[0]]
         clo = min(b[0] for b in live) if live else 0
-        chi = max(b[1] for b in live) if live else 0
+        chi = max(b[3] for b in live) if live else 0
         for w, b in enumerate(blocks):
-            out[c, 2 * w:2 * w + 2] = b if b[1] > b[0] else (clo, clo)
-        out[c, 4:] = (clo, chi)
+            out[c, 4 * w:4 * w + 4] = b if b[3] > b[0] else (clo, clo, clo, clo)
+        out[c, 8:] = (clo, chi)
     return out
-
-
-def _query_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """Per CTA (2 query blocks of bq): [lo, hi) of the key blocks (of bk) each block sees, then the CTA's [lo, hi)."""
-    r = fwd._ranges_table(spec, bq, bk)
-    return None if r is None else np.ascontiguousarray(r[:, [0, 3, 4, 7, 8, 9]])
 
 
 def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=False) -> Callable:
@@ -169,7 +164,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     S = spec.score_shape
     bsizes = [S[a] for a in spec.batch_axes]
     scores, y_val = spec.dot1.outputs[0], spec.exp_branch[0].inputs[0]
-    score_nodes = needed(spec.pre, {y_val}, set())
+    # bypassed in the blocks no position of which is masked (known only where the masks were analysed on the host)
+    masked_nodes = {**spec.mask_selects, **spec.mask_adds} if block_ranges(spec, h, st_rows) is not None else {}
+    score_nodes = {m: needed(spec.pre, {y_val}, set(), None if m else masked_nodes) for m in (True, False)}
     views = {r: fwd._operand_view(g, getattr(spec, r)) for r in ("q", "k", "v")}
     tf_q, tf_v = fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize)
     semantics = plgpu.LoweringSemantics.Lane
@@ -187,12 +184,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         v = views[r]
         return fwd._operand_index(v.operand, len(v.shape), bidx, s0, n, D if r != "v" else Dv)
 
-    def score_work(tiles, s, r0, c0):
-        """y (float32, the exp's input) of the score tile `s`, and its VJP."""
+    def score_work(tiles, s, r0, c0, masked: bool):
+        """y (float32, the exp's input) of the score tile `s`, and its VJP (`masked`: evaluate the masks)."""
         def f(x):
             env = {scores: x}
-            for nd in score_nodes:
-                if nd.name == "stop_gradient":
+            for nd in score_nodes[masked]:
+                if not masked and nd.id in masked_nodes:
+                    env[nd.outputs[0]] = env[masked_nodes[nd.id]]
+                elif nd.name == "stop_gradient":
                     env[nd.outputs[0]] = lax.stop_gradient(env[nd.inputs[0]])
                 else:
                     tiles.eval_node(nd, env, r0, c0)
@@ -238,7 +237,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
     # ----- dQ: 2 x h queries per CTA, keys streamed st_rows at a time.
     nq_cta, nk_steps = cdiv(Lq, 2 * h), cdiv(Lk, st_rows)
-    q_tbl = _query_ranges(spec, h, st_rows)
+    q_tbl = fwd._ranges_table(spec, h, st_rows)
     kv_tf = (fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize))
 
     def dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
@@ -262,7 +261,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 cta = nq_cta - 1 - cta  # the longest rows (causal) first
             bidx = batch_index()
             bflat = lax.axis_index("b")
-            clo, chi = (0, nk_steps) if q_tbl is None else (tbl_ref[cta * 6 + 4], tbl_ref[cta * 6 + 5])
+            clo, chi = (0, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
 
             def slot_of(j):
                 return lax.rem(j - clo, stages)
@@ -296,14 +295,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 lse = plgpu.load(lse_smem.at[wg], layout=rows) * _LOG2E
                 delta = plgpu.load(delta_smem.at[wg], layout=rows)
                 q_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=rows) + q0
-                lo, hi = (0, nk_steps) if q_tbl is None else (tbl_ref[cta * 6 + 2 * wg], tbl_ref[cta * 6 + 2 * wg + 1])
+                lo, flo, fhi, hi = (0, 0, nk_steps, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
 
-                def step(j, dq):
+                def step(j, dq, masked: bool):
                     slot = slot_of(j)
                     k0 = j * st_rows
                     plgpu.barrier_wait(k_bar.at[slot])
                     s = product(q_smem.at[wg], k_smem.at[slot].T, (h, st_rows))
-                    y, pull = score_work(tiles, s, q0, k0)
+                    y, pull = score_work(tiles, s, q0, k0, masked)
                     p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (0,)))
                     ok = bounds_mask(q_ids, plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=layout(COLS)) + k0,
                                      (h, st_rows), 0)
@@ -326,7 +325,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
                 if q_tbl is not None:
                     lax.fori_loop(clo, lo, flush, None)
-                dq = lax.fori_loop(lo, hi, step, plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), layout(FULL)))
+                dq = plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), layout(FULL))
+                for a, b, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
+                    dq = lax.fori_loop(a, b, functools.partial(_call, step, masked=masked), dq)
                 if q_tbl is not None:
                     lax.fori_loop(hi, chi, flush, None)
                 q_smem.at[wg][...] = dq.astype(dt1)
@@ -360,7 +361,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             cta = lax.axis_index("k")
             bidx = batch_index()
             bflat = lax.axis_index("b")
-            clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 6 + 4], tbl_ref[cta * 6 + 5])
+            clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
 
             def slot_of(i):
                 return lax.rem(i - clo, stages)
@@ -392,16 +393,16 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 plgpu.barrier_wait(kv_bar.at[wg])
                 cols = layout(COLS)
                 k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
-                lo, hi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 6 + 2 * wg], tbl_ref[cta * 6 + 2 * wg + 1])
+                lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
 
-                def step(i, carry):
+                def step(i, carry, masked: bool):
                     dk, dv = carry
                     slot = slot_of(i)
                     q0 = i * st_rows
                     plgpu.barrier_wait(q_bar.at[slot])
                     s_t = product(k_smem.at[wg], q_smem.at[slot].T, (h, st_rows))
                     lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
-                    y, pull = score_work(tiles, s_t, k0, q0)
+                    y, pull = score_work(tiles, s_t, k0, q0, masked)
                     p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
                     ok = bounds_mask(plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=cols) + q0, k_ids, (h, st_rows), 1)
                     if ok is not None:
@@ -427,7 +428,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 zero = (plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), full), plgpu.layout_cast(jnp.zeros((h, Dv), jnp.float32), full))
                 if k_tbl is not None:
                     lax.fori_loop(clo, lo, flush, None)
-                dk, dv = lax.fori_loop(lo, hi, step, zero)
+                dk_dv = zero
+                for a, b, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
+                    dk_dv = lax.fori_loop(a, b, functools.partial(_call, step, masked=masked), dk_dv)
+                dk, dv = dk_dv
                 if k_tbl is not None:
                     lax.fori_loop(hi, chi, flush, None)
                 k_smem.at[wg][...] = dk.astype(dt1)
@@ -464,3 +468,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
     return bwd
 
+
+def _call(step, j, carry, *, masked):
+    return step(j, carry, masked)

@@ -131,6 +131,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
     bq, bk = step_rows, held  # dK/dV: a block of keys held, the queries stepped through
     nq_steps, nk = cdiv(Lq, bq), cdiv(Lk, bk)
     k_ranges = key_block_ranges(spec, bq, bk)
+    k_ranges = None if k_ranges is None else np.ascontiguousarray(k_ranges[:, [0, 3]])  # [lo, hi): masks always evaluated
 
     def dkdv_kernel(*refs):
         ins = dict(zip(in_order, refs[:n_in]))
