@@ -291,3 +291,21 @@ def test_xla_chunks_shrink_with_the_worker_count_so_the_workers_end_together():
     assert xla_chunk(158, 16, 1) == 32  # one worker: what its 16 threads compile at once
     assert xla_chunk(158, 16, 4) == 20  # four: 8 chunks, two each, not 32+32+32+62
     assert xla_chunk(5, 16, 4) == 1 and xla_chunk(0, 16, 4) == 1
+
+
+def test_a_validation_first_lets_go_of_the_trials_input_sets():
+    """The random input sets a trial was timed on are released before the whole program is checked (on a GPU they
+    split the pool that jax.jit's whole-program reference needs in one piece); the validation's result is the same
+    as an evaluator's that timed nothing before."""
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    plan = default_plan(graph)
+    fresh = Evaluator(graph, measure="device", repeats=2, n_input_sets=1).validate(plan)
+    ev = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
+    fg = plan.groups[0]
+    assert ev.xla(fg.nodes).status is TrialStatus.OK
+    (held,) = ev._sets.values()
+    assert held and all(x is not None for s in held for x in s)
+    res = ev.validate(plan)
+    assert len(ev._sets) == 1 and all(s is not held for s in ev._sets.values())  # the program's sets, made anew for its timing
+    assert res.status is fresh.status is TrialStatus.OK
+    assert (res.max_error, res.tolerance) == (fresh.max_error, fresh.tolerance)

@@ -248,6 +248,10 @@ class Evaluator:
             except Exception as e:  # noqa: BLE001 - fails the check below, as a plan that failed to build always did
                 fused = _raiser(e)
         t1 = time.perf_counter()
+        # The trials' random input sets go first (made again from their seeds if a trial follows): the whole
+        # program's check needs its largest block in one piece (GPT-2 medium's training step: jax.jit's 63.6 GiB of
+        # temporaries, in a pool where a softmax candidate's three [B, H, L, L] sets had taken the low 7 GiB).
+        self._sets.clear()
         judge = self._program_check()
         judge.sensitivity()
         secs.update(compile=t1 - t0, reference=time.perf_counter() - t1)
