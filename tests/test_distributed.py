@@ -148,7 +148,9 @@ def test_pg_sigkilled_worker_trial_is_retried_and_the_run_completes(pg_url: str)
 
 def test_sqlite_four_workers_on_one_host(tmp_path) -> None:
     url = f"sqlite:///{tmp_path}/four.db"
-    _, err = _finish(_tune(LRB, url, 4, 12))
+    # every build takes 2 s: trials long enough that the first worker cannot take all twelve before the others start
+    # (instant CPU trials let it do so on a loaded 2-core machine: the sharing asserted below was then a race)
+    _, err = _finish(_tune(LRB, url, 4, 12, _env(AUTOFUSE_TEMPLATE_PLUGINS="tests.plugins.slow_template")))
     books = check_books(url, 12)
     assert len(books["workers"]) >= 2 and " exit " not in err  # no worker died of a lock conflict
     assert sum(worker_counts(err)) == 12 and len(worker_counts(err)) == 4 and err.count("plan saved") == 1
