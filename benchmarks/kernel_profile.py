@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import jax
@@ -67,7 +67,7 @@ def _short(name: str, width: int = 90) -> str:
 
 
 def as_json(rows: list[KernelTime]) -> list[dict[str, Any]]:
-    return [r.__dict__ for r in rows]
+    return [asdict(r) for r in rows]
 
 
 def from_json(items: list[dict[str, Any]]) -> list[KernelTime]:

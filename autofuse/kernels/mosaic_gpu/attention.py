@@ -408,13 +408,17 @@ def _ranges_table(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     """Per CTA (2 query blocks): [lo, full_lo, full_hi, hi] of each block, then the CTA's [lo, hi); None without
     build-time masks (every block visits every key block; the last one masks its columns past Lk)."""
     r = block_ranges(spec, bq, bk)
-    if r is None:
-        return None
-    nq = len(r)
-    n_cta = cdiv(nq, 2)
-    out = np.zeros((n_cta, 10), np.int32)
-    for c in range(n_cta):
-        blocks = [tuple(int(t) for t in r[2 * c + w]) if 2 * c + w < nq else None for w in (0, 1)]
+    return None if r is None else per_cta(r)
+
+
+def per_cta(r: np.ndarray) -> np.ndarray:
+    """Per-block [lo, full_lo, full_hi, hi) ranges packed per CTA of two blocks (one per compute warpgroup): both
+    blocks' ranges (a dead block or one past the end: empty, at the CTA's lo), then the CTA's [lo, hi) (what its
+    memory warpgroup loads)."""
+    n = len(r)
+    out = np.zeros((cdiv(n, 2), 10), np.int32)
+    for c in range(len(out)):
+        blocks = [tuple(int(t) for t in r[2 * c + w]) if 2 * c + w < n else None for w in (0, 1)]
         live = [b for b in blocks if b is not None and b[3] > b[0]]
         clo = min(b[0] for b in live) if live else 0
         chi = max(b[3] for b in live) if live else 0
@@ -422,6 +426,18 @@ def _ranges_table(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
             out[c, 4 * w:4 * w + 4] = b if b is not None and b[3] > b[0] else (clo, clo, clo, clo)
         out[c, 8:] = (clo, chi)
     return out
+
+
+def batch_index(spec: AttentionSpec) -> list:
+    """Per score axis, the CTA's index along it (its flattened batch position, grid axis "b", split over the
+    batch axes; None for the others)."""
+    S = spec.score_shape
+    bidx: list = [None] * len(S)
+    rem = lax.axis_index("b")
+    for a in reversed(spec.batch_axes):
+        bidx[a] = lax.rem(rem, S[a])
+        rem = lax.div(rem, S[a])
+    return bidx
 
 
 # ---------------------------------------------------------------------------
@@ -454,8 +470,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     n_cta = cdiv(nq, 2)
     stages = _stages(spec, cfg)
     use_sched = bool(cfg.schedule_barrier)
-    S = spec.score_shape
-    bsizes = [S[a] for a in spec.batch_axes]
     ragged_k = Lk % bk != 0
 
     table = _ranges_table(spec, bq, bk)
@@ -522,11 +536,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             cta = lax.axis_index("q")
             if table is not None:
                 cta = n_cta - 1 - cta  # the longest rows (causal) first
-            bidx: list = [None] * len(S)
-            rem = lax.axis_index("b")
-            for a, s in zip(reversed(spec.batch_axes), reversed(bsizes)):
-                bidx[a] = lax.rem(rem, s)
-                rem = lax.div(rem, s)
+            bidx = batch_index(spec)
             q_cta0 = cta * (2 * bq)
             if table is None:
                 clo, chi = 0, nk

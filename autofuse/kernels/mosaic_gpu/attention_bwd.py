@@ -130,20 +130,7 @@ def _key_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     """As the forward's `_ranges_table`, transposed: per CTA (2 key blocks of bk) the [lo, full_lo, full_hi, hi) of
     query blocks (of bq) each key block sees (full: no position of the pair masked), then the CTA's [lo, hi)."""
     per = key_block_ranges(spec, bq, bk)
-    if per is None:
-        return None
-    nk = len(per)
-    n_cta = cdiv(nk, 2)
-    out = np.zeros((n_cta, 10), np.int32)
-    for c in range(n_cta):
-        blocks = [tuple(per[2 * c + w]) if 2 * c + w < nk else (0, 0, 0, 0) for w in (0, 1)]
-        live = [b for b in blocks if b[3] > b[0]]
-        clo = min(b[0] for b in live) if live else 0
-        chi = max(b[3] for b in live) if live else 0
-        for w, b in enumerate(blocks):
-            out[c, 4 * w:4 * w + 4] = b if b[3] > b[0] else (clo, clo, clo, clo)
-        out[c, 8:] = (clo, chi)
-    return out
+    return None if per is None else fwd.per_cta(per)
 
 
 def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=False) -> Callable:
@@ -161,24 +148,13 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     h, st_rows, stages = cfg.held, cfg.step, cfg.stages
     Lq, Lk, D, Dv, B = spec.Lq, spec.Lk, spec.D, spec.Dv, spec.batch
     dt1, dt2 = spec.dot_dtype1, spec.dot_dtype2
-    S = spec.score_shape
-    bsizes = [S[a] for a in spec.batch_axes]
     scores, y_val = spec.dot1.outputs[0], spec.exp_branch[0].inputs[0]
     # bypassed in the blocks no position of which is masked (known only where the masks were analysed on the host)
     masked_nodes = {**spec.mask_selects, **spec.mask_adds} if block_ranges(spec, h, st_rows) is not None else {}
     score_nodes = {m: needed(spec.pre, {y_val}, set(), None if m else masked_nodes) for m in (True, False)}
     views = {r: fwd._operand_view(g, getattr(spec, r)) for r in ("q", "k", "v")}
-    tf_q, tf_v = fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize)
-    semantics = plgpu.LoweringSemantics.Lane
-    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
-
-    def batch_index() -> list:
-        bidx: list = [None] * len(S)
-        rem = lax.axis_index("b")
-        for a, s in zip(reversed(spec.batch_axes), reversed(bsizes)):
-            bidx[a] = lax.rem(rem, s)
-            rem = lax.div(rem, s)
-        return bidx
+    tf_d, tf_dv = fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize)  # q/k and v/dO tiles, held or streamed
+    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
 
     def operand_box(r: str, bidx, s0, n: int):
         v = views[r]
@@ -238,16 +214,15 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     # ----- dQ: 2 x h queries per CTA, keys streamed st_rows at a time.
     nq_cta, nk_steps = cdiv(Lq, 2 * h), cdiv(Lk, st_rows)
     q_tbl = fwd._ranges_table(spec, h, st_rows)
-    kv_tf = (fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize))
 
     def dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         tbl_ref = rest[0] if q_tbl is not None else None
         dq_ref = rest[-1]
         scratch = dict(
-            q_smem=plgpu.SMEM((2, h, D), dt1, transforms=tf_q), do_smem=plgpu.SMEM((2, h, Dv), dt2, transforms=tf_v),
+            q_smem=plgpu.SMEM((2, h, D), dt1, transforms=tf_d), do_smem=plgpu.SMEM((2, h, Dv), dt2, transforms=tf_dv),
             lse_smem=plgpu.SMEM((2, h), jnp.float32), delta_smem=plgpu.SMEM((2, h), jnp.float32),
-            k_smem=plgpu.SMEM((stages, st_rows, D), dt1, transforms=kv_tf[0]),
-            v_smem=plgpu.SMEM((stages, st_rows, Dv), dt2, transforms=kv_tf[1]),
+            k_smem=plgpu.SMEM((stages, st_rows, D), dt1, transforms=tf_d),
+            v_smem=plgpu.SMEM((stages, st_rows, Dv), dt2, transforms=tf_dv),
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
             q_bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
             k_bar=plgpu.Barrier(num_barriers=stages), v_bar=plgpu.Barrier(num_barriers=stages),
@@ -259,7 +234,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             cta = lax.axis_index("q")
             if q_tbl is not None:
                 cta = nq_cta - 1 - cta  # the longest rows (causal) first
-            bidx = batch_index()
+            bidx = fwd.batch_index(spec)
             bflat = lax.axis_index("b")
             clo, chi = (0, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
 
@@ -327,7 +302,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     lax.fori_loop(clo, lo, flush, None)
                 dq = plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), layout(FULL))
                 for a, b, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
-                    dq = lax.fori_loop(a, b, functools.partial(_call, step, masked=masked), dq)
+                    dq = lax.fori_loop(a, b, functools.partial(fwd._call, step, masked=masked), dq)
                 if q_tbl is not None:
                     lax.fori_loop(hi, chi, flush, None)
                 q_smem.at[wg][...] = dq.astype(dt1)
@@ -338,15 +313,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     # ----- dK/dV: 2 x h keys per CTA, queries streamed st_rows at a time.
     nk_cta, nq_steps = cdiv(Lk, 2 * h), cdiv(Lq, st_rows)
     k_tbl = _key_ranges(spec, st_rows, h)
-    qs_tf = (fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize))
 
     def dkdv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         tbl_ref = rest[0] if k_tbl is not None else None
         dk_ref, dv_ref = rest[-2], rest[-1]
         scratch = dict(
-            k_smem=plgpu.SMEM((2, h, D), dt1, transforms=tf_q), v_smem=plgpu.SMEM((2, h, Dv), dt2, transforms=tf_v),
-            q_smem=plgpu.SMEM((stages, st_rows, D), dt1, transforms=qs_tf[0]),
-            do_smem=plgpu.SMEM((stages, st_rows, Dv), dt2, transforms=qs_tf[1]),
+            k_smem=plgpu.SMEM((2, h, D), dt1, transforms=tf_d), v_smem=plgpu.SMEM((2, h, Dv), dt2, transforms=tf_dv),
+            q_smem=plgpu.SMEM((stages, st_rows, D), dt1, transforms=tf_d),
+            do_smem=plgpu.SMEM((stages, st_rows, Dv), dt2, transforms=tf_dv),
             lse_smem=plgpu.SMEM((stages, st_rows), jnp.float32), delta_smem=plgpu.SMEM((stages, st_rows), jnp.float32),
             p_smem=plgpu.SMEM((2, h, st_rows), dt2, transforms=fwd._tf(st_rows, dt2.itemsize)) if via_smem else None,
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
@@ -359,7 +333,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                    do_free):
             wg = lax.axis_index("wg")
             cta = lax.axis_index("k")
-            bidx = batch_index()
+            bidx = fwd.batch_index(spec)
             bflat = lax.axis_index("b")
             clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
 
@@ -430,7 +404,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     lax.fori_loop(clo, lo, flush, None)
                 dk_dv = zero
                 for a, b, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
-                    dk_dv = lax.fori_loop(a, b, functools.partial(_call, step, masked=masked), dk_dv)
+                    dk_dv = lax.fori_loop(a, b, functools.partial(fwd._call, step, masked=masked), dk_dv)
                 dk, dv = dk_dv
                 if k_tbl is not None:
                     lax.fori_loop(hi, chi, flush, None)
@@ -443,7 +417,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
     Lq_pad, Lk_pad = nq_cta * 2 * h, nk_cta * 2 * h
     rows_pad = max(Lq_pad, nq_steps * st_rows)  # dO, lse, delta: whole blocks of either kernel
-    name = f"{group.signature[:8]}"
+    name = group.signature[:8]
     dq_call = plgpu.kernel(dq_body, out_type=jax.ShapeDtypeStruct((B, Lq_pad, D), dt1), grid=(B, nq_cta),
                            grid_names=("b", "q"), num_threads=3, thread_name="wg", compiler_params=params, interpret=interp,
                            kernel_name=f"autofuse_attention_bwd_dq_mgpu_{name}")
@@ -468,6 +442,3 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
     return bwd
 
-
-def _call(step, j, carry, *, masked):
-    return step(j, carry, masked)
