@@ -430,6 +430,15 @@ class Group:
         ]
         return Group(graph, ids, tuple(inputs), tuple(outs))
 
+    def part(self, node_ids: Sequence[int]) -> "Group":
+        """The group of some of this group's nodes, as this group sees it: its outputs are the values this group
+        returns or its other nodes read (not every reader in the graph: a group whose nodes other code
+        re-evaluates returns less than `Group.of` of its nodes would)."""
+        sub = Group.of(self.graph, node_ids)
+        rest = {a for n in self.nodes if n.id not in set(sub.node_ids) for a in n.inputs if isinstance(a, int)}
+        return Group(self.graph, sub.node_ids, sub.inputs,
+                     tuple(v for n in sub.nodes for v in n.outputs if v in self.outputs or v in rest))
+
     @property
     def nodes(self) -> list[Node]:
         return [self.graph.node_index[i] for i in self.node_ids]
@@ -460,6 +469,23 @@ class Group:
 
     def output_avals(self) -> list[Aval]:
         return [self.graph.avals[v] for v in self.outputs]
+
+
+def convex(graph: "Graph", members: set[int]) -> bool:
+    """Whether no path leaves `members` and comes back (a forward and its backward in a training step never are:
+    the cotangent depends on the output through the rest of the network and the loss; they run in stages)."""
+    seen: set[int] = set()
+    stack = [c for i in members for c in graph.succs(i) if c not in members]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        for c in graph.succs(i):
+            if c in members:
+                return False
+            stack.append(c)
+    return True
 
 
 def stage_groups(group: Group, stages: Sequence[Sequence[int]]) -> list[Group]:

@@ -34,6 +34,7 @@ _ELEMENTWISE = {
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
     "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp",
     "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "add_any",  # a gradient program's sum of two cotangents: an add
 }
 _BROADCAST = {"broadcast_in_dim"}
 _LAYOUT = {"reshape", "squeeze", "expand_dims"}
@@ -128,6 +129,8 @@ def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]
         return jax.lax.select_n(pred, *cases)
     if name == "square":
         return ops[0] * ops[0]
+    if name == "add_any":
+        return ops[0] + ops[1]
     # `out_dtype=None` stays: mul's transpose rule needs it (the flash backward differentiates tiles), and both
     # Pallas lowerings accept it (jax 0.11.2)
     if name in ("exp", "log", "tanh", "logistic", "exp2", "log1p", "expm1", "sin", "cos") and "accuracy" in params:

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..costmodel import H200, GPUModel
 from ..differentiate import is_differentiable
-from ..graph import Graph, Group, Lit, Node, bind_node, capture, node_text
+from ..graph import Graph, Group, Lit, Node, bind_node, capture, convex, node_text
 from ..ops import OpClass, op_class
 from . import attention
 from .template import NoMatch, Template
@@ -253,18 +253,18 @@ def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple
     out = []
     for ids, fwd, attn in forward_chains(graph, fusible):
         for dout in cotangent_candidates(graph, ids, fwd, attn):  # the one whose derivation the readers compute
-            members, convex = backward_of(graph, ids, fwd, attn, dout)
+            members, one_unit = backward_of(graph, ids, fwd, attn, dout)
             if len(members) == len(ids):
                 continue
             group = Group.of(graph, members)
             spec = TEMPLATE.match(group)
             if spec is None:
                 continue
-            if convex:
+            if one_unit:
                 out.append((group, ()))
                 break
             stages = TEMPLATE.stage_split(spec)
-            if all(_convex(graph, set(st)) for st in stages):
+            if all(convex(graph, set(st)) for st in stages):
                 out.append((group, stages))
                 break
     return out
@@ -311,25 +311,7 @@ def backward_of(graph: Graph, ids: set[int], fwd: Group, attn: attention.Attenti
             members.add(nd.id)
             known.update(nd.outputs)
             h.update({v: text[v] for v in nd.outputs})
-    return members, _convex(graph, members)
-
-
-def _convex(graph: Graph, members: set[int]) -> bool:
-    """Whether no path leaves `members` and comes back. In a training step the cotangent depends on the output
-    through the rest of the network and the loss, so the forward chain and its backward are never one convex
-    group there: they run as a group in two stages (see the module docstring)."""
-    seen: set[int] = set()
-    stack = [c for i in members for c in graph.succs(i) if c not in members]
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        for c in graph.succs(i):
-            if c in members:
-                return False
-            stack.append(c)
-    return True
+    return members, convex(graph, members)
 
 
 class AttentionVJPTemplate(Template[AttentionVJPSpec]):

@@ -85,7 +85,7 @@ class MatmulTemplate(Template[MatmulSpec]):
         """A matmul spec when the group is one plain (2-D or batched) dot plus an elementwise epilogue of it."""
         g = group.graph
         dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
-        if len(dots) != 1 or any(op_class(n.name) in (OpClass.OPAQUE, OpClass.SOURCE) for n in group.nodes):
+        if len(dots) != 1 or any(op_class(n.name) is OpClass.OPAQUE for n in group.nodes):
             return None  # (reductions: only over segments of a product row, which the epilogue's analysis checks)
         dot = dots[0]
         a, b = dot.inputs
@@ -185,7 +185,7 @@ def default_precision(dot: Node) -> bool:
 def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...]) -> TileSpec:
     """The epilogue tiled with rows = all but the last axis of the product (batch entries stacked), columns = N."""
     out, n = dot.outputs[0], len(S)
-    sub = Group.of(group.graph, rest) if rest else None
+    sub = group.part(rest) if rest else None
     if sub is None:
         return TileSpec(Group.of(group.graph, [dot.id]), S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
     if {dot.inputs[0], dot.inputs[1]} & set(sub.inputs):

@@ -106,7 +106,7 @@ class MatmulReduceTemplate(Template[MatmulReduceSpec]):
             return None
         if dot.outputs[0] in group.outputs:
             return None  # the product itself is a result: nothing to save
-        sub = Group.of(g, [n.id for n in group.nodes if n.id != dot.id])
+        sub = group.part([n.id for n in group.nodes if n.id != dot.id])
         if {a, b} & set(sub.inputs):
             return None  # an operand of the dot also read by the epilogue
         sub = fold_gathers(sub)

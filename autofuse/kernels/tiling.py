@@ -300,9 +300,9 @@ def _propagate(nd: Node, avals: dict, axes: dict, put: Callable) -> bool:
             for i, j in enumerate(bd):
                 if ish[i] != 1:
                     ax[j] = axes[op][i]
-            if any(ax[j] is None and oshape[j] != 1 for j in range(len(oshape))):
-                raise NoMatch("broadcast to a new non-unit axis outside the iteration shape")
-            changed |= put(out, tuple(ax))
+            if not any(ax[j] is None and oshape[j] != 1 for j in range(len(oshape))):
+                changed |= put(out, tuple(ax))
+            # else: the broadcast makes a new axis (a scalar broadcast to a row): its readers place it
     elif cls is OpClass.LAYOUT:
         op = vals[0]
         if nd.name == "reshape" and nd.params.get("dimensions") is not None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import ops
 from ..graph import Graph, Group, node_text
-from ..kernels import TEMPLATES, attention_vjp, match_template
+from ..kernels import TEMPLATES, attention_vjp, match_template, matmul_reduce_vjp
 from ..kernels.passes import foldable_gather
 from ..ops import OpClass
 
@@ -215,10 +215,13 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     # In a gradient program, attention's forward chain with its own backward (recognised by derivation, whatever
     # the group size bound: the flash pair replaces both)
     # (in two stages where they are not convex together: a training step)
-    for grp, stages in attention_vjp.candidate_groups(graph, lambda i: is_fusible(graph, i)):
-        spec = TEMPLATES[attention_vjp.TEMPLATE.name].match(grp)
-        if spec is not None:
-            emit(Candidate(grp, attention_vjp.TEMPLATE.name, spec, stages))
+    # A dot whose product is reduced and read again after the reductions (a cross-entropy's forward and its
+    # backward): the product computed twice, never stored (again in two stages in a training step)
+    for module in (attention_vjp, matmul_reduce_vjp):
+        for grp, stages in module.candidate_groups(graph, lambda i: is_fusible(graph, i)):
+            spec = TEMPLATES[module.TEMPLATE.name].match(grp)
+            if spec is not None:
+                emit(Candidate(grp, module.TEMPLATE.name, spec, stages))
     return found
 
 

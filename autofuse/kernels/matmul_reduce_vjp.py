@@ -1,0 +1,245 @@
+"""Template `matmul_reduce_vjp`: a matmul with reductions of its product, and a later elementwise reader of that
+product (its backward, in a gradient program), the product computed twice and never stored.
+
+In `jax.grad` of a cross-entropy over a vocabulary (logits = h @ W, logsumexp over the vocabulary), the forward
+reduces the logits to a few values per row and the backward reads the logits again to form dlogits =
+(exp(logits - lse) - onehot) * g, which two dots contract with h and W. XLA writes the [rows, vocabulary]
+logits (and the exponentials) in the forward and reads them in the backward. Here the forward is one
+`matmul_reduce` kernel (stage 1: the reductions and the row work after them, nothing [rows, columns] written)
+and the backward's elementwise work up to the value the dots read runs as the epilogue of a `matmul` kernel
+that computes the product again (stage 2: the product, the forward's elementwise chain re-evaluated on it, the
+backward's elementwise work; only dlogits written). The dots that contract dlogits stay outside (XLA's, or
+another group's).
+
+Recognition is structural, from one dot: the group is the dot with every later node of the product's shape or
+of a reduced shape that reads what the group computes (elementwise, broadcasts, reshapes, reductions over one
+axis of the product), and the producers only it reads of its side inputs (a one-hot's iota and broadcast).
+Stage 1 is every node a reduction needs and the row work computable from the reductions alone; stage 2 the
+rest. A value of the product's shape that stage 1 makes is never handed to stage 2: stage 2 re-evaluates it.
+Where the group is not convex (a training step: the backward's cotangent depends on the forward's outputs) the
+two stages run as two units, as `attention_vjp`'s do; where it is (the cotangent a constant) as one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..costmodel import H200, GPUModel
+from ..graph import Graph, Group, convex
+from ..ops import OpClass, op_class
+from . import matmul, matmul_reduce
+from .template import Template
+from .tiling import template_space
+
+_MEMBER_OPS = (OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE)
+BWD = "bwd_"  # the prefix of stage 2's (the `matmul` kernel's) config keys
+
+
+@dataclass
+class MatmulReduceVJPSpec:
+    group: Group
+    stage1: frozenset[int]  # the forward's nodes (the group's plan stage 1)
+    stage2: frozenset[int]  # the backward's nodes (stage 2)
+    forward: Group  # what stage 1's kernel runs: stage 1's live nodes, its outputs the row values read after it
+    forward_spec: matmul_reduce.MatmulReduceSpec
+    backward: Group  # what stage 2's kernel runs: stage 2 with the product and the chain it re-evaluates
+    backward_spec: matmul.MatmulSpec
+    private: tuple[int, ...]  # stage 1's outputs that only stage 2 reads (handed on, never in the program)
+
+
+def _ancestors(graph: Graph, starts, within: set[int]) -> set[int]:
+    out: set[int] = set()
+    stack = [i for i in starts if i in within]
+    while stack:
+        i = stack.pop()
+        if i not in out:
+            out.add(i)
+            stack.extend(p for p in graph.preds(i) if p in within)
+    return out
+
+
+def _descendants(graph: Graph, starts) -> set[int]:
+    out: set[int] = set()
+    stack = list(starts)
+    while stack:
+        for c in graph.succs(stack.pop()):
+            if c not in out:
+                out.add(c)
+                stack.append(c)
+    return out
+
+
+def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
+    """(the group, stage 1, stage 2) grown from `dot`, or None where the product is not reduced or nothing of its
+    shape is read after the reductions."""
+    S = tuple(graph.avals[graph.node_index[dot].outputs[0]].shape)
+    axis = None
+
+    def shaped(v: int) -> bool:
+        return tuple(graph.avals[v].shape) == S
+
+    def row(v: int) -> bool:
+        sh = tuple(graph.avals[v].shape)
+        return axis is not None and sh in (S[:axis] + S[axis + 1:], S[:axis] + (1,) + S[axis + 1:])
+
+    members, made = {dot}, set(graph.node_index[dot].outputs)
+    for nd in graph.nodes[dot + 1:]:
+        if op_class(nd.name) not in _MEMBER_OPS or not any(a in made for a in nd.inputs if isinstance(a, int)):
+            continue
+        if op_class(nd.name) is OpClass.REDUCTION:
+            axes = tuple(nd.params["axes"])
+            if len(axes) != 1 or not shaped(nd.inputs[0]) or axis not in (None, axes[0]):
+                continue
+            axis = axes[0]
+        elif not (shaped(nd.outputs[0]) or row(nd.outputs[0])):
+            continue
+        members.add(nd.id)
+        made.update(nd.outputs)
+    if axis is None:
+        return None
+    # side inputs of the product's shape made from smaller values (a one-hot: iota, broadcast, eq, convert), read
+    # by the group alone: made inside, so that no [rows, columns] array is an input (not the dot's operands)
+    operands = _ancestors(graph, graph.preds(dot), set(range(dot)))
+    grown = True
+    while grown:
+        grown = False
+        for nd in reversed(graph.nodes[:max(members)]):
+            if nd.id in members or nd.id in operands or op_class(nd.name) not in _MEMBER_OPS \
+                    or op_class(nd.name) is OpClass.REDUCTION or any(v in graph.outputs for v in nd.outputs):
+                continue
+            readers = {c for v in nd.outputs for c in graph.consumers.get(v, ())}
+            if readers and readers <= members:
+                members.add(nd.id)
+                grown = True
+    reductions = [i for i in members if op_class(graph.node_index[i].name) is OpClass.REDUCTION]
+    first = _ancestors(graph, reductions, members)
+    after = _descendants(graph, members)
+    for i in sorted(members - first):  # the row work on the reductions alone
+        nd = graph.node_index[i]
+        if shaped(nd.outputs[0]):
+            continue
+        if all(graph.producer.get(a) in first or (graph.producer.get(a) not in members and graph.producer.get(a) not in after)
+               for a in nd.inputs if isinstance(a, int)):
+            first.add(i)
+    second = members - first
+    if not any(shaped(v) for i in second for v in graph.node_index[i].outputs):
+        return None
+    return members, first, second
+
+
+def _recomputed(graph: Graph, first: set[int], second: set[int], S: tuple) -> set[int]:
+    """Stage 2's nodes with the nodes of stage 1 it evaluates again: back from what it reads, every node of the
+    product's shape (to the dot) and every node that no reduction precedes (a one-hot's iota). What it reads
+    that a reduction made (a row value) is handed on from stage 1 instead."""
+    reductions = [i for i in first if op_class(graph.node_index[i].name) is OpClass.REDUCTION]
+    after = _descendants(graph, reductions) | set(reductions)
+    out = set(second)
+    stack = [p for i in second for p in graph.preds(i) if p in first]
+    while stack:
+        i = stack.pop()
+        if i in out or (i in after and tuple(graph.avals[graph.node_index[i].outputs[0]].shape) != S):
+            continue
+        out.add(i)
+        stack.extend(p for p in graph.preds(i) if p in first)
+    return out
+
+
+def _match(group: Group) -> MatmulReduceVJPSpec | None:
+    g = group.graph
+    dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
+    if len(dots) != 1:
+        return None
+    members = set(group.node_ids)
+    parts = split(g, dots[0].id)  # the whole growth from the dot, not a part of it (one candidate per dot)
+    if parts is None or parts[0] != members:
+        return None
+    _, first, second = parts
+    S = tuple(g.avals[dots[0].outputs[0]].shape)
+    out_of = lambda ids: {v for i in ids for v in g.node_index[i].outputs}  # noqa: E731
+    made1 = out_of(first)
+    if any(tuple(g.avals[v].shape) == S for v in made1 & set(group.outputs)):
+        return None  # stage 1 would have to write a value of the product's shape
+    back_ids = _recomputed(g, first, second, S)
+    read2 = {a for i in back_ids for a in g.node_index[i].inputs if isinstance(a, int)} - out_of(back_ids)
+    private = tuple(sorted(v for v in read2 & made1))
+    fwd_outs = tuple(v for i in sorted(first) for v in g.node_index[i].outputs if v in set(group.outputs) | set(private))
+    if not fwd_outs:
+        return None
+    live = _ancestors(g, [g.producer[v] for v in fwd_outs], first)
+    fwd = Group.of(g, sorted(live))
+    forward = Group(g, fwd.node_ids, fwd.inputs, fwd_outs)
+    bwd = Group.of(g, sorted(back_ids))
+    backward = Group(g, bwd.node_ids, bwd.inputs, tuple(v for v in bwd.outputs if v in group.outputs))
+    if not backward.outputs or set(group.outputs) - set(forward.outputs) - set(backward.outputs):
+        return None
+    forward_spec = matmul_reduce.TEMPLATE.match(forward)
+    backward_spec = matmul.TEMPLATE.match(backward) if forward_spec is not None else None
+    if backward_spec is None:
+        return None
+    return MatmulReduceVJPSpec(group, frozenset(first), frozenset(second), forward, forward_spec, backward, backward_spec, private)
+
+
+def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+    """Per dot whose product is reduced and read again after the reductions: the group with its stages (`()` where
+    the group is convex and runs as one unit, else the forward then the backward, each convex)."""
+    out = []
+    for nd in graph.nodes:
+        if op_class(nd.name) is not OpClass.CONTRACTION or not fusible(nd.id):
+            continue
+        parts = split(graph, nd.id)
+        if parts is None:
+            continue
+        members, first, second = parts
+        group = Group.of(graph, sorted(members))
+        spec = TEMPLATE.match(group)
+        if spec is None:
+            continue
+        if convex(graph, members):
+            out.append((group, ()))
+        elif convex(graph, first) and convex(graph, second):
+            out.append((group, TEMPLATE.stage_split(spec)))
+    return out
+
+
+def stage_configs(config: dict) -> tuple[dict, dict]:
+    """(stage 1's `matmul_reduce` config, stage 2's `matmul` config) of a config of this template."""
+    fwd = {k: v for k, v in config.items() if not k.startswith(BWD)}
+    bwd = {k[len(BWD):]: v for k, v in config.items() if k.startswith(BWD)}
+    if "backend" in config:
+        bwd["backend"] = config["backend"]
+    return fwd, bwd
+
+
+class MatmulReduceVJPTemplate(Template[MatmulReduceVJPSpec]):
+    name = "matmul_reduce_vjp"
+    params = matmul_reduce.TEMPLATE.params + tuple(BWD + p for p in matmul.TEMPLATE.params)
+    backends = ("triton", "mosaic_gpu")
+
+    def match(self, group: Group) -> MatmulReduceVJPSpec | None:
+        """The two stages and their kernels' specs, or None."""
+        return _match(group)
+
+    def stage_split(self, spec: MatmulReduceVJPSpec) -> tuple[frozenset[int], ...]:
+        return spec.stage1, spec.stage2
+
+    def default_config(self, spec: MatmulReduceVJPSpec) -> dict:
+        return {**matmul_reduce.TEMPLATE.default_config(spec.forward_spec),
+                **{BWD + k: v for k, v in matmul.TEMPLATE.default_config(spec.backward_spec).items()}}
+
+    def space(self, group: Group, spec: MatmulReduceVJPSpec | None = None) -> dict:
+        """Stage 1's parameters and stage 2's (`bwd_` keys), search_spaces/matmul_reduce_vjp.toml."""
+        spec = spec or self.match(group)
+        f = spec.forward_spec
+        itemsize = np.dtype(group.graph.avals[f.a].dtype).itemsize
+        return template_space(self.name, self.default_config(spec), {
+            "M": f.M, "N": f.N, "K": f.K, "L": f.L, "over_n": int(f.over_n), "itemsize": itemsize, "smem_bytes": H200.smem_bytes})
+
+    def model_time_ms(self, spec: MatmulReduceVJPSpec, config: dict, model: GPUModel = H200) -> float:
+        """The two kernels' models."""
+        fwd, bwd = stage_configs(config)
+        return (matmul_reduce.TEMPLATE.model_time_ms(spec.forward_spec, fwd, model)
+                + matmul.TEMPLATE.model_time_ms(spec.backward_spec, bwd, model))
+
+
+TEMPLATE = MatmulReduceVJPTemplate()

@@ -1,0 +1,128 @@
+"""`matmul_reduce_vjp`: a cross-entropy over a vocabulary under `jax.grad`, its logits computed twice (the
+forward's reductions in one `matmul_reduce` kernel, the backward's dlogits as the epilogue of a `matmul` kernel)
+and never stored (CPU, interpret mode)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autofuse
+from autofuse.graph import execution_order, stage_groups
+from autofuse.kernels import TEMPLATES
+from autofuse.plan import plan_from_choices
+from autofuse.runner.measure import compare, random_inputs
+from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.select import default_plan
+
+NAME = "matmul_reduce_vjp"
+CONFIG = {"block_m": 32, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, "split": 2,
+          "bwd_block_m": 32, "bwd_block_n": 64, "bwd_block_k": 64, "bwd_num_warps": 4, "bwd_num_stages": 3, "bwd_group_m": 8}
+
+
+def cross_entropy(h, w, targets):
+    """Mean cross-entropy of logits h @ w against integer targets (logsumexp minus the target's logit, picked by a
+    one-hot as in examples/gpt2.py: `take_along_axis`'s backward is a scatter, which stays in XLA)."""
+    logits = (h @ w).astype(jnp.float32)
+    target = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1]) * logits, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target)
+
+
+def log_cross_entropy(h, w, targets):
+    """A loss whose cotangent of the logsumexp depends on the forward's result (as in a training step)."""
+    return jnp.log(cross_entropy(h, w, targets))
+
+
+def _args(dtype=jnp.float32, B=2, S=48, D=64, V=200, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    h = jax.random.normal(k[0], (B, S, D), jnp.float32).astype(dtype)
+    w = (0.2 * jax.random.normal(k[1], (D, V), jnp.float32)).astype(dtype)
+    return h, w, jax.random.randint(k[2], (B, S), 0, V)
+
+
+def _candidates(fn, args):
+    graph = autofuse.capture(fn, *args)
+    return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
+
+
+def _check_group(c, config, backend="triton", interpret=True, tol=1e-4):
+    kernel = TEMPLATES[NAME].build(c.group, config, backend=backend, interpret=interpret, spec=c.spec)
+    ins = random_inputs(c.group.input_avals(), 7)
+    outs, refs = kernel(*ins), c.group.evaluate(ins)
+    for o, r in zip(outs, refs):
+        ok, _, why = compare(o, r, tol)
+        assert ok, why
+
+
+def test_the_gradient_of_a_cross_entropy_is_one_candidate():
+    """The logits' dot, the forward's reductions and the backward's dlogits are one convex group (the cotangent
+    is a constant): stage 1 writes row values only, stage 2 writes dlogits, read by the two dots outside."""
+    graph, cands = _candidates(jax.grad(cross_entropy, argnums=(0, 1)), _args())
+    assert len(cands) == 1
+    c = cands[0]
+    assert c.stages == ()
+    spec = c.spec
+    product = graph.avals[next(n for n in c.group.nodes if n.name == "dot_general").outputs[0]].shape
+    assert all(graph.avals[v].shape != product for v in spec.forward.outputs)
+    assert [graph.avals[v].shape for v in spec.backward.outputs] == [product]
+    assert all(graph.node_index[k].name == "dot_general" for v in spec.backward.outputs for k in graph.consumers[v])
+    assert spec.stage1 | spec.stage2 == frozenset(c.group.node_ids) and not spec.stage1 & spec.stage2
+    assert all(graph.avals[v].shape != product for v in spec.private)
+
+
+def test_the_kernels_match_xla_on_random_inputs():
+    _, (c,) = _candidates(jax.grad(cross_entropy, argnums=(0, 1)), _args())
+    _check_group(c, CONFIG)
+    _check_group(c, TEMPLATES[NAME].default_config(c.spec))
+
+
+def test_a_training_step_runs_it_in_two_stages_and_matches_jit():
+    """Where the cotangent depends on the loss the group is not convex: two stages, the row values handed on
+    privately; the plan's gradients equal jax.jit's."""
+    fn = jax.grad(log_cross_entropy, argnums=(0, 1))
+    args = _args()
+    graph, (c,) = _candidates(fn, args)
+    assert len(c.stages) == 2
+    with pytest.raises(ValueError):
+        execution_order(graph, [c.nodes])
+    execution_order(graph, list(c.stages), [[0, 1]])
+    plan = plan_from_choices(graph, [(c.group, NAME, CONFIG, c.stages)])
+    fused = autofuse.jit(fn, plan=plan, on_miss="error")
+    for o, r in zip(fused(*args), jax.jit(fn)(*args)):
+        ok, _, why = compare(o, r, 1e-4)
+        assert ok, why
+    assert fused.last_status.startswith("plan:")
+
+
+def test_no_logits_are_handed_between_the_stages():
+    """The product and everything of its shape stage 1 computes are computed again by stage 2, not kept."""
+    fn = jax.grad(log_cross_entropy, argnums=(0, 1))
+    graph, (c,) = _candidates(fn, _args())
+    product = graph.avals[next(n for n in c.group.nodes if n.name == "dot_general").outputs[0]].shape
+    first = stage_groups(c.group, c.stages)[0]
+    stage1 = TEMPLATES[NAME].build_stages(c.group, c.stages, CONFIG, interpret=True, spec=c.spec)[0]
+    outs, private = stage1(random_inputs(first.input_avals(), 3), None)
+    assert private and all(np.shape(x) != product for x in [*outs, *private.values()])
+
+
+def test_default_plan_takes_it_and_the_gradient_matches():
+    """The cover of the modelled costs takes the pair; `jax.grad` through the plan equals `jax.grad` itself."""
+    fn = jax.grad(cross_entropy, argnums=(0, 1))
+    args = _args()
+    graph = autofuse.capture(fn, *args)
+    plan = default_plan(graph)
+    assert any(g.template == NAME for g in plan.groups), [g.template for g in plan.groups]
+    fused = autofuse.jit(fn, plan=plan, on_miss="error")
+    for o, r in zip(fused(*args), jax.jit(fn)(*args)):
+        ok, _, why = compare(o, r, 1e-4)
+        assert ok, why
+
+
+def test_the_small_gpt2_training_step_offers_it():
+    """GPT-2's grad_step: the vocabulary head's forward and backward are one candidate; its kernels match XLA."""
+    from examples import gpt2
+
+    graph, cands = _candidates(gpt2.grad_step, gpt2.small_inputs())
+    assert len(cands) == 1
+    _check_group(cands[0], TEMPLATES[NAME].default_config(cands[0].spec))
