@@ -65,6 +65,11 @@ def cross_entropy(h, w, target):
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0), axis=-1)
 
 
+def cross_entropy_grad(h, w, target):
+    """The gradient of the mean cross-entropy with respect to h and W (a language model head's backward)."""
+    return jax.grad(lambda h, w: jnp.mean(cross_entropy(h, w, target).astype(jnp.float32)), argnums=(0, 1))(h, w)
+
+
 def attention_bhld(q, k, v):
     """Plain-jnp attention, [B, H, L, D]."""
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
@@ -106,6 +111,7 @@ WORKLOADS = [
     Workload("matmul_bias_swish_groupnorm", matmul_bias_swish_groupnorm, ((16384, 2048), (2048, 4096), (4096,), (4096,), (4096,))),
     Workload("splade_head", splade_head, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
     Workload("cross_entropy", cross_entropy, ((8192, 4096), (4096, 32000), (8192,)), (None, None, "int32")),
+    Workload("cross_entropy_grad", cross_entropy_grad, ((16384, 1024), (1024, 50257), (16384,)), (None, None, "int32")),  # GPT-2's head
     Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
     Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
 ]
@@ -120,6 +126,7 @@ SMALL = {
     "matmul_bias_swish_groupnorm": ((100, 70), (70, 1024), (1024,), (1024,), (1024,)),  # 32 segments of 32
     "splade_head": ((2, 37, 40), (40, 70), (70,), (2, 37)),
     "cross_entropy": ((50, 40), (40, 300), (50,)),
+    "cross_entropy_grad": ((64, 64), (64, 300), (64,)),
     "attention": ((2, 2, 100, 64),) * 3,
     "attention_causal": ((2, 2, 100, 64),) * 3,
 }
