@@ -49,7 +49,7 @@ from ..tiling import Span, TileSpec
 FULL, ROWS, COLS, NONE = Span(True, True), Span(True, False), Span(False, True), Span(False, False)
 
 # Equations that `ops.eval_elementwise` runs without binding their primitive.
-_PASS_THROUGH = {"stop_gradient", "copy", "copy_p", "convert_element_type", "square"}
+_PASS_THROUGH = {"stop_gradient", "copy", "copy_p", "convert_element_type", "square", "add_any"}
 
 
 class Unsupported(NotImplementedError):
