@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import autofuse
-from autofuse.graph import execution_order, stage_groups
+from autofuse.graph import Group, execution_order, stage_groups
 from autofuse.kernels import TEMPLATES
 from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
@@ -143,3 +143,51 @@ def test_mosaic_gpu_kernels_match_xla_in_interpret_mode_and_lower_for_cuda():
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in c.group.input_avals()]
     text = export_for_cuda(mgpu.lower(c.group, c.spec, config), structs).mlir_module()
     assert text.count("mosaic_gpu") >= 2
+
+
+def test_the_splade_heads_in_a_training_step():
+    """SPLADE's grad_step: each head (max over the sequence of log1p(relu(h @ W + b)) * mask, and the count of the
+    positions that reach it, as `jax.grad` of `max` makes) with its backward is one two-stage candidate; the
+    backward's epilogue reads per-sequence values ([B, 1, V]) one row per tile; the kernels match XLA and a plan
+    of both heads matches jax.jit's gradients."""
+    from examples import splade
+
+    args = splade.small_inputs()
+    graph, cands = _candidates(splade.grad_step, args)
+    assert len(cands) == 2 and all(len(c.stages) == 2 for c in cands)
+    for c in cands:
+        assert c.spec.backward_spec.outer_rows == 16  # the sequence
+        assert any(t[0] == "eq" for terms in c.spec.forward_spec.scale.values() for t in terms)
+        config = TEMPLATES[NAME].default_config(c.spec)
+        assert config["bwd_block_m"] == 16
+        _check_group(c, config)
+    plan = plan_from_choices(graph, [(c.group, NAME, TEMPLATES[NAME].default_config(c.spec), c.stages) for c in cands])
+    fused = autofuse.jit(splade.grad_step, plan=plan, on_miss="error")
+    outs = jax.tree_util.tree_leaves_with_path(fused(*args))
+    for (path, o), r in zip(outs, jax.tree_util.tree_leaves(jax.jit(splade.grad_step)(*args))):
+        # the key biases' gradients are zero in exact arithmetic (softmax ignores a shift of every key): rounding
+        # noise of ~1e-10, held to an absolute bound
+        err, size = float(np.linalg.norm(np.asarray(o) - np.asarray(r))), float(np.linalg.norm(np.asarray(r)))
+        assert err <= 1e-4 * max(size, 1e-3), (jax.tree_util.keystr(path), err, size)
+
+
+def test_a_count_of_the_maximum_rescales_online():
+    """matmul_reduce alone: sum(x == max(x)) over the sequence, folded block by block (reset when the max moves)."""
+    def count_of_max(h, w):
+        x = h @ w
+        return jnp.sum((x == jnp.max(x, axis=1, keepdims=True)).astype(jnp.float32), axis=1)
+
+    h = jnp.round(jax.random.normal(jax.random.PRNGKey(0), (2, 64, 16)))  # small integers: ties happen
+    w = jnp.round(jax.random.normal(jax.random.PRNGKey(1), (16, 48)))
+    graph = autofuse.capture(count_of_max, h, w)
+    from autofuse.kernels import matmul_reduce
+
+    group = Group.of(graph, [n.id for n in graph.nodes])
+    spec = matmul_reduce.TEMPLATE.match(group)
+    assert spec is not None and not spec.over_n
+    kernel = matmul_reduce.TEMPLATE.build(group, {"block_m": 16, "block_n": 16, "block_k": 16, "num_warps": 4, "num_stages": 2,
+                                                  "split": 1}, interpret=True, spec=spec)
+    (out,) = kernel(h, w)
+    ref = count_of_max(h, w)
+    assert float(jnp.max(ref)) > 1  # ties were counted
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

@@ -71,6 +71,12 @@ class MatmulSpec:
         return self.epi.seg
 
     @property
+    def outer_rows(self) -> int:
+        """The rows per outer index that a tile must stay within (an epilogue input over the leading row axes
+        only: their gcd), else 0."""
+        return math.gcd(*self.epi.outer.values()) if self.epi.outer else 0
+
+    @property
     def epi_nodes(self) -> list[Node]:
         """The epilogue's equations, in order (on `epi.group`'s graph: a segmented epilogue's own rewritten one)."""
         return [] if self.epi.group.node_ids == (self.dot.id,) and self.epi.group.graph is self.group.graph else self.epi.group.nodes
@@ -131,7 +137,10 @@ class MatmulTemplate(Template[MatmulSpec]):
         bn = fit(64 if small else 128, spec.N)
         if spec.seg:  # a tile holds whole segments
             bn = max(bn, spec.seg) // spec.seg * spec.seg
-        return {"block_m": fit(64 if small else 128, spec.M), "block_n": bn, "block_k": fit(32 if spec.K < 64 else 64, spec.K),
+        bm = fit(64 if small else 128, spec.M)
+        while spec.outer_rows and spec.outer_rows % bm and bm > 16:  # a tile's rows within one outer index
+            bm //= 2
+        return {"block_m": bm, "block_n": bn, "block_k": fit(32 if spec.K < 64 else 64, spec.K),
                 "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
 
     def space(self, group: Group, spec: MatmulSpec | None = None) -> dict:
@@ -140,7 +149,7 @@ class MatmulTemplate(Template[MatmulSpec]):
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return template_space(self.name, self.default_config(spec),
                               {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
-                               "seg": spec.seg})
+                               "seg": spec.seg, "outer_rows": spec.outer_rows})
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.
@@ -196,7 +205,7 @@ def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...])
         spec = analyze_segments(seg_sub, S[:-1] + (S[-1] // seg, seg), n - 1)
         spec.axes[out], spec.span[out] = tuple(range(n + 1)), Span(True, True)
         return spec
-    spec = analyze(sub, S, n - 1)
+    spec = analyze(sub, S, n - 1, outer=True)
     if spec.reductions:
         raise NoMatch("reductions belong to matmul_reduce")
     spec.axes[out], spec.span[out] = tuple(range(n)), Span(True, True)

@@ -266,11 +266,31 @@ def _terms(v, spec: MatmulReduceSpec, prod: dict, vlevel: dict, *, additive: boo
             return t(x[0])
         if name == "exp":
             return t(x[0], True)
+        if name == "eq" and not additive:
+            found = _count_of_extreme(x, spec, prod, vlevel)
+            if found is not None:
+                return [("eq", found, 1)]
         if name == "select_n" and vlevel.get(x[0], -1) < 0:
             cases = [t(c) for c in x[1:] if not _is_zero(c, prod)]
             if all(c == cases[0] for c in cases):
                 return cases[0] if cases else []
     raise NoMatch(f"cannot rescale through {name}")
+
+
+def _count_of_extreme(x, spec: MatmulReduceSpec, prod: dict, vlevel: dict) -> int | None:
+    """For `eq(y, c)` (either order), the value c when it is the running max or min of y itself (a max's location
+    indicator: `jax.grad` of `max` counts the positions that reach it), else None. When c moves, every earlier
+    y was at most the old c, so none equals the new one: the running count is kept while c stays and is reset
+    to 0 when it moves (`rescale_factor`'s "eq")."""
+    for y, c in ((x[0], x[1]), (x[1], x[0])):
+        if not (isinstance(y, int) and isinstance(c, int)) or vlevel.get(y, -1) >= 0 or not spec.loop(y) or spec.loop(c):
+            continue
+        nd = prod.get(c)
+        while nd is not None and nd.name in ("reshape", "broadcast_in_dim", "squeeze", "expand_dims"):
+            nd = prod.get(nd.inputs[0])
+        if nd is not None and nd.name in ("reduce_max", "reduce_min") and nd.inputs[0] == y:
+            return c
+    return None
 
 
 def _is_zero(atom, prod: dict) -> bool:
@@ -288,6 +308,9 @@ def rescale_factor(terms: list, old: dict, new: dict):
         if kind == "exp":
             d = (n_ - o) if sign > 0 else (o - n_)
             expo = d if expo is None else expo + d
+        elif kind == "eq":  # a count of the positions at a running extreme: reset when the extreme moves
+            r = (n_ == o).astype(jnp.float32)
+            ratio = r if ratio is None else ratio * r
         else:
             r = (n_ / o) if sign > 0 else (o / n_)
             ratio = r if ratio is None else ratio * r

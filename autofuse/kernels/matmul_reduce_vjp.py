@@ -233,7 +233,8 @@ class MatmulReduceVJPTemplate(Template[MatmulReduceVJPSpec]):
         f = spec.forward_spec
         itemsize = np.dtype(group.graph.avals[f.a].dtype).itemsize
         return template_space(self.name, self.default_config(spec), {
-            "M": f.M, "N": f.N, "K": f.K, "L": f.L, "over_n": int(f.over_n), "itemsize": itemsize, "smem_bytes": H200.smem_bytes})
+            "M": f.M, "N": f.N, "K": f.K, "L": f.L, "over_n": int(f.over_n), "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
+            "outer_rows": spec.backward_spec.outer_rows})
 
     def model_time_ms(self, spec: MatmulReduceVJPSpec, config: dict, model: GPUModel = H200) -> float:
         """The two kernels' models."""

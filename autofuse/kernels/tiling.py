@@ -11,7 +11,7 @@ each backend writes the loads, stores and loops around it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,6 +45,9 @@ class TileSpec:
     span: dict[int, Span]  # value -> what its register tile varies along
     reductions: list[int]  # node ids of column reductions
     seg: int = 0  # segmented tiling (`analyze_segments`): the columns are S[split:] = [C / seg, seg]; 0: not segmented
+    outer: dict[int, int] = field(default_factory=dict)  # (`analyze(outer=True)`) an input that covers only the leading
+    # row axes (SPLADE's per-sequence max [B, 1, V] beside the [B, S, V] product) -> the rows per index of those
+    # axes; a tile whose rows lie in one such index reads it as one row (`Span(False, ...)`)
 
     @property
     def R(self) -> int:
@@ -62,7 +65,7 @@ class TileSpec:
     def layout2d(self, v: int) -> tuple[int, int]:
         """The 2-D shape a group input/output is reshaped to outside the kernel."""
         sp = self.layout_span(v)
-        return (self.R if sp.rows else 1, self.C if sp.cols else 1)
+        return (self.R // self.outer.get(v, 1) if sp.rows else 1, self.C if sp.cols else 1)
 
 
 def next_pow2(x: int) -> int:
@@ -149,27 +152,34 @@ def _placed_in_order(group: Group, values: list[int], S: tuple[int, ...]) -> dic
             raise NoMatch(f"value %{v} is a transpose of the iteration space")
     return axes
 
-def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequence[int] | None = None) -> TileSpec:
+def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequence[int] | None = None,
+            outer: bool = False) -> TileSpec:
     """Assign every value of `group` its S-axes and tile span, or raise NoMatch.
 
     Reductions must cover the trailing axes from `split`, or exactly the S-axes
     `reduce_axes` when given; then inputs and outputs need not be 2-D views
-    (the caller lays them out itself).
+    (the caller lays them out itself). With `outer`, an input may cover only the
+    leading row axes (`TileSpec.outer`: the caller's tiles lie within one index of them).
     """
     S = tuple(shape)
     n = len(S)
     values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
     axes = _placed_in_order(group, values, S)
 
+    per_outer: dict[int, int] = {}
     if reduce_axes is None:
         for v in list(group.inputs) + list(group.outputs):
-            _check_2d(v, axes[v], S, split)
+            inner = _outer_rows(axes[v], S, split) if outer and v in group.inputs else None
+            if inner is not None:
+                per_outer[v] = inner
+            else:
+                _check_2d(v, axes[v], S, split)
     want = {d for d in (range(split, n) if reduce_axes is None else reduce_axes) if S[d] != 1}
 
     span: dict[int, Span] = {}
     for v in group.inputs:
         ax = [a for a in axes[v] if a is not None]
-        span[v] = Span(any(a < split for a in ax), any(a >= split for a in ax))
+        span[v] = Span(any(a < split for a in ax) and v not in per_outer, any(a >= split for a in ax))
     reductions = []
     for nd in group.nodes:
         cls = ops.op_class(nd.name)
@@ -188,7 +198,16 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
             span[nd.outputs[0]] = Span(False, False) if d is None else Span(d < split, d >= split)
         else:
             span[nd.outputs[0]] = Span(any(s.rows for s in ins), any(s.cols for s in ins))
-    return TileSpec(group, S, split, axes, span, reductions)
+    return TileSpec(group, S, split, axes, span, reductions, outer=per_outer)
+
+
+def _outer_rows(ax: tuple, S: tuple, split: int) -> int | None:
+    """For a value covering only some leading row axes of S (and any columns), the rows per index of them; else None."""
+    rows = sorted({a for a in ax if a is not None and a < split})
+    full = [d for d in range(split) if S[d] != 1]
+    if not rows or rows == full or rows != full[: len(rows)]:
+        return None
+    return math.prod(S[d] for d in full[len(rows):])
 
 
 def analyze_segments(group: Group, shape: Sequence[int], split: int) -> TileSpec:

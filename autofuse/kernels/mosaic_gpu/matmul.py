@@ -180,6 +180,8 @@ def check_group(spec: MatmulSpec) -> None:
         raise Unsupported("batched dot (spec.batch > 1): not yet in the Mosaic GPU lowering")
     if spec.pro:
         raise Unsupported("a prologue (elementwise work on a dot operand inside the group): not yet in the Mosaic GPU lowering")
+    if spec.epi.outer:
+        raise Unsupported("an epilogue input over the leading row axes only (one row per outer index): not yet in the Mosaic GPU lowering")
     if dt not in _LOW and dt != np.dtype(jnp.float32):
         raise Unsupported(f"operand dtype {dt}: wgmma takes bf16, f16 and float32 (as TF32)")
     check_nodes(spec.epi_nodes, reductions=bool(spec.seg))

@@ -20,6 +20,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
     gm = int(config["group_m"])
     if spec.seg and (bn % spec.seg or spec.seg & (spec.seg - 1)):
         raise NotImplementedError(f"block_n={bn} must be a multiple of the segment length {spec.seg}, a power of two")
+    if any(inner % bm for inner in spec.epi.outer.values()):
+        raise NotImplementedError(f"block_m={bm} must divide the rows per index of an input over the leading row axes "
+                                  f"({sorted(set(spec.epi.outer.values()))})")
     g = group.graph
     body = _BatchBody(spec.epi, bm, bn, spec.M)
     out_v = spec.dot.outputs[0]

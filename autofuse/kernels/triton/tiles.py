@@ -36,7 +36,10 @@ class TileBody(TileEval):
 
     def load(self, ref, v: int, r0, c0):
         span = self.spec.span[v]
-        x = load_tile(ref.at[self._index(span, r0, c0)], self.mask(span, r0, c0))
+        index = self._index(span, r0, c0)
+        if v in self.spec.outer:  # one row per outer index: the tile's (its rows lie within one)
+            index = (pl.ds(r0 // self.spec.outer[v], 1), index[1])
+        x = load_tile(ref.at[index], self.mask(span, r0, c0))
         return self.view(x.astype(ops.compute_dtype(x.dtype)), span)
 
     def store(self, ref, v: int, x, r0, c0):
