@@ -64,6 +64,7 @@ class MatmulSpec:
     epi: TileSpec  # the epilogue on [M, N] (batched: [batch, M, N]) tiles (its group excludes the dot)
     batch: int = 1  # batch entries (a leading batch dimension of both operands), 1 when not batched
     pro: dict = field(default_factory=dict)  # operand (a or b) -> (its prologue's nodes, their TileSpec on the operand's shape)
+    round_product: bool = False  # the epilogue reads the product rounded to the dot's dtype (not the float32 accumulator)
 
     @property
     def seg(self) -> int:

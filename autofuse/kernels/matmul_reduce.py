@@ -57,7 +57,8 @@ class MatmulReduceSpec:
     layout: dict  # input/output value -> (rows: "M" | "P" | None, has columns)
     level: dict  # node id -> level of the latest reduction it depends on (-1: none); a reduction: its own level
     reductions: list  # reduction node ids, in order
-    scale: dict  # dependent reduction id -> [(kind "exp" | "mul", value, sign)]: how its summand rescales
+    scale: dict  # dependent reduction id -> [(kind "exp" | "mul" | "eq", value, sign)]: how its summand rescales
+    round_product: bool = False  # the epilogue reads the product rounded to the dot's dtype (not the float32 accumulator)
 
     @property
     def M(self) -> int:

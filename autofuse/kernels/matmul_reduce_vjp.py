@@ -177,6 +177,10 @@ def _match(group: Group) -> MatmulReduceVJPSpec | None:
     backward_spec = matmul.TEMPLATE.match(backward) if forward_spec is not None else None
     if backward_spec is None:
         return None
+    # Stage 1 hands stage 2 values made from the product rounded to the dot's dtype (a max of bf16 logits): both
+    # kernels read the product so rounded, or the logit at that max could exceed it by half a rounding step
+    # (exp(0.25): the largest softmax entry 28% off at logits of ~100)
+    forward_spec.round_product = backward_spec.round_product = True
     return MatmulReduceVJPSpec(group, frozenset(first), frozenset(second), forward, forward_spec, backward, backward_spec, private)
 
 

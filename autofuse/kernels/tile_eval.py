@@ -35,6 +35,14 @@ def edge_mask(shape: tuple[int, ...], *masks) -> jax.Array | None:
     return jnp.broadcast_to(functools.reduce(operator.and_, given), shape)
 
 
+def product_tile(acc: jax.Array, spec: Any) -> jax.Array:
+    """The float32 accumulator as the epilogue reads it: rounded to the dot's own dtype where the spec says so
+    (`round_product`: two kernels that compute one product each must agree with the values one hands the other)."""
+    if not getattr(spec, "round_product", False):
+        return acc
+    return acc.astype(spec.group.graph.avals[spec.dot.outputs[0]].dtype).astype(jnp.float32)
+
+
 class TileEval:
     """Evaluates a group's equations on [bm, bn] tiles at rows r0.., columns c0.. of the [R, C] space."""
 

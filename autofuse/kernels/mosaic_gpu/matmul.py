@@ -64,6 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
 from ..matmul import MatmulSpec
+from ..tile_eval import product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import require_smem
 from .gemm import compute_dtype as _compute, from_kernel as _from_kernel, kernel_dtype as _kernel_dtype  # noqa: F401
@@ -379,7 +380,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         for i in range(n_pieces):
                             mi, ni = divmod(i, bn // en)
                             r0, c0 = piece_origin(i)
-                            env = {out_v: acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en]}
+                            env = {out_v: product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec)}
                             env.update(scalars)
                             for v in vec_in:
                                 part = vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)]

@@ -73,6 +73,7 @@ from ... import ops
 from ...graph import Group, Node
 from ...ops import OpClass
 from ..matmul_reduce import MatmulReduceSpec, merge_ranges, rescale_factor
+from ..tile_eval import product_tile
 from ..tiling import Span, TileSpec, cdiv
 from .gemm import (BARRIER_BYTES, LOW, REDUCTION_SCRATCH, SMEM_LIMIT, Operands, check_operand_tiles, compute_dtype,
                    from_kernel, interpret_params, kernel_dtype, num_sms_default, pad, pad_to, smem_alloc)
@@ -549,7 +550,7 @@ class _Kernel:
         for i in range(self.step // en):
             c0 = col0 + i * en  # the piece's first column in the reduced space (iota)
             local = dict(env)
-            local[self.out_v] = acc[:, i * en:(i + 1) * en]
+            local[self.out_v] = product_tile(acc[:, i * en:(i + 1) * en], self.spec)
             for x in self.vec_in:
                 if x.kind == "cols":
                     part = plgpu.load(vec_smem[x.v].at[wg, pl.ds(i * en, en)], layout=layout(COLS))

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 
 from ...graph import Group
 from ..matmul import MatmulSpec
-from ..tile_eval import edge_mask
+from ..tile_eval import edge_mask, product_tile
 from ..tiling import Span, TileSpec, cdiv
 from .tiles import TileBody, kernel_name, load_tile, pallas_call
 
@@ -57,7 +57,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
             tiles[v] = _prologue_tile(ins, nodes, pspec, v, v == spec.a, major_is_k, other0, other_n, bk, spec.K, g.avals[v].dtype)
         acc = dot_tile(ins.get(spec.a), ins.get(spec.b), r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk,
                        a_off=a_off, b_off=b_off, a_tile=tiles.get(spec.a), b_tile=tiles.get(spec.b))
-        env = {out_v: body.view(acc, Span(True, True))}  # segmented columns: [bm, bn / seg, seg]
+        env = {out_v: body.view(product_tile(acc, spec), Span(True, True))}  # segmented columns: [bm, bn / seg, seg]
         body.base = bi * spec.M
         rg = body.base + r0  # the tile's first row among all batch entries' rows
         for v in epi_inputs:

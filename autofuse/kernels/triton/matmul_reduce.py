@@ -15,7 +15,7 @@ from ... import ops
 from ...graph import Group
 from ..matmul_reduce import MatmulReduceSpec, merge_ranges, rescale_factor
 from ..template import NoMatch
-from ..tile_eval import TileEval, edge_mask
+from ..tile_eval import TileEval, edge_mask, product_tile
 from ..tiling import cdiv
 from .matmul import dot_tile
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
@@ -104,7 +104,8 @@ def lower(group: Group, spec: MatmulReduceSpec, config: dict, *, interpret: bool
                 r_ok, c_ok = ((l0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)) < L) if L % bm else None, col_fixed
                 loop_ok = r_ok
             local = dict(env)
-            local[out_v] = dot_tile(ins[spec.a], ins[spec.b], r0, c0, r_ok, c_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk)
+            local[out_v] = product_tile(dot_tile(ins[spec.a], ins[spec.b], r0, c0, r_ok, c_ok, bm=bm, bn=bn, bk=bk, K=spec.K,
+                                                 a_km=spec.a_km, b_nk=spec.b_nk), spec)
             for v in loop_in:
                 local[v] = load(ins[v], v, r0, p, c0, r_ok, c_ok)
             old = None
