@@ -94,6 +94,27 @@ def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
 XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "attention": 3.5, "matmul_reduce": 1.1}
 
 
+def _reduced_then_read(group: Group) -> tuple[list[int], list[int]] | None:
+    """For a group with one dot whose product is reduced and read again after the reductions (a cross-entropy with
+    its backward): (what the reductions need, with the row work after them; the rest), else None."""
+    g, members = group.graph, set(group.node_ids)
+    dots = [n for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION]
+    if len(dots) != 1:
+        return None
+    shape = g.avals[dots[0].outputs[0]].shape
+    first: set[int] = set()
+    stack = [n.id for n in group.nodes if ops.op_class(n.name) is OpClass.REDUCTION]
+    while stack:
+        i = stack.pop()
+        if i not in first:
+            first.add(i)
+            stack.extend(p for p in g.preds(i) if p in members)
+    rest = [i for i in group.node_ids if i not in first]
+    if not any(g.avals[v].shape == shape for i in rest for v in g.node_index[i].outputs):
+        return None
+    return sorted(first), rest
+
+
 def _kind(group: Group) -> str:
     classes = {ops.op_class(n.name) for n in group.nodes}
     if sum(ops.op_class(n.name) is OpClass.CONTRACTION for n in group.nodes) >= 2 and OpClass.REDUCTION in classes:
@@ -105,8 +126,12 @@ def _kind(group: Group) -> str:
 
 def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
     """Modelled time of XLA's own fusion of the group."""
-    t = group_time_ms(group, model) - 1e3 * model.launch_s
     kind = _kind(group)
+    if kind == "matmul_reduce":
+        parts = _reduced_then_read(group)
+        if parts is not None:  # two fusions at least: the reductions', then the later reader's (each reads the product)
+            return sum(xla_group_time_ms(Group.of(group.graph, ids), model) for ids in parts)
+    t = group_time_ms(group, model) - 1e3 * model.launch_s
     if kind == "matmul_reduce":  # XLA writes the product, then reads it back to reduce it in a second kernel (GPU_NOTES)
         t += 1e3 * model.launch_s + 1e3 * 2 * sum(group.graph.avals[v].nbytes for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION
                            for v in n.outputs) / model.bandwidth_Bps

@@ -191,3 +191,18 @@ def test_a_count_of_the_maximum_rescales_online():
     ref = count_of_max(h, w)
     assert float(jnp.max(ref)) > 1  # ties were counted
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_xla_is_modelled_as_two_fusions_each_reading_the_product():
+    """XLA cannot fuse the forward's reductions with the backward's reader of the product (a training step puts the
+    cotangent between them): its modelled time is the two parts', each reading the product, not one pass's."""
+    from autofuse import costmodel
+
+    _, (c,) = _candidates(jax.grad(log_cross_entropy, argnums=(0, 1)), _args())
+    g = c.group.graph
+    first = sorted(i for i in c.group.node_ids if i in c.spec.stage1 or g.node_index[i].name == "reduce_sum")
+    parts = costmodel._reduced_then_read(c.group)
+    assert parts is not None and parts[0] and parts[1]
+    whole = costmodel.xla_group_time_ms(c.group)
+    assert whole == pytest.approx(sum(costmodel.xla_group_time_ms(Group.of(g, ids)) for ids in parts))
+    assert whole > costmodel.xla_group_time_ms(Group.of(g, first))

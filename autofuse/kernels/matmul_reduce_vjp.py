@@ -18,6 +18,12 @@ Stage 1 is every node a reduction needs and the row work computable from the red
 rest. A value of the product's shape that stage 1 makes is never handed to stage 2: stage 2 re-evaluates it.
 Where the group is not convex (a training step: the backward's cotangent depends on the forward's outputs) the
 two stages run as two units, as `attention_vjp`'s do; where it is (the cotangent a constant) as one.
+
+The SPLADE head is the other case: its forward reduces over the sequence (max of log1p(relu(h @ W + b)) * mask,
+and the count of positions at the max that `jax.grad` of `max` adds: `matmul_reduce`'s "eq" rescale), and its
+backward's epilogue reads per-sequence values ([B, 1, V]: the max, the cotangent over the count) beside the
+[B, S, V] product (`TileSpec.outer`). Both kernels read the product rounded to the dot's dtype, as the program's
+dot returns it: stage 1 hands on values made from that rounding (a bf16 max), which stage 2's product must meet.
 """
 from __future__ import annotations
 
