@@ -145,30 +145,43 @@ def test_mosaic_gpu_kernels_match_xla_in_interpret_mode_and_lower_for_cuda():
     assert text.count("mosaic_gpu") >= 2
 
 
-def test_the_splade_heads_in_a_training_step():
-    """SPLADE's grad_step: each head (max over the sequence of log1p(relu(h @ W + b)) * mask, and the count of the
-    positions that reach it, as `jax.grad` of `max` makes) with its backward is one two-stage candidate; the
-    backward's epilogue reads per-sequence values ([B, 1, V]) one row per tile; the kernels match XLA and a plan
-    of both heads matches jax.jit's gradients."""
+def test_a_recomputed_max_location_is_refused():
+    """SPLADE's heads under jax.grad: the backward tests each logit for equality with the forward's max (where the
+    max's gradient goes). Two kernels computing the product in their own order may miss it by the last bit and
+    lose that gradient whole (6% off on the CPU, found by the fused whole-program check), so no pair is offered;
+    a head whose backward is continuous (a cross-entropy's) is."""
     from examples import splade
 
-    args = splade.small_inputs()
-    graph, cands = _candidates(splade.grad_step, args)
-    assert len(cands) == 2 and all(len(c.stages) == 2 for c in cands)
-    for c in cands:
-        assert c.spec.backward_spec.outer_rows == 16  # the sequence
-        assert any(t[0] == "eq" for terms in c.spec.forward_spec.scale.values() for t in terms)
-        config = TEMPLATES[NAME].default_config(c.spec)
-        assert config["bwd_block_m"] == 16
-        _check_group(c, config)
-    plan = plan_from_choices(graph, [(c.group, NAME, TEMPLATES[NAME].default_config(c.spec), c.stages) for c in cands])
-    fused = autofuse.jit(splade.grad_step, plan=plan, on_miss="error")
-    outs = jax.tree_util.tree_leaves_with_path(fused(*args))
-    for (path, o), r in zip(outs, jax.tree_util.tree_leaves(jax.jit(splade.grad_step)(*args))):
-        # the key biases' gradients are zero in exact arithmetic (softmax ignores a shift of every key): rounding
-        # noise of ~1e-10, held to an absolute bound
-        err, size = float(np.linalg.norm(np.asarray(o) - np.asarray(r))), float(np.linalg.norm(np.asarray(r)))
-        assert err <= 1e-4 * max(size, 1e-3), (jax.tree_util.keystr(path), err, size)
+    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    assert cands == []
+    dots = [n.id for n in graph.nodes if n.name == "dot_general" and graph.avals[n.outputs[0]].shape[-1] == splade.SMALL.vocab]
+    from autofuse.kernels import matmul_reduce_vjp
+
+    parts = [matmul_reduce_vjp.split(graph, d) for d in dots]
+    assert any(p is not None for p in parts)  # the structure is there: only the exactness test refuses it
+    assert all(TEMPLATES[NAME].match(Group.of(graph, sorted(p[0]))) is None for p in parts if p is not None)
+
+
+def test_an_epilogue_reads_a_value_per_outer_index():
+    """A matmul epilogue with a [B, 1, N] input beside the [B, S, N] product (one row per tile: block_m divides S)."""
+    def f(h, w, per_seq):
+        return jnp.tanh(h @ w) * per_seq
+
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 48, 32))
+    w = jax.random.normal(jax.random.PRNGKey(1), (32, 80))
+    per_seq = jax.random.normal(jax.random.PRNGKey(2), (2, 1, 80))
+    graph = autofuse.capture(f, h, w, per_seq)
+    group = Group.of(graph, [n.id for n in graph.nodes])
+    spec = TEMPLATES["matmul"].match(group)
+    assert spec is not None and spec.outer_rows == 48
+    assert TEMPLATES["matmul"].default_config(spec)["block_m"] in (16,)
+    assert TEMPLATES["matmul"].unsupported(spec, "mosaic_gpu") is not None  # Triton only, so far
+    config = {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 4}
+    (out,) = TEMPLATES["matmul"].build(group, config, interpret=True, spec=spec)(h, w, per_seq)
+    ok, _, why = compare(out, f(h, w, per_seq), 1e-5)
+    assert ok, why
+    with pytest.raises(NotImplementedError, match="divide"):
+        TEMPLATES["matmul"].build(group, {**config, "block_m": 32}, interpret=True, spec=spec)
 
 
 def test_a_count_of_the_maximum_rescales_online():

@@ -3,7 +3,11 @@
 Softmax (max, exp, sum, divide), layer and RMS norm, logsumexp: one program
 per block of rows. A row that fits one column block is reduced in registers
 in one pass; a longer row is reduced with in-kernel loops over column blocks
-(one loop per reduction depth, then one that writes).
+(one loop per reduction depth, then one that writes). A norm's backward also
+sums over the rows of each column (dγ = Σ dy·x̂, dβ = Σ dy): such a sum
+(`TileSpec.col_sums`) is written per block of rows as a partial, [row blocks,
+C] in float32, and the partials are added after the kernel (a small XLA sum),
+so dy and x̂ are read once for dx and the column sums together.
 """
 from __future__ import annotations
 
@@ -29,15 +33,15 @@ class RowReduceTemplate(Template[TileSpec]):
         if not reds:
             return None
         g = group.graph
-        S = g.avals[reds[0].inputs[0]].shape
+        trailing = [n for n in reds if sorted(n.params["axes"]) == list(range(min(n.params["axes"]), len(g.aval(n.inputs[0]).shape)))]
+        if not trailing:
+            return None
+        S = g.aval(trailing[0].inputs[0]).shape
         if not S or min(S) == 0:
             return None
-        axes = reds[0].params["axes"]
-        split = min(axes)
-        if sorted(axes) != list(range(split, len(S))):
-            return None
+        split = min(trailing[0].params["axes"])
         try:
-            return analyze(group, S, split)
+            return analyze(group, S, split, column_sums=True)
         except NoMatch:
             return None
 

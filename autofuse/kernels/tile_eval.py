@@ -89,7 +89,7 @@ class TileEval:
         cls = ops.op_class(nd.name)
         out = nd.outputs[0]
         odt = self.g.avals[out].dtype
-        if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
+        if cls in (OpClass.BROADCAST, OpClass.LAYOUT) or nd.id in self.spec.unit_reductions:
             env[out] = self.atom(env, nd.inputs[0])
         elif cls is OpClass.ELEMENTWISE:
             env[out] = ops.eval_elementwise(nd.primitive, nd.params, odt, [self.atom(env, a) for a in nd.inputs],

@@ -45,6 +45,10 @@ class TileSpec:
     span: dict[int, Span]  # value -> what its register tile varies along
     reductions: list[int]  # node ids of column reductions
     seg: int = 0  # segmented tiling (`analyze_segments`): the columns are S[split:] = [C / seg, seg]; 0: not segmented
+    col_sums: dict[int, int] = field(default_factory=dict)  # (`analyze(column_sums=True)`) a group output that is a sum
+    # over every row axis (a norm's dγ/dβ), maybe reshaped -> the reduction's node id: written per block of rows as a partial
+    col_sum_nodes: frozenset[int] = frozenset()  # those reductions and the reshapes after them (not evaluated on tiles)
+    unit_reductions: frozenset[int] = frozenset()  # reductions over unit axes only (a gradient's [R, 1] sums): identities
     outer: dict[int, int] = field(default_factory=dict)  # (`analyze(outer=True)`) an input that covers only the leading
     # row axes (SPLADE's per-sequence max [B, 1, V] beside the [B, S, V] product) -> the rows per index of those
     # axes; a tile whose rows lie in one such index reads it as one row (`Span(False, ...)`)
@@ -153,13 +157,17 @@ def _placed_in_order(group: Group, values: list[int], S: tuple[int, ...]) -> dic
     return axes
 
 def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequence[int] | None = None,
-            outer: bool = False) -> TileSpec:
+            outer: bool = False, column_sums: bool = False) -> TileSpec:
     """Assign every value of `group` its S-axes and tile span, or raise NoMatch.
 
     Reductions must cover the trailing axes from `split`, or exactly the S-axes
     `reduce_axes` when given; then inputs and outputs need not be 2-D views
     (the caller lays them out itself). With `outer`, an input may cover only the
     leading row axes (`TileSpec.outer`: the caller's tiles lie within one index of them).
+    With `column_sums` (a norm's backward), a reduction over every row axis is allowed where the
+    group returns it, maybe reshaped (or reduced over unit axes), and reads it no further
+    (`TileSpec.col_sums`); and a reduction over unit axes only is the value itself
+    (`TileSpec.unit_reductions`: a gradient's sums of [R, 1] values).
     """
     S = tuple(shape)
     n = len(S)
@@ -181,11 +189,35 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
         ax = [a for a in axes[v] if a is not None]
         span[v] = Span(any(a < split for a in ax) and v not in per_outer, any(a >= split for a in ax))
     reductions = []
+    summed: dict[int, int] = {}  # a sum over the rows (or a reshape of one) -> the reduction's node id
+    skipped: set[int] = set()
+    unit: set[int] = set()
+    converted: set[int] = set()  # sums over the rows already converted once after the adding
+    rows_all = {d for d in range(split) if S[d] != 1}
     for nd in group.nodes:
         cls = ops.op_class(nd.name)
         ins = [span[a] for a in nd.inputs if isinstance(a, int)]
+        src = [summed[a] for a in nd.inputs if isinstance(a, int) and a in summed]
+        if src:  # only a reshape (or a reduction over unit axes, or one conversion) of a sum over the rows may read it
+            over_units = cls is OpClass.REDUCTION and not ({axes[nd.inputs[0]][d] for d in nd.params["axes"]} - {None})
+            cast = nd.name == "convert_element_type" and src[0] not in converted
+            if cast:
+                converted.add(src[0])  # applied to the added partials (one cast: rounding once, as the program does)
+            if not (cls is OpClass.LAYOUT or over_units or cast):
+                raise NoMatch(f"{nd.name} reads a sum over the rows inside the group")
+            summed[nd.outputs[0]], span[nd.outputs[0]] = src[0], Span(False, True)
+            skipped.add(nd.id)
+            continue
         if cls is OpClass.REDUCTION:
             red = {axes[nd.inputs[0]][d] for d in nd.params["axes"]} - {None}
+            if column_sums and not red:  # over unit axes only: the value itself
+                span[nd.outputs[0]] = ins[0]
+                unit.add(nd.id)
+                continue
+            if column_sums and red and red == rows_all and reduce_axes is None and ins[0].cols:
+                summed[nd.outputs[0]], span[nd.outputs[0]] = nd.id, Span(False, True)
+                skipped.add(nd.id)
+                continue
             if red != want:
                 raise NoMatch(f"{nd.name} over S-axes {sorted(red)} is not a reduction over the S-axes {sorted(want)}")
             if reduce_axes is None:
@@ -198,7 +230,9 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
             span[nd.outputs[0]] = Span(False, False) if d is None else Span(d < split, d >= split)
         else:
             span[nd.outputs[0]] = Span(any(s.rows for s in ins), any(s.cols for s in ins))
-    return TileSpec(group, S, split, axes, span, reductions, outer=per_outer)
+    col_sums = {v: summed[v] for v in group.outputs if v in summed}
+    return TileSpec(group, S, split, axes, span, reductions, col_sums=col_sums, col_sum_nodes=frozenset(skipped),
+                    unit_reductions=frozenset(unit), outer=per_outer)
 
 
 def _outer_rows(ax: tuple, S: tuple, split: int) -> int | None:

@@ -10,11 +10,14 @@ norm, and its elementwise tail on its own, not every prefix; a stack of norms
 yields groups that end at each norm, not only at the size bound).
 A dot_general also grows forward (its consumers before its operands'
 producers), so a dot's epilogue, reductions and a second dot (attention)
-form one group even when reshapes feed the dot. In a gradient program, an
+form one group even when reshapes feed the dot; so does a reduction, so that a
+backward's row work joins its reductions before the dots that feed them. In a gradient program, an
 attention forward chain with its own backward is one more candidate
 (`kernels/attention_vjp.candidate_groups`), of whatever size; in a training step, where the two are not
 convex together, that candidate runs in two stages (`Candidate.stages`: each convex, the forward chain then its
-backward; the cover orders them as two units of one option). A group holding a dot is also
+backward; the cover orders them as two units of one option); likewise a dot whose product is reduced and read again
+after the reductions (`kernels/matmul_reduce_vjp.candidate_groups`). A row_reduce group is also offered with the
+sums over the rows that read only what it reads or makes (a norm's dγ, dβ). A group holding a dot is also
 offered with the side inputs of its epilogue made inside it (producers only
 it reads and that feed no dot: a bool mask's broadcast and conversion, GQA's
 broadcast), so a template sees what they are (a {0, 1} factor, not any float).
@@ -144,6 +147,45 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             found.append(c)
             if mask & dots:
                 emit_absorbed(c, mask)
+            if c.template == "row_reduce":
+                emit_sibling_sums(c, mask)
+
+    def emit_sibling_sums(c: Candidate, mask: int) -> None:
+        # A norm's backward with its sums over the rows: dβ = Σ dy and dγ = Σ dy·x̂ read only values the group
+        # reads or makes (dy, x̂), so no edge may lead growth to them before a dot or the forward ends the run;
+        # the group is offered again with every such sum (its product, the reshapes and conversion after it).
+        known = set(c.group.inputs) | {v for i in c.group.node_ids for v in graph.node_index[i].outputs}
+        ready = lambda nd: all(isinstance(a, int) and a in known for a in nd.inputs)  # noqa: E731
+        grown = mask
+        chains = []
+        for i in sorted({k for v in known for k in graph.consumers.get(v, ())}):
+            nd = graph.node_index[i]
+            if grown >> i & 1 or not fusible >> i & 1 or not ready(nd):
+                continue
+            chain = [i]
+            if ops.op_class(nd.name) is not OpClass.REDUCTION:  # x̂ * dy, then its sum
+                nxt = _bits(consumers[i])
+                if ops.op_class(nd.name) is not OpClass.ELEMENTWISE or len(nxt) != 1 or not fusible >> nxt[0] & 1 \
+                        or ops.op_class(graph.node_index[nxt[0]].name) is not OpClass.REDUCTION:
+                    continue
+                chain.append(nxt[0])
+            while True:
+                nxt = _bits(consumers[chain[-1]])
+                if len(nxt) != 1 or not fusible >> nxt[0] & 1 or not (
+                        ops.op_class(graph.node_index[nxt[0]].name) in (OpClass.LAYOUT, OpClass.REDUCTION)
+                        or graph.node_index[nxt[0]].name == "convert_element_type"):
+                    break
+                chain.append(nxt[0])
+            chains.append(sum(1 << k for k in chain))
+        for chain in chains:  # one at a time, each kept where the template still takes the group
+            trial = grown | chain
+            if trial != grown and bin(trial).count("1") <= max_group_size and reach.closure(trial) == trial:
+                if trial not in cache:
+                    cache[trial] = _candidate(graph, trial, matched)
+                if cache[trial] is not None and cache[trial].template == c.template:
+                    grown = trial
+        if grown != mask:
+            emit(cache[grown])
 
     def emit_absorbed(c: Candidate, mask: int) -> None:
         # A dot's group with the side inputs of its epilogue made inside it (a bool mask's convert and
@@ -192,7 +234,7 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     # its consumers (epilogue, reductions, a second dot) join before its operands' producers.
     seeds = _bits(fusible)
     paths = [(1 << s, None, False) for s in seeds]
-    paths += [(1 << s, None, True) for s in seeds if ops.op_class(graph.node_index[s].name) is OpClass.CONTRACTION]
+    paths += [(1 << s, None, True) for s in seeds if ops.op_class(graph.node_index[s].name) in (OpClass.CONTRACTION, OpClass.REDUCTION)]
     visited: set[tuple[int, bool]] = set()
     while paths and len(distinct) < max_candidates:
         nxt = []

@@ -66,7 +66,7 @@ def _staged(body: TileBody, in_refs: dict, out_refs: dict, r0, nchunks: int) -> 
             local.update({v: body.load(in_refs[v], v, r0, c0) for v in loads})
             colmask = body.mask(Span(False, True), r0, c0)
             for nd in sl:
-                if nd.id in spec.reductions:
+                if nd.id in spec.reductions or nd.id in spec.col_sum_nodes:
                     continue
                 body.eval_node(nd, local, r0, c0, colmask)
             return fn(local, c0, colmask, carry)
@@ -102,7 +102,10 @@ def _staged(body: TileBody, in_refs: dict, out_refs: dict, r0, nchunks: int) -> 
     if col_outs:
         def write(local, c0, colmask, carry):
             for v in col_outs:
-                body.store(out_refs[v], v, local[v], r0, c0)
+                if v in spec.col_sums:
+                    body.store_col_sum(out_refs[v], v, local, r0, c0)
+                else:
+                    body.store(out_refs[v], v, local[v], r0, c0)
             return carry
 
         col_loop(set(col_outs), write, 0)

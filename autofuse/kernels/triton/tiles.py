@@ -42,6 +42,18 @@ class TileBody(TileEval):
         x = load_tile(ref.at[index], self.mask(span, r0, c0))
         return self.view(x.astype(ops.compute_dtype(x.dtype)), span)
 
+    def store_col_sum(self, ref, v: int, env: dict, r0, c0) -> None:
+        """A group output that is a sum over every row (`TileSpec.col_sums`): this block of rows' partial, at its
+        row of `ref` ([row blocks, C], float32), rows past the edge left out."""
+        nd = self.g.node_index[self.spec.col_sums[v]]
+        kind, x = ops.reduction_kind(nd.name), env[nd.inputs[0]]
+        x = jnp.broadcast_to(x, (self.bm, self.bn))
+        rows = self.mask(Span(True, False), r0, c0)
+        if rows is not None:
+            x = jnp.where(rows, x, ops.reduction_identity(kind, x.dtype))
+        part = ops.reduce_tile(kind, x, axis=0).astype(jnp.float32)
+        plgpu.store(ref.at[pl.ds(r0 // self.bm, 1), pl.ds(c0, self.bn)], part, mask=self.mask(Span(False, True), r0, c0))
+
     def store(self, ref, v: int, x, r0, c0):
         span = self.spec.layout_span(v)
         x = jnp.reshape(jnp.broadcast_to(x, self.reg_shape(span)), self.tile_shape(span)).astype(self.g.avals[v].dtype)
@@ -56,13 +68,17 @@ def group_refs(group: Group, refs: Sequence) -> tuple[dict, dict]:
 
 def single_pass(body: TileBody, in_refs: dict, out_refs: dict, r0, c0) -> None:
     """The whole group on one tile: load every input, evaluate, store every output."""
-    group = body.spec.group
+    group, spec = body.spec.group, body.spec
     env = {v: body.load(in_refs[v], v, r0, c0) for v in group.inputs}
     colmask = body.mask(Span(False, True), r0, c0)
     for nd in group.nodes:
-        body.eval_node(nd, env, r0, c0, colmask)
+        if nd.id not in spec.col_sum_nodes:
+            body.eval_node(nd, env, r0, c0, colmask)
     for v in group.outputs:
-        body.store(out_refs[v], v, env[v], r0, c0)
+        if v in spec.col_sums:
+            body.store_col_sum(out_refs[v], v, env, r0, c0)
+        else:
+            body.store(out_refs[v], v, env[v], r0, c0)
 
 
 def kernel_name(template: str, group: Group) -> str:
@@ -82,13 +98,18 @@ def tile_call(spec: TileSpec, kernel: Callable, *, grid: tuple[int, ...], name: 
     """Launch `kernel` over `grid` with the group's inputs and outputs reshaped to their 2-D layouts (and back)."""
     group = spec.group
     g = group.graph
-    out_shape = [jax.ShapeDtypeStruct(spec.layout2d(v), g.avals[v].dtype) for v in group.outputs]
+    summed = {v: ops.reduction_kind(g.node_index[i].name) for v, i in spec.col_sums.items()}
+    blocks = grid[0]  # programs along the rows: one partial each per column sum
+    out_shape = [jax.ShapeDtypeStruct((blocks, spec.layout2d(v)[1]), jnp.float32) if v in summed else
+                 jax.ShapeDtypeStruct(spec.layout2d(v), g.avals[v].dtype) for v in group.outputs]
     call = pallas_call(kernel, out_shape=out_shape, grid=grid, name=name, interpret=interpret, num_warps=num_warps,
                        num_stages=num_stages)
 
     def run(*ins):
         ins2 = [jnp.reshape(x, spec.layout2d(v)) for v, x in zip(group.inputs, ins)]
         outs = call(*ins2)
+        outs = [ops.reduce_tile(summed[v], o, axis=0).astype(g.avals[v].dtype) if v in summed else o
+                for v, o in zip(group.outputs, outs)]
         return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, outs)]
 
     return run
