@@ -27,6 +27,7 @@ dot returns it: stage 1 hands on values made from that rounding (a bf16 max), wh
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,8 +91,11 @@ def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
         return axis is not None and sh in (S[:axis] + S[axis + 1:], S[:axis] + (1,) + S[axis + 1:])
 
     members, made = {dot}, set(graph.node_index[dot].outputs)
-    for nd in graph.nodes[dot + 1:]:
-        if op_class(nd.name) not in _MEMBER_OPS or not any(a in made for a in nd.inputs if isinstance(a, int)):
+    frontier = sorted(graph.succs(dot))  # the readers of what the group makes, in program order
+    seen = set(frontier)
+    while frontier:
+        nd = graph.node_index[heapq.heappop(frontier)]
+        if op_class(nd.name) not in _MEMBER_OPS:
             continue
         if op_class(nd.name) is OpClass.REDUCTION:
             axes = tuple(nd.params["axes"])
@@ -102,6 +106,10 @@ def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
             continue
         members.add(nd.id)
         made.update(nd.outputs)
+        for c in graph.succs(nd.id):
+            if c not in seen:
+                seen.add(c)
+                heapq.heappush(frontier, c)
     if axis is None:
         return None
     # side inputs of the product's shape made from smaller values (a one-hot: iota, broadcast, eq, convert), read
