@@ -33,6 +33,10 @@ class Option:
     stages: tuple[frozenset[int], ...] = ()  # run in stages: the units the ordering sees (empty: `nodes`, one unit)
 
 
+UNIT_COST_MS = 1e-6  # per chosen option: of covers that cost the same, the one of fewer units (a broadcast left to XLA
+# beside a group that could read it inside costs nothing in the model, but is one more op and saves a residual)
+
+
 def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, float], *, max_rounds: int = 50) -> list[Option]:
     """The cheapest exact cover: chosen options are disjoint; uncovered nodes run alone at `node_cost`.
 
@@ -50,7 +54,7 @@ def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, f
     for j, o in enumerate(allopts):
         for i in o.nodes:
             A[i, j] = 1.0
-    c = np.array([o.cost for o in allopts])
+    c = np.array([o.cost + UNIT_COST_MS for o in allopts])
     cuts: list[np.ndarray] = []
     for _ in range(max_rounds):
         cons = [LinearConstraint(A, 1, 1)] + [LinearConstraint(cut[None, :], -np.inf, cut.sum() - 1) for cut in cuts]
