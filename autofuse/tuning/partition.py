@@ -10,8 +10,7 @@ norm, and its elementwise tail on its own, not every prefix; a stack of norms
 yields groups that end at each norm, not only at the size bound).
 A dot_general also grows forward (its consumers before its operands'
 producers), so a dot's epilogue, reductions and a second dot (attention)
-form one group even when reshapes feed the dot; so does a reduction, so that a
-backward's row work joins its reductions before the dots that feed them. In a gradient program, an
+form one group even when reshapes feed the dot. In a gradient program, an
 attention forward chain with its own backward is one more candidate
 (`kernels/attention_vjp.candidate_groups`), of whatever size; in a training step, where the two are not
 convex together, that candidate runs in two stages (`Candidate.stages`: each convex, the forward chain then its
@@ -234,7 +233,7 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     # its consumers (epilogue, reductions, a second dot) join before its operands' producers.
     seeds = _bits(fusible)
     paths = [(1 << s, None, False) for s in seeds]
-    paths += [(1 << s, None, True) for s in seeds if ops.op_class(graph.node_index[s].name) in (OpClass.CONTRACTION, OpClass.REDUCTION)]
+    paths += [(1 << s, None, True) for s in seeds if ops.op_class(graph.node_index[s].name) is OpClass.CONTRACTION]
     visited: set[tuple[int, bool]] = set()
     while paths and len(distinct) < max_candidates:
         nxt = []
