@@ -15,6 +15,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
+from tests.kernel_checks import assert_plan_matches_jit
 
 NAME = "matmul_reduce_vjp"
 CONFIG = {"block_m": 32, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, "split": 2,
@@ -87,12 +88,7 @@ def test_a_training_step_runs_it_in_two_stages_and_matches_jit():
     with pytest.raises(ValueError):
         execution_order(graph, [c.nodes])
     execution_order(graph, list(c.stages), [[0, 1]])
-    plan = plan_from_choices(graph, [(c.group, NAME, CONFIG, c.stages)])
-    fused = autofuse.jit(fn, plan=plan, on_miss="error")
-    for o, r in zip(fused(*args), jax.jit(fn)(*args)):
-        ok, _, why = compare(o, r, 1e-4)
-        assert ok, why
-    assert fused.last_status.startswith("plan:")
+    assert_plan_matches_jit(fn, plan_from_choices(graph, [(c.group, NAME, CONFIG, c.stages)]), args, 1e-4)
 
 
 def test_no_logits_are_handed_between_the_stages():
@@ -113,10 +109,7 @@ def test_default_plan_takes_it_and_the_gradient_matches():
     graph = autofuse.capture(fn, *args)
     plan = default_plan(graph)
     assert any(g.template == NAME for g in plan.groups), [g.template for g in plan.groups]
-    fused = autofuse.jit(fn, plan=plan, on_miss="error")
-    for o, r in zip(fused(*args), jax.jit(fn)(*args)):
-        ok, _, why = compare(o, r, 1e-4)
-        assert ok, why
+    assert_plan_matches_jit(fn, plan, args, 1e-4)
 
 
 def test_the_small_gpt2_training_step_offers_it():

@@ -12,6 +12,7 @@ from autofuse.kernels import TEMPLATES
 from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
+from tests.kernel_checks import assert_plan_matches_jit
 
 ONE_PASS = {"block_rows": 4, "block_cols": 256, "num_warps": 4, "num_stages": 1}  # a row in one column block
 LOOPED = {"block_rows": 8, "block_cols": 64, "num_warps": 4, "num_stages": 1}  # rows longer than a block: column loops
@@ -74,12 +75,7 @@ def test_a_plan_of_it_matches_jit_in_bfloat16():
     args = [jax.random.normal(jax.random.PRNGKey(i), s, jnp.float32).astype(jnp.bfloat16) for i, s in enumerate(shapes)]
     graph = autofuse.capture(layer_norm_vjp, *args)
     (c,) = [c for c in enumerate_candidates(graph) if c.template == "row_reduce" and len(c.group.node_ids) == len(graph.nodes)]
-    plan = plan_from_choices(graph, [(c.group, "row_reduce", LOOPED)])
-    fused = autofuse.jit(layer_norm_vjp, plan=plan, on_miss="error")
-    for o, r in zip(fused(*args), jax.jit(layer_norm_vjp)(*args)):
-        ok, _, why = compare(o, r, 2e-2)
-        assert ok, why
-    assert fused.last_status.startswith("plan:")
+    assert_plan_matches_jit(layer_norm_vjp, plan_from_choices(graph, [(c.group, "row_reduce", LOOPED)]), args, 2e-2)
 
 
 def test_a_sum_over_the_rows_read_inside_the_group_is_refused():
