@@ -157,15 +157,18 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         ready = lambda nd: all(isinstance(a, int) and a in known for a in nd.inputs)  # noqa: E731
         grown = mask
         chains = []
+        def over_rows(k: int) -> bool:  # a sum over leading axes only (a column's), not a row's
+            r = graph.node_index[k]
+            return ops.op_class(r.name) is OpClass.REDUCTION and len(graph.aval(r.inputs[0]).shape) - 1 not in r.params["axes"]
+
         for i in sorted({k for v in known for k in graph.consumers.get(v, ())}):
             nd = graph.node_index[i]
             if grown >> i & 1 or not fusible >> i & 1 or not ready(nd):
                 continue
             chain = [i]
-            if ops.op_class(nd.name) is not OpClass.REDUCTION:  # x̂ * dy, then its sum
+            if not over_rows(i):  # x̂ * dy, then its sum
                 nxt = _bits(consumers[i])
-                if ops.op_class(nd.name) is not OpClass.ELEMENTWISE or len(nxt) != 1 or not fusible >> nxt[0] & 1 \
-                        or ops.op_class(graph.node_index[nxt[0]].name) is not OpClass.REDUCTION:
+                if ops.op_class(nd.name) is not OpClass.ELEMENTWISE or len(nxt) != 1 or not fusible >> nxt[0] & 1 or not over_rows(nxt[0]):
                     continue
                 chain.append(nxt[0])
             while True:
