@@ -12,30 +12,12 @@ from autofuse.kernels import TEMPLATES
 from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
+from benchmarks.norm_grad import layer_norm_grad as layer_norm_vjp
+from benchmarks.norm_grad import rms_norm_grad as rms_norm_vjp
 from tests.kernel_checks import assert_plan_matches_jit
 
 ONE_PASS = {"block_rows": 4, "block_cols": 256, "num_warps": 4, "num_stages": 1}  # a row in one column block
 LOOPED = {"block_rows": 8, "block_cols": 64, "num_warps": 4, "num_stages": 1}  # rows longer than a block: column loops
-
-
-def layer_norm(x, g, b):
-    xf = x.astype(jnp.float32)
-    mu = xf.mean(-1, keepdims=True)
-    var = ((xf - mu) ** 2).mean(-1, keepdims=True)
-    return ((xf - mu) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(x.dtype)
-
-
-def rms_norm(x, g):
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * g).astype(x.dtype)
-
-
-def layer_norm_vjp(x, g, b, dy):
-    return jax.vjp(layer_norm, x, g, b)[1](dy)
-
-
-def rms_norm_vjp(x, g, dy):
-    return jax.vjp(rms_norm, x, g)[1](dy)
 
 
 R, C = (3, 37), 200  # rows not a multiple of a block, columns not a power of two
