@@ -75,7 +75,7 @@ class MatmulSpec:
     def outer_rows(self) -> int:
         """The rows per outer index that a tile must stay within (an epilogue input over the leading row axes
         only: their gcd), else 0."""
-        return math.gcd(*self.epi.outer.values()) if self.epi.outer else 0
+        return self.epi.outer_rows
 
     @property
     def epi_nodes(self) -> list[Node]:

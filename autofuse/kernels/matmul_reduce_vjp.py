@@ -19,15 +19,13 @@ rest. A value of the product's shape that stage 1 makes is never handed to stage
 Where the group is not convex (a training step: the backward's cotangent depends on the forward's outputs) the
 two stages run as two units, as `attention_vjp`'s do; where it is (the cotangent a constant) as one.
 
-The SPLADE head is the other case: its forward reduces over the sequence (max of log1p(relu(h @ W + b)) * mask,
-and the count of positions at the max that `jax.grad` of `max` adds: `matmul_reduce`'s "eq" rescale), and its
-backward's epilogue reads per-sequence values ([B, 1, V]: the max, the cotangent over the count) beside the
-[B, S, V] product (`TileSpec.outer`). Both kernels read the product rounded to the dot's dtype, as the program's
-dot returns it: stage 1 hands on values made from that rounding (a bf16 max), which stage 2's product must meet.
+Both kernels read the product rounded to the dot's dtype, as the program's dot returns it: stage 1 hands on
+values made from that rounding (a bf16 max), which stage 2's product must meet. A backward that compares a value
+it computes again with one stage 1 made (SPLADE's head: `jax.grad` of a max over the sequence) is refused
+(`_compares_again`); `reduce_vjp` runs that head from the stored product. The split itself is `reread.py`'s.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,10 +34,10 @@ from ..costmodel import H200, GPUModel
 from ..graph import Graph, Group, convex
 from ..ops import OpClass, op_class
 from . import matmul, matmul_reduce
+from .reread import split, two_stages
 from .template import Template
 from .tiling import template_space
 
-_MEMBER_OPS = (OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE)
 BWD = "bwd_"  # the prefix of stage 2's (the `matmul` kernel's) config keys
 
 
@@ -53,110 +51,6 @@ class MatmulReduceVJPSpec:
     backward: Group  # what stage 2's kernel runs: stage 2 with the product and the chain it re-evaluates
     backward_spec: matmul.MatmulSpec
     private: tuple[int, ...]  # stage 1's outputs that only stage 2 reads (handed on, never in the program)
-
-
-def _ancestors(graph: Graph, starts, within: set[int]) -> set[int]:
-    out: set[int] = set()
-    stack = [i for i in starts if i in within]
-    while stack:
-        i = stack.pop()
-        if i not in out:
-            out.add(i)
-            stack.extend(p for p in graph.preds(i) if p in within)
-    return out
-
-
-def _descendants(graph: Graph, starts) -> set[int]:
-    out: set[int] = set()
-    stack = list(starts)
-    while stack:
-        for c in graph.succs(stack.pop()):
-            if c not in out:
-                out.add(c)
-                stack.append(c)
-    return out
-
-
-def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
-    """(the group, stage 1, stage 2) grown from `dot`, or None where the product is not reduced or nothing of its
-    shape is read after the reductions."""
-    S = tuple(graph.avals[graph.node_index[dot].outputs[0]].shape)
-    axis = None
-
-    def shaped(v: int) -> bool:
-        return tuple(graph.avals[v].shape) == S
-
-    def row(v: int) -> bool:
-        sh = tuple(graph.avals[v].shape)
-        return axis is not None and sh in (S[:axis] + S[axis + 1:], S[:axis] + (1,) + S[axis + 1:])
-
-    members, made = {dot}, set(graph.node_index[dot].outputs)
-    frontier = sorted(graph.succs(dot))  # the readers of what the group makes, in program order
-    seen = set(frontier)
-    while frontier:
-        nd = graph.node_index[heapq.heappop(frontier)]
-        if op_class(nd.name) not in _MEMBER_OPS:
-            continue
-        if op_class(nd.name) is OpClass.REDUCTION:
-            axes = tuple(nd.params["axes"])
-            if len(axes) != 1 or not shaped(nd.inputs[0]) or axis not in (None, axes[0]):
-                continue
-            axis = axes[0]
-        elif not (shaped(nd.outputs[0]) or row(nd.outputs[0])):
-            continue
-        members.add(nd.id)
-        made.update(nd.outputs)
-        for c in graph.succs(nd.id):
-            if c not in seen:
-                seen.add(c)
-                heapq.heappush(frontier, c)
-    if axis is None:
-        return None
-    # side inputs of the product's shape made from smaller values (a one-hot: iota, broadcast, eq, convert), read
-    # by the group alone: made inside, so that no [rows, columns] array is an input (not the dot's operands)
-    operands = _ancestors(graph, graph.preds(dot), set(range(dot)))
-    grown = True
-    while grown:
-        grown = False
-        for nd in reversed(graph.nodes[:max(members)]):
-            if nd.id in members or nd.id in operands or op_class(nd.name) not in _MEMBER_OPS \
-                    or op_class(nd.name) is OpClass.REDUCTION or any(v in graph.outputs for v in nd.outputs):
-                continue
-            readers = {c for v in nd.outputs for c in graph.consumers.get(v, ())}
-            if readers and readers <= members:
-                members.add(nd.id)
-                grown = True
-    reductions = [i for i in members if op_class(graph.node_index[i].name) is OpClass.REDUCTION]
-    first = _ancestors(graph, reductions, members)
-    after = _descendants(graph, members)
-    for i in sorted(members - first):  # the row work on the reductions alone
-        nd = graph.node_index[i]
-        if shaped(nd.outputs[0]):
-            continue
-        if all(graph.producer.get(a) in first or (graph.producer.get(a) not in members and graph.producer.get(a) not in after)
-               for a in nd.inputs if isinstance(a, int)):
-            first.add(i)
-    second = members - first
-    if not any(shaped(v) for i in second for v in graph.node_index[i].outputs):
-        return None
-    return members, first, second
-
-
-def _recomputed(graph: Graph, first: set[int], second: set[int], S: tuple) -> set[int]:
-    """Stage 2's nodes with the nodes of stage 1 it evaluates again: back from what it reads, every node of the
-    product's shape (to the dot) and every node that no reduction precedes (a one-hot's iota). What it reads
-    that a reduction made (a row value) is handed on from stage 1 instead."""
-    reductions = [i for i in first if op_class(graph.node_index[i].name) is OpClass.REDUCTION]
-    after = _descendants(graph, reductions) | set(reductions)
-    out = set(second)
-    stack = [p for i in second for p in graph.preds(i) if p in first]
-    while stack:
-        i = stack.pop()
-        if i in out or (i in after and tuple(graph.avals[graph.node_index[i].outputs[0]].shape) != S):
-            continue
-        out.add(i)
-        stack.extend(p for p in graph.preds(i) if p in first)
-    return out
 
 
 _EXACT = ("eq", "ne")
@@ -200,40 +94,24 @@ def _match(group: Group) -> MatmulReduceVJPSpec | None:
     dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
     if len(dots) != 1:
         return None
-    members = set(group.node_ids)
     parts = split(g, dots[0].id)  # the whole growth from the dot, not a part of it (one candidate per dot)
-    if parts is None or parts[0] != members:
+    if parts is None or parts[0] != set(group.node_ids):
         return None
     _, first, second = parts
     S = tuple(g.avals[dots[0].outputs[0]].shape)
-    out_of = lambda ids: {v for i in ids for v in g.node_index[i].outputs}  # noqa: E731
-    made1 = out_of(first)
-    if any(tuple(g.avals[v].shape) == S for v in made1 & set(group.outputs)):
-        return None  # stage 1 would have to write a value of the product's shape
-    back_ids = _recomputed(g, first, second, S)
-    read2 = {a for i in back_ids for a in g.node_index[i].inputs if isinstance(a, int)} - out_of(back_ids)
-    private = tuple(sorted(v for v in read2 & made1))
-    if _compares_again(g, back_ids, set(private), S):
+    st = two_stages(group, first, second, S)
+    if st is None or _compares_again(g, st.recomputed, set(st.private), S):
         return None
-    fwd_outs = tuple(v for i in sorted(first) for v in g.node_index[i].outputs if v in set(group.outputs) | set(private))
-    if not fwd_outs:
-        return None
-    live = _ancestors(g, [g.producer[v] for v in fwd_outs], first)
-    fwd = Group.of(g, sorted(live))
-    forward = Group(g, fwd.node_ids, fwd.inputs, fwd_outs)
-    bwd = Group.of(g, sorted(back_ids))
-    backward = Group(g, bwd.node_ids, bwd.inputs, tuple(v for v in bwd.outputs if v in group.outputs))
-    if not backward.outputs or set(group.outputs) - set(forward.outputs) - set(backward.outputs):
-        return None
-    forward_spec = matmul_reduce.TEMPLATE.match(forward)
-    backward_spec = matmul.TEMPLATE.match(backward) if forward_spec is not None else None
+    forward_spec = matmul_reduce.TEMPLATE.match(st.forward)
+    backward_spec = matmul.TEMPLATE.match(st.backward) if forward_spec is not None else None
     if backward_spec is None:
         return None
     # Stage 1 hands stage 2 values made from the product rounded to the dot's dtype (a max of bf16 logits): both
     # kernels read the product so rounded, or the logit at that max could exceed it by half a rounding step
     # (exp(0.25): the largest softmax entry 28% off at logits of ~100)
     forward_spec.round_product = backward_spec.round_product = True
-    return MatmulReduceVJPSpec(group, frozenset(first), frozenset(second), forward, forward_spec, backward, backward_spec, private)
+    return MatmulReduceVJPSpec(group, frozenset(first), frozenset(second), st.forward, forward_spec, st.backward,
+                               backward_spec, st.private)
 
 
 def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:

@@ -58,10 +58,19 @@ class TileEval:
         return c0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.bn), 1)
 
     def mask(self, span: Span, r0, c0):
-        """Where a tile of `span` at (r0, c0) lies inside [R, C] (None: all of it)."""
-        rows = self.row_idx(r0) < self.spec.R if span.rows and self.spec.R % self.bm else None
+        """Where a tile of `span` at (r0, c0) lies inside [R, C] (None: all of it); with inner rows, inside the
+        tile's `spec.inner` rows."""
+        inner = self.spec.inner
+        if inner:
+            rows = jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0) < inner if span.rows and self.bm != inner else None
+        else:
+            rows = self.row_idx(r0) < self.spec.R if span.rows and self.spec.R % self.bm else None
         cols = self.col_idx(c0) < self.spec.C if span.cols and self.spec.C % self.bn else None
         return edge_mask(self.tile_shape(span), rows, cols)
+
+    def reduce_mask(self, r0, c0):
+        """The mask of the side a reduction runs along: the columns, or the rows with inner rows (`spec.inner`)."""
+        return self.mask(Span(True, False) if self.spec.inner else Span(False, True), r0, c0)
 
     def tile_shape(self, span: Span) -> tuple[int, int]:
         """The 2-D block a value of `span` is loaded or stored as."""
@@ -102,10 +111,17 @@ class TileEval:
             raise NoMatch(nd.name)
 
     def reduce_partial(self, nd: Node, env: dict, colmask):
-        """A reduction over the tile's columns (segmented: over each segment, which a tile holds whole)."""
+        """A reduction over the tile's columns (segmented: over each segment, which a tile holds whole); with inner
+        rows, over the tile's rows (`colmask` is then the rows' mask: `reduce_mask`)."""
         kind = ops.reduction_kind(nd.name)
         x = env[nd.inputs[0]]
         span = self.spec.span[nd.inputs[0]]
+        if self.spec.inner:
+            if not span.rows:
+                return x * self.spec.inner if kind == "sum" else x
+            if colmask is not None:
+                x = jnp.where(colmask, x, ops.reduction_identity(kind, x.dtype))
+            return ops.reduce_tile(kind, x, axis=0)
         seg = self.spec.seg
         if not span.cols or span.per_segment:  # constant along the row (segment)
             return x * (seg or self.spec.C) if kind == "sum" else x

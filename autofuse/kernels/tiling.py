@@ -51,7 +51,10 @@ class TileSpec:
     unit_reductions: frozenset[int] = frozenset()  # reductions over unit axes only (a gradient's [R, 1] sums): identities
     outer: dict[int, int] = field(default_factory=dict)  # (`analyze(outer=True)`) an input that covers only the leading
     # row axes (SPLADE's per-sequence max [B, 1, V] beside the [B, S, V] product) -> the rows per index of those
-    # axes; a tile whose rows lie in one such index reads it as one row (`Span(False, ...)`)
+    # axes; a tile whose rows lie in one such index reads it as one row (`Span(False, ...)`); with `inner`, also an
+    # output (a reduction over the inner rows, written as one row per tile)
+    inner: int = 0  # (`analyze(inner=k)`) the rows a tile holds whole: S-axes k.. of the rows, which the group's
+    # reductions reduce over (SPLADE's max over the sequence of [B, S, V]); tiles of `inner` rows, one per outer index
 
     @property
     def R(self) -> int:
@@ -65,6 +68,11 @@ class TileSpec:
         """What a group input/output spans in memory (by its logical axes, not its lazy tile)."""
         ax = [a for a in self.axes[v] if a is not None]
         return Span(any(a < self.split for a in ax), any(a >= self.split for a in ax))
+
+    @property
+    def outer_rows(self) -> int:
+        """The rows per outer index a tile must stay within (0: no value covers only the leading row axes)."""
+        return math.gcd(*self.outer.values()) if self.outer else 0
 
     def layout2d(self, v: int) -> tuple[int, int]:
         """The 2-D shape a group input/output is reshaped to outside the kernel."""
@@ -93,6 +101,7 @@ def facts(spec: TileSpec) -> dict:
         "n_outputs": len(g.outputs),
         "n_reductions": len(spec.reductions),
         "smem_bytes": H200.smem_bytes,
+        "outer_rows": spec.outer_rows,
     }
 
 
@@ -157,7 +166,7 @@ def _placed_in_order(group: Group, values: list[int], S: tuple[int, ...]) -> dic
     return axes
 
 def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequence[int] | None = None,
-            outer: bool = False, column_sums: bool = False) -> TileSpec:
+            outer: bool = False, column_sums: bool = False, inner: int | None = None) -> TileSpec:
     """Assign every value of `group` its S-axes and tile span, or raise NoMatch.
 
     Reductions must cover the trailing axes from `split`, or exactly the S-axes
@@ -168,21 +177,29 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
     group returns it, maybe reshaped (or reduced over unit axes), and reads it no further
     (`TileSpec.col_sums`); and a reduction over unit axes only is the value itself
     (`TileSpec.unit_reductions`: a gradient's sums of [R, 1] values).
+    With `inner` = k < split, the reductions are over the row S-axes k..split-1 instead, which a tile holds
+    whole (`TileSpec.inner`); a value covering only row axes before k (a reduced one) is one row per tile, in
+    and out (`TileSpec.outer`).
     """
     S = tuple(shape)
     n = len(S)
     values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
     axes = _placed_in_order(group, values, S)
+    if inner is not None and (reduce_axes is not None or column_sums or not 0 <= inner < split):
+        raise NoMatch("inner-row reductions are over trailing row axes, without column sums")
 
     per_outer: dict[int, int] = {}
     if reduce_axes is None:
         for v in list(group.inputs) + list(group.outputs):
-            inner = _outer_rows(axes[v], S, split) if outer and v in group.inputs else None
-            if inner is not None:
-                per_outer[v] = inner
+            rows = _outer_rows(axes[v], S, split) if (outer and v in group.inputs) or inner is not None else None
+            if rows is not None:
+                per_outer[v] = rows
             else:
                 _check_2d(v, axes[v], S, split)
-    want = {d for d in (range(split, n) if reduce_axes is None else reduce_axes) if S[d] != 1}
+    if inner is not None:
+        want = {d for d in range(inner, split) if S[d] != 1}
+    else:
+        want = {d for d in (range(split, n) if reduce_axes is None else reduce_axes) if S[d] != 1}
 
     span: dict[int, Span] = {}
     for v in group.inputs:
@@ -220,7 +237,9 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
                 continue
             if red != want:
                 raise NoMatch(f"{nd.name} over S-axes {sorted(red)} is not a reduction over the S-axes {sorted(want)}")
-            if reduce_axes is None:
+            if inner is not None:
+                span[nd.outputs[0]] = Span(False, ins[0].cols)  # constant over the tile's rows (one outer index)
+            elif reduce_axes is None:
                 span[nd.outputs[0]] = Span(ins[0].rows, False)
             else:
                 span[nd.outputs[0]] = Span(ins[0].rows and not any(d < split for d in want), ins[0].cols and not any(d >= split for d in want))
@@ -231,8 +250,19 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
         else:
             span[nd.outputs[0]] = Span(any(s.rows for s in ins), any(s.cols for s in ins))
     col_sums = {v: summed[v] for v in group.outputs if v in summed}
+    if inner is not None:
+        if not reductions:
+            raise NoMatch("no reduction over the inner rows")
+        rows_inner = math.prod(S[inner:split])
+        for v in group.outputs:
+            if span[v].rows and v in per_outer:
+                raise NoMatch(f"output %{v} covers some row axes: neither a tile nor one row per tile")
+        for v, rows in per_outer.items():  # one row per tile: constant over the tile's rows
+            if rows % rows_inner:
+                raise NoMatch(f"value %{v} varies within a tile's rows")
     return TileSpec(group, S, split, axes, span, reductions, col_sums=col_sums, col_sum_nodes=frozenset(skipped),
-                    unit_reductions=frozenset(unit), outer=per_outer)
+                    unit_reductions=frozenset(unit), outer=per_outer,
+                    inner=math.prod(S[inner:split]) if inner is not None else 0)
 
 
 def _outer_rows(ax: tuple, S: tuple, split: int) -> int | None:
@@ -342,7 +372,9 @@ def _propagate(nd: Node, avals: dict, axes: dict, put: Callable) -> bool:
             merged = tuple(next((k[d] for k in known if k[d] is not None), None) for d in range(len(oshape)))
             for v in same:
                 sh = avals[v].shape
-                changed |= put(v, tuple(merged[d] if sh[d] != 1 else None for d in range(len(sh))))
+                ax = tuple(merged[d] if sh[d] != 1 else None for d in range(len(sh)))
+                if all(a is not None or s == 1 for a, s in zip(ax, sh)):  # else another reader places it
+                    changed |= put(v, ax)
     elif cls is OpClass.BROADCAST and vals:
         op, bd = vals[0], nd.params["broadcast_dimensions"]
         ish = avals[op].shape

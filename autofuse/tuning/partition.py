@@ -15,7 +15,8 @@ attention forward chain with its own backward is one more candidate
 (`kernels/attention_vjp.candidate_groups`), of whatever size; in a training step, where the two are not
 convex together, that candidate runs in two stages (`Candidate.stages`: each convex, the forward chain then its
 backward; the cover orders them as two units of one option); likewise a dot whose product is reduced and read again
-after the reductions (`kernels/matmul_reduce_vjp.candidate_groups`). A row_reduce group is also offered with the
+after the reductions (`kernels/matmul_reduce_vjp.candidate_groups`; `kernels/reduce_vjp.candidate_groups`
+the same without the dot, its product stored and read twice). A row_reduce group is also offered with the
 sums over the rows that read only what it reads or makes (a norm's dγ, dβ). A group holding a dot is also
 offered with the side inputs of its epilogue made inside it (producers only
 it reads and that feed no dot: a bool mask's broadcast and conversion, GQA's
@@ -34,7 +35,7 @@ import numpy as np
 
 from .. import ops
 from ..graph import Graph, Group, node_text
-from ..kernels import TEMPLATES, attention_vjp, match_template, matmul_reduce_vjp
+from ..kernels import TEMPLATES, attention_vjp, match_template, matmul_reduce_vjp, reduce_vjp
 from ..kernels.passes import foldable_gather
 from ..ops import OpClass
 
@@ -260,8 +261,9 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     # the group size bound: the flash pair replaces both)
     # (in two stages where they are not convex together: a training step)
     # A dot whose product is reduced and read again after the reductions (a cross-entropy's forward and its
-    # backward): the product computed twice, never stored (again in two stages in a training step)
-    for module in (attention_vjp, matmul_reduce_vjp):
+    # backward): the product computed twice, never stored (again in two stages in a training step); or the product
+    # stored by the dot and read by both stages (`reduce_vjp`: SPLADE's max over the sequence and its backward)
+    for module in (attention_vjp, matmul_reduce_vjp, reduce_vjp):
         for grp, stages in module.candidate_groups(graph, lambda i: is_fusible(graph, i)):
             spec = TEMPLATES[module.TEMPLATE.name].match(grp)
             if spec is not None:

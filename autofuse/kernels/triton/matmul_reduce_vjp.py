@@ -2,14 +2,15 @@
 kernel that computes the product again under the backward's epilogue, each built by its own template for
 `backend` (`mosaic_gpu/matmul_reduce_vjp.py` runs the same with Mosaic GPU's). `lower` runs both as one unit (a
 convex group); `lower_stages` as two (a training step), stage 1's row values that only stage 2 reads handed on
-privately."""
+privately (`two_stage.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...graph import Group, stage_groups
+from ...graph import Group
 from .. import matmul, matmul_reduce
 from ..matmul_reduce_vjp import MatmulReduceVJPSpec, stage_configs
+from .two_stage import as_one, in_stages
 
 
 def kernels(spec: MatmulReduceVJPSpec, config: dict, *, backend: str, interpret) -> tuple[Callable, Callable]:
@@ -23,32 +24,9 @@ def kernels(spec: MatmulReduceVJPSpec, config: dict, *, backend: str, interpret)
 
 
 def lower(group: Group, spec: MatmulReduceVJPSpec, config: dict, *, interpret, backend: str = "triton") -> Callable:
-    first, second = kernels(spec, config, backend=backend, interpret=interpret)
-
-    def run(*xs):
-        env = dict(zip(group.inputs, xs))
-        env.update(zip(spec.forward.outputs, first(*[env[v] for v in spec.forward.inputs])))
-        env.update(zip(spec.backward.outputs, second(*[env[v] for v in spec.backward.inputs])))
-        return [env[v] for v in group.outputs]
-
-    return run
+    return as_one(group, spec, *kernels(spec, config, backend=backend, interpret=interpret))
 
 
 def lower_stages(group: Group, spec: MatmulReduceVJPSpec, stages, config: dict, *, interpret, backend: str = "triton") -> list[Callable]:
-    """Stage 1: `(ins, None) -> (its outputs, what stage 2 reads from it: the row values, and the operands of the
-    product, which stage 2 computes again)`; stage 2: `(ins, private) -> (its outputs, None)`."""
-    one, two = stage_groups(group, stages)
-    first, second = kernels(spec, config, backend=backend, interpret=interpret)
-
-    def stage1(xs, _):
-        env = dict(zip(one.inputs, xs))
-        env.update(zip(spec.forward.outputs, first(*[env[v] for v in spec.forward.inputs])))
-        handed = [v for v in spec.backward.inputs if v in spec.private or (v in env and v not in two.inputs)]
-        return [env[v] for v in one.outputs], {v: env[v] for v in handed}
-
-    def stage2(xs, private):
-        env = {**dict(zip(two.inputs, xs)), **private}
-        env.update(zip(spec.backward.outputs, second(*[env[v] for v in spec.backward.inputs])))
-        return [env[v] for v in two.outputs], None
-
-    return [stage1, stage2]
+    """Stage 1 hands stage 2 its row values and the operands of the product, which stage 2 computes again."""
+    return in_stages(group, spec, stages, *kernels(spec, config, backend=backend, interpret=interpret))

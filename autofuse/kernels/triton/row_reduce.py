@@ -13,11 +13,13 @@ from jax.experimental import pallas as pl
 
 from ... import ops
 from ...graph import Group
-from ..tiling import Span, TileSpec, cdiv, depends_on, needed
+from ..tiling import Span, TileSpec, cdiv, depends_on, needed, next_pow2
 from .tiles import TileBody, group_refs, kernel_name, single_pass, tile_call
 
 
 def lower(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Callable:
+    if spec.inner:
+        return _lower_inner(group, spec, config, interpret=interpret)
     bm, bn = int(config["block_rows"]), int(config["block_cols"])
     body = TileBody(spec, bm, bn)
     nchunks = cdiv(spec.C, bn)
@@ -32,6 +34,20 @@ def lower(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Cal
 
     return tile_call(spec, kernel, grid=(cdiv(spec.R, bm),), name=kernel_name("row_reduce", group), interpret=interpret,
                      num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
+
+
+def _lower_inner(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Callable:
+    """Reductions over the inner rows (`TileSpec.inner`): one program per outer index and block of columns, its
+    tile holding the inner rows whole (their count rounded up to a power of two, `block_rows` not used)."""
+    bm, bn = next_pow2(spec.inner), int(config["block_cols"])
+    body = TileBody(spec, bm, bn)
+
+    def kernel(*refs):
+        in_refs, out_refs = group_refs(group, refs)
+        single_pass(body, in_refs, out_refs, pl.program_id(0) * spec.inner, pl.program_id(1) * bn)
+
+    return tile_call(spec, kernel, grid=(spec.R // spec.inner, cdiv(spec.C, bn)), name=kernel_name("row_reduce", group),
+                     interpret=interpret, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
 
 
 def _staged(body: TileBody, in_refs: dict, out_refs: dict, r0, nchunks: int) -> None:

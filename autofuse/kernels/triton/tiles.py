@@ -55,6 +55,12 @@ class TileBody(TileEval):
         plgpu.store(ref.at[pl.ds(r0 // self.bm, 1), pl.ds(c0, self.bn)], part, mask=self.mask(Span(False, True), r0, c0))
 
     def store(self, ref, v: int, x, r0, c0):
+        if v in self.spec.outer:  # (inner rows) one row per tile, at its outer index
+            span = Span(False, self.spec.span[v].cols)
+            x = jnp.broadcast_to(x, self.tile_shape(span)).astype(self.g.avals[v].dtype)
+            index = (pl.ds(r0 // self.spec.outer[v], 1), self._index(span, r0, c0)[1])
+            plgpu.store(ref.at[index], x, mask=self.mask(span, r0, c0))
+            return
         span = self.spec.layout_span(v)
         x = jnp.reshape(jnp.broadcast_to(x, self.reg_shape(span)), self.tile_shape(span)).astype(self.g.avals[v].dtype)
         plgpu.store(ref.at[self._index(span, r0, c0)], x, mask=self.mask(span, r0, c0))
@@ -70,10 +76,10 @@ def single_pass(body: TileBody, in_refs: dict, out_refs: dict, r0, c0) -> None:
     """The whole group on one tile: load every input, evaluate, store every output."""
     group, spec = body.spec.group, body.spec
     env = {v: body.load(in_refs[v], v, r0, c0) for v in group.inputs}
-    colmask = body.mask(Span(False, True), r0, c0)
+    redmask = body.reduce_mask(r0, c0)
     for nd in group.nodes:
         if nd.id not in spec.col_sum_nodes:
-            body.eval_node(nd, env, r0, c0, colmask)
+            body.eval_node(nd, env, r0, c0, redmask)
     for v in group.outputs:
         if v in spec.col_sums:
             body.store_col_sum(out_refs[v], v, env, r0, c0)

@@ -1,0 +1,163 @@
+"""Template `reduce_vjp`: reductions of a stored value over a middle axis, with the backward that reads it again,
+as two memory-bound kernels whose tiles hold that axis whole.
+
+SPLADE's head under `jax.grad`: the logits x = h @ W [B, S, V] are reduced over the sequence (m = max of
+log1p(relu(x + b)) * mask), and the backward reads x again to send the cotangent to the positions at the max,
+divided by their count (`jax.grad` of `max`: eq(log1p(relu(x + b)) * mask, m)). XLA runs that as four passes over
+the logits (the max, the count, dlogits with db, dlogits again). Here the dot stays XLA's (or another group's) and
+the nodes that grow from its product (`reread.split`) run as two `row_reduce` kernels over tiles of one sequence
+and a block of columns, the sequence whole (`TileSpec.inner`):
+  - stage 1, what the program reads of the forward (the max), [B, V] only written;
+  - stage 2, the backward with the forward evaluated again, the max and the count included (`reread.recomputed`
+    with `whole`), reading the cotangent [B, V] one row per tile (`TileSpec.outer`), writing dlogits.
+Stage 2 compares values with a max it made itself from the same tile, so the comparison holds whatever the
+compiled arithmetic (`matmul_reduce_vjp`, which hands the max on and computes the product again, cannot promise
+that and refuses such a group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..costmodel import H200, GPUModel
+from ..graph import Graph, Group, convex
+from ..ops import OpClass, op_class
+from .reread import split, two_stages
+from .template import NoMatch, Template
+from .tiling import TileSpec, analyze, next_pow2, template_space, tile_time_ms
+
+BWD = "bwd_"  # the prefix of stage 2's (the `elementwise` kernel's) config keys
+MAX_INNER = 1024  # the longest reduced middle axis a tile holds whole (with 16 columns: a 16K-element tile)
+
+
+@dataclass
+class ReduceVJPSpec:
+    group: Group
+    stage1: frozenset[int]  # the forward's nodes (the group's plan stage 1)
+    stage2: frozenset[int]  # the backward's nodes (stage 2)
+    forward: Group  # stage 1's kernel: the forward's nodes the program reads
+    forward_spec: TileSpec  # a `row_reduce` tiling with inner rows
+    backward: Group  # stage 2's kernel: stage 2 with the forward it evaluates again
+    backward_spec: TileSpec  # likewise
+    private: tuple[int, ...] = ()  # stage 1's outputs only stage 2 reads: none, stage 2 evaluates them again
+
+
+def _grown(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
+    """`reread.split` from `dot` without the dot: (the group, stage 1, stage 2), its product an input."""
+    parts = split(graph, dot)
+    if parts is None:
+        return None
+    members, first, second = parts
+    return members - {dot}, first - {dot}, second
+
+
+def _inner_spec(kernel: Group, S: tuple) -> TileSpec | None:
+    """A tiling of one stage with its reductions over one middle axis of S, held whole per tile."""
+    g = kernel.graph
+    axes = {a for nd in kernel.nodes if op_class(nd.name) is OpClass.REDUCTION for a in nd.params["axes"]}
+    if len(axes) != 1:
+        return None
+    (axis,) = axes
+    if axis == len(S) - 1 or S[axis] > MAX_INNER:
+        return None  # a trailing axis is a row's reduction (`row_reduce`, `matmul_reduce_vjp`)
+    if any(tuple(g.avals[nd.inputs[0]].shape) != S for nd in kernel.nodes if op_class(nd.name) is OpClass.REDUCTION):
+        return None
+    try:
+        return analyze(kernel, S, axis + 1, inner=axis)
+    except NoMatch:
+        return None
+
+
+def _match(group: Group) -> ReduceVJPSpec | None:
+    g = group.graph
+    if any(op_class(n.name) in (OpClass.CONTRACTION, OpClass.OPAQUE) for n in group.nodes):
+        return None
+    members = set(group.node_ids)
+    for v in group.inputs:
+        dot = g.producer.get(v)
+        if dot is None or op_class(g.node_index[dot].name) is not OpClass.CONTRACTION:
+            continue
+        parts = _grown(g, dot)
+        if parts is None or parts[0] != members:
+            continue
+        _, first, second = parts
+        S = tuple(g.avals[v].shape)
+        st = two_stages(group, first, second, S, whole=True)
+        if st is None or st.private:
+            return None
+        forward_spec = _inner_spec(st.forward, S)
+        backward_spec = _inner_spec(st.backward, S) if forward_spec is not None else None
+        if backward_spec is None or backward_spec.inner != forward_spec.inner:
+            return None
+        return ReduceVJPSpec(group, frozenset(first), frozenset(second), st.forward, forward_spec, st.backward,
+                             backward_spec)
+    return None
+
+
+def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+    """Per dot whose product is reduced and read again after the reductions: the group grown from its product
+    with its stages (`()` where the group is convex and runs as one unit, else the forward then the backward)."""
+    out = []
+    for nd in graph.nodes:
+        if op_class(nd.name) is not OpClass.CONTRACTION:
+            continue
+        parts = _grown(graph, nd.id)
+        if parts is None or not all(fusible(i) for i in parts[0]):
+            continue
+        members, first, second = parts
+        group = Group.of(graph, sorted(members))
+        spec = TEMPLATE.match(group)
+        if spec is None:
+            continue
+        if convex(graph, members):
+            out.append((group, ()))
+        elif convex(graph, first) and convex(graph, second):
+            out.append((group, TEMPLATE.stage_split(spec)))
+    return out
+
+
+def stage_configs(config: dict) -> tuple[dict, dict]:
+    """(stage 1's `row_reduce` config, stage 2's) of a config of this template."""
+    fwd = {k: v for k, v in config.items() if not k.startswith(BWD)}
+    bwd = {k[len(BWD):]: v for k, v in config.items() if k.startswith(BWD)}
+    return fwd, bwd
+
+
+def _stage_config(spec: TileSpec) -> dict:
+    """A good stage config: an [inner, block_cols] tile of about 8K elements (16K at most), 8 warps on 8K."""
+    rows = next_pow2(spec.inner)
+    bn = max(16, min(128, 8192 // rows, next_pow2(spec.C)))
+    return {"block_cols": bn, "num_warps": 8 if rows * bn >= 8192 else 4}
+
+
+class ReduceVJPTemplate(Template[ReduceVJPSpec]):
+    name = "reduce_vjp"
+    params = ("block_cols", "num_warps", BWD + "block_cols", BWD + "num_warps")
+
+    def match(self, group: Group) -> ReduceVJPSpec | None:
+        """The two stages and their kernels' tilings, or None."""
+        return _match(group)
+
+    def stage_split(self, spec: ReduceVJPSpec) -> tuple[frozenset[int], ...]:
+        return spec.stage1, spec.stage2
+
+    def default_config(self, spec: ReduceVJPSpec) -> dict:
+        return {**_stage_config(spec.forward_spec), **{BWD + k: v for k, v in _stage_config(spec.backward_spec).items()}}
+
+    def space(self, group: Group, spec: ReduceVJPSpec | None = None) -> dict:
+        """Each stage's columns per tile and warps (stage 2's under `bwd_`), search_spaces/reduce_vjp.toml."""
+        spec = spec or self.match(group)
+        return template_space(self.name, self.default_config(spec), {
+            "C": spec.forward_spec.C, "inner": spec.forward_spec.inner})
+
+    def model_time_ms(self, spec: ReduceVJPSpec, config: dict, model: GPUModel = H200) -> float:
+        """Each stage one program per sequence and block of columns, one read of its inputs."""
+        return sum(tile_time_ms(s, row_config(s, c), model, two_d_grid=True)
+                   for s, c in zip((spec.forward_spec, spec.backward_spec), stage_configs(config)))
+
+
+def row_config(spec: TileSpec, config: dict) -> dict:
+    """A stage's config as `row_reduce` runs it: the tile's rows are the inner rows, one pass."""
+    return {**config, "block_rows": next_pow2(spec.inner), "num_stages": 1}
+
+
+TEMPLATE = ReduceVJPTemplate()
