@@ -115,6 +115,48 @@ def _reduced_then_read(group: Group) -> tuple[list[int], list[int]] | None:
     return sorted(first), rest
 
 
+def _levels_over_middle_axes(group: Group) -> list[list[int]] | None:
+    """For a group without dots whose reductions run over a middle axis (not the trailing ones) and whose results are
+    read again by later work (SPLADE's max over the sequence, the count of positions at it, the backward): one
+    fusion per reduction depth, each with the elementwise work it recomputes from the group's inputs (XLA
+    duplicates cheap producers; it does not fuse a reduction with a reader that needs it whole), else None."""
+    g, members = group.graph, set(group.node_ids)
+    reds = [n for n in group.nodes if ops.op_class(n.name) is OpClass.REDUCTION]
+    if not reds or any(ops.op_class(n.name) is OpClass.CONTRACTION for n in group.nodes):
+        return None
+    if all(max(n.params["axes"]) == len(g.aval(n.inputs[0]).shape) - 1 for n in reds):
+        return None  # a row's reductions: `row_reduce`'s factor covers XLA's kernels for them
+    depth: dict[int, int] = {}
+    for nd in group.nodes:  # program order: producers first
+        depth[nd.id] = max((depth[p] + (ops.op_class(g.node_index[p].name) is OpClass.REDUCTION)
+                            for p in g.preds(nd.id) if p in members), default=0)
+    if max(depth.values()) == 0:
+        return None
+    levels = []
+    for k in range(max(depth.values()) + 1):
+        ids, stack = set(), [i for i, d in depth.items() if d == k]
+        while stack:  # the level's nodes with the non-reduction producers they recompute
+            i = stack.pop()
+            if i not in ids:
+                ids.add(i)
+                stack.extend(p for p in g.preds(i) if p in members and depth[p] < k
+                             and ops.op_class(g.node_index[p].name) is not OpClass.REDUCTION)
+        levels.append(sorted(ids))
+    return levels
+
+
+def _level_time_ms(group: Group, ids: list[int], model: GPUModel) -> float:
+    """One of `_levels_over_middle_axes`' fusions: it reads what it does not make (the group's inputs, earlier
+    reductions) and writes the group's outputs and the reductions that later levels read."""
+    g, inside, members = group.graph, set(ids), set(group.node_ids)
+    made = {v for i in ids for v in g.node_index[i].outputs}
+    read = {a for i in ids for a in g.node_index[i].inputs if isinstance(a, int)} - made
+    written = {v for v in made if v in group.outputs or any(c in members and c not in inside for c in g.consumers.get(v, ()))
+               and ops.op_class(g.node_index[g.producer[v]].name) is OpClass.REDUCTION}
+    b = sum(g.avals[v].nbytes for v in read | written)
+    return kernel_time_ms(b, sum(node_flops(g, i) for i in ids), model)
+
+
 def _kind(group: Group) -> str:
     classes = {ops.op_class(n.name) for n in group.nodes}
     if sum(ops.op_class(n.name) is OpClass.CONTRACTION for n in group.nodes) >= 2 and OpClass.REDUCTION in classes:
@@ -131,6 +173,9 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
         parts = _reduced_then_read(group)
         if parts is not None:  # two fusions at least: the reductions', then the later reader's (each reads the product)
             return sum(xla_group_time_ms(Group.of(group.graph, ids), model) for ids in parts)
+    levels = _levels_over_middle_axes(group) if kind == "row_reduce" else None
+    if levels is not None:
+        return sum(_level_time_ms(group, ids, model) * XLA_FACTOR[kind] for ids in levels)
     t = group_time_ms(group, model) - 1e3 * model.launch_s
     if kind == "matmul_reduce":  # XLA writes the product, then reads it back to reduce it in a second kernel (GPU_NOTES)
         t += 1e3 * model.launch_s + 1e3 * 2 * sum(group.graph.avals[v].nbytes for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION

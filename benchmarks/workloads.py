@@ -58,6 +58,15 @@ def splade_head(h, w, bias, mask):
     return jnp.max(jnp.log1p(jax.nn.relu(h @ w + bias)) * mask[..., None], axis=1)
 
 
+def splade_head_grad(h, w, bias, mask):
+    """The gradient of a loss of SPLADE's representation with respect to h, W and b: the log of its squared norm,
+    whose cotangent depends on the whole forward (as in training: the head runs in two stages)."""
+    def loss(h, w, bias):
+        return jnp.log(jnp.sum(splade_head(h, w, bias, mask).astype(jnp.float32) ** 2))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(h, w, bias)
+
+
 def cross_entropy(h, w, target):
     """Per-token cross-entropy over a vocabulary, the target logit picked by a one-hot `where` (no gather)."""
     logits = h @ w
@@ -110,6 +119,7 @@ WORKLOADS = [
     Workload("matmul_bias_gelu", matmul_bias_gelu, ((8192, 4096), (4096, 8192), (8192,))),
     Workload("matmul_bias_swish_groupnorm", matmul_bias_swish_groupnorm, ((16384, 2048), (2048, 4096), (4096,), (4096,), (4096,))),
     Workload("splade_head", splade_head, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
+    Workload("splade_head_grad", splade_head_grad, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
     Workload("cross_entropy", cross_entropy, ((8192, 4096), (4096, 32000), (8192,)), (None, None, "int32")),
     Workload("cross_entropy_grad", cross_entropy_grad, ((16384, 1024), (1024, 50257), (16384,)), (None, None, "int32")),  # GPT-2's head
     Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
@@ -125,6 +135,7 @@ SMALL = {
     "matmul_bias_gelu": ((100, 70), (70, 90), (90,)),
     "matmul_bias_swish_groupnorm": ((100, 70), (70, 1024), (1024,), (1024,), (1024,)),  # 32 segments of 32
     "splade_head": ((2, 37, 40), (40, 70), (70,), (2, 37)),
+    "splade_head_grad": ((2, 37, 40), (40, 70), (70,), (2, 37)),
     "cross_entropy": ((50, 40), (40, 300), (50,)),
     "cross_entropy_grad": ((64, 64), (64, 300), (64,)),
     "attention": ((2, 2, 100, 64),) * 3,

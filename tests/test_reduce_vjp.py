@@ -142,3 +142,33 @@ def test_a_max_over_a_middle_axis_runs_as_stage_one_alone():
                                        interpret=True, spec=spec)
     for o, r in zip(kernel(x), f(x)):
         np.testing.assert_allclose(o, r, rtol=1e-6)
+
+
+def test_both_kernels_lower_for_cuda():
+    """The Triton lowering of both stages for real (`jax.export` for CUDA, no GPU): axis-0 reductions of a
+    [16, 32] tile, masked rows, one-row stores of the per-sequence values."""
+    from autofuse.runner.evaluator import export_for_cuda
+
+    fn = jax.grad(_head_loss, argnums=(0, 1, 2))
+    _, cands = _candidates(fn, _head_args())
+    (c,) = _heads(cands)
+    kernel = TEMPLATES[NAME].build(c.group, CONFIG, interpret=False, spec=c.spec)
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in c.group.input_avals()]
+    assert export_for_cuda(kernel, structs).mlir_module().count("xla.gpu.triton") == 2
+
+
+def test_the_cost_model_counts_xlas_passes_over_the_logits():
+    """At SPLADE's published shapes (shapes only): XLA is modelled as one fusion per reduction depth (the max,
+    the count at it, the backward), each reading the [32, 256, 30522] logits; the pair reads them twice. The
+    pair must model faster, or a tuning job never gives it a trial."""
+    from autofuse.costmodel import H200, xla_group_time_ms
+
+    args = jax.eval_shape(splade.example_inputs)
+    graph, cands = _candidates(splade.grad_step, args)
+    heads = _heads(cands)
+    assert len(heads) == 2
+    logits_ms = 1e3 * 32 * 256 * 30522 * 2 / H200.bandwidth_Bps
+    for c in heads:
+        xla = xla_group_time_ms(c.group, H200)
+        fused = TEMPLATES[NAME].model_time_ms(c.spec, TEMPLATES[NAME].default_config(c.spec), H200)
+        assert xla > 3 * logits_ms and fused < xla
