@@ -116,7 +116,7 @@ def _reduced_then_read(group: Group) -> tuple[list[int], list[int]] | None:
 
 
 def _levels_over_middle_axes(group: Group) -> list[list[int]] | None:
-    """For a group without dots whose reductions run over a middle axis (not the trailing ones) and whose results are
+    """For a group without dots whose reductions run over one middle axis (neither the first nor the last) and whose results are
     read again by later work (SPLADE's max over the sequence, the count of positions at it, the backward): one
     fusion per reduction depth, each with the elementwise work it recomputes from the group's inputs (XLA
     duplicates cheap producers; it does not fuse a reduction with a reader that needs it whole), else None."""
@@ -124,8 +124,9 @@ def _levels_over_middle_axes(group: Group) -> list[list[int]] | None:
     reds = [n for n in group.nodes if ops.op_class(n.name) is OpClass.REDUCTION]
     if not reds or any(ops.op_class(n.name) is OpClass.CONTRACTION for n in group.nodes):
         return None
-    if all(max(n.params["axes"]) == len(g.aval(n.inputs[0]).shape) - 1 for n in reds):
-        return None  # a row's reductions: `row_reduce`'s factor covers XLA's kernels for them
+    axes = {(tuple(n.params["axes"]), len(g.aval(n.inputs[0]).shape)) for n in reds}
+    if len(axes) != 1 or not all(len(a) == 1 and 0 < a[0] < rank - 1 for a, rank in axes):
+        return None  # a row's reductions, a column's sums (a norm's dγ): `row_reduce`'s factor covers XLA's kernels
     depth: dict[int, int] = {}
     for nd in group.nodes:  # program order: producers first
         depth[nd.id] = max((depth[p] + (ops.op_class(g.node_index[p].name) is OpClass.REDUCTION)
