@@ -439,6 +439,16 @@ class Group:
         return Group(self.graph, sub.node_ids, sub.inputs,
                      tuple(v for n in sub.nodes for v in n.outputs if v in self.outputs or v in rest))
 
+    def alone(self) -> "Group":
+        """The group on a graph of its own (the group's inputs and outputs its interface, the same value ids), so
+        that a pass sees only the group's readers of a value (stage 1 of a pair, whose values stage 2 evaluates
+        again, is the only reader of its chain)."""
+        g = self.graph
+        used = {a for n in self.nodes for a in n.inputs if isinstance(a, int)} | set(self.outputs)
+        graph = Graph(list(self.nodes), g.avals, list(self.inputs), list(self.outputs),
+                      {v: c for v, c in g.consts.items() if v in used}, None, None)
+        return Group(graph, self.node_ids, self.inputs, self.outputs)
+
     @property
     def nodes(self) -> list[Node]:
         return [self.graph.node_index[i] for i in self.node_ids]

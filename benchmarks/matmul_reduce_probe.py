@@ -1,10 +1,11 @@
-"""Issue 5 probe: the generated matmul / matmul_reduce kernels at hand-picked configs, against jax.jit, on the GPU.
+"""Probe: a template's kernels (matmul, matmul_reduce, reduce_vjp) at hand-picked configs, against jax.jit, on the GPU.
 
 For each workload: jax.jit's time and compiled memory (temporaries + outputs,
 `memory_analysis()`), then the whole program planned as one group of the
 template (the largest candidate) at each config: checked against jax.jit,
 timed (same inputs, `measure.time_fn`), its memory. A quick way to find good
-configs before the tuning job, and the memory numbers the suite does not report.
+configs before the tuning job, and the memory numbers the suite does not report. `--kernels`
+adds each config's generated kernels' own device times (`kernel_profile`: which stage is slow).
 
     python benchmarks/matmul_reduce_probe.py --only splade_head,cross_entropy --out probe.md
 """
@@ -26,6 +27,7 @@ from autofuse import costmodel  # noqa: E402
 from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import executor, plan_from_choices  # noqa: E402
+from benchmarks.kernel_profile import kernel_times  # noqa: E402
 from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 
@@ -37,12 +39,18 @@ def _mm(bm, bn, bk, w, s, g=8):
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s, "group_m": g}
 
 
+def _rv(bc, w, bbc, bw):
+    return {"block_cols": bc, "num_warps": w, "bwd_block_cols": bbc, "bwd_num_warps": bw}
+
+
 CONFIGS = {
     "splade_head": ("matmul_reduce", [_mr(128, 128, 64, 8, 3), _mr(128, 128, 64, 4, 4), _mr(128, 64, 64, 4, 3), _mr(256, 128, 64, 8, 3),
                                       _mr(128, 256, 64, 8, 3), _mr(64, 128, 64, 4, 4)]),
     "cross_entropy": ("matmul_reduce", [_mr(128, 256, 64, 8, 3, 2), _mr(128, 256, 64, 8, 4, 2), _mr(128, 256, 32, 8, 5, 2),
                                         _mr(128, 256, 64, 8, 3, 1), _mr(128, 128, 64, 4, 4, 2), _mr(128, 256, 64, 8, 3, 4)]),
     "matmul_bias_gelu": ("matmul", [_mm(128, 256, 64, 8, 3), _mm(256, 128, 64, 8, 3)]),
+    "splade_head_grad": ("reduce_vjp", [_rv(16, 4, 16, 4), _rv(32, 4, 32, 4), _rv(32, 8, 32, 8), _rv(64, 8, 64, 8),
+                                        _rv(64, 16, 64, 16), _rv(16, 8, 16, 8), _rv(128, 16, 32, 16)]),
 }
 
 
@@ -57,6 +65,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default="")
     ap.add_argument("--small", action="store_true", help="CPU-sized shapes (interpret mode off the GPU): a dry run")
+    ap.add_argument("--kernels", action="store_true", help="each config's generated kernels' device times (profiler)")
     a = ap.parse_args()
     lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; command: python {' '.join(sys.argv)}", "",
              "| workload | kernel | config | ms | TFLOP/s | vs jax.jit | temp MiB | out MiB | check |", "|---|---|---|---|---|---|---|---|---|"]
@@ -79,13 +88,16 @@ def main() -> None:
         for cfg in cfgs:
             cfg_s = " ".join(f"{k}={v}" for k, v in cfg.items())
             try:
-                run = executor(g, plan_from_choices(g, [(cand.group, template, cfg)]), interpret=None)
+                run = executor(g, plan_from_choices(g, [(cand.group, template, cfg, cand.stages)]), interpret=None)
                 fused = jax.jit(lambda *x, run=run: run(x)).lower(*sp).compile()
                 res = check(fused, lambda *x: jax.tree_util.tree_leaves(ref_c(*x)), avals, (1,), cone_tolerances(g, [n.id for n in g.nodes], g.outputs))
                 t = time_fn(fused, sets).median_ms
                 tmp, out = _mem(fused)
                 lines.append(f"| {w.name} | {template} ({len(cand.nodes)}/{len(g.nodes)} nodes) | {cfg_s} | {t:.4f} | {flops / t / 1e9:.0f} | "
                              f"{t_ref / t:.2f}x | {tmp:.1f} | {out:.1f} | {'ok' if res.ok else res.reason} |")
+                if a.kernels:
+                    own = [k for k in kernel_times(fused, sets[0]) if k.name.startswith("autofuse")]
+                    lines[-1] += " " + ", ".join(f"{k.name.split('_')[1]}×{k.launches_per_call:g} {k.ms_per_call:.4f} ms" for k in own)
             except Exception as e:  # a config that does not compile is one row, not the end of the probe
                 lines.append(f"| {w.name} | {template} | {cfg_s} | failed: {type(e).__name__}: {str(e)[:120]} | | | | | |")
             print(lines[-1], flush=True)

@@ -59,10 +59,13 @@ def splade_head(h, w, bias, mask):
 
 
 def splade_head_grad(h, w, bias, mask):
-    """The gradient of a loss of SPLADE's representation with respect to h, W and b: the log of its squared norm,
-    whose cotangent depends on the whole forward (as in training: the head runs in two stages)."""
+    """The gradient of a loss of SPLADE's representation with respect to h, W and b, the head as
+    `examples/splade.py` has it (log1p(relu(.)) of the logits in float32: in bf16, ties at the max depend on where
+    XLA rounds); the loss, the log of its squared norm, makes the cotangent depend on the whole forward (as in
+    training: the head runs in two stages)."""
     def loss(h, w, bias):
-        return jnp.log(jnp.sum(splade_head(h, w, bias, mask).astype(jnp.float32) ** 2))
+        act = jnp.log1p(jax.nn.relu((h @ w + bias).astype(jnp.float32))) * (mask[..., None] > 0)
+        return jnp.log(jnp.sum(jnp.max(act, axis=1) ** 2))
 
     return jax.grad(loss, argnums=(0, 1, 2))(h, w, bias)
 

@@ -70,6 +70,8 @@ def test_splade_training_step_offers_each_head_in_two_stages():
         assert all(graph.avals[v].shape in ((B, V), (B, 1, V)) for v in spec.forward.outputs)
         assert [graph.avals[v].shape for v in spec.backward.outputs] == [logits]
         assert {n.name for n in spec.backward.nodes} >= {"reduce_max", "reduce_sum", "eq"}
+        # stage 1 reduces the logits themselves, log1p(relu(.)) once per column (`passes.hoist_monotone`)
+        assert [spec.forward.graph.avals[n.outputs[0]].shape for n in spec.forward.nodes if n.name == "log1p"] == [(B, 1, V)]
         assert spec.backward_spec.outer and set(spec.backward_spec.outer.values()) == {S}
 
 

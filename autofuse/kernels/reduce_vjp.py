@@ -7,7 +7,8 @@ divided by their count (`jax.grad` of `max`: eq(log1p(relu(x + b)) * mask, m)). 
 the logits (the max, the count, dlogits with db, dlogits again). Here the dot stays XLA's (or another group's) and
 the nodes that grow from its product (`reread.split`) run as two `row_reduce` kernels over tiles of one sequence
 and a block of columns, the sequence whole (`TileSpec.inner`):
-  - stage 1, what the program reads of the forward (the max), [B, V] only written;
+  - stage 1, what the program reads of the forward (the max: of the logits, the monotone log1p(relu(.)) applied
+    once per column, `passes.hoist_monotone`), [B, V] only written;
   - stage 2, the backward with the forward evaluated again, the max and the count included (`reread.recomputed`
     with `whole`), reading the cotangent [B, V] one row per tile (`TileSpec.outer`), writing dlogits.
 Stage 2 compares values with a max it made itself from the same tile, so the comparison holds whatever the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from ..costmodel import H200, GPUModel
 from ..graph import Graph, Group, convex
 from ..ops import OpClass, op_class
+from .passes import hoist_monotone
 from .reread import split, two_stages
 from .template import NoMatch, Template
 from .tiling import TileSpec, analyze, next_pow2, template_space, tile_time_ms
@@ -34,7 +36,8 @@ class ReduceVJPSpec:
     group: Group
     stage1: frozenset[int]  # the forward's nodes (the group's plan stage 1)
     stage2: frozenset[int]  # the backward's nodes (stage 2)
-    forward: Group  # stage 1's kernel: the forward's nodes the program reads
+    forward: Group  # stage 1's kernel: the forward's nodes the program reads (a max over a monotone chain
+    # reducing the chain's base: `passes.hoist_monotone`, on a copy of the graph)
     forward_spec: TileSpec  # a `row_reduce` tiling with inner rows
     backward: Group  # stage 2's kernel: stage 2 with the forward it evaluates again
     backward_spec: TileSpec  # likewise
@@ -59,7 +62,7 @@ def _inner_spec(kernel: Group, S: tuple) -> TileSpec | None:
     (axis,) = axes
     if axis == len(S) - 1 or S[axis] > MAX_INNER:
         return None  # a trailing axis is a row's reduction (`row_reduce`, `matmul_reduce_vjp`)
-    if any(tuple(g.avals[nd.inputs[0]].shape) != S for nd in kernel.nodes if op_class(nd.name) is OpClass.REDUCTION):
+    if any(len(g.aval(nd.inputs[0]).shape) != len(S) for nd in kernel.nodes if op_class(nd.name) is OpClass.REDUCTION):
         return None
     try:
         return analyze(kernel, S, axis + 1, inner=axis)
@@ -84,11 +87,12 @@ def _match(group: Group) -> ReduceVJPSpec | None:
         st = two_stages(group, first, second, S, whole=True)
         if st is None or st.private:
             return None
-        forward_spec = _inner_spec(st.forward, S)
+        forward = hoist_monotone(st.forward.alone())  # the max of the logits, log1p(relu(.)) once per column
+        forward_spec = _inner_spec(forward, S) or _inner_spec(st.forward, S)
         backward_spec = _inner_spec(st.backward, S) if forward_spec is not None else None
         if backward_spec is None or backward_spec.inner != forward_spec.inner:
             return None
-        return ReduceVJPSpec(group, frozenset(first), frozenset(second), st.forward, forward_spec, st.backward,
+        return ReduceVJPSpec(group, frozenset(first), frozenset(second), forward_spec.group, forward_spec, st.backward,
                              backward_spec)
     return None
 
