@@ -125,6 +125,7 @@ def _levels_over_middle_axes(group: Group) -> list[list[int]] | None:
     if not reds or any(ops.op_class(n.name) is OpClass.CONTRACTION for n in group.nodes):
         return None
     axes = {(tuple(n.params["axes"]), len(g.aval(n.inputs[0]).shape)) for n in reds}
+    axes = {(a, rank) for a, rank in axes if a != tuple(range(rank - 1))}  # a column's sum (a bias's gradient) aside
     if len(axes) != 1 or not all(len(a) == 1 and 0 < a[0] < rank - 1 for a, rank in axes):
         return None  # a row's reductions, a column's sums (a norm's dγ): `row_reduce`'s factor covers XLA's kernels
     depth: dict[int, int] = {}

@@ -68,11 +68,13 @@ def test_splade_training_step_offers_each_head_in_two_stages():
         B, S, V = logits
         assert spec.forward_spec.inner == spec.backward_spec.inner == S
         assert all(graph.avals[v].shape in ((B, V), (B, 1, V)) for v in spec.forward.outputs)
-        assert [graph.avals[v].shape for v in spec.backward.outputs] == [logits]
+        assert [graph.avals[v].shape for v in spec.backward.outputs] == [logits, (V,)]  # dlogits, db
         assert {n.name for n in spec.backward.nodes} >= {"reduce_max", "reduce_sum", "eq"}
         # stage 1 reduces the logits themselves, log1p(relu(.)) once per column (`passes.hoist_monotone`)
         assert [spec.forward.graph.avals[n.outputs[0]].shape for n in spec.forward.nodes if n.name == "log1p"] == [(B, 1, V)]
         assert spec.backward_spec.outer and set(spec.backward_spec.outer.values()) == {S}
+        # the bias's gradient (db: Σ over batch and sequence of dlogits) as a partial per sequence, in stage 2
+        assert [graph.avals[v].shape for v in spec.backward_spec.col_sums] == [(V,)]
 
 
 def test_the_head_kernels_match_xla_on_random_inputs():
@@ -83,7 +85,8 @@ def test_the_head_kernels_match_xla_on_random_inputs():
 
 
 def test_a_ragged_sequence_is_masked():
-    """S = 12: each tile has 16 rows, 4 of them masked (a max over them would see the next sequence's)."""
+    """S = 12: each tile has 16 rows, 4 of them masked (a max over them would see the next sequence's, and so
+    would the bias's gradient, summed per sequence)."""
     fn = jax.grad(_head_loss, argnums=(0, 1, 2))
     args = _head_args()
     graph, cands = _candidates(fn, args)

@@ -51,9 +51,11 @@ def descendants(graph: Graph, starts) -> set[int]:
     return out
 
 
-def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
+def split(graph: Graph, dot: int, *, column_sums: bool = False) -> tuple[set[int], set[int], set[int]] | None:
     """(the group, stage 1, stage 2) grown from `dot`, or None where the product is not reduced or nothing of its
-    shape is read after the reductions."""
+    shape is read after the reductions. `column_sums`: the group also takes the sums over every axis but the
+    last of a value of the product's shape it makes (a bias's gradient, db = Σ dlogits), with the reshapes,
+    unit-axis sums and one conversion after them, into stage 2."""
     S = tuple(graph.avals[graph.node_index[dot].outputs[0]].shape)
     axis = None
 
@@ -100,10 +102,12 @@ def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
             if readers and readers <= members:
                 members.add(nd.id)
                 grown = True
+    sums = _column_sums(graph, members, S) if column_sums else set()
     reductions = [i for i in members if op_class(graph.node_index[i].name) is OpClass.REDUCTION]
+    members |= sums
     first = ancestors(graph, reductions, members)
     after = descendants(graph, members)
-    for i in sorted(members - first):  # the row work on the reductions alone
+    for i in sorted(members - first - sums):  # the row work on the reductions alone
         nd = graph.node_index[i]
         if shaped(nd.outputs[0]):
             continue
@@ -114,6 +118,33 @@ def split(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
     if not any(shaped(v) for i in second for v in graph.node_index[i].outputs):
         return None
     return members, first, second
+
+
+def _column_sums(graph: Graph, members: set[int], S: tuple) -> set[int]:
+    """The sums over every axis but the last of the product-shaped values `members` make, and the chains after
+    them that only move or cast the sum (reshape, a sum over unit axes, one conversion)."""
+    out: set[int] = set()
+    leading = tuple(range(len(S) - 1))
+    for i in sorted(members):
+        for v in graph.node_index[i].outputs:
+            if tuple(graph.avals[v].shape) != S:
+                continue
+            for c in graph.consumers.get(v, ()):
+                nd = graph.node_index[c]
+                if nd.name != "reduce_sum" or tuple(nd.params["axes"]) != leading or c in members:
+                    continue
+                chain, cur, cast = {c}, nd.outputs[0], False
+                while len(graph.consumers.get(cur, ())) == 1 and cur not in graph.output_values:
+                    nxt = graph.node_index[graph.consumers[cur][0]]
+                    unit = op_class(nxt.name) is OpClass.REDUCTION and all(graph.avals[cur].shape[d] == 1 for d in nxt.params["axes"])
+                    step = op_class(nxt.name) is OpClass.LAYOUT or unit or (nxt.name == "convert_element_type" and not cast)
+                    if not step or len([a for a in nxt.inputs if isinstance(a, int)]) != 1:
+                        break
+                    cast |= nxt.name == "convert_element_type"
+                    chain.add(nxt.id)
+                    cur = nxt.outputs[0]
+                out |= chain
+    return out
 
 
 def recomputed(graph: Graph, first: set[int], second: set[int], S: tuple, *, whole: bool = False) -> set[int]:

@@ -185,8 +185,8 @@ def analyze(group: Group, shape: Sequence[int], split: int, *, reduce_axes: Sequ
     n = len(S)
     values = list(group.inputs) + [v for nd in group.nodes for v in nd.outputs]
     axes = _placed_in_order(group, values, S)
-    if inner is not None and (reduce_axes is not None or column_sums or not 0 <= inner < split):
-        raise NoMatch("inner-row reductions are over trailing row axes, without column sums")
+    if inner is not None and (reduce_axes is not None or not 0 <= inner < split):
+        raise NoMatch("inner-row reductions are over trailing row axes")
 
     per_outer: dict[int, int] = {}
     if reduce_axes is None:

@@ -44,7 +44,8 @@ class TileBody(TileEval):
 
     def store_col_sum(self, ref, v: int, env: dict, r0, c0) -> None:
         """A group output that is a sum over every row (`TileSpec.col_sums`): this block of rows' partial, at its
-        row of `ref` ([row blocks, C], float32), rows past the edge left out."""
+        row of `ref` ([row blocks, C], float32; with inner rows a block is one outer index), rows past the edge
+        left out."""
         nd = self.g.node_index[self.spec.col_sums[v]]
         kind, x = ops.reduction_kind(nd.name), env[nd.inputs[0]]
         x = jnp.broadcast_to(x, (self.bm, self.bn))
@@ -52,7 +53,8 @@ class TileBody(TileEval):
         if rows is not None:
             x = jnp.where(rows, x, ops.reduction_identity(kind, x.dtype))
         part = ops.reduce_tile(kind, x, axis=0).astype(jnp.float32)
-        plgpu.store(ref.at[pl.ds(r0 // self.bm, 1), pl.ds(c0, self.bn)], part, mask=self.mask(Span(False, True), r0, c0))
+        block = r0 // (self.spec.inner or self.bm)
+        plgpu.store(ref.at[pl.ds(block, 1), pl.ds(c0, self.bn)], part, mask=self.mask(Span(False, True), r0, c0))
 
     def store(self, ref, v: int, x, r0, c0):
         if v in self.spec.outer:  # (inner rows) one row per tile, at its outer index
