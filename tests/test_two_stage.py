@@ -268,3 +268,21 @@ def test_a_launchers_candidates_are_read_back_as_enumerated(tmp_path):
     assert staged.spec is not None  # matched when first asked
     other = autofuse.capture(lambda x: jax.numpy.tanh(x).sum(axis=-1), jax.ShapeDtypeStruct((8, 16), "float32"))
     assert load_candidates(other, path) is None and load_candidates(graph, str(tmp_path / "none.json")) is None
+
+
+@pytest.mark.parametrize("model,ratio", [("splade", 2.0), ("gpt2", 2.0)])
+def test_xla_attention_pays_for_the_scores_in_memory(model, ratio):
+    """At the published shapes (shapes only), XLA's attention with its backward is modelled with the score-shaped
+    arrays' round trips through memory: at SPLADE's L = 256 the group's floor alone (0.03 ms) put it below the
+    flash pair, which then never got a trial, where XLA measured ~0.65 ms per layer on an H100."""
+    from autofuse.costmodel import H200, xla_group_time_ms
+    from autofuse.kernels import TEMPLATES
+
+    mod = __import__(f"examples.{model}", fromlist=["x"])
+    args = jax.eval_shape(mod.example_inputs)
+    graph = autofuse.capture(mod.grad_step, *args)
+    pairs = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    assert pairs
+    for c in pairs:
+        t = TEMPLATES[c.template]
+        assert xla_group_time_ms(c.group, H200) > ratio * t.model_time_ms(c.spec, t.default_config(c.spec), H200)
