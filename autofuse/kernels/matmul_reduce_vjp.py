@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costmodel import H200, GPUModel
-from ..graph import Graph, Group, convex
+from ..graph import Graph, Group
 from ..ops import OpClass, op_class
 from . import matmul, matmul_reduce
+from . import reread
 from .reread import split, two_stages
 from .template import Template
 from .tiling import template_space
@@ -115,31 +116,13 @@ def _match(group: Group) -> MatmulReduceVJPSpec | None:
 
 
 def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
-    """Per dot whose product is reduced and read again after the reductions: the group with its stages (`()` where
-    the group is convex and runs as one unit, else the forward then the backward, each convex)."""
-    out = []
-    for nd in graph.nodes:
-        if op_class(nd.name) is not OpClass.CONTRACTION or not fusible(nd.id):
-            continue
-        parts = split(graph, nd.id)
-        if parts is None:
-            continue
-        members, first, second = parts
-        group = Group.of(graph, sorted(members))
-        spec = TEMPLATE.match(group)
-        if spec is None:
-            continue
-        if convex(graph, members):
-            out.append((group, ()))
-        elif convex(graph, first) and convex(graph, second):
-            out.append((group, TEMPLATE.stage_split(spec)))
-    return out
+    """Per dot whose product is reduced and read again after the reductions: the group grown from the dot."""
+    return reread.candidate_groups(graph, fusible, lambda dot: split(graph, dot), TEMPLATE)
 
 
 def stage_configs(config: dict) -> tuple[dict, dict]:
     """(stage 1's `matmul_reduce` config, stage 2's `matmul` config) of a config of this template."""
-    fwd = {k: v for k, v in config.items() if not k.startswith(BWD)}
-    bwd = {k[len(BWD):]: v for k, v in config.items() if k.startswith(BWD)}
+    fwd, bwd = reread.stage_configs(config, BWD)
     if "backend" in config:
         bwd["backend"] = config["backend"]
     return fwd, bwd

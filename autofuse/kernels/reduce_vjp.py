@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..costmodel import H200, GPUModel
-from ..graph import Graph, Group, convex
+from ..graph import Graph, Group
 from ..ops import OpClass, op_class
 from .passes import hoist_monotone
+from . import reread
 from .reread import split, two_stages
 from .template import NoMatch, Template
 from .tiling import TileSpec, analyze, next_pow2, template_space, tile_time_ms
@@ -99,32 +100,13 @@ def _match(group: Group) -> ReduceVJPSpec | None:
 
 
 def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
-    """Per dot whose product is reduced and read again after the reductions: the group grown from its product
-    with its stages (`()` where the group is convex and runs as one unit, else the forward then the backward)."""
-    out = []
-    for nd in graph.nodes:
-        if op_class(nd.name) is not OpClass.CONTRACTION:
-            continue
-        parts = _grown(graph, nd.id)
-        if parts is None or not all(fusible(i) for i in parts[0]):
-            continue
-        members, first, second = parts
-        group = Group.of(graph, sorted(members))
-        spec = TEMPLATE.match(group)
-        if spec is None:
-            continue
-        if convex(graph, members):
-            out.append((group, ()))
-        elif convex(graph, first) and convex(graph, second):
-            out.append((group, TEMPLATE.stage_split(spec)))
-    return out
+    """Per dot whose product is reduced over a middle axis and read again: the group grown from its product."""
+    return reread.candidate_groups(graph, fusible, lambda dot: _grown(graph, dot), TEMPLATE)
 
 
 def stage_configs(config: dict) -> tuple[dict, dict]:
     """(stage 1's `row_reduce` config, stage 2's) of a config of this template."""
-    fwd = {k: v for k, v in config.items() if not k.startswith(BWD)}
-    bwd = {k[len(BWD):]: v for k, v in config.items() if k.startswith(BWD)}
-    return fwd, bwd
+    return reread.stage_configs(config, BWD)
 
 
 def _stage_config(spec: TileSpec, per_thread: int) -> dict:

@@ -11,9 +11,11 @@ read by both) build their kernels on this split.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ..graph import Graph, Group
+from ..graph import Graph, Group, convex
 from ..ops import OpClass, op_class
 
 MEMBER_OPS = (OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE)
@@ -189,3 +191,34 @@ def two_stages(group: Group, first: set[int], second: set[int], S: tuple, *, who
     if not backward.outputs or set(group.outputs) - set(forward.outputs) - set(backward.outputs):
         return None
     return Stages(forward, backward, private, frozenset(back_ids))
+
+
+def candidate_groups(graph: Graph, fusible: Callable[[int], bool], grow: Callable[[int], tuple | None],
+                     template: Any) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+    """Per dot whose product is reduced and read again after the reductions, the group `grow(dot)` makes (its
+    nodes, stage 1, stage 2) where `template` matches it, with its stages: `()` where the group is convex and
+    runs as one unit, else the forward then the backward, each convex (a training step)."""
+    out = []
+    for nd in graph.nodes:
+        if op_class(nd.name) is not OpClass.CONTRACTION:
+            continue
+        parts = grow(nd.id)
+        if parts is None or not all(fusible(i) for i in parts[0]):
+            continue
+        members, first, second = parts
+        group = Group.of(graph, sorted(members))
+        spec = template.match(group)
+        if spec is None:
+            continue
+        if convex(graph, members):
+            out.append((group, ()))
+        elif convex(graph, first) and convex(graph, second):
+            out.append((group, template.stage_split(spec)))
+    return out
+
+
+def stage_configs(config: dict, prefix: str) -> tuple[dict, dict]:
+    """A two-kernel template's config as (stage 1's, stage 2's): stage 2's keys carry `prefix`."""
+    fwd = {k: v for k, v in config.items() if not k.startswith(prefix)}
+    bwd = {k[len(prefix):]: v for k, v in config.items() if k.startswith(prefix)}
+    return fwd, bwd
