@@ -91,6 +91,17 @@ def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_su
                              "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7")
 
 
+def test_summary_puts_a_large_error_beside_jax_jits_own_move() -> None:
+    """A plan held to jax.jit's own spread (rounding-noise outputs) says so beside its worst error; a small error
+    is left alone."""
+    import dataclasses
+
+    rep = _report((FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 2}, "s-norm"),))
+    noisy = dataclasses.replace(rep, validation=ValidationResult(TrialStatus.OK, 1.7, rounding_sensitivity=[0.01, 1.53]))
+    assert "max rel error 1.7e+00 (jax.jit's own move up to 1.5);" in noisy.summary()
+    assert "own move" not in rep.summary()
+
+
 def test_summary_of_a_modelled_or_xla_plan_says_so() -> None:
     rep = _report((), measure="model")
     assert "MODELLED on a model of NVIDIA H200, not measured" in rep.summary() and "XLA's own plan" in rep.summary()

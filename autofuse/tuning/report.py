@@ -109,6 +109,13 @@ def plan_text(report: TuneReport) -> str:
     return f"{n} fused group{'s' if n != 1 else ''} ({kinds})"
 
 
+def _spread_note(validation: ValidationResult) -> str:
+    """Where the worst error is of the size of jax.jit's own move (an output that is rounding noise, like a
+    gradient that is zero in exact arithmetic, or a chaotic bf16 step), that move, so the number reads as what it is."""
+    spread = max(validation.rounding_sensitivity, default=0.0)
+    return f" (jax.jit's own move up to {spread:.2g})" if validation.max_error > 0.05 and spread >= validation.max_error / 10 else ""
+
+
 def summary_line(report: TuneReport) -> str:
     """Everything a job found, on one line: the speedup and how it was obtained, the plan, the trials, the store rows."""
     how = f"measured on {report.device}" if report.measure == "device" else \
@@ -118,7 +125,7 @@ def summary_line(report: TuneReport) -> str:
     else:
         extra = [f"noise ±{report.noise:.1%}"] if report.noise is not None else []
         if report.validation.max_error is not None:
-            extra.append(f"max rel error {report.validation.max_error:.1e}")
+            extra.append(f"max rel error {report.validation.max_error:.1e}" + _spread_note(report.validation))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
     store = f"; run {report.run_id}, plan {report.plan_id}" if report.run_id is not None else ""
