@@ -10,7 +10,8 @@ and a block of columns, the sequence whole (`TileSpec.inner`):
   - stage 1, what the program reads of the forward (the max: of the logits, the monotone log1p(relu(.)) applied
     once per column, `passes.hoist_monotone`), [B, V] only written;
   - stage 2, the backward with the forward evaluated again, the max and the count included (`reread.recomputed`
-    with `whole`), reading the cotangent [B, V] one row per tile (`TileSpec.outer`), writing dlogits.
+    with `whole`), reading the cotangent [B, V] one row per tile (`TileSpec.outer`), writing dlogits and the
+    bias's gradient (db = Σ dlogits over batch and sequence) as a partial per sequence (`TileSpec.col_sums`).
 Stage 2 compares values with a max it made itself from the same tile, so the comparison holds whatever the
 compiled arithmetic (`matmul_reduce_vjp`, which hands the max on and computes the product again, cannot promise
 that and refuses such a group).
@@ -28,7 +29,7 @@ from .reread import split, two_stages
 from .template import NoMatch, Template
 from .tiling import TileSpec, analyze, next_pow2, template_space, tile_time_ms
 
-BWD = "bwd_"  # the prefix of stage 2's (the `elementwise` kernel's) config keys
+BWD = "bwd_"  # the prefix of stage 2's config keys
 MAX_INNER = 1024  # the longest reduced middle axis a tile holds whole (with 16 columns: a 16K-element tile)
 
 
