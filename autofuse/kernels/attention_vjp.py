@@ -245,8 +245,8 @@ def _attention_chain(graph: Graph, d: Node, members: set[int] | None = None, *,
         return None
 
 
-def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
-    """The groups this template could take in a gradient program, with their stages: per forward chain, the chain
+def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
+    """The groups this template could take in a gradient program, with their match and their stages: per forward chain, the chain
     with every node computing a value of its derivative from the chain's values and one cotangent. Where that
     group is convex it is one unit (stages `()`); where it is not (a training step: the cotangent depends on the
     output) it runs in two stages, the forward chain then the backward, when each of those is convex."""
@@ -261,11 +261,11 @@ def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple
             if spec is None:
                 continue
             if one_unit:
-                out.append((group, ()))
+                out.append((group, spec, ()))
                 break
             stages = TEMPLATE.stage_split(spec)
             if all(convex(graph, set(st)) for st in stages):
-                out.append((group, stages))
+                out.append((group, spec, stages))
                 break
     return out
 

@@ -115,7 +115,7 @@ def _match(group: Group) -> MatmulReduceVJPSpec | None:
                                backward_spec, st.private)
 
 
-def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, MatmulReduceVJPSpec, tuple[frozenset[int], ...]]]:
     """Per dot whose product is reduced and read again after the reductions: the group grown from the dot."""
     return reread.candidate_groups(graph, fusible, lambda dot: split(graph, dot), TEMPLATE)
 

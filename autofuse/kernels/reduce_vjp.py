@@ -100,7 +100,7 @@ def _match(group: Group) -> ReduceVJPSpec | None:
     return None
 
 
-def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+def candidate_groups(graph: Graph, fusible) -> list[tuple[Group, ReduceVJPSpec, tuple[frozenset[int], ...]]]:
     """Per dot whose product is reduced over a middle axis and read again: the group grown from its product."""
     return reread.candidate_groups(graph, fusible, lambda dot: _grown(graph, dot), TEMPLATE)
 

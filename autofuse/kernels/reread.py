@@ -194,9 +194,9 @@ def two_stages(group: Group, first: set[int], second: set[int], S: tuple, *, who
 
 
 def candidate_groups(graph: Graph, fusible: Callable[[int], bool], grow: Callable[[int], tuple | None],
-                     template: Any) -> list[tuple[Group, tuple[frozenset[int], ...]]]:
+                     template: Any) -> list[tuple[Group, Any, tuple[frozenset[int], ...]]]:
     """Per dot whose product is reduced and read again after the reductions, the group `grow(dot)` makes (its
-    nodes, stage 1, stage 2) where `template` matches it, with its stages: `()` where the group is convex and
+    nodes, stage 1, stage 2) where `template` matches it, with that match and its stages: `()` where the group is convex and
     runs as one unit, else the forward then the backward, each convex (a training step)."""
     out = []
     for nd in graph.nodes:
@@ -211,9 +211,9 @@ def candidate_groups(graph: Graph, fusible: Callable[[int], bool], grow: Callabl
         if spec is None:
             continue
         if convex(graph, members):
-            out.append((group, ()))
+            out.append((group, spec, ()))
         elif convex(graph, first) and convex(graph, second):
-            out.append((group, template.stage_split(spec)))
+            out.append((group, spec, template.stage_split(spec)))
     return out
 
 

@@ -264,10 +264,8 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     # backward): the product computed twice, never stored (again in two stages in a training step); or the product
     # stored by the dot and read by both stages (`reduce_vjp`: SPLADE's max over the sequence and its backward)
     for module in (attention_vjp, matmul_reduce_vjp, reduce_vjp):
-        for grp, stages in module.candidate_groups(graph, lambda i: is_fusible(graph, i)):
-            spec = TEMPLATES[module.TEMPLATE.name].match(grp)
-            if spec is not None:
-                emit(Candidate(grp, module.TEMPLATE.name, spec, stages))
+        for grp, spec, stages in module.candidate_groups(graph, lambda i: is_fusible(graph, i)):
+            emit(Candidate(grp, module.TEMPLATE.name, spec, stages))
     return found
 
 
