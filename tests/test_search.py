@@ -555,3 +555,68 @@ def test_only_lone_dots_whose_cost_can_change_the_plan_are_timed():
     assert lone_contraction_costs(g, rec, {}, contested) == {dot2: 2.0} and rec.nodes == [(dot2,)]
     head.xla_ms = None  # no XLA option links the dot to the fused epilogue: nothing to time
     assert dot2 not in contested_nodes(by_sig, cands) and lone_contractions(g, (), contested_nodes(by_sig, cands)) == []
+
+
+def test_a_modelled_plans_baseline_does_not_depend_on_the_budget():
+    """Without a GPU the baseline is the modelled program under XLA's own fusions of every candidate, whatever
+    the budget reached: it was priced from the candidates timed so far (the rest as unfused nodes), so the same
+    program read 0.056 ms with 2 trials and 0.0057 ms with 12, and a later job refused the same plan."""
+    small, large = (tune(layer_norm, *_ln_args(), trials=t, seed=0, quiet=True, isolate=False) for t in (2, 12))
+    assert sum(c.xla_ms is not None for c in small.candidates) < sum(c.xla_ms is not None for c in large.candidates)
+    assert small.baseline_ms == pytest.approx(large.baseline_ms)
+
+
+def test_on_the_gpu_a_job_whose_plans_all_fail_reports_jax_jits_measured_time():
+    """Every plan failing its whole-program check leaves XLA's plan, and its baseline is jax.jit measured on the
+    whole program, never the cover's sum of the candidates that happened to be timed."""
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate as _validate
+
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, isolate=False)
+    assert rep.plan.groups
+    t = lambda ms: Timing(ms, ms * 0.98, ms * 1.02, ms * 0.99, ms * 1.01)  # noqa: E731
+
+    class Device:
+        def call(self, req):
+            if autofuse.Plan.from_json(req.plan_json).groups:
+                return ValidationResult(TrialStatus.WRONG_RESULT, error="output 0: relative error 1.3 > 0.02")
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(10.0), ratio=t(1.0))
+
+    out = _validate(autofuse.capture(layer_norm, *_ln_args(512, 1024)), Cover(rep.plan, 3.0, 2.0), Device(), "device", "ln",
+                    rep.candidates, 0, 0.0)
+    assert out.plan.is_xla and out.baseline_ms == 10.0 and out.tuned_ms == 10.0
+
+
+def test_modelled_losses_come_last_and_a_short_budget_spends_nothing_on_them():
+    """Candidates the model says lose to XLA go after every modelled saving, the nearest to break-even first; a
+    budget that cannot give every candidate its default gives them no phase-1 trial and times none of them first
+    (8 trials once went to groups modelled at 0.13-0.75x while near-break-even ones got none)."""
+    from autofuse import costmodel
+    from autofuse.graph import capture
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.ledger import CandidateState, TrialRecord
+    from autofuse.tuning.scheduler import Budget, Scheduler, phase1_order, timed_first
+    from autofuse.tuning.space import CandidateSpace, SearchSpace
+
+    xla = {"wins": 1.0, "near": 1.0, "far": 1.0, "tiny-win": 0.1}
+    fused = {"wins": 0.5, "near": 1.05, "far": 8.0, "tiny-win": 0.09}
+    rs = [CandidateState(k, "elementwise", list(range(n)), 1, xla_ms=xla[k]) for k, n in (("far", 9), ("near", 2), ("wins", 3), ("tiny-win", 4))]
+    spaces = {k: CandidateSpace({"triton": SearchSpace("any", {"k": [0, 1, 2, 3]}, {"k": 0}, {}, None, lambda cfg, v=v: v)})
+              for k, v in fused.items()}
+    assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["wins", "tiny-win", "near", "far"]
+    assert [rs[i].signature for i in timed_first(rs, spaces, 3)] == ["wins", "tiny-win"]
+    assert sorted(timed_first(rs, spaces, 4)) == [0, 1, 2, 3]
+
+    graph = capture(lambda x: jnp.tanh(x) * 2, jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    by_sig, _ = distinct_candidates(graph)
+    (cand,) = next(iter(by_sig.values()))
+    by_sig = {r.signature: [cand] for r in rs}
+    sched = Scheduler(graph, by_sig, rs, spaces, Budget(3), costmodel.H200)
+    picked = []
+    for _ in range(3):
+        i = sched.pick()
+        picked.append(rs[i].signature)
+        rs[i].trials.append(TrialRecord(len(rs[i].trials), {"backend": "triton", "k": len(rs[i].trials)}, TrialStatus.OK, fused[rs[i].signature]))
+        rs[i].update_best()
+    assert "far" not in picked and "near" not in picked, picked

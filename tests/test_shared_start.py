@@ -263,8 +263,9 @@ def test_a_dead_workers_xla_claim_is_taken_over_and_a_live_ones_is_not(tmp_path)
 
 def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path):
     """Two real workers (CPU, model mode) of `autofuse tune --workers 2`: the candidates the 6 trials can reach
-    (6 of 8) timed in XLA once by one of them, any other only if it got a trial, every measured trial with its
-    worker, device and finish time."""
+    timed in XLA once by one of them (here none before the trials: all 8 are modelled losses, which a budget short
+    of every default never reaches first), any other only if it got a trial, every measured trial with its worker,
+    device and finish time."""
     url = f"sqlite:///{tmp_path}/rec.db"
     env = dict(os.environ, PYTHONPATH=ROOT, AUTOFUSE_COMPILE_WORKERS="2")
     env.pop("AUTOFUSE_DB", None)
@@ -281,7 +282,7 @@ def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path
     trials = [t for t in store.trials(run["id"]) if t["status"] not in ("infeasible", "pruned")]
     assert len(trials) == 6
     tried = {t["candidate_id"] for t in trials}
-    assert 6 <= len(timed) < 8 and tried <= {c["id"] for c in timed}, (len(timed), tried)
+    assert len(timed) < 8 and tried == {c["id"] for c in timed}, (len(timed), tried)
     for t in trials:
         assert t["device"] == "cpu:0 cpu" and t["finished_at"] >= t["created_at"], t
         assert t["worker"].rpartition(":")[0] == socket.gethostname()
@@ -389,11 +390,10 @@ def test_finding_model_bests_ahead_keeps_the_main_threads_gil_waits_short(monkey
 def test_model_bests_are_found_ahead_only_for_the_candidates_the_budget_reaches(monkeypatch):
     """Given the candidates timed first (`scheduler.timed_first`), the prefetch thread enumerates only their spaces,
     in that order: GPT-2's 158 took ~14 s of a Python thread that was still busy when phase 2 began."""
-    from autofuse.tuning.scheduler import timed_first
     from autofuse.tuning.space import CandidateSpace
 
     _, _, cands, spaces = _program()
-    order = timed_first(cands, spaces, 3)
+    order = phase1_order(cands, spaces)[:3]  # as `timed_first` gives them (this program's are all modelled losses: none)
     assert len(order) == 3 < len(cands)
     seen: list[int] = []
     by_space = {id(spaces[r.signature]): k for k, r in enumerate(cands)}

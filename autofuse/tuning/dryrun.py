@@ -79,15 +79,17 @@ class DryRun:
                 "candidates": [{**{k: getattr(r, k) for k in DryRunRow.__dataclass_fields__}, "saving_ms": r.saving_ms} for r in self.rows]}
 
 
-def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, time_budget_s: float | None) -> list[str]:
-    """What a budget of `trials` cannot do for `n_candidates` distinct candidates of which `n_contenders` contend."""
+def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, time_budget_s: float | None, n_losses: int = 0) -> list[str]:
+    """What a budget of `trials` cannot do for `n_candidates` distinct candidates of which `n_contenders` contend
+    and `n_losses` are modelled losses."""
     if trials is None:
         return [f"a time budget of {time_budget_s:g} s: how many trials it allows depends on compile and run times; phase 1 alone "
                 + f"needs {n_candidates} trials (give --trials to know)"] if time_budget_s else []
     if trials < n_candidates:
+        losses = (f"; the {n_losses} modelled losses get a trial only when no other candidate can use one" if n_losses else "")
         return [f"{trials} trials for {n_candidates} distinct candidates: {n_candidates - trials} of them (the smallest modelled "
-                + "savings) never get even their default config, and no contender gets more than its default; "
-                + f"give --trials {n_candidates + 2 * max(n_contenders, 1)} or more"]
+                + "savings) never get even their default config, and no contender gets more than its default"
+                + f"{losses}; give --trials {n_candidates + 2 * max(n_contenders, 1)} or more"]
     left = trials - n_candidates
     if left < n_contenders:
         return [f"{trials} trials: {n_candidates} go to the candidates' default configs, and the {left} left cannot give each of the "
@@ -120,7 +122,8 @@ def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | 
     baseline = cover.baseline_ms if cover else 0.0
     out = DryRun(name or program_name(fn), graph.fingerprint, gmodel.name, len(graph.nodes), rows, trials, time_budget_s, baseline,
                  cover.tuned_ms if cover else baseline, len(cover.plan.groups) if cover else 0)
-    return replace(out, warnings=budget_warnings(len(rows), out.contenders, trials, time_budget_s))
+    losses = sum(1 for r in rows if r.saving_ms <= 0)
+    return replace(out, warnings=budget_warnings(len(rows), out.contenders, trials, time_budget_s, losses))
 
 
 def dry_run_table(d: "DryRun") -> str:
@@ -136,8 +139,9 @@ def dry_run_table(d: "DryRun") -> str:
     lines = [f"autofuse tune {d.name} --dry-run  program {d.fingerprint[:16]}  (MODELLED on a model of {d.model}: nothing compiled, "
              + "timed or stored)"]
     lines.append(format_table(cells, columns) if cells else "(no fusible group: the plan is XLA's own)")
-    lines.append("# = the order phase 1 gives each its default config (largest modelled saving first); * = contender (in the "
-                 "modelled plan, or within 25% of XLA): phase 2 shares the rest of the budget among these, by XLA time")
+    lines.append("# = the order phase 1 gives each its default config (largest modelled saving first; modelled losses last, the "
+                 "nearest to break-even first); * = contender (in the modelled plan, or within 25% of XLA): phase 2 shares the rest "
+                 "of the budget among these, by XLA time")
     lines.append(f"{len(d.rows)} distinct candidates ({instances} instances) in {d.n_nodes} nodes; {d.contenders} contenders; modelled plan "
                  f"of default configs: {d.plan_groups} fused groups, {fmt_ms(d.baseline_ms)} -> {fmt_ms(d.plan_ms)} ms "
                  f"({fmt_x(d.baseline_ms / d.plan_ms) if d.plan_ms else '-'}); budget {budget}")

@@ -2,7 +2,9 @@
 
 1. A config whose worker died is retried first (it waits in its study).
 2. Phase 1: every distinct candidate gets its template's default config, by the
-   time fusing may save ((XLA time - modelled time) x instances, most first); a
+   time fusing may save ((XLA time - modelled time) x instances, most first;
+   modelled losses last, and none of them when the budget cannot give every
+   candidate its default: `phase1_order`); a
    candidate whose configs all failed on shared memory or compilation gets
    another config right away, up to `RETRY_CONFIGS`, and one with no working
    config gets its next backend's default (its study has them enqueued). A
@@ -86,9 +88,22 @@ def trial_total(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpac
 
 def timed_first(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace], total: int) -> list[int]:
     """The candidates timed in XLA before the first trial: as many as `total` trials can reach, in phase 1's order
-    (every candidate where the budget covers them all). Any other is timed at its first trial, if it gets one."""
+    (every candidate where the budget covers them all; a short budget reaches no modelled loss in phase 1). Any
+    other is timed at its first trial, if it gets one."""
     order = phase1_order(cands, spaces)
-    return order if total >= len(order) else order[:total]
+    if total >= len(order):
+        return order
+    return [i for i in order if not modelled_loss(cands[i], spaces[cands[i].signature])][:total]
+
+
+def modelled_saving(r: CandidateState, space: CandidateSpace) -> float:
+    """What fusing every instance of `r` at its default config saves (ms), by the model where XLA was not measured
+    yet (`xla_time_ms`); negative: a modelled loss."""
+    return (xla_time_ms(r, space) - space.model_ms(space.default)) * r.instances
+
+
+def modelled_loss(r: CandidateState, space: CandidateSpace) -> bool:
+    return modelled_saving(r, space) <= 0
 
 
 def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> list[int]:
@@ -96,13 +111,21 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     of the default config) x instances, in steps of 25% (within a step, the larger group first: it subsumes the
     smaller ones). A short budget on a whole model thus reaches its attention and heads before its many small
     groups (a group that merely leaves intermediates in memory has a large XLA time, but saves little). XLA's
-    time is the model's estimate for a candidate not timed yet (`xla_time_ms`)."""
-    def step(r: CandidateState) -> float:
-        sp = spaces[r.signature]
-        gain = (xla_time_ms(r, sp) - sp.model_ms(sp.default)) * r.instances
-        return math.floor(math.log(gain) / math.log(GAIN_STEP)) if gain > 0 else -math.inf
+    time is the model's estimate for a candidate not timed yet (`xla_time_ms`).
 
-    return sorted(range(len(cands)), key=lambda i: (-step(cands[i]), -len(cands[i].nodes)))
+    Modelled losses come last, the nearest to break-even (XLA's time over the default's) first: tuning may still
+    make one of those win, where a group modelled at a tenth of XLA's speed will not. A budget that cannot give
+    every candidate its default gives them none in phase 1 (`Scheduler.pick`)."""
+    def key(i: int) -> tuple:
+        r = cands[i]
+        sp = spaces[r.signature]
+        gain = modelled_saving(r, sp)
+        if gain > 0:
+            return (0, -math.floor(math.log(gain) / math.log(GAIN_STEP)), -len(r.nodes))
+        fused = sp.model_ms(sp.default)
+        return (1, -(xla_time_ms(r, sp) / fused if fused > 0 else 0.0), -len(r.nodes))
+
+    return sorted(range(len(cands)), key=key)
 
 
 def config_failures_only(r: CandidateState) -> bool:
@@ -175,9 +198,11 @@ class Scheduler:
                 return i
         visits_left = self.phase1_visits - sum(1 for n in counted if n)
         order = phase1_order(self.cands, self.spaces)
+        short = self.total < len(self.cands)  # a budget that cannot give every default spends none on a modelled loss
         for i in order:
             r = self.cands[i]
-            if i in open_ and ((not counted[i] and visits_left > 0) or config_failures_only(r) or backend_untried(r, self.spaces[r.signature])):
+            first_visit = not counted[i] and visits_left > 0 and not (short and modelled_loss(r, self.spaces[r.signature]))
+            if i in open_ and (first_visit or config_failures_only(r) or backend_untried(r, self.spaces[r.signature])):
                 return i
         cont = [i for i in self.contenders() if i in open_]
         if not cont:  # phase 2 has no one left: the candidates phase 1 did not reach

@@ -39,14 +39,15 @@ MAX_FALLBACKS = 3  # smaller plans validated beside the chosen one (its groups w
 MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
 
 
-def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledger) -> None:
+def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledger, check: bool = True) -> None:
     """Pick the candidate's best config; in model mode only a config that passed its correctness check
-    (interpret mode; the three fastest are tried) may be the best. A resumed run whose earlier process
+    (interpret mode; the three fastest are tried) may be the best, unless `check` is False (a best no faster than
+    XLA's own fusion of the group, which no cover chooses: `_could_be_chosen`). A resumed run whose earlier process
     checked the candidate with the same trials keeps that best (read back from the store)."""
-    if measure == "model" and r.checked_trials is not None and r.checked_trials == len(r.trials):
+    if _already_checked(r, measure):
         return
     r.update_best()
-    if measure == "model":
+    if measure == "model" and check:
         verified = None
         for k, t in sorted(((k, t) for k, t in enumerate(r.trials) if t.status is TrialStatus.OK), key=lambda kt: kt[1].median_ms)[:3]:
             res = runner.call(TrialRequest(tuple(r.nodes), r.template, t.config, check=True))
@@ -73,14 +74,15 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    phase(f"autofuse: selecting the plan from {sum(1 for r in cands if r.trials)} tuned candidates")
     _pause_for_tests()
-    to_check = [r for r in cands if measure == "model" and any(t.status is TrialStatus.OK for t in r.trials)
-                and not (r.checked_trials is not None and r.checked_trials == len(r.trials))]
+    to_check = [r for r in cands if measure == "model" and not _already_checked(r, measure) and _could_be_chosen(r, by_sig, model)]
+    tuned = sum(1 for r in cands if r.trials)
+    phase(f"autofuse: selecting the plan from {tuned} tuned candidates" +
+          (f" ({len(to_check)} of them to check in interpret mode)" if measure == "model" else ""))
     for r in cands:
         if r in to_check:
             phase(f"autofuse: checking the best config of candidate {to_check.index(r) + 1} of {len(to_check)} ({r.template}, interpret mode)")
-        finish_candidate(r, runner, measure, ledger)
+        finish_candidate(r, runner, measure, ledger, check=r in to_check)
         if r.trials:
             say(candidate_line(r))
     t1 = time.perf_counter()
@@ -100,6 +102,22 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
                       timings=timings, on_passed=on_passed)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
+
+
+def _already_checked(r: CandidateState, measure: str) -> bool:
+    """Model mode: a resumed run's candidate whose best its earlier process checked with these same trials."""
+    return measure == "model" and r.checked_trials is not None and r.checked_trials == len(r.trials)
+
+
+def _could_be_chosen(r: CandidateState, by_sig: dict[str, list[Candidate]], model: costmodel.GPUModel) -> bool:
+    """Whether some measured config of `r` is faster than XLA's own fusion of its group (its XLA option in every
+    cover, by the model where XLA was not asked: `best_cover`). One that is not is never chosen, so checking it in
+    interpret mode (seconds each: half of a small job's time once) decides nothing."""
+    ok = [t.median_ms for t in r.trials if t.status is TrialStatus.OK and t.median_ms is not None]
+    if not ok:
+        return False
+    xla_ms = r.xla_ms if r.xla_ms is not None else costmodel.xla_group_time_ms(by_sig[r.signature][0].group, model)
+    return min(ok) < xla_ms
 
 
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
@@ -186,8 +204,8 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
         base, tuned = validation.baseline.median_ms, validation.plan.median_ms
     if kept is None:
         plan = Plan(graph.fingerprint, (), {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"})
-        if measure == "device" and not tries:
-            validation = runner.call(ValidateRequest(plan.to_json()))
+        if measure == "device" and validation.baseline is None:  # no plan was timed (none, or every one failed its check):
+            validation = runner.call(ValidateRequest(plan.to_json()))  # jax.jit's whole program, never the cover's sum of parts
         if measure == "device" and validation.baseline is not None:
             base = validation.baseline.median_ms
         tuned = base
