@@ -25,28 +25,67 @@ class KernelTime:
 
 def kernel_times(fn: Callable, args: tuple, *, calls: int = 3) -> list[KernelTime]:
     """The kernels `fn(*args)` launches on the GPU, longest first (empty where no device plane is traced: the CPU)."""
+    total: dict[str, list[float]] = {}
+    for name, _, duration_ns in _kernel_events(fn, args, calls):
+        t = total.setdefault(name, [0.0, 0])
+        t[0] += duration_ns
+        t[1] += 1
+    rows = [KernelTime(k, ns / calls / 1e6, n / calls) for k, (ns, n) in total.items()]
+    return sorted(rows, key=lambda r: -r.ms_per_call)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """How busy the GPU is over back-to-back calls: the time some kernel runs, the span from the first kernel's
+    start to the last one's end (per call), and the longest idle gaps between kernels, by the kernels around them."""
+
+    busy_ms: float
+    span_ms: float
+    gaps: list[tuple[str, str, float, int]]  # (kernel before, kernel after, idle ms per call, gaps per call)
+
+
+def timeline(fn: Callable, args: tuple, *, calls: int = 3, top: int = 8) -> Timeline | None:
+    """`fn(*args)`'s GPU timeline over `calls` back-to-back calls, every stream together (None without a GPU).
+    A plan whose kernels add up to less than jax.jit's can still take longer if the GPU waits between them."""
+    events = sorted(_kernel_events(fn, args, calls), key=lambda e: e[1])
+    if not events:
+        return None
+    busy, span_end, gaps = 0.0, events[0][1], {}
+    prev = None
+    for name, start, dur in events:
+        if start > span_end and prev is not None:
+            g = gaps.setdefault((prev, name), [0.0, 0])
+            g[0] += start - span_end
+            g[1] += 1
+        busy += max(0.0, start + dur - max(start, span_end))
+        if start + dur > span_end:
+            span_end, prev = start + dur, name
+    span = span_end - events[0][1]
+    worst = sorted(((a, b, ns / calls / 1e6, n / calls) for (a, b), (ns, n) in gaps.items()), key=lambda g: -g[2])[:top]
+    return Timeline(busy / calls / 1e6, span / calls / 1e6, worst)
+
+
+def _kernel_events(fn: Callable, args: tuple, calls: int) -> list[tuple[str, float, float]]:
+    """(kernel name, start ns, duration ns) of every kernel `calls` back-to-back calls of `fn(*args)` launch."""
     jax.block_until_ready(fn(*args))  # compiled and warm before the trace
+    out = []
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
+            for _ in range(calls - 1):
+                fn(*args)
+            jax.block_until_ready(fn(*args))
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             return []
         data = jax.profiler.ProfileData.from_file(paths[0])
-        total: dict[str, list[float]] = {}
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
             for line in plane.lines:
                 if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
                     continue
-                for ev in line.events:
-                    t = total.setdefault(ev.name, [0.0, 0])
-                    t[0] += ev.duration_ns
-                    t[1] += 1
-    rows = [KernelTime(k, ns / calls / 1e6, n / calls) for k, (ns, n) in total.items()]
-    return sorted(rows, key=lambda r: -r.ms_per_call)
+                out.extend((ev.name, ev.start_ns, ev.duration_ns) for ev in line.events)
+    return out
 
 
 def kernel_table(rows: list[KernelTime], *, top: int = 20, title: str = "") -> list[str]:

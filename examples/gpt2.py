@@ -2,6 +2,7 @@
 
     autofuse tune examples.gpt2:forward --inputs examples.gpt2:example_inputs
     autofuse tune examples.gpt2:grad_step --inputs examples.gpt2:small_inputs
+    autofuse tune examples.gpt2:forward_cudnn --inputs examples.gpt2:example_inputs
 
 Token and position embeddings, pre-norm blocks (layer norm, causal attention
 written in plain jnp, GELU-tanh MLP, residuals), a final layer norm and the
@@ -12,6 +13,12 @@ computation `n_layers` times: autofuse tunes each distinct group once).
 `example_inputs()` is GPT-2 medium (24 layers, d=1024, 16 heads, vocab
 50257) at batch 8, sequence 2048 (GPT-2 was trained with 1024 positions; the
 position table here has 2048), random weights, bf16.
+
+Each entry point has a `_cudnn` twin (`forward_cudnn`, `loss_cudnn`,
+`grad_step_cudnn`) written as a careful JAX user writes attention: the same
+fused QKV projection, then `jax.nn.dot_product_attention(is_causal=True)`,
+cuDNN's fused kernels on a GPU (XLA's attention elsewhere). What autofuse gains
+there is what it gains beyond attention.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from examples import library_attention
 
 HEAD_DIM = 64  # every GPT-2 size uses 64-wide heads, so heads = d_model // 64
 
@@ -70,17 +79,31 @@ def layer_norm(x: jax.Array, p: dict, eps: float = 1e-5) -> jax.Array:
     return (y * p["scale"] + p["bias"]).astype(x.dtype)
 
 
-def causal_attention(x: jax.Array, p: dict) -> jax.Array:
+def _qkv(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused QKV projection, split into [B, S, H, HEAD_DIM] queries, keys and values."""
     B, S, D = x.shape
-    H = D // HEAD_DIM
     qkv = x @ p["w_qkv"] + p["b_qkv"]
-    q, k, v = (t.reshape(B, S, H, HEAD_DIM) for t in jnp.split(qkv, 3, axis=-1))
+    return tuple(t.reshape(B, S, D // HEAD_DIM, HEAD_DIM) for t in jnp.split(qkv, 3, axis=-1))
+
+
+def causal_attention(x: jax.Array, p: dict) -> jax.Array:
+    """Attention written in plain jnp: the score matrix, a causal mask, softmax."""
+    B, S, D = x.shape
+    q, k, v = _qkv(x, p)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(HEAD_DIM)
     causal = jnp.tril(jnp.ones((S, S), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, D)
     return out @ p["w_out"] + p["b_out"]
+
+
+def library_causal_attention(x: jax.Array, p: dict) -> jax.Array:
+    """Attention as a careful user writes it: `jax.nn.dot_product_attention` (cuDNN on a GPU)."""
+    B, S, D = x.shape
+    q, k, v = _qkv(x, p)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=library_attention())
+    return out.reshape(B, S, D) @ p["w_out"] + p["b_out"]
 
 
 def mlp(x: jax.Array, p: dict) -> jax.Array:
@@ -90,10 +113,19 @@ def mlp(x: jax.Array, p: dict) -> jax.Array:
 
 def forward(params: dict, batch: dict) -> jax.Array:
     """Logits [batch, seq, vocab] for `batch["tokens"]`."""
+    return _forward(params, batch, causal_attention)
+
+
+def forward_cudnn(params: dict, batch: dict) -> jax.Array:
+    """`forward` with library attention (`library_causal_attention`)."""
+    return _forward(params, batch, library_causal_attention)
+
+
+def _forward(params: dict, batch: dict, attention) -> jax.Array:
     tokens = batch["tokens"]
     x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]
     for blk in params["blocks"]:
-        x = x + causal_attention(layer_norm(x, blk["ln1"]), blk["attn"])
+        x = x + attention(layer_norm(x, blk["ln1"]), blk["attn"])
         x = x + mlp(layer_norm(x, blk["ln2"]), blk["mlp"])
     x = layer_norm(x, params["ln_f"])
     return x @ params["wte"].T
@@ -110,9 +142,17 @@ def loss(params: dict, batch: dict) -> jax.Array:
     return cross_entropy(forward(params, batch), batch["targets"])
 
 
+def loss_cudnn(params: dict, batch: dict) -> jax.Array:
+    return cross_entropy(forward_cudnn(params, batch), batch["targets"])
+
+
 def grad_step(params: dict, batch: dict) -> dict:
     """The differentiated program: gradients of the loss for every parameter."""
     return jax.grad(loss)(params, batch)
+
+
+def grad_step_cudnn(params: dict, batch: dict) -> dict:
+    return jax.grad(loss_cudnn)(params, batch)
 
 
 def make_inputs(cfg: Config, batch: int, seq: int, dtype=jnp.bfloat16, seed: int = 0) -> tuple[dict, dict]:

@@ -1,6 +1,7 @@
 """Llama-style decoder blocks in plain JAX.
 
     autofuse tune examples.llama:forward --inputs examples.llama:example_inputs
+    autofuse tune examples.llama:forward_cudnn --inputs examples.llama:example_inputs
 
 Pre-norm blocks: RMS norm, rotary position embeddings (rotate-half form),
 grouped-query causal attention (key/value heads repeated with `jnp.repeat`),
@@ -11,6 +12,11 @@ target, enough to differentiate the whole stack.
 `example_inputs()` is a 1B-class configuration (Llama 3.2 1B: d=2048,
 32 query heads, 8 key/value heads of 64, ffn 8192, rope theta 500000) with 2
 of its 16 blocks, batch 4, sequence 2048, bf16.
+
+`forward_cudnn`, `loss_cudnn` and `grad_step_cudnn` write the attention as a
+careful JAX user does: `jax.nn.dot_product_attention(is_causal=True)` on the
+grouped key/value heads as they are (no repeat), cuDNN's fused kernels on a GPU
+(XLA's attention elsewhere).
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from examples import library_attention
 
 HEAD_DIM = 64  # Llama 3.2 1B: 2048 = 32 heads x 64
 ROPE_THETA = 500000.0
@@ -72,13 +80,21 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(x: jax.Array, p: dict) -> jax.Array:
+def _qkv(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [B, S, H, D] and grouped keys and values [B, S, KV, D], rotary embeddings on queries and keys."""
     B, S, D = x.shape
     H, KV = D // HEAD_DIM, p["wk"].shape[1] // HEAD_DIM
     pos = jnp.arange(S)
     q = rope((x @ p["wq"]).reshape(B, S, H, HEAD_DIM), pos, ROPE_THETA)
     k = rope((x @ p["wk"]).reshape(B, S, KV, HEAD_DIM), pos, ROPE_THETA)
-    v = (x @ p["wv"]).reshape(B, S, KV, HEAD_DIM)
+    return q, k, (x @ p["wv"]).reshape(B, S, KV, HEAD_DIM)
+
+
+def attention(x: jax.Array, p: dict) -> jax.Array:
+    """Attention written in plain jnp: key/value heads repeated, the score matrix, a causal mask, softmax."""
+    B, S, D = x.shape
+    q, k, v = _qkv(x, p)
+    H, KV = q.shape[2], k.shape[2]
     k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)  # grouped-query attention
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(HEAD_DIM)
     causal = jnp.tril(jnp.ones((S, S), dtype=bool))
@@ -86,7 +102,15 @@ def attention(x: jax.Array, p: dict) -> jax.Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, D) @ p["wo"]
 
 
-def block(x: jax.Array, p: dict) -> jax.Array:
+def library_attention_gqa(x: jax.Array, p: dict) -> jax.Array:
+    """Grouped-query attention as a careful user writes it: `jax.nn.dot_product_attention` (cuDNN on a GPU)."""
+    B, S, D = x.shape
+    q, k, v = _qkv(x, p)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=library_attention())
+    return out.reshape(B, S, D) @ p["wo"]
+
+
+def block(x: jax.Array, p: dict, attention=attention) -> jax.Array:
     x = x + attention(rms_norm(x, p["attn_norm"]), p)
     h = rms_norm(x, p["mlp_norm"])
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
@@ -94,20 +118,40 @@ def block(x: jax.Array, p: dict) -> jax.Array:
 
 def forward(params: dict, batch: dict) -> jax.Array:
     """The blocks applied to hidden states `batch["x"]` [batch, seq, d_model]."""
+    return _forward(params, batch, attention)
+
+
+def forward_cudnn(params: dict, batch: dict) -> jax.Array:
+    """`forward` with library attention (`library_attention_gqa`)."""
+    return _forward(params, batch, library_attention_gqa)
+
+
+def _forward(params: dict, batch: dict, attend) -> jax.Array:
     x = batch["x"]
     for p in params["blocks"]:
-        x = block(x, p)
+        x = block(x, p, attend)
     return x
 
 
 def loss(params: dict, batch: dict) -> jax.Array:
-    out = forward(params, batch).astype(jnp.float32)
-    return jnp.mean((out - batch["y"].astype(jnp.float32)) ** 2)
+    return _regression(forward(params, batch), batch)
+
+
+def loss_cudnn(params: dict, batch: dict) -> jax.Array:
+    return _regression(forward_cudnn(params, batch), batch)
+
+
+def _regression(out: jax.Array, batch: dict) -> jax.Array:
+    return jnp.mean((out.astype(jnp.float32) - batch["y"].astype(jnp.float32)) ** 2)
 
 
 def grad_step(params: dict, batch: dict) -> dict:
     """The differentiated program: gradients of the loss for every parameter."""
     return jax.grad(loss)(params, batch)
+
+
+def grad_step_cudnn(params: dict, batch: dict) -> dict:
+    return jax.grad(loss_cudnn)(params, batch)
 
 
 def make_inputs(cfg: Config, batch: int, seq: int, dtype=jnp.bfloat16, seed: int = 0) -> tuple[dict, dict]:

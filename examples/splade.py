@@ -1,6 +1,7 @@
 """A SPLADE encoder in plain JAX: BERT-style transformer layers and the SPLADE head.
 
     autofuse tune examples.splade:forward --inputs examples.splade:example_inputs
+    autofuse tune examples.splade:forward_cudnn --inputs examples.splade:example_inputs
 
 BERT (post-norm): word + position + token-type embeddings and a layer norm,
 then layers of self-attention with a padding mask, exact (erf) GELU MLP,
@@ -12,6 +13,10 @@ embedding, turned into a sparse representation by the SPLADE head
 2 of its 12 layers, batch 32, sequence 256, bf16: the head's
 [32, 256, 30522] logits are what XLA materialises and what a fused kernel
 avoids; `example_inputs(layers=12)` is the full encoder.
+
+`forward_cudnn`, `loss_cudnn` and `grad_step_cudnn` write the attention as a
+careful JAX user does: `jax.nn.dot_product_attention` with the padding given as
+key lengths (cuDNN's fused kernels on a GPU, XLA's attention elsewhere).
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from examples import library_attention
 
 HEAD_DIM = 64  # BERT-base: 768 = 12 heads x 64
 
@@ -87,8 +94,17 @@ def self_attention(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
     return dense(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, D), p["o"])
 
 
-def encoder_layer(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
-    x = layer_norm(x + self_attention(x, p, mask), p["ln_attn"])
+def library_self_attention(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
+    """`self_attention` through `jax.nn.dot_product_attention`, the padding (a prefix of each row) as key lengths."""
+    B, S, D = x.shape
+    q, k, v = (dense(x, p[n]).reshape(B, S, D // HEAD_DIM, HEAD_DIM) for n in ("q", "k", "v"))
+    lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation=library_attention())
+    return dense(out.reshape(B, S, D), p["o"])
+
+
+def encoder_layer(x: jax.Array, p: dict, mask: jax.Array, attention=self_attention) -> jax.Array:
+    x = layer_norm(x + attention(x, p, mask), p["ln_attn"])
     h = jax.nn.gelu(dense(x, p["ffn_in"]), approximate=False)
     return layer_norm(x + dense(h, p["ffn_out"]), p["ln_ffn"])
 
@@ -102,12 +118,21 @@ def splade_head(h: jax.Array, w: jax.Array, b: jax.Array, mask: jax.Array) -> ja
 
 def forward(params: dict, batch: dict) -> jax.Array:
     """SPLADE representations [batch, vocab] (float32) of `batch["tokens"]` under `batch["mask"]`."""
+    return _forward(params, batch, self_attention)
+
+
+def forward_cudnn(params: dict, batch: dict) -> jax.Array:
+    """`forward` with library attention (`library_self_attention`)."""
+    return _forward(params, batch, library_self_attention)
+
+
+def _forward(params: dict, batch: dict, attention) -> jax.Array:
     tokens, mask = batch["tokens"], batch["mask"]
     S = tokens.shape[1]
     x = params["word_emb"][tokens] + params["pos_emb"][:S] + params["type_emb"][0]
     x = layer_norm(x, params["ln_emb"])
     for lp in params["layers"]:
-        x = encoder_layer(x, lp, mask)
+        x = encoder_layer(x, lp, mask, attention)
     m = params["mlm"]
     h = layer_norm(jax.nn.gelu(dense(x, m["transform"]), approximate=False), m["ln"])
     return splade_head(h, params["word_emb"].T, m["bias"], mask)
@@ -116,6 +141,14 @@ def forward(params: dict, batch: dict) -> jax.Array:
 def loss(params: dict, batch: dict) -> jax.Array:
     """A contrastive ranking loss: each query's positive document is the same row of `batch["docs"]`, with
     the other rows as in-batch negatives (queries and documents share the encoder), plus FLOPS regularisation."""
+    return _loss(params, batch, forward)
+
+
+def loss_cudnn(params: dict, batch: dict) -> jax.Array:
+    return _loss(params, batch, forward_cudnn)
+
+
+def _loss(params: dict, batch: dict, forward) -> jax.Array:
     q = forward(params, batch)
     d = forward(params, batch["docs"])
     scores = q @ d.T
@@ -127,6 +160,10 @@ def loss(params: dict, batch: dict) -> jax.Array:
 def grad_step(params: dict, batch: dict) -> dict:
     """The differentiated program: gradients of the loss for every parameter."""
     return jax.grad(loss)(params, batch)
+
+
+def grad_step_cudnn(params: dict, batch: dict) -> dict:
+    return jax.grad(loss_cudnn)(params, batch)
 
 
 def _text(key: jax.Array, cfg: Config, batch: int, seq: int) -> dict:
