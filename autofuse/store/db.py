@@ -14,11 +14,14 @@
   downgraded.
 
 Alembic is imported lazily: opening an up-to-date database does not load it.
+Its INFO lines (plugins set up, each migration run) stay out of the caller's
+logging unless the caller set the ``alembic`` logger's level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import sqlite3
@@ -273,9 +276,25 @@ def with_retry(
 # ------------------------------------------------------------------------ schema
 
 
+@contextlib.contextmanager
+def quiet_alembic() -> Iterator[None]:
+    """Alembic's INFO lines held back while our code imports or runs it: a program logging at INFO did not ask for
+    them. Where the program set the ``alembic`` logger's level itself, that level rules; either way it is left as found."""
+    logger = logging.getLogger("alembic")
+    if logger.level != logging.NOTSET:
+        yield
+        return
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(logging.NOTSET)
+
+
 def alembic_config(connection: Connection | None = None) -> Any:
     """An Alembic ``Config`` for our migrations, built without alembic.ini."""
-    from alembic.config import Config
+    with quiet_alembic():
+        from alembic.config import Config
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
@@ -285,19 +304,22 @@ def alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
+def _scripts() -> Any:
+    """Alembic's ``ScriptDirectory`` of our migrations."""
+    with quiet_alembic():
+        from alembic.script import ScriptDirectory
+
+        return ScriptDirectory.from_config(alembic_config())
+
+
 def known_revisions() -> dict[str, Any]:
     """All revisions of our migration scripts, by id."""
-    from alembic.script import ScriptDirectory
-
-    script = ScriptDirectory.from_config(alembic_config())
-    return {s.revision: s for s in script.walk_revisions()}
+    return {s.revision: s for s in _scripts().walk_revisions()}
 
 
 def head_revision() -> str:
     """The Alembic head revision of our migration scripts."""
-    from alembic.script import ScriptDirectory
-
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    head = _scripts().get_current_head()
     assert head is not None
     return head
 
@@ -328,7 +350,8 @@ def _migration_lock(conn: Connection) -> None:
 
 
 def _migrate(engine: Engine, direction: str, revision: str) -> tuple[set[str], set[str]]:
-    from alembic import command
+    with quiet_alembic():
+        from alembic import command
 
     url = engine.url
 
@@ -337,11 +360,8 @@ def _migrate(engine: Engine, direction: str, revision: str) -> tuple[set[str], s
             _migration_lock(conn)
             before = read_revisions(conn) or set()
             _check_known(before, url)
-            cfg = alembic_config(conn)
-            if direction == "upgrade":
-                command.upgrade(cfg, revision)
-            else:
-                command.downgrade(cfg, revision)
+            with quiet_alembic():
+                getattr(command, direction)(alembic_config(conn), revision)
             after = read_revisions(conn) or set()
         return before, after
 
