@@ -262,13 +262,14 @@ class AutofuseFunction:
         not (logged once). Never waits for the job."""
         from .background import NotQueued, queue
         from .store import PlanStore
-        from .store.db import default_url
+        from .store.db import readonly_reason, resolve_url
 
         store = self.store
-        if isinstance(store, PlanStore) and store.readonly:
-            why = "the plan store was opened read-only"
+        url = store.url if isinstance(store, PlanStore) else resolve_url(store)
+        readonly = "it was opened read-only" if isinstance(store, PlanStore) and store.readonly else readonly_reason(url)
+        if readonly is not None:
+            why = f"the plan store is read-only: {readonly}"
         else:
-            url = store.url if isinstance(store, PlanStore) else store or os.environ.get("AUTOFUSE_DB") or default_url()
             try:
                 args, kwargs = call if call is not None else ((), {})
                 job = queue(self.fn, self.name, graph.fingerprint, graph.signature()["inputs"], args, kwargs, self.static_argnums,
@@ -464,15 +465,14 @@ def _open_store(store: Any) -> tuple[Any, str]:
     """A `PlanStore` (opened read-only: a lookup never creates, migrates or writes a database) from a store,
     a URL, or (None) $AUTOFUSE_DB / the default file; or None and why not."""
     from .store import PlanStore
-    from .store.db import default_url, display_url
+    from .store.db import data_dir, default_url, display_url
 
     if isinstance(store, PlanStore):
         return store, ""
     if store is None:
-        url = os.environ.get("AUTOFUSE_DB") or default_url()
-        if url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///"):]):
+        if not os.environ.get("AUTOFUSE_DB") and not (data_dir() / "autofuse.db").exists():
             return None, "no plan store (pass store= or set AUTOFUSE_DB)"
-        store = url
+        store = default_url()
     try:
         return _store_cache(store), ""
     except Exception as e:
@@ -565,15 +565,18 @@ def _writer(store: Any) -> tuple[Any, str]:
 @functools.lru_cache(maxsize=8)
 def _writable_store(url: str, revision: str | None) -> tuple[Any, str]:
     from .store import PlanStore
-    from .store.db import HEAD_REVISION
+    from .store.db import HEAD_REVISION, readonly_reason
 
+    readonly = readonly_reason(url)
+    if readonly is not None:
+        return None, f"it is read-only: {readonly}"
     if (revision or "") < "0005":
         return None, f"its schema revision {revision} predates shape checks (autofuse db upgrade --db URL)"
     if revision != HEAD_REVISION:
         return None, f"its schema revision {revision} is not this autofuse's {HEAD_REVISION}"
     try:
         return PlanStore(url), ""
-    except Exception as e:  # noqa: BLE001 -- a read-only file or volume: remembered per process only
+    except Exception as e:  # noqa: BLE001 -- an unreachable server: remembered per process only
         return None, str(e).split("\n")[0][:200]
 
 

@@ -381,7 +381,8 @@ def _cmd_db(args: argparse.Namespace) -> int:
             head = " (head)" if h["revision"] == db.HEAD_REVISION else ""
             print(f"{h['down_revision'] or '<base>'} -> {h['revision']}{head}, {h['message']}")
         return 0
-    engine = db.create_engine(getattr(args, "db", None))
+    url = getattr(args, "db", None)
+    engine = db.reader_engine(url) if args.action == "current" else db.open_engine(url, migrate=False)
     try:
         if args.action == "current":
             revs = _db_call(engine, lambda: db.current(engine))

@@ -245,3 +245,11 @@ def test_db_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["runs", "--db", url]) == 2
     err = capsys.readouterr().err
     assert "created by a newer autofuse; upgrade autofuse" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["runs"], ["db", "current"], ["plans", "pin", "1"], ["db", "upgrade"]])
+def test_a_directory_given_as_the_store_is_said_to_be_one(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, "--db", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"autofuse: error: {tmp_path} is a directory, not a database file\n", err
+    assert os.listdir(tmp_path) == []

@@ -4,8 +4,14 @@ The read-only directory is real: chmod for a normal user; as root (whom chmod do
 directory are made immutable with chattr +i, which stops root too."""
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import logging
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -18,7 +24,7 @@ from autofuse.cli import main
 from autofuse.device import device_info, software
 from autofuse.graph import qualified_name
 from autofuse.plan import Plan
-from autofuse.store import PlanStore, StoreError
+from autofuse.store import PlanStore, StoreError, db
 from autofuse.tuning.select import default_plan
 from tests.readonly import read_only
 
@@ -77,7 +83,7 @@ def test_jit_runs_the_plan_from_a_readonly_store(readonly_store):
 
 
 @pytest.mark.parametrize("argv", [["runs"], ["plans"], ["plans", "--current"], ["trials", "1"], ["show", "run", "1"], ["show", "plan", "1"],
-                                  ["compare"], ["plans", "events"]])
+                                  ["compare"], ["plans", "events"], ["db", "current"]])
 def test_readonly_commands_work_on_a_readonly_store(readonly_store, argv, capsys):
     url = readonly_store[0]
     assert main([*argv, "--db", url]) == 0, capsys.readouterr().err
@@ -101,7 +107,8 @@ def test_a_write_to_a_readonly_store_is_one_line(readonly_store, capsys):
 BAD_URLS = ["sqlite:////nonexistent/dir/x.db", "not a url"]
 
 
-@pytest.mark.parametrize("argv", [["runs"], ["plans"], ["trials", "1"], ["show", "plan", "1"], ["compare"], ["report", "1", "--out", "r"]])
+@pytest.mark.parametrize("argv", [["runs"], ["plans"], ["trials", "1"], ["show", "plan", "1"], ["compare"], ["report", "1", "--out", "r"],
+                                  ["db", "current"]])
 @pytest.mark.parametrize("url", BAD_URLS)
 def test_readonly_commands_never_create_a_database(argv, url, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -109,6 +116,79 @@ def test_readonly_commands_never_create_a_database(argv, url, tmp_path, monkeypa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("autofuse: error: no plan store at ") and (url in err or repr(url) in err), err
     assert os.listdir(tmp_path) == [] and not os.path.exists("/nonexistent")
+
+
+# ----------------------------------------- stores declared read-only, whoever opens them (root included)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("AUTOFUSE_DB", "AUTOFUSE_DEBUG")}
+    return subprocess.run([sys.executable, "-m", "autofuse.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@contextlib.contextmanager
+def _declared_read_only(path: Path, how: str) -> Iterator[str]:
+    """The closed store at `path` declared read-only `how` (``chmod``: no write permission bit for anyone, which root's
+    writes would ignore; ``url``: SQLite's ``?mode=ro``), as its URL; on the way out, neither its bytes nor its
+    directory have changed."""
+    gc.collect()  # the writer's pooled connections closed: the store as a tuning job leaves it
+    before = (path.read_bytes(), sorted(os.listdir(path.parent)))
+    assert before[1] == [path.name]
+    if how == "chmod":
+        path.chmod(0o444)
+    try:
+        yield f"sqlite:///{path}" + ("?mode=ro" if how == "url" else "")
+    finally:
+        path.chmod(0o644)
+    assert sorted(os.listdir(path.parent)) == before[1] and path.read_bytes() == before[0]
+
+
+@pytest.mark.parametrize("how", ["chmod", "url"])
+def test_a_store_declared_read_only_is_read_and_never_written(tmp_path, how):
+    store = PlanStore(f"sqlite:///{tmp_path}/plans.db")
+    plan = _save(store, softmax_rows, (SPEC,))
+    store.close()
+    with _declared_read_only(tmp_path / "plans.db", how) as url:
+        for argv in (["plans", "pin", str(plan)], ["db", "upgrade"]):
+            res = _cli(*argv, "--db", url)
+            assert res.returncode == 2 and res.stdout == "", (argv, res.stdout, res.stderr)
+            assert res.stderr.count("\n") == 1 and res.stderr.startswith("autofuse: error: the plan store ") and "is read-only" in res.stderr, res.stderr
+        with pytest.raises(db.ReadOnlyStoreError, match="is read-only"):
+            PlanStore(url)
+        listed = _cli("plans", "--json", "--db", url)
+        assert listed.returncode == 0 and [(p["id"], bool(p["pinned"])) for p in json.loads(listed.stdout)] == [(plan, False)], listed.stderr
+        assert _cli("db", "current", "--db", url).stdout.strip() == f"{db.HEAD_REVISION} (head)"
+        assert PlanStore(url, readonly=True).get_plan(plan)["pinned"] is False
+
+
+@pytest.mark.parametrize("how", ["chmod", "url"])
+def test_deploy_at_another_shape_leaves_a_read_only_store_untouched(tmp_path, how):
+    """autofuse.jit serving a shape it was not tuned at checks the plan once and would remember the verdict in the store:
+    not in one declared read-only (it says it cannot remember, once)."""
+    from tests.test_shapes import _fresh_process, _save as save_norm
+
+    save_norm(f"sqlite:///{tmp_path}/plans.db")
+    with _declared_read_only(tmp_path / "plans.db", how) as url:
+        lines = _fresh_process(url, (32,))
+    assert lines[0].startswith("STATUS plan (tuned at f32[16,128], serving f32[32,128])") and lines[0].endswith("here"), lines
+    assert [x for x in lines if "cannot remember which shapes" in x and "is read-only" in x], lines
+
+
+def test_reads_leave_no_file_beside_the_store(tmp_path):
+    """Listings, `db current` and deploy lookups of a store shipped closed leave it closed: no -wal, no -shm."""
+    url = f"sqlite:///{tmp_path}/plans.db"
+    store = PlanStore(url)
+    plan = _save(store, softmax_rows, (SPEC,))
+    store.close()
+    assert os.listdir(tmp_path) == ["plans.db"]
+    for argv in (["runs"], ["plans"], ["plans", "--shapes"], ["show", "plan", str(plan)], ["show", "run", "1"], ["trials", "1"], ["compare"],
+                 ["plans", "events"], ["db", "current"]):
+        res = _cli(*argv, "--db", url)
+        assert res.returncode == 0, (argv, res.stderr)
+        assert os.listdir(tmp_path) == ["plans.db"], argv
+    f = autofuse.jit(softmax_rows, store=url, on_miss="error")
+    f(jnp.ones((8, 128)))
+    assert f.last_status.startswith("plan: ") and os.listdir(tmp_path) == ["plans.db"]
 
 
 # ----------------------------------------------------------------- misses

@@ -244,8 +244,8 @@ def test_models_match_migrations(store: PlanStore) -> None:
     assert diff == []
 
 
-def test_schema_created_on_first_use_in_new_dirs(tmp_path: Path) -> None:
-    path = tmp_path / "a" / "b" / "x.db"
+def test_schema_created_on_first_use(tmp_path: Path) -> None:
+    path = tmp_path / "x.db"
     store = PlanStore(f"sqlite:///{path}")
     assert path.exists()
     assert our_tables(store.engine) >= OUR_TABLES
@@ -253,6 +253,16 @@ def test_schema_created_on_first_use_in_new_dirs(tmp_path: Path) -> None:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
+def test_no_directory_is_created_for_a_store_named_explicitly(tmp_path: Path) -> None:
+    """A mistyped path is an error naming the missing directory, not a new empty store (only the default store's
+    directory is created: test_default_url_and_env)."""
+    url = f"sqlite:///{tmp_path / 'nodir' / 'sub' / 'a.db'}"
+    with pytest.raises(StoreError) as e:
+        PlanStore(url)
+    assert str(e.value) == f"cannot create the plan store {url}: directory {tmp_path / 'nodir' / 'sub'} does not exist"
+    assert os.listdir(tmp_path) == []
 
 
 def test_default_url_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

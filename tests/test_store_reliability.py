@@ -239,6 +239,30 @@ def check_sigkilled_run(url: str) -> None:
     assert store.mark_interrupted() == []
 
 
+@pytest.mark.parametrize("asked", [False, True])
+def test_alembic_logs_only_where_the_user_asked_for_them(tmp_path: Path, asked: bool) -> None:
+    """A program logging at INFO that creates a store sees no Alembic lines, unless it set the ``alembic`` logger's
+    level itself; either way the ``alembic`` logger is left as the program set it."""
+    script = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, format="LOG %(name)s: %(message)s")
+        if {asked}:
+            logging.getLogger("alembic").setLevel(logging.INFO)
+        from autofuse.store import PlanStore
+        PlanStore(sys.argv[1]).close()
+        print("LEVEL", logging.getLevelName(logging.getLogger("alembic").level))
+    """)
+    res = subprocess.run([sys.executable, "-c", script, f"sqlite:///{tmp_path / 'new.db'}"], capture_output=True, text=True,
+                         cwd=REPO, env=_env(), timeout=120)
+    assert res.returncode == 0, res.stderr
+    alembic_lines = [x for x in res.stderr.splitlines() if x.startswith("LOG alembic")]
+    assert res.stdout.strip() == ("LEVEL INFO" if asked else "LEVEL NOTSET")
+    if asked:
+        assert any("Running upgrade  -> 0001" in x for x in alembic_lines), res.stderr
+    else:
+        assert alembic_lines == [], res.stderr
+
+
 def test_alembic_command_line_with_repo_ini(tmp_path: Path) -> None:
     """`alembic -c alembic.ini -x db=URL upgrade head / current / downgrade base` from another cwd."""
     check_alembic_command_line(f"sqlite:///{tmp_path / 'alembic.db'}", tmp_path)

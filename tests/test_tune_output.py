@@ -73,7 +73,8 @@ def _report(plan_groups: tuple[FusedGroup, ...], measure: str = "device") -> Tun
     ]
     plan = Plan("fp" * 16, plan_groups, {"measure": measure})
     return TuneReport("m:f", "fp" * 16, measure, plan, 4.0, 2.0, 2.0, 0.004, cands, ValidationResult(TrialStatus.OK, 1e-6), 12.5, 5,
-                      run_id=3, plan_id=7, device="NVIDIA H100 80GB HBM3", model="NVIDIA H200" if measure == "model" else None)
+                      run_id=3, plan_id=7, store="sqlite:////plans/a.db", device="NVIDIA H100 80GB HBM3",
+                      model="NVIDIA H200" if measure == "model" else None)
 
 
 def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_summary() -> None:
@@ -88,7 +89,7 @@ def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_su
     assert "sub·mul" in rep.table(all_candidates=True)
     assert lines[-1] == rep.summary()
     assert rep.summary() == ("autofuse: m:f: 2.00x over jax.jit (4 -> 2 ms, noise ±0.4%, max rel error 1.0e-06; measured on NVIDIA H100 80GB "
-                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7")
+                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7 in sqlite:////plans/a.db")
 
 
 def test_summary_puts_a_large_error_beside_jax_jits_own_move() -> None:
@@ -124,7 +125,7 @@ def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("autofuse tune benchmarks.workloads:rms_norm") and "MODELLED" in lines[0]
     assert any(ln.startswith("*  row_reduce: ") for ln in lines) or "XLA's own plan" in lines[-1]
-    assert lines[-1].startswith("autofuse: benchmarks.workloads:rms_norm: ") and lines[-1].endswith("run 1, plan 1")
+    assert lines[-1].startswith("autofuse: benchmarks.workloads:rms_norm: ") and lines[-1].endswith(f"run 1, plan 1 in {db}")  # where it is
     assert "  candidate " not in out.stderr and "  trial " not in out.stderr  # per-candidate and per-trial lines only with -v
     assert "best plan " in out.stderr and "best candidate" not in out.stderr  # the bar: the job's best plan so far
 
@@ -138,6 +139,15 @@ def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
     assert sum(1 for ln in verbose.stdout.splitlines() if ln.lstrip("* ").split(":")[0] in ("elementwise", "row_reduce")) == n_cands
 
     assert cli("tune", *RMS, "--db", db, "-v", "--quiet").returncode == 2  # one or the other
+
+
+def test_cli_tune_refuses_a_store_whose_directory_is_missing(tmp_path: Path) -> None:
+    """A mistyped --db is one line naming the missing directory, not a new store somewhere."""
+    db = f"sqlite:///{tmp_path}/nodir/sub/a.db"
+    res = cli("tune", *RMS, "--trials", "1", "--db", db)
+    assert res.returncode == 2 and res.stdout == "", res.stderr[-3000:]
+    assert res.stderr == f"autofuse: error: cannot create the plan store {db}: directory {tmp_path}/nodir/sub does not exist\n"
+    assert os.listdir(tmp_path) == []
 
 
 def test_cli_dry_run_tunes_and_stores_nothing(tmp_path: Path) -> None:

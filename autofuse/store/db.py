@@ -5,7 +5,11 @@
   (``$XDG_DATA_HOME`` or ``~/.local/share``).
 * SQLite: WAL journal, a busy timeout, foreign keys on, and write
   transactions opened with ``BEGIN IMMEDIATE`` so that concurrent writers wait
-  for the lock instead of failing on a stale read snapshot.
+  for the lock instead of failing on a stale read snapshot. A new file is made
+  only in an existing directory (or the default store's, made at first use).
+* Read-only stores (:func:`readonly_reason`: a ``?mode=ro`` URL, or a file or
+  directory nobody may write, root included) are never written; readers
+  (:func:`reader_engine`) leave no file beside a store, read-only or not.
 * Schema: our Alembic migrations live inside the package; the Alembic
   ``Config`` is built programmatically (no ``alembic.ini`` needed at run time)
   and the version table is ``autofuse_alembic_version`` so that Optuna's
@@ -14,14 +18,18 @@
   downgraded.
 
 Alembic is imported lazily: opening an up-to-date database does not load it.
+Its INFO lines (plugins set up, each migration run) stay out of the caller's
+logging unless the caller set the ``alembic`` logger's level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,23 +108,26 @@ def sqlite_path(url: str | URL) -> str | None:
 # ------------------------------------------------------------------------ engines
 
 
-def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> Engine:
-    """A configured engine for *url* (resolved with :func:`resolve_url`).
+def _shown(url: str | None) -> str:
+    """*url* for a message: the URL, or a bare path with the URL it means."""
+    resolved = display_url(resolve_url(url))
+    return resolved if url is None or "://" in str(url) else f"{url!r} ({resolved})"
 
-    Creates the parent directory of a SQLite file. Raises :class:`StoreError`
-    for a malformed URL or a missing database driver.
+
+def _parse(url: str, shown: str) -> URL:
+    try:
+        return make_url(url)
+    except exc.ArgumentError as e:
+        raise StoreError(f"invalid database URL {shown}: {e}") from None
+
+
+def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> Engine:
+    """A configured engine for *url* (resolved with :func:`resolve_url`); creates nothing.
+
+    Raises :class:`StoreError` for a malformed URL or a missing database driver.
     """
     url = resolve_url(url)
-    try:
-        u = make_url(url)
-    except exc.ArgumentError as e:
-        raise StoreError(f"invalid database URL {url!r}: {e}") from None
-    path = sqlite_path(u)
-    if path is not None:
-        try:
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"cannot create the directory of database file {path}: {e.strerror}") from None
+    u = _parse(url, repr(url))
     try:
         if u.get_backend_name() == "sqlite":
             engine = sa.create_engine(u, connect_args={"timeout": timeout})
@@ -273,9 +284,25 @@ def with_retry(
 # ------------------------------------------------------------------------ schema
 
 
+@contextlib.contextmanager
+def quiet_alembic() -> Iterator[None]:
+    """Alembic's INFO lines held back while our code imports or runs it: a program logging at INFO did not ask for
+    them. Where the program set the ``alembic`` logger's level itself, that level rules; either way it is left as found."""
+    logger = logging.getLogger("alembic")
+    if logger.level != logging.NOTSET:
+        yield
+        return
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(logging.NOTSET)
+
+
 def alembic_config(connection: Connection | None = None) -> Any:
     """An Alembic ``Config`` for our migrations, built without alembic.ini."""
-    from alembic.config import Config
+    with quiet_alembic():
+        from alembic.config import Config
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
@@ -285,19 +312,22 @@ def alembic_config(connection: Connection | None = None) -> Any:
     return cfg
 
 
+def _scripts() -> Any:
+    """Alembic's ``ScriptDirectory`` of our migrations."""
+    with quiet_alembic():
+        from alembic.script import ScriptDirectory
+
+        return ScriptDirectory.from_config(alembic_config())
+
+
 def known_revisions() -> dict[str, Any]:
     """All revisions of our migration scripts, by id."""
-    from alembic.script import ScriptDirectory
-
-    script = ScriptDirectory.from_config(alembic_config())
-    return {s.revision: s for s in script.walk_revisions()}
+    return {s.revision: s for s in _scripts().walk_revisions()}
 
 
 def head_revision() -> str:
     """The Alembic head revision of our migration scripts."""
-    from alembic.script import ScriptDirectory
-
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    head = _scripts().get_current_head()
     assert head is not None
     return head
 
@@ -328,7 +358,8 @@ def _migration_lock(conn: Connection) -> None:
 
 
 def _migrate(engine: Engine, direction: str, revision: str) -> tuple[set[str], set[str]]:
-    from alembic import command
+    with quiet_alembic():
+        from alembic import command
 
     url = engine.url
 
@@ -337,11 +368,8 @@ def _migrate(engine: Engine, direction: str, revision: str) -> tuple[set[str], s
             _migration_lock(conn)
             before = read_revisions(conn) or set()
             _check_known(before, url)
-            cfg = alembic_config(conn)
-            if direction == "upgrade":
-                command.upgrade(cfg, revision)
-            else:
-                command.downgrade(cfg, revision)
+            with quiet_alembic():
+                getattr(command, direction)(alembic_config(conn), revision)
             after = read_revisions(conn) or set()
         return before, after
 
@@ -393,18 +421,18 @@ def ensure_schema(engine: Engine) -> None:
 def open_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S, migrate: bool = True) -> Engine:
     """:func:`create_engine` plus :func:`ensure_schema`, errors as :class:`StoreError`.
 
-    A SQLite file that exists but cannot be written (a read-only file, directory
-    or volume) is :class:`ReadOnlyStoreError`: open it with :func:`open_readonly`.
+    A store that must not be written (:func:`readonly_reason`) is :class:`ReadOnlyStoreError`: read it with
+    :func:`open_readonly`. A new SQLite file is made only where :func:`_check_sqlite_file` allows.
     """
     url = resolve_url(url)
-    try:
-        path = sqlite_path(url)
-    except exc.ArgumentError as e:
-        raise StoreError(f"invalid database URL {url!r}: {e}") from None
-    why = readonly_reason(path) if path is not None else None
+    u = _parse(url, _shown(url))
+    why = readonly_reason(u)
     if why is not None:
-        raise ReadOnlyStoreError(f"the plan store {display_url(url)} is read-only ({why}) and this needs to write to it; "
-                                 "reading it works (autofuse runs/plans/show, autofuse.jit lookups)")
+        raise ReadOnlyStoreError(f"the plan store {display_url(u)} is read-only ({why}): it can be read (listings, "
+                                 "autofuse.jit lookups), not written")
+    path = sqlite_path(u)
+    if path is not None:
+        _check_sqlite_file(Path(path), display_url(u), create=True)
     engine = create_engine(url, timeout=timeout)
     try:
         if migrate:
@@ -428,54 +456,80 @@ class ReadOnlyStoreError(StoreError):
     """A write was asked of a plan store that can only be read."""
 
 
-def readonly_reason(path: str) -> str | None:
-    """Why an existing SQLite file cannot be written (its file, or its directory, where SQLite keeps its
-    journal), or None: it can be, or it does not exist yet."""
-    p = Path(path).expanduser()
-    if not p.exists():
+def readonly_reason(url: str | URL) -> str | None:
+    """Why nothing may write the SQLite store at *url*, or None (it may be written, does not exist yet, or the URL
+    is malformed: left to what opens it).
+
+    Its URL asks ``mode=ro``; or the file, or its directory (where SQLite keeps its journal), has no write
+    permission bit for anyone, which holds for root too (whose writes the bits do not stop: they still say the
+    store is not to change); or this process cannot write it (a read-only mount, another user's file).
+    """
+    try:
+        u = make_url(url)
+    except exc.ArgumentError:
         return None
-    if not os.access(p, os.W_OK):
-        return f"file {p} is not writable"
-    if not os.access(p.parent, os.W_OK):
-        return f"directory {p.parent} is not writable"
+    path = sqlite_path(u)
+    if path is None:
+        return None
+    if u.query.get("mode") == "ro":
+        return "its URL says mode=ro"
+    file = Path(path)
+    if not file.exists():
+        return None
+    for what, p in (("file", file), ("directory", file.parent)):
+        mode = stat.S_IMODE(p.stat().st_mode)
+        if not mode & 0o222:
+            return f"{what} {p} is mode {mode:04o}, writable by no one"
+        if not os.access(p, os.W_OK):
+            return f"{what} {p} is not writable"
     return None
 
 
-def open_readonly(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Engine, str | None]:
-    """An engine that never writes, and the schema revision it found.
-
-    For reads only (lookups at deploy time, listings): never creates a file or
-    a directory, never migrates. A SQLite file opens with ``mode=ro``, or, where
-    its directory is read-only too (no place for the WAL index), ``immutable=1``.
-    A missing file, a database without autofuse tables and a malformed URL are
-    :class:`StoreError`s naming the URL.
-    """
-    resolved = resolve_url(url)
-    shown = display_url(resolved) if url is None or "://" in str(url) else f"{url!r} ({display_url(resolved)})"
-    try:
-        u = make_url(resolved)
-    except exc.ArgumentError as e:
-        raise StoreError(f"invalid database URL {shown}: {e}") from None
-    path = sqlite_path(u)
-    if path is not None:
-        if not Path(path).expanduser().is_file():
-            raise StoreError(f"no plan store at {shown}: {path} does not exist")
-        engine = _sqlite_readonly(path, timeout, immutable=False)
+def _check_sqlite_file(path: Path, shown: str, *, create: bool) -> None:
+    """Refuse a SQLite path that holds no store: a directory, a missing file (to read), or a missing directory (to
+    create the file in: a mistyped path is an error, not a new empty store). The default store's directory is made
+    at its first use."""
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory, not a database file")
+    if path.exists():
+        return
+    if not create:
+        raise StoreError(f"no plan store at {shown}: {path} does not exist")
+    if path.parent.resolve() == data_dir().resolve():
         try:
-            revs = _read_schema(engine)
-        except (exc.SQLAlchemyError, sqlite3.Error) as e:
-            engine.dispose()
-            if "unable to open" not in _first_line(e).lower():
-                raise translate_error(e, resolved) or e from None
-            engine = _sqlite_readonly(path, timeout, immutable=True)  # a WAL database in a read-only directory
-            revs = _guarded(lambda: _read_schema(engine), engine, resolved)
-    else:
-        engine = create_engine(resolved, timeout=timeout)
-        revs = _guarded(lambda: _read_schema(engine), engine, resolved)
-    if not revs:
-        engine.dispose()
-        raise StoreError(f"{shown} has no autofuse plan store (nothing was tuned into it)")
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the directory of database file {path}: {e.strerror}") from None
+    elif not path.parent.is_dir():
+        raise StoreError(f"cannot create the plan store {shown}: directory {path.parent} does not exist")
+
+
+def reader_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> Engine:
+    """An engine for reads only: it creates, migrates and writes nothing, and leaves no file beside a SQLite store.
+
+    A missing file, a directory and a malformed URL are :class:`StoreError`s naming the URL.
+    """
+    resolved, shown = resolve_url(url), _shown(url)
+    u = _parse(resolved, shown)
+    path = sqlite_path(u)
+    if path is None:
+        return create_engine(resolved, timeout=timeout)
+    _check_sqlite_file(Path(path), shown, create=False)
+    return _sqlite_reader(Path(path), timeout, frozen=readonly_reason(u) is not None)
+
+
+def open_readonly(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Engine, str | None]:
+    """A :func:`reader_engine` on an autofuse store, and the schema revision it found.
+
+    For reads only (lookups at deploy time, listings). A database without autofuse tables, or with a schema from a
+    newer autofuse, is a :class:`StoreError` naming the URL.
+    """
+    engine = reader_engine(url, timeout=timeout)
+    resolved = resolve_url(url)
+    revs = _guarded(lambda: _read_schema(engine), engine, resolved)
     try:
+        if not revs:
+            raise StoreError(f"{_shown(url)} has no autofuse plan store (nothing was tuned into it)")
         _check_known(revs, resolved)
     except StoreError:
         engine.dispose()
@@ -499,13 +553,24 @@ def _guarded[R](fn: Callable[[], R], engine: Engine, url: str) -> R:
         raise
 
 
-def _sqlite_readonly(path: str, timeout: float, *, immutable: bool) -> Engine:
-    """A SQLite engine on a ``file:`` URI opened read-only (and, with `immutable`, without a WAL index)."""
+def _sqlite_reader(path: Path, timeout: float, *, frozen: bool) -> Engine:
+    """A SQLite engine whose reads leave nothing beside the file.
+
+    SQLite deletes a WAL database's ``-wal`` and ``-shm`` only when its last connection closes with write access, so
+    a store that may be written is opened so (``query_only``: no statement writes) and each connection is closed
+    after its read (no pool). A *frozen* store (:func:`readonly_reason`) opens ``mode=ro``, and ``immutable=1`` while
+    no ``-wal`` is beside it: nothing is pending there, and no WAL index is made.
+    """
     from urllib.parse import quote
 
-    uri = f"file:{quote(str(Path(path).expanduser().resolve()), safe='/')}?mode=ro" + ("&immutable=1" if immutable else "")
-    engine = sa.create_engine("sqlite://", creator=lambda: sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False),
-                              poolclass=sa.pool.QueuePool)
+    path = path.resolve()
+    uri, wal = f"file:{quote(str(path), safe='/')}", Path(f"{path}-wal")
+
+    def connect() -> sqlite3.Connection:
+        mode = "rw" if not frozen else "ro" if wal.exists() else "ro&immutable=1"
+        return sqlite3.connect(f"{uri}?mode={mode}", uri=True, timeout=timeout, check_same_thread=False)
+
+    engine = sa.create_engine("sqlite://", creator=connect, poolclass=sa.pool.NullPool)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

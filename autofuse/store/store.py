@@ -161,15 +161,18 @@ class PlanStore:
     ``url``: any SQLAlchemy URL (``sqlite:////abs/path.db``,
     ``postgresql+psycopg://user@host/db``) or a bare file path; None means
     ``$AUTOFUSE_DB``, else ``autofuse/autofuse.db`` in ``$XDG_DATA_HOME`` (or
-    ``~/.local/share``). Directories are created and the schema is created or
-    upgraded on first use. Raises :class:`StoreError` for a file that is not
-    a database, a schema from a newer autofuse, or an unreachable server.
+    ``~/.local/share``). The schema is created or upgraded on first use; a new
+    SQLite file is made only in an existing directory (or the default store's,
+    made then). Raises :class:`StoreError` for a file that is not a database, a
+    directory, a schema from a newer autofuse, or an unreachable server.
 
     ``readonly=True`` (lookups at deploy time, listings) never creates,
-    migrates or writes: a missing database is a :class:`StoreError`, a
-    read-only file or directory works (SQLite ``mode=ro`` / ``immutable``),
-    and a write raises :class:`ReadOnlyStoreError`. A read-write store on a
-    read-only file raises it when opened.
+    migrates or writes, and leaves no file beside a SQLite store: a missing
+    database is a :class:`StoreError`, and a write raises
+    :class:`ReadOnlyStoreError`. A store that is read-only itself (a
+    ``?mode=ro`` URL, a file or directory nobody may write, even as root: see
+    ``db.readonly_reason``) opens only so; opened read-write, it raises
+    :class:`ReadOnlyStoreError` at once.
     """
 
     def __init__(self, url: str | None = None, *, timeout: float = db.DEFAULT_TIMEOUT_S, readonly: bool = False) -> None:

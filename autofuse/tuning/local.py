@@ -22,6 +22,7 @@ from .. import costmodel
 from ..graph import capture, qualified_name
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
+from ..store.db import display_url
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
 from .job import (PhaseMarks, PlanSaver, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name,
@@ -200,7 +201,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     report.device = device_info()["name"]
     report.model = gmodel.name if measure == "model" else None
     if pstore is not None:
-        report.run_id = run_id
+        report.run_id, report.store = run_id, display_url(pstore.url)
         saver.final(report)
         marks("saved")
     return report

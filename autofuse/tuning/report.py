@@ -29,6 +29,7 @@ class TuneReport:
     trials_run: int
     run_id: int | None = None
     plan_id: int | None = None
+    store: str = ""  # the plan store's URL (password masked) holding run_id and plan_id
     device: str = ""
 
     model: str | None = None  # the GPU the analytic model describes (measure == "model")
@@ -41,7 +42,7 @@ class TuneReport:
         return final_table(self, all_candidates)
 
     def summary(self) -> str:
-        """One line: the speedup, measured or modelled, the plan, the trials, the run and plan ids."""
+        """One line: the speedup, measured or modelled, the plan, the trials, the run and plan ids and their store."""
         return summary_line(self)
 
 
@@ -117,7 +118,8 @@ def _spread_note(validation: ValidationResult) -> str:
 
 
 def summary_line(report: TuneReport) -> str:
-    """Everything a job found, on one line: the speedup and how it was obtained, the plan, the trials, the store rows."""
+    """Everything a job found, on one line: the speedup and how it was obtained, the plan, the trials, the store rows
+    and the store (a mistyped --db or $AUTOFUSE_DB shows)."""
     how = f"measured on {report.device}" if report.measure == "device" else \
         f"MODELLED on a {device_label('model', report.device, report.model)}, not measured"
     if report.plan.is_xla:
@@ -128,5 +130,5 @@ def summary_line(report: TuneReport) -> str:
             extra.append(f"max rel error {report.validation.max_error:.1e}" + _spread_note(report.validation))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
-    store = f"; run {report.run_id}, plan {report.plan_id}" if report.run_id is not None else ""
+    store = f"; run {report.run_id}, plan {report.plan_id} in {report.store}" if report.run_id is not None else ""
     return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s{store}"

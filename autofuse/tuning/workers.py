@@ -61,6 +61,7 @@ from ..processes import pid_alive
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
+from ..store.db import display_url
 from .job import (PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates, load_candidates,
                   modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure, restore_autotune,
                   save_candidates, search_spaces, study_name, time_xla)
@@ -301,7 +302,8 @@ def report_from_store(pstore: Any, run_id: int, cands: list[CandidateState], nam
     validation = ValidationResult(TrialStatus.OK, p["max_error"], p["tolerance"] or {})
     model = (run.get("budget") or {}).get("model") if measure == "model" else None
     return TuneReport(name, run["fingerprint"], measure, Plan.from_dict(p["plan"]), run["baseline_ms"], run["best_ms"], run["speedup"], None,
-                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], device=run["device"], model=model,
+                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], store=display_url(pstore.url),
+                      device=run["device"], model=model,
                       plan_current=bool(p["is_current"]))
 
 
