@@ -117,7 +117,21 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
         parts = [f"{k} {sel[k]:.2f}" for k in ("check", "singles", "cover", "compile_ahead", "validate") if isinstance(sel.get(k), (int, float))]
         compiled = [", ".join(f"{k} {v:.2f}" for k, v in batch.items()) for batch in sel.get("compiled") or [] if isinstance(batch, dict) and batch]
         lines.append("selection: " + ", ".join(parts) + (f" (longest compile of one: {'; then '.join(compiled)})" if compiled else ""))
+        saved = sel.get("composition") or []
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
-            lines.append(f"  plan {i + 1} ({p.get('groups')} groups, {p.get('status')}): {p.get('seconds', 0):.2f}" + (f" = {inner}" if inner else ""))
+            lines.append(f"  plan {i + 1} ({p.get('groups')} groups, {p.get('status')}): {p.get('seconds', 0):.2f}" + (f" = {inner}" if inner else "")
+                         + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else ""))
     return lines
+
+
+def savings_text(record: dict[str, Any]) -> str:
+    """What a validated plan's groups saved alone and in the program (`validate.Measured.record`): ``saved 1.469 ms
+    alone, 0.916 ms in the program (62%)``."""
+    alone, real = record.get("alone_ms"), record.get("realised_ms")
+    if not isinstance(alone, (int, float)):
+        return ""
+    if not isinstance(real, (int, float)):
+        return f"saved {alone:.3f} ms alone, not timed in the program"
+    share = f" ({real / alone:.0%})" if alone > 0 else ""
+    return f"saved {alone:.3f} ms alone, {real:.3f} ms in the program{share}"

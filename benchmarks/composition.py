@@ -81,6 +81,68 @@ class Measured:
 XLA_FLAGS = f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
 
 
+def on_triton(plan: Plan, graph) -> Plan:
+    """`plan` with each group on its template's Triton lowering at the default config."""
+    from autofuse.graph import Group
+    from autofuse.kernels import TEMPLATES
+
+    groups = []
+    for g in plan.groups:
+        tmpl = TEMPLATES[g.template]
+        spec = tmpl.match(Group.of(graph, g.nodes))
+        groups.append(replace(g, backend="triton", config=tmpl.default_config_of(spec, "triton")))
+    return replace(plan, groups=tuple(groups))
+
+
+def batching(fn, plan: Plan, sets: list, out: str) -> None:
+    """Whether the plan's saving depends on how its calls are issued: 1, 3 or 10 back-to-back calls per sync (a
+    whole model's pair timed at one call per sync pays each call's launch and sync), the plan's groups on Mosaic GPU
+    and on Triton (a custom call XLA cannot capture in a command buffer splits it), and the timeline under load."""
+    import shutil
+    import subprocess
+    import time
+
+    graph = autofuse.capture(fn, *sets[0])
+    ref = jax.jit(fn)
+    variants = {"plan": autofuse.jit(fn, plan=plan), "plan on triton": autofuse.jit(fn, plan=on_triton(plan, graph))}
+    one = {}
+    for k, f in [("jax.jit", ref), *variants.items()]:
+        jax.block_until_ready(f(*sets[0]))
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*sets[0]))
+        one[k] = (time.perf_counter() - t0) * 1e3
+    smi = None if shutil.which("nvidia-smi") is None else subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader", "-lms", "500"],
+                           stdout=subprocess.PIPE, text=True)
+    t_end = time.perf_counter() + 3.0
+    while time.perf_counter() < t_end:
+        ref(*sets[0])
+        variants["plan"](*sets[0])
+    jax.block_until_ready(ref(*sets[0]))
+    lines = [f"### calls per sync ({XLA_FLAGS}; {jax.devices()[0].device_kind}, commit {commit()})", "",
+             "| variant | calls per sync | jax.jit ms | variant ms | saving ms | ratio q1-q3 |", "|---|---|---|---|---|---|"]
+    for name, f in variants.items():
+        for calls in (1, 3, 10):
+            b, p, r = time_pair(ref, f, sets, repeats=10, target_ms=calls * one["jax.jit"] * 0.999)
+            lines.append(f"| {name} | {b.calls_per_sync} | {b.median_ms:.3f} | {p.median_ms:.3f} | {b.median_ms - p.median_ms:.3f} | "
+                         f"{r.q1_ms:.4f}-{r.q3_ms:.4f} |")
+            print(lines[-1], flush=True)
+    for name, f in [("jax.jit", ref), *variants.items()]:
+        tl = kernel_profile.timeline(f, tuple(sets[0]), calls=10)
+        if tl is not None:
+            lines.append(f"\n{name} under load, 10 calls: GPU busy {tl.busy_ms:.3f} ms of a {tl.span_ms:.3f} ms span per call; "
+                         "gaps: " + "; ".join(f"{kernel_profile._short(b, 40)} -> {kernel_profile._short(n, 40)} {ms:.3f} ms x{k:g}"
+                                              for b, n, ms, k in tl.gaps[:4]))
+    if smi is not None:
+        smi.terminate()
+        clocks = [ln.strip() for ln in smi.communicate()[0].splitlines() if ln.strip()]
+        lines.append(f"\nnvidia-smi (sm clock, power, temperature) every 0.5 s over the run: {', '.join(clocks[::4])}")
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(text + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2")
@@ -94,6 +156,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs() (a smoke run)")
     ap.add_argument("--plan", default="", help="a plan's JSON (from --save-plan) to measure instead of tuning")
     ap.add_argument("--save-plan", default="", help="write the tuned plan's JSON here")
+    ap.add_argument("--batching", action="store_true",
+                    help="with --plan: the plan (and its groups on Triton) against jax.jit at 1, 3 and 10 calls per sync, "
+                         "after 3 s of load, and the GPU timeline under sustained load")
     a = ap.parse_args()
 
     mod = importlib.import_module(f"examples.{a.model}")
@@ -112,6 +177,8 @@ def main() -> None:
             with open(a.save_plan, "w") as f:
                 f.write(rep.plan.to_json())
     sets = [list(factory())]  # a model's activations are GBs: no set stays in the L2 between calls
+    if a.batching:
+        return batching(fn, rep.plan, sets, a.out)
     ref = jax.jit(fn)
     lines = [f"## {a.model}:{a.step} ({a.layers or 'all'} layers), {a.trials} trials", "",
              f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}, commit {commit()}, "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from ..runner.protocol import ValidationResult
-from ..tables import Column, device_label, fmt_ms, fmt_x, format_table
+from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, savings_text
 from .ledger import CandidateState
 from .output import candidate_label, config_text
 
@@ -128,6 +128,9 @@ def summary_line(report: TuneReport) -> str:
         extra = [f"noise ±{report.noise:.1%}"] if report.noise is not None else []
         if report.validation.max_error is not None:
             extra.append(f"max rel error {report.validation.max_error:.1e}" + _spread_note(report.validation))
+        prov = report.plan.provenance
+        if report.measure == "device" and isinstance(prov.get("alone_ms"), (int, float)):
+            extra.append(savings_text(prov))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
     store = f"; run {report.run_id}, plan {report.plan_id} in {report.store}" if report.run_id is not None else ""

@@ -212,3 +212,31 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
     fused = [(o.label[1].group, o.label[1].template, o.label[2], o.label[1].stages) for o in chosen if o.label[0] == "fused"]
     plan = plan_from_choices(graph, fused, {"measure": measure, "model": model.name if measure == "model" else None})
     return Cover(plan, cost(base), cost(chosen))
+
+
+def savings_plan(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState]) -> Plan:
+    """The plan of the largest total saving alone: fused instances that share no node, each worth what its group saved
+    against its own XLA time (XLA's time - its best), nothing else priced. `best_cover` also prices the rest of the
+    program with XLA's options measured alone; this plan does not, so the two differ where those options (of other
+    groupings of the same nodes) mislead the cover, and the validation judges both in the program
+    (`validate.group_plans`)."""
+    options = [Option(c.nodes, r.best_ms - r.xla_ms, (c, r.best_config), c.stages) for r in cands
+               if r.best_ms is not None and r.xla_ms is not None and r.best_ms < r.xla_ms for c in by_sig[r.signature]]
+    chosen = select_cover(graph, options, {n.id: 0.0 for n in graph.nodes}) if options else []
+    return plan_from_choices(graph, [(o.label[0].group, o.label[0].template, o.label[1], o.label[0].stages) for o in chosen],
+                             {"measure": "device", "model": None})
+
+
+def disjoint_savings(gains: dict[str, tuple[Sequence[Any], float]]) -> list[str]:
+    """The keys of `gains` ({key: (groups, saving ms)}, a handful) whose groups share no node, of the largest total
+    saving: every subset is tried."""
+    keys = sorted(gains)
+    best: tuple[float, list[str]] = (0.0, [])
+    for mask in range(1, 1 << len(keys)):
+        pick = [k for i, k in enumerate(keys) if mask >> i & 1]
+        nodes = [n for k in pick for g in gains[k][0] for n in g.nodes]
+        if len(nodes) == len(set(nodes)):
+            total = sum(gains[k][1] for k in pick)
+            if total > best[0]:
+                best = (total, pick)
+    return best[1]

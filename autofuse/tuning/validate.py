@@ -1,20 +1,18 @@
 """The end of a job: each candidate's checked best, the cheapest cover, and the whole plan against jax.jit.
 
-On the GPU the chosen plan and the plans of its groups with the largest
-savings (half, a quarter, ...) are each checked and timed against jax.jit on
-the whole program; the chosen plan is kept unless a smaller one is faster
-beyond the noise of both (groups measured alone do not always add up); with
-the model, the first that passes. None passes: XLA's own plan, recorded as
-such. The chosen plan is compiled and validated first, and the job may store
-it as soon as it passes (`on_passed`): a first validated plan does not wait
-for the smaller plans' compilation and timing.
+On the GPU the plan is judged in the program, not group by group: the chosen plan, then each of its distinct
+groups (and those of the plan of the largest savings alone) as a plan of its own, then the groups that saved time
+in the program together, each checked and timed against jax.jit on the whole program; the fastest is kept, the
+savings alone and realised of each recorded (`composition` in the run's selection timings). The chosen plan is
+compiled and validated first, and the job may store it as soon as it passes (`on_passed`). With the model, the
+chosen plan or the first smaller plan that passes. None passes: XLA's own plan, recorded as such.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from .. import costmodel
@@ -32,10 +30,10 @@ from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, best_cover, contested_nodes, lone_contraction_costs, lone_contractions
+from .select import Cover, best_cover, contested_nodes, disjoint_savings, lone_contraction_costs, lone_contractions, savings_plan
 
 log = logging.getLogger("autofuse")
-MAX_FALLBACKS = 3  # smaller plans validated beside the chosen one (its groups with the largest savings)
+MAX_FALLBACKS = 3  # model mode: smaller plans validated after the chosen one (its groups with the largest savings)
 MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
 
 
@@ -96,10 +94,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
         singles = lone_contraction_costs(graph, runner, known, contested)
     t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
+    alternative = savings_plan(graph, by_sig, cands) if measure == "device" else None
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                      timings=timings, on_passed=on_passed)
+                      timings=timings, on_passed=on_passed, alternative=alternative)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
@@ -122,104 +121,256 @@ def _could_be_chosen(r: CandidateState, by_sig: dict[str, list[Candidate]], mode
 
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
-             timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None) -> TuneReport:
-    """The chosen plan and the smaller plans of `smaller_plans` against jax.jit on the whole program.
+             timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
+             alternative: Plan | None = None) -> TuneReport:
+    """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
-    A plan must be correct within tolerance and, on the GPU, faster than jax.jit
-    beyond noise. On the GPU all are measured; the first that passes (the chosen
-    plan, or the largest smaller one) is kept unless a later one's speedup beats
-    it beyond the noise of both (groups measured alone do not add up: a smaller
-    plan can be faster), and `on_passed` hears it at once; with the model, the
-    first that passes. None passes: XLA's own plan. On the GPU with
-    `compile_workers` > 1, the chosen plan and jax.jit's reference are compiled
-    at once first, and the smaller plans together once it is validated.
+    A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
+    (`_in_context`) the chosen plan is validated first (`on_passed` hears it at once if it passes), then each of
+    its distinct groups with the largest savings alone (and those of `alternative`, the plan of the largest
+    savings alone: `select.savings_plan`) as a plan of its own, and then the plan of the groups that saved time in
+    the program; the fastest is kept (a later one only if faster beyond the noise of both). With the model, the
+    chosen plan or the first smaller plan (`smaller_plans`) that passes. None passes: XLA's own plan.
     """
+    if measure == "device":
+        return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
+                           timings=timings, on_passed=on_passed, alternative=alternative)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
-    base, tuned, noise = cover.baseline_ms, cover.tuned_ms, None
-    notes, kept, best, first, first_passed = [], None, None, None, None  # best (GPU): (speedup, plan, validation, noise), kept so far
-    restarted = False  # whether the trial process was restarted for a validation out of memory (once per job)
+    base, tuned = cover.baseline_ms, cover.tuned_ms
+    notes, kept = [], None
     tries = [(plan, 0.0)] + smaller_plans(plan, cands) if not plan.is_xla else []
     plans_t = [] if timings is None else timings.setdefault("plans", [])
-    ahead = measure == "device" and compile_workers > 1
     for k, (cand, given_up) in enumerate(tries):
-        if ahead and k < 2:  # the chosen plan (with jax.jit's reference) first, then every smaller plan at once
-            batch = [cand] if k == 0 else [c for c, _ in tries[1:]]
-            t0 = time.perf_counter()
-            what = "the chosen plan and jax.jit's reference" if k == 0 else f"{len(batch)} smaller plans"
-            phase is not None and phase(f"autofuse: compiling {what}, {compile_workers} at once")
-            longest: dict = {}
-            compile_batch(runner, [ValidateRequest(c.to_json()) for c in batch], compile_workers, timeout_s=None, longest=longest)
-            if timings is not None:
-                timings["compile_ahead"] = round(timings.get("compile_ahead", 0.0) + time.perf_counter() - t0, 3)
-                timings.setdefault("compiled", []).append(longest)  # per batch: jax.jit's program and the slowest plan, s
         if phase is not None:
             phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
         t0 = time.perf_counter()
         v = runner.call(ValidateRequest(cand.to_json()))
-        if v.status is TrialStatus.RESOURCE_EXHAUSTED and not restarted:
-            # A whole program near the card's size needs one contiguous block of the trial process's pool, which the
-            # trials' buffers may have split: GPT-2 medium's training step (64.7 GiB of temporaries in a 71 GiB pool)
-            # ran out of memory there. Once per job, the validation is made again in a fresh trial process.
-            restarted = True
-            log.warning("autofuse: validating a plan of %d fused groups ran out of GPU memory (%s); validating it again in a "
-                        "fresh trial process", len(cand.groups), v.error)
-            phase is not None and phase(f"autofuse: out of GPU memory; validating plan {k + 1} again in a fresh trial process")
-            runner.restart()
-            if ahead:  # the plan and jax.jit's reference compiled at once again, in the fresh process
-                compile_batch(runner, [ValidateRequest(cand.to_json())], compile_workers, timeout_s=None)
-            v = runner.call(ValidateRequest(cand.to_json()))
-        plans_t.append({"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
-                        **{key: round(x, 3) for key, x in (v.seconds or {}).items()}})
+        plans_t.append(_plan_timing(cand, v, t0))
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
             notes.append(f"{len(cand.groups)} groups: validation failed: {v.status}: {v.error}")
-        elif measure == "device":
-            b, p, r = v.baseline, v.plan, v.ratio
-            nz = max(r.q3_ms - r.q1_ms, MIN_NOISE)  # the spread of plan/jax.jit over alternating repeats
-            if r.q3_ms < 1.0 and r.median_ms < 1 - nz:
-                notes.append(f"{len(cand.groups)} groups: {p.median_ms:.4f} ms vs jax.jit {b.median_ms:.4f} ms")
-                this = (b.median_ms / p.median_ms, cand, v, nz)
-                if best is None:
-                    best = first_passed = this
-                    first = _report(graph, _with_reason(plan, cand, notes), name, measure, b.median_ms, p.median_ms, nz, cands, v,
-                                    n_trials, t_start)
-                    if on_passed is not None:
-                        on_passed(first)
-                elif this[0] > best[0] * (1 + max(nz, best[3])):
-                    best = this
-            else:
-                base, noise, validation = b.median_ms, nz, v
-                notes.append(f"{len(cand.groups)} groups: plan {p.median_ms:.4f} ms is not faster than jax.jit {b.median_ms:.4f} ms beyond noise ±{nz:.1%}")
         elif cover.tuned_ms + given_up < base:
             kept, tuned, validation = cand, cover.tuned_ms + given_up, v
             break
         else:
             notes.append(f"{len(cand.groups)} groups: modelled plan is not faster than XLA")
-    if best is not None:
-        _, kept, validation, noise = best
-        if best is first_passed:  # the first plan that passed: the report the job may have stored already
-            first.wall_s = time.time() - t_start
-            return first
-        base, tuned = validation.baseline.median_ms, validation.plan.median_ms
     if kept is None:
-        plan = Plan(graph.fingerprint, (), {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"})
-        if measure == "device" and validation.baseline is None:  # no plan was timed (none, or every one failed its check):
-            validation = runner.call(ValidateRequest(plan.to_json()))  # jax.jit's whole program, never the cover's sum of parts
-        if measure == "device" and validation.baseline is not None:
-            base = validation.baseline.median_ms
-        tuned = base
+        plan, tuned = Plan(graph.fingerprint, (), {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"}), base
     else:
         plan = _with_reason(plan, kept, notes)
-    return _report(graph, plan, name, measure, base, tuned, noise, cands, validation, n_trials, t_start)
+    return _report(graph, plan, name, measure, base, tuned, None, cands, validation, n_trials, t_start)
+
+
+MAX_IN_CONTEXT = 5  # distinct groups, the largest savings alone first, each validated as a plan of its own on the GPU
+
+
+@dataclass
+class Measured:
+    """A plan validated on the GPU: its result, its saving in the program (jax.jit - plan, ms) and the noise of that
+    comparison (a fraction of jax.jit's time), and the saving its groups showed alone."""
+
+    plan: Plan
+    validation: ValidationResult
+    alone_ms: float
+
+    @property
+    def passed(self) -> bool:
+        """Correct, and faster than jax.jit beyond noise."""
+        r = self.validation.ratio
+        return self.validation.ok and r is not None and r.q3_ms < 1.0 and r.median_ms < 1 - self.noise
+
+    @property
+    def noise(self) -> float:
+        r = self.validation.ratio
+        return max(r.q3_ms - r.q1_ms, MIN_NOISE) if r is not None else 1.0
+
+    @property
+    def saving_ms(self) -> float | None:
+        v = self.validation
+        return v.baseline.median_ms - v.plan.median_ms if v.ok and v.baseline is not None and v.plan is not None else None
+
+    @property
+    def speedup(self) -> float:
+        v = self.validation
+        return v.baseline.median_ms / v.plan.median_ms if self.saving_ms is not None else 0.0
+
+    def record(self) -> dict:
+        """What the plan's provenance and the run keep of it (`composition`)."""
+        return {"groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
+                "alone_ms": round(self.alone_ms, 4), "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
+                "noise": round(self.noise, 4), "status": self.validation.status.value}
+
+
+def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
+                phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
+                on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None) -> TuneReport:
+    """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
+    time in the program together (see `validate`).
+
+    Groups measured alone do not add up in the program: GPT-2 medium's forward with cuDNN attention kept the
+    GEMM+GELU groups (1.47 ms saved alone, ~0.9 ms in the program), while its cover never took the layer norms
+    (2.1 ms alone) whose XLA time alone is far above what XLA spends on them among their neighbours."""
+    say = phase or (lambda s: None)
+    plan = cover.plan
+    alone = alone_savings(cands)
+    measured: list[Measured] = []
+    notes: list[str] = []
+    best: Measured | None = None
+    first: TuneReport | None = None
+    state = {"restarted": False}
+    plans_t = [] if timings is None else timings.setdefault("plans", [])
+
+    def judge(cand: Plan, what: str, k: int, n: int, ahead: list[Plan]) -> Measured:
+        nonlocal best, first
+        if compile_workers > 1 and ahead:
+            t0 = time.perf_counter()
+            what = f"{len(ahead)} plan(s)" if measured else "the chosen plan and jax.jit's reference"
+            say(f"autofuse: compiling {what}, {compile_workers} at once")
+            longest: dict = {}
+            compile_batch(runner, [ValidateRequest(c.to_json()) for c in ahead], compile_workers, timeout_s=None, longest=longest)
+            if timings is not None:
+                timings["compile_ahead"] = round(timings.get("compile_ahead", 0.0) + time.perf_counter() - t0, 3)
+                timings.setdefault("compiled", []).append(longest)
+        say(f"autofuse: validating plan {k} of {n} ({what}: {describe(cand)}) against jax.jit")
+        t0 = time.perf_counter()
+        v = _validate_once(runner, cand, state, say, compile_workers)
+        plans_t.append(_plan_timing(cand, v, t0))
+        m = Measured(cand, v, plan_alone_ms(cand, alone))
+        measured.append(m)
+        if timings is not None:
+            timings.setdefault("composition", []).append(m.record())
+        if not v.ok:
+            log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
+            notes.append(f"{what}, {len(cand.groups)} groups: validation failed: {v.status}: {v.error}")
+        elif m.passed:
+            notes.append(f"{what}, {len(cand.groups)} groups: {v.plan.median_ms:.4f} ms vs jax.jit {v.baseline.median_ms:.4f} ms")
+            if best is None:
+                best = m
+                first = _measured_report(graph, m, plan, notes, name, cands, n_trials, t_start)
+                if on_passed is not None:
+                    on_passed(first)
+            elif m.speedup > best.speedup * (1 + max(m.noise, best.noise)):
+                best = m
+        else:
+            notes.append(f"{what}, {len(cand.groups)} groups: plan {v.plan.median_ms:.4f} ms is not faster than jax.jit "
+                         f"{v.baseline.median_ms:.4f} ms beyond noise ±{m.noise:.1%}")
+        return m
+
+    if plan.is_xla:
+        m = Measured(plan, runner.call(ValidateRequest(plan.to_json())), 0.0)
+        return _xla_report(graph, m, plan, [plan.provenance.get("reason", "no fused group is cheaper than XLA")], name, cands,
+                           n_trials, t_start)
+    singles = group_plans(plan, alternative, alone)
+    total = 1 + len(singles) + 1
+    judge(plan, "the chosen plan", 1, total, [plan])
+    by_sig: dict[str, Measured] = {}
+    for k, single in enumerate(singles):
+        by_sig[single.groups[0].signature] = judge(single, "one group in context", k + 2, total, singles if k == 0 else [])
+    composed = compose(plan, singles, by_sig)
+    if composed is not None and all({g.signature for g in composed.groups} != {g.signature for g in m.plan.groups} for m in measured):
+        judge(composed, "the groups that saved time in context", total, total, [composed])
+    if best is None:
+        timed = next((m for m in measured if m.validation.baseline is not None), None)
+        m = timed or Measured(plan, runner.call(ValidateRequest(Plan(graph.fingerprint, ()).to_json())), 0.0)
+        return _xla_report(graph, m, plan, notes, name, cands, n_trials, t_start)
+    if first is not None and first.plan.groups == best.plan.groups:  # the report the job may have stored already
+        first.wall_s = time.time() - t_start
+        return first
+    return _measured_report(graph, best, plan, notes, name, cands, n_trials, t_start)
+
+
+def _validate_once(runner: Any, cand: Plan, state: dict, say: Callable[[str], None], compile_workers: int) -> ValidationResult:
+    """One plan's validation; out of GPU memory, once per job, again in a fresh trial process: a whole program near the
+    card's size needs one contiguous block of the trial process's pool, which the trials' buffers may have split
+    (GPT-2 medium's training step: 64.7 GiB of temporaries in a 71 GiB pool)."""
+    v = runner.call(ValidateRequest(cand.to_json()))
+    if v.status is TrialStatus.RESOURCE_EXHAUSTED and not state["restarted"]:
+        state["restarted"] = True
+        log.warning("autofuse: validating a plan of %d fused groups ran out of GPU memory (%s); validating it again in a "
+                    "fresh trial process", len(cand.groups), v.error)
+        say("autofuse: out of GPU memory; validating the plan again in a fresh trial process")
+        runner.restart()
+        if compile_workers > 1:  # the plan and jax.jit's reference compiled at once again, in the fresh process
+            compile_batch(runner, [ValidateRequest(cand.to_json())], compile_workers, timeout_s=None)
+        v = runner.call(ValidateRequest(cand.to_json()))
+    return v
+
+
+def _plan_timing(cand: Plan, v: ValidationResult, t0: float) -> dict:
+    return {"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
+            **{key: round(x, 3) for key, x in (v.seconds or {}).items()}}
+
+
+def alone_savings(cands: list[CandidateState]) -> dict[str, float]:
+    """Per distinct group: what one instance saved alone (XLA's time - its best, ms; 0 where either is unknown)."""
+    return {r.signature: (r.xla_ms - r.best_ms) if r.xla_ms is not None and r.best_ms is not None else 0.0 for r in cands}
+
+
+def plan_alone_ms(plan: Plan, alone: dict[str, float]) -> float:
+    """What `plan`'s groups saved, each timed alone (ms): the sum over its instances."""
+    return sum(alone.get(g.signature, 0.0) for g in plan.groups)
+
+
+def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -> list[Plan]:
+    """One plan per distinct group of `plan` and of `alternative` (its instances in that plan), the largest savings
+    alone first, at most MAX_IN_CONTEXT; none where `plan` has one distinct group and `alternative` nothing else."""
+    groups: dict[str, list] = {}
+    for source in (plan, alternative):
+        if source is None:
+            continue
+        mine = {}
+        for g in source.groups:
+            mine.setdefault(g.signature, []).append(g)
+        for sig, gs in mine.items():
+            groups.setdefault(sig, gs)
+    if len(groups) <= 1:
+        return []
+    order = sorted(groups, key=lambda sig: -alone.get(sig, 0.0) * len(groups[sig]))[:MAX_IN_CONTEXT]
+    return [Plan(plan.fingerprint, tuple(groups[sig]), dict(plan.provenance)) for sig in order]
+
+
+def compose(plan: Plan, singles: list[Plan], measured: dict[str, Measured]) -> Plan | None:
+    """The plan of the groups that saved time in the program, each beyond its noise, whose instances share no node:
+    the largest total saving in context (an exact choice, `select.disjoint_savings`). None: fewer than two."""
+    gains = {}
+    for single in singles:
+        m = measured.get(single.groups[0].signature)
+        if m is not None and m.passed and m.saving_ms is not None:
+            gains[single.groups[0].signature] = (single.groups, m.saving_ms)
+    chosen = disjoint_savings(gains)
+    if len(chosen) < 2:
+        return None
+    return Plan(plan.fingerprint, tuple(g for sig in chosen for g in gains[sig][0]), dict(plan.provenance))
+
+
+def _measured_report(graph: Graph, m: Measured, chosen: Plan, notes: list[str], name: str, cands: list[CandidateState], n_trials: int,
+                     t_start: float) -> TuneReport:
+    """The report of measured plan `m`, with its groups' savings alone and realised in its provenance."""
+    kept = _with_reason(chosen, m.plan, notes)
+    kept = replace(kept, provenance={**kept.provenance, "alone_ms": round(m.alone_ms, 4), "realised_ms": round(m.saving_ms, 4)})
+    v = m.validation
+    return _report(graph, kept, name, "device", v.baseline.median_ms, v.plan.median_ms, m.noise, cands, v, n_trials, t_start)
+
+
+def _xla_report(graph: Graph, m: Measured, chosen: Plan, notes: list[str], name: str, cands: list[CandidateState], n_trials: int,
+                t_start: float) -> TuneReport:
+    """XLA's own plan, its baseline jax.jit measured on the whole program (never the cover's sum of parts)."""
+    base = m.validation.baseline.median_ms if m.validation.baseline is not None else None
+    xla = Plan(graph.fingerprint, (), {**chosen.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"})
+    noise = m.noise if m.validation.ratio is not None else None
+    return _report(graph, xla, name, "device", base, base, noise, cands, m.validation, n_trials, t_start)
 
 
 def _with_reason(chosen: Plan, kept: Plan, notes: list[str]) -> Plan:
-    """`kept`, saying in its provenance why, when it is a smaller plan than the chosen one."""
+    """`kept`, saying in its provenance why, when it is another plan than the chosen one."""
     if kept is chosen:
         return kept
-    return replace(kept, provenance={
-        **kept.provenance, "reason": f"smaller plan kept ({len(kept.groups)} of {len(chosen.groups)} groups): " + "; ".join(notes)})
+    if {g.nodes for g in kept.groups} <= {g.nodes for g in chosen.groups}:
+        what = f"smaller plan kept ({len(kept.groups)} of {len(chosen.groups)} groups)"
+    else:
+        what = f"plan of the groups that saved time in context kept ({len(kept.groups)} groups; the cover chose {len(chosen.groups)})"
+    return replace(kept, provenance={**kept.provenance, "reason": f"{what}: " + "; ".join(notes)})
 
 
 def _report(graph: Graph, plan: Plan, name: str, measure: str, base: float | None, tuned: float | None, noise: float | None,
