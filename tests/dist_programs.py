@@ -6,8 +6,9 @@ import jax.numpy as jnp
 
 
 def rms_norm_inputs() -> tuple:
-    """rms_norm (benchmarks.workloads) at a CPU-friendly size: 8 distinct candidates."""
-    return jax.ShapeDtypeStruct((256, 512), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.float32)
+    """rms_norm (benchmarks.workloads) at a CPU-friendly size: 8 distinct candidates, of which the model has the whole
+    norm's row_reduce beat XLA (at 256 x 512 every one was a modelled loss: no plan to select or validate)."""
+    return jax.ShapeDtypeStruct((512, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32)
 
 
 def log_relu_bias_inputs() -> tuple:

@@ -471,6 +471,36 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
     assert len(records) == 5 and records[-1]["realised_ms"] == pytest.approx(1.1) and all(r["alone_ms"] is not None for r in records)
 
 
+def test_a_group_in_context_that_is_the_chosen_plan_is_not_validated_twice():
+    """The chosen plan of one distinct group is that group's plan in context: its measurement serves both."""
+    from autofuse.kernels import TEMPLATES
+    from autofuse.plan import plan_from_choices
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate as _validate
+
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, isolate=False)
+    (a,) = rep.plan.groups
+    graph = autofuse.capture(layer_norm, *_ln_args(512, 1024))
+    by_sig, _ = distinct_candidates(graph)
+    c = max((cs[0] for cs in by_sig.values() if set(cs[0].nodes) < set(a.nodes)), key=lambda c: len(c.nodes))
+    alternative = plan_from_choices(graph, [(c.group, c.template, TEMPLATES[c.template].default_config(c.spec))])
+    t = lambda v: Timing(v, v * 0.99, v * 1.01, v * 0.995, v * 1.005)  # noqa: E731
+    seen = []
+
+    class Device:
+        def call(self, req):
+            groups = autofuse.Plan.from_json(req.plan_json).groups
+            seen.append({fg.signature for fg in groups})
+            v = 9.0 if groups and groups[0].signature == a.signature else 9.5
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(v), ratio=t(v / 10.0))
+
+    out = _validate(graph, Cover(rep.plan, 1.0, 0.5), Device(), "device", "ln", rep.candidates, 0, 0.0, alternative=alternative)
+    assert seen == [{a.signature}, {alternative.groups[0].signature}]  # A once (chosen and in context), then C; A and C overlap
+    assert out.plan.groups == rep.plan.groups and out.tuned_ms == 9.0
+
+
 def test_time_budget_spent_on_xla_timing_says_so(caplog):
     """XLA's time of every distinct candidate is taken before any trial; a time budget that runs out there
     ends the job with XLA's plan and says why, rather than looking like a search that found nothing."""

@@ -263,9 +263,8 @@ def test_a_dead_workers_xla_claim_is_taken_over_and_a_live_ones_is_not(tmp_path)
 
 def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path):
     """Two real workers (CPU, model mode) of `autofuse tune --workers 2`: the candidates the 6 trials can reach
-    timed in XLA once by one of them (here none before the trials: all 8 are modelled losses, which a budget short
-    of every default never reaches first), any other only if it got a trial, every measured trial with its worker,
-    device and finish time."""
+    timed in XLA once by one of them (the modelled savings: a budget short of every default reaches no modelled
+    loss first), any other only if it got a trial, every measured trial with its worker, device and finish time."""
     url = f"sqlite:///{tmp_path}/rec.db"
     env = dict(os.environ, PYTHONPATH=ROOT, AUTOFUSE_COMPILE_WORKERS="2")
     env.pop("AUTOFUSE_DB", None)
@@ -282,7 +281,7 @@ def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path
     trials = [t for t in store.trials(run["id"]) if t["status"] not in ("infeasible", "pruned")]
     assert len(trials) == 6
     tried = {t["candidate_id"] for t in trials}
-    assert len(timed) < 8 and tried == {c["id"] for c in timed}, (len(timed), tried)
+    assert 1 <= len(timed) < 8 and tried <= {c["id"] for c in timed}, (len(timed), tried)
     for t in trials:
         assert t["device"] == "cpu:0 cpu" and t["finished_at"] >= t["created_at"], t
         assert t["worker"].rpartition(":")[0] == socket.gethostname()

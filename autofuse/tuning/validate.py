@@ -261,14 +261,20 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         m = Measured(plan, runner.call(ValidateRequest(plan.to_json())), 0.0)
         return _xla_report(graph, m, plan, [plan.provenance.get("reason", "no fused group is cheaper than XLA")], name, cands,
                            n_trials, t_start)
+    chosen = judge(plan, "the chosen plan", 1, 1, [plan])
     singles = group_plans(plan, alternative, alone)
-    total = 1 + len(singles) + 1
-    judge(plan, "the chosen plan", 1, total, [plan])
     by_sig: dict[str, Measured] = {}
-    for k, single in enumerate(singles):
-        by_sig[single.groups[0].signature] = judge(single, "one group in context", k + 2, total, singles if k == 0 else [])
+    todo = []
+    for single in singles:
+        if _same_groups(single, plan):  # the chosen plan of one distinct group: measured already
+            by_sig[single.groups[0].signature] = chosen
+        else:
+            todo.append(single)
+    total = 1 + len(todo) + 1
+    for k, single in enumerate(todo):
+        by_sig[single.groups[0].signature] = judge(single, "one group in context", k + 2, total, todo if k == 0 else [])
     composed = compose(plan, singles, by_sig)
-    if composed is not None and all({g.signature for g in composed.groups} != {g.signature for g in m.plan.groups} for m in measured):
+    if composed is not None and not any(_same_groups(composed, m.plan) for m in measured):
         judge(composed, "the groups that saved time in context", total, total, [composed])
     if best is None:
         timed = next((m for m in measured if m.validation.baseline is not None), None)
@@ -278,6 +284,10 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         first.wall_s = time.time() - t_start
         return first
     return _measured_report(graph, best, plan, notes, name, cands, n_trials, t_start)
+
+
+def _same_groups(a: Plan, b: Plan) -> bool:
+    return sorted(g.nodes for g in a.groups) == sorted(g.nodes for g in b.groups)
 
 
 def _validate_once(runner: Any, cand: Plan, state: dict, say: Callable[[str], None], compile_workers: int) -> ValidationResult:
