@@ -200,3 +200,44 @@ def _score_traffic(group: Group) -> float:
         return 0.0
     big = max(g.avals[a].size for a, _ in edges)
     return float(sum(2 * g.avals[a].nbytes for a in {a for a, _ in edges if g.avals[a].size == big}))
+
+
+def cut_outputs_ms(group: Group, model: GPUModel = H200) -> float:
+    """What fusing `group` costs its neighbours in the program beyond what timing it alone shows: each output that
+    XLA would keep inside its own fusion (no reader reaches it only through a dot or an opaque op, and it is not a
+    program output) is written by the fused kernel and read back by its readers, 2 x its bytes at the model's
+    bandwidth. Timed alone, XLA writes it too, so the group's saving alone never shows this. GPT-2's first half of
+    a layer norm (its float32 x - mean and square as outputs, 128 MB a layer) saved 0.77 ms alone and lost 1.86 ms
+    in the program (results/composition_h100.md)."""
+    graph, members = group.graph, set(group.node_ids)
+    cut = [v for v in group.outputs if v not in graph.output_values and not _read_past_a_barrier(graph, v, members)]
+    return 1e3 * 2 * sum(graph.avals[v].nbytes for v in cut) / model.bandwidth_Bps
+
+
+def _barrier(graph: Graph, node_id: int) -> bool:
+    """A node XLA does not fuse its operands' producers into: a dot (its operands are materialised, but for small
+    prologues) or an op no fusion takes."""
+    cls = ops.op_class(graph.node_index[node_id].name)
+    return cls is OpClass.CONTRACTION or cls not in ops.FUSIBLE
+
+
+def _read_past_a_barrier(graph: Graph, value: int, members: set[int]) -> bool:
+    """Whether XLA must materialise `value`: some reader outside `members` is a barrier, or is reached from `value`
+    also through a barrier (a residual sum read again after the GEMMs it feeds)."""
+    readers = [r for r in graph.consumers.get(value, ()) if r not in members]
+    if any(_barrier(graph, r) for r in readers):
+        return True
+    last = max(readers, default=-1)
+    crossed: set[int] = set()  # nodes reached from `value` through a barrier (ids are in program order)
+    todo = [(c, _barrier(graph, c)) for c in graph.consumers.get(value, ())]
+    seen: set[tuple[int, bool]] = set()
+    while todo:
+        n, through = todo.pop()
+        if (n, through) in seen or n > last:
+            continue
+        seen.add((n, through))
+        if through:
+            crossed.add(n)
+        for v in graph.node_index[n].outputs:
+            todo.extend((c, through or _barrier(graph, c)) for c in graph.consumers.get(v, ()))
+    return any(r in crossed for r in readers)

@@ -10,6 +10,8 @@ import pytest
 
 import autofuse
 from autofuse import costmodel
+from autofuse.graph import Group
+from autofuse.kernels import TEMPLATES
 from autofuse.runner.protocol import TrialRequest, TrialResult, XlaRequest
 from autofuse.status import TrialStatus
 from autofuse.store import PlanStore
@@ -17,6 +19,7 @@ from autofuse.tuning.job import create_study, distinct_candidates, open_run, reg
 from autofuse.tuning.ledger import StoreLedger
 from autofuse.tuning.local import local_loop
 from autofuse.tuning.scheduler import Budget, Scheduler
+from autofuse.tuning.space import CandidateSpace
 from autofuse.tuning.trial import TrialContext
 from autofuse.tuning.workers import _Worker
 from benchmarks.workloads import layer_norm, log_relu_bias
@@ -226,3 +229,28 @@ def test_a_candidate_not_timed_first_is_timed_in_xla_at_its_first_trial(tmp_path
                           and rows[r.candidate_id]["xla_ms"] == r.xla_ms for r in lazily)
     untried = [r for r in cands if not r.trials and cands.index(r) not in before]
     assert untried and all(r.xla_ms is None and rows[r.candidate_id]["xla_status"] is None for r in untried)
+
+
+def test_outputs_xla_would_keep_inside_a_fusion_cost_the_group_what_writing_them_costs():
+    """A group that cuts through what XLA fuses writes intermediates XLA never would (GPT-2's first half of a layer
+    norm: float32 x - mean and its square, 1.86 ms lost in the program after 0.77 ms saved alone): their bytes,
+    written and read back, are charged to it (`costmodel.cut_outputs_ms`), and the budget ranks it by what is left.
+    Outputs read after a dot (a residual read again after the GEMMs) or returned by the program cost nothing."""
+    def block(x, w):
+        xf = x.astype(jnp.float32)
+        centred = xf - xf.mean(-1, keepdims=True)
+        y = (centred * jax.lax.rsqrt((centred ** 2).mean(-1, keepdims=True) + 1e-5)).astype(x.dtype)
+        return x + (y @ w)  # x is read again after the dot its norm feeds
+
+    x, w = S((1024, 512), jnp.bfloat16), S((512, 512), jnp.bfloat16)
+    graph = autofuse.capture(block, x, w)
+    ids = {n.name: n.id for n in reversed(graph.nodes)}  # the first node of each name
+    first_half = Group.of(graph, [n.id for n in graph.nodes if n.id <= ids["sub"]])  # convert, mean, x - mean
+    (centred,) = [v for v in first_half.outputs if graph.avals[v].shape == (1024, 512)]
+    assert str(graph.avals[centred].dtype) == "float32"
+    assert costmodel.cut_outputs_ms(first_half) == pytest.approx(1e3 * 2 * 1024 * 512 * 4 / costmodel.H200.bandwidth_Bps)
+    whole_norm = Group.of(graph, [n.id for n in graph.nodes if n.id < ids["dot_general"]])
+    assert costmodel.cut_outputs_ms(whole_norm) == 0.0  # its bf16 output feeds the dot: written by XLA too
+    assert costmodel.cut_outputs_ms(Group.of(graph, [graph.nodes[-1].id])) == 0.0  # the program's output
+    space = CandidateSpace.of("row_reduce", first_half, TEMPLATES["row_reduce"].match(first_half), costmodel.H200)
+    assert space.cut_ms == costmodel.cut_outputs_ms(first_half)

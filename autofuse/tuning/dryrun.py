@@ -42,11 +42,13 @@ class DryRunRow:
     xla_ms: float  # modelled: XLA's fusion of the group, one instance
     default_ms: float  # modelled: the template's default config, one instance
     contender: bool  # in the modelled cover, or within reach of XLA: phase 2 gives it more trials
+    cut_ms: float = 0.0  # modelled: what its outputs cost its neighbours in the program, one instance
 
     @property
     def saving_ms(self) -> float:
-        """What fusing all its instances with the default config saves, by the model (negative: it loses)."""
-        return (self.xla_ms - self.default_ms) * self.instances
+        """What fusing all its instances with the default config saves in the program, by the model (negative: it
+        loses), as the budget rule ranks it (`scheduler.modelled_saving`)."""
+        return (self.xla_ms - self.default_ms - self.cut_ms) * self.instances
 
 
 @dataclass
@@ -117,7 +119,8 @@ def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | 
     cover = best_cover(graph, by_sig, cands, gmodel, "model") if cands else None
     contending = set(contenders(graph, by_sig, cands, gmodel, cover)) if cands else set()
     rows = [DryRunRow(order[i], r.signature, r.template, r.ops, len(r.nodes), r.instances, spaces[r.signature].size,
-                      tuple(spaces[r.signature].spaces), r.xla_ms, r.best_ms, i in contending) for i, r in enumerate(cands)]
+                      tuple(spaces[r.signature].spaces), r.xla_ms, r.best_ms, i in contending, spaces[r.signature].cut_ms)
+            for i, r in enumerate(cands)]
     rows.sort(key=lambda row: row.order)
     baseline = cover.baseline_ms if cover else 0.0
     out = DryRun(name or program_name(fn), graph.fingerprint, gmodel.name, len(graph.nodes), rows, trials, time_budget_s, baseline,

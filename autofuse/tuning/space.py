@@ -125,6 +125,7 @@ class CandidateSpace:
 
     spaces: dict[str, SearchSpace]  # by backend, the preferred first
     xla_model_ms: float = 0.0  # the model's time of XLA's own fusion of the group: phase 1's order until XLA's is measured
+    cut_ms: float = 0.0  # what fusing the group costs its neighbours in the program (`costmodel.cut_outputs_ms`)
 
     @staticmethod
     def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200,
@@ -132,7 +133,8 @@ class CandidateSpace:
         """The backends of `backends` (in that order) that the template has and that can run this group."""
         tmpl = TEMPLATES[template]
         usable = [b for b in backends if b in tmpl.backends and tmpl.unsupported(spec, b) is None] or ["triton"]
-        return CandidateSpace({b: SearchSpace.of(template, group, spec, model, b) for b in usable}, costmodel.xla_group_time_ms(group, model))
+        return CandidateSpace({b: SearchSpace.of(template, group, spec, model, b) for b in usable}, costmodel.xla_group_time_ms(group, model),
+                              costmodel.cut_outputs_ms(group, model))
 
     def __getitem__(self, config: dict) -> SearchSpace:
         return self.spaces[config.get("backend", "triton")]
