@@ -232,3 +232,23 @@ def test_sigkilled_tune_is_interrupted_then_resumed(tmp_path):
 
     names = [s.study_name for s in optuna.study.get_all_study_summaries(db)]
     assert names and all(n.startswith(f"autofuse-run{run['id']}-") for n in names)
+
+
+def _scaled(x, k, n):
+    return x * k**n
+
+
+def test_last_status_describes_the_call_just_made():
+    """Issue 33: shapes A, B, then A again (each traced once by jax.jit) said B's status at the third call. Each call
+    says what it ran: here a given (XLA) plan for A, a miss for B; a static argument's value and the array shapes
+    tell the signatures apart, a Python scalar's value does not (jax.jit does not trace again for it)."""
+    specs = (jax.ShapeDtypeStruct((8, 16), jnp.float32), 2.0, 3)
+    plan = autofuse.Plan(autofuse.capture(_scaled, *specs, static_argnums=2).fingerprint, (), {"measure": "model"})
+    f = autofuse.jit(_scaled, plan=plan, static_argnums=2)
+    x, y = jnp.ones((8, 16)), jnp.ones((4, 16))
+    statuses = []
+    for args in ((x, 2.0, 3), (y, 2.0, 3), (x, 5.0, 3), (x, 2.0, 4), (x, 2.0, 3), (y, 1.0, 3)):
+        f(*args)
+        statuses.append(f.last_status)
+    assert [s.split(":")[0] for s in statuses] == ["xla-plan", "xla", "xla-plan", "xla", "xla-plan", "xla"], statuses
+    assert "the given plan is for program" in statuses[1] and statuses[1] != statuses[3]  # B and the other static value differ
