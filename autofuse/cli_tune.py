@@ -118,13 +118,47 @@ def import_ref(ref: str) -> Any:
     return obj
 
 
-def _example(args: argparse.Namespace) -> tuple[Callable, tuple, tuple[int, ...]]:
-    """The function, its example arguments and its static positions, checked to trace (one-line errors)."""
+def _checked(args: argparse.Namespace) -> tuple[int, ...]:
+    """The arguments that need nothing imported, checked first: a mistake is refused at once, not after the seconds
+    JAX takes to start. Returns the static argument positions."""
+    from autofuse.tuning.budget import check_budget
+
+    check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
+    for flag, value in (("--compile-workers", args.compile_workers), ("--workers", args.workers), ("--heartbeat", args.heartbeat)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.shapes is not None:
+        for flag, on in (("--resume", args.resume is not None), ("--workers", args.workers is not None), ("--dry-run", args.dry_run)):
+            if on:
+                raise ValueError(f"--shapes tunes its buckets in this process, one run each: drop {flag} (or tune one shape with --inputs)")
+    elif args.inputs is None:
+        raise ValueError("--inputs MODULE:FACTORY is required (or --shapes MODULE:BUCKETS)")
+    if args.dry_run and (args.resume is not None or args.workers is not None):
+        raise ValueError("--dry-run tunes nothing: drop --resume and --workers")
+    if args.no_store and args.resume is not None:
+        raise ValueError("--resume needs the store (drop --no-store)")
+    if args.no_store and args.workers is not None:
+        raise ValueError("--workers share the run through the database: drop --no-store")
+    try:
+        return tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
+
+
+def _measure(args: argparse.Namespace) -> str:
+    """``--measure`` as the job will take it (device where a GPU is present); its error names the flag."""
+    import jax
+
+    from autofuse.tuning.job import resolve_measure
+
+    return resolve_measure(args.measure, jax.default_backend() == "gpu", flag="--measure")
+
+
+def _example(args: argparse.Namespace, statics: tuple[int, ...]) -> tuple[Callable, tuple]:
+    """The function and its example arguments, checked to trace (one-line errors)."""
     from autofuse.graph import capture
 
     fn = import_ref(args.target)
-    if args.inputs is None:
-        raise ValueError("--inputs MODULE:FACTORY is required (or --shapes MODULE:BUCKETS)")
     factory = import_ref(args.inputs)
     # before the inputs touch a GPU: this process shares the GPUs with the trial processes and the workers, and
     # jax's default would take 75% of every visible GPU's memory here
@@ -137,14 +171,10 @@ def _example(args: argparse.Namespace) -> tuple[Callable, tuple, tuple[int, ...]
         raise ValueError(f"the --inputs factory {args.inputs} must return a tuple of the function's positional arguments, "
                          f"got a {type(example).__name__} (wrap a single argument as (x,))")
     try:
-        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
-    try:
         capture(fn, *example, static_argnums=statics)
     except Exception as e:
         raise ValueError(f"tracing {args.target} with the example inputs failed: {type(e).__name__}: {e}") from None
-    return fn, example, statics
+    return fn, example
 
 
 def _backends(args: argparse.Namespace) -> list[str] | None:
@@ -152,21 +182,16 @@ def _backends(args: argparse.Namespace) -> list[str] | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from autofuse.tuning.job import check_budget
-
-    check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
-    if args.compile_workers is not None and args.compile_workers < 1:
-        raise ValueError(f"--compile-workers must be at least 1, got {args.compile_workers}")
+    statics = _checked(args)
     if args.shapes is not None:
-        return cmd_tune_buckets(args)
-    fn, example, statics = _example(args)
+        return cmd_tune_buckets(args, statics)
+    fn, example = _example(args, statics)
+    measure = _measure(args)
     if args.dry_run:
         from autofuse.tuning.dryrun import dry_run
 
-        if args.resume is not None or args.workers is not None:
-            raise ValueError("--dry-run tunes nothing: drop --resume and --workers")
         d = dry_run(fn, *example, trials=args.trials, time_budget_s=args.time_budget, name=args.name or args.target, backends=_backends(args),
-                    static_argnums=statics)
+                    static_argnums=statics, measure=measure)
         print(json.dumps(d.to_dict(), indent=2) if args.json else d.table())
         return 0
     from autofuse.tuning.local import tune
@@ -186,12 +211,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  "or start a new run")
             b = run.get("budget") or {}
             trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
-    elif args.resume is not None:
-        raise ValueError("--resume needs the store (drop --no-store)")
-    if args.workers is not None and args.no_store:
-        raise ValueError("--workers share the run through the database: drop --no-store")
     report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
-                  measure=args.measure, quiet=args.quiet, verbose=args.verbose, isolate=not args.no_isolate,
+                  measure=measure, quiet=args.quiet, verbose=args.verbose, isolate=not args.no_isolate,
                   trial_timeout_s=args.trial_timeout, static_argnums=statics, resume=args.resume, workers=args.workers,
                   heartbeat_s=args.heartbeat, backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
     if args.json:
@@ -204,21 +225,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_tune_buckets(args: argparse.Namespace) -> int:
+def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
     """``autofuse tune --shapes SPEC``: every bucket tuned in turn (`autofuse.tuning.buckets`), each report as a
     single job prints it, then a line per bucket."""
     from autofuse.tuning import buckets
 
-    for flag, on in (("--resume", args.resume is not None), ("--workers", args.workers is not None), ("--dry-run", args.dry_run)):
-        if on:
-            raise ValueError(f"--shapes tunes its buckets in this process, one run each: drop {flag} (or tune one shape with --inputs)")
     fn = import_ref(args.target)
-    try:
-        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the buckets' inputs touch a GPU (as `_example`)
     bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, import_ref), statics)
+    measure = _measure(args)
     store = None
     if not args.no_store:
         from autofuse.store import PlanStore
@@ -232,7 +247,7 @@ def cmd_tune_buckets(args: argparse.Namespace) -> int:
 
     runs = buckets.tune_buckets(fn, bucket_list, static_argnums=statics, quiet=args.quiet, on_bucket=show, trials=args.trials,
                                 time_budget_s=args.time_budget, seed=args.seed, store=store, name=args.name or args.target,
-                                measure=args.measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
+                                measure=measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
                                 backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
     if args.json:
         print(json.dumps({"buckets": [r.to_dict() for r in runs]}, indent=2))

@@ -140,6 +140,33 @@ def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
     assert cli("tune", *RMS, "--db", db, "-v", "--quiet").returncode == 2  # one or the other
 
 
+def test_cli_refuses_bad_arguments_before_importing_jax_and_names_its_flags() -> None:
+    """Issue 33: `--trials 0` took 3.5 s to refuse (JAX imported first); --measure device without a GPU named the
+    Python keyword (measure='device'), not the flag."""
+    code = "import sys; from autofuse.cli import main; code = main(sys.argv[1:]); print(code, 'jax' in sys.modules)"
+    for argv, message in ((["--trials", "0"], "--trials must be a positive whole number of trials, got 0"),
+                          (["--time-budget", "-1"], "--time-budget must be a positive number of seconds, got -1.0"),
+                          (["--workers", "0"], "--workers must be at least 1, got 0"),
+                          (["--static-argnums", "a"], "--static-argnums must be comma-separated integers, got 'a'"),
+                          (["--no-store", "--resume", "3"], "--resume needs the store (drop --no-store)")):
+        out = subprocess.run([sys.executable, "-c", code, "tune", "no_such_module:f", "--inputs", "no_such_module:g", *argv], cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+        assert out.stdout.split() == ["2", "False"], (argv, out.stdout, out.stderr)  # refused, and JAX never imported
+        assert out.stderr.strip() == f"autofuse: error: {message}"
+    device = cli("tune", *RMS, "--measure", "device", "--trials", "2")
+    assert device.returncode == 2
+    assert device.stderr.strip().splitlines()[-1] == ("autofuse: error: --measure device needs a GPU; none is present (cpu backend): "
+                                                      "use --measure model")
+
+
+def test_cli_version_names_autofuse_and_jax() -> None:
+    from importlib import metadata
+
+    out = ok(cli("--version"))
+    assert out.stdout == (f"autofuse {metadata.version('autofuse')} (jax {metadata.version('jax')}, "
+                          f"jaxlib {metadata.version('jaxlib')})\n")
+
+
 def test_cli_dry_run_tunes_and_stores_nothing(tmp_path: Path) -> None:
     db = tmp_path / "never.db"
     out = ok(cli("tune", *RMS, "--trials", "3", "--db", f"sqlite:///{db}", "--dry-run"))
@@ -194,6 +221,47 @@ def test_a_dead_run_reads_interrupted_to_any_command_and_a_resumed_run_clears_it
     assert store.mark_interrupted() == [dead]
     assert store.get_run(dead)["error"]
     assert store.resume_run(dead)["error"] is None
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def test_backends_asked_for_are_never_replaced_by_another_silently(tmp_path: Path) -> None:
+    """Issue 33: --backends mosaic_gpu tuned Triton kernels for every group without a Mosaic GPU lowering. In model
+    mode (no GPU) Mosaic GPU's kernels are built and checked in interpret mode, so it is tuned where a template has it;
+    the other candidates are left to XLA and the job says so; a program with none is refused in one line."""
+    db = f"sqlite:///{tmp_path}/b.db"
+    out = ok(cli("tune", "benchmarks.workloads:matmul_bias_gelu", "--inputs", "tests.dist_programs:matmul_bias_gelu_inputs",
+                 "--backends", "mosaic_gpu", "--trials", "3", "--db", db, "--quiet", "--no-isolate"))
+    (note,) = [ln for ln in out.stderr.splitlines() if "left to XLA" in ln]
+    assert "have no mosaic_gpu lowering" in note and "elementwise" in note, out.stderr
+    (run,) = PlanStore(db).runs()
+    assert {c["template"] for c in PlanStore(db).candidates(run["id"])} == {"matmul"}
+    assert {t["config"]["backend"] for t in PlanStore(db).trials(run["id"])} == {"mosaic_gpu"}
+    refused = cli("tune", *RMS, "--backends", "mosaic_gpu", "--trials", "3", "--db", db)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("autofuse: error: no candidate of this program has a mosaic_gpu lowering")
+    assert len(PlanStore(db).runs()) == 1  # refused before a run was opened
+
+
+def test_backends_this_gpu_cannot_measure_are_left_out_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measuring Mosaic GPU's kernels needs a Hopper GPU: asked for alone elsewhere, refused; beside Triton, left out
+    and said. (A GPU that is not a Hopper, as jax would describe it: there is none on the test machine.)"""
+    from autofuse import device
+    from autofuse.tuning.job import check_backends
+
+    class A100:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
+
+    monkeypatch.setattr(device.jax, "devices", lambda *a: [A100()])
+    with pytest.raises(ValueError, match=r"^none of the backends asked for \(mosaic_gpu\) can be tuned here: mosaic_gpu needs a "
+                                         r"Hopper GPU \(compute capability 9.x\) to be measured; this is NVIDIA A100-SXM4-80GB \(8.0\)$"):
+        check_backends(["mosaic_gpu"], "device")
+    assert check_backends(["mosaic_gpu", "triton"], "device") == (("triton",), "autofuse: backend mosaic_gpu left out (mosaic_gpu needs "
+                                                                  "a Hopper GPU (compute capability 9.x) to be measured; this is NVIDIA "
+                                                                  "A100-SXM4-80GB (8.0)): tuning triton")
+    assert check_backends(["mosaic_gpu"], "model") == (("mosaic_gpu",), "")  # interpret mode and the model of an H200
+    assert check_backends(None, "device") == (("triton",), "")
 
 
 # --------------------------------------------------------------------------- workers

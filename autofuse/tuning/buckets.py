@@ -247,8 +247,10 @@ def _keys(instances: Sequence[Any], cand: CandidateState) -> list[tuple]:
 def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequence[int] = (), quiet: bool = False,
                  on_bucket: Callable[[int, BucketRun], None] | None = None, **tune_kwargs: Any) -> list[BucketRun]:
     """Tune `fn` at every bucket (`prepare`d here: smallest first), each a run of `tune` with the whole budget, its
-    studies seeded from the nearest bucket tuned before (module docstring). `on_bucket(i, run)` after each."""
+    studies seeded from the nearest bucket tuned before (module docstring). `on_bucket(i, run)` after each. What the
+    job says even when quiet (a modelled plan, a backend left out) is said once, not once per bucket."""
     from ..store import PlanStore
+    from .job import Notes
     from .local import tune
 
     if not all(b.fingerprint for b in buckets):  # prepared already (the CLI checks the spec before opening the store)
@@ -256,7 +258,7 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
     store = tune_kwargs.pop("store", None)
     if store is not None and not isinstance(store, PlanStore):
         store = PlanStore(store)  # one connection pool for every bucket
-    seeder, runs = Seeder(), []
+    seeder, runs, notes = Seeder(), [], Notes(tune_kwargs.get("progress"))
     for i, b in enumerate(buckets):
         if not quiet:
             print(f"autofuse: bucket {i + 1}/{len(buckets)}: {b.name} ({short_inputs(b.inputs)})", file=sys.stderr, flush=True)
@@ -267,7 +269,7 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
             run.by_sig = by_sig
             return run.seeds
 
-        run.report = tune(fn, *b.args, store=store, static_argnums=static_argnums, quiet=quiet, warm_start=warm, **tune_kwargs)
+        run.report = tune(fn, *b.args, store=store, static_argnums=static_argnums, quiet=quiet, warm_start=warm, notes=notes, **tune_kwargs)
         seeder.record(b, run.by_sig, run.report.candidates)
         runs.append(run)
         if on_bucket is not None:

@@ -12,16 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jax
+
 from .. import costmodel
 from ..graph import capture
-from .job import (
-    check_backends,
-    check_budget,
-    distinct_candidates,
-    program_name,
-    search_spaces,
-)
 from ..tables import Column, fmt_ms, fmt_x, format_table
+from .budget import check_budget
+from .job import Notes, check_backends, distinct_candidates, program_name, resolve_measure, search_spaces, tunable
 from .output import group_label
 from .scheduler import DEFAULT_TRIALS, contenders, phase1_order
 from .select import best_cover
@@ -97,16 +94,22 @@ def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, ti
 
 def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
             name: str | None = None, model: str = "h200", backends: Sequence[str] | None = None, static_argnums: Sequence[int] = (),
-            static_argnames: Sequence[str] = ()) -> DryRun:
-    """The candidates a job for `fn` would tune, their modelled savings in the order the budget reaches them, the
-    modelled plan of default configs, and what the budget (`trials`, default 48, or `time_budget_s`) cannot do."""
+            static_argnames: Sequence[str] = (), measure: str | None = None) -> DryRun:
+    """The candidates a job for `fn` would tune (measured as `measure` says, default as a job would: on a GPU where
+    there is one), their modelled savings in the order the budget reaches them, the modelled plan of default configs,
+    and what the budget (`trials`, default 48, or `time_budget_s`) cannot do. Notes on backends or candidates a job
+    would leave out go to stderr."""
     check_budget(trials, time_budget_s)
+    backends, left_out = check_backends(backends, resolve_measure(measure, jax.default_backend() == "gpu"))
     if trials is None and time_budget_s is None:
         trials = DEFAULT_TRIALS
     gmodel = costmodel.get_model(model)
     graph = capture(fn, *args, static_argnums=tuple(static_argnums), static_argnames=tuple(static_argnames), **dict(kwargs or {}))
-    by_sig, cands = distinct_candidates(graph)
-    spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
+    by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
+    notes = Notes()
+    notes(left_out)
+    notes(left_to_xla)
+    spaces = search_spaces(by_sig, cands, gmodel, backends)
     for r in cands:
         sp = spaces[r.signature]
         r.xla_ms = sp.xla_model_ms

@@ -24,8 +24,10 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .job import (PhaseMarks, PlanSaver, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name,
-                  progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla)
+from .budget import check_budget
+from .job import (Notes, PhaseMarks, PlanSaver, check_backends, distinct_candidates, modelled_warning, open_run, program_name,
+                  progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla,
+                  tunable)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine
@@ -43,7 +45,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
          compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time,
-         warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None) -> TuneReport:
+         warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None, notes: Notes | None = None) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
     (with `store`) persist.
 
@@ -68,6 +70,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     `warm_start(by_sig, cands, spaces)` (this process's driver only) names,
     by candidate signature, configs each new study tries before its defaults
     (`buckets.tune_buckets`: the best configs of the bucket before).
+    `notes` (this process's driver only) says what the job says even when
+    quiet, each line once (`buckets.tune_buckets`: once for all its buckets).
     `quiet` shows no progress bar; `verbose` adds a line per trial and per
     candidate. `name` (default ``module:function``) is the program's name in
     the store, as ``autofuse plans --program`` finds it.
@@ -102,11 +106,14 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))  # notes: stdout is the report's
     phase = progress or (say if verbose or quiet else StatusLine())  # the selection phase's progress: one line rewritten, unless -v
     measure = resolve_measure(measure, jax.default_backend() == "gpu")
-    warn_preallocated(progress)
+    backends, left_out = check_backends(backends, measure)
+    notes = notes or Notes(progress)
+    warn_preallocated(notes)
     threads = compile_workers_for(compile_workers)
     gmodel = costmodel.get_model(model)
+    notes(left_out)
     if measure == "model":
-        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
+        notes(modelled_warning(gmodel))
     if trials is None and time_budget_s is None:
         trials = DEFAULT_TRIALS
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
@@ -120,8 +127,9 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         runner.start()  # the trial process imports jax and captures the program while this one enumerates and opens the run
     status, report, pstore, run_id, ids, prefetch, saver = "failed", None, None, None, None, None, None
     try:
-        by_sig, cands = distinct_candidates(graph)
-        spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
+        by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
+        notes(left_to_xla)
+        spaces = search_spaces(by_sig, cands, gmodel, backends)
         if store is not None:
             pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume, gmodel, qualified_name(fn))
             name = pstore.get_run(run_id)["program"]  # the name the store knows the program by (its first), as `plans --program` finds it

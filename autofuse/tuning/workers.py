@@ -61,9 +61,9 @@ from ..processes import pid_alive
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from .job import (PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates, load_candidates,
-                  modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure, restore_autotune,
-                  save_candidates, search_spaces, study_name, time_xla)
+from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates,
+                  load_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure,
+                  restore_autotune, save_candidates, search_spaces, study_name, time_xla, tunable)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
@@ -161,14 +161,17 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     measure = resolve_measure(measure, bool(gpus))
     if measure == "device" and workers > len(gpus):
         raise ValueError(f"{workers} workers but {len(gpus)} visible GPU(s): one worker per GPU (two on one GPU would time each other)")
+    backends, left_out = check_backends(backends, measure)
+    notes = Notes(progress)
+    notes(left_out)
     gmodel = costmodel.get_model(model)
-    if measure == "model":  # said even when quiet: a modelled plan must never pass for a measured one
-        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
+    if measure == "model":
+        notes(modelled_warning(gmodel))
     if trials is None and time_budget_s is None:
         trials = 48
     job = {"fn": function_ref(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
-           "heartbeat_s": int(heartbeat_s), "backends": list(check_backends(backends)), "workers": workers,
+           "heartbeat_s": int(heartbeat_s), "backends": list(backends), "workers": workers,
            "compile_workers": compile_workers}
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
     pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel,
@@ -185,7 +188,8 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         # for the "setup" mark before their first trial).
         pstore.set_run_job(run_id, {**job, "staged": True})
         procs = start_workers(run_id, pstore.url, workers, gpus, not verbose, indexed=True)
-        by_sig, cands = distinct_candidates(graph)
+        by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
+        notes(left_to_xla)
         save_candidates(graph, by_sig, shared)  # this host's workers read them rather than enumerate them again
         register_candidates(pstore, run_id, cands)
         marks("candidates")
@@ -353,11 +357,11 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
         wait_for_phase(pstore, run_id, "candidates", ready_timeout_s)
     # as the launcher of this host found them (another host's worker: enumerated here)
     shared = load_candidates(graph, candidates_file(pstore.url, run_id))
-    by_sig, cands = shared or distinct_candidates(graph)
+    by_sig, cands, _ = tunable(*(shared or distinct_candidates(graph)), job["backends"])  # the launcher said what it leaves out
     register_candidates(pstore, run_id, cands)
     marks("ready", worker=me)
     gmodel = costmodel.get_model(job["model"])
-    spaces = search_spaces(by_sig, cands, gmodel, job.get("backends", ["triton"]))
+    spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
     budget = run["budget"] or {}
     deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
