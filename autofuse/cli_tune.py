@@ -196,7 +196,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     from autofuse.tuning.local import tune
 
-    store = None
+    store: Any = False  # --no-store
     trials, budget, seed = args.trials, args.time_budget, args.seed
     if not args.no_store:
         from autofuse.store import PlanStore
@@ -234,7 +234,7 @@ def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the buckets' inputs touch a GPU (as `_example`)
     bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, import_ref), statics)
     measure = _measure(args)
-    store = None
+    store: Any = False  # --no-store
     if not args.no_store:
         from autofuse.store import PlanStore
 

@@ -252,3 +252,20 @@ def test_last_status_describes_the_call_just_made():
         statuses.append(f.last_status)
     assert [s.split(":")[0] for s in statuses] == ["xla-plan", "xla", "xla-plan", "xla", "xla-plan", "xla"], statuses
     assert "the given plan is for program" in statuses[1] and statuses[1] != statuses[3]  # B and the other static value differ
+
+
+def test_tune_without_a_store_saves_where_jit_looks(tmp_path, monkeypatch):
+    """Issue 33: `autofuse.tune()` without store= saved nothing, so the `autofuse.jit(fn)` after it missed, while the
+    CLI saved to the default store. Both now use it ($AUTOFUSE_DB, else the per-user file), the report says where;
+    store=False keeps a job's result in memory."""
+    url = f"sqlite:///{tmp_path}/default.db"
+    monkeypatch.setenv("AUTOFUSE_DB", url)
+    specs = _specs(rows=256)
+    kept = tune(layer_norm, *specs, trials=2, seed=0, quiet=True, isolate=False, store=False)
+    assert kept.run_id is None and kept.stored_in is None and kept.summary().endswith("; not stored")
+    assert not (tmp_path / "default.db").exists()
+    rep = tune(layer_norm, *specs, trials=2, seed=0, quiet=True, isolate=False)
+    assert rep.stored_in == url and rep.summary().endswith(f"; run {rep.run_id}, plan {rep.plan_id} in {url}")
+    f = autofuse.jit(layer_norm)
+    f(*_args(rows=256))
+    assert f.last_status.startswith(("plan: ", "xla-plan: ")) and f"plan {rep.plan_id}" in f.last_status, f.last_status

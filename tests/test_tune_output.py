@@ -73,7 +73,8 @@ def _report(plan_groups: tuple[FusedGroup, ...], measure: str = "device") -> Tun
     ]
     plan = Plan("fp" * 16, plan_groups, {"measure": measure})
     return TuneReport("m:f", "fp" * 16, measure, plan, 4.0, 2.0, 2.0, 0.004, cands, ValidationResult(TrialStatus.OK, 1e-6), 12.5, 5,
-                      run_id=3, plan_id=7, device="NVIDIA H100 80GB HBM3", model="NVIDIA H200" if measure == "model" else None)
+                      run_id=3, plan_id=7, device="NVIDIA H100 80GB HBM3", model="NVIDIA H200" if measure == "model" else None,
+                      stored_in="sqlite:////srv/plans.db")
 
 
 def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_summary() -> None:
@@ -88,7 +89,7 @@ def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_su
     assert "sub·mul" in rep.table(all_candidates=True)
     assert lines[-1] == rep.summary()
     assert rep.summary() == ("autofuse: m:f: 2.00x over jax.jit (4 -> 2 ms, noise ±0.4%, max rel error 1.0e-06; measured on NVIDIA H100 80GB "
-                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7")
+                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7 in sqlite:////srv/plans.db")
 
 
 def test_summary_puts_a_large_error_beside_jax_jits_own_move() -> None:
@@ -124,7 +125,7 @@ def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("autofuse tune benchmarks.workloads:rms_norm") and "MODELLED" in lines[0]
     assert any(ln.startswith("*  row_reduce: ") for ln in lines) or "XLA's own plan" in lines[-1]
-    assert lines[-1].startswith("autofuse: benchmarks.workloads:rms_norm: ") and lines[-1].endswith("run 1, plan 1")
+    assert lines[-1].startswith("autofuse: benchmarks.workloads:rms_norm: ") and lines[-1].endswith(f"run 1, plan 1 in {db}")
     assert "  candidate " not in out.stderr and "  trial " not in out.stderr  # per-candidate and per-trial lines only with -v
     assert "best plan " in out.stderr and "best candidate" not in out.stderr  # the bar: the job's best plan so far
 

@@ -256,8 +256,8 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
     if not all(b.fingerprint for b in buckets):  # prepared already (the CLI checks the spec before opening the store)
         buckets = prepare(fn, buckets, static_argnums)
     store = tune_kwargs.pop("store", None)
-    if store is not None and not isinstance(store, PlanStore):
-        store = PlanStore(store)  # one connection pool for every bucket
+    if store is not False and not isinstance(store, PlanStore):
+        store = PlanStore(store)  # one connection pool for every bucket (None: the default store, as `tune`)
     seeder, runs, notes = Seeder(), [], Notes(tune_kwargs.get("progress"))
     for i, b in enumerate(buckets):
         if not quiet:

@@ -317,6 +317,7 @@ class PlanSaver:
     def final(self, report: TuneReport) -> int:
         """Finish the run with `report`'s plan (stored now unless `early` stored it); returns the plan's id."""
         self.pstore.finish_run(self.run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
+        report.run_id, report.stored_in = self.run_id, stored_in(self.pstore)
         if report is not self.first:
             self._add(report)
         if report.measure == "device":
@@ -335,6 +336,13 @@ class PlanSaver:
         report.plan_id, report.plan_current = saved.plan_id, saved.current
         report.plan_note = "" if saved.current else (f"autofuse: plan {saved.plan_id} is stored but not current: {saved.reason}; "
                                                      f"autofuse plans promote {saved.plan_id} makes it current")
+
+
+def stored_in(pstore: Any) -> str:
+    """Where a job's run and plan went, as a report shows it: the store's URL, its password masked."""
+    from ..store.db import display_url
+
+    return display_url(pstore.url)
 
 
 def store_autotune(pstore: Any) -> int:

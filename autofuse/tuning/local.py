@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import jax
 
@@ -36,25 +36,31 @@ from .scheduler import DEFAULT_TRIALS, Budget, Scheduler, timed_first, trial_tot
 from .trial import TrialContext
 from .validate import finalize
 
+if TYPE_CHECKING:
+    from ..store import PlanStore
+
 log = logging.getLogger("autofuse")
 
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
-         seed: int = 0, store: Any = None, name: str | None = None, measure: str | None = None, model: str = "h200",
+         seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
          quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
          compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time,
          warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None, notes: Notes | None = None) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
-    (with `store`) persist.
+    store the plan where `autofuse.jit(fn)` finds it.
 
     `trials` and/or `time_budget_s` bound the job (default: 48 trials).
     `measure="device"` times on the GPU (the default where one is present);
     `measure="model"` ranks with the analytic model (the default elsewhere).
-    `store` is a `PlanStore` or a database URL; with it, the run, every trial
-    and the plan are written, and `resume=RUN` continues an interrupted run.
-    `workers=N` (needs `store` and an importable `fn`) tunes with N worker
+    `store` is a `PlanStore` or a database URL, by default the store that
+    `autofuse.jit` and the CLI use ($AUTOFUSE_DB, else the per-user file);
+    the run, every trial and the plan are written there (the report says
+    where: `stored_in`), and `resume=RUN` continues an interrupted run.
+    `store=False` writes nothing: the result stays in the report.
+    `workers=N` (needs a store and an importable `fn`) tunes with N worker
     processes on this host, one per GPU, sharing the run's Optuna studies in
     that database (more can join from other hosts); `heartbeat_s` is their
     Optuna heartbeat interval. `backends` are the lowerings to search, the
@@ -80,6 +86,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     >>> print(report.table())  # doctest: +SKIP
     """
     check_budget(trials, time_budget_s)
+    store = _store_of(store)
     kwargs = dict(kwargs or {})
     static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
@@ -208,10 +215,21 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     report.device = device_info()["name"]
     report.model = gmodel.name if measure == "model" else None
     if pstore is not None:
-        report.run_id = run_id
         saver.final(report)
         marks("saved")
     return report
+
+
+def _store_of(store: PlanStore | str | Literal[False] | None) -> PlanStore | str | None:
+    """The store a job writes to: `store` itself, the default one for None (as `autofuse.jit` and the CLI find it:
+    $AUTOFUSE_DB, else the per-user file), none for False."""
+    if store is False:
+        return None
+    if store is None:
+        from ..store.db import default_url
+
+        return default_url()
+    return store
 
 
 def warn_preallocated(progress: Callable[[str], None] | None = None) -> None:

@@ -34,6 +34,7 @@ class TuneReport:
     model: str | None = None  # the GPU the analytic model describes (measure == "model")
     plan_current: bool | None = None  # whether the stored plan became current (None: not stored)
     plan_note: str = ""  # why a stored plan is not current, in one line
+    stored_in: str | None = None  # the store its run and plan were written to, as shown (password masked); None: not stored
 
     def table(self, all_candidates: bool = False) -> str:
         """The job's table: the plan's groups first, named by their ops, the other measured candidates after (all of
@@ -128,5 +129,5 @@ def summary_line(report: TuneReport) -> str:
             extra.append(f"max rel error {report.validation.max_error:.1e}" + _spread_note(report.validation))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
-    store = f"; run {report.run_id}, plan {report.plan_id}" if report.run_id is not None else ""
-    return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s{store}"
+    store = f"run {report.run_id}, plan {report.plan_id} in {report.stored_in}" if report.stored_in is not None else "not stored"
+    return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s; {store}"

@@ -63,7 +63,7 @@ from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
 from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates,
                   load_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure,
-                  restore_autotune, save_candidates, search_spaces, study_name, time_xla, tunable)
+                  restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
@@ -151,7 +151,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     t_start = time.time()
     say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
     if store is None:
-        raise ValueError("workers share the run through the store: give a database (store=URL, autofuse tune --db URL)")
+        raise ValueError("workers share the run through the store: not with store=False (autofuse tune --no-store)")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if heartbeat_s < 1:
@@ -306,7 +306,7 @@ def report_from_store(pstore: Any, run_id: int, cands: list[CandidateState], nam
     model = (run.get("budget") or {}).get("model") if measure == "model" else None
     return TuneReport(name, run["fingerprint"], measure, Plan.from_dict(p["plan"]), run["baseline_ms"], run["best_ms"], run["speedup"], None,
                       cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], device=run["device"], model=model,
-                      plan_current=bool(p["is_current"]))
+                      plan_current=bool(p["is_current"]), stored_in=stored_in(pstore))
 
 
 # --------------------------------------------------------------------------- one worker
