@@ -27,6 +27,7 @@ import jax
 
 from .graph import Graph, capture, flatten_args, qualified_name
 from .plan import Plan, PlanError, executor, preload_pallas_lowerings
+from .tables import plural
 
 log = logging.getLogger("autofuse")
 
@@ -139,7 +140,7 @@ def describe_groups(plan: Plan | None) -> str:
     groups = plan.groups if plan is not None else ()
     counts = Counter(g.template for g in groups)
     kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in counts.items())
-    return f"{len(groups)} fused group{'s' if len(groups) != 1 else ''} ({kinds})"
+    return f"{plural(len(groups), 'fused group')} ({kinds})"
 
 
 class AutofuseFunction:

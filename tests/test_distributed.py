@@ -49,7 +49,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
 
 def worker_counts(err: str) -> list[int]:
     """Trials measured by each worker, from their last lines."""
-    return [int(n) for n in re.findall(r"done: measured (\d+) trials", err)]
+    return [int(n) for n in re.findall(r"done: measured (\d+) trials?", err)]
 
 
 def check_books(url: str, budget: int) -> dict:

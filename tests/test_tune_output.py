@@ -109,6 +109,18 @@ def test_summary_of_a_modelled_or_xla_plan_says_so() -> None:
     assert "H100" not in rep.table().splitlines()[0] and "model of NVIDIA H200" in rep.table().splitlines()[0]
 
 
+def test_counts_agree_with_their_nouns() -> None:
+    """Issue 33: the summary said '1 trials'."""
+    import dataclasses
+
+    from autofuse.tuning.output import candidate_line
+
+    rep = dataclasses.replace(_report((FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 2}, "s-norm"),)), trials_run=1)
+    assert "with 1 fused group (row_reduce); 1 trial in 12.5 s; run 3" in rep.summary()
+    assert "after 1 trial [" in candidate_line(rep.candidates[0]) and "after 2 trials [" in candidate_line(rep.candidates[1])
+    assert budget_warnings(8, 5, 1, None)[0].startswith("1 trial for 8 distinct candidates: 7 of them")
+
+
 def test_budget_warnings() -> None:
     assert "never get even their default config" in budget_warnings(8, 5, 3, None)[0]
     assert "cannot give each of the 5 contenders more than its default" in budget_warnings(8, 5, 10, None)[0]

@@ -279,13 +279,13 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
 
 def summary(runs: Sequence[BucketRun]) -> str:
     """One line per bucket (its run, plan and speedup, how many studies were seeded and from where), then one line."""
-    from ..tables import fmt_x
+    from ..tables import fmt_x, plural
 
     lines = []
     for r in runs:
         rep, n = r.report, len(r.seeds)
         src = sorted(set(r.seeded_from.values()))
-        seeded = f"{n} stud{'y' if n == 1 else 'ies'} seeded from {', '.join(src)}" if n else "no study seeded"
+        seeded = f"{plural(n, 'study', 'studies')} seeded from {', '.join(src)}" if n else "no study seeded"
         ids = ", ".join(x for x in (f"run {rep.run_id}" if rep.run_id is not None else "",
                                     f"plan {rep.plan_id}" if rep.plan_id is not None else "not stored") if x)
         lines.append(f"  {r.bucket.name:<24} {short_inputs(r.bucket.inputs):<32} {fmt_x(rep.speedup):>8}  {ids}; {seeded}")

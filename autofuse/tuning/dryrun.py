@@ -16,7 +16,7 @@ import jax
 
 from .. import costmodel
 from ..graph import capture
-from ..tables import Column, fmt_ms, fmt_x, format_table
+from ..tables import Column, fmt_ms, fmt_x, format_table, plural
 from .budget import check_budget
 from .job import Notes, check_backends, distinct_candidates, program_name, resolve_measure, search_spaces, tunable
 from .output import group_label
@@ -80,14 +80,14 @@ def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, ti
     """What a budget of `trials` cannot do for `n_candidates` distinct candidates of which `n_contenders` contend."""
     if trials is None:
         return [f"a time budget of {time_budget_s:g} s: how many trials it allows depends on compile and run times; phase 1 alone "
-                + f"needs {n_candidates} trials (give --trials to know)"] if time_budget_s else []
+                + f"needs {plural(n_candidates, 'trial')} (give --trials to know)"] if time_budget_s else []
     if trials < n_candidates:
-        return [f"{trials} trials for {n_candidates} distinct candidates: {n_candidates - trials} of them (the smallest modelled "
+        return [f"{plural(trials, 'trial')} for {plural(n_candidates, 'distinct candidate')}: {n_candidates - trials} of them (the smallest modelled "
                 + "savings) never get even their default config, and no contender gets more than its default; "
                 + f"give --trials {n_candidates + 2 * max(n_contenders, 1)} or more"]
     left = trials - n_candidates
     if left < n_contenders:
-        return [f"{trials} trials: {n_candidates} go to the candidates' default configs, and the {left} left cannot give each of the "
+        return [f"{plural(trials, 'trial')}: {n_candidates} go to the candidates' default configs, and the {left} left cannot give each of the "
                 + f"{n_contenders} contenders more than its default config; give --trials {n_candidates + 2 * n_contenders} or more"]
     return []
 
@@ -132,7 +132,7 @@ def dry_run_table(d: "DryRun") -> str:
               "backends": ",".join(r.backends), "xla ms": r.xla_ms, "default ms": r.default_ms, "saving ms": r.saving_ms} for r in d.rows]
     columns = [Column("#"), Column(""), Column("group"), Column("x"), Column("configs"), Column("backends"), Column("xla ms", fmt=fmt_ms),
                Column("default ms", fmt=fmt_ms), Column("saving ms", fmt=lambda v: f"{v:+.3g}")]
-    budget = f"{d.trials} trials" if d.trials is not None else ""
+    budget = plural(d.trials, "trial") if d.trials is not None else ""
     if d.time_budget_s:
         budget += (" and " if budget else "") + f"{d.time_budget_s:g} s"
     instances = sum(r.instances for r in d.rows)

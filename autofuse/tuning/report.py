@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from ..runner.protocol import ValidationResult
-from ..tables import Column, device_label, fmt_ms, fmt_x, format_table
+from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, plural
 from .ledger import CandidateState
 from .output import candidate_label, config_text
 
@@ -107,7 +107,7 @@ def plan_text(report: TuneReport) -> str:
     n = len(report.plan.groups)
     by_template = Counter(g.template for g in report.plan.groups)
     kinds = ", ".join(t if k == 1 else f"{t}×{k}" for t, k in sorted(by_template.items(), key=lambda tk: (-tk[1], tk[0])))
-    return f"{n} fused group{'s' if n != 1 else ''} ({kinds})"
+    return f"{plural(n, 'fused group')} ({kinds})"
 
 
 def _spread_note(validation: ValidationResult) -> str:
@@ -130,4 +130,4 @@ def summary_line(report: TuneReport) -> str:
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
     store = f"run {report.run_id}, plan {report.plan_id} in {report.stored_in}" if report.stored_in is not None else "not stored"
-    return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s; {store}"
+    return f"autofuse: {report.name}: {found}; {plural(report.trials_run, 'trial')} in {report.wall_s:.1f} s; {store}"

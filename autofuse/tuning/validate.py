@@ -27,6 +27,7 @@ from ..runner.protocol import (
     XlaRequest,
 )
 from ..status import TrialStatus
+from ..tables import plural
 from .ahead import compile_batch
 from .ledger import CandidateState, Ledger
 from .output import candidate_line
@@ -155,12 +156,12 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
                         **{key: round(x, 3) for key, x in (v.seconds or {}).items()}})
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
-            notes.append(f"{len(cand.groups)} groups: validation failed: {v.status}: {v.error}")
+            notes.append(f"{plural(len(cand.groups), 'group')}: validation failed: {v.status}: {v.error}")
         elif measure == "device":
             b, p, r = v.baseline, v.plan, v.ratio
             nz = max(r.q3_ms - r.q1_ms, MIN_NOISE)  # the spread of plan/jax.jit over alternating repeats
             if r.q3_ms < 1.0 and r.median_ms < 1 - nz:
-                notes.append(f"{len(cand.groups)} groups: {p.median_ms:.4f} ms vs jax.jit {b.median_ms:.4f} ms")
+                notes.append(f"{plural(len(cand.groups), 'group')}: {p.median_ms:.4f} ms vs jax.jit {b.median_ms:.4f} ms")
                 this = (b.median_ms / p.median_ms, cand, v, nz)
                 if best is None:
                     best = first_passed = this
@@ -172,12 +173,12 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
                     best = this
             else:
                 base, noise, validation = b.median_ms, nz, v
-                notes.append(f"{len(cand.groups)} groups: plan {p.median_ms:.4f} ms is not faster than jax.jit {b.median_ms:.4f} ms beyond noise ±{nz:.1%}")
+                notes.append(f"{plural(len(cand.groups), 'group')}: plan {p.median_ms:.4f} ms is not faster than jax.jit {b.median_ms:.4f} ms beyond noise ±{nz:.1%}")
         elif cover.tuned_ms + given_up < base:
             kept, tuned, validation = cand, cover.tuned_ms + given_up, v
             break
         else:
-            notes.append(f"{len(cand.groups)} groups: modelled plan is not faster than XLA")
+            notes.append(f"{plural(len(cand.groups), 'group')}: modelled plan is not faster than XLA")
     if best is not None:
         _, kept, validation, noise = best
         if best is first_passed:  # the first plan that passed: the report the job may have stored already
@@ -201,7 +202,7 @@ def _with_reason(chosen: Plan, kept: Plan, notes: list[str]) -> Plan:
     if kept is chosen:
         return kept
     return replace(kept, provenance={
-        **kept.provenance, "reason": f"smaller plan kept ({len(kept.groups)} of {len(chosen.groups)} groups): " + "; ".join(notes)})
+        **kept.provenance, "reason": f"smaller plan kept ({len(kept.groups)} of {plural(len(chosen.groups), 'group')}): " + "; ".join(notes)})
 
 
 def _report(graph: Graph, plan: Plan, name: str, measure: str, base: float | None, tuned: float | None, noise: float | None,

@@ -61,6 +61,7 @@ from ..processes import pid_alive
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
+from ..tables import plural
 from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates,
                   load_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure,
                   restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable)
@@ -193,7 +194,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         save_candidates(graph, by_sig, shared)  # this host's workers read them rather than enumerate them again
         register_candidates(pstore, run_id, cands)
         marks("candidates")
-        say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
+        say(f"autofuse: run {run_id}: {plural(len(cands), 'candidate')}, {workers} worker(s) on this host"
             + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
             + f"; join from another host: autofuse worker {run_id} --db URL")
         spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
@@ -367,8 +368,8 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
     scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(budget.get("trials") or 10**9, deadline), gmodel)
     prefetch = None
-    say(f"joined run {run_id} ({len(cands)} candidates {'as its launcher found them' if shared else 'enumerated here'}, "
-        f"budget {scheduler.total} trials"
+    say(f"joined run {run_id} ({plural(len(cands), 'candidate')} {'as its launcher found them' if shared else 'enumerated here'}, "
+        f"budget {plural(scheduler.total, 'trial')}"
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with runner:
@@ -401,9 +402,9 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
             selected = pstore.begin_selection(run_id, me)
             if selected:
                 marks("trials")
-                say(f"measured {w.loop.measured} trials; selecting the plan of run {run_id}")
+                say(f"measured {plural(w.loop.measured, 'trial')}; selecting the plan of run {run_id}")
                 w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks)
-            say(f"done: measured {w.loop.measured} trials" + ("; plan saved" if selected else ""))
+            say(f"done: measured {plural(w.loop.measured, 'trial')}" + ("; plan saved" if selected else ""))
     except BaseException as e:
         if pstore.get_run(run_id)["selected_by"] == me:  # this worker was selecting: the run ends with it
             pstore.finish_run(run_id, "failed", error=f"selection failed in {me}: {type(e).__name__}: {e}")
