@@ -218,9 +218,10 @@ class AutofuseFunction:
         ended = [j for j in self.tuning_jobs if j.done()]
         if ended:
             self.tuning_jobs = [j for j in self.tuning_jobs if not j.done()]
-            for j in ended:
-                log.warning("autofuse: %s: the background tuning job for %s ended (exit status %s, log %s): tracing again to "
-                            "pick up its plan", self.name, ", ".join(j.inputs), j.process.returncode, j.log)
+            for j in ended:  # a job that succeeded removed its log; a failed one's is kept
+                rc = j.process.returncode
+                log.warning("autofuse: %s: the background tuning job for %s ended (exit status %s%s): tracing again to pick up its plan",
+                            self.name, ", ".join(j.inputs), rc, f", log {j.log}" if rc else "")
             self._jitted = self._new_jit()
             self._traced_status.clear()
             self._signatures.clear()
@@ -334,8 +335,8 @@ class AutofuseFunction:
             url = store.url if isinstance(store, PlanStore) else store or os.environ.get("AUTOFUSE_DB") or default_url()
             try:
                 args, kwargs = call if call is not None else ((), {})
-                job = queue(self.fn, self.name, graph.fingerprint, graph.signature()["inputs"], args, kwargs, self.static_argnums,
-                            self.static_argnames, str(url), self.tune_budget)
+                job = queue(self.fn, graph.fingerprint, graph.signature()["inputs"], args, kwargs, self.static_argnums, self.static_argnames,
+                            str(url), self.tune_budget)
             except (NotQueued, OSError) as e:
                 why = str(e)
             else:

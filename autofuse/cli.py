@@ -9,7 +9,8 @@
     autofuse report RUN --out DIR
     autofuse db upgrade|downgrade|current|history
     autofuse tune ... [-v|--quiet] [--all] [--dry-run] [--workers N]  (autofuse.cli_tune)
-    autofuse worker RUN [--workers N]  (join a run tuned with workers, from another host; autofuse.cli_tune)
+    autofuse worker RUN MODULE:FUNCTION [--workers N]  (join a run tuned with workers, from another host; autofuse.cli_tune)
+    autofuse --version
 
 Every command takes ``--db URL`` (else ``$AUTOFUSE_DB``, else the per-user
 SQLite file); the listings open it read-only and never create one. Errors are one line on stderr and exit status 2; set

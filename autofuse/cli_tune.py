@@ -2,7 +2,7 @@
 
     autofuse tune MODULE:FUNCTION --inputs MODULE:FACTORY [--trials N] [--time-budget S] [-v | --quiet] [--all]
                   [--dry-run] [--workers N] [--shapes SPEC] ...
-    autofuse worker RUN [--workers N] [-v | --quiet]
+    autofuse worker RUN MODULE:FUNCTION [--workers N] [-v | --quiet]
 
 By default a job shows a progress bar with its best plan so far, then a table of the groups it measured (the
 plan's first) and one summary line; ``-v`` adds a line per trial and per candidate, ``--quiet`` prints the summary
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
+
+from autofuse import refs
 
 
 def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -95,29 +96,6 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
     p.set_defaults(func=cmd_tune)
 
 
-def import_ref(ref: str) -> Any:
-    """The object `MODULE:NAME` names, importable from the current directory; ValueError (one line) otherwise."""
-    import importlib
-
-    if ":" not in ref:
-        raise ValueError(f"expected MODULE:NAME, got {ref!r}")
-    mod, _, attr = ref.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {mod!r}: {e}") from None
-    except Exception as e:  # a syntax error, or an error while the module runs: the user's to fix, in one line
-        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
-        raise ValueError(f"importing module {mod!r} failed: {type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}{where}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {mod!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def _checked(args: argparse.Namespace) -> tuple[int, ...]:
     """The arguments that need nothing imported, checked first: a mistake is refused at once, not after the seconds
     JAX takes to start. Returns the static argument positions."""
@@ -158,8 +136,8 @@ def _example(args: argparse.Namespace, statics: tuple[int, ...]) -> tuple[Callab
     """The function and its example arguments, checked to trace (one-line errors)."""
     from autofuse.graph import capture
 
-    fn = import_ref(args.target)
-    factory = import_ref(args.inputs)
+    fn = refs.resolve(args.target)
+    factory = refs.resolve(args.inputs)
     # before the inputs touch a GPU: this process shares the GPUs with the trial processes and the workers, and
     # jax's default would take 75% of every visible GPU's memory here
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -230,9 +208,9 @@ def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
     single job prints it, then a line per bucket."""
     from autofuse.tuning import buckets
 
-    fn = import_ref(args.target)
+    fn = refs.resolve(args.target)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the buckets' inputs touch a GPU (as `_example`)
-    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, import_ref), statics)
+    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, refs.resolve), statics)
     measure = _measure(args)
     store: Any = False  # --no-store
     if not args.no_store:
@@ -264,13 +242,17 @@ def add_worker_parser(sub: argparse._SubParsersAction, parents: list[argparse.Ar
         description=(
             "Start N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), that join run RUN: they take "
             "trials from the run's Optuna studies in the --db database until its budget is spent; the last one to finish "
-            "selects and saves the plan. Run it from the same project directory (the function is imported by name). "
+            "selects and saves the plan. Name the run's function (as 'autofuse tune --workers' prints it): the workers import "
+            "only that, never a function the database names, and refuse a run of another. Run it from the same project "
+            "(the working directory is searched after the installed packages). "
             "Needs a server database (PostgreSQL): a SQLite file is for the workers of one host (autofuse tune --workers). "
             "Output: a progress bar of the run's trials (every host's), then one summary line."
         ),
-        epilog="example: autofuse worker 12 --db postgresql+psycopg://tuner@db.example/autofuse --workers 8",
+        epilog="example: autofuse worker 12 examples.norms:forward --db postgresql+psycopg://tuner@db.example/autofuse --workers 8",
     )
     p.add_argument("run", metavar="RUN", type=int, help="run id (printed by 'autofuse tune --workers')")
+    p.add_argument("program", metavar="MODULE:FUNCTION", help="the function the run tunes (printed by 'autofuse tune --workers'): "
+                   "the only code the workers import")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes on this host, one per GPU (default 1)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("-v", "--verbose", action="store_true", help="each worker says what it does: joined, a line per trial, done")
@@ -289,17 +271,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     from autofuse.store import PlanStore
     from autofuse.tuning.job import progress_bar
-    from autofuse.tuning.workers import start_workers, visible_gpus, watch
+    from autofuse.tuning.workers import program_of, start_workers, visible_gpus, watch
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # counting the GPUs must not take their memory
     store = PlanStore(url)
     run = store.get_run(args.run)  # KeyError (one line) for an unknown run
     if run["status"] != "running":
         raise ValueError(f"run {args.run} is {run['status']}: nothing to join")
+    if run.get("job") is not None:  # else its launcher is still setting it up: each worker checks once it is
+        program_of(args.run, run["job"], args.program)
     gpus = visible_gpus()
     if run["measure"] == "device" and args.workers > len(gpus):
         raise ValueError(f"{args.workers} workers but {len(gpus)} visible GPU(s) here: one worker per GPU")
-    procs = start_workers(args.run, url, args.workers, gpus, not args.verbose)
+    procs = start_workers(args.run, args.program, url, args.workers, gpus, not args.verbose)
     total = (run.get("budget") or {}).get("trials")
     with progress_bar(total if total else None, f"run {args.run}", args.quiet, "worker", "trial") as bar:
         codes = watch(procs, store, args.run, bar)
