@@ -95,8 +95,7 @@ class _Signatures:
         return len(self.status_by_key) > 1
 
     def clear(self) -> None:
-        self.status_by_key.clear()
-        self.by_parts.clear()
+        self.status_by_key, self.parts, self.by_parts = {}, None, {}
 
     def add(self, args: tuple, kwargs: dict, status: str) -> None:
         """Record what a signature runs (from the arguments `_traced` received: tracers where the call has arrays)."""
