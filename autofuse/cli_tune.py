@@ -210,7 +210,7 @@ def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
 
     fn = refs.resolve(args.target)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the buckets' inputs touch a GPU (as `_example`)
-    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, refs.resolve), statics)
+    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs), statics)
     measure = _measure(args)
     store: Any = False  # --no-store
     if not args.no_store:

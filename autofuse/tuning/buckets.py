@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..graph import capture
+from ..refs import resolve as resolve_ref
 from ..signatures import distance, short_inputs
 from ..status import TrialStatus
 from .ledger import CandidateState
@@ -109,7 +110,7 @@ def parse_axes(spec: str) -> dict[str, list[int]]:
     return axes
 
 
-def resolve(spec: str, inputs: str | None, import_ref: Callable[[str], Any]) -> list[Bucket]:
+def resolve(spec: str, inputs: str | None) -> list[Bucket]:
     """The buckets of a ``--shapes`` SPEC (see the module docstring); `inputs` is ``--inputs MODULE:FACTORY``, needed
     with axes. ValueError (one line) for a bad spec or a factory that fails."""
     spec = spec.strip()
@@ -119,7 +120,7 @@ def resolve(spec: str, inputs: str | None, import_ref: Callable[[str], Any]) -> 
         axes = parse_axes(spec)
         if inputs is None:
             raise ValueError("--shapes with axes builds each bucket with the --inputs factory: give --inputs MODULE:FACTORY")
-        factory = import_ref(inputs)
+        factory = resolve_ref(inputs)
         out = []
         for values in itertools.product(*axes.values()):
             kw = dict(zip(axes, values, strict=True))
@@ -132,7 +133,7 @@ def resolve(spec: str, inputs: str | None, import_ref: Callable[[str], Any]) -> 
         return out
     if ":" not in spec:
         raise ValueError(f"--shapes: expected NAME=LO-HI,... (axes) or MODULE:BUCKETS (a factory of buckets), got {spec!r}")
-    factory = import_ref(spec)
+    factory = resolve_ref(spec)
     try:
         got = factory()
     except Exception as e:  # noqa: BLE001 -- the user's factory: its error in one line
