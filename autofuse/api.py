@@ -27,6 +27,7 @@ import jax
 
 from .graph import Graph, capture, flatten_args, qualified_name
 from .plan import Plan, PlanError, executor, preload_pallas_lowerings
+from .tables import plural
 
 log = logging.getLogger("autofuse")
 
@@ -78,12 +79,67 @@ class Resolution:
         return f"checked against jax.jit {when:%Y-%m-%d %H:%M} (remembered)" if when is not None else "checked against jax.jit here"
 
 
+class _Signatures:
+    """What each signature an `AutofuseFunction` traced runs, by what jax.jit's cache tells calls apart (the arguments'
+    tree structure, static values, each array's shape, dtype and weak type), so that a call that did not trace (its
+    signature traced before) says what it ran. Only the parts in which the traced signatures differ are looked at (a
+    batch size among a model's hundreds of weights), so a call pays for a few leaves, and nothing with one signature."""
+
+    def __init__(self, static_argnums: Sequence[int], static_argnames: Sequence[str]):
+        self.static_argnums, self.static_argnames = static_argnums, frozenset(static_argnames)
+        self.status_by_key: dict[tuple, str] = {}
+        self.parts: tuple[int, ...] | None = None  # the key's parts that tell the traced signatures apart (None: all)
+        self.by_parts: dict[tuple, str] = {}
+
+    def several(self) -> bool:
+        return len(self.status_by_key) > 1
+
+    def clear(self) -> None:
+        self.status_by_key, self.parts, self.by_parts = {}, None, {}
+
+    def add(self, args: tuple, kwargs: dict, status: str) -> None:
+        """Record what a signature runs (from the arguments `_traced` received: tracers where the call has arrays)."""
+        tree, leaves = self._split(args, kwargs)
+        self.status_by_key[(tree, *map(_leaf_key, leaves))] = status
+        keys = list(self.status_by_key)
+        if len({len(k) for k in keys}) == 1:
+            self.parts = tuple(i for i in range(len(keys[0])) if len({k[i] for k in keys}) > 1)
+            self.by_parts = {tuple(k[i] for i in self.parts): s for k, s in self.status_by_key.items()}
+        else:
+            self.parts, self.by_parts = None, dict(self.status_by_key)
+
+    def status(self, args: tuple, kwargs: dict) -> str | None:
+        """What a call with these arguments ran; None for a signature never traced."""
+        tree, leaves = self._split(args, kwargs)
+        if self.parts is None:
+            return self.by_parts.get((tree, *map(_leaf_key, leaves)))
+        if len(leaves) + 1 != len(next(iter(self.status_by_key))):
+            return None
+        return self.by_parts.get(tuple(tree if i == 0 else _leaf_key(leaves[i - 1]) for i in self.parts))
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
+        """The tree structure of the dynamic arguments with the static values, and the dynamic leaves."""
+        n = len(args)
+        static = {i % n for i in self.static_argnums if -n <= i < n}
+        fixed = (tuple(args[i] for i in sorted(static)), tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+        leaves, tree = jax.tree_util.tree_flatten(([a for i, a in enumerate(args) if i not in static],
+                                                   {k: v for k, v in kwargs.items() if k not in self.static_argnames}))
+        return (tree, fixed), leaves
+
+
+def _leaf_key(x: Any) -> tuple:
+    """A dynamic argument as jax.jit tells calls apart: shape, dtype and weak type (a Python scalar by its type alone)."""
+    if isinstance(x, (bool, int, float, complex)):
+        x = jax.typeof(x)
+    return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
+
+
 def describe_groups(plan: Plan | None) -> str:
     """``3 fused groups (attention, row_reduce×2)``: how many groups of which templates a plan runs."""
     groups = plan.groups if plan is not None else ()
     counts = Counter(g.template for g in groups)
     kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in counts.items())
-    return f"{len(groups)} fused group{'s' if len(groups) != 1 else ''} ({kinds})"
+    return f"{plural(len(groups), 'fused group')} ({kinds})"
 
 
 class AutofuseFunction:
@@ -115,10 +171,11 @@ class AutofuseFunction:
         # a call checks at most once a second whether one finished, and then traces again to pick its plan up.
         self.tuning_jobs: list[Any] = []
         self._next_poll = 0.0
-        # What the most recently traced signature runs (see `Resolution.status`): "plan: 2 fused groups (...), run R, plan P",
+        # What the most recent call ran (see `Resolution.status`): "plan: 2 fused groups (...), run R, plan P",
         # "plan-reverified: ...", "xla-plan: nothing beat jax.jit (...)" or "xla: <why>".
         self.last_status: str = ""
         self._traced_status: dict[str, str] = {}  # by program fingerprint: what each traced signature runs
+        self._signatures = _Signatures(self.static_argnums, self.static_argnames)  # the same, by jax.jit's cache key
         self._donate_argnums = donate_argnums
         self._call = threading.local()  # this thread's call's own arguments while it traces (`_caller_leaves`)
         preload_pallas_lowerings(interpret)  # else the second call of each signature traces again (see plan.py)
@@ -140,9 +197,12 @@ class AutofuseFunction:
             self._poll_jobs()
         self._call.args = (args, kwargs)
         try:
-            return self._jitted(*args, **kwargs)
+            out = self._jitted(*args, **kwargs)
         finally:
             self._call.args = None
+        if self._signatures.several():  # a call that did not trace says what its signature runs, not the last traced one's
+            self.last_status = self._signatures.status(args, kwargs) or self.last_status
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._jitted.lower(*args, **kwargs)
@@ -157,11 +217,13 @@ class AutofuseFunction:
         ended = [j for j in self.tuning_jobs if j.done()]
         if ended:
             self.tuning_jobs = [j for j in self.tuning_jobs if not j.done()]
-            for j in ended:
-                log.warning("autofuse: %s: the background tuning job for %s ended (exit status %s, log %s): tracing again to "
-                            "pick up its plan", self.name, ", ".join(j.inputs), j.process.returncode, j.log)
+            for j in ended:  # a job that succeeded removed its log; a failed one's is kept
+                rc = j.process.returncode
+                log.warning("autofuse: %s: the background tuning job for %s ended (exit status %s%s): tracing again to pick up its plan",
+                            self.name, ", ".join(j.inputs), rc, f", log {j.log}" if rc else "")
             self._jitted = self._new_jit()
             self._traced_status.clear()
+            self._signatures.clear()
 
     # tracing a new signature ---------------------------------------------------
     def capture(self, *args: Any, **kwargs: Any) -> Graph:
@@ -207,6 +269,7 @@ class AutofuseFunction:
         graph = self.capture(*args, **kwargs)
         run, self.last_status = self._build(graph, (args, kwargs))
         self._traced_status[graph.fingerprint] = self.last_status
+        self._signatures.add(args, kwargs, self.last_status)
         if run is None:
             return self.fn(*args, **kwargs)
         leaves = flatten_args(graph, self.fn, args, kwargs, self.static_argnums, self.static_argnames)
@@ -272,8 +335,8 @@ class AutofuseFunction:
         else:
             try:
                 args, kwargs = call if call is not None else ((), {})
-                job = queue(self.fn, self.name, graph.fingerprint, graph.signature()["inputs"], args, kwargs, self.static_argnums,
-                            self.static_argnames, str(url), self.tune_budget)
+                job = queue(self.fn, graph.fingerprint, graph.signature()["inputs"], args, kwargs, self.static_argnums, self.static_argnames,
+                            str(url), self.tune_budget)
             except (NotQueued, OSError) as e:
                 why = str(e)
             else:

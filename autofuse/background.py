@@ -2,16 +2,18 @@
 
 The caller's side (`queue`) writes the job (the function's ``module:qualname``, its arguments as shapes, dtypes
 and static values, the budget) to a file, claims the (store, program) pair with a lock file so that one job at a
-time tunes it, and starts ``python -m autofuse.background JOBFILE`` as a separate, low-priority process; it never
-waits for it and imports nothing of the tuner. The job's side (`main`) lowers its priority, imports the function
-by name, tunes it with `autofuse.tuning.local.tune` into the store (its URL reaches it through ``$AUTOFUSE_DB``,
-never on a command line) and removes its job file and lock. A later trace of that shape finds the plan.
+time tunes it, and starts ``python -P -m autofuse.background MODULE:FUNCTION JOBFILE`` as a separate, low-priority
+process (`refs.python_command`: it imports as the caller does, the working directory last); it never waits for it and
+imports nothing of the tuner. The job's side (`main`) lowers its priority, imports the function its command line
+names (and refuses a job file that names another), tunes it with `autofuse.tuning.local.tune` into the store (its URL
+reaches it through ``$AUTOFUSE_DB``, never on a command line) and removes its job file and lock, and its log when it
+succeeded (the plan is in the store; a failed job's log stays, for the caller's warning to point at). A later trace
+of that shape finds the plan.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 import subprocess
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .processes import pid_alive
+from .refs import python_command, reference, resolve
 
 #: Set in a background job's environment: the job never queues another one.
 NO_BACKGROUND_ENV = "AUTOFUSE_NO_BACKGROUND_TUNE"
@@ -75,15 +78,18 @@ class NotQueued(Exception):
 # ---------------------------------------------------------------- the caller's side
 
 
-def queue(fn: Any, function: str, fingerprint: str, inputs: list[str], args: Sequence[Any], kwargs: dict[str, Any],
-          static_argnums: Sequence[int], static_argnames: Sequence[str], store_url: str, budget: BackgroundTune) -> TuningJob:
-    """Start a background job tuning `function` (``module:qualname``, importable, naming `fn` or an `autofuse.jit` of
-    it) at these arguments (arrays, tracers or shape structs; static values as they are) into the store at
-    `store_url`; `NotQueued` saying why not (not importable, arguments that cannot be written as data, a job already
-    tuning this program, a background job itself)."""
+def queue(fn: Any, fingerprint: str, inputs: list[str], args: Sequence[Any], kwargs: dict[str, Any], static_argnums: Sequence[int],
+          static_argnames: Sequence[str], store_url: str, budget: BackgroundTune) -> TuningJob:
+    """Start a background job tuning `fn` (importable by name: `refs.reference`) at these arguments (arrays, tracers
+    or shape structs; static values as they are) into the store at `store_url`; `NotQueued` saying why not (not
+    importable, arguments that cannot be written as data, a job already tuning this program, a background job
+    itself)."""
     if os.environ.get(NO_BACKGROUND_ENV):
         raise NotQueued("this is a background tuning job: it queues no other")
-    _check_importable(fn, function)
+    try:
+        function = reference(fn)
+    except ValueError as e:
+        raise NotQueued(str(e)) from None
     statics = {i if i >= 0 else i + len(args) for i in static_argnums}
     try:
         data = {
@@ -102,35 +108,20 @@ def queue(fn: Any, function: str, fingerprint: str, inputs: list[str], args: Seq
     if not _claim(lock):
         raise NotQueued(f"a background job is already tuning this program ({lock})")
     try:
-        data["lock"] = lock
+        log = base + ".log"
+        data["lock"], data["log"] = lock, log
         with open(base + ".json", "w") as f:
             json.dump(data, f)
-        log = base + ".log"
-        env = dict(os.environ, AUTOFUSE_DB=store_url, **{NO_BACKGROUND_ENV: "1"})
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *filter(None, sys.path)]))  # imports as here
+        argv, env = python_command("autofuse.background", function, base + ".json")
+        env.update(AUTOFUSE_DB=store_url, **{NO_BACKGROUND_ENV: "1"})
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "autofuse.background", base + ".json"], stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         with open(lock, "w") as f:
             f.write(str(proc.pid))
     except BaseException:
         _release(lock)
         raise
     return TuningJob(function, fingerprint, list(inputs), proc, log)
-
-
-def _check_importable(fn: Any, function: str) -> None:
-    mod, _, attr = function.partition(":")
-    if mod in ("__main__", "?") or "<locals>" in attr or "<lambda>" in attr:
-        raise NotQueued(f"{function} cannot be imported by name in another process (define it at the top level of a module)")
-    try:
-        obj: Any = importlib.import_module(mod)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise NotQueued(f"{function} cannot be imported by name ({type(e).__name__}: {e})") from None
-    if obj is not fn and getattr(obj, "fn", None) is not fn:
-        raise NotQueued(f"{function} names another object than the function being run")
 
 
 def _encode(x: Any, *, static: bool) -> Any:
@@ -189,11 +180,6 @@ def _claim(lock: str) -> bool:
             f.write(str(os.getpid()))
         return True
     return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return True
 
 
 def _release(path: str) -> None:
@@ -207,35 +193,41 @@ def _release(path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autofuse.background JOBFILE``: tune the job's function at its shapes into ``$AUTOFUSE_DB``."""
+    """``python -m autofuse.background MODULE:FUNCTION JOBFILE``: tune the function at the job's shapes into
+    ``$AUTOFUSE_DB``. Only the function named here is imported; a job file naming another is refused (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 1:
-        print("usage: python -m autofuse.background JOBFILE", file=sys.stderr)
+    if len(argv) != 2:
+        print("usage: python -m autofuse.background MODULE:FUNCTION JOBFILE", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
+    function, path = argv
+    with open(path) as f:
         job = json.load(f)
+    ok = False
     try:
+        if job["function"] != function:
+            print(f"autofuse: the job file {path} tunes {job['function']}, not {function}: refused", file=sys.stderr)
+            return 2
         budget = BackgroundTune(**job["budget"])
         os.nice(budget.nice)
-        mod, _, attr = job["function"].partition(":")
-        fn: Any = importlib.import_module(mod)
-        for part in attr.split("."):
-            fn = getattr(fn, part)
+        fn = resolve(function)
         fn = getattr(fn, "fn", fn)  # an autofuse.jit of the function: tune the function itself
         from autofuse.tuning.local import tune
 
         report = tune(fn, *[_decode(a) for a in job["args"]], kwargs={k: _decode(v) for k, v in job["kwargs"].items()} or None,
-                      trials=budget.trials, time_budget_s=budget.seconds, store=os.environ.get("AUTOFUSE_DB"), name=job["function"],
+                      trials=budget.trials, time_budget_s=budget.seconds, store=os.environ.get("AUTOFUSE_DB"), name=function,
                       measure=budget.measure, quiet=True, isolate=budget.isolate, static_argnums=job["static_argnums"],
                       static_argnames=job["static_argnames"])
         print(report.summary(), flush=True)
         if report.fingerprint != job["fingerprint"]:
             print(f"autofuse: the background job tuned program {report.fingerprint}, not the missed {job['fingerprint']}", flush=True)
             return 1
+        ok = True
         return 0
     finally:
         _release(job["lock"])
-        _release(argv[0])
+        _release(path)
+        if ok:
+            _release(job["log"])
 
 
 if __name__ == "__main__":

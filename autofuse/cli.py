@@ -9,7 +9,8 @@
     autofuse report RUN --out DIR
     autofuse db upgrade|downgrade|current|history
     autofuse tune ... [-v|--quiet] [--all] [--dry-run] [--workers N]  (autofuse.cli_tune)
-    autofuse worker RUN [--workers N]  (join a run tuned with workers, from another host; autofuse.cli_tune)
+    autofuse worker RUN MODULE:FUNCTION [--workers N]  (join a run tuned with workers, from another host; autofuse.cli_tune)
+    autofuse --version
 
 Every command takes ``--db URL`` (else ``$AUTOFUSE_DB``, else the per-user
 SQLite file); the listings open it read-only and never create one. Errors are one line on stderr and exit status 2; set
@@ -431,6 +432,35 @@ class _CliError(Exception):
     """A usage problem reported as one line."""
 
 
+def version_line() -> str:
+    """``autofuse 0.1.0 (jax 0.11.2, jaxlib 0.11.2)``: the installed packages' versions, from their metadata (JAX is
+    not imported); autofuse's own where it runs from a checkout that is not installed."""
+    from importlib import metadata
+
+    from autofuse import __version__
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    deps = ", ".join(f"{name} {installed(name) or 'not installed'}" for name in ("jax", "jaxlib"))
+    return f"{PROG} {installed('autofuse') or __version__} ({deps})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print `version_line` and exit; looked up only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, default: Any = argparse.SUPPRESS,
+                 help: str | None = None) -> None:  # noqa: A002 -- argparse's own keyword
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
+
+
 # ------------------------------------------------------------------ parser
 
 
@@ -447,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(created on first use). Run 'autofuse COMMAND --help' for each command.",
     )
     parser.add_argument("--db", metavar="URL", default=None, help="database URL (also accepted after the command)")
+    parser.add_argument("--version", action=_VersionAction, help="print the versions of autofuse, jax and jaxlib, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     from autofuse.cli_tune import add_tune_parser, add_worker_parser
@@ -609,22 +640,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error_message(e: BaseException) -> str | None:
-    """One line for expected failures; None for a bug (traceback wanted)."""
-    from autofuse.store.db import StoreError
-
+    """One line for expected failures; None for a bug (traceback wanted). The store (SQLAlchemy: most of a second to
+    import) is imported only for an error that may be its own."""
     if isinstance(e, KeyError):
         text = str(e.args[0]) if e.args else "not found"
-    elif isinstance(e, (StoreError, ValueError, _CliError, OSError)):
+    elif isinstance(e, (ValueError, _CliError, OSError)):
         text = str(e)
     else:
-        try:
-            from sqlalchemy.exc import SQLAlchemyError
-        except ImportError:  # pragma: no cover
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from autofuse.store.db import StoreError
+
+        if isinstance(e, StoreError):
+            text = str(e)
+        elif isinstance(e, SQLAlchemyError):
+            orig = getattr(e, "orig", None)
+            text = f"database error: {orig if orig is not None else e}"
+        else:
             return None
-        if not isinstance(e, SQLAlchemyError):
-            return None
-        orig = getattr(e, "orig", None)
-        text = f"database error: {orig if orig is not None else e}"
     lines = text.strip().splitlines()
     return lines[0] if lines else type(e).__name__
 

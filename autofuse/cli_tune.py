@@ -2,7 +2,7 @@
 
     autofuse tune MODULE:FUNCTION --inputs MODULE:FACTORY [--trials N] [--time-budget S] [-v | --quiet] [--all]
                   [--dry-run] [--workers N] [--shapes SPEC] ...
-    autofuse worker RUN [--workers N] [-v | --quiet]
+    autofuse worker RUN MODULE:FUNCTION [--workers N] [-v | --quiet]
 
 By default a job shows a progress bar with its best plan so far, then a table of the groups it measured (the
 plan's first) and one summary line; ``-v`` adds a line per trial and per candidate, ``--quiet`` prints the summary
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
+
+from autofuse import refs
 
 
 def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -95,37 +96,48 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
     p.set_defaults(func=cmd_tune)
 
 
-def import_ref(ref: str) -> Any:
-    """The object `MODULE:NAME` names, importable from the current directory; ValueError (one line) otherwise."""
-    import importlib
+def _checked(args: argparse.Namespace) -> tuple[int, ...]:
+    """The arguments that need nothing imported, checked first: a mistake is refused at once, not after the seconds
+    JAX takes to start. Returns the static argument positions."""
+    from autofuse.tuning.budget import check_budget
 
-    if ":" not in ref:
-        raise ValueError(f"expected MODULE:NAME, got {ref!r}")
-    mod, _, attr = ref.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
+    for flag, value in (("--compile-workers", args.compile_workers), ("--workers", args.workers), ("--heartbeat", args.heartbeat)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.shapes is not None:
+        for flag, on in (("--resume", args.resume is not None), ("--workers", args.workers is not None), ("--dry-run", args.dry_run)):
+            if on:
+                raise ValueError(f"--shapes tunes its buckets in this process, one run each: drop {flag} (or tune one shape with --inputs)")
+    elif args.inputs is None:
+        raise ValueError("--inputs MODULE:FACTORY is required (or --shapes MODULE:BUCKETS)")
+    if args.dry_run and (args.resume is not None or args.workers is not None):
+        raise ValueError("--dry-run tunes nothing: drop --resume and --workers")
+    if args.no_store and args.resume is not None:
+        raise ValueError("--resume needs the store (drop --no-store)")
+    if args.no_store and args.workers is not None:
+        raise ValueError("--workers share the run through the database: drop --no-store")
     try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {mod!r}: {e}") from None
-    except Exception as e:  # a syntax error, or an error while the module runs: the user's to fix, in one line
-        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
-        raise ValueError(f"importing module {mod!r} failed: {type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}{where}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {mod!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+        return tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
 
 
-def _example(args: argparse.Namespace) -> tuple[Callable, tuple, tuple[int, ...]]:
-    """The function, its example arguments and its static positions, checked to trace (one-line errors)."""
+def _measure(args: argparse.Namespace) -> str:
+    """``--measure`` as the job will take it (device where a GPU is present); its error names the flag."""
+    import jax
+
+    from autofuse.tuning.job import resolve_measure
+
+    return resolve_measure(args.measure, jax.default_backend() == "gpu", flag="--measure")
+
+
+def _example(args: argparse.Namespace, statics: tuple[int, ...]) -> tuple[Callable, tuple]:
+    """The function and its example arguments, checked to trace (one-line errors)."""
     from autofuse.graph import capture
 
-    fn = import_ref(args.target)
-    if args.inputs is None:
-        raise ValueError("--inputs MODULE:FACTORY is required (or --shapes MODULE:BUCKETS)")
-    factory = import_ref(args.inputs)
+    fn = refs.resolve(args.target)
+    factory = refs.resolve(args.inputs)
     # before the inputs touch a GPU: this process shares the GPUs with the trial processes and the workers, and
     # jax's default would take 75% of every visible GPU's memory here
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -137,14 +149,10 @@ def _example(args: argparse.Namespace) -> tuple[Callable, tuple, tuple[int, ...]
         raise ValueError(f"the --inputs factory {args.inputs} must return a tuple of the function's positional arguments, "
                          f"got a {type(example).__name__} (wrap a single argument as (x,))")
     try:
-        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
-    try:
         capture(fn, *example, static_argnums=statics)
     except Exception as e:
         raise ValueError(f"tracing {args.target} with the example inputs failed: {type(e).__name__}: {e}") from None
-    return fn, example, statics
+    return fn, example
 
 
 def _backends(args: argparse.Namespace) -> list[str] | None:
@@ -152,26 +160,21 @@ def _backends(args: argparse.Namespace) -> list[str] | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from autofuse.tuning.job import check_budget
-
-    check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
-    if args.compile_workers is not None and args.compile_workers < 1:
-        raise ValueError(f"--compile-workers must be at least 1, got {args.compile_workers}")
+    statics = _checked(args)
     if args.shapes is not None:
-        return cmd_tune_buckets(args)
-    fn, example, statics = _example(args)
+        return cmd_tune_buckets(args, statics)
+    fn, example = _example(args, statics)
+    measure = _measure(args)
     if args.dry_run:
         from autofuse.tuning.dryrun import dry_run
 
-        if args.resume is not None or args.workers is not None:
-            raise ValueError("--dry-run tunes nothing: drop --resume and --workers")
         d = dry_run(fn, *example, trials=args.trials, time_budget_s=args.time_budget, name=args.name or args.target, backends=_backends(args),
-                    static_argnums=statics)
+                    static_argnums=statics, measure=measure)
         print(json.dumps(d.to_dict(), indent=2) if args.json else d.table())
         return 0
     from autofuse.tuning.local import tune
 
-    store = None
+    store: Any = False  # --no-store
     trials, budget, seed = args.trials, args.time_budget, args.seed
     if not args.no_store:
         from autofuse.store import PlanStore
@@ -186,12 +189,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  "or start a new run")
             b = run.get("budget") or {}
             trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
-    elif args.resume is not None:
-        raise ValueError("--resume needs the store (drop --no-store)")
-    if args.workers is not None and args.no_store:
-        raise ValueError("--workers share the run through the database: drop --no-store")
     report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
-                  measure=args.measure, quiet=args.quiet, verbose=args.verbose, isolate=not args.no_isolate,
+                  measure=measure, quiet=args.quiet, verbose=args.verbose, isolate=not args.no_isolate,
                   trial_timeout_s=args.trial_timeout, static_argnums=statics, resume=args.resume, workers=args.workers,
                   heartbeat_s=args.heartbeat, backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
     if args.json:
@@ -204,22 +203,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_tune_buckets(args: argparse.Namespace) -> int:
+def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
     """``autofuse tune --shapes SPEC``: every bucket tuned in turn (`autofuse.tuning.buckets`), each report as a
     single job prints it, then a line per bucket."""
     from autofuse.tuning import buckets
 
-    for flag, on in (("--resume", args.resume is not None), ("--workers", args.workers is not None), ("--dry-run", args.dry_run)):
-        if on:
-            raise ValueError(f"--shapes tunes its buckets in this process, one run each: drop {flag} (or tune one shape with --inputs)")
-    fn = import_ref(args.target)
-    try:
-        statics = tuple(int(x) for x in args.static_argnums.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--static-argnums must be comma-separated integers, got {args.static_argnums!r}") from None
+    fn = refs.resolve(args.target)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the buckets' inputs touch a GPU (as `_example`)
-    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs, import_ref), statics)
-    store = None
+    bucket_list = buckets.prepare(fn, buckets.resolve(args.shapes, args.inputs), statics)
+    measure = _measure(args)
+    store: Any = False  # --no-store
     if not args.no_store:
         from autofuse.store import PlanStore
 
@@ -232,7 +225,7 @@ def cmd_tune_buckets(args: argparse.Namespace) -> int:
 
     runs = buckets.tune_buckets(fn, bucket_list, static_argnums=statics, quiet=args.quiet, on_bucket=show, trials=args.trials,
                                 time_budget_s=args.time_budget, seed=args.seed, store=store, name=args.name or args.target,
-                                measure=args.measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
+                                measure=measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
                                 backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
     if args.json:
         print(json.dumps({"buckets": [r.to_dict() for r in runs]}, indent=2))
@@ -249,13 +242,17 @@ def add_worker_parser(sub: argparse._SubParsersAction, parents: list[argparse.Ar
         description=(
             "Start N worker processes on this host, one per GPU (CUDA_VISIBLE_DEVICES), that join run RUN: they take "
             "trials from the run's Optuna studies in the --db database until its budget is spent; the last one to finish "
-            "selects and saves the plan. Run it from the same project directory (the function is imported by name). "
+            "selects and saves the plan. Name the run's function (as 'autofuse tune --workers' prints it): the workers import "
+            "only that, never a function the database names, and refuse a run of another. Run it from the same project "
+            "(the working directory is searched after the installed packages). "
             "Needs a server database (PostgreSQL): a SQLite file is for the workers of one host (autofuse tune --workers). "
             "Output: a progress bar of the run's trials (every host's), then one summary line."
         ),
-        epilog="example: autofuse worker 12 --db postgresql+psycopg://tuner@db.example/autofuse --workers 8",
+        epilog="example: autofuse worker 12 examples.norms:forward --db postgresql+psycopg://tuner@db.example/autofuse --workers 8",
     )
     p.add_argument("run", metavar="RUN", type=int, help="run id (printed by 'autofuse tune --workers')")
+    p.add_argument("program", metavar="MODULE:FUNCTION", help="the function the run tunes (printed by 'autofuse tune --workers'): "
+                   "the only code the workers import")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes on this host, one per GPU (default 1)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("-v", "--verbose", action="store_true", help="each worker says what it does: joined, a line per trial, done")
@@ -274,17 +271,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     from autofuse.store import PlanStore
     from autofuse.tuning.job import progress_bar
-    from autofuse.tuning.workers import start_workers, visible_gpus, watch
+    from autofuse.tuning.workers import program_of, start_workers, visible_gpus, watch
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # counting the GPUs must not take their memory
     store = PlanStore(url)
     run = store.get_run(args.run)  # KeyError (one line) for an unknown run
     if run["status"] != "running":
         raise ValueError(f"run {args.run} is {run['status']}: nothing to join")
+    if run.get("job") is not None:  # else its launcher is still setting it up: each worker checks once it is
+        program_of(args.run, run["job"], args.program)
     gpus = visible_gpus()
     if run["measure"] == "device" and args.workers > len(gpus):
         raise ValueError(f"{args.workers} workers but {len(gpus)} visible GPU(s) here: one worker per GPU")
-    procs = start_workers(args.run, url, args.workers, gpus, not args.verbose)
+    procs = start_workers(args.run, args.program, url, args.workers, gpus, not args.verbose)
     total = (run.get("budget") or {}).get("trials")
     with progress_bar(total if total else None, f"run {args.run}", args.quiet, "worker", "trial") as bar:
         codes = watch(procs, store, args.run, bar)

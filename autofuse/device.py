@@ -42,8 +42,22 @@ def software(backend: str = CODEGEN) -> dict:
     return {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", jax.__version__), "autofuse": __version__, "backend": backend}
 
 
+def hopper() -> bool:
+    """Whether this process's first device is a Hopper GPU (compute capability 9.x): what Mosaic GPU's kernels need."""
+    d = jax.devices()[0]
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "") or "").startswith("9")
+
+
 def default_backends() -> tuple[str, ...]:
     """The lowerings worth trying here, the preferred first: Mosaic GPU (TMA, wgmma) on a Hopper GPU, and Triton."""
+    return ("mosaic_gpu", "triton") if hopper() else ("triton",)
+
+
+def backend_unavailable(backend: str, measure: str) -> str | None:
+    """Why a job cannot tune `backend` here, or None. A modelled job builds and checks every backend's kernels in
+    interpret mode and times them on the model of a Hopper GPU, so only measuring Mosaic GPU's needs the hardware."""
+    if backend != "mosaic_gpu" or measure == "model" or hopper():
+        return None
     d = jax.devices()[0]
-    cc = str(getattr(d, "compute_capability", "") or "")
-    return ("mosaic_gpu", "triton") if d.platform == "gpu" and cc.startswith("9") else ("triton",)
+    cc = getattr(d, "compute_capability", None)
+    return f"mosaic_gpu needs a Hopper GPU (compute capability 9.x) to be measured; this is {d.device_kind}" + (f" ({cc})" if cc else "")

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .status import TrialStatus
 from .tables import Column, device_label, fmt_short, format_table
 
 MAX_LINES = 12  # convergence: the plan's groups and the best others, at most this many lines (the legend stays legible)
@@ -186,6 +187,9 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
     counts: dict[str, int] = {}
     for t in trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1
+    counted = sum(n for status, n in counts.items() if TrialStatus(status).spends_budget)  # as the job's summary line counts them
+    uncounted = (f" (and {len(trials) - counted} not counted: configs found infeasible or pruned without compiling, or lost with "
+                 "their worker)") if counted < len(trials) else ""
     errors: dict[str, int] = {}
     for t in trials:
         if t.get("error"):
@@ -215,7 +219,7 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
         f"| baseline (XLA) ms | {_ms(run['baseline_ms'])} |",
         f"| best ms | {_ms(run['best_ms'])} |",
         f"| speedup | {_x(run['speedup'])} |",
-        f"| candidates / trials | {len(cands)} / {len(trials)} |",
+        f"| candidates / trials | {len(cands)} / {counted}{uncounted} |",
     ]
     if run.get("error"):
         lines.append(f"| error | {_md_escape(str(run['error']).strip().splitlines()[0][:200])} |")

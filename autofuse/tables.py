@@ -21,6 +21,11 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``1 trial``, ``2 trials``: a count and its noun in agreement (`many`: an irregular plural, ``studies``)."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
 def fmt_ms(v: Any) -> str:
     return "" if v is None else f"{v:.4g}"
 
@@ -120,8 +125,8 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
         saved = sel.get("composition") or []
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
-            lines.append(f"  plan {i + 1} ({p.get('groups')} groups, {p.get('status')}): {p.get('seconds', 0):.2f}" + (f" = {inner}" if inner else "")
-                         + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else ""))
+            lines.append(f"  plan {i + 1} ({plural(p.get('groups') or 0, 'group')}, {p.get('status')}): {p.get('seconds', 0):.2f}"
+                         + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else ""))
     return lines
 
 

@@ -95,7 +95,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 print(cs, "failed:", type(e).__name__, str(e)[:300], flush=True)
         if a.tune:
-            rep = autofuse.tune(fn, *specs, trials=a.tune, time_budget_s=a.time_budget, name=f"attention-{name}", quiet=True)
+            rep = autofuse.tune(fn, *specs, trials=a.tune, time_budget_s=a.time_budget, name=f"attention-{name}", quiet=True, store=False)
             print(rep.table(), flush=True)
             fused = autofuse.jit(fn, plan=rep.plan)
             plan = "XLA" if rep.plan.is_xla else "; ".join(f"{gr.template} {gr.config}" for gr in rep.plan.groups)

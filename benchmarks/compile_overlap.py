@@ -31,9 +31,9 @@ def child(fn_ref: str, inputs_ref: str, threads: int, limit: int | None) -> dict
     from autofuse.runner.evaluator import Evaluator
     from autofuse.runner.protocol import CompileRequest, XlaRequest
     from autofuse.tuning.job import distinct_candidates
-    from autofuse.tuning.workers import import_ref
+    from autofuse.refs import resolve
 
-    graph = autofuse.capture(import_ref(fn_ref), *import_ref(inputs_ref)())
+    graph = autofuse.capture(resolve(fn_ref), *resolve(inputs_ref)())
     _, cands = distinct_candidates(graph)
     cands = cands[:limit] if limit else cands
     ev = Evaluator(graph, measure="device")

@@ -209,7 +209,7 @@ def child_deploy(a: argparse.Namespace) -> int:
     import numpy as np
 
     import autofuse  # before JAX's backends start (jax.devices below): it sets the autotune directory and the allocator
-    from autofuse.cli_tune import import_ref
+    from autofuse.refs import resolve
     from autofuse.graph import Aval
     from autofuse.runner.measure import random_inputs, time_fn, time_pair
 
@@ -221,7 +221,7 @@ def child_deploy(a: argparse.Namespace) -> int:
         row = dict(base, program=f"{name}-{dtype}")
         before = cache_files(base["autotune_dir"] or "")
         try:
-            fn = import_ref(fn_ref(name))
+            fn = resolve(fn_ref(name))
             args = example_args(name, dtype, a.small)
             leaves, tree = jax.tree_util.tree_flatten(args)
             avals = [Aval(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]

@@ -38,7 +38,7 @@ def run_model(name: str, budget_s: float, small: bool = False, layers: int | Non
     factory = mod.small_inputs if small else functools.partial(mod.example_inputs, layers) if layers else mod.example_inputs
     args = factory() if real else jax.eval_shape(factory)  # real: the plan is also checked on these (the model's weights)
     t0 = time.time()
-    rep = tune(getattr(mod, step), *args, trials=trials, time_budget_s=budget_s, seed=0, quiet=True, name=f"examples.{name}:{step}",
+    rep = tune(getattr(mod, step), *args, trials=trials, time_budget_s=budget_s, seed=0, quiet=True, store=False, name=f"examples.{name}:{step}",
                trial_timeout_s=120.0)
     wall = time.time() - t0
     measured_plan = rep.validation.plan.median_ms if rep.validation.plan is not None else None

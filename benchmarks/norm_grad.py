@@ -58,7 +58,7 @@ def main() -> None:
         args += [(1 + 0.1 * jax.random.normal(k, (C,), jnp.float32)).astype(jnp.bfloat16) for k in keys[1:1 + params]]
         args.append(jax.random.normal(keys[-1], (R, C), jnp.float32).astype(jnp.bfloat16))
         t0 = time.time()
-        rep = autofuse.tune(fn, *args, trials=a.trials, name=name, quiet=True)
+        rep = autofuse.tune(fn, *args, trials=a.trials, name=name, quiet=True, store=False)
         print(rep.table(), flush=True)
         plan = "XLA" if rep.plan.is_xla else "; ".join(
             f"{g.template}/{g.backend} ({len(g.nodes)} ops) " + " ".join(f"{k}={v}" for k, v in sorted(g.config.items())) for g in rep.plan.groups)

@@ -82,7 +82,7 @@ def run_model(name: str, trials: int, budget_s: float, small: bool, mode: str = 
     args = mod.small_inputs() if small else mod.example_inputs()
     fn = mod.loss if mode == "loss" else mod.grad_step
     t0 = time.time()
-    rep = autofuse.tune(fn, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, name=f"examples.{name}:{mode}")
+    rep = autofuse.tune(fn, *args, trials=trials, time_budget_s=budget_s or None, seed=0, quiet=True, store=False, name=f"examples.{name}:{mode}")
     tune_s = time.time() - t0
     print(f"{name} {mode}: {rep.summary()}\nvalidation: {rep.validation.status} {rep.validation.error or ''}\n{rep.table()}", file=sys.stderr, flush=True)  # why a plan kept XLA's: the candidates' bests
     del args

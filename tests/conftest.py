@@ -1,4 +1,5 @@
-"""Fixtures shared by the test modules, and the XLA:CPU setting Mosaic GPU interpret mode needs.
+"""Fixtures shared by the test modules, the XLA:CPU setting Mosaic GPU interpret mode needs, and a default plan store
+of the session's own.
 
 Mosaic GPU interpret mode runs each warpgroup as its own XLA:CPU executable whose callbacks block on the simulated
 barriers; XLA's concurrency-optimised scheduler lets those executables' work wait for the threads of the intra-op
@@ -13,12 +14,24 @@ import os
 _FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+import shutil
+import tempfile
 import uuid
 from typing import Iterator
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
+
+
+# The default plan store (`autofuse.tune()` and `autofuse tune` without a store, `autofuse.jit` without one) is this
+# session's own: never the user's $AUTOFUSE_DB or ~/.local/share/autofuse/autofuse.db. Subprocesses inherit it.
+os.environ.pop("AUTOFUSE_DB", None)
+_DATA_HOME = os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="autofuse-test-data-")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
+    shutil.rmtree(_DATA_HOME, ignore_errors=True)
 
 
 @pytest.fixture

@@ -14,3 +14,10 @@ def rms_norm_inputs() -> tuple:
 def log_relu_bias_inputs() -> tuple:
     """log_relu_bias (benchmarks.workloads) at a CPU-friendly size: one candidate, 1280 configs."""
     return jax.ShapeDtypeStruct((128, 512), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.float32)
+
+
+def matmul_bias_gelu_inputs() -> tuple:
+    """matmul_bias_gelu (benchmarks.workloads) in bf16: a matmul candidate (Triton and Mosaic GPU lowerings) beside
+    elementwise ones (Triton only)."""
+    return (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256,), jnp.bfloat16))

@@ -149,7 +149,7 @@ def test_unsupported_variants_stay_in_xla_and_stay_right(fn):
 
 def test_tune_in_model_mode_picks_the_attention_group():
     specs = [S((1, 4, 256, 64), BF16)] * 3
-    rep = autofuse.tune(attention_bhld_causal, *specs, trials=3, measure="model", quiet=True, isolate=False)
+    rep = autofuse.tune(attention_bhld_causal, *specs, trials=3, measure="model", quiet=True, store=False, isolate=False)
     assert [g.template for g in rep.plan.groups] == ["attention"]
     att = next(c for c in rep.candidates if c.template == "attention")
     assert att.best_ms < att.xla_ms

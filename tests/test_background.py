@@ -2,8 +2,12 @@
 a later call of this process picks the plan up."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -20,12 +24,17 @@ def _args(rows: int) -> list[jax.Array]:
     return [jax.numpy.asarray(rng.standard_normal(s.shape), s.dtype) for s in norm_specs(rows)]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _tail(path: str) -> str:
-    with open(path) as f:
-        return f.read()[-3000:]
+    return open(path).read()[-3000:] if os.path.exists(path) else "(no log)"
 
 
-def test_on_miss_tune_runs_jax_jit_at_once_and_the_plan_appears(tmp_path, caplog) -> None:
+def test_on_miss_tune_runs_jax_jit_at_once_and_the_plan_appears(tmp_path, caplog, monkeypatch) -> None:
+    """... and leaves nothing behind: its job file, lock and (having succeeded) log are removed (issue 33: the log of
+    every job stayed in the temporary directory)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the jobs' files: here, not in the shared /tmp
     url = f"sqlite:///{tmp_path}/plans.db"
     budget = BackgroundTune(trials=2, measure="model", isolate=False)
     f = autofuse.jit(norm, store=url, on_miss="tune", tune_budget=budget)
@@ -42,7 +51,8 @@ def test_on_miss_tune_runs_jax_jit_at_once_and_the_plan_appears(tmp_path, caplog
     assert "not tuned in the background: a background job is already tuning this program" in g.last_status, g.last_status
     assert g.tuning_jobs == []
     assert job.wait(timeout=900) == 0, _tail(job.log)
-    assert not os.path.exists(job.log.replace(".log", ".lock")) and not os.path.exists(job.log.replace(".log", ".json"))
+    assert os.path.dirname(job.log) == str(tmp_path)
+    assert [p for p in os.listdir(tmp_path) if p.startswith("autofuse-tune-")] == []  # job file, lock and log
     graph = autofuse.capture(norm, *norm_specs(16))
     hit = PlanStore(url, readonly=True).lookup(graph.fingerprint, device_info()["name"], software())
     assert hit is not None, _tail(job.log)
@@ -61,3 +71,15 @@ def test_on_miss_tune_refuses_what_another_process_cannot_import(tmp_path) -> No
     assert "not tuned in the background: tests.test_background:test_on_miss_tune_refuses_what_another_process_cannot_import." \
            "<locals>.local cannot be imported by name in another process" in f.last_status, f.last_status
     assert f.tuning_jobs == []
+
+
+def test_background_job_tunes_only_the_function_its_command_line_names(tmp_path) -> None:
+    """The job's process is started with the function on its command line; a job file (in the shared temporary
+    directory) that names another function is refused, and nothing it names is imported."""
+    (tmp_path / "planted.py").write_text("open('PLANTED', 'w').close()\ndef payload(x):\n    return x\n")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"function": "planted:payload", "lock": str(tmp_path / "job.lock"), "log": str(tmp_path / "job.log")}))
+    out = subprocess.run([sys.executable, "-P", "-m", "autofuse.background", "tests.shape_programs:norm", str(job)], cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "tunes planted:payload, not tests.shape_programs:norm: refused" in out.stderr, out.stderr
+    assert not (tmp_path / "PLANTED").exists() and not job.exists()

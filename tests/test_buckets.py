@@ -34,6 +34,7 @@ def test_bucket_tuning_stores_one_plan_per_bucket_and_seeds_each_study_from_the_
     out = _cli("tune", *NORM, "--shapes", "tests.shape_programs:norm_buckets", "--measure", "model", "--trials", "6", "--db", db,
                "--no-isolate", "--json", "--quiet")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("no GPU measurement") == 1, out.stderr  # said once per job, not once per bucket
     runs = json.loads(out.stdout)["buckets"]
     # smallest first, whatever order the factory gave
     assert [r["bucket"] for r in runs] == ["small", "mid", "large"]

@@ -232,3 +232,40 @@ def test_sigkilled_tune_is_interrupted_then_resumed(tmp_path):
 
     names = [s.study_name for s in optuna.study.get_all_study_summaries(db)]
     assert names and all(n.startswith(f"autofuse-run{run['id']}-") for n in names)
+
+
+def _scaled(x, k, n):
+    return x * k**n
+
+
+def test_last_status_describes_the_call_just_made():
+    """Issue 33: shapes A, B, then A again (each traced once by jax.jit) said B's status at the third call. Each call
+    says what it ran: here a given (XLA) plan for A, a miss for B; a static argument's value and the array shapes
+    tell the signatures apart, a Python scalar's value does not (jax.jit does not trace again for it)."""
+    specs = (jax.ShapeDtypeStruct((8, 16), jnp.float32), 2.0, 3)
+    plan = autofuse.Plan(autofuse.capture(_scaled, *specs, static_argnums=2).fingerprint, (), {"measure": "model"})
+    f = autofuse.jit(_scaled, plan=plan, static_argnums=2)
+    x, y = jnp.ones((8, 16)), jnp.ones((4, 16))
+    statuses = []
+    for args in ((x, 2.0, 3), (y, 2.0, 3), (x, 5.0, 3), (x, 2.0, 4), (x, 2.0, 3), (y, 1.0, 3)):
+        f(*args)
+        statuses.append(f.last_status)
+    assert [s.split(":")[0] for s in statuses] == ["xla-plan", "xla", "xla-plan", "xla", "xla-plan", "xla"], statuses
+    assert "the given plan is for program" in statuses[1] and statuses[1] != statuses[3]  # B and the other static value differ
+
+
+def test_tune_without_a_store_saves_where_jit_looks(tmp_path, monkeypatch):
+    """Issue 33: `autofuse.tune()` without store= saved nothing, so the `autofuse.jit(fn)` after it missed, while the
+    CLI saved to the default store. Both now use it ($AUTOFUSE_DB, else the per-user file), the report says where;
+    store=False keeps a job's result in memory."""
+    url = f"sqlite:///{tmp_path}/default.db"
+    monkeypatch.setenv("AUTOFUSE_DB", url)
+    specs = _specs(rows=256)
+    kept = tune(layer_norm, *specs, trials=2, seed=0, quiet=True, isolate=False, store=False)
+    assert kept.run_id is None and kept.stored_in is None and kept.summary().endswith("; not stored")
+    assert not (tmp_path / "default.db").exists()
+    rep = tune(layer_norm, *specs, trials=2, seed=0, quiet=True, isolate=False)
+    assert rep.stored_in == url and rep.summary().endswith(f"; run {rep.run_id}, plan {rep.plan_id} in {url}")
+    f = autofuse.jit(layer_norm)
+    f(*_args(rows=256))
+    assert f.last_status.startswith(("plan: ", "xla-plan: ")) and f"plan {rep.plan_id}" in f.last_status, f.last_status

@@ -49,7 +49,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[str, str]:
 
 def worker_counts(err: str) -> list[int]:
     """Trials measured by each worker, from their last lines."""
-    return [int(n) for n in re.findall(r"done: measured (\d+) trials", err)]
+    return [int(n) for n in re.findall(r"done: measured (\d+) trials?", err)]
 
 
 def check_books(url: str, budget: int) -> dict:
@@ -97,7 +97,7 @@ def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
             break
         except KeyError:
             time.sleep(0.2)
-    joiner = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", "--db", pg_url, "-v"], cwd=ROOT, env=_env(),
+    joiner = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", "benchmarks.workloads:rms_norm", "--db", pg_url, "-v"], cwd=ROOT, env=_env(),
                             capture_output=True, text=True, timeout=600)
     assert joiner.returncode == 0, joiner.stderr[-4000:]
     out, err = _finish(launcher)
@@ -158,7 +158,7 @@ def test_sqlite_four_workers_on_one_host(tmp_path) -> None:
 
 def test_worker_refuses_sqlite(tmp_path) -> None:
     for argv in (["--db", f"sqlite:///{tmp_path}/x.db"], ["--db", str(tmp_path / "x.db")], []):
-        out = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", *argv], cwd=ROOT, capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "autofuse.cli", "worker", "1", "benchmarks.workloads:rms_norm", *argv], cwd=ROOT, capture_output=True, text=True,
                              env=_env(XDG_DATA_HOME=str(tmp_path)), timeout=120)
         assert out.returncode == 2 and "needs a server database" in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
@@ -186,17 +186,57 @@ def test_job_arguments_round_trip() -> None:
     import jax
     import jax.numpy as jnp
 
-    from autofuse.tuning.workers import decode_args, encode_args, function_ref
+    from autofuse.refs import reference
+    from autofuse.tuning.workers import decode_args, encode_args
     from benchmarks.workloads import rms_norm
 
     args = ({"w": jnp.zeros((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
     back = decode_args(encode_args(args))
     assert back == ({"w": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
-    assert function_ref(rms_norm) == "benchmarks.workloads:rms_norm"
-    with pytest.raises(ValueError, match="importable by name"):
-        function_ref(lambda x: x)
+    assert reference(rms_norm) == "benchmarks.workloads:rms_norm"
+    with pytest.raises(ValueError, match="cannot be imported by name in another process"):
+        reference(lambda x: x)
     with pytest.raises(ValueError, match="cannot describe"):
         encode_args((object(),))
+
+
+def test_worker_runs_only_the_function_its_command_line_names(tmp_path) -> None:
+    """Issue 33: a worker imported the `module:qualname` that the run's row named, its working directory first on
+    sys.path: whoever could write the store chose the code every worker ran, and a file in the working directory
+    shadowed installed modules. A worker (started as its launchers start it) imports only its command line's
+    function and refuses a run of another in one line, nothing of the row's imported; the working directory comes
+    after the installed packages (a numpy.py there is not numpy)."""
+    from autofuse.refs import python_command
+
+    url = f"sqlite:///{tmp_path}/w.db"
+    store = PlanStore(url)
+    prog, dev, sw = store.program("fp", "p", {}, 1), store.device("cpu"), store.software("j", "jl", "a", "pallas")
+    run = store.start_run(prog, dev, sw, budget={"trials": 2}, seed=0, sampler="tpe", measure="model")
+    store.set_run_job(run, {"fn": "planted:payload", "args": {"tuple": []}, "kwargs": {"dict": {}}})  # as anyone with write access may
+    (tmp_path / "planted.py").write_text("open('PLANTED', 'w').close()\ndef payload():\n    pass\n")
+    (tmp_path / "numpy.py").write_text("open('SHADOWED', 'w').close()\nraise ImportError('not numpy')\n")
+    argv, env = python_command("autofuse.tuning.workers", str(run), "benchmarks.workloads:log_relu_bias")
+    out = subprocess.run(argv, cwd=tmp_path, env={**env, "AUTOFUSE_DB": url}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip() == (f"autofuse worker: error: run {run} tunes planted:payload, not benchmarks.workloads:log_relu_bias: "
+                                  "a worker runs only the function its command line names")
+    assert not (tmp_path / "PLANTED").exists() and not (tmp_path / "SHADOWED").exists()
+
+
+def test_references_resolve_with_the_working_directory_searched_last(tmp_path, monkeypatch) -> None:
+    """`autofuse tune MODULE:FUNCTION` finds the user's own module in the working directory, but a file there never
+    shadows an installed module: the directory is appended to sys.path, not put first."""
+    import colorsys
+
+    from autofuse.refs import resolve
+
+    (tmp_path / "mine.py").write_text("def f():\n    return 'mine'\n")
+    (tmp_path / "colorsys.py").write_text("def rgb_to_hsv(*a):\n    return 'shadowed'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "colorsys")
+    assert resolve("mine:f")() == "mine" and sys.path[-1] == str(tmp_path)
+    assert resolve("colorsys:rgb_to_hsv")(1.0, 0.0, 0.0) == colorsys.rgb_to_hsv(1.0, 0.0, 0.0)
 
 
 def test_migration_0002_keeps_runs_both_ways(tmp_path) -> None:

@@ -47,7 +47,7 @@ def test_model_tunes_and_fused_program_matches_jit(model, entry):
     mod = importlib.import_module(f"examples.{model}")
     fn = getattr(mod, entry)
     args = mod.small_inputs()
-    report = tune(fn, *args, trials=4, measure="model", isolate=False, quiet=True, progress=lambda s: None)
+    report = tune(fn, *args, trials=4, measure="model", isolate=False, quiet=True, store=False, progress=lambda s: None)
 
     # Repeated layers are tuned once: each layer's groups recur, so distinct candidates < instances.
     assert len(report.candidates) < sum(c.instances for c in report.candidates)

@@ -55,7 +55,7 @@ def test_infeasible_configs_never_reach_the_worker(monkeypatch):
 
     monkeypatch.setattr(process.InlineRunner, "call", spy)
     rep = tune(log_relu_bias, jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32),
-               trials=40, seed=3, quiet=True, isolate=False)
+               trials=40, seed=3, quiet=True, store=False, isolate=False)
     infeasible = [t for c in rep.candidates for t in c.trials if t.status == "infeasible"]
     assert infeasible, "the sampler should have proposed some infeasible configs in 40 trials"
     space = spaces.load_spaces()["elementwise"]
@@ -69,7 +69,7 @@ def test_infeasible_configs_never_reach_the_worker(monkeypatch):
 
 def test_same_seed_same_trials():
     def run():
-        rep = tune(layer_norm, *_ln_args(512, 1024), trials=12, seed=7, quiet=True, isolate=False)
+        rep = tune(layer_norm, *_ln_args(512, 1024), trials=12, seed=7, quiet=True, store=False, isolate=False)
         return [(c.signature, t.config, t.status) for c in rep.candidates for t in c.trials]
 
     assert run() == run()
@@ -81,7 +81,7 @@ def _run_plugin_tune(plugin: str, tmp_path, timeout_s: float = 300.0) -> str:
         from autofuse.tuning.local import tune
         from benchmarks.workloads import log_relu_bias
         rep = tune(log_relu_bias, jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32),
-                   trials=8, seed=0, quiet=True, measure="model", trial_timeout_s={timeout_s})
+                   trials=8, seed=0, quiet=True, store=False, measure="model", trial_timeout_s={timeout_s})
         print("TEMPLATES", sorted({{c.template for c in rep.candidates}}))
         print("STATUSES", sorted({{t.status.value for c in rep.candidates for t in c.trials}}))
         print("PLAN", [g.template for g in rep.plan.groups])
@@ -228,14 +228,14 @@ def test_cli_tune_bad_input_is_one_clear_line(tmp_path, argv, says):
 @pytest.mark.parametrize("budget", [{"trials": 0}, {"trials": -3}, {"time_budget_s": -5}, {"time_budget_s": 0}, {"trials": 2.5}])
 def test_tune_refuses_a_budget_that_is_not_positive(budget):
     with pytest.raises(ValueError, match="must be a positive"):
-        tune(layer_norm, *_ln_args(64, 128), quiet=True, isolate=False, **budget)
+        tune(layer_norm, *_ln_args(64, 128), quiet=True, store=False, isolate=False, **budget)
 
 
 def test_second_trial_is_the_models_best_config():
     from autofuse.tuning.partition import enumerate_candidates
     from autofuse.tuning.space import CandidateSpace
 
-    rep = tune(layer_norm, *_ln_args(512, 1024), trials=40, seed=1, quiet=True, isolate=False)
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=40, seed=1, quiet=True, store=False, isolate=False)
     main = max((c for c in rep.candidates if len(c.trials) >= 2), key=lambda c: len(c.nodes))
     g = autofuse.capture(layer_norm, *_ln_args(512, 1024))
 
@@ -374,7 +374,7 @@ def test_shared_memory_report_corrects_the_groups_budget(monkeypatch):
 
     monkeypatch.setattr(process.InlineRunner, "call", compiler)
     n = len(distinct_candidates(autofuse.capture(attention_bhld, *args))[1])
-    rep = tune(attention_bhld, *args, trials=n + 2, seed=0, quiet=True, isolate=False)  # phase 1, then 2 more
+    rep = tune(attention_bhld, *args, trials=n + 2, seed=0, quiet=True, store=False, isolate=False)  # phase 1, then 2 more
     (r,) = [c for c in rep.candidates if c.template == "attention"]
     assert sent[0] == {"backend": "triton", **space.default} and r.trials[0].status == "resource_exhausted"
     assert all(need({k: v for k, v in cfg.items() if k != "backend"}) * factor <= limit for cfg in sent[1:]), sent  # nothing more failed so
@@ -410,7 +410,7 @@ def test_plan_that_fails_the_whole_program_check_falls_back_to_its_best_groups(m
         return orig(self, req)
 
     monkeypatch.setattr(process.InlineRunner, "call", whole_program_check)
-    rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, isolate=False)
+    rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, store=False, isolate=False)
     assert len(seen) == 2 and len(seen[0]) == 2, seen  # the chosen plan, then half of it
     (sig,) = {g.signature for g in rep.plan.groups}
     saving = {c.signature: (c.xla_ms - c.best_ms) * c.instances for c in rep.candidates if c.signature in seen[0]}
@@ -436,7 +436,7 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
         return layer_norm(x, g, b), log_relu_bias(y, c)
 
     args = (*_ln_args(512, 1024), jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32))
-    rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, isolate=False)
+    rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, store=False, isolate=False)
     a, b = sorted(rep.plan.groups, key=lambda fg: fg.template != "row_reduce")  # A: the layer norm, B: the log-relu-bias
     graph = autofuse.capture(two_parts, *args)
     by_sig, _ = distinct_candidates(graph)
@@ -480,7 +480,7 @@ def test_a_group_in_context_that_is_the_chosen_plan_is_not_validated_twice():
     from autofuse.tuning.select import Cover
     from autofuse.tuning.validate import validate as _validate
 
-    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, isolate=False)
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, store=False, isolate=False)
     (a,) = rep.plan.groups
     graph = autofuse.capture(layer_norm, *_ln_args(512, 1024))
     by_sig, _ = distinct_candidates(graph)
@@ -505,7 +505,7 @@ def test_time_budget_spent_on_xla_timing_says_so(caplog):
     """XLA's time of every distinct candidate is taken before any trial; a time budget that runs out there
     ends the job with XLA's plan and says why, rather than looking like a search that found nothing."""
     with caplog.at_level("WARNING", logger="autofuse"):
-        rep = tune(layer_norm, *_ln_args(256, 512), time_budget_s=1e-3, seed=0, quiet=True, isolate=False)
+        rep = tune(layer_norm, *_ln_args(256, 512), time_budget_s=1e-3, seed=0, quiet=True, store=False, isolate=False)
     assert rep.trials_run == 0 and rep.plan.is_xla
     assert any("ran out while timing" in r.getMessage() for r in caplog.records)
 
@@ -520,13 +520,13 @@ def test_whole_plan_is_also_checked_on_the_callers_own_inputs(tmp_path):
     g, b = jnp.full((1024,), 1.5, jnp.bfloat16), jnp.full((1024,), 0.1, jnp.bfloat16)
     mine = os.path.join(tempfile.gettempdir(), f"autofuse-inputs-{os.getpid()}-*")  # what this process writes
     before = set(glob.glob(mine))
-    rep = tune(layer_norm, x, g, b, trials=10, seed=0, quiet=True)
+    rep = tune(layer_norm, x, g, b, trials=10, seed=0, quiet=True, store=False)
     assert not rep.plan.is_xla
     ex = rep.validation.example_inputs
     assert ex.ok and ex.max_error <= ex.tolerance[0]
     assert ex.rounding_sensitivity != rep.validation.rounding_sensitivity  # measured at the caller's inputs
     assert set(glob.glob(mine)) == before
-    shapes = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True)
+    shapes = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True, store=False)
     assert shapes.validation.example_inputs is None
 
 
@@ -554,7 +554,7 @@ def test_function_arguments_named_like_tune_options_reach_the_function():
 
     args = (jax.ShapeDtypeStruct((64, 128), jnp.float32),)
     rep = tune(scaled, *args, kwargs={"trials": jax.ShapeDtypeStruct((), jnp.float32), "seed": jax.ShapeDtypeStruct((), jnp.float32)},
-               trials=2, seed=0, quiet=True, isolate=False)
+               trials=2, seed=0, quiet=True, store=False, isolate=False)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     assert rep.trials_run == 2 and rep.fingerprint == autofuse.capture(scaled, *args, trials=scalar, seed=scalar).fingerprint
     with pytest.raises(TypeError):
@@ -609,7 +609,7 @@ def test_a_modelled_plans_baseline_does_not_depend_on_the_budget():
     """Without a GPU the baseline is the modelled program under XLA's own fusions of every candidate, whatever
     the budget reached: it was priced from the candidates timed so far (the rest as unfused nodes), so the same
     program read 0.056 ms with 2 trials and 0.0057 ms with 12, and a later job refused the same plan."""
-    small, large = (tune(layer_norm, *_ln_args(), trials=t, seed=0, quiet=True, isolate=False) for t in (2, 12))
+    small, large = (tune(layer_norm, *_ln_args(), trials=t, seed=0, quiet=True, store=False, isolate=False) for t in (2, 12))
     assert sum(c.xla_ms is not None for c in small.candidates) < sum(c.xla_ms is not None for c in large.candidates)
     assert small.baseline_ms == pytest.approx(large.baseline_ms)
 
@@ -621,7 +621,7 @@ def test_on_the_gpu_a_job_whose_plans_all_fail_reports_jax_jits_measured_time():
     from autofuse.tuning.select import Cover
     from autofuse.tuning.validate import validate as _validate
 
-    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, isolate=False)
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, store=False, isolate=False)
     assert rep.plan.groups
     t = lambda ms: Timing(ms, ms * 0.98, ms * 1.02, ms * 0.99, ms * 1.01)  # noqa: E731
 

@@ -294,11 +294,13 @@ def test_each_worker_is_pinned_to_its_gpu_and_its_trial_process_records_it(monke
     a trial process started under such a worker records that CUDA_VISIBLE_DEVICES with every result."""
     import autofuse.tuning.workers as dist
 
-    envs = []
-    monkeypatch.setattr(dist.subprocess, "Popen", lambda argv, env: envs.append(env))
+    envs, argvs = [], []
+    monkeypatch.setattr(dist.subprocess, "Popen", lambda argv, env: (argvs.append(argv), envs.append(env)))
     monkeypatch.delenv(ahead.ENV_VAR, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    dist.start_workers(3, "sqlite:///x.db", 2, ["2", "5"], True, indexed=True)
+    dist.start_workers(3, "benchmarks.workloads:log_relu_bias", "sqlite:///x.db", 2, ["2", "5"], True, indexed=True)
+    assert [a[1:] for a in argvs] == [["-P", "-m", "autofuse.tuning.workers", "3", "benchmarks.workloads:log_relu_bias", "--index", str(i),
+                                      "--quiet"] for i in (0, 1)]  # the program on its command line; no working directory first
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "5"]
     assert all(e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and e[ahead.ENV_VAR] == "8" for e in envs)
     monkeypatch.undo()

@@ -73,8 +73,8 @@ def _report(plan_groups: tuple[FusedGroup, ...], measure: str = "device") -> Tun
     ]
     plan = Plan("fp" * 16, plan_groups, {"measure": measure})
     return TuneReport("m:f", "fp" * 16, measure, plan, 4.0, 2.0, 2.0, 0.004, cands, ValidationResult(TrialStatus.OK, 1e-6), 12.5, 5,
-                      run_id=3, plan_id=7, store="sqlite:////plans/a.db", device="NVIDIA H100 80GB HBM3",
-                      model="NVIDIA H200" if measure == "model" else None)
+                      run_id=3, plan_id=7, device="NVIDIA H100 80GB HBM3", model="NVIDIA H200" if measure == "model" else None,
+                      stored_in="sqlite:////srv/plans.db")
 
 
 def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_summary() -> None:
@@ -89,7 +89,7 @@ def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_su
     assert "sub·mul" in rep.table(all_candidates=True)
     assert lines[-1] == rep.summary()
     assert rep.summary() == ("autofuse: m:f: 2.00x over jax.jit (4 -> 2 ms, noise ±0.4%, max rel error 1.0e-06; measured on NVIDIA H100 80GB "
-                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7 in sqlite:////plans/a.db")
+                             "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7 in sqlite:////srv/plans.db")
 
 
 def test_summary_puts_a_large_error_beside_jax_jits_own_move() -> None:
@@ -107,6 +107,18 @@ def test_summary_of_a_modelled_or_xla_plan_says_so() -> None:
     rep = _report((), measure="model")
     assert "MODELLED on a model of NVIDIA H200, not measured" in rep.summary() and "XLA's own plan" in rep.summary()
     assert "H100" not in rep.table().splitlines()[0] and "model of NVIDIA H200" in rep.table().splitlines()[0]
+
+
+def test_counts_agree_with_their_nouns() -> None:
+    """Issue 33: the summary said '1 trials'."""
+    import dataclasses
+
+    from autofuse.tuning.output import candidate_line
+
+    rep = dataclasses.replace(_report((FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 2}, "s-norm"),)), trials_run=1)
+    assert "with 1 fused group (row_reduce); 1 trial in 12.5 s; run 3" in rep.summary()
+    assert "after 1 trial [" in candidate_line(rep.candidates[0]) and "after 2 trials [" in candidate_line(rep.candidates[1])
+    assert budget_warnings(8, 5, 1, None)[0].startswith("1 trial for 8 distinct candidates: 7 of them")
 
 
 def test_budget_warnings() -> None:
@@ -148,6 +160,33 @@ def test_cli_tune_refuses_a_store_whose_directory_is_missing(tmp_path: Path) -> 
     assert res.returncode == 2 and res.stdout == "", res.stderr[-3000:]
     assert res.stderr == f"autofuse: error: cannot create the plan store {db}: directory {tmp_path}/nodir/sub does not exist\n"
     assert os.listdir(tmp_path) == []
+
+
+def test_cli_refuses_bad_arguments_before_importing_jax_and_names_its_flags() -> None:
+    """Issue 33: `--trials 0` took 3.5 s to refuse (JAX imported first); --measure device without a GPU named the
+    Python keyword (measure='device'), not the flag."""
+    code = "import sys; from autofuse.cli import main; code = main(sys.argv[1:]); print(code, 'jax' in sys.modules)"
+    for argv, message in ((["--trials", "0"], "--trials must be a positive whole number of trials, got 0"),
+                          (["--time-budget", "-1"], "--time-budget must be a positive number of seconds, got -1.0"),
+                          (["--workers", "0"], "--workers must be at least 1, got 0"),
+                          (["--static-argnums", "a"], "--static-argnums must be comma-separated integers, got 'a'"),
+                          (["--no-store", "--resume", "3"], "--resume needs the store (drop --no-store)")):
+        out = subprocess.run([sys.executable, "-c", code, "tune", "no_such_module:f", "--inputs", "no_such_module:g", *argv], cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+        assert out.stdout.split() == ["2", "False"], (argv, out.stdout, out.stderr)  # refused, and JAX never imported
+        assert out.stderr.strip() == f"autofuse: error: {message}"
+    device = cli("tune", *RMS, "--measure", "device", "--trials", "2")
+    assert device.returncode == 2
+    assert device.stderr.strip().splitlines()[-1] == ("autofuse: error: --measure device needs a GPU; none is present (cpu backend): "
+                                                      "use --measure model")
+
+
+def test_cli_version_names_autofuse_and_jax() -> None:
+    from importlib import metadata
+
+    out = ok(cli("--version"))
+    assert out.stdout == (f"autofuse {metadata.version('autofuse')} (jax {metadata.version('jax')}, "
+                          f"jaxlib {metadata.version('jaxlib')})\n")
 
 
 def test_cli_dry_run_tunes_and_stores_nothing(tmp_path: Path) -> None:
@@ -206,6 +245,47 @@ def test_a_dead_run_reads_interrupted_to_any_command_and_a_resumed_run_clears_it
     assert store.resume_run(dead)["error"] is None
 
 
+# --------------------------------------------------------------------------- backends
+
+
+def test_backends_asked_for_are_never_replaced_by_another_silently(tmp_path: Path) -> None:
+    """Issue 33: --backends mosaic_gpu tuned Triton kernels for every group without a Mosaic GPU lowering. In model
+    mode (no GPU) Mosaic GPU's kernels are built and checked in interpret mode, so it is tuned where a template has it;
+    the other candidates are left to XLA and the job says so; a program with none is refused in one line."""
+    db = f"sqlite:///{tmp_path}/b.db"
+    out = ok(cli("tune", "benchmarks.workloads:matmul_bias_gelu", "--inputs", "tests.dist_programs:matmul_bias_gelu_inputs",
+                 "--backends", "mosaic_gpu", "--trials", "3", "--db", db, "--quiet", "--no-isolate"))
+    (note,) = [ln for ln in out.stderr.splitlines() if "left to XLA" in ln]
+    assert "have no mosaic_gpu lowering" in note and "elementwise" in note, out.stderr
+    (run,) = PlanStore(db).runs()
+    assert {c["template"] for c in PlanStore(db).candidates(run["id"])} == {"matmul"}
+    assert {t["config"]["backend"] for t in PlanStore(db).trials(run["id"])} == {"mosaic_gpu"}
+    refused = cli("tune", *RMS, "--backends", "mosaic_gpu", "--trials", "3", "--db", db)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("autofuse: error: no candidate of this program has a mosaic_gpu lowering")
+    assert len(PlanStore(db).runs()) == 1  # refused before a run was opened
+
+
+def test_backends_this_gpu_cannot_measure_are_left_out_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measuring Mosaic GPU's kernels needs a Hopper GPU: asked for alone elsewhere, refused; beside Triton, left out
+    and said. (A GPU that is not a Hopper, as jax would describe it: there is none on the test machine.)"""
+    from autofuse import device
+    from autofuse.tuning.job import check_backends
+
+    class A100:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100-SXM4-80GB", "8.0"
+
+    monkeypatch.setattr(device.jax, "devices", lambda *a: [A100()])
+    with pytest.raises(ValueError, match=r"^none of the backends asked for \(mosaic_gpu\) can be tuned here: mosaic_gpu needs a "
+                                         r"Hopper GPU \(compute capability 9.x\) to be measured; this is NVIDIA A100-SXM4-80GB \(8.0\)$"):
+        check_backends(["mosaic_gpu"], "device")
+    assert check_backends(["mosaic_gpu", "triton"], "device") == (("triton",), "autofuse: backend mosaic_gpu left out (mosaic_gpu needs "
+                                                                  "a Hopper GPU (compute capability 9.x) to be measured; this is NVIDIA "
+                                                                  "A100-SXM4-80GB (8.0)): tuning triton")
+    assert check_backends(["mosaic_gpu"], "model") == (("mosaic_gpu",), "")  # interpret mode and the model of an H200
+    assert check_backends(None, "device") == (("triton",), "")
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -257,6 +337,19 @@ def test_cli_report_of_a_real_run_names_the_model(tmp_path: Path) -> None:
     report = Path(ok(cli("report", "1", "--out", str(tmp_path / "rep"), "--db", db)).stdout.strip())
     text = report.read_text()
     assert "**model of NVIDIA H200** (modelled" in text and (tmp_path / "rep" / "convergence.png").stat().st_size > 5000
+
+
+def test_report_counts_the_trials_the_summary_line_counts(tmp_path: Path) -> None:
+    """Issue 33: report.md counted the configs found infeasible (never compiled) as trials, the job's summary line did
+    not. One definition, the trials that spent budget (`TrialStatus.spends_budget`), the others said apart."""
+    db = f"sqlite:///{tmp_path}/c.db"
+    out = ok(cli("tune", *LRB, "--trials", "10", "--db", db, "--quiet", "--no-isolate"))
+    assert "; 10 trials in " in out.stdout
+    statuses = [TrialStatus(t["status"]) for t in PlanStore(db).trials(1)]
+    uncounted = sum(not s.spends_budget for s in statuses)
+    assert uncounted and len(statuses) == 10 + uncounted  # log_relu_bias's space has configs that break its constraints
+    text = Path(ok(cli("report", "1", "--out", str(tmp_path / "rep"), "--db", db)).stdout.strip()).read_text()
+    assert f"| candidates / trials | 1 / 10 (and {uncounted} not counted: configs found infeasible or pruned without compiling" in text
 
 
 def test_worker_summary_is_one_line_on_the_run() -> None:

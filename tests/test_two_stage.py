@@ -192,7 +192,7 @@ def test_tuning_job_tunes_two_stage_attention(model):
     from autofuse.tuning.select import Option, select_cover
 
     mod, graph, args, cands = _program(model)
-    report = tune(mod.grad_step, *args, trials=4, measure="model", isolate=False, quiet=True, progress=lambda s: None)
+    report = tune(mod.grad_step, *args, trials=4, measure="model", isolate=False, quiet=True, store=False, progress=lambda s: None)
     (rec,) = [c for c in report.candidates if c.template == "attention_vjp"]
     assert rec.instances == 2 and rec.best_config is not None
     options = [Option(c.nodes, -1.0, c, c.stages) for c in cands]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from ..refs import python_command
 from ..status import TrialStatus
 from .protocol import Request, Result, failed
 
@@ -61,7 +62,7 @@ def child_main() -> None:
     os.dup2(2, 1)  # anything a library prints goes to stderr, not into the protocol
     inp = Connection(os.dup(0), writable=False)
     boot = inp.recv()
-    sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
+    sys.path[:] = [*boot["sys_path"], *(p for p in sys.path if p not in boot["sys_path"])]  # imports as its parent, in its order
     try:
         ev = _make_evaluator(pickle.loads(boot["spec"]), boot["options"])
         out.send("ready")
@@ -132,8 +133,9 @@ class ProcessRunner:
         from .. import gpumem
 
         state = gpumem.STATE or gpumem.AllocatorState(True, {}, False)
-        env = dict(os.environ, **gpumem.trial_process_env(gpumem.client_platform(), state), PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen([sys.executable, "-m", "autofuse.runner.process"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        argv, env = python_command("autofuse.runner.process")  # not the working directory first (`refs`) until the parent's path
+        env.update(gpumem.trial_process_env(gpumem.client_platform(), state), PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
         self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
         self._to.send({"sys_path": list(sys.path), "spec": pickle.dumps(self.spec), "options": self.options})

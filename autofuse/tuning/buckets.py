@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..graph import capture
+from ..refs import resolve as resolve_ref
 from ..signatures import distance, short_inputs
 from ..status import TrialStatus
 from .ledger import CandidateState
@@ -109,7 +110,7 @@ def parse_axes(spec: str) -> dict[str, list[int]]:
     return axes
 
 
-def resolve(spec: str, inputs: str | None, import_ref: Callable[[str], Any]) -> list[Bucket]:
+def resolve(spec: str, inputs: str | None) -> list[Bucket]:
     """The buckets of a ``--shapes`` SPEC (see the module docstring); `inputs` is ``--inputs MODULE:FACTORY``, needed
     with axes. ValueError (one line) for a bad spec or a factory that fails."""
     spec = spec.strip()
@@ -119,7 +120,7 @@ def resolve(spec: str, inputs: str | None, import_ref: Callable[[str], Any]) -> 
         axes = parse_axes(spec)
         if inputs is None:
             raise ValueError("--shapes with axes builds each bucket with the --inputs factory: give --inputs MODULE:FACTORY")
-        factory = import_ref(inputs)
+        factory = resolve_ref(inputs)
         out = []
         for values in itertools.product(*axes.values()):
             kw = dict(zip(axes, values, strict=True))
@@ -132,7 +133,7 @@ def resolve(spec: str, inputs: str | None, import_ref: Callable[[str], Any]) -> 
         return out
     if ":" not in spec:
         raise ValueError(f"--shapes: expected NAME=LO-HI,... (axes) or MODULE:BUCKETS (a factory of buckets), got {spec!r}")
-    factory = import_ref(spec)
+    factory = resolve_ref(spec)
     try:
         got = factory()
     except Exception as e:  # noqa: BLE001 -- the user's factory: its error in one line
@@ -247,16 +248,18 @@ def _keys(instances: Sequence[Any], cand: CandidateState) -> list[tuple]:
 def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequence[int] = (), quiet: bool = False,
                  on_bucket: Callable[[int, BucketRun], None] | None = None, **tune_kwargs: Any) -> list[BucketRun]:
     """Tune `fn` at every bucket (`prepare`d here: smallest first), each a run of `tune` with the whole budget, its
-    studies seeded from the nearest bucket tuned before (module docstring). `on_bucket(i, run)` after each."""
+    studies seeded from the nearest bucket tuned before (module docstring). `on_bucket(i, run)` after each. What the
+    job says even when quiet (a modelled plan, a backend left out) is said once, not once per bucket."""
     from ..store import PlanStore
+    from .job import Notes
     from .local import tune
 
     if not all(b.fingerprint for b in buckets):  # prepared already (the CLI checks the spec before opening the store)
         buckets = prepare(fn, buckets, static_argnums)
     store = tune_kwargs.pop("store", None)
-    if store is not None and not isinstance(store, PlanStore):
-        store = PlanStore(store)  # one connection pool for every bucket
-    seeder, runs = Seeder(), []
+    if store is not False and not isinstance(store, PlanStore):
+        store = PlanStore(store)  # one connection pool for every bucket (None: the default store, as `tune`)
+    seeder, runs, notes = Seeder(), [], Notes(tune_kwargs.get("progress"))
     for i, b in enumerate(buckets):
         if not quiet:
             print(f"autofuse: bucket {i + 1}/{len(buckets)}: {b.name} ({short_inputs(b.inputs)})", file=sys.stderr, flush=True)
@@ -267,7 +270,7 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
             run.by_sig = by_sig
             return run.seeds
 
-        run.report = tune(fn, *b.args, store=store, static_argnums=static_argnums, quiet=quiet, warm_start=warm, **tune_kwargs)
+        run.report = tune(fn, *b.args, store=store, static_argnums=static_argnums, quiet=quiet, warm_start=warm, notes=notes, **tune_kwargs)
         seeder.record(b, run.by_sig, run.report.candidates)
         runs.append(run)
         if on_bucket is not None:
@@ -277,13 +280,13 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
 
 def summary(runs: Sequence[BucketRun]) -> str:
     """One line per bucket (its run, plan and speedup, how many studies were seeded and from where), then one line."""
-    from ..tables import fmt_x
+    from ..tables import fmt_x, plural
 
     lines = []
     for r in runs:
         rep, n = r.report, len(r.seeds)
         src = sorted(set(r.seeded_from.values()))
-        seeded = f"{n} stud{'y' if n == 1 else 'ies'} seeded from {', '.join(src)}" if n else "no study seeded"
+        seeded = f"{plural(n, 'study', 'studies')} seeded from {', '.join(src)}" if n else "no study seeded"
         ids = ", ".join(x for x in (f"run {rep.run_id}" if rep.run_id is not None else "",
                                     f"plan {rep.plan_id}" if rep.plan_id is not None else "not stored") if x)
         lines.append(f"  {r.bucket.name:<24} {short_inputs(r.bucket.inputs):<32} {fmt_x(rep.speedup):>8}  {ids}; {seeded}")

@@ -12,16 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jax
+
 from .. import costmodel
 from ..graph import capture
-from .job import (
-    check_backends,
-    check_budget,
-    distinct_candidates,
-    program_name,
-    search_spaces,
-)
-from ..tables import Column, fmt_ms, fmt_x, format_table
+from ..tables import Column, fmt_ms, fmt_x, format_table, plural
+from .budget import check_budget
+from .job import Notes, check_backends, distinct_candidates, program_name, resolve_measure, search_spaces, tunable
 from .output import group_label
 from .scheduler import DEFAULT_TRIALS, contenders, phase1_order
 from .select import best_cover
@@ -86,31 +83,38 @@ def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, ti
     and `n_losses` are modelled losses."""
     if trials is None:
         return [f"a time budget of {time_budget_s:g} s: how many trials it allows depends on compile and run times; phase 1 alone "
-                + f"needs {n_candidates} trials (give --trials to know)"] if time_budget_s else []
+                + f"needs {plural(n_candidates, 'trial')} (give --trials to know)"] if time_budget_s else []
     if trials < n_candidates:
-        losses = (f"; the {n_losses} modelled losses get a trial only when no other candidate can use one" if n_losses else "")
-        return [f"{trials} trials for {n_candidates} distinct candidates: {n_candidates - trials} of them (the smallest modelled "
+        losses = (f"; the {plural(n_losses, 'modelled loss', 'modelled losses')} get a trial only when no other candidate can use one"
+                  if n_losses else "")
+        return [f"{plural(trials, 'trial')} for {plural(n_candidates, 'distinct candidate')}: {n_candidates - trials} of them (the smallest modelled "
                 + "savings) never get even their default config, and no contender gets more than its default"
                 + f"{losses}; give --trials {n_candidates + 2 * max(n_contenders, 1)} or more"]
     left = trials - n_candidates
     if left < n_contenders:
-        return [f"{trials} trials: {n_candidates} go to the candidates' default configs, and the {left} left cannot give each of the "
+        return [f"{plural(trials, 'trial')}: {n_candidates} go to the candidates' default configs, and the {left} left cannot give each of the "
                 + f"{n_contenders} contenders more than its default config; give --trials {n_candidates + 2 * n_contenders} or more"]
     return []
 
 
 def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
             name: str | None = None, model: str = "h200", backends: Sequence[str] | None = None, static_argnums: Sequence[int] = (),
-            static_argnames: Sequence[str] = ()) -> DryRun:
-    """The candidates a job for `fn` would tune, their modelled savings in the order the budget reaches them, the
-    modelled plan of default configs, and what the budget (`trials`, default 48, or `time_budget_s`) cannot do."""
+            static_argnames: Sequence[str] = (), measure: str | None = None) -> DryRun:
+    """The candidates a job for `fn` would tune (measured as `measure` says, default as a job would: on a GPU where
+    there is one), their modelled savings in the order the budget reaches them, the modelled plan of default configs,
+    and what the budget (`trials`, default 48, or `time_budget_s`) cannot do. Notes on backends or candidates a job
+    would leave out go to stderr."""
     check_budget(trials, time_budget_s)
+    backends, left_out = check_backends(backends, resolve_measure(measure, jax.default_backend() == "gpu"))
     if trials is None and time_budget_s is None:
         trials = DEFAULT_TRIALS
     gmodel = costmodel.get_model(model)
     graph = capture(fn, *args, static_argnums=tuple(static_argnums), static_argnames=tuple(static_argnames), **dict(kwargs or {}))
-    by_sig, cands = distinct_candidates(graph)
-    spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
+    by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
+    notes = Notes()
+    notes(left_out)
+    notes(left_to_xla)
+    spaces = search_spaces(by_sig, cands, gmodel, backends)
     for r in cands:
         sp = spaces[r.signature]
         r.xla_ms = sp.xla_model_ms
@@ -135,7 +139,7 @@ def dry_run_table(d: "DryRun") -> str:
               "backends": ",".join(r.backends), "xla ms": r.xla_ms, "default ms": r.default_ms, "saving ms": r.saving_ms} for r in d.rows]
     columns = [Column("#"), Column(""), Column("group"), Column("x"), Column("configs"), Column("backends"), Column("xla ms", fmt=fmt_ms),
                Column("default ms", fmt=fmt_ms), Column("saving ms", fmt=lambda v: f"{v:+.3g}")]
-    budget = f"{d.trials} trials" if d.trials is not None else ""
+    budget = plural(d.trials, "trial") if d.trials is not None else ""
     if d.time_budget_s:
         budget += (" and " if budget else "") + f"{d.time_budget_s:g} s"
     instances = sum(r.instances for r in d.rows)

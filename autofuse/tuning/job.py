@@ -12,6 +12,7 @@ import pickle
 import socket
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 
 from .. import costmodel
-from ..device import default_backends, device_info, software
+from ..device import backend_unavailable, default_backends, device_info, software
 from ..graph import Graph, Group, flatten_args, qualified_name
 from ..processes import pid_alive
 from ..runner.protocol import TrialResult
@@ -28,18 +29,22 @@ from .ahead import time_xla_concurrently
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
 from .report import TuneReport
-from .space import CandidateSpace
+from .space import CandidateSpace, usable_backends
 
 log = logging.getLogger("autofuse")
 
 
-def resolve_measure(measure: str | None, has_gpu: bool) -> str:
-    """"device" where a GPU is present, else "model"; "device" without a GPU is an error."""
+def resolve_measure(measure: str | None, has_gpu: bool, *, flag: str = "measure") -> str:
+    """"device" where a GPU is present, else "model"; "device" without a GPU is an error, naming the option as the
+    caller spells it (`flag`: ``measure`` for Python's ``measure='device'``, ``--measure`` for the command line)."""
+    def spelt(value: str) -> str:
+        return f"{flag} {value}" if flag.startswith("-") else f"{flag}={value!r}"
+
     measure = measure or ("device" if has_gpu else "model")
     if measure not in ("device", "model"):
-        raise ValueError(f"measure must be 'device' or 'model', got {measure!r}")
+        raise ValueError(f"{flag} must be 'device' or 'model', got {measure!r}")
     if measure == "device" and not has_gpu:
-        raise ValueError(f"measure='device' needs a GPU; none is present ({jax.default_backend()} backend): use measure='model'")
+        raise ValueError(f"{spelt('device')} needs a GPU; none is present ({jax.default_backend()} backend): use {spelt('model')}")
     return measure
 
 
@@ -49,26 +54,56 @@ def modelled_warning(model: costmodel.GPUModel) -> str:
             "the times below are estimates, not measurements.")
 
 
-def check_backends(backends: Sequence[str] | None) -> tuple[str, ...]:
-    """The backends to search: `backends` checked against those any template has, or this machine's default."""
+class Notes:
+    """What a job says even when quiet (its plan is modelled, a backend was left out), each line once per job: a job
+    over shape buckets runs `tune` once per bucket with one `Notes`. To `sink` (default: stderr; stdout is the report's)."""
+
+    def __init__(self, sink: Callable[[str], None] | None = None):
+        self.sink = sink or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.said: set[str] = set()
+
+    def __call__(self, text: str) -> None:
+        if text and text not in self.said:
+            self.said.add(text)
+            self.sink(text)
+
+
+def check_backends(backends: Sequence[str] | None, measure: str) -> tuple[tuple[str, ...], str]:
+    """The backends to search (`backends` checked against those any template has, or this machine's default) and a
+    note naming those asked for that cannot be tuned here (`device.backend_unavailable`): dropped and said, never
+    replaced by another silently. ValueError (one line) when none of them can."""
     from ..kernels import TEMPLATES
 
     if backends is None:
-        return default_backends()
+        return default_backends(), ""
     known = {b for t in TEMPLATES.values() for b in t.backends}
     unknown = [b for b in backends if b not in known]
     if unknown or not backends:
         raise ValueError(f"unknown backend(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(known))}")
-    return tuple(backends)
+    why = {b: backend_unavailable(b, measure) for b in backends}
+    kept = tuple(b for b in backends if why[b] is None)
+    dropped = [b for b in backends if why[b] is not None]
+    reasons = "; ".join(dict.fromkeys(why[b] for b in dropped))
+    if not kept:
+        raise ValueError(f"none of the backends asked for ({', '.join(backends)}) can be tuned here: {reasons}")
+    return kept, f"autofuse: backend {', '.join(dropped)} left out ({reasons}): tuning {', '.join(kept)}" if dropped else ""
 
 
-def check_budget(trials: int | None, time_budget_s: float | None, *, trials_flag: str = "trials",
-                 seconds_flag: str = "time_budget_s") -> None:
-    """A budget given must be positive: zero or a negative budget is a mistake, never "unbounded" or "nothing"."""
-    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
-        raise ValueError(f"{trials_flag} must be a positive whole number of trials, got {trials!r}")
-    if time_budget_s is not None and not (isinstance(time_budget_s, (int, float)) and time_budget_s > 0):
-        raise ValueError(f"{seconds_flag} must be a positive number of seconds, got {time_budget_s!r}")
+def tunable(by_sig: dict[str, list[Candidate]], cands: list[CandidateState],
+            backends: Sequence[str]) -> tuple[dict[str, list[Candidate]], list[CandidateState], str]:
+    """The candidates that a backend of `backends` can run (`space.usable_backends`), and a note on those left to XLA:
+    a job asked for Mosaic GPU alone never tunes Triton kernels in its stead. ValueError (one line) when none is left
+    of a program that has candidates."""
+    kept = {sig: cs for sig, cs in by_sig.items() if usable_backends(cs[0].template, cs[0].spec, backends)}
+    if len(kept) == len(by_sig):
+        return by_sig, cands, ""
+    left = Counter(cs[0].template for sig, cs in by_sig.items() if sig not in kept)
+    kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in left.items())
+    if not kept:
+        raise ValueError(f"no candidate of this program has a {' or '.join(backends)} lowering (its {len(by_sig)}: {kinds}): "
+                         "nothing to tune; add triton to the backends")
+    return kept, [r for r in cands if r.signature in kept], (f"autofuse: {len(by_sig) - len(kept)} of {len(by_sig)} distinct candidates "
+                                                             f"({kinds}) have no {' or '.join(backends)} lowering: left to XLA")
 
 
 def distinct_candidates(graph: Graph) -> tuple[dict[str, list[Candidate]], list[CandidateState]]:
@@ -282,6 +317,7 @@ class PlanSaver:
     def final(self, report: TuneReport) -> int:
         """Finish the run with `report`'s plan (stored now unless `early` stored it); returns the plan's id."""
         self.pstore.finish_run(self.run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
+        report.run_id, report.stored_in = self.run_id, stored_in(self.pstore)
         if report is not self.first:
             self._add(report)
         if report.measure == "device":
@@ -300,6 +336,13 @@ class PlanSaver:
         report.plan_id, report.plan_current = saved.plan_id, saved.current
         report.plan_note = "" if saved.current else (f"autofuse: plan {saved.plan_id} is stored but not current: {saved.reason}; "
                                                      f"autofuse plans promote {saved.plan_id} makes it current")
+
+
+def stored_in(pstore: Any) -> str:
+    """Where a job's run and plan went, as a report shows it: the store's URL, its password masked."""
+    from ..store.db import display_url
+
+    return display_url(pstore.url)
 
 
 def store_autotune(pstore: Any) -> int:

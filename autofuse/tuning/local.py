@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import jax
 
@@ -22,11 +22,12 @@ from .. import costmodel
 from ..graph import capture, qualified_name
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
-from ..store.db import display_url
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .job import (PhaseMarks, PlanSaver, check_backends, check_budget, distinct_candidates, modelled_warning, open_run, program_name,
-                  progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla)
+from .budget import check_budget
+from .job import (Notes, PhaseMarks, PlanSaver, check_backends, distinct_candidates, modelled_warning, open_run, program_name,
+                  progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla,
+                  tunable)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine
@@ -35,25 +36,31 @@ from .scheduler import DEFAULT_TRIALS, Budget, Scheduler, timed_first, trial_tot
 from .trial import TrialContext
 from .validate import finalize
 
+if TYPE_CHECKING:
+    from ..store import PlanStore
+
 log = logging.getLogger("autofuse")
 
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
-         seed: int = 0, store: Any = None, name: str | None = None, measure: str | None = None, model: str = "h200",
+         seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
          quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
          compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time,
-         warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None) -> TuneReport:
+         warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None, notes: Notes | None = None) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
-    (with `store`) persist.
+    store the plan where `autofuse.jit(fn)` finds it.
 
     `trials` and/or `time_budget_s` bound the job (default: 48 trials).
     `measure="device"` times on the GPU (the default where one is present);
     `measure="model"` ranks with the analytic model (the default elsewhere).
-    `store` is a `PlanStore` or a database URL; with it, the run, every trial
-    and the plan are written, and `resume=RUN` continues an interrupted run.
-    `workers=N` (needs `store` and an importable `fn`) tunes with N worker
+    `store` is a `PlanStore` or a database URL, by default the store that
+    `autofuse.jit` and the CLI use ($AUTOFUSE_DB, else the per-user file);
+    the run, every trial and the plan are written there (the report says
+    where: `stored_in`), and `resume=RUN` continues an interrupted run.
+    `store=False` writes nothing: the result stays in the report.
+    `workers=N` (needs a store and an importable `fn`) tunes with N worker
     processes on this host, one per GPU, sharing the run's Optuna studies in
     that database (more can join from other hosts); `heartbeat_s` is their
     Optuna heartbeat interval. `backends` are the lowerings to search, the
@@ -69,6 +76,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     `warm_start(by_sig, cands, spaces)` (this process's driver only) names,
     by candidate signature, configs each new study tries before its defaults
     (`buckets.tune_buckets`: the best configs of the bucket before).
+    `notes` (this process's driver only) says what the job says even when
+    quiet, each line once (`buckets.tune_buckets`: once for all its buckets).
     `quiet` shows no progress bar; `verbose` adds a line per trial and per
     candidate. `name` (default ``module:function``) is the program's name in
     the store, as ``autofuse plans --program`` finds it.
@@ -77,6 +86,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     >>> print(report.table())  # doctest: +SKIP
     """
     check_budget(trials, time_budget_s)
+    store = _store_of(store)
     kwargs = dict(kwargs or {})
     static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
@@ -103,11 +113,14 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))  # notes: stdout is the report's
     phase = progress or (say if verbose or quiet else StatusLine())  # the selection phase's progress: one line rewritten, unless -v
     measure = resolve_measure(measure, jax.default_backend() == "gpu")
-    warn_preallocated(progress)
+    backends, left_out = check_backends(backends, measure)
+    notes = notes or Notes(progress)
+    warn_preallocated(notes)
     threads = compile_workers_for(compile_workers)
     gmodel = costmodel.get_model(model)
+    notes(left_out)
     if measure == "model":
-        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
+        notes(modelled_warning(gmodel))
     if trials is None and time_budget_s is None:
         trials = DEFAULT_TRIALS
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
@@ -121,8 +134,9 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         runner.start()  # the trial process imports jax and captures the program while this one enumerates and opens the run
     status, report, pstore, run_id, ids, prefetch, saver = "failed", None, None, None, None, None, None
     try:
-        by_sig, cands = distinct_candidates(graph)
-        spaces = search_spaces(by_sig, cands, gmodel, check_backends(backends))
+        by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
+        notes(left_to_xla)
+        spaces = search_spaces(by_sig, cands, gmodel, backends)
         if store is not None:
             pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume, gmodel, qualified_name(fn))
             name = pstore.get_run(run_id)["program"]  # the name the store knows the program by (its first), as `plans --program` finds it
@@ -201,10 +215,21 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     report.device = device_info()["name"]
     report.model = gmodel.name if measure == "model" else None
     if pstore is not None:
-        report.run_id, report.store = run_id, display_url(pstore.url)
         saver.final(report)
         marks("saved")
     return report
+
+
+def _store_of(store: PlanStore | str | Literal[False] | None) -> PlanStore | str | None:
+    """The store a job writes to: `store` itself, the default one for None (as `autofuse.jit` and the CLI find it:
+    $AUTOFUSE_DB, else the per-user file), none for False."""
+    if store is False:
+        return None
+    if store is None:
+        from ..store.db import default_url
+
+        return default_url()
+    return store
 
 
 def warn_preallocated(progress: Callable[[str], None] | None = None) -> None:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from ..tables import fmt_ms, fmt_x
+from ..tables import fmt_ms, fmt_x, plural
 
 if TYPE_CHECKING:
     from .ledger import CandidateState
@@ -88,7 +88,7 @@ def trial_line(c: CandidateState) -> str:
 def candidate_line(c: CandidateState) -> str:
     """One candidate's outcome as ``-v`` prints it at the end of the trials."""
     return (f"  candidate {c.signature[:12]} {candidate_label(c)} x{c.instances}: xla {fmt_ms(c.xla_ms) or '-'} ms, best "
-            f"{fmt_ms(c.best_ms) or '-'} ms ({fmt_x(c.speedup) or '-'}) after {len(c.trials)} trials [{c.status}]")
+            f"{fmt_ms(c.best_ms) or '-'} ms ({fmt_x(c.speedup) or '-'}) after {plural(len(c.trials), 'trial')} [{c.status}]")
 
 
 class StatusLine:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from ..runner.protocol import ValidationResult
-from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, savings_text
+from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, plural, savings_text
 from .ledger import CandidateState
 from .output import candidate_label, config_text
 
@@ -29,12 +29,12 @@ class TuneReport:
     trials_run: int
     run_id: int | None = None
     plan_id: int | None = None
-    store: str = ""  # the plan store's URL (password masked) holding run_id and plan_id
     device: str = ""
 
     model: str | None = None  # the GPU the analytic model describes (measure == "model")
     plan_current: bool | None = None  # whether the stored plan became current (None: not stored)
     plan_note: str = ""  # why a stored plan is not current, in one line
+    stored_in: str | None = None  # the store its run and plan were written to, as shown (password masked); None: not stored
 
     def table(self, all_candidates: bool = False) -> str:
         """The job's table: the plan's groups first, named by their ops, the other measured candidates after (all of
@@ -107,7 +107,7 @@ def plan_text(report: TuneReport) -> str:
     n = len(report.plan.groups)
     by_template = Counter(g.template for g in report.plan.groups)
     kinds = ", ".join(t if k == 1 else f"{t}×{k}" for t, k in sorted(by_template.items(), key=lambda tk: (-tk[1], tk[0])))
-    return f"{n} fused group{'s' if n != 1 else ''} ({kinds})"
+    return f"{plural(n, 'fused group')} ({kinds})"
 
 
 def _spread_note(validation: ValidationResult) -> str:
@@ -133,5 +133,5 @@ def summary_line(report: TuneReport) -> str:
             extra.append(savings_text(prov))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
-    store = f"; run {report.run_id}, plan {report.plan_id} in {report.store}" if report.run_id is not None else ""
-    return f"autofuse: {report.name}: {found}; {report.trials_run} trials in {report.wall_s:.1f} s{store}"
+    store = f"run {report.run_id}, plan {report.plan_id} in {report.stored_in}" if report.stored_in is not None else "not stored"
+    return f"autofuse: {report.name}: {found}; {plural(report.trials_run, 'trial')} in {report.wall_s:.1f} s; {store}"

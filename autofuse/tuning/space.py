@@ -130,9 +130,11 @@ class CandidateSpace:
     @staticmethod
     def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200,
            backends: Sequence[str] = ("triton",)) -> "CandidateSpace":
-        """The backends of `backends` (in that order) that the template has and that can run this group."""
-        tmpl = TEMPLATES[template]
-        usable = [b for b in backends if b in tmpl.backends and tmpl.unsupported(spec, b) is None] or ["triton"]
+        """The backends of `backends` (in that order) that the template has and that can run this group; a group none
+        of them runs has no space (`job.tunable` leaves it to XLA: never another backend in their stead)."""
+        usable = usable_backends(template, spec, backends)
+        if not usable:
+            raise ValueError(f"no backend of {', '.join(backends)} can run this {template} group")
         return CandidateSpace({b: SearchSpace.of(template, group, spec, model, b) for b in usable}, costmodel.xla_group_time_ms(group, model),
                               costmodel.cut_outputs_ms(group, model))
 
@@ -192,6 +194,13 @@ class CandidateSpace:
         """A config as Optuna's parameters (what `suggest` would have named them), for enqueueing it."""
         b = config.get("backend", "triton")
         return {"backend": b, **{_optuna_name(b, k): v for k, v in config.items() if k != "backend"}}
+
+
+def usable_backends(template: str, spec: Any, backends: Sequence[str]) -> list[str]:
+    """The backends of `backends` (in that order) that `template` has a lowering for and that can run the group `spec`
+    describes (checked without compiling)."""
+    tmpl = TEMPLATES[template]
+    return [b for b in backends if b in tmpl.backends and tmpl.unsupported(spec, b) is None]
 
 
 def _optuna_name(backend: str, param: str) -> str:

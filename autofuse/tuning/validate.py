@@ -25,6 +25,7 @@ from ..runner.protocol import (
     XlaRequest,
 )
 from ..status import TrialStatus
+from ..tables import plural
 from .ahead import compile_batch
 from .ledger import CandidateState, Ledger
 from .output import candidate_line
@@ -149,12 +150,12 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
         plans_t.append(_plan_timing(cand, v, t0))
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
-            notes.append(f"{len(cand.groups)} groups: validation failed: {v.status}: {v.error}")
+            notes.append(f"{plural(len(cand.groups), 'group')}: validation failed: {v.status}: {v.error}")
         elif cover.tuned_ms + given_up < base:
             kept, tuned, validation = cand, cover.tuned_ms + given_up, v
             break
         else:
-            notes.append(f"{len(cand.groups)} groups: modelled plan is not faster than XLA")
+            notes.append(f"{plural(len(cand.groups), 'group')}: modelled plan is not faster than XLA")
     if kept is None:
         plan, tuned = Plan(graph.fingerprint, (), {**plan.provenance, "reason": "; ".join(notes) or "no fused group is cheaper than XLA"}), base
     else:
@@ -242,9 +243,9 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
             timings.setdefault("composition", []).append(m.record())
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
-            notes.append(f"{what}, {len(cand.groups)} groups: validation failed: {v.status}: {v.error}")
+            notes.append(f"{what}, {plural(len(cand.groups), 'group')}: validation failed: {v.status}: {v.error}")
         elif m.passed:
-            notes.append(f"{what}, {len(cand.groups)} groups: {v.plan.median_ms:.4f} ms vs jax.jit {v.baseline.median_ms:.4f} ms")
+            notes.append(f"{what}, {plural(len(cand.groups), 'group')}: {v.plan.median_ms:.4f} ms vs jax.jit {v.baseline.median_ms:.4f} ms")
             if best is None:
                 best = m
                 first = _measured_report(graph, m, plan, notes, name, cands, n_trials, t_start)
@@ -253,7 +254,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
             elif m.speedup > best.speedup * (1 + max(m.noise, best.noise)):
                 best = m
         else:
-            notes.append(f"{what}, {len(cand.groups)} groups: plan {v.plan.median_ms:.4f} ms is not faster than jax.jit "
+            notes.append(f"{what}, {plural(len(cand.groups), 'group')}: plan {v.plan.median_ms:.4f} ms is not faster than jax.jit "
                          f"{v.baseline.median_ms:.4f} ms beyond noise ±{m.noise:.1%}")
         return m
 
@@ -377,9 +378,9 @@ def _with_reason(chosen: Plan, kept: Plan, notes: list[str]) -> Plan:
     if kept is chosen:
         return kept
     if {g.nodes for g in kept.groups} <= {g.nodes for g in chosen.groups}:
-        what = f"smaller plan kept ({len(kept.groups)} of {len(chosen.groups)} groups)"
+        what = f"smaller plan kept ({len(kept.groups)} of {plural(len(chosen.groups), 'group')})"
     else:
-        what = f"plan of the groups that saved time in context kept ({len(kept.groups)} groups; the cover chose {len(chosen.groups)})"
+        what = f"plan of the groups that saved time in context kept ({plural(len(kept.groups), 'group')}; the cover chose {len(chosen.groups)})"
     return replace(kept, provenance={**kept.provenance, "reason": f"{what}: " + "; ".join(notes)})
 
 

@@ -14,13 +14,16 @@ Roles:
 * the launcher, ``tune(..., workers=N)`` / ``autofuse tune --workers N``:
   captures the program, opens the run, creates the candidates and their
   studies with their first configs, publishes the job (function reference,
-  argument shapes, options) on the run row, starts N workers on this host,
+  argument shapes, options) on the run row, starts N workers on this host
+  (each named the function on its command line),
   worker i seeing only GPU i (``CUDA_VISIBLE_DEVICES``), waits, and reads the
   plan back;
-* ``autofuse worker RUN --db URL`` joins the run from another host (a server
-  database: a SQLite file serves one host only);
-* each worker (``python -m autofuse.tuning.workers RUN``, database in
-  ``$AUTOFUSE_DB``) first takes its share of the XLA timings of the
+* ``autofuse worker RUN MODULE:FUNCTION --db URL`` joins the run from another
+  host (a server database: a SQLite file serves one host only);
+* each worker (``python -P -m autofuse.tuning.workers RUN MODULE:FUNCTION``,
+  database in ``$AUTOFUSE_DB``) imports the function its command line names,
+  never one the database names, and refuses a run of another (`program_of`);
+  it first takes its share of the XLA timings of the
   candidates the budget reaches first (`scheduler.timed_first`; claimed a chunk
   at a time, compiled concurrently, timed on its GPU: each candidate once
   across the workers; `share_xla`) and waits for the rest, then
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
 import os
 import signal
 import socket
@@ -58,13 +60,14 @@ from .. import costmodel
 from ..graph import capture
 from ..plan import Plan
 from ..processes import pid_alive
+from ..refs import python_command, reference, resolve
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..status import UNCOUNTED, TrialStatus
-from ..store.db import display_url
-from .job import (PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates, load_candidates,
-                  modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure, restore_autotune,
-                  save_candidates, search_spaces, study_name, time_xla)
+from ..tables import plural
+from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates,
+                  load_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure,
+                  restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
@@ -79,25 +82,14 @@ POLL_S = 0.5
 
 
 # --------------------------------------------------------------------------- the job, as data
-def function_ref(fn: Callable) -> str:
-    """``module:qualname`` of a function that a worker on another host can import."""
-    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not mod or mod == "__main__" or "<" in qual:
-        raise ValueError(f"tuning with workers needs a function importable by name (module:function), not {mod}:{qual}")
-    ref = f"{mod}:{qual}"
-    if import_ref(ref) is not fn and getattr(import_ref(ref), "__wrapped__", None) is not fn:
-        raise ValueError(f"{ref} does not name the function being tuned")
-    return ref
-
-
-def import_ref(ref: str) -> Any:
-    mod, _, attr = ref.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    obj = importlib.import_module(mod)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+def program_of(run_id: int, job: dict, program: str) -> Callable:
+    """The function this worker's command line names (`program`, ``MODULE:FUNCTION``), checked to be the one run
+    `run_id` tunes (its job's ``fn``); ValueError (one line) otherwise. Only `program` is imported: never what the
+    database names, which anyone who can write the store could point at any code."""
+    fn = resolve(program)
+    if reference(fn) != job["fn"]:
+        raise ValueError(f"run {run_id} tunes {job['fn']}, not {program}: a worker runs only the function its command line names")
+    return fn
 
 
 def encode_args(x: Any) -> Any:
@@ -152,7 +144,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     t_start = time.time()
     say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
     if store is None:
-        raise ValueError("workers share the run through the store: give a database (store=URL, autofuse tune --db URL)")
+        raise ValueError("workers share the run through the store: not with store=False (autofuse tune --no-store)")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if heartbeat_s < 1:
@@ -162,18 +154,20 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     measure = resolve_measure(measure, bool(gpus))
     if measure == "device" and workers > len(gpus):
         raise ValueError(f"{workers} workers but {len(gpus)} visible GPU(s): one worker per GPU (two on one GPU would time each other)")
+    backends, left_out = check_backends(backends, measure)
+    notes = Notes(progress)
+    notes(left_out)
     gmodel = costmodel.get_model(model)
-    if measure == "model":  # said even when quiet: a modelled plan must never pass for a measured one
-        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(modelled_warning(gmodel))
+    if measure == "model":
+        notes(modelled_warning(gmodel))
     if trials is None and time_budget_s is None:
         trials = 48
-    job = {"fn": function_ref(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
+    job = {"fn": reference(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
-           "heartbeat_s": int(heartbeat_s), "backends": list(check_backends(backends)), "workers": workers,
+           "heartbeat_s": int(heartbeat_s), "backends": list(backends), "workers": workers,
            "compile_workers": compile_workers}
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
-    pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel,
-                                   function_ref(fn))
+    pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel, job["fn"])
     name = pstore.get_run(run_id)["program"]  # the name the store knows it by
     marks = PhaseMarks(pstore, run_id)
     marks("start", at=t_start)
@@ -185,14 +179,15 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         # mark: the workers share out their XLA timings) and creates the studies with their first configs (they wait
         # for the "setup" mark before their first trial).
         pstore.set_run_job(run_id, {**job, "staged": True})
-        procs = start_workers(run_id, pstore.url, workers, gpus, not verbose, indexed=True)
-        by_sig, cands = distinct_candidates(graph)
+        procs = start_workers(run_id, job["fn"], pstore.url, workers, gpus, not verbose, indexed=True)
+        by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
+        notes(left_to_xla)
         save_candidates(graph, by_sig, shared)  # this host's workers read them rather than enumerate them again
         register_candidates(pstore, run_id, cands)
         marks("candidates")
-        say(f"autofuse: run {run_id}: {len(cands)} candidates, {workers} worker(s) on this host"
+        say(f"autofuse: run {run_id}: {plural(len(cands), 'candidate')}, {workers} worker(s) on this host"
             + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
-            + f"; join from another host: autofuse worker {run_id} --db URL")
+            + f"; join from another host: autofuse worker {run_id} {job['fn']} --db URL")
         spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
         storage = optuna_storage(pstore.url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -219,7 +214,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         say(f"autofuse: {'; '.join(died)} (a dead worker's running trial is retried by another)")
     if run["status"] != "finished":
         raise RuntimeError(f"run {run_id} is {run['status']} after its workers exited ({'; '.join(died) or 'all exit 0'})"
-                           + (f": {run['error']}" if run.get("error") else f"; join it with: autofuse worker {run_id} --db URL"))
+                           + (f": {run['error']}" if run.get("error") else f"; join it with: autofuse worker {run_id} {job['fn']} --db URL"))
     report = report_from_store(pstore, run_id, cands, name, measure, t_start)
     report.model = gmodel.name if measure == "model" else None
     return report
@@ -257,20 +252,22 @@ def watch(procs: Sequence[subprocess.Popen], pstore: Any, run_id: int, bar: Any,
     return [p.wait() for p in procs]
 
 
-def start_workers(run_id: int, url: str, n: int, gpus: Sequence[str], quiet: bool, *, indexed: bool = False) -> list[subprocess.Popen]:
-    """`n` worker processes of the run; worker i sees only GPU i (round robin in model mode), and this host's cores
-    divided among them for compiling (`ahead`). The URL goes by environment, not argv.
-    `indexed`: the run's launcher numbers its workers (their samplers' seeds); workers joining from elsewhere use their pids."""
-    env = dict(os.environ, AUTOFUSE_DB=url, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env[AHEAD_ENV] = str(compile_workers(None, share=n))
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
+def start_workers(run_id: int, program: str, url: str, n: int, gpus: Sequence[str], quiet: bool, *,
+                  indexed: bool = False) -> list[subprocess.Popen]:
+    """`n` worker processes of the run, each named its `program` (``MODULE:FUNCTION``) on its command line and
+    started without the working directory ahead of the installed packages (`refs.python_command`); worker i sees
+    only GPU i (round robin in model mode), and this host's cores divided among them for compiling (`ahead`). The
+    URL goes by environment, not argv. `indexed`: the run's launcher numbers its workers (their samplers' seeds);
+    workers joining from elsewhere use their pids."""
     procs = []
     for i in range(n):
-        e = dict(env)
+        argv, env = python_command("autofuse.tuning.workers", str(run_id), program, *(["--index", str(i)] if indexed else []),
+                                   *(["--quiet"] if quiet else []))
+        env.update(AUTOFUSE_DB=url, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        env[AHEAD_ENV] = str(compile_workers(None, share=n))
         if gpus:
-            e["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        procs.append(subprocess.Popen([sys.executable, "-m", "autofuse.tuning.workers", str(run_id)] + (["--index", str(i)] if indexed else [])
-                                      + (["--quiet"] if quiet else []), env=e))
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        procs.append(subprocess.Popen(argv, env=env))
     return procs
 
 
@@ -302,15 +299,15 @@ def report_from_store(pstore: Any, run_id: int, cands: list[CandidateState], nam
     validation = ValidationResult(TrialStatus.OK, p["max_error"], p["tolerance"] or {})
     model = (run.get("budget") or {}).get("model") if measure == "model" else None
     return TuneReport(name, run["fingerprint"], measure, Plan.from_dict(p["plan"]), run["baseline_ms"], run["best_ms"], run["speedup"], None,
-                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], store=display_url(pstore.url),
-                      device=run["device"], model=model,
-                      plan_current=bool(p["is_current"]))
+                      cands, validation, time.time() - t_start, n, run_id=run_id, plan_id=p["id"], device=run["device"], model=model,
+                      plan_current=bool(p["is_current"]), stored_in=stored_in(pstore))
 
 
 # --------------------------------------------------------------------------- one worker
-def run_worker(run_id: int, url: str | None = None, *, index: int | None = None, quiet: bool = False,
+def run_worker(run_id: int, program: str, url: str | None = None, *, index: int | None = None, quiet: bool = False,
                ready_timeout_s: float = 600.0) -> dict:
-    """Join run `run_id` and work until its budget is spent; returns what this worker did.
+    """Join run `run_id`, which must tune `program` (``MODULE:FUNCTION``, `program_of`), and work until its budget is
+    spent; returns what this worker did.
 
     The worker that ends the run selects and saves the plan (`selected` in the result).
     `index` (this host's launcher numbers its workers 0, 1, ...) keeps the workers' samplers apart.
@@ -340,7 +337,7 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
     lock = _gpu_lock() if measure == "device" else None
     if measure == "device":  # a worker of another host: its trial process starts with the store's autotune entries
         restore_autotune(pstore)
-    fn = import_ref(job["fn"])
+    fn = program_of(run_id, job, program)
     args, kwargs = decode_args(job["args"]), decode_args(job["kwargs"])
     statics = (tuple(job["static_argnums"]), tuple(job["static_argnames"]))
     spec = ProgramSpec(fn, args, kwargs, *statics, run["fingerprint"])
@@ -355,18 +352,18 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
         wait_for_phase(pstore, run_id, "candidates", ready_timeout_s)
     # as the launcher of this host found them (another host's worker: enumerated here)
     shared = load_candidates(graph, candidates_file(pstore.url, run_id))
-    by_sig, cands = shared or distinct_candidates(graph)
+    by_sig, cands, _ = tunable(*(shared or distinct_candidates(graph)), job["backends"])  # the launcher said what it leaves out
     register_candidates(pstore, run_id, cands)
     marks("ready", worker=me)
     gmodel = costmodel.get_model(job["model"])
-    spaces = search_spaces(by_sig, cands, gmodel, job.get("backends", ["triton"]))
+    spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
     budget = run["budget"] or {}
     deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
     scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(budget.get("trials") or 10**9, deadline), gmodel)
     prefetch = None
-    say(f"joined run {run_id} ({len(cands)} candidates {'as its launcher found them' if shared else 'enumerated here'}, "
-        f"budget {scheduler.total} trials"
+    say(f"joined run {run_id} ({plural(len(cands), 'candidate')} {'as its launcher found them' if shared else 'enumerated here'}, "
+        f"budget {plural(scheduler.total, 'trial')}"
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with runner:
@@ -399,9 +396,9 @@ def run_worker(run_id: int, url: str | None = None, *, index: int | None = None,
             selected = pstore.begin_selection(run_id, me)
             if selected:
                 marks("trials")
-                say(f"measured {w.loop.measured} trials; selecting the plan of run {run_id}")
+                say(f"measured {plural(w.loop.measured, 'trial')}; selecting the plan of run {run_id}")
                 w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks)
-            say(f"done: measured {w.loop.measured} trials" + ("; plan saved" if selected else ""))
+            say(f"done: measured {plural(w.loop.measured, 'trial')}" + ("; plan saved" if selected else ""))
     except BaseException as e:
         if pstore.get_run(run_id)["selected_by"] == me:  # this worker was selecting: the run ends with it
             pstore.finish_run(run_id, "failed", error=f"selection failed in {me}: {type(e).__name__}: {e}")
@@ -583,16 +580,18 @@ class _Worker:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autofuse.tuning.workers RUN [--index I] [--quiet]``: one worker of a run; the database URL is in $AUTOFUSE_DB."""
+    """``python -m autofuse.tuning.workers RUN MODULE:FUNCTION [--index I] [--quiet]``: one worker of a run that tunes
+    that function; the database URL is in $AUTOFUSE_DB."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m autofuse.tuning.workers")
     p.add_argument("run", type=int)
+    p.add_argument("program", metavar="MODULE:FUNCTION")
     p.add_argument("--index", type=int, default=None)
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     try:
-        run_worker(a.run, index=a.index, quiet=a.quiet)
+        run_worker(a.run, a.program, index=a.index, quiet=a.quiet)
     except (RuntimeError, ValueError, KeyError, ImportError) as e:  # one line for what the user can fix
         if os.environ.get("AUTOFUSE_DEBUG"):
             raise
