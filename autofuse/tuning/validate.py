@@ -73,11 +73,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    _pause_for_tests()
     to_check = [r for r in cands if measure == "model" and not _already_checked(r, measure) and _could_be_chosen(r, by_sig, model)]
     tuned = sum(1 for r in cands if r.trials)
-    phase(f"autofuse: selecting the plan from {tuned} tuned candidates" +
+    phase(f"autofuse: selecting the plan from {plural(tuned, 'tuned candidate')}" +
           (f" ({len(to_check)} of them to check in interpret mode)" if measure == "model" else ""))
+    _pause_for_tests()
     for r in cands:
         if r in to_check:
             phase(f"autofuse: checking the best config of candidate {to_check.index(r) + 1} of {len(to_check)} ({r.template}, interpret mode)")
@@ -226,8 +226,8 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         nonlocal best, first
         if compile_workers > 1 and ahead:
             t0 = time.perf_counter()
-            what = f"{len(ahead)} plan(s)" if measured else "the chosen plan and jax.jit's reference"
-            say(f"autofuse: compiling {what}, {compile_workers} at once")
+            batch = plural(len(ahead), "plan") if measured else "the chosen plan and jax.jit's reference"
+            say(f"autofuse: compiling {batch}, {compile_workers} at once")
             longest: dict = {}
             compile_batch(runner, [ValidateRequest(c.to_json()) for c in ahead], compile_workers, timeout_s=None, longest=longest)
             if timings is not None:
