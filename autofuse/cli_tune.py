@@ -1,6 +1,7 @@
 """The ``autofuse tune`` and ``autofuse worker`` commands: their arguments, and what they print.
 
-    autofuse tune MODULE:FUNCTION --inputs MODULE:FACTORY [--trials N] [--time-budget S] [-v | --quiet] [--all]
+    autofuse tune MODULE:FUNCTION --inputs MODULE:FACTORY [--trials N | --effort quick|default|thorough] [--time-budget S]
+                  [-v | --quiet] [--all]
                   [--dry-run] [--workers N] [--shapes SPEC] ...
     autofuse worker RUN MODULE:FUNCTION [--workers N] [-v | --quiet]
 
@@ -58,6 +59,8 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
                    help="tune a set of shape buckets in one job: NAME=LO-HI,... (powers of two, each bucket built by --inputs "
                         "FACTORY(NAME=...)) or MODULE:BUCKETS (a list or dict of argument tuples); see below")
     p.add_argument("--trials", type=int, default=None, help="trial budget for the whole job (default 48 when no --time-budget)")
+    p.add_argument("--effort", default=None, metavar="LEVEL",
+                   help="a named trial budget instead of --trials: quick (16 trials), default (48) or thorough (160)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="time budget for the whole job, in seconds, counted from its start (which times every distinct candidate in XLA first)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed and budget: same trials in the same order)")
@@ -99,9 +102,13 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
 def _checked(args: argparse.Namespace) -> tuple[int, ...]:
     """The arguments that need nothing imported, checked first: a mistake is refused at once, not after the seconds
     JAX takes to start. Returns the static argument positions."""
-    from autofuse.tuning.budget import check_budget
+    from autofuse.tuning.budget import check_budget, trials_for
 
     check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
+    if args.effort is not None:
+        if args.trials is not None:
+            raise ValueError("give --trials or --effort, not both")
+        args.trials = trials_for(None, args.time_budget, args.effort, effort_flag="--effort")
     for flag, value in (("--compile-workers", args.compile_workers), ("--workers", args.workers), ("--heartbeat", args.heartbeat)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")

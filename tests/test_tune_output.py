@@ -381,3 +381,17 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
     text = write_report(store, run["id"], tmp_path / "report").read_text()
     section = text.split("## Savings alone and in the program")[1].split("##")[0]
     assert "| 1 | 24 | 1 | ok | 1.469 | 0.916 | 62% |" in section and "| 2 | 47 | 2 | wrong_result | 1.854 |" in section
+
+
+def test_an_effort_names_a_trial_budget() -> None:
+    """`--effort quick|default|thorough` (16, 48, 160 trials) instead of a number; a wrong name or both flags is one
+    line; the Python API takes `effort=` the same way."""
+    from autofuse.tuning.budget import trials_for
+
+    for effort, n in (("quick", 16), ("default", 48), ("thorough", 160)):
+        assert json.loads(ok(cli("tune", *RMS, "--effort", effort, "--dry-run", "--json")).stdout)["trials"] == n
+    for argv, says in ((["--effort", "huge"], "--effort must be one of quick, default, thorough, got 'huge'"),
+                       (["--effort", "quick", "--trials", "3"], "give --trials or --effort, not both")):
+        res = cli("tune", *RMS, *argv, "--dry-run")
+        assert res.returncode == 2 and res.stderr.strip() == f"autofuse: error: {says}", res.stderr
+    assert trials_for(None, None, "thorough") == 160 and trials_for(7, None, "quick") == 7 and trials_for(None, 30.0) is None

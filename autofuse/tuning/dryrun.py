@@ -17,10 +17,10 @@ import jax
 from .. import costmodel
 from ..graph import capture
 from ..tables import Column, fmt_ms, fmt_x, format_table, plural
-from .budget import check_budget
+from .budget import check_budget, trials_for
 from .job import Notes, check_backends, distinct_candidates, program_name, resolve_measure, search_spaces, tunable
 from .output import group_label
-from .scheduler import DEFAULT_TRIALS, contenders, phase1_order
+from .scheduler import contenders, phase1_order
 from .select import best_cover
 
 
@@ -98,16 +98,15 @@ def budget_warnings(n_candidates: int, n_contenders: int, trials: int | None, ti
 
 
 def dry_run(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
-            name: str | None = None, model: str = "h200", backends: Sequence[str] | None = None, static_argnums: Sequence[int] = (),
+            effort: str | None = None, name: str | None = None, model: str = "h200", backends: Sequence[str] | None = None, static_argnums: Sequence[int] = (),
             static_argnames: Sequence[str] = (), measure: str | None = None) -> DryRun:
     """The candidates a job for `fn` would tune (measured as `measure` says, default as a job would: on a GPU where
     there is one), their modelled savings in the order the budget reaches them, the modelled plan of default configs,
-    and what the budget (`trials`, default 48, or `time_budget_s`) cannot do. Notes on backends or candidates a job
+    and what the budget (`trials`, or the trials of `effort`, default 48; or `time_budget_s`) cannot do. Notes on backends or candidates a job
     would leave out go to stderr."""
     check_budget(trials, time_budget_s)
+    trials = trials_for(trials, time_budget_s, effort)
     backends, left_out = check_backends(backends, resolve_measure(measure, jax.default_backend() == "gpu"))
-    if trials is None and time_budget_s is None:
-        trials = DEFAULT_TRIALS
     gmodel = costmodel.get_model(model)
     graph = capture(fn, *args, static_argnums=tuple(static_argnums), static_argnames=tuple(static_argnames), **dict(kwargs or {}))
     by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)

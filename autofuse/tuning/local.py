@@ -24,7 +24,7 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .budget import check_budget
+from .budget import check_budget, trials_for
 from .job import (Notes, PhaseMarks, PlanSaver, check_backends, distinct_candidates, modelled_warning, open_run, program_name,
                   progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla,
                   tunable)
@@ -32,7 +32,7 @@ from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .output import StatusLine
 from .report import TuneReport
-from .scheduler import DEFAULT_TRIALS, Budget, Scheduler, timed_first, trial_total
+from .scheduler import Budget, Scheduler, timed_first, trial_total
 from .trial import TrialContext
 from .validate import finalize
 
@@ -43,7 +43,7 @@ log = logging.getLogger("autofuse")
 
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
-         seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
+         effort: str | None = None, seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
          quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
@@ -52,7 +52,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
     store the plan where `autofuse.jit(fn)` finds it.
 
-    `trials` and/or `time_budget_s` bound the job (default: 48 trials).
+    `trials` and/or `time_budget_s` bound the job (default: 48 trials); `effort`
+    ("quick", "default", "thorough": 16, 48, 160 trials) names a trial budget.
     `measure="device"` times on the GPU (the default where one is present);
     `measure="model"` ranks with the analytic model (the default elsewhere).
     `store` is a `PlanStore` or a database URL, by default the store that
@@ -86,6 +87,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     >>> print(report.table())  # doctest: +SKIP
     """
     check_budget(trials, time_budget_s)
+    trials = trials_for(trials, time_budget_s, effort)
     store = _store_of(store)
     kwargs = dict(kwargs or {})
     static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
@@ -121,8 +123,6 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     notes(left_out)
     if measure == "model":
         notes(modelled_warning(gmodel))
-    if trials is None and time_budget_s is None:
-        trials = DEFAULT_TRIALS
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
     name = name or program_name(fn)
     spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,

@@ -43,7 +43,6 @@ from .partition import Candidate
 from .select import Cover, best_cover
 from .space import CandidateSpace
 
-DEFAULT_TRIALS = 48  # a job's trial budget when it is given neither trials nor seconds
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
 PHASE1_SHARE = 0.5  # of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts

@@ -160,8 +160,6 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     gmodel = costmodel.get_model(model)
     if measure == "model":
         notes(modelled_warning(gmodel))
-    if trials is None and time_budget_s is None:
-        trials = 48
     job = {"fn": reference(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
            "heartbeat_s": int(heartbeat_s), "backends": list(backends), "workers": workers,
