@@ -7,7 +7,9 @@ query commands start without importing JAX. Importing it keeps JAX from
 preallocating most of the GPU in this process where that is still possible
 (`autofuse.gpumem`): the trial processes of `tune()` need the memory; and it
 points XLA's autotune cache at one directory (`autofuse.xla_autotune`), so that
-a deployed process compiles the GEMMs a tuning job measured.
+a deployed process compiles the GEMMs a tuning job measured, and JAX's persistent
+compilation cache at another (`autofuse.compile_cache`), so that a program one
+process compiled is not compiled again by the next.
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ _gpumem.STATE = _gpumem.configure()  # XLA_PYTHON_CLIENT_PREALLOCATE=false where
 from . import xla_autotune as _xla_autotune  # noqa: E402 -- before anything starts JAX's backends
 
 _xla_autotune.DIR = _xla_autotune.configure()  # one XLA autotune cache for tuning jobs and deployed processes
+
+from . import compile_cache as _compile_cache  # noqa: E402
+
+_compile_cache.DIR = _compile_cache.configure()  # one persistent compilation cache for a job's processes and deploys
 
 _LAZY = {
     "jit": "autofuse.api",

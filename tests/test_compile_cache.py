@@ -1,0 +1,57 @@
+"""One persistent JAX compilation cache for a tuning job's processes and deploys (`autofuse.compile_cache`): a program
+one process compiled is loaded, not compiled, by the next; the user's own cache and `off` are honoured. Real
+subprocesses, since JAX reads its cache settings once per process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from autofuse import compile_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRAM = """
+import autofuse, jax, jax.numpy as jnp
+from jax import monitoring
+hits = []
+monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+jax.jit(lambda x: jnp.tanh(x) @ x.T).lower(jnp.ones((256, 256))).compile()
+print(jax.config.jax_compilation_cache_dir, len(hits))
+"""
+
+
+def _run(env: dict[str, str]) -> list[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", compile_cache.ENV_DIR))}
+    out = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, env={**base, "PYTHONPATH": ROOT,
+                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_a_program_compiled_in_one_process_is_loaded_by_the_next(tmp_path):
+    cache = str(tmp_path / "cache")
+    first = _run({compile_cache.ENV_DIR: cache})
+    assert first == [cache, "0"] and os.listdir(cache)  # compiled and written
+    again = _run({compile_cache.ENV_DIR: cache})
+    assert again[0] == cache and int(again[1]) >= 1  # loaded, not compiled (the program and the small ones making its input)
+
+
+def test_the_users_own_cache_and_off_are_honoured(tmp_path):
+    own = str(tmp_path / "own")
+    assert _run({"JAX_COMPILATION_CACHE_DIR": own, compile_cache.ENV_DIR: str(tmp_path / "ours")})[0] == own
+    assert not (tmp_path / "ours").exists()
+    assert _run({compile_cache.ENV_DIR: "off"})[0] == "None"
+
+
+def test_configured_through_jax_config_where_jax_was_imported_first(tmp_path):
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size
+    environ = {compile_cache.ENV_DIR: str(tmp_path / "c")}
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert compile_cache.configure(environ) == str(tmp_path / "c")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c") and "JAX_COMPILATION_CACHE_DIR" not in environ
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_compilation_cache_max_size", before[1])
