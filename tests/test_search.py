@@ -445,6 +445,9 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
     (c_sig,) = {fg.signature for fg in alternative.groups}  # C: part of the layer norm, the alternative plan's
     ms = {frozenset({a.signature, b.signature}): 9.7, frozenset({a.signature}): 9.2, frozenset({b.signature}): 9.6,
           frozenset({c_sig}): 9.1, frozenset({c_sig, b.signature}): 8.9}
+    for r in rep.candidates:  # alone, A saved 1.0 ms and B 0.8: the chosen plan keeps 0.3 of 1.8 in the program
+        if r.signature in (a.signature, b.signature):
+            r.xla_ms = r.best_ms + (1.0 if r.signature == a.signature else 0.8)
     t = lambda v: Timing(v, v * 0.99, v * 1.01, v * 0.995, v * 1.005)  # noqa: E731
 
     class Device:
@@ -482,6 +485,9 @@ def test_a_group_in_context_that_is_the_chosen_plan_is_not_validated_twice():
 
     rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, store=False, isolate=False)
     (a,) = rep.plan.groups
+    for r in rep.candidates:  # A saved 5 ms alone and keeps 1 in the program: the chosen plan is taken apart
+        if r.signature == a.signature:
+            r.xla_ms = r.best_ms + 5.0
     graph = autofuse.capture(layer_norm, *_ln_args(512, 1024))
     by_sig, _ = distinct_candidates(graph)
     c = max((cs[0] for cs in by_sig.values() if set(cs[0].nodes) < set(a.nodes)), key=lambda c: len(c.nodes))
@@ -499,6 +505,42 @@ def test_a_group_in_context_that_is_the_chosen_plan_is_not_validated_twice():
     out = _validate(graph, Cover(rep.plan, 1.0, 0.5), Device(), "device", "ln", rep.candidates, 0, 0.0, alternative=alternative)
     assert seen == [{a.signature}, {alternative.groups[0].signature}]  # A once (chosen and in context), then C; A and C overlap
     assert out.plan.groups == rep.plan.groups and out.tuned_ms == 9.0
+
+
+def test_a_chosen_plan_that_keeps_its_savings_in_the_program_is_only_extended():
+    """A chosen plan that keeps most of its groups' savings alone in the program (GPT-2's forward: 92%) is not taken
+    apart again; only the groups of the plan of the largest savings alone that it lacks and that share no node with
+    it are tried in context, then the chosen plan with those that saved time there."""
+    from autofuse.plan import Plan
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate as _validate
+
+    def two_parts(x, g, b, y, c):
+        return layer_norm(x, g, b), log_relu_bias(y, c)
+
+    args = (*_ln_args(512, 1024), jax.ShapeDtypeStruct((512, 4096), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.float32))
+    rep = tune(two_parts, *args, trials=30, seed=0, quiet=True, store=False, isolate=False)
+    a, b = sorted(rep.plan.groups, key=lambda fg: fg.template != "row_reduce")
+    for r in rep.candidates:  # alone, A saved 1.0 ms and B 0.5
+        if r.signature in (a.signature, b.signature):
+            r.xla_ms = r.best_ms + (1.0 if r.signature == a.signature else 0.5)
+    chosen = Plan(rep.plan.fingerprint, (a,), {})
+    alternative = Plan(rep.plan.fingerprint, (a, b), {})
+    ms = {frozenset({a.signature}): 9.1, frozenset({b.signature}): 9.6, frozenset({a.signature, b.signature}): 8.6}
+    t = lambda v: Timing(v, v * 0.99, v * 1.01, v * 0.995, v * 1.005)  # noqa: E731
+    seen = []
+
+    class Device:
+        def call(self, req):
+            sigs = frozenset(fg.signature for fg in autofuse.Plan.from_json(req.plan_json).groups)
+            seen.append(sigs)
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(ms[sigs]), ratio=t(ms[sigs] / 10.0))
+
+    graph = autofuse.capture(two_parts, *args)
+    out = _validate(graph, Cover(chosen, 1.0, 0.5), Device(), "device", "two", rep.candidates, 0, 0.0, alternative=alternative)
+    assert seen == [{a.signature}, {b.signature}, {a.signature, b.signature}]  # A kept 0.9 of 1.0: B tried beside it, then both
+    assert {fg.signature for fg in out.plan.groups} == {a.signature, b.signature} and out.tuned_ms == pytest.approx(8.6)
 
 
 def test_time_budget_spent_on_xla_timing_says_so(caplog):
