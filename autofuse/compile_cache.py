@@ -11,9 +11,10 @@ small kernels of trials are compiled as before. Where JAX is already imported it
 """
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
+
+from .xla_autotune import jaxlib_cache_dir
 
 ENV_DIR = "AUTOFUSE_COMPILE_CACHE_DIR"
 JAX_DIR = "JAX_COMPILATION_CACHE_DIR"
@@ -26,11 +27,7 @@ def default_dir(environ: dict[str, str] | os._Environ = os.environ) -> str | Non
     if ENV_DIR in environ:
         given = environ[ENV_DIR].strip()
         return None if given.lower() in ("", "off", "none", "0") else given
-    try:
-        version = importlib.metadata.version("jaxlib")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "jax-compile", f"jaxlib-{version}")
+    return jaxlib_cache_dir("jax-compile")
 
 
 def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:

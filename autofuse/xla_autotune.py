@@ -29,11 +29,17 @@ def default_dir(environ: dict[str, str] | os._Environ = os.environ) -> str:
     """``$AUTOFUSE_XLA_AUTOTUNE_DIR`` as given, else one directory per jaxlib version under ``~/.cache/autofuse``."""
     if environ.get(ENV_DIR):
         return environ[ENV_DIR]
+    return jaxlib_cache_dir("xla-autotune")
+
+
+def jaxlib_cache_dir(kind: str) -> str:
+    """``~/.cache/autofuse/<kind>/jaxlib-<version>``: what this jaxlib's compiler made is kept apart from another's
+    (an upgrade starts a new directory)."""
     try:
         version = importlib.metadata.version("jaxlib")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    return os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "xla-autotune", f"jaxlib-{version}")
+    return os.path.join(os.path.expanduser("~"), ".cache", "autofuse", kind, f"jaxlib-{version}")
 
 
 def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
