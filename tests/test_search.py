@@ -543,6 +543,33 @@ def test_a_chosen_plan_that_keeps_its_savings_in_the_program_is_only_extended():
     assert {fg.signature for fg in out.plan.groups} == {a.signature, b.signature} and out.tuned_ms == pytest.approx(8.6)
 
 
+def test_where_the_cover_chose_xla_the_plan_of_the_largest_savings_alone_is_judged():
+    """The cover prices the rest of the program with XLA's options measured alone and may choose XLA's own plan where
+    the plan of the largest savings alone would win in the program: that plan is then validated in its stead."""
+    from autofuse.plan import Plan
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate as _validate
+
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=10, seed=0, quiet=True, store=False, isolate=False)
+    (a,) = rep.plan.groups
+    t = lambda v: Timing(v, v * 0.99, v * 1.01, v * 0.995, v * 1.005)  # noqa: E731
+    seen = []
+
+    class Device:
+        def call(self, req):
+            groups = autofuse.Plan.from_json(req.plan_json).groups
+            seen.append(len(groups))
+            v = 9.0 if groups else 10.0
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(v), ratio=t(v / 10.0))
+
+    graph = autofuse.capture(layer_norm, *_ln_args(512, 1024))
+    xla = Plan(rep.plan.fingerprint, (), {"measure": "device"})
+    out = _validate(graph, Cover(xla, 1.0, 1.0), Device(), "device", "ln", rep.candidates, 0, 0.0, alternative=rep.plan)
+    assert seen == [1] and out.plan.groups == (a,) and out.tuned_ms == 9.0
+    assert _validate(graph, Cover(xla, 1.0, 1.0), Device(), "device", "ln", rep.candidates, 0, 0.0).plan.is_xla
+
+
 def test_time_budget_spent_on_xla_timing_says_so(caplog):
     """XLA's time of every distinct candidate is taken before any trial; a time budget that runs out there
     ends the job with XLA's plan and says why, rather than looking like a search that found nothing."""
