@@ -116,3 +116,28 @@ def test_a_kernel_as_accurate_as_xla_passes_where_rounding_is_amplified():
     assert check_as_accurate(exact, xla, wide, avals, (1, 2), tols).ok
     doubled = lambda *a: [2 * o for o in xla(*a)]  # noqa: E731
     assert not check_as_accurate(doubled, xla, wide, avals, (1,), tols).ok
+
+
+def test_a_float32_dot_is_checked_at_the_programs_own_precision(monkeypatch):
+    """On a GPU XLA runs a float32 dot at default precision as TF32 (H100: 2.9e-4 from float64, 5.7e-7 at HIGHEST):
+    a float32 output computed through one is held to TF32's bound (float16's: the same 10-bit mantissa), not to
+    float32's 2e-5, which XLA itself misses. A dot of explicit precision, another backend (exact float32 dots), or a
+    bfloat16 dot keep their dtypes' bounds."""
+    import jax
+    import jax.numpy as jnp
+
+    from autofuse.graph import capture
+    from autofuse.runner.measure import cone_tolerances, tolerance
+
+    def scores(q, k, w):
+        return jnp.einsum("qd,kd->qk", q, k), jnp.dot(q, w, precision=jax.lax.Precision.HIGHEST), jnp.tanh(q)
+
+    f32 = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    g = capture(scores, f32, f32, jax.ShapeDtypeStruct((32, 32), jnp.float32))
+    ids = [n.id for n in g.nodes]
+    assert cone_tolerances(g, ids, g.outputs) == [tolerance(jnp.float32)] * 3  # the CPU: XLA's float32 dots are exact
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert cone_tolerances(g, ids, g.outputs) == [tolerance(jnp.float16), tolerance(jnp.float32), tolerance(jnp.float32)]
+    bf = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+    gb = capture(lambda q, k: jnp.einsum("qd,kd->qk", q, k, preferred_element_type=jnp.float32), bf, bf)
+    assert cone_tolerances(gb, [n.id for n in gb.nodes], gb.outputs) == [tolerance(jnp.bfloat16)]
