@@ -216,7 +216,9 @@ def test_worker_runs_only_the_function_its_command_line_names(tmp_path) -> None:
     (tmp_path / "planted.py").write_text("open('PLANTED', 'w').close()\ndef payload():\n    pass\n")
     (tmp_path / "numpy.py").write_text("open('SHADOWED', 'w').close()\nraise ImportError('not numpy')\n")
     argv, env = python_command("autofuse.tuning.workers", str(run), "benchmarks.workloads:log_relu_bias")
-    out = subprocess.run(argv, cwd=tmp_path, env={**env, "AUTOFUSE_DB": url}, capture_output=True, text=True, timeout=300)
+    path = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))  # `benchmarks` importable as if installed
+    out = subprocess.run(argv, cwd=tmp_path, env={**env, "AUTOFUSE_DB": url, "PYTHONPATH": path}, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip() == (f"autofuse worker: error: run {run} tunes planted:payload, not benchmarks.workloads:log_relu_bias: "
                                   "a worker runs only the function its command line names")
