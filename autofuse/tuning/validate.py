@@ -95,7 +95,7 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
         singles = lone_contraction_costs(graph, runner, known, contested)
     t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
-    alternative = savings_plan(graph, by_sig, cands) if measure == "device" else None
+    alternative = savings_plan(graph, by_sig, cands, model) if measure == "device" else None
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
