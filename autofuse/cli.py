@@ -30,7 +30,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .tables import Column, device_label, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_phases, format_table, jsonable
+from .tables import (Column, device_label, fmt_bool, fmt_ms, fmt_short, fmt_time, fmt_x, format_phases, format_table, jsonable,
+                     memory_text)
 
 PROG = "autofuse"
 
@@ -361,6 +362,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     model = ((plan.get("plan") or {}).get("provenance") or {}).get("model")
     _print_fields(dict(plan, device=_shown_device(dict(plan, model=model))), skip=("plan", "plan_json", "signature"))
     print(f"signature  {json.dumps(jsonable(plan['signature']))}")
+    memory = memory_text((plan.get("plan") or {}).get("provenance") or {})
+    if memory:
+        print(f"memory     {memory}")
     print()
     print(json.dumps(plan["plan"], indent=2))
     return 0

@@ -61,6 +61,8 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
     p.add_argument("--trials", type=int, default=None, help="trial budget for the whole job (default 48 when no --time-budget)")
     p.add_argument("--effort", default=None, metavar="LEVEL",
                    help="a named trial budget instead of --trials: quick (16 trials), default (48) or thorough (160)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="cap a plan's peak device memory on the GPU (e.g. 40GiB): a plan above it fails its validation")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="time budget for the whole job, in seconds, counted from its start (which times every distinct candidate in XLA first)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed and budget: same trials in the same order)")
@@ -102,13 +104,15 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
 def _checked(args: argparse.Namespace) -> tuple[int, ...]:
     """The arguments that need nothing imported, checked first: a mistake is refused at once, not after the seconds
     JAX takes to start. Returns the static argument positions."""
-    from autofuse.tuning.budget import check_budget, trials_for
+    from autofuse.tuning.budget import check_budget, parse_bytes, trials_for
 
     check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
     if args.effort is not None:
         if args.trials is not None:
             raise ValueError("give --trials or --effort, not both")
         args.trials = trials_for(None, args.time_budget, args.effort, effort_flag="--effort")
+    if args.max_memory is not None:
+        args.max_memory = parse_bytes(args.max_memory, flag="--max-memory")
     for flag, value in (("--compile-workers", args.compile_workers), ("--workers", args.workers), ("--heartbeat", args.heartbeat)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -199,7 +203,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
                   measure=measure, quiet=args.quiet, verbose=args.verbose, isolate=not args.no_isolate,
                   trial_timeout_s=args.trial_timeout, static_argnums=statics, resume=args.resume, workers=args.workers,
-                  heartbeat_s=args.heartbeat, backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
+                  heartbeat_s=args.heartbeat, backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers,
+                  max_memory=args.max_memory)
     if args.json:
         print(json.dumps({"name": report.name, "fingerprint": report.fingerprint, "measure": report.measure, "device": report.device,
                           "model": report.model, "baseline_ms": report.baseline_ms, "tuned_ms": report.tuned_ms, "speedup": report.speedup,
@@ -233,7 +238,8 @@ def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
     runs = buckets.tune_buckets(fn, bucket_list, static_argnums=statics, quiet=args.quiet, on_bucket=show, trials=args.trials,
                                 time_budget_s=args.time_budget, seed=args.seed, store=store, name=args.name or args.target,
                                 measure=measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
-                                backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers)
+                                backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers,
+                                max_memory=args.max_memory)
     if args.json:
         print(json.dumps({"buckets": [r.to_dict() for r in runs]}, indent=2))
     else:

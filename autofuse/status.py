@@ -22,6 +22,7 @@ class TrialStatus(StrEnum):
     ERROR = "error"
     RUNNING = "running"  # claimed by a worker, not finished yet
     LOST = "lost"  # its worker died; the config is retried elsewhere
+    OVER_MEMORY = "over_memory"  # a whole plan whose peak device memory is above the job's cap (`tune(max_memory_bytes=)`)
 
     @property
     def spends_budget(self) -> bool:

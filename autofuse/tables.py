@@ -26,6 +26,22 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     return f"{n} {noun if n == 1 else many or noun + 's'}"
 
 
+def fmt_bytes(n: int | float | None) -> str:
+    """``1.25 GiB``, ``640 MiB``, ``12 KiB``: a size in the largest binary unit that keeps it at least 1."""
+    if n is None:
+        return ""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def memory_text(provenance: dict[str, Any]) -> str:
+    """``peak memory 17.4 GiB (jax.jit 64.7 GiB)`` from a plan's provenance (`validate._report`), or ""."""
+    peak, base = provenance.get("peak_bytes"), provenance.get("baseline_peak_bytes")
+    return f"peak memory {fmt_bytes(peak)} (jax.jit {fmt_bytes(base)})" if peak and base else ""
+
+
 def fmt_ms(v: Any) -> str:
     return "" if v is None else f"{v:.4g}"
 

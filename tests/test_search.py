@@ -737,3 +737,37 @@ def test_modelled_losses_come_last_and_a_short_budget_spends_nothing_on_them():
         rs[i].trials.append(TrialRecord(len(rs[i].trials), {"backend": "triton", "k": len(rs[i].trials)}, TrialStatus.OK, fused[rs[i].signature]))
         rs[i].update_best()
     assert "far" not in picked and "near" not in picked, picked
+
+
+def test_every_plan_records_its_peak_memory_and_a_cap_refuses_a_plan_above_it():
+    """Issue 32: peak device memory is part of a plan: each validation reports XLA's peak memory of the plan's program
+    and of jax.jit's (`memory_analysis`), a measured plan's provenance keeps both, and `max_memory` caps it: on the
+    GPU a plan above the cap fails its validation and XLA's own plan is kept. The device is stood in for."""
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.budget import parse_bytes
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate as _validate
+
+    rep = tune(layer_norm, *_ln_args(512, 1024), trials=6, seed=0, quiet=True, store=False, isolate=False)
+    v = rep.validation  # the evaluator's own analysis (here of the CPU's programs)
+    assert not rep.plan.is_xla and v.peak_bytes and v.baseline_peak_bytes and v.peak_bytes >= 512 * 1024 * 2 * 2
+    assert "peak_bytes" not in rep.plan.provenance  # modelled: no GPU memory to speak of
+    t = lambda ms: Timing(ms, ms * 0.99, ms * 1.01, ms * 0.995, ms * 1.005)  # noqa: E731
+
+    class Device:
+        def call(self, req):
+            fused = bool(autofuse.Plan.from_json(req.plan_json).groups)
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(9.0 if fused else 10.0), ratio=t(0.9 if fused else 1.0),
+                                    peak_bytes=3 * 2**30 if fused else 2 * 2**30, baseline_peak_bytes=2 * 2**30)
+
+    graph = autofuse.capture(layer_norm, *_ln_args(512, 1024))
+    ok = _validate(graph, Cover(rep.plan, 1.0, 0.5), Device(), "device", "ln", rep.candidates, 0, 0.0)
+    assert not ok.plan.is_xla and ok.plan.provenance["peak_bytes"] == 3 * 2**30 and ok.plan.provenance["baseline_peak_bytes"] == 2 * 2**30
+    capped = _validate(graph, Cover(rep.plan, 1.0, 0.5), Device(), "device", "ln", rep.candidates, 0, 0.0,
+                       max_memory_bytes=parse_bytes("2.5GiB"))
+    assert capped.plan.is_xla and "peak device memory 3.00 GiB is over the cap of 2.50 GiB" in capped.plan.provenance["reason"]
+    assert capped.plan.provenance["peak_bytes"] == capped.plan.provenance["baseline_peak_bytes"] == 2 * 2**30
+    assert [parse_bytes(s) for s in ("40GiB", "512 MiB", "8e9", "2kb", 3)] == [40 * 2**30, 512 * 2**20, 8 * 10**9, 2000, 3]
+    for bad in ("lots", "-1GiB", "0"):
+        with pytest.raises(ValueError, match="max_memory must be"):
+            parse_bytes(bad)

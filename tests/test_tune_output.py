@@ -103,6 +103,20 @@ def test_summary_puts_a_large_error_beside_jax_jits_own_move() -> None:
     assert "own move" not in rep.summary()
 
 
+def test_summary_says_what_the_plan_saved_alone_and_in_the_program_and_its_peak_memory() -> None:
+    """A measured plan's summary line says what its groups saved alone and in the program and its peak device memory
+    beside jax.jit's (both recorded in its provenance by the validation)."""
+    import dataclasses
+
+    rep = _report((FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 2}, "s-norm"),))
+    prov = {**rep.plan.provenance, "alone_ms": 2.5, "realised_ms": 2.0, "peak_bytes": int(17.4 * 2**30), "baseline_peak_bytes": int(64.7 * 2**30)}
+    line = dataclasses.replace(rep, plan=dataclasses.replace(rep.plan, provenance=prov)).summary()
+    assert "saved 2.500 ms alone, 2.000 ms in the program (80%), peak memory 17.4 GiB (jax.jit 64.7 GiB);" in line, line
+    res = cli("tune", *RMS, "--max-memory", "plenty", "--dry-run")
+    assert res.returncode == 2 and res.stderr.strip() == ("autofuse: error: --max-memory must be a size such as 40GiB, 512MiB or 8e9 "
+                                                          "(bytes), got 'plenty'")
+
+
 def test_summary_of_a_modelled_or_xla_plan_says_so() -> None:
     rep = _report((), measure="model")
     assert "MODELLED on a model of NVIDIA H200, not measured" in rep.summary() and "XLA's own plan" in rep.summary()

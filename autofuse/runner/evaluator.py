@@ -270,7 +270,8 @@ class Evaluator:
             error += (f"; on random inputs jax.jit's own result moves by up to {max(verdict.sensitivity):.2g} when the inputs move "
                       f"by one rounding step ({len(chaotic)} output(s): {shown}), so it cannot be checked there: tune with the "
                       "program's real inputs (arrays, not shapes)")
-        out = ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, seconds=secs)
+        memory = {"peak_bytes": peak_bytes(fused), "baseline_peak_bytes": peak_bytes(judge.ref)}
+        out = ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, seconds=secs, **memory)
         if status is not TrialStatus.OK or self.measure == "model":
             return out
         t4 = time.perf_counter()
@@ -278,7 +279,22 @@ class Evaluator:
                                         budget_ms=VALIDATION_TIMING_MS)
         secs["time"] = time.perf_counter() - t4
         return ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, base, plan_t, ratio,
-                                seconds=secs)
+                                seconds=secs, **memory)
+
+
+def peak_bytes(compiled: Any) -> int | None:
+    """XLA's peak device memory of a compiled program (its arguments, outputs and temporaries at the busiest point;
+    a Pallas kernel's scratch lives in shared memory and adds nothing), or None where it has none to say (a plan that
+    failed to build, a backend without the analysis)."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not a compiled program, or no analysis on this backend: nothing to report
+        return None
+    if stats is None:
+        return None
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    return int(peak) if peak else int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+                                      - stats.alias_size_in_bytes)
 
 
 def _structs(group: Group) -> list[jax.ShapeDtypeStruct]:

@@ -135,6 +135,8 @@ class ValidationResult:
     plan: Timing | None = None  # the plan (device mode), timed in alternation with the baseline
     ratio: Timing | None = None  # plan / baseline, per alternation (its spread is the comparison's noise)
     seconds: dict = field(default_factory=dict)  # where the validation's time went: compile, reference, check, examples, time
+    peak_bytes: int | None = None  # the plan's program: XLA's peak device memory (arguments, outputs, temporaries)
+    baseline_peak_bytes: int | None = None  # jax.jit's program, the same way
 
     @property
     def ok(self) -> bool:

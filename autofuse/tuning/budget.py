@@ -26,3 +26,23 @@ def trials_for(trials: int | None, time_budget_s: float | None, effort: str | No
     if effort is not None:
         return EFFORT_TRIALS[effort]
     return DEFAULT_TRIALS if time_budget_s is None else None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, *, flag: str = "max_memory") -> int:
+    """A size as a person writes it (``40GiB``, ``512MiB``, ``8e9``, ``40 GB``) in bytes; ValueError (one line)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size: float = text
+    else:
+        s = str(text).strip().lower().replace(" ", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):]
+        try:
+            size = float(num) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(f"{flag} must be a size such as 40GiB, 512MiB or 8e9 (bytes), got {text!r}") from None
+    if size <= 0:
+        raise ValueError(f"{flag} must be a positive size, got {text!r}")
+    return int(size)

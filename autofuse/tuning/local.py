@@ -24,7 +24,7 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .budget import check_budget, trials_for
+from .budget import check_budget, parse_bytes, trials_for
 from .job import (Notes, PhaseMarks, PlanSaver, check_backends, distinct_candidates, modelled_warning, open_run, program_name,
                   progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla,
                   tunable)
@@ -43,7 +43,7 @@ log = logging.getLogger("autofuse")
 
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
-         effort: str | None = None, seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
+         effort: str | None = None, max_memory: int | str | None = None, seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
          quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
          static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
@@ -53,7 +53,10 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     store the plan where `autofuse.jit(fn)` finds it.
 
     `trials` and/or `time_budget_s` bound the job (default: 48 trials); `effort`
-    ("quick", "default", "thorough": 16, 48, 160 trials) names a trial budget.
+    ("quick", "default", "thorough": 16, 48, 160 trials) names a trial budget;
+    `max_memory` (bytes, or "40GiB") caps a plan's peak device memory on the GPU:
+    a plan above it fails its validation (each measured plan's peak, and
+    jax.jit's, is recorded in its provenance).
     `measure="device"` times on the GPU (the default where one is present);
     `measure="model"` ranks with the analytic model (the default elsewhere).
     `store` is a `PlanStore` or a database URL, by default the store that
@@ -88,6 +91,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     """
     check_budget(trials, time_budget_s)
     trials = trials_for(trials, time_budget_s, effort)
+    max_memory_bytes = None if max_memory is None else parse_bytes(max_memory)
     store = _store_of(store)
     kwargs = dict(kwargs or {})
     static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
@@ -103,7 +107,7 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         report = tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
                                  name=name, measure=measure, model=model, quiet=quiet, verbose=verbose, isolate=isolate, trial_timeout_s=trial_timeout_s,
                                  static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress,
-                                 backends=backends, compile_workers=compile_workers)
+                                 backends=backends, compile_workers=compile_workers, max_memory_bytes=max_memory_bytes)
         if promote and report.plan_id is not None and not report.plan_current:
             from ..store import PlanStore
 
@@ -188,7 +192,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         saver = PlanSaver(pstore, ids, run_id, promote) if pstore is not None else None
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
                           say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings,
-                          on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")))
+                          on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")),
+                          max_memory_bytes=max_memory_bytes)
         marks("selected")
         marks("selection", value=timings)
         report.wall_s = clock() - t_start

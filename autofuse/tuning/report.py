@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from ..runner.protocol import ValidationResult
-from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, plural, savings_text
+from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, memory_text, plural, savings_text
 from .ledger import CandidateState
 from .output import candidate_label, config_text
 
@@ -131,6 +131,8 @@ def summary_line(report: TuneReport) -> str:
         prov = report.plan.provenance
         if report.measure == "device" and isinstance(prov.get("alone_ms"), (int, float)):
             extra.append(savings_text(prov))
+        if report.measure == "device" and memory_text(prov):
+            extra.append(memory_text(prov))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
                  + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
     store = f"run {report.run_id}, plan {report.plan_id} in {report.stored_in}" if report.stored_in is not None else "not stored"

@@ -63,7 +63,8 @@ def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledge
 def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], runner: Any, measure: str,
              model: costmodel.GPUModel, ledger: Ledger, name: str, n_trials: int, t_start: float,
              say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
-             timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None) -> TuneReport:
+             timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
+             max_memory_bytes: int | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
     `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
     `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
@@ -99,7 +100,7 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                      timings=timings, on_passed=on_passed, alternative=alternative)
+                      timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
@@ -123,7 +124,7 @@ def _could_be_chosen(r: CandidateState, by_sig: dict[str, list[Candidate]], mode
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
-             alternative: Plan | None = None) -> TuneReport:
+             alternative: Plan | None = None, max_memory_bytes: int | None = None) -> TuneReport:
     """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
@@ -133,11 +134,11 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     and of `alternative`'s, the largest savings alone first, as a plan of its own, and then the plan of the groups
     that saved time in the program (`probe`). The fastest is kept (a later one only if faster beyond the noise of
     both). With the model, the chosen plan or the first smaller plan (`smaller_plans`) that passes. None passes:
-    XLA's own plan.
+    XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
     """
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                           timings=timings, on_passed=on_passed, alternative=alternative)
+                           timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned = cover.baseline_ms, cover.tuned_ms
@@ -208,7 +209,8 @@ class Measured:
 
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
-                on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None) -> TuneReport:
+                on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
+                max_memory_bytes: int | None) -> TuneReport:
     """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
     time in the program together (see `validate`).
 
@@ -239,7 +241,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
                 timings.setdefault("compiled", []).append(longest)
         say(f"autofuse: validating plan {k} of {n} ({what}: {describe(cand)}) against jax.jit")
         t0 = time.perf_counter()
-        v = _validate_once(runner, cand, state, say, compile_workers)
+        v = over_memory(_validate_once(runner, cand, state, say, compile_workers), max_memory_bytes)
         plans_t.append(_plan_timing(cand, v, t0))
         m = Measured(cand, v, plan_alone_ms(cand, alone))
         measured.append(m)
@@ -323,6 +325,14 @@ def _beside(extra: Plan, plan: Plan) -> bool:
 
 def _same_groups(a: Plan, b: Plan) -> bool:
     return sorted(g.nodes for g in a.groups) == sorted(g.nodes for g in b.groups)
+
+
+def over_memory(v: ValidationResult, max_memory_bytes: int | None) -> ValidationResult:
+    """`v`, failed, where its plan's peak device memory is above the job's cap (`tune(max_memory_bytes=)`)."""
+    if max_memory_bytes is None or v.peak_bytes is None or v.peak_bytes <= max_memory_bytes or not v.ok:
+        return v
+    return replace(v, status=TrialStatus.OVER_MEMORY,
+                   error=f"peak device memory {v.peak_bytes / 2**30:.2f} GiB is over the cap of {max_memory_bytes / 2**30:.2f} GiB")
 
 
 def _validate_once(runner: Any, cand: Plan, state: dict, say: Callable[[str], None], compile_workers: int) -> ValidationResult:
@@ -420,8 +430,12 @@ def _with_reason(chosen: Plan, kept: Plan, notes: list[str]) -> Plan:
 
 def _report(graph: Graph, plan: Plan, name: str, measure: str, base: float | None, tuned: float | None, noise: float | None,
             cands: list[CandidateState], validation: ValidationResult, n_trials: int, t_start: float) -> TuneReport:
-    """The job's report of `plan`, its times recorded in its provenance."""
-    plan = replace(plan, provenance={**plan.provenance, "baseline_ms": base, "tuned_ms": tuned})
+    """The job's report of `plan`, its times and, measured on a GPU, its peak device memory and jax.jit's recorded in
+    its provenance (XLA's own plan: jax.jit's for both)."""
+    base_peak = validation.baseline_peak_bytes if measure == "device" else None
+    peak = base_peak if plan.is_xla else validation.peak_bytes
+    plan = replace(plan, provenance={**plan.provenance, "baseline_ms": base, "tuned_ms": tuned,
+                                     **({"peak_bytes": peak, "baseline_peak_bytes": base_peak} if peak and base_peak else {})})
     speedup = base / tuned if base and tuned else None
     return TuneReport(name, graph.fingerprint, measure, plan, base, tuned, speedup, noise, cands, validation, time.time() - t_start, n_trials)
 

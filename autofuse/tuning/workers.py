@@ -134,7 +134,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
                       store: Any, name: str | None, measure: str | None, model: str, quiet: bool, isolate: bool, trial_timeout_s: float,
                       static_argnums: Sequence[int], static_argnames: Sequence[str], heartbeat_s: int,
                       progress: Callable[[str], None] | None, backends: Sequence[str] | None = None, verbose: bool = False,
-                      compile_workers: int | None = None) -> TuneReport:
+                      compile_workers: int | None = None, max_memory_bytes: int | None = None) -> TuneReport:
     """`tune` with `workers` processes on this host sharing one run (see the module docstring). The launcher shows
     the run's progress (every host's trials) unless `quiet`; the workers say what they do only when `verbose`."""
     import optuna
@@ -163,7 +163,7 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     job = {"fn": reference(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
            "heartbeat_s": int(heartbeat_s), "backends": list(backends), "workers": workers,
-           "compile_workers": compile_workers}
+           "compile_workers": compile_workers, "max_memory_bytes": max_memory_bytes}
     graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
     pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel, job["fn"])
     name = pstore.get_run(run_id)["program"]  # the name the store knows it by
@@ -570,7 +570,8 @@ class _Worker:
         saver = PlanSaver(self.pstore, RunIds(run["program_id"], run["device_id"], run["software_id"]), self.run_id)
         report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
                           run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings,
-                          on_passed=lambda first: (saver.early(first), marks("first_plan")))
+                          on_passed=lambda first: (saver.early(first), marks("first_plan")),
+                          max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"))
         marks("selected")
         marks("selection", value=timings)
         saver.final(report)
