@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .status import TrialStatus
-from .tables import Column, device_label, fmt_short, format_table
+from .tables import Column, device_label, fmt_short, format_table, memory_text
 
 MAX_LINES = 12  # convergence: the plan's groups and the best others, at most this many lines (the legend stays legible)
 
@@ -174,7 +174,8 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
     run = store.get_run(run_id)
     cands = store.candidates(run_id)
     trials = store.trials(run_id)
-    plans = [p for p in store.plans(run["fingerprint"]) if p["run_id"] == run_id]
+    plans = [dict(p, memory=memory_text(((store.get_plan(p["id"]).get("plan") or {}).get("provenance")) or {}))
+             for p in store.plans(run["fingerprint"]) if p["run_id"] == run_id]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,7 +277,8 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
         lines.append(format_table(plans, [
             Column("plan", "id"), Column("created (UTC)", "created_at", lambda v: v.isoformat(timespec="seconds")),
             Column("ms", "measured_ms", _ms), Column("baseline ms", "baseline_ms", _ms), Column("speedup", fmt=_x),
-            Column("max error", "max_error", lambda v: f"{v:.2g}"), Column("current", "is_current", lambda v: "yes" if v else "no")],
+            Column("max error", "max_error", lambda v: f"{v:.2g}"), Column("current", "is_current", lambda v: "yes" if v else "no"),
+            Column("memory", fmt=lambda v: v or "–")],
             markdown=True))
     else:
         lines.append("None.")
