@@ -3,6 +3,7 @@ compute the same thing are tuned once), their search spaces, the run in the stor
 and one Optuna study per candidate with its first configs enqueued."""
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -107,11 +108,65 @@ def tunable(by_sig: dict[str, list[Candidate]], cands: list[CandidateState],
 
 
 def distinct_candidates(graph: Graph) -> tuple[dict[str, list[Candidate]], list[CandidateState]]:
-    """Candidates grouped by signature (those that compute the same thing are tuned once), one state each."""
+    """Candidates grouped by signature (those that compute the same thing are tuned once), one state each; read back
+    from this program's enumeration cache (`enumeration_file`) where an earlier job of this code wrote it."""
+    path = enumeration_file(graph.fingerprint)
+    cached = load_candidates(graph, path) if path is not None else None
+    if cached is not None:
+        return cached
     by_sig: dict[str, list[Candidate]] = {}
     for c in enumerate_candidates(graph):
         by_sig.setdefault(c.group.signature, []).append(c)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_candidates(graph, by_sig, path)
+        except OSError as e:  # a read-only cache: the next job enumerates again
+            log.debug("autofuse: could not keep the candidates of %s in %s: %s", graph.fingerprint, path, e)
     return by_sig, _states(by_sig)
+
+
+ENUMERATION_CACHE = "AUTOFUSE_ENUMERATION_CACHE"  # a directory, or "off"
+
+
+def enumeration_file(fingerprint: str) -> str | None:
+    """Where the candidates of program `fingerprint` are kept between jobs: GPT-2 medium's forward takes 4-5 s to
+    enumerate on the CPU, each job and worker again. Keyed by the code that enumerates too (`_enumeration_code`), so
+    that a changed template or partitioner never reads another version's answer. ``$AUTOFUSE_ENUMERATION_CACHE``
+    (``off``: none), else ``~/.cache/autofuse/candidates``."""
+    where = os.environ.get(ENUMERATION_CACHE)
+    if where is not None and where.strip().lower() in ("", "off", "none", "0"):
+        return None
+    base = where or os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "candidates")
+    return os.path.join(base, _enumeration_code(), f"{fingerprint}.json")
+
+
+def _enumeration_code() -> str:
+    """A digest of what decides a program's candidates: the partitioner's, the graph's and the kernels' source, and
+    the templates registered now (a plugin's too: its name and its module's source)."""
+    from ..kernels import TEMPLATES
+
+    h = hashlib.sha256(_autofuse_code().encode())
+    for name, tmpl in TEMPLATES.items():
+        h.update(name.encode())
+        h.update(_file_digest(sys.modules[type(tmpl).__module__].__file__ or "").encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _autofuse_code() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [os.path.join(root, "graph.py"), os.path.join(root, "ops.py"), os.path.join(root, "tuning", "partition.py"),
+             *sorted(glob.glob(os.path.join(root, "kernels", "**", "*.py"), recursive=True))]
+    return "".join(_file_digest(f) for f in files)
+
+
+def _file_digest(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return path
 
 
 def _states(by_sig: dict[str, list[Candidate]]) -> list[CandidateState]:
