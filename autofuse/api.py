@@ -19,15 +19,13 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
 
 from .graph import Graph, capture, flatten_args, qualified_name
-from .plan import Plan, PlanError, executor, preload_pallas_lowerings
-from .tables import plural
+from .plan import Plan, PlanError, describe_groups, executor, preload_pallas_lowerings
 
 log = logging.getLogger("autofuse")
 
@@ -132,14 +130,6 @@ def _leaf_key(x: Any) -> tuple:
     if isinstance(x, (bool, int, float, complex)):
         x = jax.typeof(x)
     return tuple(x.shape), x.dtype, bool(getattr(x, "weak_type", False))
-
-
-def describe_groups(plan: Plan | None) -> str:
-    """``3 fused groups (attention, row_reduce×2)``: how many groups of which templates a plan runs."""
-    groups = plan.groups if plan is not None else ()
-    counts = Counter(g.template for g in groups)
-    kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in counts.items())
-    return f"{plural(len(groups), 'fused group')} ({kinds})"
 
 
 class AutofuseFunction:

@@ -23,6 +23,8 @@ one raises a clear error.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -330,6 +332,15 @@ def kernel_key(group: Group, fg: FusedGroup) -> tuple:
     pos = {n: k for k, n in enumerate(group.node_ids)}
     stages = tuple(tuple(pos[n] for n in st) for st in fg.stages)
     return group.signature, fg.template, fg.backend, json.dumps(fg.config, sort_keys=True), stages
+
+
+def describe_groups(plan: Plan | None) -> str:
+    """``3 fused groups (row_reduce×2, attention)``: how many groups of which templates a plan runs, the most
+    frequent template first."""
+    groups = plan.groups if plan is not None else ()
+    counts = Counter(g.template for g in groups)
+    kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in sorted(counts.items(), key=lambda tn: (-tn[1], tn[0])))
+    return f"{len(groups)} fused group{'' if len(groups) == 1 else 's'} ({kinds})"
 
 
 def plan_from_choices(graph: Graph, choices: Sequence[tuple], provenance: dict | None = None) -> Plan:

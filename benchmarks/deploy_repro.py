@@ -265,7 +265,7 @@ def child_prealloc(a: argparse.Namespace) -> int:
     q, k, v = (jax.random.normal(kk, shape, jnp.float32) for kk in keys)  # the caller's arrays: JAX's GPU client starts here
     jax.block_until_ready((q, k, v))
     import autofuse  # the bad order: only now
-    from autofuse.api import describe_groups
+    from autofuse.plan import describe_groups
     from benchmarks.workloads import attention_bhld
 
     d = jax.devices()[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..plan import Plan
+from ..plan import Plan, describe_groups
 from ..runner.protocol import ValidationResult
 from ..tables import Column, device_label, fmt_ms, fmt_x, format_table, memory_text, plural, savings_text
 from .ledger import CandidateState
@@ -102,14 +102,6 @@ def final_table(report: TuneReport, all_candidates: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plan_text(report: TuneReport) -> str:
-    """``2 fused groups (attention, row_reduce×2)``."""
-    n = len(report.plan.groups)
-    by_template = Counter(g.template for g in report.plan.groups)
-    kinds = ", ".join(t if k == 1 else f"{t}×{k}" for t, k in sorted(by_template.items(), key=lambda tk: (-tk[1], tk[0])))
-    return f"{plural(n, 'fused group')} ({kinds})"
-
-
 def _spread_note(validation: ValidationResult) -> str:
     """Where the worst error is of the size of jax.jit's own move (an output that is rounding noise, like a
     gradient that is zero in exact arithmetic, or a chaotic bf16 step), that move, so the number reads as what it is."""
@@ -134,6 +126,6 @@ def summary_line(report: TuneReport) -> str:
         if report.measure == "device" and memory_text(prov):
             extra.append(memory_text(prov))
         found = (f"{fmt_x(report.speedup)} over jax.jit ({fmt_ms(report.baseline_ms)} -> {fmt_ms(report.tuned_ms)} ms"
-                 + "".join(f", {e}" for e in extra) + f"; {how}) with {plan_text(report)}")
+                 + "".join(f", {e}" for e in extra) + f"; {how}) with {describe_groups(report.plan)}")
     store = f"run {report.run_id}, plan {report.plan_id} in {report.stored_in}" if report.stored_in is not None else "not stored"
     return f"autofuse: {report.name}: {found}; {plural(report.trials_run, 'trial')} in {report.wall_s:.1f} s; {store}"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .. import costmodel
 from ..graph import Graph
-from ..plan import Plan
+from ..plan import Plan, describe_groups
 from ..runner.protocol import (
     TrialRequest,
     ValidateRequest,
@@ -147,7 +147,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     plans_t = [] if timings is None else timings.setdefault("plans", [])
     for k, (cand, given_up) in enumerate(tries):
         if phase is not None:
-            phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe(cand)}) against jax.jit")
+            phase(f"autofuse: validating plan {k + 1} of {len(tries)} ({describe_groups(cand)}) against jax.jit")
         t0 = time.perf_counter()
         v = runner.call(ValidateRequest(cand.to_json()))
         plans_t.append(_plan_timing(cand, v, t0))
@@ -239,7 +239,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
             if timings is not None:
                 timings["compile_ahead"] = round(timings.get("compile_ahead", 0.0) + time.perf_counter() - t0, 3)
                 timings.setdefault("compiled", []).append(longest)
-        say(f"autofuse: validating plan {k} of {n} ({what}: {describe(cand)}) against jax.jit")
+        say(f"autofuse: validating plan {k} of {n} ({what}: {describe_groups(cand)}) against jax.jit")
         t0 = time.perf_counter()
         v = over_memory(_validate_once(runner, cand, state, say, compile_workers), max_memory_bytes)
         plans_t.append(_plan_timing(cand, v, t0))
@@ -438,15 +438,6 @@ def _report(graph: Graph, plan: Plan, name: str, measure: str, base: float | Non
                                      **({"peak_bytes": peak, "baseline_peak_bytes": base_peak} if peak and base_peak else {})})
     speedup = base / tuned if base and tuned else None
     return TuneReport(name, graph.fingerprint, measure, plan, base, tuned, speedup, noise, cands, validation, time.time() - t_start, n_trials)
-
-
-def describe(plan: Plan) -> str:
-    """``3 fused groups: attention, row_reduce×2``."""
-    counts: dict[str, int] = {}
-    for g in plan.groups:
-        counts[g.template] = counts.get(g.template, 0) + 1
-    kinds = ", ".join(t if n == 1 else f"{t}×{n}" for t, n in counts.items())
-    return f"{len(plan.groups)} fused group{'s' if len(plan.groups) != 1 else ''}: {kinds}"
 
 
 def _pause_for_tests() -> None:
