@@ -24,15 +24,18 @@ from autofuse.tuning.select import Option, select_cover
 from autofuse.plan import Plan, plan_from_choices
 from autofuse.tuning.local import tune
 from examples import gpt2
+from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
 
 TOL = 1e-4  # relative error norm; small_inputs() are float32, fused kernels accumulate in float32
 CASES = [(m, f) for m in ("gpt2", "splade", "llama") for f in ("forward", "grad_step")]
 
 
-def fuse_all(graph, configs: dict[str, dict]) -> Plan:
-    """A plan that fuses as many instances of the given candidates (signature -> config) as an acyclic cover allows."""
-    options = [Option(c.nodes, -float(len(c.nodes)), c, c.stages) for c in enumerate_candidates(graph) if c.group.signature in configs]
+def fuse_all(graph, configs: dict[str, dict], candidates=None) -> Plan:
+    """A plan that fuses as many instances of the given candidates (signature -> config) as an acyclic cover allows
+    (`candidates`: the graph's, if already enumerated)."""
+    options = [Option(c.nodes, -float(len(c.nodes)), c, c.stages) for c in candidates or enumerate_candidates(graph)
+               if c.group.signature in configs]
     chosen = select_cover(graph, options, {})
     return plan_from_choices(graph, [(o.label.group, o.label.template, configs[o.label.group.signature], o.label.stages) for o in chosen])
 
@@ -44,9 +47,8 @@ def assert_matches_jit(fn, plan: Plan, args) -> None:
 
 @pytest.mark.parametrize("model,entry", CASES, ids=[f"{m}-{f}" for m, f in CASES])
 def test_model_tunes_and_fused_program_matches_jit(model, entry):
-    mod = importlib.import_module(f"examples.{model}")
+    mod, graph, args = example_graphs.program(model, entry)
     fn = getattr(mod, entry)
-    args = mod.small_inputs()
     report = tune(fn, *args, trials=4, measure="model", isolate=False, quiet=True, store=False, progress=lambda s: None)
 
     # Repeated layers are tuned once: each layer's groups recur, so distinct candidates < instances.
@@ -55,8 +57,8 @@ def test_model_tunes_and_fused_program_matches_jit(model, entry):
     assert any(c.best_config is not None for c in report.candidates)
 
     assert_matches_jit(fn, report.plan, args)
-    graph = capture(fn, *args)
-    forced = fuse_all(graph, {c.signature: c.best_config for c in report.candidates if c.best_config is not None})
+    forced = fuse_all(graph, {c.signature: c.best_config for c in report.candidates if c.best_config is not None},
+                      example_graphs.candidates(model, entry))
     assert forced.groups
     assert_matches_jit(fn, forced, args)
 

@@ -20,6 +20,7 @@ from autofuse.tuning.space import SearchSpace
 from benchmarks.workloads import attention_bhld_causal, cross_entropy, layer_norm, rms_norm
 from tests.attention_programs import (bias_blhd, causal_iota_minus_1e9, causal_then_softcap, gqa_repeat, heads_split_causal,
                                      padding_mask, sliding_window, softcap_then_causal)
+from tests import example_graphs
 
 S = jax.ShapeDtypeStruct
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -393,15 +394,14 @@ def test_training_step_attention_is_recognised_but_not_convex():
     group: the `attention_vjp` candidates offered there run in two stages (tests/test_two_stage.py)."""
     from autofuse.kernels import attention_vjp
     from autofuse.tuning.partition import is_fusible
-    from examples import gpt2
 
-    graph = autofuse.capture(gpt2.grad_step, *gpt2.small_inputs())
+    _, graph, _ = example_graphs.program("gpt2")
     chains = attention_vjp.forward_chains(graph, lambda i: is_fusible(graph, i))
     assert len(chains) == 2  # one per layer
     for ids, fwd, attn in chains:
         found = [attention_vjp.backward_of(graph, ids, fwd, attn, d) for d in attention_vjp.cotangent_candidates(graph, ids, fwd, attn)]
         assert any(len(members) > len(ids) + 20 and not convex for members, convex in found), [(len(m), c) for m, c in found]
-    cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    cands = [c for c in example_graphs.candidates("gpt2") if c.template == "attention_vjp"]
     assert len(cands) == 2 and all(len(c.stages) == 2 for c in cands)
 
 

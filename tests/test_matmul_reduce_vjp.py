@@ -15,6 +15,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
+from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
 
 NAME = "matmul_reduce_vjp"
@@ -45,6 +46,12 @@ def _args(dtype=jnp.float32, B=2, S=48, D=64, V=200, seed=0):
 def _candidates(fn, args):
     graph = autofuse.capture(fn, *args)
     return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
+
+
+def _example_candidates(model):
+    """(graph, this template's candidates) of `examples.<model>:grad_step` at its small inputs, enumerated once
+    per test process (`tests.example_graphs`)."""
+    return example_graphs.program(model)[1], [c for c in example_graphs.candidates(model) if c.template == NAME]
 
 
 def _check_group(c, config, backend="triton", interpret=True, tol=1e-4):
@@ -114,9 +121,7 @@ def test_default_plan_takes_it_and_the_gradient_matches():
 
 def test_the_small_gpt2_training_step_offers_it():
     """GPT-2's grad_step: the vocabulary head's forward and backward are one candidate; its kernels match XLA."""
-    from examples import gpt2
-
-    graph, cands = _candidates(gpt2.grad_step, gpt2.small_inputs())
+    graph, cands = _example_candidates("gpt2")
     assert len(cands) == 1
     _check_group(cands[0], TEMPLATES[NAME].default_config(cands[0].spec))
 
@@ -145,7 +150,7 @@ def test_a_recomputed_max_location_is_refused():
     a head whose backward is continuous (a cross-entropy's) is."""
     from examples import splade
 
-    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    graph, cands = _example_candidates("splade")
     assert cands == []
     dots = [n.id for n in graph.nodes if n.name == "dot_general" and graph.avals[n.outputs[0]].shape[-1] == splade.SMALL.vocab]
     from autofuse.kernels import reread

@@ -16,6 +16,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
 from examples import splade
+from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
 
 NAME = "reduce_vjp"
@@ -25,6 +26,13 @@ CONFIG = {"block_cols": 16, "num_warps": 2, "bwd_block_cols": 32, "bwd_num_warps
 def _candidates(fn, args):
     graph = autofuse.capture(fn, *args)
     return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
+
+
+def _splade_step(shapes="small"):
+    """(graph, this template's candidates, args) of SPLADE's training step, enumerated once per test process
+    (`tests.example_graphs`: about 20 s a time on a 2-core machine)."""
+    _, graph, args = example_graphs.program("splade", "grad_step", shapes)
+    return graph, [c for c in example_graphs.candidates("splade", "grad_step", shapes) if c.template == NAME], args
 
 
 def _heads(cands):
@@ -57,7 +65,7 @@ def test_splade_training_step_offers_each_head_in_two_stages():
     """Both heads (queries, documents): stage 1 reduces over the sequence and writes per-sequence values only;
     stage 2 evaluates the forward again (the max and the count of positions at it) and writes dlogits, reading the
     cotangent one row per tile; nothing passes between them but the program's own values."""
-    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    graph, cands, _ = _splade_step()
     heads = _heads(cands)
     assert len(heads) == 2
     for c in heads:
@@ -78,7 +86,7 @@ def test_splade_training_step_offers_each_head_in_two_stages():
 
 
 def test_the_head_kernels_match_xla_on_random_inputs():
-    _, cands = _candidates(splade.grad_step, splade.small_inputs())
+    _, cands, _ = _splade_step()
     for c in _heads(cands):
         _check_group(c, CONFIG)
         _check_group(c, TEMPLATES[NAME].default_config(c.spec))
@@ -103,14 +111,13 @@ def test_the_training_step_with_both_heads_fused_matches_jit():
     matmul pair failed this once its two kernels computed the logits in their own orders (the max's position
     lost), and so did this template while stage 2 compared with the max stage 1 made: on the CPU, log1p in two
     compiled loops differs in its last bit. Stage 2 now makes the max it compares with itself."""
-    args = splade.small_inputs()
-    graph, cands = _candidates(splade.grad_step, args)
+    graph, cands, args = _splade_step()
     choices = [(c.group, NAME, TEMPLATES[NAME].default_config(c.spec), c.stages) for c in _heads(cands)]
     assert_plan_matches_jit(splade.grad_step, plan_from_choices(graph, choices), args, 1e-4, noise=True)
 
 
 def test_stage_one_writes_no_value_of_the_logits_shape():
-    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    graph, cands, _ = _splade_step()
     c = _heads(cands)[0]
     first = stage_groups(c.group, c.stages)[0]
     stage1 = TEMPLATES[NAME].build_stages(c.group, c.stages, CONFIG, interpret=True, spec=c.spec)[0]
@@ -168,8 +175,7 @@ def test_the_cost_model_counts_xlas_passes_over_the_logits():
     pair must model faster, or a tuning job never gives it a trial."""
     from autofuse.costmodel import H200, xla_group_time_ms
 
-    args = jax.eval_shape(splade.example_inputs)
-    graph, cands = _candidates(splade.grad_step, args)
+    graph, cands, _ = _splade_step("published")
     heads = _heads(cands)
     assert len(heads) == 2
     logits_ms = 1e3 * 32 * 256 * 30522 * 2 / H200.bandwidth_Bps

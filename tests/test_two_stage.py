@@ -24,6 +24,7 @@ from autofuse.plan import (
 from autofuse.runner.measure import compare
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
+from tests import example_graphs
 
 SMALL_ATTN = {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}
 TOL = 1e-4
@@ -45,20 +46,11 @@ def _kernels_in(jaxpr) -> list[str]:
     return names
 
 
-_GRAPHS: dict[str, tuple] = {}
-
-
 def _program(model: str):
-    """(module, graph, args, the two-stage attention_vjp candidates) of `examples.<model>:grad_step`, cached."""
-    if model not in _GRAPHS:
-        import importlib
-
-        mod = importlib.import_module(f"examples.{model}")
-        args = mod.small_inputs()
-        graph = autofuse.capture(mod.grad_step, *args)
-        cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
-        _GRAPHS[model] = (mod, graph, args, cands)
-    return _GRAPHS[model]
+    """(module, graph, args, the two-stage attention_vjp candidates) of `examples.<model>:grad_step`, made once per
+    test process (`tests.example_graphs`)."""
+    mod, graph, args = example_graphs.program(model)
+    return mod, graph, args, [c for c in example_graphs.candidates(model) if c.template == "attention_vjp"]
 
 
 def _assert_matches_jit(fn, plan, args):
@@ -274,14 +266,14 @@ def test_a_launchers_candidates_are_read_back_as_enumerated(tmp_path):
 def test_xla_attention_pays_for_the_scores_in_memory(model, ratio):
     """At the published shapes (shapes only), XLA's attention with its backward is modelled with the score-shaped
     arrays' round trips through memory: at SPLADE's L = 256 the group's floor alone (0.03 ms) put it below the
-    flash pair, which then never got a trial, where XLA measured ~0.65 ms per layer on an H100."""
+    flash pair, which then never got a trial, where XLA measured ~0.65 ms per layer on an H100.
+    Two layers of each (SPLADE's default; GPT-2 medium's 24 took 2 minutes to enumerate on the CPU): every layer's
+    attention has the same shapes, and the graph and the candidates are those tests.test_reduce_vjp enumerates."""
     from autofuse.costmodel import H200, xla_group_time_ms
     from autofuse.kernels import TEMPLATES
 
-    mod = __import__(f"examples.{model}", fromlist=["x"])
-    args = jax.eval_shape(mod.example_inputs)
-    graph = autofuse.capture(mod.grad_step, *args)
-    pairs = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    layers = None if model == "splade" else 2
+    pairs = [c for c in example_graphs.candidates(model, "grad_step", "published", layers) if c.template == "attention_vjp"]
     assert pairs
     for c in pairs:
         t = TEMPLATES[c.template]
