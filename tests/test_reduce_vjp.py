@@ -28,11 +28,11 @@ def _candidates(fn, args):
     return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
 
 
-def _splade_step(shapes="small"):
+def _splade_step(shapes="small", layers=None):
     """(graph, this template's candidates, args) of SPLADE's training step, enumerated once per test process
     (`tests.example_graphs`: about 20 s a time on a 2-core machine)."""
-    _, graph, args = example_graphs.program("splade", "grad_step", shapes)
-    return graph, [c for c in example_graphs.candidates("splade", "grad_step", shapes) if c.template == NAME], args
+    _, graph, args = example_graphs.program("splade", "grad_step", shapes, layers)
+    return graph, [c for c in example_graphs.candidates("splade", "grad_step", shapes, layers) if c.template == NAME], args
 
 
 def _heads(cands):
@@ -172,10 +172,11 @@ def test_both_kernels_lower_for_cuda():
 def test_the_cost_model_counts_xlas_passes_over_the_logits():
     """At SPLADE's published shapes (shapes only): XLA is modelled as one fusion per reduction depth (the max,
     the count at it, the backward), each reading the [32, 256, 30522] logits; the pair reads them twice. The
-    pair must model faster, or a tuning job never gives it a trial."""
+    pair must model faster, or a tuning job never gives it a trial. One encoder layer (of the same shapes as every
+    other: the heads read the last one's output), the graph tests/test_two_stage.py enumerates too."""
     from autofuse.costmodel import H200, xla_group_time_ms
 
-    graph, cands, _ = _splade_step("published")
+    graph, cands, _ = _splade_step("published", layers=1)
     heads = _heads(cands)
     assert len(heads) == 2
     logits_ms = 1e3 * 32 * 256 * 30522 * 2 / H200.bandwidth_Bps
