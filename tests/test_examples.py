@@ -26,6 +26,7 @@ from autofuse.tuning.local import tune
 from examples import gpt2
 from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
+from tests.quick import slow_except
 
 TOL = 1e-4  # relative error norm; small_inputs() are float32, fused kernels accumulate in float32
 CASES = [(m, f) for m in ("gpt2", "splade", "llama") for f in ("forward", "grad_step")]
@@ -46,6 +47,7 @@ def assert_matches_jit(fn, plan: Plan, args) -> None:
 
 
 @pytest.mark.parametrize("model,entry", CASES, ids=[f"{m}-{f}" for m, f in CASES])
+@pytest.mark.slow
 def test_model_tunes_and_fused_program_matches_jit(model, entry):
     mod, graph, args = example_graphs.program(model, entry)
     fn = getattr(mod, entry)
@@ -63,7 +65,7 @@ def test_model_tunes_and_fused_program_matches_jit(model, entry):
     assert_matches_jit(fn, forced, args)
 
 
-@pytest.mark.parametrize("model,layers", [("gpt2", 24), ("splade", 2), ("llama", 2)])
+@pytest.mark.parametrize("model,layers", slow_except([("gpt2", 24), ("splade", 2), ("llama", 2)], "splade-2", "llama-2"))
 def test_published_shapes_attention_found_once_per_layer_and_shared(model, layers):
     """At example_inputs() shapes (shapes only): attention written in plain jnp (reshapes, causal or padding
     masks, GQA via jnp.repeat) is a candidate in every layer, and its instances share one distinct candidate
@@ -82,6 +84,7 @@ def test_published_shapes_attention_found_once_per_layer_and_shared(model, layer
         assert len(cands) > 10 * len({c.group.signature for c in cands})
 
 
+@pytest.mark.slow
 def test_a_failed_check_is_made_again_with_every_seeds_spread(monkeypatch):
     """The whole-plan check first holds each output to jax.jit's move under the first seed's nudge; a plan that
     fails it within the 25% bound is checked again against the largest move under every seed's nudge (one nudge is
@@ -105,6 +108,7 @@ def test_a_failed_check_is_made_again_with_every_seeds_spread(monkeypatch):
     assert res.rounding_sensitivity == [max(real(ref, [graph.avals[v] for v in graph.inputs], s)[0] for s in (2, 3))]
 
 
+@pytest.mark.slow
 def test_bf16_model_plan_is_validated_against_its_own_rounding_spread():
     """A bf16 GPT-2 rounds differently when attention is fused (about 2% relative error at the logits, bf16's
     bound); XLA's own result moves more than that when its inputs move by one rounding step, so the

@@ -61,6 +61,7 @@ def _head_args(S=12, B=2, D=16, V=40, seed=0):
     return h, w, b, jnp.arange(S)[None, :] < jnp.array([[S], [S // 2]])
 
 
+@pytest.mark.slow
 def test_splade_training_step_offers_each_head_in_two_stages():
     """Both heads (queries, documents): stage 1 reduces over the sequence and writes per-sequence values only;
     stage 2 evaluates the forward again (the max and the count of positions at it) and writes dlogits, reading the
@@ -85,6 +86,7 @@ def test_splade_training_step_offers_each_head_in_two_stages():
         assert [graph.avals[v].shape for v in spec.backward_spec.col_sums] == [(V,)]
 
 
+@pytest.mark.slow
 def test_the_head_kernels_match_xla_on_random_inputs():
     _, cands, _ = _splade_step()
     for c in _heads(cands):
@@ -92,6 +94,7 @@ def test_the_head_kernels_match_xla_on_random_inputs():
         _check_group(c, TEMPLATES[NAME].default_config(c.spec))
 
 
+@pytest.mark.slow
 def test_a_ragged_sequence_is_masked():
     """S = 12: each tile has 16 rows, 4 of them masked (a max over them would see the next sequence's, and so
     would the bias's gradient, summed per sequence)."""
@@ -106,6 +109,7 @@ def test_a_ragged_sequence_is_masked():
     assert_plan_matches_jit(fn, plan_from_choices(graph, [(c.group, NAME, CONFIG, c.stages)]), args, 1e-5)
 
 
+@pytest.mark.slow
 def test_the_training_step_with_both_heads_fused_matches_jit():
     """The whole small grad_step with both heads' pairs (in stages): every gradient leaf as jax.jit's. The
     matmul pair failed this once its two kernels computed the logits in their own orders (the max's position
@@ -116,6 +120,7 @@ def test_the_training_step_with_both_heads_fused_matches_jit():
     assert_plan_matches_jit(splade.grad_step, plan_from_choices(graph, choices), args, 1e-4, noise=True)
 
 
+@pytest.mark.slow
 def test_stage_one_writes_no_value_of_the_logits_shape():
     graph, cands, _ = _splade_step()
     c = _heads(cands)[0]
@@ -169,6 +174,7 @@ def test_both_kernels_lower_for_cuda():
     assert export_for_cuda(kernel, structs).mlir_module().count("xla.gpu.triton") == 2
 
 
+@pytest.mark.slow
 def test_the_cost_model_counts_xlas_passes_over_the_logits():
     """At SPLADE's published shapes (shapes only): XLA is modelled as one fusion per reduction depth (the max,
     the count at it, the backward), each reading the [32, 256, 30522] logits; the pair reads them twice. The
