@@ -1,13 +1,15 @@
 """The quick subset (`./scripts/test --quick`, i.e. `pytest -m "not slow"`): each module's core tests in a few
 minutes. A test is marked `slow` where it runs a whole model, real tuning processes or many interpret-mode kernels;
 a parametrized family keeps a representative few of its cases in the quick subset (`slow_except`), the whole
-suite runs them all."""
+suite runs them all. test_packaging, test_resume_selection and test_shape_serving have no quick test: each of theirs
+builds and installs a wheel, kills and resumes a tuning job, or serves a whole model."""
 from __future__ import annotations
 
 from typing import Any, Iterable
 
 import pytest
-from _pytest.mark.structures import ParameterSet
+
+ParameterSet = type(pytest.param())  # what pytest.param makes (its class is not public)
 
 
 def _case_id(values: tuple) -> str | None:
@@ -17,7 +19,7 @@ def _case_id(values: tuple) -> str | None:
     return None
 
 
-def slow_except(cases: Iterable[Any], *quick: str) -> list[ParameterSet]:
+def slow_except(cases: Iterable[Any], *quick: str) -> list:
     """`cases` for `pytest.mark.parametrize`, every one marked `slow` but those whose id is in `quick`. A case is a
     `pytest.param`, a tuple of one case's values, or a single value. Ids are kept as pytest would make them; an id
     in `quick` that no case has is an error (a renamed case must not leave the quick subset silently)."""
