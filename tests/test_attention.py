@@ -16,6 +16,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.tuning.select import default_plan
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
 from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window)
+from tests.quick import slow_except
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -57,7 +58,7 @@ def _matches_xla(fn, graph, plan):
     return fused
 
 
-@pytest.mark.parametrize("fn,shapes,dtype", CASES)
+@pytest.mark.parametrize("fn,shapes,dtype", slow_except(CASES, "causal-tril-bf16"))
 def test_attention_matches_xla_and_lowers(fn, shapes, dtype):
     g = autofuse.capture(fn, *_specs(shapes, dtype))
     cand = _attention_candidate(g)
@@ -69,6 +70,7 @@ def test_attention_matches_xla_and_lowers(fn, shapes, dtype):
         lowering_guard(kernel, [S(a.shape, a.dtype) for a in cand.group.input_avals()])
 
 
+@pytest.mark.slow
 def test_default_config_one_block_matches_xla():
     g = autofuse.capture(attention_bhld_causal, *[S((1, 2, 40, 64), BF16)] * 3)
     cand = _attention_candidate(g)
@@ -95,6 +97,7 @@ def test_split_heads_are_read_in_place_and_the_causal_mask_skips():
     assert attention.block_ranges(spec, 16, 16) is not None and attention.scale_fold(spec) is not None
 
 
+@pytest.mark.slow
 def test_sliding_window_skips_blocks_before_the_band():
     g = autofuse.capture(sliding_window, *[S((1, 2, 100, 32), F32)] * 3)
     cand = _attention_candidate(g)
@@ -108,6 +111,7 @@ def test_mask_after_soft_capping_still_skips():
     assert attention.block_ranges(_attention_candidate(g).spec, 16, 16) is not None
 
 
+@pytest.mark.slow
 def test_mask_before_soft_capping_is_not_skipped_but_right():
     g = autofuse.capture(causal_then_softcap, *[S(BHLD, BF16)] * 3)
     cand = _attention_candidate(g)

@@ -79,6 +79,7 @@ def test_the_store_keeps_entries_per_jaxlib_and_device_and_never_replaces_one(tm
 # ------------------------------------------------------------------------- the job's end
 
 
+@pytest.mark.slow
 def test_a_jobs_end_copies_the_autotune_directory_into_the_store(tmp_path, monkeypatch):
     """A modelled job measured nothing: it copies nothing. A job that measured on the device copies the directory's
     files at its end (`PlanSaver.final`, which both drivers end with), for this jaxlib and device, again idempotently."""

@@ -11,6 +11,7 @@ import tempfile
 
 import jax
 import numpy as np
+import pytest
 
 import autofuse
 from autofuse.background import BackgroundTune
@@ -31,6 +32,7 @@ def _tail(path: str) -> str:
     return open(path).read()[-3000:] if os.path.exists(path) else "(no log)"
 
 
+@pytest.mark.slow
 def test_on_miss_tune_runs_jax_jit_at_once_and_the_plan_appears(tmp_path, caplog, monkeypatch) -> None:
     """... and leaves nothing behind: its job file, lock and (having succeeded) log are removed (issue 33: the log of
     every job stayed in the temporary directory)."""

@@ -28,6 +28,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
 
 
+@pytest.mark.slow
 def test_bucket_tuning_stores_one_plan_per_bucket_and_seeds_each_study_from_the_bucket_before(tmp_path) -> None:
     db = f"sqlite:///{tmp_path}/plans.db"
     out = _cli("tune", *NORM, "--shapes", "tests.shape_programs:norm_buckets", "--measure", "model", "--trials", "6", "--db", db,
@@ -103,6 +104,7 @@ def test_seeds_that_no_longer_fit_are_dropped() -> None:
     assert all([c["block_rows"] for c in cfgs] == [4] for cfgs in seeds.values()), seeds
 
 
+@pytest.mark.slow
 def test_deploy_at_an_untuned_shape_takes_the_nearest_buckets_plan(tmp_path) -> None:
     url = f"sqlite:///{tmp_path}/plans.db"
     # buckets stored 8, 32, 128 rows: newest first would give the 128-row plan to every shape

@@ -46,6 +46,7 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_new_process_finds_the_plan(tuned):
     url, rep = tuned
     script = textwrap.dedent(f"""
@@ -66,6 +67,7 @@ def test_new_process_finds_the_plan(tuned):
     assert float(err) < 2e-2
 
 
+@pytest.mark.slow
 def test_deploy_path_imports_no_tuner(tuned):
     """Running a stored plan needs the plan, the kernels and the store: never the tuner, scipy, optuna or yaml."""
     url, rep = tuned
@@ -86,6 +88,7 @@ def test_deploy_path_imports_no_tuner(tuned):
     assert "LOADED []" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_each_signature_is_traced_once(tuned):
     """A stored plan's function traces (and compiles) each signature once: JAX's first lowering of a pallas_call
     imports modules that register configuration in jax.jit's cache key, which made every second call trace again
@@ -133,6 +136,7 @@ def test_miss_runs_jax_jit_and_logs_once(tuned, caplog):
         strict(*a)
 
 
+@pytest.mark.slow
 def test_tuned_plan_serves_another_batch_size_after_a_check(tuned):
     """A tuning job records its program's structure, so its plan serves the same layer norm at another batch size."""
     url, rep = tuned
@@ -159,6 +163,7 @@ def _store_plan(url, plan_json, jax_version=None):
     return store
 
 
+@pytest.mark.slow
 def test_other_software_version_is_reverified_or_refused(tuned, tmp_path):
     _, rep = tuned
     url = f"sqlite:///{tmp_path}/v.db"
@@ -198,6 +203,7 @@ def test_corrupt_database_at_deploy_falls_back(tmp_path):
     assert f.last_status.startswith("xla")
 
 
+@pytest.mark.slow
 def test_sigkilled_tune_is_interrupted_then_resumed(tmp_path):
     db = f"sqlite:///{tmp_path}/resume.db"
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -87,6 +87,7 @@ def check_books(url: str, budget: int) -> dict:
 
 
 @needs_pg
+@pytest.mark.slow
 def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
     """Two workers started by `autofuse tune --workers 2`, a third joining with `autofuse worker` (as from another host)."""
     launcher = _tune(RMS, pg_url, 2, 15)
@@ -116,6 +117,7 @@ def test_pg_three_workers_share_the_budget_and_one_plan(pg_url: str) -> None:
 
 
 @needs_pg
+@pytest.mark.slow
 def test_pg_sigkilled_worker_trial_is_retried_and_the_run_completes(pg_url: str) -> None:
     import optuna
 
@@ -146,6 +148,7 @@ def test_pg_sigkilled_worker_trial_is_retried_and_the_run_completes(pg_url: str)
     assert "exit -9" in err and out.splitlines()[-1].startswith("autofuse: ")
 
 
+@pytest.mark.slow
 def test_sqlite_four_workers_on_one_host(tmp_path) -> None:
     url = f"sqlite:///{tmp_path}/four.db"
     # every build takes 2 s: trials long enough that the first worker cannot take all twelve before the others start
@@ -165,6 +168,7 @@ def test_worker_refuses_sqlite(tmp_path) -> None:
     assert not (tmp_path / "x.db").exists()
 
 
+@pytest.mark.slow
 def test_one_worker_per_gpu_lock(tmp_path, monkeypatch) -> None:
     from autofuse.tuning.workers import _gpu_lock
 

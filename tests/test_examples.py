@@ -24,15 +24,19 @@ from autofuse.tuning.select import Option, select_cover
 from autofuse.plan import Plan, plan_from_choices
 from autofuse.tuning.local import tune
 from examples import gpt2
+from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
+from tests.quick import slow_except
 
 TOL = 1e-4  # relative error norm; small_inputs() are float32, fused kernels accumulate in float32
 CASES = [(m, f) for m in ("gpt2", "splade", "llama") for f in ("forward", "grad_step")]
 
 
-def fuse_all(graph, configs: dict[str, dict]) -> Plan:
-    """A plan that fuses as many instances of the given candidates (signature -> config) as an acyclic cover allows."""
-    options = [Option(c.nodes, -float(len(c.nodes)), c, c.stages) for c in enumerate_candidates(graph) if c.group.signature in configs]
+def fuse_all(graph, configs: dict[str, dict], candidates=None) -> Plan:
+    """A plan that fuses as many instances of the given candidates (signature -> config) as an acyclic cover allows
+    (`candidates`: the graph's, if already enumerated)."""
+    options = [Option(c.nodes, -float(len(c.nodes)), c, c.stages) for c in candidates or enumerate_candidates(graph)
+               if c.group.signature in configs]
     chosen = select_cover(graph, options, {})
     return plan_from_choices(graph, [(o.label.group, o.label.template, configs[o.label.group.signature], o.label.stages) for o in chosen])
 
@@ -43,10 +47,10 @@ def assert_matches_jit(fn, plan: Plan, args) -> None:
 
 
 @pytest.mark.parametrize("model,entry", CASES, ids=[f"{m}-{f}" for m, f in CASES])
+@pytest.mark.slow
 def test_model_tunes_and_fused_program_matches_jit(model, entry):
-    mod = importlib.import_module(f"examples.{model}")
+    mod, graph, args = example_graphs.program(model, entry)
     fn = getattr(mod, entry)
-    args = mod.small_inputs()
     report = tune(fn, *args, trials=4, measure="model", isolate=False, quiet=True, store=False, progress=lambda s: None)
 
     # Repeated layers are tuned once: each layer's groups recur, so distinct candidates < instances.
@@ -55,13 +59,13 @@ def test_model_tunes_and_fused_program_matches_jit(model, entry):
     assert any(c.best_config is not None for c in report.candidates)
 
     assert_matches_jit(fn, report.plan, args)
-    graph = capture(fn, *args)
-    forced = fuse_all(graph, {c.signature: c.best_config for c in report.candidates if c.best_config is not None})
+    forced = fuse_all(graph, {c.signature: c.best_config for c in report.candidates if c.best_config is not None},
+                      example_graphs.candidates(model, entry))
     assert forced.groups
     assert_matches_jit(fn, forced, args)
 
 
-@pytest.mark.parametrize("model,layers", [("gpt2", 24), ("splade", 2), ("llama", 2)])
+@pytest.mark.parametrize("model,layers", slow_except([("gpt2", 24), ("splade", 2), ("llama", 2)], "splade-2", "llama-2"))
 def test_published_shapes_attention_found_once_per_layer_and_shared(model, layers):
     """At example_inputs() shapes (shapes only): attention written in plain jnp (reshapes, causal or padding
     masks, GQA via jnp.repeat) is a candidate in every layer, and its instances share one distinct candidate
@@ -80,6 +84,7 @@ def test_published_shapes_attention_found_once_per_layer_and_shared(model, layer
         assert len(cands) > 10 * len({c.group.signature for c in cands})
 
 
+@pytest.mark.slow
 def test_a_failed_check_is_made_again_with_every_seeds_spread(monkeypatch):
     """The whole-plan check first holds each output to jax.jit's move under the first seed's nudge; a plan that
     fails it within the 25% bound is checked again against the largest move under every seed's nudge (one nudge is
@@ -103,6 +108,7 @@ def test_a_failed_check_is_made_again_with_every_seeds_spread(monkeypatch):
     assert res.rounding_sensitivity == [max(real(ref, [graph.avals[v] for v in graph.inputs], s)[0] for s in (2, 3))]
 
 
+@pytest.mark.slow
 def test_bf16_model_plan_is_validated_against_its_own_rounding_spread():
     """A bf16 GPT-2 rounds differently when attention is fused (about 2% relative error at the logits, bf16's
     bound); XLA's own result moves more than that when its inputs move by one rounding step, so the

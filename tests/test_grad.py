@@ -20,6 +20,8 @@ from autofuse.tuning.space import SearchSpace
 from benchmarks.workloads import attention_bhld_causal, cross_entropy, layer_norm, rms_norm
 from tests.attention_programs import (bias_blhd, causal_iota_minus_1e9, causal_then_softcap, gqa_repeat, heads_split_causal,
                                      padding_mask, sliding_window, softcap_then_causal)
+from tests import example_graphs
+from tests.quick import slow_except
 
 S = jax.ShapeDtypeStruct
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -116,7 +118,7 @@ ATTENTION = [
 ]
 
 
-@pytest.mark.parametrize("fn,specs,argnums", ATTENTION)
+@pytest.mark.parametrize("fn,specs,argnums", slow_except(ATTENTION, "causal-ragged"))
 def test_grad_through_fused_attention_runs_the_flash_pair(fn, specs, argnums):
     """The forward kernel emits the logsumexp, the backward kernels re-evaluate the scores per tile (masks,
     soft-capping and scale differentiated from the group's own equations, GQA heads summed); nothing of the
@@ -130,6 +132,7 @@ def test_grad_through_fused_attention_runs_the_flash_pair(fn, specs, argnums):
     assert len(kept) <= len(args) + 2 and len(kept[-1]) == 2, kept
 
 
+@pytest.mark.slow
 def test_attention_with_a_float_bias_keeps_the_recompute_rule():
     """A bias's gradient is not generated: its group is differentiated by XLA, and the gradients still match."""
     specs = [S((1, 32, 2, 32), F32)] * 3 + [S((2, 32, 32), F32)]
@@ -141,6 +144,7 @@ def test_attention_with_a_float_bias_keeps_the_recompute_rule():
     assert names and not any("attention_bwd" in n for n in names), names
 
 
+@pytest.mark.slow
 def test_flash_rule_serves_every_backend_and_refuses_second_order():
     """A Mosaic GPU group its lowering cannot run (float32) differentiates with the Triton flash pair; going through
     the flash kernels a second time is refused with autofuse's message."""
@@ -169,6 +173,7 @@ def _custom_calls(graph, plan, fn_of_run, specs) -> dict[str, int]:
     return dict(collections.Counter(re.findall(r"custom_call @([\w$.]+)", text)))
 
 
+@pytest.mark.slow
 def test_grad_through_mosaic_gpu_attention_runs_its_own_forward_and_backward():
     """A Mosaic GPU attention group differentiates with its own forward (writing the row logsumexp beside O) and
     the Mosaic GPU backward kernels: the gradients match (interpret mode), and the CUDA lowering holds three Mosaic
@@ -191,6 +196,7 @@ def test_grad_through_mosaic_gpu_attention_runs_its_own_forward_and_backward():
     assert _custom_calls(graph, plan, step, [*specs, specs[0]]) == {"mosaic_gpu_v2": 3}
 
 
+@pytest.mark.slow
 def test_grad_through_fused_attention_bf16():
     specs = [S((1, 2, 64, 64), BF16)] * 3
     plan, _ = _plan(attention_bhld_causal, specs, "attention")
@@ -214,6 +220,7 @@ def test_grad_through_fused_norm(fn, specs, argnums):
     _assert_grads_match(fn, specs, plan, argnums, tol)
 
 
+@pytest.mark.slow
 def test_grad_through_fused_cross_entropy_with_integer_targets():
     """The matmul with an online reduction; the integer targets get no cotangent (float0), the others do."""
     specs = [S((32, 64), F32), S((64, 200), F32), S((32,), jnp.int32)]
@@ -249,6 +256,7 @@ def test_vjp_and_jit_of_grad_and_residuals():
         [x.shape for x in kept]
 
 
+@pytest.mark.slow
 def test_second_order_reverse_works_and_forward_mode_is_refused_clearly():
     specs = [S((16, 32), F32), S((32,), F32)]
     plan, _ = _plan(rms_norm, specs)
@@ -292,6 +300,7 @@ def test_template_rule_is_used_and_recompute_rule_is_the_fallback(monkeypatch):
         assert compare(g, 2 * w, 1e-4)[0]
 
 
+@pytest.mark.slow
 def test_grad_of_small_gpt2_loss_with_every_group_fused():
     """A whole model: GPT-2's loss (2 layers) with every candidate the default cover picks fused, attention
     included, differentiated for every parameter."""
@@ -333,7 +342,7 @@ GRAD_PROGRAMS = [
 ]
 
 
-@pytest.mark.parametrize("fn,specs,argnums,tol", GRAD_PROGRAMS)
+@pytest.mark.parametrize("fn,specs,argnums,tol", slow_except(GRAD_PROGRAMS, "padding-mask"))
 def test_gradient_program_fuses_attention_with_its_backward(fn, specs, argnums, tol):
     """In the jaxpr of jax.grad the chain's probabilities are read by the backward; the partitioner offers the chain
     with every node of its derivative as one `attention_vjp` candidate (recognised by re-deriving jax.vjp of the
@@ -354,6 +363,7 @@ def test_gradient_program_fuses_attention_with_its_backward(fn, specs, argnums, 
         assert ok, why
 
 
+@pytest.mark.slow
 def test_gradient_program_runs_the_mosaic_gpu_forward_in_two_stages():
     """attention_vjp's Mosaic GPU backend: a loss not linear in the attention output puts forward and backward in
     two stages; with the forward on Mosaic GPU (the logsumexp handed to the backward kernels, Triton's or Mosaic
@@ -387,21 +397,21 @@ def test_gradient_program_runs_the_mosaic_gpu_forward_in_two_stages():
         assert _custom_calls(graph, plan, lambda run: lambda *a: run(a), specs) == kernels
 
 
+@pytest.mark.slow
 def test_training_step_attention_is_recognised_but_not_convex():
     """GPT-2's grad_step: each layer's attention chain is recognised with its backward (the same derivation), but
     the cotangent depends on the output through the rest of the network, so forward + backward is not one convex
     group: the `attention_vjp` candidates offered there run in two stages (tests/test_two_stage.py)."""
     from autofuse.kernels import attention_vjp
     from autofuse.tuning.partition import is_fusible
-    from examples import gpt2
 
-    graph = autofuse.capture(gpt2.grad_step, *gpt2.small_inputs())
+    _, graph, _ = example_graphs.program("gpt2")
     chains = attention_vjp.forward_chains(graph, lambda i: is_fusible(graph, i))
     assert len(chains) == 2  # one per layer
     for ids, fwd, attn in chains:
         found = [attention_vjp.backward_of(graph, ids, fwd, attn, d) for d in attention_vjp.cotangent_candidates(graph, ids, fwd, attn)]
         assert any(len(members) > len(ids) + 20 and not convex for members, convex in found), [(len(m), c) for m, c in found]
-    cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    cands = [c for c in example_graphs.candidates("gpt2") if c.template == "attention_vjp"]
     assert len(cands) == 2 and all(len(c.stages) == 2 for c in cands)
 
 
@@ -429,6 +439,7 @@ def test_flash_pair_lowers_for_cuda(fn, specs, cfg):
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 
+@pytest.mark.slow
 def test_backward_tiles_are_the_backwards_own():
     """attention_vjp's `bwd_` parameters tile the backward kernels apart from the forward: dK/dV hold `bwd_held`
     keys and step through the queries `bwd_step` at a time, dQ the reverse. Held 32 and stepped 16 on a ragged

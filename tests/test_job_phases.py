@@ -40,6 +40,7 @@ def _in_order(marks: dict, names) -> bool:
     return times == sorted(times)
 
 
+@pytest.mark.slow
 def test_a_local_run_records_its_phases_and_show_prints_them(tmp_path):
     url = f"sqlite:///{tmp_path}/p.db"
     rep = autofuse.tune(rms_norm, *rms_norm_inputs(), trials=4, store=url, quiet=True, measure="model")
@@ -59,6 +60,7 @@ def test_a_local_run_records_its_phases_and_show_prints_them(tmp_path):
     assert out.returncode == 0 and "phases (seconds from the run's start" in out.stdout and "  run: start " in out.stdout, out.stderr
 
 
+@pytest.mark.slow
 def test_a_run_with_workers_records_the_launchers_and_each_workers_phases(tmp_path):
     """The launcher starts its workers before it registers the candidates and creates the studies; they wait for
     its marks, and the run's books are those of any run with workers."""
@@ -100,6 +102,7 @@ def test_the_models_best_is_queued_by_a_studys_first_trial_where_it_came_before(
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["serial", "compiled-ahead"])
+@pytest.mark.slow
 def test_validation_compiles_the_reference_once_and_plans_ahead_with_the_serial_results(monkeypatch, ahead):
     """Device mode in the trial process (on the CPU): the plan and a smaller one validated one after the other, with
     and without compiling them ahead, give the serial results; the whole program is compiled once."""
@@ -257,6 +260,7 @@ def test_an_evaluator_reports_a_validation_out_of_gpu_memory_as_such(monkeypatch
         ev.handle(ValidateRequest(plan.to_json()))
 
 
+@pytest.mark.slow
 def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promotion_rule(tmp_path):
     """`PlanSaver`: the early plan is stored (current: the first plan of its key); the same report at the end only
     finishes the run; a later, faster plan is stored beside it and becomes current by the promotion rule."""

@@ -12,6 +12,7 @@ from autofuse.kernels import matmul
 from autofuse.runner.measure import check, cone_tolerances
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import build_group, plan_from_choices
+from tests.quick import slow_except
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -71,7 +72,7 @@ def _matmul_candidate(graph):
     return max(cands, key=lambda c: len(c.nodes))
 
 
-@pytest.mark.parametrize("fn,shapes,dtype", CASES)
+@pytest.mark.parametrize("fn,shapes,dtype", slow_except(CASES, "3d-lhs-bias-gelu-bf16-odd", "two-outputs-f32", "Bt-prologue-scale-bf16"))
 def test_matmul_epilogue_matches_xla(fn, shapes, dtype):
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     g = autofuse.capture(fn, *specs)

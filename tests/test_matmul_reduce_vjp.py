@@ -15,6 +15,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
+from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
 
 NAME = "matmul_reduce_vjp"
@@ -47,6 +48,12 @@ def _candidates(fn, args):
     return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
 
 
+def _example_candidates(model):
+    """(graph, this template's candidates) of `examples.<model>:grad_step` at its small inputs, enumerated once
+    per test process (`tests.example_graphs`)."""
+    return example_graphs.program(model)[1], [c for c in example_graphs.candidates(model) if c.template == NAME]
+
+
 def _check_group(c, config, backend="triton", interpret=True, tol=1e-4):
     kernel = TEMPLATES[NAME].build(c.group, config, backend=backend, interpret=interpret, spec=c.spec)
     ins = random_inputs(c.group.input_avals(), 7)
@@ -56,6 +63,7 @@ def _check_group(c, config, backend="triton", interpret=True, tol=1e-4):
         assert ok, why
 
 
+@pytest.mark.slow
 def test_the_gradient_of_a_cross_entropy_is_one_candidate():
     """The logits' dot, the forward's reductions and the backward's dlogits are one convex group (the cotangent
     is a constant): stage 1 writes row values only, stage 2 writes dlogits, read by the two dots outside."""
@@ -72,12 +80,14 @@ def test_the_gradient_of_a_cross_entropy_is_one_candidate():
     assert all(graph.avals[v].shape != product for v in spec.private)
 
 
+@pytest.mark.slow
 def test_the_kernels_match_xla_on_random_inputs():
     _, (c,) = _candidates(jax.grad(cross_entropy, argnums=(0, 1)), _args())
     _check_group(c, CONFIG)
     _check_group(c, TEMPLATES[NAME].default_config(c.spec))
 
 
+@pytest.mark.slow
 def test_a_training_step_runs_it_in_two_stages_and_matches_jit():
     """Where the cotangent depends on the loss the group is not convex: two stages, the row values handed on
     privately; the plan's gradients equal jax.jit's."""
@@ -102,6 +112,7 @@ def test_no_logits_are_handed_between_the_stages():
     assert private and all(np.shape(x) != product for x in [*outs, *private.values()])
 
 
+@pytest.mark.slow
 def test_default_plan_takes_it_and_the_gradient_matches():
     """The cover of the modelled costs takes the pair; `jax.grad` through the plan equals `jax.grad` itself."""
     fn = jax.grad(cross_entropy, argnums=(0, 1))
@@ -112,15 +123,15 @@ def test_default_plan_takes_it_and_the_gradient_matches():
     assert_plan_matches_jit(fn, plan, args, 1e-4)
 
 
+@pytest.mark.slow
 def test_the_small_gpt2_training_step_offers_it():
     """GPT-2's grad_step: the vocabulary head's forward and backward are one candidate; its kernels match XLA."""
-    from examples import gpt2
-
-    graph, cands = _candidates(gpt2.grad_step, gpt2.small_inputs())
+    graph, cands = _example_candidates("gpt2")
     assert len(cands) == 1
     _check_group(cands[0], TEMPLATES[NAME].default_config(cands[0].spec))
 
 
+@pytest.mark.slow
 def test_mosaic_gpu_kernels_match_xla_in_interpret_mode_and_lower_for_cuda():
     """Both kernels on Mosaic GPU: interpret mode (TMA, barriers, warpgroups simulated) against XLA on a ragged
     vocabulary, and the real CUDA lowering of the pair through `jax.export` (no GPU)."""
@@ -138,6 +149,7 @@ def test_mosaic_gpu_kernels_match_xla_in_interpret_mode_and_lower_for_cuda():
     assert text.count("mosaic_gpu") >= 2
 
 
+@pytest.mark.slow
 def test_a_recomputed_max_location_is_refused():
     """SPLADE's heads under jax.grad: the backward tests each logit for equality with the forward's max (where the
     max's gradient goes). Two kernels computing the product in their own order may miss it by the last bit and
@@ -145,7 +157,7 @@ def test_a_recomputed_max_location_is_refused():
     a head whose backward is continuous (a cross-entropy's) is."""
     from examples import splade
 
-    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    graph, cands = _example_candidates("splade")
     assert cands == []
     dots = [n.id for n in graph.nodes if n.name == "dot_general" and graph.avals[n.outputs[0]].shape[-1] == splade.SMALL.vocab]
     from autofuse.kernels import reread
@@ -199,6 +211,7 @@ def test_a_count_of_the_maximum_rescales_online():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+@pytest.mark.slow
 def test_xla_is_modelled_as_two_fusions_each_reading_the_product():
     """XLA cannot fuse the forward's reductions with the backward's reader of the product (a training step puts the
     cotangent between them): its modelled time is the two parts', each reading the product, not one pass's."""

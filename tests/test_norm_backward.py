@@ -51,6 +51,7 @@ def test_the_kernel_matches_xla(fn, shapes, sums, config):
             assert ok, why
 
 
+@pytest.mark.slow
 def test_a_plan_of_it_matches_jit_in_bfloat16():
     """The plan's gradients (the partials added in float32, then rounded) against jax.jit's, bf16 inputs."""
     shapes = (R + (C,), (C,), (C,), R + (C,))

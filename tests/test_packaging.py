@@ -26,6 +26,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = "examples.norms:forward"
 
@@ -36,6 +38,7 @@ def _run(cmd: list, cwd: Path, env: dict, timeout: float = 600) -> subprocess.Co
     return out
 
 
+@pytest.mark.slow
 def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 

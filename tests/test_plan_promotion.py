@@ -159,6 +159,7 @@ def _f(x, b):
     return jnp.log1p(jax.nn.relu(x + b))
 
 
+@pytest.mark.slow
 def test_a_tuning_job_does_not_replace_an_equal_plan_unless_told(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     from autofuse.tuning.local import tune
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import autofuse
 from autofuse.runner.program_check import NOISE_FACTOR, NOISE_SPREAD, ProgramCheck, rounding_sensitivity
@@ -31,6 +32,7 @@ def _in_float32(*a):
     return [o.astype(r.dtype) for o, r in zip(key_bias_step(*[x.astype(jnp.float32) for x in a]), jax.eval_shape(key_bias_step, *a))]
 
 
+@pytest.mark.slow
 def test_an_output_that_is_rounding_noise_at_the_callers_inputs_is_held_to_jax_jits_own_accuracy():
     args = _inputs()
     graph = autofuse.capture(key_bias_step, *args)

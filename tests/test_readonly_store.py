@@ -144,6 +144,7 @@ def _declared_read_only(path: Path, how: str) -> Iterator[str]:
 
 
 @pytest.mark.parametrize("how", ["chmod", "url"])
+@pytest.mark.slow
 def test_a_store_declared_read_only_is_read_and_never_written(tmp_path, how):
     store = PlanStore(f"sqlite:///{tmp_path}/plans.db")
     plan = _save(store, softmax_rows, (SPEC,))
@@ -162,6 +163,7 @@ def test_a_store_declared_read_only_is_read_and_never_written(tmp_path, how):
 
 
 @pytest.mark.parametrize("how", ["chmod", "url"])
+@pytest.mark.slow
 def test_deploy_at_another_shape_leaves_a_read_only_store_untouched(tmp_path, how):
     """autofuse.jit serving a shape it was not tuned at checks the plan once and would remember the verdict in the store:
     not in one declared read-only (it says it cannot remember, once)."""
@@ -174,6 +176,7 @@ def test_deploy_at_another_shape_leaves_a_read_only_store_untouched(tmp_path, ho
     assert [x for x in lines if "cannot remember which shapes" in x and "is read-only" in x], lines
 
 
+@pytest.mark.slow
 def test_reads_leave_no_file_beside_the_store(tmp_path):
     """Listings, `db current` and deploy lookups of a store shipped closed leave it closed: no -wal, no -shm."""
     url = f"sqlite:///{tmp_path}/plans.db"

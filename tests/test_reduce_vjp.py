@@ -16,6 +16,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare, random_inputs
 from autofuse.tuning.partition import enumerate_candidates
 from examples import splade
+from tests import example_graphs
 from tests.kernel_checks import assert_plan_matches_jit
 
 NAME = "reduce_vjp"
@@ -25,6 +26,13 @@ CONFIG = {"block_cols": 16, "num_warps": 2, "bwd_block_cols": 32, "bwd_num_warps
 def _candidates(fn, args):
     graph = autofuse.capture(fn, *args)
     return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
+
+
+def _splade_step(shapes="small", layers=None):
+    """(graph, this template's candidates, args) of SPLADE's training step, enumerated once per test process
+    (`tests.example_graphs`: about 20 s a time on a 2-core machine)."""
+    _, graph, args = example_graphs.program("splade", "grad_step", shapes, layers)
+    return graph, [c for c in example_graphs.candidates("splade", "grad_step", shapes, layers) if c.template == NAME], args
 
 
 def _heads(cands):
@@ -53,11 +61,12 @@ def _head_args(S=12, B=2, D=16, V=40, seed=0):
     return h, w, b, jnp.arange(S)[None, :] < jnp.array([[S], [S // 2]])
 
 
+@pytest.mark.slow
 def test_splade_training_step_offers_each_head_in_two_stages():
     """Both heads (queries, documents): stage 1 reduces over the sequence and writes per-sequence values only;
     stage 2 evaluates the forward again (the max and the count of positions at it) and writes dlogits, reading the
     cotangent one row per tile; nothing passes between them but the program's own values."""
-    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    graph, cands, _ = _splade_step()
     heads = _heads(cands)
     assert len(heads) == 2
     for c in heads:
@@ -77,13 +86,15 @@ def test_splade_training_step_offers_each_head_in_two_stages():
         assert [graph.avals[v].shape for v in spec.backward_spec.col_sums] == [(V,)]
 
 
+@pytest.mark.slow
 def test_the_head_kernels_match_xla_on_random_inputs():
-    _, cands = _candidates(splade.grad_step, splade.small_inputs())
+    _, cands, _ = _splade_step()
     for c in _heads(cands):
         _check_group(c, CONFIG)
         _check_group(c, TEMPLATES[NAME].default_config(c.spec))
 
 
+@pytest.mark.slow
 def test_a_ragged_sequence_is_masked():
     """S = 12: each tile has 16 rows, 4 of them masked (a max over them would see the next sequence's, and so
     would the bias's gradient, summed per sequence)."""
@@ -98,19 +109,20 @@ def test_a_ragged_sequence_is_masked():
     assert_plan_matches_jit(fn, plan_from_choices(graph, [(c.group, NAME, CONFIG, c.stages)]), args, 1e-5)
 
 
+@pytest.mark.slow
 def test_the_training_step_with_both_heads_fused_matches_jit():
     """The whole small grad_step with both heads' pairs (in stages): every gradient leaf as jax.jit's. The
     matmul pair failed this once its two kernels computed the logits in their own orders (the max's position
     lost), and so did this template while stage 2 compared with the max stage 1 made: on the CPU, log1p in two
     compiled loops differs in its last bit. Stage 2 now makes the max it compares with itself."""
-    args = splade.small_inputs()
-    graph, cands = _candidates(splade.grad_step, args)
+    graph, cands, args = _splade_step()
     choices = [(c.group, NAME, TEMPLATES[NAME].default_config(c.spec), c.stages) for c in _heads(cands)]
     assert_plan_matches_jit(splade.grad_step, plan_from_choices(graph, choices), args, 1e-4, noise=True)
 
 
+@pytest.mark.slow
 def test_stage_one_writes_no_value_of_the_logits_shape():
-    graph, cands = _candidates(splade.grad_step, splade.small_inputs())
+    graph, cands, _ = _splade_step()
     c = _heads(cands)[0]
     first = stage_groups(c.group, c.stages)[0]
     stage1 = TEMPLATES[NAME].build_stages(c.group, c.stages, CONFIG, interpret=True, spec=c.spec)[0]
@@ -162,14 +174,15 @@ def test_both_kernels_lower_for_cuda():
     assert export_for_cuda(kernel, structs).mlir_module().count("xla.gpu.triton") == 2
 
 
+@pytest.mark.slow
 def test_the_cost_model_counts_xlas_passes_over_the_logits():
     """At SPLADE's published shapes (shapes only): XLA is modelled as one fusion per reduction depth (the max,
     the count at it, the backward), each reading the [32, 256, 30522] logits; the pair reads them twice. The
-    pair must model faster, or a tuning job never gives it a trial."""
+    pair must model faster, or a tuning job never gives it a trial. One encoder layer (of the same shapes as every
+    other: the heads read the last one's output), the graph tests/test_two_stage.py enumerates too."""
     from autofuse.costmodel import H200, xla_group_time_ms
 
-    args = jax.eval_shape(splade.example_inputs)
-    graph, cands = _candidates(splade.grad_step, args)
+    graph, cands, _ = _splade_step("published", layers=1)
     heads = _heads(cands)
     assert len(heads) == 2
     logits_ms = 1e3 * 32 * 256 * 30522 * 2 / H200.bandwidth_Bps

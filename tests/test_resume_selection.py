@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 import autofuse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +20,7 @@ def _trial_rows(store: autofuse.PlanStore, run_id: int) -> list[tuple]:
     return [(t["signature"], t["number"], t["status"], t["median_ms"]) for t in store.trials(run_id)]
 
 
+@pytest.mark.slow
 def test_kill_in_selection_phase_then_resume_runs_only_the_selection(tmp_path):
     db = f"sqlite:///{tmp_path}/selection.db"
     cmd = [sys.executable, "-m", "autofuse.cli", "tune", "benchmarks.workloads:layer_norm", "--inputs", "tests.deploy_programs:layer_norm_inputs",

@@ -80,6 +80,7 @@ class Ticking(FakeDevice):
 
 
 @pytest.mark.parametrize("trials, seconds", [(40, None), (10**9, 25.0)], ids=["trial-budget", "time-budget"])
+@pytest.mark.slow
 def test_local_and_workers_drivers_hand_out_trials_in_the_same_order(tmp_path, trials, seconds):
     orders = {}
     # the local driver: its books in memory

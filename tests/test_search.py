@@ -26,6 +26,7 @@ def _ln_args(rows=2048, cols=1024, dtype=jnp.bfloat16):
     return (jax.ShapeDtypeStruct((rows, cols), dtype), jax.ShapeDtypeStruct((cols,), dtype), jax.ShapeDtypeStruct((cols,), dtype))
 
 
+@pytest.mark.slow
 def test_tune_small_program_gives_valid_correct_plan(tmp_path):
     rep = tune(layer_norm, *_ln_args(), trials=10, seed=0, quiet=True, store=f"sqlite:///{tmp_path}/s.db")
     assert rep.measure == "model" and rep.plan.provenance["measure"] == "model"
@@ -42,6 +43,7 @@ def test_tune_small_program_gives_valid_correct_plan(tmp_path):
     assert len(store.trials(rep.run_id)) == sum(len(c.trials) for c in rep.candidates)
 
 
+@pytest.mark.slow
 def test_infeasible_configs_never_reach_the_worker(monkeypatch):
     sent = []
     from autofuse.runner import process
@@ -67,6 +69,7 @@ def test_infeasible_configs_never_reach_the_worker(monkeypatch):
     assert space.constraints
 
 
+@pytest.mark.slow
 def test_same_seed_same_trials():
     def run():
         rep = tune(layer_norm, *_ln_args(512, 1024), trials=12, seed=7, quiet=True, store=False, isolate=False)
@@ -93,6 +96,7 @@ def _run_plugin_tune(plugin: str, tmp_path, timeout_s: float = 300.0) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_wrong_kernel_is_never_selected(tmp_path):
     out = _run_plugin_tune("tests.plugins.wrong_template", tmp_path)
     assert "'wrong'" in out.split("TEMPLATES")[1].splitlines()[0]
@@ -102,18 +106,21 @@ def test_wrong_kernel_is_never_selected(tmp_path):
     assert "('wrong', None)" in out.split("CHECKED")[1] and "('wrong', 0" not in out.split("CHECKED")[1]
 
 
+@pytest.mark.slow
 def test_crashing_kernel_fails_its_trial_and_the_job_goes_on(tmp_path):
     out = _run_plugin_tune("tests.plugins.crashy_template", tmp_path)
     assert "crashed" in out.split("STATUSES")[1].splitlines()[0], out
     assert "PLAN" in out
 
 
+@pytest.mark.slow
 def test_hanging_kernel_times_out_and_the_job_goes_on(tmp_path):
-    out = _run_plugin_tune("tests.plugins.sleepy_template", tmp_path, timeout_s=20.0)
+    out = _run_plugin_tune("tests.plugins.sleepy_template", tmp_path, timeout_s=10.0)  # the hang waits this long
     assert "timeout" in out.split("STATUSES")[1].splitlines()[0], out
     assert "PLAN" in out
 
 
+@pytest.mark.slow
 def test_two_tuning_processes_share_one_sqlite_file(tmp_path):
     db = f"sqlite:///{tmp_path}/shared.db"
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -170,6 +177,7 @@ def test_constraint_evaluation():
     assert s.violated({"block_rows": 3, "block_cols": 4096, "num_warps": 8, "num_stages": 1}, facts)
 
 
+@pytest.mark.slow
 def test_cli_tune_stores_and_lists(tmp_path):
     db = f"sqlite:///{tmp_path}/cli.db"
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -231,6 +239,7 @@ def test_tune_refuses_a_budget_that_is_not_positive(budget):
         tune(layer_norm, *_ln_args(64, 128), quiet=True, store=False, isolate=False, **budget)
 
 
+@pytest.mark.slow
 def test_second_trial_is_the_models_best_config():
     from autofuse.tuning.partition import enumerate_candidates
     from autofuse.tuning.space import CandidateSpace
@@ -247,6 +256,7 @@ def test_second_trial_is_the_models_best_config():
     assert all(not space.violated(t.config) for t in main.trials[:2])
 
 
+@pytest.mark.slow
 def test_concurrent_jobs_creating_optunas_tables_in_a_new_file(tmp_path):
     """Optuna's schema creation races between processes opening a fresh file (its alembic_version row)."""
     code = "import sys; from autofuse.store import PlanStore; from autofuse.store.optuna_storage import optuna_storage; optuna_storage(PlanStore(sys.argv[1]).url)"
@@ -346,6 +356,7 @@ def test_candidate_whose_configs_ran_out_of_shared_memory_gets_more_configs():
     assert i not in _contenders(g, by_sig, results, autofuse.costmodel.H200)
 
 
+@pytest.mark.slow
 def test_shared_memory_report_corrects_the_groups_budget(monkeypatch):
     """When the compiler says a config asked for more shared memory than the space's estimate (Llama's attention:
     2.4x), the group's budget shrinks by that ratio: configs that need as much by the estimate are skipped
@@ -389,6 +400,7 @@ def test_shared_memory_report_corrects_the_groups_budget(monkeypatch):
     assert not space.learn_shared_memory(TrialStatus.RESOURCE_EXHAUSTED, space.default, "out of resource: registers")
 
 
+@pytest.mark.slow
 def test_plan_that_fails_the_whole_program_check_falls_back_to_its_best_groups(monkeypatch):
     """Groups that pass alone may not add up in the whole program; then the groups with the largest savings are
     validated on their own before giving up to XLA."""
@@ -419,6 +431,7 @@ def test_plan_that_fails_the_whole_program_check_falls_back_to_its_best_groups(m
     assert rep.plan.provenance["reason"].startswith("smaller plan kept") and rep.speedup > 1
 
 
+@pytest.mark.slow
 def test_on_the_gpu_the_groups_are_judged_in_the_program():
     """On the GPU the chosen plan, then each distinct group of it and of the plan of the largest savings alone as a
     plan of its own, then the groups that saved time in the program together, are all validated against jax.jit on
@@ -474,6 +487,7 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
     assert len(records) == 5 and records[-1]["realised_ms"] == pytest.approx(1.1) and all(r["alone_ms"] is not None for r in records)
 
 
+@pytest.mark.slow
 def test_a_group_in_context_that_is_the_chosen_plan_is_not_validated_twice():
     """The chosen plan of one distinct group is that group's plan in context: its measurement serves both."""
     from autofuse.kernels import TEMPLATES
@@ -579,6 +593,7 @@ def test_time_budget_spent_on_xla_timing_says_so(caplog):
     assert any("ran out while timing" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_whole_plan_is_also_checked_on_the_callers_own_inputs(tmp_path):
     """Given arrays (not shapes), the job checks the whole plan on them too, held to jax.jit's rounding spread at
     those inputs; the pickle handed to the worker is removed after the job. Given shapes, only random inputs."""
@@ -674,6 +689,7 @@ def test_only_lone_dots_whose_cost_can_change_the_plan_are_timed():
     assert dot2 not in contested_nodes(by_sig, cands) and lone_contractions(g, (), contested_nodes(by_sig, cands)) == []
 
 
+@pytest.mark.slow
 def test_a_modelled_plans_baseline_does_not_depend_on_the_budget():
     """Without a GPU the baseline is the modelled program under XLA's own fusions of every candidate, whatever
     the budget reached: it was priced from the candidates timed so far (the rest as unfused nodes), so the same
@@ -683,6 +699,7 @@ def test_a_modelled_plans_baseline_does_not_depend_on_the_budget():
     assert small.baseline_ms == pytest.approx(large.baseline_ms)
 
 
+@pytest.mark.slow
 def test_on_the_gpu_a_job_whose_plans_all_fail_reports_jax_jits_measured_time():
     """Every plan failing its whole-program check leaves XLA's plan, and its baseline is jax.jit measured on the
     whole program, never the cover's sum of the candidates that happened to be timed."""

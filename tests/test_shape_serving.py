@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import autofuse
 from autofuse.device import device_info, software
@@ -46,6 +47,7 @@ def _save_attention_plan(url: str, batch: int, seq: int) -> int:
                            measure="model", tolerance={}, max_error=0.0)
 
 
+@pytest.mark.slow
 def test_bf16_model_plan_serves_another_shape_within_its_rounding_spread(tmp_path) -> None:
     """A bf16 GPT-2 with its attention fused rounds differently from jax.jit by more than one bf16 operation's bound
     (2e-2) on the N(0, 1) inputs of the check, as the tuning job's validation knows (it holds a whole program to
@@ -63,6 +65,7 @@ def test_bf16_model_plan_serves_another_shape_within_its_rounding_spread(tmp_pat
         assert ok, why
 
 
+@pytest.mark.slow
 def test_benchmark_small_smoke_run(tmp_path) -> None:
     """`python -m benchmarks.shape_serving --small --gpus 0,1`: one process tunes the base shape and serves one shape
     from its plan, the other tunes its shape exactly first, then serves it from the same base store; each exact plan
@@ -101,6 +104,7 @@ def _save_llama_step_plan(url: str, batch: int, seq: int) -> int:
                            speedup=1.5, measure="model", tolerance={}, max_error=0.0)
 
 
+@pytest.mark.slow
 def test_training_step_plan_is_reverified_at_the_callers_arrays(tmp_path, monkeypatch) -> None:
     """A bf16 training step on N(0, 1) inputs is chaotic (jax.jit's own gradients move by ~100% when the inputs move
     by one rounding step), so `autofuse.jit`'s re-verification of a plan made with other software cannot decide on

@@ -91,6 +91,7 @@ def test_structure_ignores_sizes_only() -> None:
     assert short_aval("bfloat16[8, 128]") == "bf16[8,128]"
 
 
+@pytest.mark.slow
 def test_plan_serves_three_other_batch_sizes_after_one_check_each(tmp_path, caplog, capsys) -> None:
     url = f"sqlite:///{tmp_path}/plans.db"
     plan_id = _save(url)
@@ -159,6 +160,7 @@ def test_adapt_names_the_template_that_no_longer_matches() -> None:
         adapt(elementwise, autofuse.capture(norm, *norm_specs(64)))
 
 
+@pytest.mark.slow
 def test_readonly_store_serves_and_checks_in_every_process(tmp_path, caplog) -> None:
     url = f"sqlite:///{tmp_path}/plans.db"
     plan_id = _save(url)
@@ -178,6 +180,7 @@ def test_readonly_store_serves_and_checks_in_every_process(tmp_path, caplog) -> 
     assert lines[0].startswith("STATUS plan (tuned at f32[16,128], serving f32[32,128])") and lines[0].endswith("here"), lines
 
 
+@pytest.mark.slow
 def test_old_store_upgraded_then_structure_computed_at_deploy(tmp_path) -> None:
     """A store of revision 0004 (no structures) upgrades with `autofuse db upgrade`; its programs' structure is NULL
     until a deploy meets the function again, traces it at the stored shapes and records it."""

@@ -129,6 +129,7 @@ def test_after_a_batch_crashes_the_start_compiles_one_at_a_time():
     assert [type(q) for q in rec.requests] == [CompileRequest] and ahead_.workers == 1
 
 
+@pytest.mark.slow
 def test_compiling_ahead_gives_the_serial_executables_and_results():
     """In the trial process (device mode on the CPU): the XLA references compiled on threads are the executables a
     serial compile gives, the kernels compiled ahead give the same check as compiled in their trial, and each
@@ -161,6 +162,7 @@ def _hlo(compiled) -> str:
     return re.sub(r",? ?metadata=\{[^}]*\}", "", text)
 
 
+@pytest.mark.slow
 def test_a_kernel_that_crashes_while_compiling_ahead_fails_only_its_trial(monkeypatch):
     """The batch dies with the trial process; the process restarts, and each item compiles in its own request:
     the crashing config is `crashed`, the others are answered as usual."""
@@ -261,6 +263,7 @@ def test_a_dead_workers_xla_claim_is_taken_over_and_a_live_ones_is_not(tmp_path)
     assert set(live) <= set(stale) and got[0] not in stale  # a finished timing is never claimed again
 
 
+@pytest.mark.slow
 def test_workers_record_their_xla_timings_and_the_device_of_every_trial(tmp_path):
     """Two real workers (CPU, model mode) of `autofuse tune --workers 2`: the candidates the 6 trials can reach
     timed in XLA once by one of them (the modelled savings: a budget short of every default reaches no modelled
@@ -408,6 +411,7 @@ def test_model_bests_are_found_ahead_only_for_the_candidates_the_budget_reaches(
     assert seen == order
 
 
+@pytest.mark.slow
 def test_a_restarted_trial_process_is_a_fresh_one_that_answers():
     """`ProcessRunner.restart` (a validation out of GPU memory is made again in a fresh process): the old child is
     gone, a new one is started at once and answers the next request."""

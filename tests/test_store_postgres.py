@@ -132,6 +132,7 @@ def test_pg_newer_schema_is_refused(pg_url: str) -> None:
     ts.check_newer_schema_refused(pg_url)
 
 
+@pytest.mark.slow
 def test_pg_optuna_and_autofuse_share_one_database(pg_url: str) -> None:
     """optuna.storages.RDBStorage(url) and our Alembic migrations in one database (schema):
     a study with trials, then our upgrade, store and lookup, both usable after, our
@@ -139,19 +140,23 @@ def test_pg_optuna_and_autofuse_share_one_database(pg_url: str) -> None:
     tr.check_optuna_shares_database(pg_url)
 
 
+@pytest.mark.slow
 def test_pg_processes_race_schema_creation_and_writes(pg_url: str, tmp_path: Path) -> None:
     """Two processes create the schema at the same instant, then interleave writes."""
     tr.check_processes_write_concurrently(pg_url, tmp_path)
 
 
+@pytest.mark.slow
 def test_pg_sigkilled_run_is_marked_interrupted(pg_url: str) -> None:
     tr.check_sigkilled_run(pg_url)
 
 
+@pytest.mark.slow
 def test_pg_alembic_command_line(pg_url: str, tmp_path: Path) -> None:
     tr.check_alembic_command_line(pg_url, tmp_path)
 
 
+@pytest.mark.slow
 def test_pg_concurrent_writers_keep_one_current_plan(pg_url: str) -> None:
     """Threads with their own stores race get-or-create and save_plan on one key."""
     PlanStore(pg_url).close()

@@ -30,6 +30,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_optuna_and_autofuse_share_one_database(tmp_path: Path) -> None:
     check_optuna_shares_database(f"sqlite:///{tmp_path / 'shared.db'}")
 
@@ -132,6 +133,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_write_concurrently(tmp_path: Path) -> None:
     """Both writers start the same instant on a fresh file (racing to create the
     schema), then interleave short write transactions; every row must land.
@@ -263,6 +265,7 @@ def test_alembic_logs_only_where_the_user_asked_for_them(tmp_path: Path, asked: 
         assert alembic_lines == [], res.stderr
 
 
+@pytest.mark.slow
 def test_alembic_command_line_with_repo_ini(tmp_path: Path) -> None:
     """`alembic -c alembic.ini -x db=URL upgrade head / current / downgrade base` from another cwd."""
     check_alembic_command_line(f"sqlite:///{tmp_path / 'alembic.db'}", tmp_path)

@@ -145,6 +145,7 @@ def test_budget_warnings() -> None:
 # --------------------------------------------------------------------------- the CLI, in real processes
 
 
+@pytest.mark.slow
 def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path}/t.db"
     out = ok(cli("tune", *RMS, "--trials", "8", "--db", db))
@@ -167,6 +168,7 @@ def test_cli_tune_default_quiet_and_verbose_output(tmp_path: Path) -> None:
     assert cli("tune", *RMS, "--db", db, "-v", "--quiet").returncode == 2  # one or the other
 
 
+@pytest.mark.slow
 def test_cli_tune_refuses_a_store_whose_directory_is_missing(tmp_path: Path) -> None:
     """A mistyped --db is one line naming the missing directory, not a new store somewhere."""
     db = f"sqlite:///{tmp_path}/nodir/sub/a.db"
@@ -176,6 +178,7 @@ def test_cli_tune_refuses_a_store_whose_directory_is_missing(tmp_path: Path) -> 
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_arguments_before_importing_jax_and_names_its_flags() -> None:
     """Issue 33: `--trials 0` took 3.5 s to refuse (JAX imported first); --measure device without a GPU named the
     Python keyword (measure='device'), not the flag."""
@@ -203,6 +206,7 @@ def test_cli_version_names_autofuse_and_jax() -> None:
                           f"jaxlib {metadata.version('jaxlib')})\n")
 
 
+@pytest.mark.slow
 def test_cli_dry_run_tunes_and_stores_nothing(tmp_path: Path) -> None:
     db = tmp_path / "never.db"
     out = ok(cli("tune", *RMS, "--trials", "3", "--db", f"sqlite:///{db}", "--dry-run"))
@@ -219,6 +223,7 @@ def test_cli_dry_run_tunes_and_stores_nothing(tmp_path: Path) -> None:
     assert {"order", "template", "ops", "instances", "configs", "xla_ms", "default_ms", "saving_ms", "contender"} <= set(data["candidates"][0])
 
 
+@pytest.mark.slow
 def test_listings_name_the_program_as_shown_count_measured_trials_and_show_the_model(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path}/l.db"
     ok(cli("tune", *RMS, "--trials", "6", "--db", db, "--quiet"))
@@ -237,6 +242,7 @@ def test_listings_name_the_program_as_shown_count_measured_trials_and_show_the_m
     assert any(ln.split() == ["device", "model", "of", "NVIDIA", "H200"] for ln in shown.splitlines())
 
 
+@pytest.mark.slow
 def test_a_dead_run_reads_interrupted_to_any_command_and_a_resumed_run_clears_its_error(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/i.db"
     store = PlanStore(url)
@@ -262,6 +268,7 @@ def test_a_dead_run_reads_interrupted_to_any_command_and_a_resumed_run_clears_it
 # --------------------------------------------------------------------------- backends
 
 
+@pytest.mark.slow
 def test_backends_asked_for_are_never_replaced_by_another_silently(tmp_path: Path) -> None:
     """Issue 33: --backends mosaic_gpu tuned Triton kernels for every group without a Mosaic GPU lowering. In model
     mode (no GPU) Mosaic GPU's kernels are built and checked in interpret mode, so it is tuned where a template has it;
@@ -303,6 +310,7 @@ def test_backends_this_gpu_cannot_measure_are_left_out_or_refused(monkeypatch: p
 # --------------------------------------------------------------------------- workers
 
 
+@pytest.mark.slow
 def test_workers_print_the_summary_only_when_quiet(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path}/w.db"
     out = ok(cli("tune", *LRB, "--trials", "4", "--db", db, "--workers", "2", "--heartbeat", "1", "--quiet"))
@@ -345,6 +353,7 @@ def test_report_plots_converge_per_job_trial_and_mark_the_plan(tmp_path: Path) -
     assert run_title({"id": 4, "program": "m:f", "measure": "device", "device": "NVIDIA H100", "budget": {}}) == "run 4: m:f on NVIDIA H100"
 
 
+@pytest.mark.slow
 def test_cli_report_of_a_real_run_names_the_model(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path}/r.db"
     ok(cli("tune", *RMS, "--trials", "9", "--db", db, "--quiet"))
@@ -353,6 +362,7 @@ def test_cli_report_of_a_real_run_names_the_model(tmp_path: Path) -> None:
     assert "**model of NVIDIA H200** (modelled" in text and (tmp_path / "rep" / "convergence.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_report_counts_the_trials_the_summary_line_counts(tmp_path: Path) -> None:
     """Issue 33: report.md counted the configs found infeasible (never compiled) as trials, the job's summary line did
     not. One definition, the trials that spent budget (`TrialStatus.spends_budget`), the others said apart."""
@@ -375,6 +385,7 @@ def test_worker_summary_is_one_line_on_the_run() -> None:
     assert worker_summary(5, busy, [0]) == "autofuse worker: run 5 is running (plan being selected by h:12); 1 worker(s) here, exit 0"
 
 
+@pytest.mark.slow
 def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in_the_program(tmp_path: Path) -> None:
     """A job on the GPU records, for every plan it validated on the whole program, what its groups saved timed alone
     and what the plan saved against jax.jit (`validate.Measured.record`); `autofuse show run` and the report say both."""
@@ -397,6 +408,7 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
     assert "| 1 | 24 | 1 | ok | 1.469 | 0.916 | 62% |" in section and "| 2 | 47 | 2 | wrong_result | 1.854 |" in section
 
 
+@pytest.mark.slow
 def test_an_effort_names_a_trial_budget() -> None:
     """`--effort quick|default|thorough` (16, 48, 160 trials) instead of a number; a wrong name or both flags is one
     line; the Python API takes `effort=` the same way."""

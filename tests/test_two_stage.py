@@ -25,6 +25,8 @@ from autofuse.plan import (
 from autofuse.runner.measure import compare
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import default_plan
+from tests import example_graphs
+from tests.quick import slow_except
 
 SMALL_ATTN = {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}
 TOL = 1e-4
@@ -46,20 +48,11 @@ def _kernels_in(jaxpr) -> list[str]:
     return names
 
 
-_GRAPHS: dict[str, tuple] = {}
-
-
 def _program(model: str):
-    """(module, graph, args, the two-stage attention_vjp candidates) of `examples.<model>:grad_step`, cached."""
-    if model not in _GRAPHS:
-        import importlib
-
-        mod = importlib.import_module(f"examples.{model}")
-        args = mod.small_inputs()
-        graph = autofuse.capture(mod.grad_step, *args)
-        cands = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
-        _GRAPHS[model] = (mod, graph, args, cands)
-    return _GRAPHS[model]
+    """(module, graph, args, the two-stage attention_vjp candidates) of `examples.<model>:grad_step`, made once per
+    test process (`tests.example_graphs`)."""
+    mod, graph, args = example_graphs.program(model)
+    return mod, graph, args, [c for c in example_graphs.candidates(model) if c.template == "attention_vjp"]
 
 
 def _assert_matches_jit(fn, plan, args):
@@ -74,7 +67,7 @@ def _assert_matches_jit(fn, plan, args):
     return fused
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model", slow_except(["gpt2", "llama"], "gpt2"))  # GPT-2: the graph the quick subset's bind_plan tests use
 def test_training_step_offers_two_stage_attention(model):
     """Every layer's attention chain is one candidate covering forward + backward, in two convex stages."""
     _, graph, _, cands = _program(model)
@@ -89,6 +82,7 @@ def test_training_step_offers_two_stage_attention(model):
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_two_stage_plan_matches_jit_and_runs_flash_backward(model):
     """A plan of the two-stage groups: grad_step matches jax.jit, and runs the flash forward (with the
     logsumexp) and the two backward kernels per layer; the JSON round trip keeps the stages."""
@@ -102,6 +96,7 @@ def test_two_stage_plan_matches_jit_and_runs_flash_backward(model):
     assert sum("attention_bwd_dq" in n for n in names) == 2 and sum("attention_bwd_dkdv" in n for n in names) == 2, names
 
 
+@pytest.mark.slow
 def test_cover_of_training_step_takes_two_stage_attention():
     """The cover (modelled costs, default configs) picks the two-stage groups in GPT-2's grad_step (cycles are
     cut on the stages, not on their non-convex union), and bind_plan accepts those groups."""
@@ -185,6 +180,7 @@ def test_plan_json_versions():
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_a_trial_of_two_stage_attention_runs_and_its_plan_matches_jit(model):
     """A tuning job's trial (model mode) of the two-stage candidate runs like any other's, from its search space's
     default; the plan of that config, built by the cover, keeps the stages, matches jax.jit and runs the flash
@@ -210,6 +206,7 @@ def test_a_trial_of_two_stage_attention_runs_and_its_plan_matches_jit(model):
     assert sum("attention_bwd" in n for n in names) == 4, names
 
 
+@pytest.mark.slow
 def test_bf16_training_step_plan_is_judged_on_the_callers_inputs(tmp_path, monkeypatch):
     """Llama's bf16 training step on N(0, 1) weights is chaotic: one rounding step of the inputs moves jax.jit's own
     gradients by ~100%, so a random-input check cannot tell a right plan from a wrong one (on an H100 the right
@@ -253,6 +250,7 @@ def test_bf16_training_step_plan_is_judged_on_the_callers_inputs(tmp_path, monke
     assert not wrong.ok and "real inputs" not in wrong.error  # caught on an output that holds still
 
 
+@pytest.mark.slow
 def test_a_launchers_candidates_are_read_back_as_enumerated(tmp_path):
     """`save_candidates` / `load_candidates` (a run's launcher and the workers of its host): the same computations,
     instances, nodes, templates and stages as enumerating again; a file written for another graph is refused."""
@@ -277,17 +275,17 @@ def test_a_launchers_candidates_are_read_back_as_enumerated(tmp_path):
 
 
 @pytest.mark.parametrize("model,ratio", [("splade", 2.0), ("gpt2", 2.0)])
+@pytest.mark.slow
 def test_xla_attention_pays_for_the_scores_in_memory(model, ratio):
     """At the published shapes (shapes only), XLA's attention with its backward is modelled with the score-shaped
     arrays' round trips through memory: at SPLADE's L = 256 the group's floor alone (0.03 ms) put it below the
-    flash pair, which then never got a trial, where XLA measured ~0.65 ms per layer on an H100."""
+    flash pair, which then never got a trial, where XLA measured ~0.65 ms per layer on an H100.
+    One layer of each (GPT-2 medium's 24 took 2 minutes to enumerate on the CPU): every layer's attention has the
+    same shapes; SPLADE's is the graph tests/test_reduce_vjp.py enumerates (once per test process)."""
     from autofuse.costmodel import H200, xla_group_time_ms
     from autofuse.kernels import TEMPLATES
 
-    mod = __import__(f"examples.{model}", fromlist=["x"])
-    args = jax.eval_shape(mod.example_inputs)
-    graph = autofuse.capture(mod.grad_step, *args)
-    pairs = [c for c in enumerate_candidates(graph) if c.template == "attention_vjp"]
+    pairs = [c for c in example_graphs.candidates(model, "grad_step", "published", 1) if c.template == "attention_vjp"]
     assert pairs
     for c in pairs:
         t = TEMPLATES[c.template]
