@@ -60,6 +60,11 @@ WORKLOADS = {
     "gemm-1024x8192x8192": (plain, [(1024, 8192), (8192, 8192)]),
     "bias-gelu-8192x4096x8192": (bias_gelu, [(8192, 4096), (4096, 8192), (8192,)]),
     "bias-residual-8192x4096x8192": (bias_residual, [(8192, 4096), (4096, 8192), (8192,), (8192, 8192)]),
+    # GPT-2 medium's MLP at B8 S2048: the up-projection (+ bias + GELU) and the down-projection (+ bias + residual)
+    "gemm-16384x1024x4096": (plain, [(16384, 1024), (1024, 4096)]),
+    "bias-gelu-16384x1024x4096": (bias_gelu, [(16384, 1024), (1024, 4096), (4096,)]),
+    "gemm-16384x4096x1024": (plain, [(16384, 4096), (4096, 1024)]),
+    "bias-residual-16384x4096x1024": (bias_residual, [(16384, 4096), (4096, 1024), (1024,), (16384, 1024)]),
     "groupnorm-16384x2048x4096-G32": (matmul_bias_swish_groupnorm, [(16384, 2048), (2048, 4096), (4096,), (4096,), (4096,)]),
 }
 MOSAIC = {"matmul": [

@@ -1,0 +1,47 @@
+"""Run one matmul kernel of `benchmarks.mosaic_probe`'s workloads a few times, for `ncu` to profile one launch:
+autofuse's Mosaic GPU lowering of the workload's group (its default config, or `--config JSON` over it), or, for a
+plain GEMM, JAX's hand-written `hopper_matmul_mgpu` (`--kernel hopper`, its best H100 config in GPU_NOTES.md).
+
+    ncu --kernel-name regex:autofuse_matmul_mgpu --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
+        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks.ncu_matmul bias-gelu-16384x1024x4096
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from autofuse.kernels import TEMPLATES
+from benchmarks.mosaic_probe import WORKLOADS, _group
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--kernel", choices=("autofuse", "hopper"), default="autofuse")
+    ap.add_argument("--config", default="{}", help="JSON: parameters over the lowering's default config")
+    a = ap.parse_args(argv)
+    fn, shapes = WORKLOADS[a.workload]
+    if a.kernel == "hopper":
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+        c = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64,
+                            grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=8, wg_dimension=hm.MatmulDimension.M)
+        k = jax.jit(lambda x, w: hm.matmul(x, w, None, c))
+        cfg = c
+    else:
+        _, cand = _group(fn, shapes)
+        tmpl = TEMPLATES[cand.template]
+        cfg = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), **json.loads(a.config)}
+        k = jax.jit(tmpl.build(cand.group, cfg, backend="mosaic_gpu", spec=cand.spec))
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    xs = [jax.random.normal(kk, s, jnp.bfloat16) for kk, s in zip(keys, shapes)]
+    for _ in range(4):
+        jax.block_until_ready(k(*xs))
+    print("config", cfg)
+
+
+if __name__ == "__main__":
+    main()
