@@ -163,3 +163,15 @@ def test_declines_what_it_does_not_support():
                      ({"block_m": 256, "block_n": 256, "max_concurrent_steps": 4}, "shared memory")]:
         with pytest.raises(Unsupported, match=why):
             mgpu_matmul.lower(group, spec, bad)
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,approx", [
+    (bias_gelu, [(M, K), (K, N), (N,)], BF16, True),
+    (bias_gelu, [(M, K), (K, N), (N,)], F16, True),
+    (bias_gelu, [(M, K), (K, N), (N,)], F32, False),
+    (scalar_scale_tanh_f32, [(M, K), (K, N), ()], BF16, False),  # a bf16 dot whose epilogue writes float32
+])
+def test_approximate_transcendentals_only_for_16_bit_outputs(fn, shapes, dtype, approx):
+    """tanh.approx / ex2.approx (about 2^-11 relative) are finer than a 16-bit float's rounding, not a float32's."""
+    _, group, _ = _group(fn, shapes, dtype)
+    assert mgpu_matmul.approximate_math(group) is approx

@@ -86,8 +86,13 @@ DEFAULTS = {
     "grid_tile_width": 8,  # planar snake: output tiles walked in bands this many tiles wide (L2 reuse)
     "grid_minor_dim": N_DIM,  # the snake's minor dimension: 0 (M) or 1 (N)
     "wg_dimension": M_DIM,  # the two compute warpgroups split the CTA tile along 0 (M: CTA tile 2*block_m x block_n) or 1 (N)
+    "epilogue_wg": 0,  # 1: a third warpgroup runs the epilogue of tile t while the compute warpgroups run tile t+1's mainloop
 }
 PARAMS = tuple(DEFAULTS)
+#: Registers per thread of the memory, epilogue and (each of two) compute warpgroups with `epilogue_wg` (the SM's
+#: 64K registers are 512 per thread of one warpgroup; a compute warpgroup's [128, 128] float32 accumulator alone
+#: takes 128).
+EPI_WG_REGISTERS = (40, 96, 184)
 @dataclasses.dataclass(frozen=True)
 class Config:
     block_m: int
@@ -99,6 +104,7 @@ class Config:
     grid_tile_width: int
     grid_minor_dim: int
     wg_dimension: int
+    epilogue_wg: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -223,6 +229,10 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("max_concurrent_steps and grid_tile_width must be >= 1")
     if cfg.wg_dimension not in (M_DIM, N_DIM) or cfg.grid_minor_dim not in (M_DIM, N_DIM):
         raise Unsupported("wg_dimension / grid_minor_dim must be 0 (M) or 1 (N)")
+    if cfg.epilogue_wg not in (0, 1):
+        raise Unsupported("epilogue_wg must be 0 or 1")
+    if cfg.epilogue_wg and spec.seg:
+        raise Unsupported("epilogue_wg=1: an epilogue over segments of a row runs in the compute warpgroups")
     g = spec.group.graph
     for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
@@ -245,18 +255,32 @@ def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
     ring = stages * (cfg.cta_m + cfg.cta_n) * cfg.block_k * itemsize
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
-    outs = sum(2 * slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in spec.group.outputs)
+    copies = 1 if cfg.epilogue_wg else 2  # per warpgroup that runs an epilogue
+    outs = sum(copies * slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in spec.group.outputs)
     ins = 0
     for v in epi_inputs(spec):
         sp, isz = spec.epi.span[v], _kernel_dtype(g.avals[v].dtype).itemsize
-        ins += 2 * isz * (em * en if sp == FULL else em if sp == ROWS else en if sp.cols else 0)
+        vec = (cfg.cta_m if sp == ROWS else cfg.cta_n) if cfg.epilogue_wg else 2 * (em if sp == ROWS else en)
+        ins += isz * (copies * em * en if sp == FULL else vec if sp in (ROWS, COLS) else 0)
+    if cfg.epilogue_wg:  # the product handed from the compute warpgroups to the epilogue's, in the dot's own dtype
+        ins += cfg.cta_m * cfg.cta_n * np.dtype(g.avals[spec.dot.outputs[0]].dtype).itemsize
     scratch = REDUCTION_SCRATCH if spec.seg else 0  # Mosaic GPU reserves it in a kernel with reductions
     return ring + outs + ins + scratch + SMEM_MARGIN  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
 
 
 # ---------------------------------------------------------------------------
 # The lowering.
-def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_sms: int | None = None) -> Callable:
+def approximate_math(group: Group) -> bool:
+    """Whether the epilogue may use the GPU's approximate transcendentals (`tanh.approx`, `ex2.approx`: relative
+    error about 2^-11): only where every output of the group is a 16-bit float, whose own rounding (2^-9 relative for
+    bfloat16) is coarser. On an H100 the exact tanh made bias + GELU's epilogue cost ~18% of a K = 1024 GEMM
+    (results/gemm_epilogue_h100.md). A float32 output keeps the exact functions."""
+    dts = [np.dtype(group.graph.avals[v].dtype) for v in group.outputs]
+    return all(jnp.issubdtype(d, jnp.floating) and d.itemsize == 2 for d in dts)
+
+
+def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_sms: int | None = None,
+          approx_math: bool | None = None) -> Callable:
     """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order).
 
     `config`: the parameters in `DEFAULTS` (missing ones take their defaults).
@@ -265,10 +289,13 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     `num_sms`: CTAs of the persistent grid (at most one per output tile); None: the device's SM count
     (132 on an H100), read when the function is traced. Interpret mode runs the CTAs one after another, so
     a small number there only changes which CTA does which tile.
+    `approx_math`: None decides by the group's output dtypes (`approximate_math`); a bool forces it (benchmarks).
     Raises `Unsupported` (a NotImplementedError) for what this lowering does not do.
     """
     if spec is None:
         raise Unsupported("the group is not a matmul")
+    if approx_math is None:
+        approx_math = approximate_math(group)
     check_group(spec)
     cfg = Config.of(config)
     check_config(spec, cfg)
@@ -420,6 +447,157 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    dot_dt = np.dtype(g.avals[out_v].dtype)
+    stage_tf = _tile_tf(dot_dt, (bm, bn), en)
+    pieces_per_wg = [(w, i) for w in range(2) for i in range(n_pieces)]
+
+    def body_epilogue_wg(a_gmem, b_gmem, *rest):
+        """Four warpgroups: two compute (wgmma into [block_m, block_n] accumulators), one epilogue, one memory (TMA).
+
+        The compute warpgroups hand each tile's product to the epilogue warpgroup through SMEM (in the dot's own
+        dtype, the value the program's next equation reads) and go on to the next tile's mainloop at once, so the
+        epilogue (the group's jaxpr on the tile, the stores) runs beside the tensor cores instead of between their
+        tiles. Barriers: `full`/`empty` per ring slot (TMA landed / both compute warpgroups done with it), `staged`
+        (both halves of a product written), `free` (the epilogue has read them all)."""
+        in_gmem = dict(zip(ein, rest[: len(ein)]))
+        out_gmem = rest[len(ein):]
+        kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
+        a_blk = (bk, cta_m) if a_km else (cta_m, bk)
+        b_blk = (cta_n, bk) if b_nk else (bk, cta_n)
+        scratch = {
+            "a_ring": plgpu.SMEM((stages, *a_blk), dt, transforms=op_tf),
+            "b_ring": plgpu.SMEM((stages, *b_blk), dt, transforms=op_tf),
+            "stage": plgpu.SMEM((2, bm, bn), dot_dt, transforms=stage_tf),
+            "out_smem": [plgpu.SMEM((out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
+            "tile_smem": [plgpu.SMEM((em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
+            "vec_smem": [plgpu.SMEM((cta_m if espan[v] == ROWS else cta_n,), kdt[v]) for v in vec_in],
+            "full": plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            "empty": plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            "staged": plgpu.Barrier(num_arrivals=2),
+            "free": plgpu.Barrier(num_arrivals=1),
+            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in)) if tile_in else None,
+            "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in)) if vec_in else None,
+        }
+
+        @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+        def _scope(a_ring, b_ring, stage, out_smem, tile_smem, vec_smem, full, empty, staged, free, tile_barrier, vec_barrier):
+            wg = lax.axis_index("wg")
+            tile_smem = dict(zip(tile_in, tile_smem))
+            vec_smem = dict(zip(vec_in, vec_smem))
+
+            def tiles_loop(fn):
+                """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup)."""
+                @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+                def _loop(info: plgpu.NDLoopInfo):
+                    m_idx, n_idx = plgpu.planar_snake(info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+                    fn(info, m_idx * cta_m, n_idx * cta_n)
+
+            @pl.when(wg == 3)
+            def _memory():
+                plgpu.set_max_registers(EPI_WG_REGISTERS[0], action="decrease")
+
+                @tiles_loop
+                def _(info, r0, c0):
+                    @pl.loop(0, k_iters)
+                    def _k(k):
+                        step = info.local_index * k_iters + k
+                        slot = lax.rem(step, stages)
+
+                        @pl.when(step >= stages)
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+
+                        ks = pl.ds(k * bk, bk)
+                        a_src = a_gmem.at[ks, pl.ds(r0, cta_m)] if a_km else a_gmem.at[pl.ds(r0, cta_m), ks]
+                        b_src = b_gmem.at[pl.ds(c0, cta_n), ks] if b_nk else b_gmem.at[ks, pl.ds(c0, cta_n)]
+                        plgpu.copy_gmem_to_smem(a_src, a_ring.at[slot], full.at[slot])
+                        plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], full.at[slot])
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(EPI_WG_REGISTERS[2], action="increase")
+                wg_rows = pl.ds(wg * bm, bm) if wg_m else slice(None)
+                wg_cols = slice(None) if wg_m else pl.ds(wg * bn, bn)
+
+                @tiles_loop
+                def _(info, r0, c0):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                    def _acc_scope(acc_ref):
+                        @pl.loop(0, k_iters)
+                        def _k(k):
+                            slot = lax.rem(info.local_index * k_iters + k, stages)
+                            plgpu.barrier_wait(full.at[slot])
+                            a_s, b_s = a_ring.at[slot], b_ring.at[slot]
+                            a = a_s.at[:, wg_rows].T if a_km else a_s.at[wg_rows]
+                            b = b_s.at[wg_cols].T if b_nk else b_s.at[:, wg_cols]
+                            plgpu.wgmma(acc_ref, a, b)
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(empty.at[slot])
+
+                        acc = acc_ref[...].astype(dot_dt)
+
+                        @pl.when(info.local_index > 0)
+                        def _():
+                            plgpu.barrier_wait(free)  # the epilogue has read the previous tile's product
+
+                        stage[wg] = acc
+                        plgpu.barrier_arrive(staged)
+
+            @pl.when(wg == 2)
+            def _epilogue():
+                plgpu.set_max_registers(EPI_WG_REGISTERS[1], action="decrease")
+
+                @tiles_loop
+                def _(info, r0, c0):
+                    def origin(w: int, i: int):
+                        mi, ni = divmod(i, bn // en)
+                        return (w * bm if wg_m else 0) + mi * em, (0 if wg_m else w * bn) + ni * en
+
+                    def fetch_tiles(w: int, i: int):
+                        pr, pc = origin(w, i)
+                        for v in tile_in:
+                            plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0 + pr, em), pl.ds(c0 + pc, en)], tile_smem[v], tile_barrier)
+
+                    for v in vec_in:  # issued before the product is ready, so that they overlap the mainloop
+                        src = in_gmem[v].at[pl.ds(r0, cta_m)] if espan[v] == ROWS else in_gmem[v].at[pl.ds(c0, cta_n)]
+                        plgpu.copy_gmem_to_smem(src, vec_smem[v], vec_barrier)
+                    if tile_in:
+                        fetch_tiles(0, 0)
+                    scalars = {v: _from_kernel(in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
+                    plgpu.barrier_wait(staged)
+                    if vec_in:
+                        plgpu.barrier_wait(vec_barrier)
+                    for j, (w, i) in enumerate(pieces_per_wg):
+                        pr, pc = origin(w, i)
+                        mi, ni = divmod(i, bn // en)
+                        x = plgpu.load(stage.at[w, pl.ds(mi * em, em), pl.ds(ni * en, en)], layout=layout(FULL),
+                                       optimized=bool(stage_tf))
+                        if j == len(pieces_per_wg) - 1:
+                            plgpu.barrier_arrive(free)  # every piece of the product is in registers
+                        env = {out_v: x.astype(jnp.float32)}
+                        env.update(scalars)
+                        for v in vec_in:
+                            part = vec_smem[v].at[pl.ds(pr, em)] if espan[v] == ROWS else vec_smem[v].at[pl.ds(pc, en)]
+                            env[v] = _from_kernel(plgpu.load(part, layout=layout(espan[v])), g.avals[v].dtype)
+                        if tile_in:
+                            plgpu.barrier_wait(tile_barrier)
+                            for v in tile_in:
+                                env[v] = _from_kernel(plgpu.load(tile_smem[v], layout=layout(FULL), optimized=bool(in_tf[v])),
+                                                      g.avals[v].dtype)
+                            if j + 1 < len(pieces_per_wg):
+                                fetch_tiles(*pieces_per_wg[j + 1])
+                        for nd in epi_nodes:
+                            tiles.eval_node(nd, env, r0 + pr, c0 + pc)
+                        slot = j % out_slots
+                        plgpu.wait_smem_to_gmem(len(outs) * (out_slots - 1), wait_read_only=True)
+                        for v, d, sm in zip(outs, out_dt, out_smem):
+                            sm[slot] = tiles.store_value(env, v, d)
+                        plgpu.commit_smem()
+                        for sm, o in zip(out_smem, out_gmem):
+                            plgpu.copy_smem_to_gmem(sm.at[slot], o.at[pl.ds(r0 + pr, em), pl.ds(c0 + pc, en)])
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
     out_type = [jax.ShapeDtypeStruct((M, c), d) for c, d in zip(out_cols, out_dt)]
     tiles_m = m_iters * n_iters
@@ -449,8 +627,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             args.append(_pad(x, (M, in_cols[v])) if sp == FULL else x)
         sms = num_sms if num_sms is not None else _num_sms_default()
         call = plgpu.kernel(
-            body, out_type=out_type, grid=(max(1, min(sms, tiles_m)),), grid_names=("sm",), num_threads=3, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane), interpret=interp,
+            body_epilogue_wg if cfg.epilogue_wg else body, out_type=out_type, grid=(max(1, min(sms, tiles_m)),), grid_names=("sm",),
+            num_threads=4 if cfg.epilogue_wg else 3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
+            interpret=interp,
             kernel_name=name)
         res = call(*args)
         res = res if isinstance(res, (list, tuple)) else [res]
