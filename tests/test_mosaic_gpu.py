@@ -82,6 +82,11 @@ CASES = [
     pytest.param(bias_gelu, [(2, 37, 40), (40, 50), (50,)], BF16, None, id="3d-lhs-bias-gelu-bf16"),
     pytest.param(bias_gelu, [(M, K), (K, N), (N,)], F32, None, id="bias-gelu-f32-tf32"),
     pytest.param(at_bias_gelu, [(K, M), (K, N), (N,)], F32, None, id="At-bias-gelu-f32-transposed-outside"),
+    # the epilogue in its own warpgroup: a column vector, a row vector and a tile input, two outputs, both splits
+    pytest.param(bias_gelu, [(M, K), (K, N), (N,)], BF16, {"epilogue_wg": 1}, id="epilogue-wg-bias-gelu-bf16-ragged"),
+    pytest.param(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], F16, {**WIDE, "epilogue_wg": 1, "max_concurrent_steps": 2},
+                 id="epilogue-wg-Bt-rowscale-residual-f16-ragged"),
+    pytest.param(swish_two_outputs, [(M, K), (K, N)], BF16, {**SMALL, "epilogue_wg": 1}, id="epilogue-wg-swish-two-outputs-split-n"),
 ]
 
 
@@ -98,7 +103,8 @@ def _inputs(group, seed=0):
     return [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bias-gelu-bf16-ragged", "Bt-rowscale-residual-f16-ragged", "swish-two-outputs-bf16"))
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bias-gelu-bf16-ragged", "Bt-rowscale-residual-f16-ragged", "swish-two-outputs-bf16",
+                                                                    "epilogue-wg-swish-two-outputs-split-n"))
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
     cfg = config or mgpu_matmul.default_config(spec)
@@ -128,18 +134,18 @@ def test_lowers_for_cuda(fn, shapes, dtype, config):
 def test_no_races_or_barrier_misuse():
     """Interpret mode's happens-before race detector over TMA, SMEM and barriers (several tiles per CTA and pieces per
     tile), with each tile's pipeline on its own (3 K steps, a ring of 2) and with the tiles' pipelines chained (a ring
-    of 3: the producer fetches the next tile's operands during the epilogue)."""
+    of 3: the producer fetches the next tile's operands during the epilogue), and with the epilogue in its own
+    warpgroup (the product handed over through SMEM while the compute warpgroups start the next tile)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     g, group, spec = _group(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], BF16)
     xs = _inputs(group)
     ref = jax.jit(bt_rowscale_residual)(*xs)
-    for stages in (2, 3):
-        kernel = mgpu_matmul.lower(group, spec, {**SMALL, "max_concurrent_steps": stages},
-                                   interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
+    for extra in ({"max_concurrent_steps": 2}, {"max_concurrent_steps": 3}, {"max_concurrent_steps": 2, "epilogue_wg": 1}):
+        kernel = mgpu_matmul.lower(group, spec, {**SMALL, **extra}, interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
         (out,) = jax.block_until_ready(kernel(*xs))
-        assert not interpret_pallas_call.get_races().races_found, stages
-        assert rel_err(out, ref) <= TOL[np.dtype(BF16)], stages
+        assert not interpret_pallas_call.get_races().races_found, extra
+        assert rel_err(out, ref) <= TOL[np.dtype(BF16)], extra
 
 
 def test_declines_what_it_does_not_support():
