@@ -513,6 +513,12 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         plgpu.copy_gmem_to_smem(a_src, a_ring.at[slot], full.at[slot])
                         plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], full.at[slot])
 
+                    @pl.when(info.local_index == info.num_local_steps - 1)
+                    def _drain():  # observe the ring's last releases too (every phase of a barrier is waited on)
+                        @pl.loop(0, stages)
+                        def _(j):
+                            plgpu.barrier_wait(empty.at[lax.rem((info.local_index + 1) * k_iters - stages + j, stages)])
+
             @pl.when(wg < 2)
             def _compute():
                 plgpu.set_max_registers(EPI_WG_REGISTERS[2], action="increase")
@@ -542,6 +548,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
                         stage[wg] = acc
                         plgpu.barrier_arrive(staged)
+
+                        @pl.when(info.local_index == info.num_local_steps - 1)
+                        def _():
+                            plgpu.barrier_wait(free)  # the last tile's hand-over, observed like the others
 
             @pl.when(wg == 2)
             def _epilogue():
