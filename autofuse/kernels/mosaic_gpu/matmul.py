@@ -594,8 +594,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                             for v in tile_in:
                                 env[v] = _from_kernel(plgpu.load(tile_smem[v], layout=layout(FULL), optimized=bool(in_tf[v])),
                                                       g.avals[v].dtype)
-                            if j + 1 < len(pieces_per_wg):
-                                fetch_tiles(*pieces_per_wg[j + 1])
                         for nd in epi_nodes:
                             tiles.eval_node(nd, env, r0 + pr, c0 + pc)
                         slot = j % out_slots
@@ -603,6 +601,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         for v, d, sm in zip(outs, out_dt, out_smem):
                             sm[slot] = tiles.store_value(env, v, d)
                         plgpu.commit_smem()
+                        if tile_in and j + 1 < len(pieces_per_wg):
+                            fetch_tiles(*pieces_per_wg[j + 1])  # after the commit's barrier: every thread has read piece j
                         for sm, o in zip(out_smem, out_gmem):
                             plgpu.copy_smem_to_gmem(sm.at[slot], o.at[pl.ds(r0 + pr, em), pl.ds(c0 + pc, en)])
 
