@@ -81,7 +81,7 @@ def test_background_job_tunes_only_the_function_its_command_line_names(tmp_path)
     (tmp_path / "planted.py").write_text("open('PLANTED', 'w').close()\ndef payload(x):\n    return x\n")
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"function": "planted:payload", "lock": str(tmp_path / "job.lock"), "log": str(tmp_path / "job.log")}))
-    out = subprocess.run([sys.executable, "-P", "-m", "autofuse.background", "tests.shape_programs:norm", str(job)], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-P", "-m", "autofuse.tuning.background_entry", "tests.shape_programs:norm", str(job)], cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "tunes planted:payload, not tests.shape_programs:norm: refused" in out.stderr, out.stderr
     assert not (tmp_path / "PLANTED").exists() and not job.exists()
