@@ -18,9 +18,6 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 from ..processes import pid_alive
 from ..refs import python_command, reference
 
@@ -129,6 +126,8 @@ def _encode(x: Any, *, static: bool) -> Any:
         json.dumps(x)  # TypeError if not plain data
         return {"value": x}
     if hasattr(x, "shape") and hasattr(x, "dtype"):
+        import numpy as np  # this module stays light: a job's process imports it before lowering its priority
+
         return {"array": [list(map(int, x.shape)), np.dtype(x.dtype).name]}
     if isinstance(x, tuple):
         return {"tuple": [_encode(v, static=False) for v in x]}
@@ -145,6 +144,9 @@ def decode(x: dict) -> Any:
     """An argument from its `_encode` form: arrays as `jax.ShapeDtypeStruct` (the job's side reads them)."""
     (kind, v), = x.items()
     if kind == "array":
+        import jax  # here, not at the top: the job's process loads JAX once its priority is lowered
+        import numpy as np
+
         return jax.ShapeDtypeStruct(tuple(v[0]), np.dtype(jax.numpy.dtype(v[1])))
     if kind == "tuple":
         return tuple(decode(e) for e in v)
