@@ -81,7 +81,17 @@ def test_background_job_tunes_only_the_function_its_command_line_names(tmp_path)
     (tmp_path / "planted.py").write_text("open('PLANTED', 'w').close()\ndef payload(x):\n    return x\n")
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"function": "planted:payload", "lock": str(tmp_path / "job.lock"), "log": str(tmp_path / "job.log")}))
-    out = subprocess.run([sys.executable, "-P", "-m", "autofuse.background", "tests.shape_programs:norm", str(job)], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-P", "-m", "autofuse.tuning.background_entry", "tests.shape_programs:norm", str(job)], cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "tunes planted:payload, not tests.shape_programs:norm: refused" in out.stderr, out.stderr
     assert not (tmp_path / "PLANTED").exists() and not job.exists()
+
+
+def test_background_job_loads_jax_only_at_its_lowered_priority() -> None:
+    """The job's process lowers its priority before JAX and the tuner load: importing its entry (and through it the
+    deploy side's job file format) loads neither."""
+    script = ("import sys, autofuse.tuning.background_entry; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy') or m.startswith('autofuse.tuning.local')))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Deploy time: autofuse.jit finds stored plans (graded), and never crashes or goes wrong on a bad one."""
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,44 @@ def test_deploy_path_imports_no_tuner(tuned):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "STATUS plan" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "LOADED []" in out.stdout, out.stdout
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at its top or inside a function, relative imports resolved."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            mod = ".".join(x for x in (base, node.module or "") if x)
+            out |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+def test_deploy_side_never_imports_the_tuner():
+    """The face and the deploy package start a background tuning job as a process and never import the tuner
+    (issue 34): no import of `autofuse.tuning` in their source, even inside a function, and none loaded by importing
+    them and running a miss with on_miss="tune" settings."""
+    files = [Path(ROOT, "autofuse", "api.py"), Path(ROOT, "autofuse", "background.py"), *Path(ROOT, "autofuse", "deploy").glob("*.py")]
+    assert len(files) > 3
+    for f in files:
+        bad = sorted(m for m in _imported_modules(f) if m.startswith(("autofuse.tuning", "scipy", "optuna")))
+        assert bad == [], (f, bad)
+    script = textwrap.dedent("""
+        import sys
+        import jax.numpy as jnp, autofuse, autofuse.api, autofuse.deploy, autofuse.background
+        f = autofuse.jit(lambda x: x * 2, store="sqlite:////nonexistent-dir/plans.db", on_miss="tune")
+        f(jnp.ones(4))
+        print("STATUS", f.last_status)
+        print("LOADED", sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "optuna") or m.startswith("autofuse.tuning")))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "STATUS xla: " in out.stdout and "not tuned in the background" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "LOADED []" in out.stdout, out.stdout
 
 

@@ -420,7 +420,7 @@ def store_autotune(pstore: Any) -> int:
 def restore_autotune(pstore: Any) -> int:
     """Write the store's XLA autotune entries for this jaxlib and device that the trial processes' directory lacks,
     before they compile: their GEMMs then skip XLA's autotuning where an earlier job (on any host sharing the store)
-    measured them, as a deployed plan's do (`api._restore_autotune`). On 4 H100s, GPT-2 medium's four workers compiled
+    measured them, as a deployed plan's do (`deploy.stores.restore_autotune`). On 4 H100s, GPT-2 medium's four workers compiled
     their XLA references in 3-5 s with the directory filled by a job before, 6-10 s from an empty one. Returns how
     many were written; a failure is one warning: XLA then autotunes as it would."""
     from .. import xla_autotune

@@ -1,0 +1,60 @@
+"""The process a background tuning job runs: ``python -P -m autofuse.tuning.background_entry MODULE:FUNCTION JOBFILE``.
+
+It lives on the tuning side so that the deploy side (`autofuse.deploy.background`, which writes the job file and
+starts this process) never imports the tuner. It lowers its priority, imports the function its command line names
+(and refuses a job file that names another), tunes it with `autofuse.tuning.local.tune` into the store (its URL
+reaches it through ``$AUTOFUSE_DB``, never on a command line) and removes its job file and lock, and its log when it
+succeeded (the plan is in the store; a failed job's log stays, for the caller's warning to point at). A later trace
+of that shape finds the plan.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from ..deploy.background import ENTRY, BackgroundTune, decode, release
+from ..refs import resolve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Tune the function at the job's shapes into ``$AUTOFUSE_DB``. Only the function named on the command line is
+    imported; a job file naming another is refused (exit 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 2:
+        print(f"usage: python -m {ENTRY} MODULE:FUNCTION JOBFILE", file=sys.stderr)
+        return 2
+    function, path = argv
+    with open(path) as f:
+        job = json.load(f)
+    ok = False
+    try:
+        if job["function"] != function:
+            print(f"autofuse: the job file {path} tunes {job['function']}, not {function}: refused", file=sys.stderr)
+            return 2
+        budget = BackgroundTune(**job["budget"])
+        os.nice(budget.nice)
+        fn = resolve(function)
+        fn = getattr(fn, "fn", fn)  # an autofuse.jit of the function: tune the function itself
+        from .local import tune  # the tuner's imports, once the job is accepted and at the job's lowered priority
+
+        report = tune(fn, *[decode(a) for a in job["args"]], kwargs={k: decode(v) for k, v in job["kwargs"].items()} or None,
+                      trials=budget.trials, time_budget_s=budget.seconds, store=os.environ.get("AUTOFUSE_DB"), name=function,
+                      measure=budget.measure, quiet=True, isolate=budget.isolate, static_argnums=job["static_argnums"],
+                      static_argnames=job["static_argnames"])
+        print(report.summary(), flush=True)
+        if report.fingerprint != job["fingerprint"]:
+            print(f"autofuse: the background job tuned program {report.fingerprint}, not the missed {job['fingerprint']}", flush=True)
+            return 1
+        ok = True
+        return 0
+    finally:
+        release(job["lock"])
+        release(path)
+        if ok:
+            release(job["log"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
