@@ -136,3 +136,15 @@ def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]
     if name in ("exp", "log", "tanh", "logistic", "exp2", "log1p", "expm1", "sin", "cos") and "accuracy" in params:
         params = {**params, "accuracy": None}
     return prim.bind(*ops, **params)
+
+
+def dot_precision(dot: Any) -> str:
+    """The precision the program asks of a dot: "default" (none given, or DEFAULT), "highest" (HIGHEST, or an
+    exact float32 algorithm), "high" (HIGH) or "other" (any other algorithm preset)."""
+    prec = dot.params.get("precision")
+    parts = [str(p) for p in (prec if isinstance(prec, tuple) else (prec,)) if p is not None]
+    if not parts or all("DEFAULT" in p for p in parts):
+        return "default"
+    if any("HIGHEST" in p or p.endswith("F32_F32_F32") for p in parts):
+        return "highest"
+    return "high" if any("HIGH" in p for p in parts) else "other"

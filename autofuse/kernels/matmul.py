@@ -13,7 +13,14 @@ leading batch dimension on both operands, as `einsum('bij,bjk->bik')` gives)
 runs its batch entries on a second grid axis; an A of shape [..., K] (h @ W
 with h [B, S, D]) is a matrix of its flattened rows. A prologue (elementwise
 work on an operand before the dot: a scale, a cast) runs on each operand tile
-as it is loaded. `precision=HIGHEST` stays in XLA.
+as it is loaded.
+
+Precision is the program's, read from the dot (`precision=`, or a `jax.default_matmul_precision` around it, which
+the trace records there), never a searched knob: a float32 dot at default precision runs as TF32, as XLA's does on
+this GPU; one at `precision=HIGHEST` (where XLA is exact: 5.7e-7 against TF32's 2.9e-4 on an H100,
+results/precision_h100.md) runs as three-pass TF32 (`DotAlgorithmPreset.TF32_TF32_F32_X3`: a float32 product to
+about 1e-6) on the Triton backend, and is checked at float32's bound; the Mosaic GPU lowering declines it. A 16-bit
+dot's products are exact in its float32 accumulator at any precision. `precision=HIGH` stays in XLA.
 
 An epilogue may also reduce over segments of a product row (GroupNorm: a reshape of [..., N] into
 [..., G, N / G], reductions over the last axis, broadcasts back, a reshape back): `passes.split_columns` rewrites
@@ -33,7 +40,7 @@ import numpy as np
 from .. import costmodel
 from ..costmodel import H200, GPUModel
 from ..graph import Group, Node
-from ..ops import OpClass, op_class
+from ..ops import OpClass, dot_precision, op_class
 from .passes import segment_length, split_columns
 from .template import NoMatch, Template
 from .tiling import (
@@ -65,6 +72,7 @@ class MatmulSpec:
     batch: int = 1  # batch entries (a leading batch dimension of both operands), 1 when not batched
     pro: dict = field(default_factory=dict)  # operand (a or b) -> (its prologue's nodes, their TileSpec on the operand's shape)
     round_product: bool = False  # the epilogue reads the product rounded to the dot's dtype (not the float32 accumulator)
+    exact_f32: bool = False  # a float32 dot at precision=HIGHEST: three-pass TF32 (Triton), not TF32
 
     @property
     def seg(self) -> int:
@@ -106,10 +114,12 @@ class MatmulTemplate(Template[MatmulSpec]):
         flat_a = nb == 0 and len(av.shape) > 2 and lc[0] == len(av.shape) - 1  # A [..., K]: its free axes are the rows
         if (len(av.shape) != 2 + nb and not flat_a) or len(bv.shape) != 2 + nb or av.shape[:nb] != bv.shape[:nb]:
             return None
-        if not default_precision(dot):
-            return None  # HIGHEST / HIGH precision: leave it to XLA
         if av.dtype != bv.dtype or np.dtype(av.dtype) not in DOT_DTYPES:
             return None
+        prec = dot_precision(dot)
+        if prec in ("high", "other"):
+            return None  # precision=HIGH (bf16_3x in XLA) or another algorithm: left to XLA
+        exact_f32 = prec == "highest" and np.dtype(av.dtype) == np.dtype(jnp.float32)
         a_km, b_nk = lc[0] == nb, rc[0] == nb + 1
         M, K = (av.shape[nb + 1], av.shape[nb]) if a_km else (math.prod(av.shape[nb:-1]), av.shape[-1])
         N = bv.shape[nb] if b_nk else bv.shape[nb + 1]
@@ -129,7 +139,7 @@ class MatmulTemplate(Template[MatmulSpec]):
                     raise NoMatch(f"input %{v} is read with two layouts")
         except NoMatch:
             return None
-        return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro)
+        return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro, exact_f32=exact_f32)
 
     def default_config(self, spec: MatmulSpec) -> dict:
         """128x128x64 tiles, 64x64 where a side is short; no block longer than its dimension (the space's rule)."""
@@ -188,8 +198,7 @@ def _prologue(group: Group, dot: Node, operand: int) -> tuple[list[Node], TileSp
 
 def default_precision(dot: Node) -> bool:
     """Whether the dot runs at default precision (what a Triton dot does: TF32 for float32, as XLA's own)."""
-    prec = dot.params.get("precision")
-    return prec is None or all(p is None or "DEFAULT" in str(p) for p in (prec if isinstance(prec, tuple) else (prec,)))
+    return dot_precision(dot) == "default"
 
 
 def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...]) -> TileSpec:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Aval, Group, Lit, Node, bind_node, read_atom
+from ..ops import dot_precision
 from .protocol import Timing
 
 # Relative error-norm tolerances: ‖out − ref‖ / ‖ref‖.
@@ -35,9 +36,10 @@ def dot_tolerance(dot: Node, graph: Any) -> float:
     """The bound a float32 dot carries at the program's own precision: one at default precision (no `precision=` in
     the program, nor a `jax.default_matmul_precision` around it, which the trace records as one) XLA runs as TF32 on
     a GPU (measured on an H100, jax 0.11.2: 2.9e-4 from float64, against 5.7e-7 at `precision=HIGHEST`;
-    `benchmarks/precision_probe.py`), a 10-bit mantissa like float16's, and exactly elsewhere. A dot of explicit
-    precision (which the templates leave to XLA) or of other operands adds nothing beyond its dtypes."""
-    if dot.name != "dot_general" or dot.params.get("precision") is not None or jax.default_backend() != "gpu":
+    `benchmarks/precision_probe.py`), a 10-bit mantissa like float16's, and exactly elsewhere. A dot of another
+    precision (HIGHEST: the `matmul` template's Triton kernel runs it as three-pass TF32) or of other operands adds
+    nothing beyond its dtypes."""
+    if dot.name != "dot_general" or dot_precision(dot) != "default" or jax.default_backend() != "gpu":
         return 0.0
     if any(np.dtype(graph.aval(a).dtype) != np.dtype(jnp.float32) for a in dot.inputs):
         return 0.0

@@ -187,6 +187,8 @@ def check_group(spec: MatmulSpec) -> None:
         raise Unsupported("batched dot (spec.batch > 1): not yet in the Mosaic GPU lowering")
     if spec.pro:
         raise Unsupported("a prologue (elementwise work on a dot operand inside the group): not yet in the Mosaic GPU lowering")
+    if spec.exact_f32:
+        raise Unsupported("a float32 dot at precision=HIGHEST: wgmma runs float32 only as TF32 (the Triton lowering runs it as three-pass TF32)")
     if spec.epi.outer:
         raise Unsupported("an epilogue input over the leading row axes only (one row per outer index): not yet in the Mosaic GPU lowering")
     if dt not in _LOW and dt != np.dtype(jnp.float32):

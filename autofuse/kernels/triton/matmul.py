@@ -56,7 +56,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
             other0, other_n = (r0, bm) if v == spec.a else (c0, bn)
             tiles[v] = _prologue_tile(ins, nodes, pspec, v, v == spec.a, major_is_k, other0, other_n, bk, spec.K, g.avals[v].dtype)
         acc = dot_tile(ins.get(spec.a), ins.get(spec.b), r0, c0, m_ok, n_ok, bm=bm, bn=bn, bk=bk, K=spec.K, a_km=spec.a_km, b_nk=spec.b_nk,
-                       a_off=a_off, b_off=b_off, a_tile=tiles.get(spec.a), b_tile=tiles.get(spec.b))
+                       a_off=a_off, b_off=b_off, a_tile=tiles.get(spec.a), b_tile=tiles.get(spec.b),
+                       precision=dot_algorithm(spec, interpret))
         env = {out_v: body.view(product_tile(acc, spec), Span(True, True))}  # segmented columns: [bm, bn / seg, seg]
         body.base = bi * spec.M
         rg = body.base + r0  # the tile's first row among all batch entries' rows
@@ -84,13 +85,22 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
     return run
 
 
+def dot_algorithm(spec: MatmulSpec, interpret: bool):
+    """The in-kernel dot's precision: three-pass TF32 for a float32 dot the program asks to be exact (on the CPU, in
+    interpret mode, the exact float32 dot itself), else the default (TF32 for float32, as XLA's)."""
+    if not spec.exact_f32:
+        return None
+    return jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int, K: int, a_km: bool, b_nk: bool, a_off=0, b_off=0,
-             a_tile: Callable | None = None, b_tile: Callable | None = None):
+             a_tile: Callable | None = None, b_tile: Callable | None = None, precision=None):
     """The float32 [bm, bn] product tile at rows r0.., columns c0..: a loop over K in bk steps.
 
     `row_ok` ([bm, 1]) / `col_ok` ([1, bn]) mask rows / columns past the edge (None: no mask needed).
     `a_off` / `b_off` offset the leading index of each operand (a batch entry of stacked operands).
     `a_tile(k0)` / `b_tile(k0)`, when given, make an operand's tile ([bm, bk] / [bk, bn]) instead of loading it (a prologue).
+    `precision`: the dot's (`dot_algorithm`); None is the default.
     """
     def step(kk, acc):
         k0 = kk * bk
@@ -109,7 +119,7 @@ def dot_tile(a_ref, b_ref, r0, c0, row_ok, col_ok, *, bm: int, bn: int, bk: int,
             b = load_tile(b_ref.at[pl.ds(b_off + c0, bn), pl.ds(k0, bk)], edge_mask((bn, bk), None if col_ok is None else col_ok.T, kc_ok)).T
         else:
             b = load_tile(b_ref.at[pl.ds(b_off + k0, bk), pl.ds(c0, bn)], edge_mask((bk, bn), kr_ok, col_ok))
-        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
     return jax.lax.fori_loop(0, cdiv(K, bk), step, jnp.zeros((bm, bn), jnp.float32))
 
