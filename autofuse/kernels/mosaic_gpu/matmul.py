@@ -87,6 +87,8 @@ DEFAULTS = {
     "grid_minor_dim": N_DIM,  # the snake's minor dimension: 0 (M) or 1 (N)
     "wg_dimension": M_DIM,  # the two compute warpgroups split the CTA tile along 0 (M: CTA tile 2*block_m x block_n) or 1 (N)
     "epilogue_wg": 0,  # 1: a third warpgroup runs the epilogue of tile t while the compute warpgroups run tile t+1's mainloop
+    "delay_release": 0,  # 1: one wgmma kept in flight per compute warpgroup (a ring slot released a step later; no chaining)
+    "cluster": 0,  # 2-CTA clusters sharing an operand by TMA multicast: 0 none, 1 along M (B shared), 2 along N (A shared)
 }
 PARAMS = tuple(DEFAULTS)
 #: Registers per thread of the memory, epilogue and (each of two) compute warpgroups with `epilogue_wg` (the SM's
@@ -105,6 +107,8 @@ class Config:
     grid_minor_dim: int
     wg_dimension: int
     epilogue_wg: int
+    delay_release: int
+    cluster: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -120,6 +124,15 @@ class Config:
     @property
     def cta_n(self) -> int:
         return self.block_n * (2 if self.wg_dimension == N_DIM else 1)
+
+    @property
+    def cluster_m(self) -> int:
+        """CTAs of a cluster along M (its tile is cluster_m * cta_m rows)."""
+        return 2 if self.cluster == 1 else 1
+
+    @property
+    def cluster_n(self) -> int:
+        return 2 if self.cluster == 2 else 1
 
 
 def _dim(x) -> int:
@@ -235,6 +248,12 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("epilogue_wg must be 0 or 1")
     if cfg.epilogue_wg and spec.seg:
         raise Unsupported("epilogue_wg=1: an epilogue over segments of a row runs in the compute warpgroups")
+    if cfg.delay_release not in (0, 1) or cfg.cluster not in (0, 1, 2):
+        raise Unsupported("delay_release must be 0 or 1, cluster 0 (none), 1 (M) or 2 (N)")
+    if cfg.epilogue_wg and (cfg.delay_release or cfg.cluster):
+        raise Unsupported("epilogue_wg=1 runs its own pipeline: no delay_release, no clusters")
+    if cfg.delay_release and cfg.max_concurrent_steps < 2:
+        raise Unsupported("delay_release=1 needs a ring of at least 2 slots")
     g = spec.group.graph
     for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
@@ -336,7 +355,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     out_tf = [_tile_tf(d, (M, N), en) for d in out_dt]
     out_cols = [_pad_to(N, d.itemsize) for d in out_dt]
 
-    chain = k_iters % stages == 0  # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps
+    # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps, and not with delay_release
+    chain = k_iters % stages == 0 and not cfg.delay_release
+    cl_m_iters, cl_n_iters = -(-m_iters // cfg.cluster_m), -(-n_iters // cfg.cluster_n)  # cluster tiles
     PP = plgpu.PipelinePipeline
     n_pieces = (bm // em) * (bn // en)
     out_slots = min(2, n_pieces)
@@ -346,10 +367,13 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         out_gmem = rest[len(ein):]
 
         def pipeline(mma_body, compute_context, state=None):
+            # In a cluster along N both CTAs read the same A rows (multicast to both), along M the same B columns.
             a_spec = plgpu.BlockSpec((bk, cta_m) if a_km else (cta_m, bk), (lambda k: (k, 0)) if a_km else (lambda k: (0, k)),
-                                     transforms=op_tf, memory_space=plgpu.SMEM)
+                                     transforms=op_tf, memory_space=plgpu.SMEM, delay_release=cfg.delay_release,
+                                     collective_axes=("cluster",) if cfg.cluster == 2 else ())
             b_spec = plgpu.BlockSpec((cta_n, bk) if b_nk else (bk, cta_n), (lambda k: (0, k)) if b_nk else (lambda k: (k, 0)),
-                                     transforms=op_tf, memory_space=plgpu.SMEM)
+                                     transforms=op_tf, memory_space=plgpu.SMEM, delay_release=cfg.delay_release,
+                                     collective_axes=("cluster",) if cfg.cluster == 1 else ())
             return plgpu.emit_pipeline_warp_specialized(
                 mma_body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context, pipeline_state=state)
@@ -371,10 +395,13 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             tile_smem = dict(zip(tile_in, tile_smem))
             vec_smem = dict(zip(vec_in, vec_smem))
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
                 (lin,) = info.index
-                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+                m_idx, n_idx = plgpu.planar_snake(lin, (cl_m_iters, cl_n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+                if cfg.cluster:  # this CTA's tile of its cluster's
+                    cta = lax.axis_index("cluster")
+                    m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
                 cta_r0, cta_c0 = m_idx * cta_m, n_idx * cta_n
                 wg_r0 = cta_r0 + (wg * bm if wg_m else 0)  # this warpgroup's first row / column
                 wg_c0 = cta_c0 + (0 if wg_m else wg * bn)
@@ -436,7 +463,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                     a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
                     b = b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols]
                     plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(cfg.delay_release)  # with delay_release, the previous step's wgmma (its slot is released now)
                     return acc_ref
 
                 a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
@@ -612,7 +639,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
     out_type = [jax.ShapeDtypeStruct((M, c), d) for c, d in zip(out_cols, out_dt)]
-    tiles_m = m_iters * n_iters
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = None
     if interpret is True:
@@ -638,8 +664,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             x = jnp.reshape(x, (M, N) if sp == FULL else (M,) if sp == ROWS else (N,) if sp.cols else (1,))
             args.append(_pad(x, (M, in_cols[v])) if sp == FULL else x)
         sms = num_sms if num_sms is not None else _num_sms_default()
+        csize = cfg.cluster_m * cfg.cluster_n
+        cluster = dict(cluster=(csize,), cluster_names=("cluster",)) if csize > 1 else {}
         call = plgpu.kernel(
-            body_epilogue_wg if cfg.epilogue_wg else body, out_type=out_type, grid=(max(1, min(sms, tiles_m)),), grid_names=("sm",),
+            body_epilogue_wg if cfg.epilogue_wg else body, out_type=out_type,
+            grid=(max(1, min(sms // csize, cl_m_iters * cl_n_iters)),), grid_names=("sm",), **cluster,
             num_threads=4 if cfg.epilogue_wg else 3, thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
             interpret=interp,
