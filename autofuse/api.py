@@ -454,7 +454,7 @@ class AutofuseFunction:
         if self.static_argnums or self.static_argnames:
             return []
         from .shapes import specs_of
-        from .store.store import SameStructure
+        from .store.results import SameStructure
 
         out = []
         for row in store.unstructured_programs(self.name):
