@@ -423,13 +423,8 @@ def _db_call(engine: Any, fn: Callable[[], Any]) -> Any:
 
     try:
         return fn()
-    except db.StoreError:
-        raise
     except Exception as e:
-        err = db.translate_error(e, engine.url)
-        if err is not None:
-            raise err from None
-        raise
+        db.raise_translated(e, engine.url)
 
 
 class _CliError(Exception):

@@ -100,7 +100,7 @@ def _unstructured(dep: Deployment, store: Any, graph: Graph, device: str, sw: di
     here, each with its (fingerprint, structure) to record. Not for functions with static arguments."""
     if dep.static_argnums or dep.static_argnames:
         return []
-    from ..store.store import SameStructure  # SQLAlchemy: only once a store is in use
+    from ..store.results import SameStructure  # SQLAlchemy: only once a store is in use
 
     out = []
     for row in store.unstructured_programs(dep.name):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal
 from ..plan import Plan, describe_groups
 
 if TYPE_CHECKING:  # the store's types without SQLAlchemy at deploy time
-    from ..store.store import ShapeVerdict
+    from ..store.results import ShapeVerdict
 
 Kind = Literal["plan", "plan-version", "plan-shape", "xla-plan", "miss"]
 

@@ -18,7 +18,7 @@ from .settings import Deployment
 
 if TYPE_CHECKING:  # the store's types without SQLAlchemy at deploy time
     from ..store import PlanStore
-    from ..store.store import ShapeVerdict
+    from ..store.results import ShapeVerdict
 
 log = logging.getLogger("autofuse")
 

@@ -4,6 +4,7 @@ Imports nothing from JAX. See :class:`PlanStore`.
 """
 
 from autofuse.store.db import StoreError
-from autofuse.store.store import LookupResult, PlanStore
+from autofuse.store.results import LookupResult
+from autofuse.store.store import PlanStore
 
 __all__ = ["LookupResult", "PlanStore", "StoreError"]

@@ -33,7 +33,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
@@ -238,6 +238,14 @@ def translate_error(e: BaseException, url: str | URL) -> StoreError | None:
     return None
 
 
+def raise_translated(e: BaseException, url: str | URL) -> NoReturn:
+    """Raise *e* as the :class:`StoreError` of :func:`translate_error`, or as it is where that knows no better."""
+    err = translate_error(e, url)
+    if err is not None:
+        raise err from None
+    raise e
+
+
 def is_retryable(e: BaseException) -> bool:
     """A transient lock / serialisation conflict worth retrying."""
     if not isinstance(e, (exc.DBAPIError, sqlite3.Error)):
@@ -274,10 +282,7 @@ def with_retry(
             integrity_left -= 1
         except (exc.DBAPIError, sqlite3.Error) as e:
             if not is_retryable(e) or time.monotonic() - start > deadline_s:
-                err = translate_error(e, url)
-                if err is not None:
-                    raise err from None
-                raise
+                raise_translated(e, url)
         time.sleep(min(1.0, 0.01 * 2**attempt) * (0.5 + random.random()))
 
 
@@ -406,12 +411,7 @@ def ensure_schema(engine: Engine) -> None:
     Fast path (an up-to-date database): one small query, no Alembic import.
     """
     url = engine.url
-
-    def check() -> set[str] | None:
-        with transaction(engine, write=False) as conn:
-            return read_revisions(conn)
-
-    revs = with_retry(check, url=url)
+    revs = with_retry(lambda: current(engine), url=url)
     if revs == {HEAD_REVISION}:
         return
     _check_known(revs, url)
@@ -434,21 +434,15 @@ def open_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S, m
     if path is not None:
         _check_sqlite_file(Path(path), display_url(u), create=True)
     engine = create_engine(url, timeout=timeout)
-    try:
+
+    def ready() -> None:
         if migrate:
             ensure_schema(engine)
         else:
             with transaction(engine, write=False) as conn:
                 conn.execute(sa.text("SELECT 1"))
-    except StoreError:
-        engine.dispose()
-        raise
-    except Exception as e:
-        engine.dispose()
-        err = translate_error(e, engine.url)
-        if err is not None:
-            raise err from None
-        raise
+
+    _guarded(ready, engine, engine.url)
     return engine
 
 
@@ -526,31 +520,25 @@ def open_readonly(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
     """
     engine = reader_engine(url, timeout=timeout)
     resolved = resolve_url(url)
-    revs = _guarded(lambda: _read_schema(engine), engine, resolved)
-    try:
+
+    def revision() -> str:
+        revs = current(engine)
         if not revs:
             raise StoreError(f"{_shown(url)} has no autofuse plan store (nothing was tuned into it)")
         _check_known(revs, resolved)
-    except StoreError:
-        engine.dispose()
-        raise
-    return engine, max(revs)
+        return max(revs)
+
+    return engine, _guarded(revision, engine, resolved)
 
 
-def _read_schema(engine: Engine) -> set[str]:
-    with transaction(engine, write=False) as conn:
-        return read_revisions(conn) or set()
-
-
-def _guarded[R](fn: Callable[[], R], engine: Engine, url: str) -> R:
+def _guarded[R](fn: Callable[[], R], engine: Engine, url: str | URL) -> R:
+    """``fn()``; on any failure the engine is disposed of (nobody else holds it) and the error raised as a
+    :class:`StoreError` where it is a known one."""
     try:
         return fn()
     except Exception as e:
         engine.dispose()
-        err = translate_error(e, url)
-        if err is not None:
-            raise err from None
-        raise
+        raise_translated(e, url)
 
 
 def _sqlite_reader(path: Path, timeout: float, *, frozen: bool) -> Engine:

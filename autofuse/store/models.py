@@ -266,9 +266,6 @@ class Plan(Base):
     )
 
 
-PLAN_ACTIONS = ("saved", "promote", "pin", "unpin", "rm")
-
-
 class PlanEvent(Base):
     """One change to the plans of a program: what a tuning job decided about its plan, or a person's
     promote, pin, unpin or rm. ``plan_id`` has no foreign key: the record of a removed plan stays."""

@@ -1,7 +1,7 @@
 """Read queries of the plan store, as SQLAlchemy Core selects.
 
 Every value reaches the database as a bound parameter. Each function returns a
-statement; :mod:`autofuse.store.store` executes it and turns rows into dicts.
+statement; :class:`autofuse.store.base.Db` executes it for the store's parts, as dicts.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ def _software_columns() -> list[Any]:
     return [Software.jax, Software.jaxlib, Software.autofuse, Software.backend]
 
 
+def _key_columns() -> list[Any]:
+    """What names a run's or plan's key in a listing: program name and fingerprint, device, software versions."""
+    return [Program.name.label("program"), Program.fingerprint, Device.name.label("device"), *_software_columns()]
+
+
 def run_columns() -> list[Any]:
     n_candidates = (
         sa.select(sa.func.count(Candidate.id)).where(Candidate.run_id == Run.id).scalar_subquery()
@@ -84,10 +89,7 @@ def run_columns() -> list[Any]:
     n_infeasible = count(Trial.status.in_(UNMEASURED_STATUSES))
     return [
         Run.id,
-        Program.name.label("program"),
-        Program.fingerprint,
-        Device.name.label("device"),
-        *_software_columns(),
+        *_key_columns(),
         Run.status,
         Run.measure,
         Run.sampler,
@@ -112,11 +114,10 @@ def run_columns() -> list[Any]:
     ]
 
 
-def _with_names(columns: list[Any], model: type) -> Select[Any]:
-    """`columns` of `model` rows joined with their program, device and software."""
+def _join_names(q: Select[Any], model: type) -> Select[Any]:
+    """`q` over `model` (runs, plans) joined with the program, device and software its rows point at."""
     return (
-        sa.select(*columns)
-        .join(Program, Program.id == model.program_id)
+        q.join(Program, Program.id == model.program_id)
         .join(Device, Device.id == model.device_id)
         .join(Software, Software.id == model.software_id)
     )
@@ -144,7 +145,7 @@ def runs(
     statuses: tuple[str, ...] | None = None,
 ) -> Select[Any]:
     """Runs, newest first, with program/device/software names and counts."""
-    q = _with_names(run_columns(), Run)
+    q = _join_names(sa.select(*run_columns()), Run)
     q = _filtered(q, Run, Run.started_at, program, device, since, min_speedup)
     if statuses:
         q = q.where(Run.status.in_(statuses))
@@ -154,7 +155,7 @@ def runs(
 def run(run_id: int, v6: bool = True) -> Select[Any]:
     """One run with everything :func:`runs` shows, plus the program signature/size; `v6`: the schema has migration
     0006's phases (an older read-only store reads as not recorded)."""
-    return (_with_names(run_columns(), Run)
+    return (_join_names(sa.select(*run_columns()), Run)
             .add_columns(Program.signature, Program.size, Run.job, Run.selected_by, Run.phases if v6 else sa.null().label("phases"))
             .where(Run.id == run_id))
 
@@ -163,10 +164,7 @@ def plan_columns(v3: bool = True) -> list[Any]:
     """A plan's columns; `v3`: the schema has migration 0003's (an older read-only store reads as unpinned)."""
     return [
         Plan.id,
-        Program.name.label("program"),
-        Program.fingerprint,
-        Device.name.label("device"),
-        *_software_columns(),
+        *_key_columns(),
         Plan.run_id,
         Plan.measured_ms,
         Plan.baseline_ms,
@@ -193,7 +191,7 @@ def plans(
     v3: bool = True,
 ) -> Select[Any]:
     """Plans, newest first."""
-    q = _with_names(plan_columns(v3), Plan)
+    q = _join_names(sa.select(*plan_columns(v3)), Plan)
     q = _filtered(q, Plan, Plan.created_at, program, device, since, min_speedup)
     if current_only:
         q = q.where(Plan.is_current == sa.true())
@@ -202,7 +200,8 @@ def plans(
 
 def plan(plan_id: int, v3: bool = True) -> Select[Any]:
     """One plan with its JSON text and program details."""
-    return _with_names(plan_columns(v3), Plan).add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id)
+    return (_join_names(sa.select(*plan_columns(v3)), Plan)
+            .add_columns(Plan.plan_json, Program.signature, Program.size).where(Plan.id == plan_id))
 
 
 def compare(
@@ -225,10 +224,7 @@ def compare(
     n_plans = sa.select(sa.func.count(other.id)).where(key).scalar_subquery()
     best = sa.select(sa.func.max(other.speedup)).where(key).scalar_subquery()
     columns = [
-        Program.name.label("program"),
-        Program.fingerprint,
-        Device.name.label("device"),
-        *_software_columns(),
+        *_key_columns(),
         Plan.id.label("plan_id"),
         Plan.speedup,
         Plan.measured_ms,
@@ -238,7 +234,7 @@ def compare(
         best.label("best_speedup"),
         n_plans.label("n_plans"),
     ]
-    q = _with_names(columns, Plan).where(Plan.is_current == sa.true())
+    q = _join_names(sa.select(*columns), Plan).where(Plan.is_current == sa.true())
     q = _filtered(q, Plan, Plan.created_at, program, device, since, min_speedup)
     return q.order_by(
         Program.name, Program.fingerprint, Device.name, Software.backend, Plan.speedup.desc(), Plan.id
@@ -297,16 +293,22 @@ def trials(run_id: int, status: str | None = None) -> Select[Any]:
     return q.order_by(Candidate.id, Trial.number)
 
 
-def _plan_select(software: dict[str, str], *extra: Any) -> Select[Any]:
-    """A plan with what a deploy-time lookup needs (its software's columns, and ``exact``: 1 where it was made with
-    these very versions, to sort first), plus `extra` columns."""
+def _current_plans(software: dict[str, str], device_name: str, *where: Any, extra: tuple[Any, ...] = ()) -> Select[Any]:
+    """The current plans matching `where` on this device and backend, with what a deploy-time lookup needs (their
+    software's columns, and ``exact``: 1 where made with these very versions), exact versions first, newest first,
+    plus `extra` columns."""
     exact = sa.and_(
         Software.jax == software["jax"],
         Software.jaxlib == software["jaxlib"],
         Software.autofuse == software["autofuse"],
     )
-    return sa.select(Plan.id, Plan.plan_json, Plan.speedup, Plan.measured_ms, Plan.measure, Plan.tolerance, Plan.run_id,
-                     *_software_columns(), sa.case((exact, 1), else_=0).label("exact"), *extra)
+    q = sa.select(Plan.id, Plan.plan_json, Plan.speedup, Plan.measured_ms, Plan.measure, Plan.tolerance, Plan.run_id,
+                  *_software_columns(), sa.case((exact, 1), else_=0).label("exact"), *extra)
+    return (
+        _join_names(q, Plan)
+        .where(*where, Device.name == device_name, Software.backend == software["backend"], Plan.is_current == sa.true())
+        .order_by(sa.desc("exact"), Plan.created_at.desc(), Plan.id.desc())
+    )
 
 
 def lookup(fingerprint: str, device_name: str, software: dict[str, str]) -> Select[Any]:
@@ -315,20 +317,7 @@ def lookup(fingerprint: str, device_name: str, software: dict[str, str]) -> Sele
     One query over unique/partial indexes: program by fingerprint, devices by
     name, software by backend, plans by the current-plan index.
     """
-    return (
-        _plan_select(software)
-        .join(Program, Program.id == Plan.program_id)
-        .join(Device, Device.id == Plan.device_id)
-        .join(Software, Software.id == Plan.software_id)
-        .where(
-            Program.fingerprint == fingerprint,
-            Device.name == device_name,
-            Software.backend == software["backend"],
-            Plan.is_current == sa.true(),
-        )
-        .order_by(sa.desc("exact"), Plan.created_at.desc(), Plan.id.desc())
-        .limit(1)
-    )
+    return _current_plans(software, device_name, Program.fingerprint == fingerprint).limit(1)
 
 
 def plan_events(plan_id: int | None = None, program: str | None = None) -> Select[Any]:
@@ -369,20 +358,8 @@ def same_structure(structure: str, device_name: str, software: dict[str, str], e
     """The current plans of the programs of `structure` (other than `exclude`, a fingerprint) on this device
     and backend, exact versions first, newest first: the plans that may serve a shape not tuned exactly (the caller
     orders them nearest in size first: `autofuse.shapes.nearest_first`)."""
-    return (
-        _plan_select(software, Program.fingerprint, Program.signature)
-        .join(Program, Program.id == Plan.program_id)
-        .join(Device, Device.id == Plan.device_id)
-        .join(Software, Software.id == Plan.software_id)
-        .where(
-            Program.structure == structure,
-            Program.fingerprint != exclude,
-            Device.name == device_name,
-            Software.backend == software["backend"],
-            Plan.is_current == sa.true(),
-        )
-        .order_by(sa.desc("exact"), Plan.created_at.desc(), Plan.id.desc())
-    )
+    return _current_plans(software, device_name, Program.structure == structure, Program.fingerprint != exclude,
+                          extra=(Program.fingerprint, Program.signature))
 
 
 def unstructured_programs(function: str, limit: int) -> Select[Any]:

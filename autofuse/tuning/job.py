@@ -25,7 +25,7 @@ from ..device import backend_unavailable, default_backends, device_info, softwar
 from ..graph import Graph, Group, flatten_args, qualified_name
 from ..processes import pid_alive
 from ..runner.protocol import TrialResult
-from ..store.store import whoami
+from ..store.base import whoami
 from .ahead import time_xla_concurrently
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
