@@ -42,6 +42,10 @@ def bias_residual(x, w, b, r):
     return (x @ w + b) + r
 
 
+def highest_bias_gelu(x, w, b):  # a float32 program that asks for an exact product (XLA: float32 FMA, not TF32)
+    return jax.nn.gelu(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST) + b)
+
+
 def attention(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
@@ -66,6 +70,7 @@ WORKLOADS = {
     "bias-gelu-16384x1024x4096": (bias_gelu, [(16384, 1024), (1024, 4096), (4096,)]),
     "gemm-16384x4096x1024": (plain, [(16384, 4096), (4096, 1024)]),
     "bias-residual-16384x4096x1024": (bias_residual, [(16384, 4096), (4096, 1024), (1024,), (16384, 1024)]),
+    "highest-f32-bias-gelu-4096^3": (highest_bias_gelu, [(4096, 4096), (4096, 4096), (4096,)]),
     "groupnorm-16384x2048x4096-G32": (matmul_bias_swish_groupnorm, [(16384, 2048), (2048, 4096), (4096,), (4096,), (4096,)]),
 }
 MOSAIC = {"matmul": [
@@ -103,14 +108,16 @@ MOSAIC = {"matmul": [
     {"max_concurrent_steps": 3},
     {"schedule_barrier": 0},
 ]}
+DTYPES = {"highest-f32-bias-gelu-4096^3": jnp.float32}  # else bf16
+TRITON_F32 = {"block_m": 128, "block_n": 128, "block_k": 32, "num_warps": 8, "num_stages": 3, "group_m": 8}
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}
 
 
-def _group(fn, shapes):
+def _group(fn, shapes, dtype=BF16):
     """The whole program as one group (a lone dot is no candidate of the tuner, but the matmul template runs it)."""
-    graph = autofuse.capture(fn, *[jax.ShapeDtypeStruct(s, BF16) for s in shapes])
+    graph = autofuse.capture(fn, *[jax.ShapeDtypeStruct(s, dtype) for s in shapes])
     group = Group.of(graph, [n.id for n in graph.nodes])
     name = next(n for n in ("attention", "matmul") if TEMPLATES[n].match(group) is not None)
     return graph, Candidate(group, name, TEMPLATES[name].match(group))
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
     for name, (fn, shapes) in WORKLOADS.items():
         if a.only and not any(name.startswith(p) for p in a.only.split(",")):
             continue
-        graph, cand = _group(fn, shapes)
+        graph, cand = _group(fn, shapes, DTYPES.get(name, BF16))
         tmpl = TEMPLATES[cand.template]
         kind = "groupnorm" if cand.template == "matmul" and cand.spec.seg else cand.template  # the configs to try
         g = cand.group
@@ -173,7 +180,8 @@ def main(argv=None) -> int:
             if not cfg and kind == "matmul" and len(g.nodes) > 1:  # the same kernel with the exact transcendentals
                 k = mosaic_matmul.lower(g, cand.spec, full, approx_math=False)
                 measure("mosaic {} exact math", jax.jit(lambda *xs, k=k: k(*xs)), full)
-        for tcfg in [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}]):
+        triton_cfgs = [TRITON_F32] if name in DTYPES else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}])
+        for tcfg in triton_cfgs:
             k = tmpl.build(g, tcfg, spec=cand.spec)
             measure(f"triton bn={tcfg['block_n']}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))
