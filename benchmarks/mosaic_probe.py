@@ -86,12 +86,10 @@ MOSAIC = {"matmul": [
     {"epilogue_wg": 1, "block_k": 64, "max_concurrent_steps": 2},
     {"epilogue_wg": 1, "block_k": 64, "max_concurrent_steps": 2, "grid_tile_width": 16},
     {"epilogue_wg": 1, "block_k": 64, "max_concurrent_steps": 3, "epi_tile_n": 32},
-    # the mainloop: one wgmma in flight per warpgroup; 2-CTA clusters multicasting the shared operand
-    {"delay_release": 1},
+    # the mainloop: 2-CTA clusters multicasting the shared operand
     {"cluster": 1},
     {"cluster": 2},
     {"cluster": 1, "wg_dimension": 1},
-    {"cluster": 2, "delay_release": 1},
 ], "groupnorm": [  # epi_tile_n is the segment (128) in every one: one epilogue piece per segment
     {},  # the lowering's default: 2 x [128, 128] warpgroup tiles along M, 3-deep ring of 64-column K steps
     {"block_m": 64, "wg_dimension": 1},  # CTA 64 x 256: half the accumulator registers per thread (64), 4 stages fit

@@ -87,10 +87,8 @@ CASES = [
     pytest.param(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], F16, {**WIDE, "epilogue_wg": 1, "max_concurrent_steps": 2},
                  id="epilogue-wg-Bt-rowscale-residual-f16-ragged"),
     pytest.param(swish_two_outputs, [(M, K), (K, N)], BF16, {**SMALL, "epilogue_wg": 1}, id="epilogue-wg-swish-two-outputs-split-n"),
-    # the mainloop's variants: a wgmma kept in flight, 2-CTA clusters along M and N (an odd number of tiles: a CTA
-    # of the last cluster wholly past the edge)
-    pytest.param(bias_gelu, [(M, K), (K, N), (N,)], BF16, {"delay_release": 1}, id="delay-release-bias-gelu-bf16-ragged"),
-    pytest.param(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], F16, {**SMALL, "cluster": 1, "delay_release": 1},
+    # 2-CTA clusters along M and N (an odd number of tiles: a CTA of the last cluster wholly past the edge)
+    pytest.param(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], F16, {**SMALL, "cluster": 1},
                  id="cluster-m-Bt-rowscale-residual-f16-ragged"),
     pytest.param(at_bias_gelu, [(K, M), (K, N), (N,)], BF16, {**SMALL, "cluster": 2}, id="cluster-n-At-bias-gelu-bf16-ragged"),
 ]
@@ -143,14 +141,14 @@ def test_no_races_or_barrier_misuse():
     tile), with each tile's pipeline on its own (3 K steps, a ring of 2) and with the tiles' pipelines chained (a ring
     of 3: the producer fetches the next tile's operands during the epilogue), and with the epilogue in its own
     warpgroup (the product handed over through SMEM while the compute warpgroups start the next tile), and with a
-    2-CTA cluster multicasting A and a wgmma kept in flight."""
+    2-CTA cluster multicasting A."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     g, group, spec = _group(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], BF16)
     xs = _inputs(group)
     ref = jax.jit(bt_rowscale_residual)(*xs)
     for extra in ({"max_concurrent_steps": 2}, {"max_concurrent_steps": 3}, {"max_concurrent_steps": 2, "epilogue_wg": 1},
-                  {"max_concurrent_steps": 2, "cluster": 2, "delay_release": 1}):
+                  {"max_concurrent_steps": 2, "cluster": 2}):
         kernel = mgpu_matmul.lower(group, spec, {**SMALL, **extra}, interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
         (out,) = jax.block_until_ready(kernel(*xs))
         assert not interpret_pallas_call.get_races().races_found, extra

@@ -87,7 +87,6 @@ DEFAULTS = {
     "grid_minor_dim": N_DIM,  # the snake's minor dimension: 0 (M) or 1 (N)
     "wg_dimension": M_DIM,  # the two compute warpgroups split the CTA tile along 0 (M: CTA tile 2*block_m x block_n) or 1 (N)
     "epilogue_wg": 0,  # 1: a third warpgroup runs the epilogue of tile t while the compute warpgroups run tile t+1's mainloop
-    "delay_release": 0,  # 1: one wgmma kept in flight per compute warpgroup (a ring slot released a step later; no chaining)
     "cluster": 0,  # 2-CTA clusters sharing an operand by TMA multicast: 0 none, 1 along M (B shared), 2 along N (A shared)
 }
 PARAMS = tuple(DEFAULTS)
@@ -107,7 +106,6 @@ class Config:
     grid_minor_dim: int
     wg_dimension: int
     epilogue_wg: int
-    delay_release: int
     cluster: int
 
     @staticmethod
@@ -248,12 +246,10 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("epilogue_wg must be 0 or 1")
     if cfg.epilogue_wg and spec.seg:
         raise Unsupported("epilogue_wg=1: an epilogue over segments of a row runs in the compute warpgroups")
-    if cfg.delay_release not in (0, 1) or cfg.cluster not in (0, 1, 2):
-        raise Unsupported("delay_release must be 0 or 1, cluster 0 (none), 1 (M) or 2 (N)")
-    if cfg.epilogue_wg and (cfg.delay_release or cfg.cluster):
-        raise Unsupported("epilogue_wg=1 runs its own pipeline: no delay_release, no clusters")
-    if cfg.delay_release and cfg.max_concurrent_steps < 2:
-        raise Unsupported("delay_release=1 needs a ring of at least 2 slots")
+    if cfg.cluster not in (0, 1, 2):
+        raise Unsupported("cluster must be 0 (none), 1 (M) or 2 (N)")
+    if cfg.epilogue_wg and cfg.cluster:
+        raise Unsupported("epilogue_wg=1 runs its own pipeline: no clusters")
     g = spec.group.graph
     for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
@@ -355,8 +351,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     out_tf = [_tile_tf(d, (M, N), en) for d in out_dt]
     out_cols = [_pad_to(N, d.itemsize) for d in out_dt]
 
-    # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps, and not with delay_release
-    chain = k_iters % stages == 0 and not cfg.delay_release
+    chain = k_iters % stages == 0  # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps
     cl_m_iters, cl_n_iters = -(-m_iters // cfg.cluster_m), -(-n_iters // cfg.cluster_n)  # cluster tiles
     PP = plgpu.PipelinePipeline
     n_pieces = (bm // em) * (bn // en)
@@ -369,10 +364,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         def pipeline(mma_body, compute_context, state=None):
             # In a cluster along N both CTAs read the same A rows (multicast to both), along M the same B columns.
             a_spec = plgpu.BlockSpec((bk, cta_m) if a_km else (cta_m, bk), (lambda k: (k, 0)) if a_km else (lambda k: (0, k)),
-                                     transforms=op_tf, memory_space=plgpu.SMEM, delay_release=cfg.delay_release,
+                                     transforms=op_tf, memory_space=plgpu.SMEM,
                                      collective_axes=("cluster",) if cfg.cluster == 2 else ())
             b_spec = plgpu.BlockSpec((cta_n, bk) if b_nk else (bk, cta_n), (lambda k: (0, k)) if b_nk else (lambda k: (k, 0)),
-                                     transforms=op_tf, memory_space=plgpu.SMEM, delay_release=cfg.delay_release,
+                                     transforms=op_tf, memory_space=plgpu.SMEM,
                                      collective_axes=("cluster",) if cfg.cluster == 1 else ())
             return plgpu.emit_pipeline_warp_specialized(
                 mma_body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
@@ -463,7 +458,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                     a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
                     b = b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols]
                     plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(cfg.delay_release)  # with delay_release, the previous step's wgmma (its slot is released now)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
