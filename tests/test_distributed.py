@@ -3,6 +3,7 @@ mode, kernels checked in interpret mode), a real database. The PostgreSQL tests 
 AUTOFUSE_TEST_PG_URL is set (and must, with AUTOFUSE_REQUIRE_PG=1; see tests/test_store_postgres.py)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -190,18 +191,18 @@ def test_job_arguments_round_trip() -> None:
     import jax
     import jax.numpy as jnp
 
+    from autofuse.codec import decode, encode
     from autofuse.refs import reference
-    from autofuse.tuning.workers import decode_args, encode_args
     from benchmarks.workloads import rms_norm
 
     args = ({"w": jnp.zeros((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
-    back = decode_args(encode_args(args))
+    back = decode(json.loads(json.dumps(encode(args))))
     assert back == ({"w": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
     assert reference(rms_norm) == "benchmarks.workloads:rms_norm"
     with pytest.raises(ValueError, match="cannot be imported by name in another process"):
         reference(lambda x: x)
     with pytest.raises(ValueError, match="cannot describe"):
-        encode_args((object(),))
+        encode((object(),))
 
 
 def test_worker_runs_only_the_function_its_command_line_names(tmp_path) -> None:

@@ -54,12 +54,12 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from .. import costmodel
 from ..graph import capture
 from ..plan import Plan
 from ..processes import pid_alive
+from ..codec import decode_call, encode_call
 from ..refs import python_command, reference, resolve
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
@@ -90,33 +90,6 @@ def program_of(run_id: int, job: dict, program: str) -> Callable:
     if reference(fn) != job["fn"]:
         raise ValueError(f"run {run_id} tunes {job['fn']}, not {program}: a worker runs only the function its command line names")
     return fn
-
-
-def encode_args(x: Any) -> Any:
-    """Arguments as JSON: arrays by shape and dtype, containers kept, plain scalars as they are."""
-    if isinstance(x, dict):
-        if not all(isinstance(k, str) for k in x):
-            raise ValueError("tuning with workers needs dict arguments with string keys")
-        return {"dict": {k: encode_args(v) for k, v in x.items()}}
-    if isinstance(x, (list, tuple)):
-        return {type(x).__name__: [encode_args(v) for v in x]}
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return {"array": [list(np.shape(x)), str(x.dtype)]}
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return {"value": x}
-    raise ValueError(f"tuning with workers rebuilds the arguments from shapes and dtypes; cannot describe a {type(x).__name__}")
-
-
-def decode_args(x: Any) -> Any:
-    (kind, v), = x.items()
-    if kind == "dict":
-        return {k: decode_args(e) for k, e in v.items()}
-    if kind in ("list", "tuple"):
-        seq = [decode_args(e) for e in v]
-        return seq if kind == "list" else tuple(seq)
-    if kind == "array":
-        return jax.ShapeDtypeStruct(tuple(v[0]), jax.numpy.dtype(v[1]))
-    return v
 
 
 def visible_gpus() -> list[str]:
@@ -160,7 +133,8 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
     gmodel = costmodel.get_model(model)
     if measure == "model":
         notes(modelled_warning(gmodel))
-    job = {"fn": reference(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
+    wire_args, wire_kwargs = encode_call(args, kwargs)
+    job = {"fn": reference(fn), "args": wire_args, "kwargs": wire_kwargs, "static_argnums": list(static_argnums),
            "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
            "heartbeat_s": int(heartbeat_s), "backends": list(backends), "workers": workers,
            "compile_workers": compile_workers, "max_memory_bytes": max_memory_bytes}
@@ -336,7 +310,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
     if measure == "device":  # a worker of another host: its trial process starts with the store's autotune entries
         restore_autotune(pstore)
     fn = program_of(run_id, job, program)
-    args, kwargs = decode_args(job["args"]), decode_args(job["kwargs"])
+    args, kwargs = decode_call(job["args"], job["kwargs"])
     statics = (tuple(job["static_argnums"]), tuple(job["static_argnames"]))
     spec = ProgramSpec(fn, args, kwargs, *statics, run["fingerprint"])
     runner = make_runner(spec, {"measure": measure, "model": job["model"]}, isolate=job["isolate"], timeout_s=job["trial_timeout_s"])
