@@ -14,7 +14,7 @@ import pytest
 import autofuse
 from autofuse.codec import EncodeError, decode_call, encode, encode_call
 from autofuse.tuning import local, workers
-from autofuse.tuning.options import Job, JobOptions
+from autofuse.tuning.options import JobOptions
 from benchmarks.workloads import rms_norm
 
 X = jax.ShapeDtypeStruct((8, 16), jnp.float32)
