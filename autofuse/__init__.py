@@ -34,6 +34,7 @@ _LAZY = {
     "jit": "autofuse.api",
     "AutofuseFunction": "autofuse.api",
     "tune": "autofuse.tuning.local",
+    "JobOptions": "autofuse.tuning.options",
     "TuneReport": "autofuse.tuning.report",
     "capture": "autofuse.graph",
     "Graph": "autofuse.graph",

@@ -17,9 +17,12 @@ import json
 import os
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofuse import refs
+
+if TYPE_CHECKING:
+    from autofuse.tuning.options import JobOptions
 
 
 def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -170,6 +173,14 @@ def _backends(args: argparse.Namespace) -> list[str] | None:
     return [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends is not None else None
 
 
+def _options(args: argparse.Namespace, statics: tuple[int, ...]) -> JobOptions:
+    """The job's options from the flags: one place for a single shape and for shape buckets."""
+    from autofuse.tuning.options import JobOptions
+
+    return JobOptions(name=args.name or args.target, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
+                      heartbeat_s=args.heartbeat, compile_workers=args.compile_workers, static_argnums=statics)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     statics = _checked(args)
     if args.shapes is not None:
@@ -200,11 +211,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  "or start a new run")
             b = run.get("budget") or {}
             trials, budget, seed = b.get("trials"), b.get("seconds"), run["seed"]
-    report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, name=args.name or args.target,
-                  measure=measure, quiet=args.quiet, verbose=args.verbose, isolate=not args.no_isolate,
-                  trial_timeout_s=args.trial_timeout, static_argnums=statics, resume=args.resume, workers=args.workers,
-                  heartbeat_s=args.heartbeat, backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers,
-                  max_memory=args.max_memory)
+    report = tune(fn, *example, trials=trials, time_budget_s=budget, seed=seed, store=store, measure=measure, quiet=args.quiet,
+                  verbose=args.verbose, resume=args.resume, workers=args.workers, backends=_backends(args), promote=args.promote,
+                  max_memory=args.max_memory, options=_options(args, statics))
     if args.json:
         print(json.dumps({"name": report.name, "fingerprint": report.fingerprint, "measure": report.measure, "device": report.device,
                           "model": report.model, "baseline_ms": report.baseline_ms, "tuned_ms": report.tuned_ms, "speedup": report.speedup,
@@ -236,10 +245,9 @@ def cmd_tune_buckets(args: argparse.Namespace, statics: tuple[int, ...]) -> int:
             print(run.report.summary() if args.quiet else run.report.table(all_candidates=args.all), flush=True)
 
     runs = buckets.tune_buckets(fn, bucket_list, static_argnums=statics, quiet=args.quiet, on_bucket=show, trials=args.trials,
-                                time_budget_s=args.time_budget, seed=args.seed, store=store, name=args.name or args.target,
-                                measure=measure, verbose=args.verbose, isolate=not args.no_isolate, trial_timeout_s=args.trial_timeout,
-                                backends=_backends(args), promote=args.promote, compile_workers=args.compile_workers,
-                                max_memory=args.max_memory)
+                                time_budget_s=args.time_budget, seed=args.seed, store=store, measure=measure, verbose=args.verbose,
+                                backends=_backends(args), promote=args.promote, max_memory=args.max_memory,
+                                options=_options(args, statics))
     if args.json:
         print(json.dumps({"buckets": [r.to_dict() for r in runs]}, indent=2))
     else:

@@ -3,6 +3,7 @@ mode, kernels checked in interpret mode), a real database. The PostgreSQL tests 
 AUTOFUSE_TEST_PG_URL is set (and must, with AUTOFUSE_REQUIRE_PG=1; see tests/test_store_postgres.py)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -190,18 +191,18 @@ def test_job_arguments_round_trip() -> None:
     import jax
     import jax.numpy as jnp
 
+    from autofuse.codec import decode, encode
     from autofuse.refs import reference
-    from autofuse.tuning.workers import decode_args, encode_args
     from benchmarks.workloads import rms_norm
 
     args = ({"w": jnp.zeros((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
-    back = decode_args(encode_args(args))
+    back = decode(json.loads(json.dumps(encode(args))))
     assert back == ({"w": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), "n": [jax.ShapeDtypeStruct((3,), jnp.int32), 2.0]}, None, "x")
     assert reference(rms_norm) == "benchmarks.workloads:rms_norm"
     with pytest.raises(ValueError, match="cannot be imported by name in another process"):
         reference(lambda x: x)
     with pytest.raises(ValueError, match="cannot describe"):
-        encode_args((object(),))
+        encode((object(),))
 
 
 def test_worker_runs_only_the_function_its_command_line_names(tmp_path) -> None:
@@ -264,14 +265,15 @@ def test_migration_0002_keeps_runs_both_ways(tmp_path) -> None:
 def test_device_mode_refuses_more_workers_than_gpus(monkeypatch, tmp_path) -> None:
     """One worker per GPU: asked for more, the launcher refuses before opening a run (GPU discovery stubbed: no GPU here)."""
     import autofuse.tuning.workers as dist
+    from autofuse.tuning.options import Job, JobOptions
     from benchmarks.workloads import rms_norm
     from tests.dist_programs import rms_norm_inputs
 
     monkeypatch.setattr(dist, "visible_gpus", lambda: ["0", "1"])
+    job = Job.of(trials=4, store=f"sqlite:///{tmp_path}/g.db", measure="device", quiet=True,
+                 options=JobOptions(trial_timeout_s=60.0, heartbeat_s=1))
     with pytest.raises(ValueError, match="3 workers but 2 visible GPU"):
-        dist.tune_with_workers(rms_norm, rms_norm_inputs(), {}, workers=3, trials=4, time_budget_s=None, seed=0,
-                               store=f"sqlite:///{tmp_path}/g.db", name=None, measure="device", model="h200", quiet=True, isolate=True,
-                               trial_timeout_s=60.0, static_argnums=(), static_argnames=(), heartbeat_s=1, progress=None)
+        dist.tune_with_workers(rms_norm, rms_norm_inputs(), {}, job, workers=3)
     assert not (tmp_path / "g.db").exists()
 
 

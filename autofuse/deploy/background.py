@@ -5,7 +5,8 @@ its arguments as shapes, dtypes and static values, the budget) to a file, claims
 lock file so that one job at a time tunes it, and starts ``python -P -m autofuse.tuning.background_entry
 MODULE:FUNCTION JOBFILE`` as a separate, low-priority process (`refs.python_command`: it imports as the caller does,
 the working directory last); it never waits for it and imports nothing of the tuner: the job's side lives on the
-tuning side (`autofuse.tuning.background_entry`), which reads the job file with `decode` and frees it with `release`.
+tuning side (`autofuse.tuning.background_entry`), which reads the job file (its arguments in `autofuse.codec`'s wire
+format, as a worker's job row) and frees it with `release`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from ..codec import EncodeError, encode_call
 from ..processes import pid_alive
 from ..refs import python_command, reference
 
@@ -85,19 +87,19 @@ def queue(fn: Any, fingerprint: str, inputs: list[str], args: Sequence[Any], kwa
         function = reference(fn)
     except ValueError as e:
         raise NotQueued(str(e)) from None
-    statics = {i if i >= 0 else i + len(args) for i in static_argnums}
     try:
-        data = {
-            "function": function,
-            "fingerprint": fingerprint,
-            "args": [_encode(a, static=i in statics) for i, a in enumerate(args)],
-            "kwargs": {k: _encode(v, static=k in static_argnames) for k, v in kwargs.items()},
-            "static_argnums": sorted(statics),
-            "static_argnames": list(static_argnames),
-            "budget": dataclasses.asdict(budget),
-        }
-    except TypeError as e:
+        wire_args, wire_kwargs = encode_call(args, kwargs)
+    except EncodeError as e:
         raise NotQueued(f"its arguments cannot be handed to a background job ({e})") from None
+    data = {
+        "function": function,
+        "fingerprint": fingerprint,
+        "args": wire_args,
+        "kwargs": wire_kwargs,
+        "static_argnums": sorted(i if i >= 0 else i + len(args) for i in static_argnums),
+        "static_argnames": list(static_argnames),
+        "budget": dataclasses.asdict(budget),
+    }
     base = os.path.join(tempfile.gettempdir(), f"autofuse-tune-{hashlib.sha256(store_url.encode()).hexdigest()[:12]}-{fingerprint[:16]}")
     lock = base + ".lock"
     if not _claim(lock):
@@ -117,44 +119,6 @@ def queue(fn: Any, fingerprint: str, inputs: list[str], args: Sequence[Any], kwa
         release(lock)
         raise
     return TuningJob(function, fingerprint, list(inputs), proc, log)
-
-
-def _encode(x: Any, *, static: bool) -> Any:
-    """A JSON form of an argument: arrays (and tracers) as shape and dtype, static values as they are; TypeError for
-    what JSON cannot hold."""
-    if static:
-        json.dumps(x)  # TypeError if not plain data
-        return {"value": x}
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        import numpy as np  # this module stays light: a job's process imports it before lowering its priority
-
-        return {"array": [list(map(int, x.shape)), np.dtype(x.dtype).name]}
-    if isinstance(x, tuple):
-        return {"tuple": [_encode(v, static=False) for v in x]}
-    if isinstance(x, list):
-        return {"list": [_encode(v, static=False) for v in x]}
-    if isinstance(x, dict) and all(isinstance(k, str) for k in x):
-        return {"dict": {k: _encode(v, static=False) for k, v in x.items()}}
-    if x is None or isinstance(x, (bool, int, float)):
-        return {"value": x}
-    raise TypeError(f"an argument of type {type(x).__name__}: tuples, lists, dicts, arrays and scalars only")
-
-
-def decode(x: dict) -> Any:
-    """An argument from its `_encode` form: arrays as `jax.ShapeDtypeStruct` (the job's side reads them)."""
-    (kind, v), = x.items()
-    if kind == "array":
-        import jax  # here, not at the top: the job's process loads JAX once its priority is lowered
-        import numpy as np
-
-        return jax.ShapeDtypeStruct(tuple(v[0]), np.dtype(jax.numpy.dtype(v[1])))
-    if kind == "tuple":
-        return tuple(decode(e) for e in v)
-    if kind == "list":
-        return [decode(e) for e in v]
-    if kind == "dict":
-        return {k: decode(e) for k, e in v.items()}
-    return v
 
 
 def _claim(lock: str) -> bool:

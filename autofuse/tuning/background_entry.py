@@ -14,7 +14,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..deploy.background import ENTRY, BackgroundTune, decode, release
+from ..codec import decode_call
+from ..deploy.background import ENTRY, BackgroundTune, release
 from ..refs import resolve
 
 
@@ -38,11 +39,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn = resolve(function)
         fn = getattr(fn, "fn", fn)  # an autofuse.jit of the function: tune the function itself
         from .local import tune  # the tuner's imports, once the job is accepted and at the job's lowered priority
+        from .options import JobOptions
 
-        report = tune(fn, *[decode(a) for a in job["args"]], kwargs={k: decode(v) for k, v in job["kwargs"].items()} or None,
-                      trials=budget.trials, time_budget_s=budget.seconds, store=os.environ.get("AUTOFUSE_DB"), name=function,
-                      measure=budget.measure, quiet=True, isolate=budget.isolate, static_argnums=job["static_argnums"],
-                      static_argnames=job["static_argnames"])
+        args, kwargs = decode_call(job["args"], job["kwargs"])
+        options = JobOptions(name=function, isolate=budget.isolate, static_argnums=tuple(job["static_argnums"]),
+                             static_argnames=tuple(job["static_argnames"]))
+        report = tune(fn, *args, kwargs=kwargs, trials=budget.trials, time_budget_s=budget.seconds, store=os.environ.get("AUTOFUSE_DB"),
+                      measure=budget.measure, quiet=True, options=options)
         print(report.summary(), flush=True)
         if report.fingerprint != job["fingerprint"]:
             print(f"autofuse: the background job tuned program {report.fingerprint}, not the missed {job['fingerprint']}", flush=True)

@@ -30,6 +30,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..refs import resolve as resolve_ref
 from ..signatures import distance, short_inputs
 from ..status import TrialStatus
 from .ledger import CandidateState
+from .options import JobOptions
 from .space import CandidateSpace
 
 SEEDS = 2  # configs carried from the nearest bucket, per candidate
@@ -259,7 +261,8 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
     store = tune_kwargs.pop("store", None)
     if store is not False and not isinstance(store, PlanStore):
         store = PlanStore(store)  # one connection pool for every bucket (None: the default store, as `tune`)
-    seeder, runs, notes = Seeder(), [], Notes(tune_kwargs.get("progress"))
+    options = tune_kwargs.pop("options", None) or JobOptions()
+    seeder, runs, notes = Seeder(), [], Notes(tune_kwargs.get("progress", options.progress))
     for i, b in enumerate(buckets):
         if not quiet:
             print(f"autofuse: bucket {i + 1}/{len(buckets)}: {b.name} ({short_inputs(b.inputs)})", file=sys.stderr, flush=True)
@@ -270,7 +273,8 @@ def tune_buckets(fn: Callable, buckets: list[Bucket], *, static_argnums: Sequenc
             run.by_sig = by_sig
             return run.seeds
 
-        run.report = tune(fn, *b.args, store=store, static_argnums=static_argnums, quiet=quiet, warm_start=warm, notes=notes, **tune_kwargs)
+        run.report = tune(fn, *b.args, store=store, quiet=quiet, **tune_kwargs,
+                          options=dataclasses.replace(options, static_argnums=static_argnums, warm_start=warm, notes=notes))
         seeder.record(b, run.by_sig, run.report.candidates)
         runs.append(run)
         if on_bucket is not None:

@@ -49,6 +49,18 @@ def resolve_measure(measure: str | None, has_gpu: bool, *, flag: str = "measure"
     return measure
 
 
+def warn_preallocated(progress: Callable[[str], None] | None = None) -> None:
+    """Say up front, even when quiet, if this process's GPU client holds a preallocated pool (`autofuse.gpumem`)."""
+    from .. import gpumem
+
+    if not gpumem.backends_initialised():
+        return  # no GPU client in this process yet: no pool (and none will be preallocated once autofuse was imported)
+    state = gpumem.STATE or gpumem.AllocatorState(True, {}, False)
+    line = gpumem.preallocation_warning(jax.default_backend(), state)
+    if line:
+        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(line)
+
+
 def modelled_warning(model: costmodel.GPUModel) -> str:
     """Said even when quiet: a modelled plan must never pass for a measured one."""
     return (f"autofuse: no GPU measurement ({jax.default_backend()} backend): ranking with the analytic roofline model of {model.name}; "

@@ -6,14 +6,14 @@
 3. trials, one at a time, to the candidate the budget rule names (`scheduler`,
    `trial`), each an Optuna trial of that candidate's study;
 4. the cheapest exact cover, validated against jax.jit (`validate`), stored.
-`tune(..., workers=N)` runs the same job in N worker processes (`workers`).
+`tune` checks what it was given into one `options.Job` and hands it to a driver: `tune_here` (this process) or,
+with ``workers=N``, `workers.tune_with_workers` (the same job in N worker processes).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import time
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import jax
@@ -24,12 +24,12 @@ from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
-from .budget import check_budget, parse_bytes, trials_for
 from .job import (Notes, PhaseMarks, PlanSaver, check_backends, distinct_candidates, modelled_warning, open_run, program_name,
                   progress_bar, register_candidates, resolve_measure, save_example_inputs, search_spaces, spec_of, time_xla,
-                  tunable)
+                  tunable, warn_preallocated)
 from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
+from .options import Job, JobOptions
 from .output import StatusLine
 from .report import TuneReport
 from .scheduler import Budget, Scheduler, timed_first, trial_total
@@ -43,12 +43,10 @@ log = logging.getLogger("autofuse")
 
 
 def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | None = None, time_budget_s: float | None = None,
-         effort: str | None = None, max_memory: int | str | None = None, seed: int = 0, store: PlanStore | str | Literal[False] | None = None, name: str | None = None, measure: str | None = None, model: str = "h200",
-         quiet: bool = False, verbose: bool = False, isolate: bool = True, trial_timeout_s: float = 300.0, static_argnums: int | Sequence[int] = (),
-         static_argnames: str | Sequence[str] = (), resume: int | None = None, progress: Callable[[str], None] | None = None,
-         workers: int | None = None, heartbeat_s: int = 10, backends: Sequence[str] | None = None,
-         compile_workers: int | None = None, promote: bool = False, clock: Callable[[], float] = time.time,
-         warm_start: Callable[[dict, list, dict], dict[str, list[dict]]] | None = None, notes: Notes | None = None) -> TuneReport:
+         effort: str | None = None, store: PlanStore | str | Literal[False] | None = None, measure: str | None = None,
+         workers: int | None = None, backends: Sequence[str] | None = None, seed: int = 0, promote: bool = False,
+         quiet: bool = False, verbose: bool = False, resume: int | None = None, max_memory: int | str | None = None,
+         options: JobOptions | None = None, **more_options: Any) -> TuneReport:
     """Tune `fn` for `args` (and keyword arguments `kwargs`): search tile configs and groups, validate, and
     store the plan where `autofuse.jit(fn)` finds it.
 
@@ -66,64 +64,48 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     `store=False` writes nothing: the result stays in the report.
     `workers=N` (needs a store and an importable `fn`) tunes with N worker
     processes on this host, one per GPU, sharing the run's Optuna studies in
-    that database (more can join from other hosts); `heartbeat_s` is their
-    Optuna heartbeat interval. `backends` are the lowerings to search, the
-    preferred first (default: Mosaic GPU and Triton on a Hopper GPU, else
-    Triton); a template searches those it has that can run the group.
-    The stored plan becomes the current one (what `autofuse.jit` runs) only if
-    it was measured and beats the current plan beyond noise, or with
-    `promote=True`; a pinned plan is never replaced.
-    `compile_workers` threads compile at once at the job's start (XLA's
-    reference of each candidate, phase 1's default configs), timed on the GPU
-    one at a time after (default: $AUTOFUSE_COMPILE_WORKERS, else this host's
-    cores shared among its workers, at most 16).
-    `warm_start(by_sig, cands, spaces)` (this process's driver only) names,
-    by candidate signature, configs each new study tries before its defaults
-    (`buckets.tune_buckets`: the best configs of the bucket before).
-    `notes` (this process's driver only) says what the job says even when
-    quiet, each line once (`buckets.tune_buckets`: once for all its buckets).
+    that database (more can join from other hosts). `backends` are the
+    lowerings to search, the preferred first (default: Mosaic GPU and Triton
+    on a Hopper GPU, else Triton); a template searches those it has that can
+    run the group. The stored plan becomes the current one (what
+    `autofuse.jit` runs) only if it was measured and beats the current plan
+    beyond noise, or with `promote=True`; a pinned plan is never replaced.
     `quiet` shows no progress bar; `verbose` adds a line per trial and per
-    candidate. `name` (default ``module:function``) is the program's name in
-    the store, as ``autofuse plans --program`` finds it.
+    candidate.
+
+    The rest (`name`, `isolate`, `trial_timeout_s`, `static_argnums`, ...) are
+    `options` (a `JobOptions`), each also accepted as a keyword of its own
+    (``tune(fn, x, trial_timeout_s=60)``), folded into `options`.
 
     >>> report = autofuse.tune(layer_norm, x, gamma, beta, trials=48, store="sqlite:///plans.db")  # doctest: +SKIP
     >>> print(report.table())  # doctest: +SKIP
     """
-    check_budget(trials, time_budget_s)
-    trials = trials_for(trials, time_budget_s, effort)
-    max_memory_bytes = None if max_memory is None else parse_bytes(max_memory)
-    store = _store_of(store)
-    kwargs = dict(kwargs or {})
-    static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-    static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    job = Job.of(trials=trials, time_budget_s=time_budget_s, effort=effort, max_memory=max_memory, backends=backends, seed=seed,
+                 store=_store_of(store), measure=measure, promote=promote, quiet=quiet, verbose=verbose, resume=resume,
+                 options=JobOptions.fold(options, more_options))
     if workers is not None:
         from .workers import tune_with_workers
 
-        if resume is not None:
-            raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
-        if warm_start is not None:
-            raise ValueError("seeding studies (warm_start) is for a job run by this process: drop workers")
-        warn_preallocated(progress)
-        report = tune_with_workers(fn, args, kwargs, workers=workers, trials=trials, time_budget_s=time_budget_s, seed=seed, store=store,
-                                 name=name, measure=measure, model=model, quiet=quiet, verbose=verbose, isolate=isolate, trial_timeout_s=trial_timeout_s,
-                                 static_argnums=static_argnums, static_argnames=static_argnames, heartbeat_s=heartbeat_s, progress=progress,
-                                 backends=backends, compile_workers=compile_workers, max_memory_bytes=max_memory_bytes)
-        if promote and report.plan_id is not None and not report.plan_current:
-            from ..store import PlanStore
+        return tune_with_workers(fn, args, dict(kwargs or {}), job, workers=workers)
+    return tune_here(fn, args, dict(kwargs or {}), job)
 
-            (store if isinstance(store, PlanStore) else PlanStore(store)).promote_plan(report.plan_id)
-            report.plan_current, report.plan_note = True, ""
-        return report
+
+def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
+    """`tune`'s job run by this process (its trials in an isolated child process): the module docstring's steps."""
+    o = job.options
+    trials, time_budget_s, seed, store = job.trials, job.time_budget_s, job.seed, job.store
+    quiet, verbose, progress, name, clock = job.quiet, job.verbose, o.progress, o.name, o.clock
+    static_argnums, static_argnames = o.static_argnums, o.static_argnames
     t_start = clock()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the trial process shares the GPU
     say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))  # notes: stdout is the report's
     phase = progress or (say if verbose or quiet else StatusLine())  # the selection phase's progress: one line rewritten, unless -v
-    measure = resolve_measure(measure, jax.default_backend() == "gpu")
-    backends, left_out = check_backends(backends, measure)
-    notes = notes or Notes(progress)
+    measure = resolve_measure(job.measure, jax.default_backend() == "gpu")
+    backends, left_out = check_backends(job.backends, measure)
+    notes = o.notes or Notes(progress)
     warn_preallocated(notes)
-    threads = compile_workers_for(compile_workers)
-    gmodel = costmodel.get_model(model)
+    threads = compile_workers_for(o.compile_workers)
+    gmodel = costmodel.get_model(o.model)
     notes(left_out)
     if measure == "model":
         notes(modelled_warning(gmodel))
@@ -132,8 +114,8 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
     spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,
                        graph.fingerprint)
     examples = save_example_inputs(graph, fn, args, kwargs, static_argnums, static_argnames)
-    runner = make_runner(spec, {"measure": measure, "model": model, **({"example_inputs": examples} if examples else {})}, isolate=isolate,
-                         timeout_s=trial_timeout_s)
+    runner = make_runner(spec, {"measure": measure, "model": o.model, **({"example_inputs": examples} if examples else {})},
+                         isolate=o.isolate, timeout_s=o.trial_timeout_s)
     if isinstance(runner, ProcessRunner):
         runner.start()  # the trial process imports jax and captures the program while this one enumerates and opens the run
     status, report, pstore, run_id, ids, prefetch, saver = "failed", None, None, None, None, None, None
@@ -142,11 +124,12 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         notes(left_to_xla)
         spaces = search_spaces(by_sig, cands, gmodel, backends)
         if store is not None:
-            pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, resume, gmodel, qualified_name(fn))
+            pstore, run_id, ids = open_run(store, graph, name, measure, trials, time_budget_s, seed, job.resume, gmodel,
+                                         qualified_name(fn))
             name = pstore.get_run(run_id)["program"]  # the name the store knows the program by (its first), as `plans --program` finds it
         marks = PhaseMarks(pstore, run_id, keep_first=False)  # one process writes this run's marks (the last one's, resumed)
         marks("start", at=t_start)
-        if isolate and not spec.picklable():
+        if o.isolate and not spec.picklable():
             say("autofuse: the function cannot be pickled by reference, so trials run in this process (no crash isolation)")
         if pstore is not None:
             register_candidates(pstore, run_id, cands)
@@ -172,12 +155,12 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
                         "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)
         loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
-        if warm_start is not None:
-            loop.seeds = warm_start(by_sig, cands, spaces)
+        if o.warm_start is not None:
+            loop.seeds = o.warm_start(by_sig, cands, spaces)
         loop.ahead = ahead
         loop.verbose = verbose and not quiet
         selected = ids is not None and ids.selected  # a run killed in its selection phase (a store's run only)
-        if resume is not None:
+        if job.resume is not None:
             say(resumed_line(run_id, loop.scheduler.spent(), loop.scheduler.total, selected))
         if not selected:  # a run killed while selecting its plan has all its trials: only the selection runs again
             loop.bar = progress_bar(loop.scheduler.total, name, quiet or progress is not None, "tune", "trial")
@@ -189,11 +172,11 @@ def tune(fn: Callable, *args: Any, kwargs: dict | None = None, trials: int | Non
         marks("trials")
         n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
         timings: dict = {}
-        saver = PlanSaver(pstore, ids, run_id, promote) if pstore is not None else None
+        saver = PlanSaver(pstore, ids, run_id, job.promote) if pstore is not None else None
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
                           say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings,
                           on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")),
-                          max_memory_bytes=max_memory_bytes)
+                          max_memory_bytes=job.max_memory_bytes)
         marks("selected")
         marks("selection", value=timings)
         report.wall_s = clock() - t_start
@@ -235,18 +218,6 @@ def _store_of(store: PlanStore | str | Literal[False] | None) -> PlanStore | str
 
         return default_url()
     return store
-
-
-def warn_preallocated(progress: Callable[[str], None] | None = None) -> None:
-    """Say up front, even when quiet, if this process's GPU client holds a preallocated pool (`autofuse.gpumem`)."""
-    from .. import gpumem
-
-    if not gpumem.backends_initialised():
-        return  # no GPU client in this process yet: no pool (and none will be preallocated once autofuse was imported)
-    state = gpumem.STATE or gpumem.AllocatorState(True, {}, False)
-    line = gpumem.preallocation_warning(jax.default_backend(), state)
-    if line:
-        (progress or (lambda m: print(m, file=sys.stderr, flush=True)))(line)
 
 
 def resumed_line(run_id: int, spent: int, total: int, selected: bool) -> str:

@@ -54,12 +54,12 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from .. import costmodel
 from ..graph import capture
 from ..plan import Plan
 from ..processes import pid_alive
+from ..codec import decode_call, encode_call
 from ..refs import python_command, reference, resolve
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
@@ -67,11 +67,12 @@ from ..status import UNCOUNTED, TrialStatus
 from ..tables import plural
 from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates,
                   load_candidates, modelled_warning, open_run, program_name, progress_bar, register_candidates, resolve_measure,
-                  restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable)
+                  restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable, warn_preallocated)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
+from .options import Job, JobOptions
 from .report import TuneReport
 from .scheduler import Budget, Scheduler, timed_first
 from .trial import TrialContext
@@ -92,33 +93,6 @@ def program_of(run_id: int, job: dict, program: str) -> Callable:
     return fn
 
 
-def encode_args(x: Any) -> Any:
-    """Arguments as JSON: arrays by shape and dtype, containers kept, plain scalars as they are."""
-    if isinstance(x, dict):
-        if not all(isinstance(k, str) for k in x):
-            raise ValueError("tuning with workers needs dict arguments with string keys")
-        return {"dict": {k: encode_args(v) for k, v in x.items()}}
-    if isinstance(x, (list, tuple)):
-        return {type(x).__name__: [encode_args(v) for v in x]}
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return {"array": [list(np.shape(x)), str(x.dtype)]}
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return {"value": x}
-    raise ValueError(f"tuning with workers rebuilds the arguments from shapes and dtypes; cannot describe a {type(x).__name__}")
-
-
-def decode_args(x: Any) -> Any:
-    (kind, v), = x.items()
-    if kind == "dict":
-        return {k: decode_args(e) for k, e in v.items()}
-    if kind in ("list", "tuple"):
-        seq = [decode_args(e) for e in v]
-        return seq if kind == "list" else tuple(seq)
-    if kind == "array":
-        return jax.ShapeDtypeStruct(tuple(v[0]), jax.numpy.dtype(v[1]))
-    return v
-
-
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (empty without a GPU backend)."""
     if jax.default_backend() != "gpu":
@@ -130,42 +104,42 @@ def visible_gpus() -> list[str]:
 
 
 # --------------------------------------------------------------------------- the launcher
-def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, trials: int | None, time_budget_s: float | None, seed: int,
-                      store: Any, name: str | None, measure: str | None, model: str, quiet: bool, isolate: bool, trial_timeout_s: float,
-                      static_argnums: Sequence[int], static_argnames: Sequence[str], heartbeat_s: int,
-                      progress: Callable[[str], None] | None, backends: Sequence[str] | None = None, verbose: bool = False,
-                      compile_workers: int | None = None, max_memory_bytes: int | None = None) -> TuneReport:
-    """`tune` with `workers` processes on this host sharing one run (see the module docstring). The launcher shows
-    the run's progress (every host's trials) unless `quiet`; the workers say what they do only when `verbose`."""
+def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, job: Job, *, workers: int) -> TuneReport:
+    """`tune`'s `job` with `workers` processes on this host sharing one run (see the module docstring). The launcher
+    shows the run's progress (every host's trials) unless quiet; the workers say what they do only when verbose."""
     import optuna
 
     from ..store.optuna_storage import optuna_storage
 
     t_start = time.time()
-    say = progress or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
-    if store is None:
+    o = job.options
+    say = o.progress or (lambda s: None if job.quiet else print(s, file=sys.stderr, flush=True))
+    if job.store is None:
         raise ValueError("workers share the run through the store: not with store=False (autofuse tune --no-store)")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    if heartbeat_s < 1:
-        raise ValueError(f"the heartbeat interval is a whole number of seconds >= 1, got {heartbeat_s}")
+    if job.resume is not None:
+        raise ValueError("resume a run with workers by joining it: autofuse worker RUN --db URL")
+    if o.warm_start is not None:
+        raise ValueError("seeding studies (warm_start) is for a job run by this process: drop workers")
+    warn_preallocated(o.progress)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     gpus = visible_gpus()
-    measure = resolve_measure(measure, bool(gpus))
+    measure = resolve_measure(job.measure, bool(gpus))
     if measure == "device" and workers > len(gpus):
         raise ValueError(f"{workers} workers but {len(gpus)} visible GPU(s): one worker per GPU (two on one GPU would time each other)")
-    backends, left_out = check_backends(backends, measure)
-    notes = Notes(progress)
+    backends, left_out = check_backends(job.backends, measure)
+    notes = Notes(o.progress)
     notes(left_out)
-    gmodel = costmodel.get_model(model)
+    gmodel = costmodel.get_model(o.model)
     if measure == "model":
         notes(modelled_warning(gmodel))
-    job = {"fn": reference(fn), "args": encode_args(tuple(args)), "kwargs": encode_args(dict(kwargs)), "static_argnums": list(static_argnums),
-           "static_argnames": list(static_argnames), "model": model, "isolate": isolate, "trial_timeout_s": trial_timeout_s,
-           "heartbeat_s": int(heartbeat_s), "backends": list(backends), "workers": workers,
-           "compile_workers": compile_workers, "max_memory_bytes": max_memory_bytes}
-    graph = capture(fn, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs)
-    pstore, run_id, _ids = open_run(store, graph, name or program_name(fn), measure, trials, time_budget_s, seed, None, gmodel, job["fn"])
+    wire_args, wire_kwargs = encode_call(args, kwargs)
+    row = {"fn": reference(fn), "args": wire_args, "kwargs": wire_kwargs, **o.to_wire(), "backends": list(backends), "workers": workers,
+           "max_memory_bytes": job.max_memory_bytes}
+    graph = capture(fn, *args, static_argnums=o.static_argnums, static_argnames=o.static_argnames, **kwargs)
+    pstore, run_id, _ids = open_run(job.store, graph, o.name or program_name(fn), measure, job.trials, job.time_budget_s, job.seed, None,
+                                    gmodel, row["fn"])
     name = pstore.get_run(run_id)["program"]  # the name the store knows it by
     marks = PhaseMarks(pstore, run_id)
     marks("start", at=t_start)
@@ -176,8 +150,8 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         # program take them seconds) while this process registers the candidates (they wait for the "candidates"
         # mark: the workers share out their XLA timings) and creates the studies with their first configs (they wait
         # for the "setup" mark before their first trial).
-        pstore.set_run_job(run_id, {**job, "staged": True})
-        procs = start_workers(run_id, job["fn"], pstore.url, workers, gpus, not verbose, indexed=True)
+        pstore.set_run_job(run_id, {**row, "staged": True})
+        procs = start_workers(run_id, row["fn"], pstore.url, workers, gpus, not job.verbose, indexed=True)
         by_sig, cands, left_to_xla = tunable(*distinct_candidates(graph), backends)
         notes(left_to_xla)
         save_candidates(graph, by_sig, shared)  # this host's workers read them rather than enumerate them again
@@ -185,15 +159,15 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         marks("candidates")
         say(f"autofuse: run {run_id}: {plural(len(cands), 'candidate')}, {workers} worker(s) on this host"
             + (f" (GPUs {', '.join(gpus[:workers])})" if measure == "device" else "")
-            + f"; join from another host: autofuse worker {run_id} {job['fn']} --db URL")
-        spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
+            + f"; join from another host: autofuse worker {run_id} {row['fn']} --db URL")
+        spaces = search_spaces(by_sig, cands, gmodel, row["backends"])
         storage = optuna_storage(pstore.url)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         for r in cands:
             create_study(storage, run_id, spaces[r.signature], r.signature)
         marks("setup")
-        scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(trials if trials is not None else 10**9), gmodel)
-        with progress_bar(scheduler.total, name, quiet or progress is not None, "tune", "trial") as bar:
+        scheduler = Scheduler(graph, by_sig, cands, spaces, Budget(job.trials if job.trials is not None else 10**9), gmodel)
+        with progress_bar(scheduler.total, name, job.quiet or o.progress is not None, "tune", "trial") as bar:
             codes = watch(procs, pstore, run_id, bar, cands, scheduler)
     except BaseException as e:
         for p in procs:
@@ -212,9 +186,12 @@ def tune_with_workers(fn: Callable, args: tuple, kwargs: dict, *, workers: int, 
         say(f"autofuse: {'; '.join(died)} (a dead worker's running trial is retried by another)")
     if run["status"] != "finished":
         raise RuntimeError(f"run {run_id} is {run['status']} after its workers exited ({'; '.join(died) or 'all exit 0'})"
-                           + (f": {run['error']}" if run.get("error") else f"; join it with: autofuse worker {run_id} {job['fn']} --db URL"))
+                           + (f": {run['error']}" if run.get("error") else f"; join it with: autofuse worker {run_id} {row['fn']} --db URL"))
     report = report_from_store(pstore, run_id, cands, name, measure, t_start)
     report.model = gmodel.name if measure == "model" else None
+    if job.promote and report.plan_id is not None and not report.plan_current:
+        pstore.promote_plan(report.plan_id)
+        report.plan_current, report.plan_note = True, ""
     return report
 
 
@@ -336,10 +313,11 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
     if measure == "device":  # a worker of another host: its trial process starts with the store's autotune entries
         restore_autotune(pstore)
     fn = program_of(run_id, job, program)
-    args, kwargs = decode_args(job["args"]), decode_args(job["kwargs"])
-    statics = (tuple(job["static_argnums"]), tuple(job["static_argnames"]))
+    args, kwargs = decode_call(job["args"], job["kwargs"])
+    o = JobOptions.from_wire(job)
+    statics = (o.static_argnums, o.static_argnames)
     spec = ProgramSpec(fn, args, kwargs, *statics, run["fingerprint"])
-    runner = make_runner(spec, {"measure": measure, "model": job["model"]}, isolate=job["isolate"], timeout_s=job["trial_timeout_s"])
+    runner = make_runner(spec, {"measure": measure, "model": o.model}, isolate=o.isolate, timeout_s=o.trial_timeout_s)
     if isinstance(runner, ProcessRunner):
         runner.start()  # the trial process imports jax and captures the program while this one enumerates its candidates
     graph = capture(fn, *args, static_argnums=statics[0], static_argnames=statics[1], **kwargs)
@@ -353,7 +331,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
     by_sig, cands, _ = tunable(*(shared or distinct_candidates(graph)), job["backends"])  # the launcher said what it leaves out
     register_candidates(pstore, run_id, cands)
     marks("ready", worker=me)
-    gmodel = costmodel.get_model(job["model"])
+    gmodel = costmodel.get_model(o.model)
     spaces = search_spaces(by_sig, cands, gmodel, job["backends"])
     budget = run["budget"] or {}
     deadline = run["started_at"].timestamp() + budget["seconds"] if budget.get("seconds") else None
@@ -365,14 +343,14 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with runner:
-            threads = compile_workers(job.get("compile_workers"))
+            threads = compile_workers(o.compile_workers)
             order = timed_first(cands, spaces, scheduler.total)
             if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
                 prefetch = prefetch_model_bests(cands, spaces, order)
             spent: dict = {}
             first = [cands[i] for i in order]
             ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
-            timed = share_xla(pstore, run_id, first, runner, me, threads, stale_s=2 * job["trial_timeout_s"] + 60,
+            timed = share_xla(pstore, run_id, first, runner, me, threads, stale_s=2 * o.trial_timeout_s + 60,
                               share=job.get("workers") or 1, spent=spent, first_trials=ahead.first_batch())
             marks(f"xla_parts {me}", value=spent)
             say(f"timed {timed} of the {len(first)} candidates the budget reaches first in XLA ({threads} compiling at once; "
@@ -383,7 +361,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
                 wait_for_phase(pstore, run_id, "setup", ready_timeout_s)
             w = _Worker(pstore, run_id, cands, spaces, scheduler,
                         TrialContext(StoreLedger(pstore, run_id, me), runner, measure, scheduler.total, me),
-                        run["seed"], os.getpid() if index is None else index, job["heartbeat_s"])
+                        run["seed"], os.getpid() if index is None else index, o.heartbeat_s)
             w.loop.ahead = ahead
             w.loop.verbose = not quiet  # a line per trial
             marks("loop", worker=me)  # the trial loop is ready (its storage connected): the first trial comes next
