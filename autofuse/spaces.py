@@ -1,4 +1,5 @@
-"""Declarative search spaces (`autofuse/search_spaces/*.toml`, package data): parameters, choices, constraints.
+"""Declarative search spaces (the repository's top-level `search_spaces/*.toml`, shipped in the wheel as package data
+`autofuse/search_spaces/`): parameters, choices, constraints.
 
 Read with the standard library's `tomllib` (the deploy path checks stored plans against these
 files, and must not import a third-party parser), loaded and validated once; a malformed file
@@ -20,8 +21,6 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-# The bundled spaces, found through the package (a wheel, an editable install, a zip), not the source tree.
-SPACES_DIR: Traversable = resources.files(__package__).joinpath("search_spaces")
 _FUNCS = {"next_pow2": lambda x: 1 << max(0, int(x - 1).bit_length()), "min": min, "max": max, "log2": math.log2, "ceil_div": lambda a, b: -(-a // b)}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Div: operator.truediv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -186,11 +185,21 @@ def load_space_file(path: str | Path | Traversable) -> Space:
     return space
 
 
+def bundled_dir() -> Path | Traversable:
+    """The spaces autofuse ships. An installed wheel has them inside the package (`autofuse/search_spaces/`, mapped
+    there from the top-level `search_spaces/` at build time); a source checkout on the path, or an editable install,
+    has no such directory and keeps them beside the package, at the repository's top level."""
+    packaged = resources.files(__package__).joinpath("search_spaces")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "search_spaces"
+
+
 @functools.lru_cache(maxsize=None)
 def load_spaces(directory: str | None = None) -> dict[str, Space]:
-    """All search spaces, by `space_key(template, backend)`: the package's own (`SPACES_DIR`), or the `*.toml` files of
+    """All search spaces, by `space_key(template, backend)`: the bundled ones (`bundled_dir`), or the `*.toml` files of
     `directory`. A template's Triton space is `<template>.toml`, another backend's `<template>.<backend>.toml`."""
-    d: Path | Traversable = Path(directory) if directory else SPACES_DIR
+    d: Path | Traversable = Path(directory) if directory else bundled_dir()
     if not d.is_dir():
         raise SpaceError(f"search space directory {d} does not exist")
     files = sorted((p for p in d.iterdir() if p.name.endswith(".toml") and p.is_file()), key=lambda p: p.name)
