@@ -78,6 +78,11 @@ def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     assert Path(found["file"]).resolve().is_relative_to(site.resolve()), f"autofuse imported from {found['file']}, not the venv"
     assert Path(found["dir"]).resolve().is_relative_to(site.resolve()), f"spaces read from {found['dir']}, not the wheel's"
     assert found["spaces"] == spaces
+    mine = work / "my_spaces"  # the installed autofuse takes the user's spaces too
+    mine.mkdir()
+    shutil.copy2(ROOT / "search_spaces" / "row_reduce.toml", mine / "row_reduce.toml")
+    found = json.loads(_run([vpy, "-c", probe], work, {**env, "AUTOFUSE_SEARCH_SPACES": str(mine)}).stdout)
+    assert found["row_reduce"] == str(mine / "row_reduce.toml") and found["spaces"] == spaces
 
     autofuse = venv / "bin" / "autofuse"
     db = "sqlite:///fresh.db"  # relative: in `work`
