@@ -107,8 +107,11 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
 def _checked(args: argparse.Namespace) -> tuple[int, ...]:
     """The arguments that need nothing imported, checked first: a mistake is refused at once, not after the seconds
     JAX takes to start. Returns the static argument positions."""
+    from autofuse.spaces import USER_SPACES, load_spaces
     from autofuse.tuning.budget import check_budget, parse_bytes, trials_for
 
+    if os.environ.get(USER_SPACES):
+        load_spaces()  # a broken user space is refused now, naming its file, not at the program's first candidate
     check_budget(args.trials, args.time_budget, trials_flag="--trials", seconds_flag="--time-budget")
     if args.effort is not None:
         if args.trials is not None:

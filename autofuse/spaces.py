@@ -1,4 +1,5 @@
-"""Declarative search spaces (`autofuse/search_spaces/*.toml`, package data): parameters, choices, constraints.
+"""Declarative search spaces (the repository's top-level `search_spaces/*.toml`, shipped in the wheel as package data
+`autofuse/search_spaces/`), plus the user's own (``$AUTOFUSE_SEARCH_SPACES``): parameters, choices, constraints.
 
 Read with the standard library's `tomllib` (the deploy path checks stored plans against these
 files, and must not import a third-party parser), loaded and validated once; a malformed file
@@ -13,6 +14,7 @@ import ast
 import functools
 import math
 import operator
+import os
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -20,8 +22,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-# The bundled spaces, found through the package (a wheel, an editable install, a zip), not the source tree.
-SPACES_DIR: Traversable = resources.files(__package__).joinpath("search_spaces")
+USER_SPACES = "AUTOFUSE_SEARCH_SPACES"  # directories (os.pathsep between) of spaces that override or add to the bundled
 _FUNCS = {"next_pow2": lambda x: 1 << max(0, int(x - 1).bit_length()), "min": min, "max": max, "log2": math.log2, "ceil_div": lambda a, b: -(-a // b)}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Div: operator.truediv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -186,12 +187,41 @@ def load_space_file(path: str | Path | Traversable) -> Space:
     return space
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache  # constant for the process; asked at each load_spaces(), once per candidate
+def bundled_dir() -> Path | Traversable:
+    """The spaces autofuse ships. An installed wheel has them inside the package (`autofuse/search_spaces/`, mapped
+    there from the top-level `search_spaces/` at build time); a source checkout on the path, or an editable install,
+    has no such directory and keeps them beside the package, at the repository's top level."""
+    packaged = resources.files(__package__).joinpath("search_spaces")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+def user_dirs() -> tuple[Path, ...]:
+    """The directories of ``$AUTOFUSE_SEARCH_SPACES`` (empty entries skipped), read at each call so that a job's
+    workers, which inherit the environment, see the spaces their launcher saw."""
+    return tuple(Path(d).expanduser() for d in os.environ.get(USER_SPACES, "").split(os.pathsep) if d.strip())
+
+
 def load_spaces(directory: str | None = None) -> dict[str, Space]:
-    """All search spaces, by `space_key(template, backend)`: the package's own (`SPACES_DIR`), or the `*.toml` files of
+    """All search spaces, by `space_key(template, backend)`: the bundled ones (`bundled_dir`) overridden or added to
+    by the user's (`user_dirs`: the first directory naming a space wins, as on $PATH), or only the `*.toml` files of
     `directory`. A template's Triton space is `<template>.toml`, another backend's `<template>.<backend>.toml`."""
-    d: Path | Traversable = Path(directory) if directory else SPACES_DIR
-    if not d.is_dir():
-        raise SpaceError(f"search space directory {d} does not exist")
-    files = sorted((p for p in d.iterdir() if p.name.endswith(".toml") and p.is_file()), key=lambda p: p.name)
-    return {Path(p.name).stem: load_space_file(p) for p in files}
+    if directory:
+        return _load_dirs((Path(directory),))
+    return _load_dirs((bundled_dir(), *reversed(user_dirs())), user=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_dirs(dirs: tuple[Path | Traversable, ...], user: bool = False) -> dict[str, Space]:
+    """The spaces of `dirs`, a later directory's file replacing an earlier one's of the same name; loaded once per
+    process (a job asks for them per candidate). `user`: all but the first directory came from $AUTOFUSE_SEARCH_SPACES."""
+    out: dict[str, Space] = {}
+    for i, d in enumerate(dirs):
+        if not d.is_dir():
+            named = f" (named by ${USER_SPACES})" if user and i else ""
+            raise SpaceError(f"search space directory {d}{named} does not exist")
+        files = sorted((p for p in d.iterdir() if p.name.endswith(".toml") and p.is_file()), key=lambda p: p.name)
+        out.update({Path(p.name).stem: load_space_file(p) for p in files})
+    return out

@@ -27,6 +27,7 @@ from sqlalchemy.engine import make_url
 # The default plan store (`autofuse.tune()` and `autofuse tune` without a store, `autofuse.jit` without one) is this
 # session's own: never the user's $AUTOFUSE_DB or ~/.local/share/autofuse/autofuse.db. Subprocesses inherit it.
 os.environ.pop("AUTOFUSE_DB", None)
+os.environ.pop("AUTOFUSE_SEARCH_SPACES", None)  # the bundled spaces only, whatever the user's shell sets (test_user_spaces sets its own)
 _DATA_HOME = os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="autofuse-test-data-")
 
 

@@ -1,6 +1,6 @@
 """An installed wheel works on its own, away from the source tree.
 
-The wheel is built from a copy of what the build reads (pyproject.toml, README.md, autofuse/), so nothing is
+The wheel is built from a copy of what the build reads (pyproject.toml, README.md, autofuse/, search_spaces/), so nothing is
 written into the shared working tree and no stale `build/` can leak into it; pip builds it in an isolated build
 environment, as `scripts/setup`'s own `pip install -e` does (the project's .venv has no setuptools).
 
@@ -13,8 +13,8 @@ and needs no download of jax, jaxlib, scipy...; installing those from the pip ca
 take minutes of CI time and fail on a cold cache.
 
 Then the bundled example is tuned with the installed `autofuse` command from a directory that holds only a copy
-of `examples/`, and the stored plan is listed. Without the search spaces in the wheel (they were once outside the
-package) the first tuning trial fails.
+of `examples/`, and the stored plan is listed. Without the search spaces in the wheel (they live outside the
+package, in the top-level search_spaces/, mapped into it at build time) the first tuning trial fails.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -48,13 +49,14 @@ def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     for name in ("pyproject.toml", "README.md", "MANIFEST.in", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "autofuse", src / "autofuse", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for tree in ("autofuse", "search_spaces"):
+        shutil.copytree(ROOT / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, src], tmp_path, env)
     (wheel,) = dist.glob("autofuse-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    spaces = sorted(p.name for p in (ROOT / "autofuse" / "search_spaces").glob("*.toml"))
-    assert spaces, "no search spaces in autofuse/search_spaces/"
+    spaces = sorted(p.name for p in (ROOT / "search_spaces").glob("*.toml"))
+    assert spaces, "no search spaces in search_spaces/"
     assert {f"autofuse/search_spaces/{n}" for n in spaces} <= shipped, "the wheel lacks the search spaces"
 
     # A fresh venv with the wheel, and this interpreter's installed dependencies.
@@ -70,11 +72,17 @@ def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     shutil.copytree(ROOT / "examples", work / "examples", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    probe = ("import importlib.resources, json, autofuse; print(json.dumps({'file': autofuse.__file__, 'spaces': sorted("
-             "p.name for p in importlib.resources.files('autofuse').joinpath('search_spaces').iterdir() if p.name.endswith('.toml'))}))")
+    probe = ("import json, autofuse, autofuse.spaces as s; print(json.dumps({'file': autofuse.__file__, 'dir': str(s.bundled_dir()), "
+             "'spaces': sorted(f'{k}.toml' for k in s.load_spaces()), 'row_reduce': s.load_spaces()['row_reduce'].path}))")
     found = json.loads(_run([vpy, "-c", probe], work, env).stdout)
     assert Path(found["file"]).resolve().is_relative_to(site.resolve()), f"autofuse imported from {found['file']}, not the venv"
+    assert Path(found["dir"]).resolve().is_relative_to(site.resolve()), f"spaces read from {found['dir']}, not the wheel's"
     assert found["spaces"] == spaces
+    mine = work / "my_spaces"  # the installed autofuse takes the user's spaces too
+    mine.mkdir()
+    shutil.copy2(ROOT / "search_spaces" / "row_reduce.toml", mine / "row_reduce.toml")
+    found = json.loads(_run([vpy, "-c", probe], work, {**env, "AUTOFUSE_SEARCH_SPACES": str(mine)}).stdout)
+    assert found["row_reduce"] == str(mine / "row_reduce.toml") and found["spaces"] == spaces
 
     autofuse = venv / "bin" / "autofuse"
     db = "sqlite:///fresh.db"  # relative: in `work`
@@ -83,3 +91,13 @@ def test_installed_wheel_tunes_the_example_and_lists_its_plan(tmp_path):
     assert (work / "fresh.db").exists()
     listed = _run([autofuse, "plans", "--db", db], work, env)
     assert PROGRAM in listed.stdout, listed.stdout
+
+
+def test_every_package_directory_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages (`packages.find` cannot map the top-level search_spaces/ into autofuse), so a
+    new subpackage left off the list would be missing from the wheel: every directory of autofuse/ is listed."""
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    dirs = {".".join(p.relative_to(ROOT).parts) for p in [ROOT / "autofuse", *(ROOT / "autofuse").rglob("*")]
+            if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
+    assert dirs <= set(listed), f"pyproject.toml's [tool.setuptools] packages lacks {sorted(dirs - set(listed))}"
+    assert "autofuse.search_spaces" in listed

@@ -155,7 +155,9 @@ def enumeration_file(fingerprint: str) -> str | None:
 
 def _enumeration_code() -> str:
     """A digest of what decides a program's candidates: the partitioner's, the graph's and the kernels' source, and
-    the templates registered now (a plugin's too: its name and its module's source)."""
+    the templates registered now (a plugin's too: its name and its module's source). No search space is part of it,
+    bundled or the user's ($AUTOFUSE_SEARCH_SPACES): the cache holds groups and templates only, and each job reads
+    the spaces afresh, so an edited space is never served from here."""
     from ..kernels import TEMPLATES
 
     h = hashlib.sha256(_autofuse_code().encode())
