@@ -82,16 +82,18 @@ def gpt2_shapes() -> tuple:
     return jax.eval_shape(gpt2.example_inputs)
 
 
-def run_one(program: str, workers: int, trials: int, workdir: str, limit_s: float, extra: list[str], small: bool = False) -> dict[str, Any]:
-    """One `autofuse tune --workers N` in its own process group, killed whole at `limit_s`; its facts from the store."""
+def run_one(program: str, workers: int, trials: int, workdir: str, limit_s: float, extra: list[str], small: bool = False,
+            tag: str = "") -> dict[str, Any]:
+    """One `autofuse tune --workers N` in its own process group, killed whole at `limit_s`; its facts from the store
+    (its own file: `tag` tells apart two runs of the same worker count, e.g. one with the caches the first filled)."""
     fn, inputs, _ = PROGRAMS[program]
     inputs = SMALL_INPUTS[program] if small else inputs
-    db = os.path.join(workdir, f"{program}_w{workers}.db")
+    db = os.path.join(workdir, f"{program}_w{workers}{tag}.db")
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(db + suffix):
             os.unlink(db + suffix)
     cmd = ["autofuse", "tune", fn, "--inputs", inputs, "--trials", str(trials), "--workers", str(workers), "--db", f"sqlite:///{db}", "-v", *extra]
-    log = os.path.join(workdir, f"{program}_w{workers}.log")
+    log = os.path.join(workdir, f"{program}_w{workers}{tag}.log")
     row: dict[str, Any] = {"program": program, "small": small, "workers": workers, "trials_budget": trials, "command": " ".join(cmd), "log": log}
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     t0 = time.time()
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         limit = min(a.timeout, left)
         print(f"[{time.time() - t_start:5.0f} s] ({k + 1}/{len(plan)}) {p} --workers {n} --trials {trials[p]} (limit {limit:.0f} s)", flush=True)
-        row = run_one(p, n, trials[p], workdir, limit, a.extra.split(), a.small)
+        repeat = sum(1 for q, m in plan[:k] if (q, m) == (p, n))  # `--workers 4,1,4`: the second 4 has its own store
+        row = run_one(p, n, trials[p], workdir, limit, a.extra.split(), a.small, tag=f"_{repeat + 1}" if repeat else "")
         rows.append(row)
         for key in ("device", "versions"):
             if row.get(key):
