@@ -193,8 +193,8 @@ def bundled_dir() -> Path | Traversable:
     there from the top-level `search_spaces/` at build time); a source checkout on the path, or an editable install,
     has no such directory and keeps them beside the package, at the repository's top level."""
     packaged = resources.files(__package__).joinpath("search_spaces")
-    if packaged.is_dir():
-        return packaged
+    if packaged.is_dir() and any(p.name.endswith(".toml") for p in packaged.iterdir()):
+        return packaged  # (a checkout updated past the move can keep an emptied autofuse/search_spaces/: skipped)
     return Path(__file__).resolve().parent.parent / "search_spaces"
 
 
@@ -223,5 +223,7 @@ def _load_dirs(dirs: tuple[Path | Traversable, ...], user: bool = False) -> dict
             named = f" (named by ${USER_SPACES})" if user and i else ""
             raise SpaceError(f"search space directory {d}{named} does not exist")
         files = sorted((p for p in d.iterdir() if p.name.endswith(".toml") and p.is_file()), key=lambda p: p.name)
+        if not files and i == 0:
+            raise SpaceError(f"no search spaces (*.toml) in {d}")
         out.update({Path(p.name).stem: load_space_file(p) for p in files})
     return out

@@ -88,3 +88,20 @@ def test_autofuse_tune_refuses_a_broken_user_file_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and str(mine / "matmul.toml") in lines[0] and "parameters.block_m.choices" in lines[0], out.stderr
+
+
+def test_an_emptied_package_directory_falls_back_to_the_checkouts_spaces(tmp_path, monkeypatch):
+    """A checkout updated past the move to the top level can keep an empty `autofuse/search_spaces/` (ignored files
+    in it keep git from removing it); the bundled spaces are then the checkout's, not none (a KeyError of the first
+    template's name on the GPU, before this)."""
+    from autofuse import spaces
+
+    (tmp_path / "search_spaces").mkdir()
+    monkeypatch.setattr(spaces.resources, "files", lambda _pkg: tmp_path)
+    spaces.bundled_dir.cache_clear()
+    try:
+        assert spaces.bundled_dir() == Path(spaces.__file__).resolve().parent.parent / "search_spaces"
+    finally:
+        spaces.bundled_dir.cache_clear()
+    with pytest.raises(spaces.SpaceError, match=r"no search spaces \(\*\.toml\) in"):
+        spaces.load_spaces(str(tmp_path / "search_spaces"))
