@@ -60,6 +60,7 @@ def attention_causal(q, k, v):
 
 WORKLOADS = {
     "attention-B8H32L2048D128": (attention, [(8, 32, 2048, 128)] * 3),
+    "attention-f32-B8H32L2048D128": (attention, [(8, 32, 2048, 128)] * 3),
     "attention-causal-B8H32L2048D128": (attention_causal, [(8, 32, 2048, 128)] * 3),
     "gemm-8192^3": (plain, [(8192, 8192), (8192, 8192)]),
     "gemm-1024x8192x8192": (plain, [(1024, 8192), (8192, 8192)]),
@@ -106,8 +107,11 @@ MOSAIC = {"matmul": [
     {"max_concurrent_steps": 3},
     {"schedule_barrier": 0},
 ]}
-DTYPES = {"highest-f32-bias-gelu-4096^3": jnp.float32}  # else bf16
-TRITON_F32 = {"block_m": 128, "block_n": 128, "block_k": 32, "num_warps": 8, "num_stages": 3, "group_m": 8}
+DTYPES = {"highest-f32-bias-gelu-4096^3": jnp.float32, "attention-f32-B8H32L2048D128": jnp.float32}  # else bf16
+TRITON_F32 = {"matmul": [{"block_m": 128, "block_n": 128, "block_k": 32, "num_warps": 8, "num_stages": 3, "group_m": 8}],
+              "attention": [{"block_q": q, "block_k": k, "num_warps": w, "num_stages": st}
+                            for q, k, w, st in [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2),
+                                                (64, 64, 4, 1), (128, 64, 8, 1)]]}
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}
@@ -178,10 +182,10 @@ def main(argv=None) -> int:
             if not cfg and kind == "matmul" and len(g.nodes) > 1:  # the same kernel with the exact transcendentals
                 k = mosaic_matmul.lower(g, cand.spec, full, approx_math=False)
                 measure("mosaic {} exact math", jax.jit(lambda *xs, k=k: k(*xs)), full)
-        triton_cfgs = [TRITON_F32] if name in DTYPES else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}])
+        triton_cfgs = TRITON_F32[kind] if name in DTYPES else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}])
         for tcfg in triton_cfgs:
             k = tmpl.build(g, tcfg, spec=cand.spec)
-            measure(f"triton bn={tcfg['block_n']}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
+            measure(f"triton {json.dumps(tcfg)}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))
         if cand.template == "attention":  # cuDNN's fused attention takes [B, L, H, D]: transposed outside its timing
             cud = jax.jit(lambda q, k, v: [jax.nn.dot_product_attention(q, k, v, is_causal=fn is attention_causal, implementation="cudnn")])

@@ -1,9 +1,10 @@
-"""Run one matmul kernel of `benchmarks.mosaic_probe`'s workloads a few times, for `ncu` to profile one launch:
-autofuse's Mosaic GPU lowering of the workload's group (its default config, or `--config JSON` over it), or, for a
-plain GEMM, JAX's hand-written `hopper_matmul_mgpu` (`--kernel hopper`, its best H100 config in GPU_NOTES.md).
+"""Run one kernel of `benchmarks.mosaic_probe`'s workloads a few times, for `ncu` to profile one launch:
+autofuse's lowering of the workload's group on `--backend` (Mosaic GPU: its default config, or `--config JSON` over
+it; Triton: `--config` whole), or, for a plain GEMM, JAX's hand-written `hopper_matmul_mgpu` (`--kernel hopper`, its
+best H100 config in GPU_NOTES.md).
 
     ncu --kernel-name regex:autofuse_matmul_mgpu --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks.ncu_matmul bias-gelu-16384x1024x4096
+        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks.ncu_kernel bias-gelu-16384x1024x4096
 """
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import jax
 import jax.numpy as jnp
 
 from autofuse.kernels import TEMPLATES
-from benchmarks.mosaic_probe import WORKLOADS, _group
+from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", choices=sorted(WORKLOADS))
     ap.add_argument("--kernel", choices=("autofuse", "hopper"), default="autofuse")
-    ap.add_argument("--config", default="{}", help="JSON: parameters over the lowering's default config")
+    ap.add_argument("--config", default="{}", help="JSON: parameters over the Mosaic GPU lowering's default config, or a Triton config")
+    ap.add_argument("--backend", choices=("mosaic_gpu", "triton"), default="mosaic_gpu")
     a = ap.parse_args(argv)
     fn, shapes = WORKLOADS[a.workload]
     if a.kernel == "hopper":
@@ -32,12 +34,13 @@ def main(argv=None) -> None:
         k = jax.jit(lambda x, w: hm.matmul(x, w, None, c))
         cfg = c
     else:
-        _, cand = _group(fn, shapes)
+        _, cand = _group(fn, shapes, DTYPES.get(a.workload, jnp.bfloat16))
         tmpl = TEMPLATES[cand.template]
-        cfg = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), **json.loads(a.config)}
-        k = jax.jit(tmpl.build(cand.group, cfg, backend="mosaic_gpu", spec=cand.spec))
+        base = tmpl.default_config_of(cand.spec, "mosaic_gpu") if a.backend == "mosaic_gpu" else {}
+        cfg = {**base, **json.loads(a.config)}
+        k = jax.jit(tmpl.build(cand.group, cfg, backend=a.backend, spec=cand.spec))
     keys = jax.random.split(jax.random.key(0), len(shapes))
-    xs = [jax.random.normal(kk, s, jnp.bfloat16) for kk, s in zip(keys, shapes)]
+    xs = [jax.random.normal(kk, s, DTYPES.get(a.workload, jnp.bfloat16)) for kk, s in zip(keys, shapes)]
     for _ in range(4):
         jax.block_until_ready(k(*xs))
     print("config", cfg)
