@@ -67,9 +67,9 @@ from ..matmul import MatmulSpec
 from ..tile_eval import product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import require_smem
-from .gemm import compute_dtype as _compute, from_kernel as _from_kernel, kernel_dtype as _kernel_dtype  # noqa: F401
+from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
-from .gemm import smem_transforms as _tf, swizzle as _swizzle, tile_transforms as _tile_tf  # noqa: F401
+from .gemm import smem_transforms as _tf, tile_transforms as _tile_tf
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, RegisterTiles, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
@@ -357,6 +357,31 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     n_pieces = (bm // em) * (bn // en)
     out_slots = min(2, n_pieces)
 
+    def epilogue_piece(product, scalars: dict, vec_part: Callable, tile_ref: Callable, tile_bar, out_slots_at: list, out_gmem,
+                       r0, c0, fetch_next: Callable | None) -> None:
+        """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the product and the
+        inputs' pieces (`vec_part(v)`, `tile_ref(v)`: their SMEM, the tiles behind `tile_bar`), its outputs written
+        into `out_slots_at` and stored from there by TMA; `fetch_next` issues the next piece's tiles once every
+        thread has read these (after the commit's barrier)."""
+        env = {out_v: product, **scalars}
+        for v in vec_in:
+            env[v] = _from_kernel(plgpu.load(vec_part(v), layout=layout(espan[v])), g.avals[v].dtype)
+        if tile_in:
+            plgpu.barrier_wait(tile_bar)
+            for v in tile_in:
+                # plain (unswizzled) SMEM has no bank-conflict-free plan: allow the slower one
+                env[v] = _from_kernel(plgpu.load(tile_ref(v), layout=layout(FULL), optimized=bool(in_tf[v])), g.avals[v].dtype)
+        for nd in epi_nodes:
+            tiles.eval_node(nd, env, r0, c0)
+        plgpu.wait_smem_to_gmem(len(outs) * (out_slots - 1), wait_read_only=True)
+        for v, d, sm in zip(outs, out_dt, out_slots_at):
+            sm[...] = tiles.store_value(env, v, d)
+        plgpu.commit_smem()
+        if fetch_next is not None:
+            fetch_next()
+        for sm, o in zip(out_slots_at, out_gmem):
+            plgpu.copy_smem_to_gmem(sm, o.at[pl.ds(r0, em), pl.ds(c0, en)])
+
     def body(a_gmem, b_gmem, *rest):
         in_gmem = dict(zip(ein, rest[: len(ein)]))
         out_gmem = rest[len(ein):]
@@ -430,29 +455,12 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for i in range(n_pieces):
                             mi, ni = divmod(i, bn // en)
-                            r0, c0 = piece_origin(i)
-                            env = {out_v: product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec)}
-                            env.update(scalars)
-                            for v in vec_in:
-                                part = vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)]
-                                env[v] = _from_kernel(plgpu.load(part, layout=layout(espan[v])), g.avals[v].dtype)
-                            if tile_in:
-                                plgpu.barrier_wait(tile_barrier.at[wg])
-                                for v in tile_in:
-                                    # plain (unswizzled) SMEM has no bank-conflict-free plan: allow the slower one
-                                    x = plgpu.load(tile_smem[v].at[wg], layout=layout(FULL), optimized=bool(in_tf[v]))
-                                    env[v] = _from_kernel(x, g.avals[v].dtype)
-                            for nd in epi_nodes:
-                                tiles.eval_node(nd, env, r0, c0)
-                            slot = i % out_slots
-                            plgpu.wait_smem_to_gmem(len(outs) * (out_slots - 1), wait_read_only=True)
-                            for v, d, sm in zip(outs, out_dt, out_smem):
-                                sm[wg, slot] = tiles.store_value(env, v, d)
-                            plgpu.commit_smem()
-                            if tile_in and i + 1 < n_pieces:
-                                fetch_tiles(i + 1)  # (Pallas puts a warpgroup barrier before it: every thread has read piece i)
-                            for sm, o in zip(out_smem, out_gmem):
-                                plgpu.copy_smem_to_gmem(sm.at[wg, slot], o.at[pl.ds(r0, em), pl.ds(c0, en)])
+                            epilogue_piece(
+                                product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec), scalars,
+                                lambda v: vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)],
+                                lambda v: tile_smem[v].at[wg], tile_barrier.at[wg] if tile_in else None,
+                                [sm.at[wg, i % out_slots] for sm in out_smem], out_gmem, *piece_origin(i),
+                                functools.partial(fetch_tiles, i + 1) if tile_in and i + 1 < n_pieces else None)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
@@ -608,27 +616,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                                        optimized=bool(stage_tf))
                         if j == len(pieces_per_wg) - 1:
                             plgpu.barrier_arrive(free)  # every piece of the product is in registers
-                        env = {out_v: x.astype(jnp.float32)}
-                        env.update(scalars)
-                        for v in vec_in:
-                            part = vec_smem[v].at[pl.ds(pr, em)] if espan[v] == ROWS else vec_smem[v].at[pl.ds(pc, en)]
-                            env[v] = _from_kernel(plgpu.load(part, layout=layout(espan[v])), g.avals[v].dtype)
-                        if tile_in:
-                            plgpu.barrier_wait(tile_barrier)
-                            for v in tile_in:
-                                env[v] = _from_kernel(plgpu.load(tile_smem[v], layout=layout(FULL), optimized=bool(in_tf[v])),
-                                                      g.avals[v].dtype)
-                        for nd in epi_nodes:
-                            tiles.eval_node(nd, env, r0 + pr, c0 + pc)
-                        slot = j % out_slots
-                        plgpu.wait_smem_to_gmem(len(outs) * (out_slots - 1), wait_read_only=True)
-                        for v, d, sm in zip(outs, out_dt, out_smem):
-                            sm[slot] = tiles.store_value(env, v, d)
-                        plgpu.commit_smem()
-                        if tile_in and j + 1 < len(pieces_per_wg):
-                            fetch_tiles(*pieces_per_wg[j + 1])  # after the commit's barrier: every thread has read piece j
-                        for sm, o in zip(out_smem, out_gmem):
-                            plgpu.copy_smem_to_gmem(sm.at[slot], o.at[pl.ds(r0 + pr, em), pl.ds(c0 + pc, en)])
+                        epilogue_piece(
+                            x.astype(jnp.float32), scalars,
+                            lambda v: vec_smem[v].at[pl.ds(pr, em)] if espan[v] == ROWS else vec_smem[v].at[pl.ds(pc, en)],
+                            lambda v: tile_smem[v], tile_barrier, [sm.at[j % out_slots] for sm in out_smem], out_gmem, r0 + pr, c0 + pc,
+                            functools.partial(fetch_tiles, *pieces_per_wg[j + 1]) if tile_in and j + 1 < len(pieces_per_wg) else None)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
