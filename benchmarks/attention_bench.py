@@ -13,7 +13,6 @@ either the whole program with the attention group fused at each `--configs` entr
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import math
 import os
@@ -29,6 +28,7 @@ import autofuse  # noqa: E402
 from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
+from benchmarks.provenance import header  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, attention_blhd, emit  # noqa: E402
 
 
@@ -101,8 +101,7 @@ def main() -> None:
             plan = "XLA" if rep.plan.is_xla else "; ".join(f"{gr.template} {gr.config}" for gr in rep.plan.groups)
             row("autofuse (tuned plan)", time_fn(fused, sets, repeats=10), f"{plan}; validation speedup {rep.speedup:.2f}x")
     lines = [
-        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; "
-        f"B,H,L,D = {a.shape}, bfloat16; command: python {' '.join(sys.argv)}",
+        f"{header()}; B,H,L,D = {a.shape}, bfloat16",
     ]
     emit(lines + attention_table(rows), a.out)
 

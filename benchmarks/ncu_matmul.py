@@ -3,7 +3,7 @@ autofuse's Mosaic GPU lowering of the workload's group (its default config, or `
 plain GEMM, JAX's hand-written `hopper_matmul_mgpu` (`--kernel hopper`, its best H100 config in GPU_NOTES.md).
 
     ncu --kernel-name regex:autofuse_matmul_mgpu --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks.ncu_matmul bias-gelu-16384x1024x4096
+        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks profile ncu-matmul bias-gelu-16384x1024x4096
 """
 from __future__ import annotations
 
