@@ -8,7 +8,7 @@ so they get the same data transposed beforehand (untimed). The autofuse kernel i
 either the whole program with the attention group fused at each `--configs` entry (tile sweep) or the tuned plan
 (`--tune N`: `autofuse.tune` with N trials, device measurement, then `autofuse.jit`).
 
-    python benchmarks/attention_bench.py --configs 128x64w8s3,128x128w8s2 --out results/x.md
+    python -m benchmarks kernels attention --configs 128x64w8s3,128x128w8s2 --out results/x.md
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ flash pair's own choice, `AttentionTemplate.vjp_rule`). For reference, JAX's han
 attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, forward and its two backward kernels) runs where it
 can: float16 only and not causal in jax 0.11.2.
 
-    python benchmarks/attention_grad_bench.py --out results/attention_grad_h100.md
-    python benchmarks/attention_grad_bench.py --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
+    python -m benchmarks kernels attention-grad --out results/attention_grad_h100.md
+    python -m benchmarks kernels attention-grad --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a plan's savings go between its groups timed alone and the whole program (issue 32, item 2).
 
-    python -m benchmarks.composition --model gpt2 --step forward_cudnn --trials 40 --out results/composition_h100.md
+    python -m benchmarks profile composition --model gpt2 --step forward_cudnn --trials 40 --out results/composition_h100.md
 
 Tunes one example model's entry point on the GPU (`autofuse.tune`, device measurement), then, in this process on
 the model's own inputs:

@@ -6,7 +6,7 @@ For every suite workload with a plan in the database: wrap it with
 the per-call overhead of a warm hit against plain `jax.jit` on a tiny input
 (where dispatch is all there is), and prints a Markdown table.
 
-    python benchmarks/deploy_check.py --db /tmp/suite.db [--out results/deploy_check.md]
+    python -m benchmarks deploy check --db /tmp/suite.db [--out results/deploy_check.md]
 """
 from __future__ import annotations
 

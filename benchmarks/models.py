@@ -1,6 +1,6 @@
 """Whole models through the tuning job on the GPU: each example model's forward, bf16, realistic sizes.
 
-    python -m benchmarks.models --out results/models_h200.md [--models gpt2,splade,llama] [--budget gpt2=90,...]
+    python -m benchmarks models forward --out results/models_h200.md [--models gpt2,splade,llama] [--budget gpt2=90,...]
 
 Per model: one `autofuse.tune` job (device measurement, time budget per
 model) on the forward at `example_inputs()` shapes (taken as shapes only: the

@@ -1,7 +1,7 @@
 """Tuning on a machine with several GPUs (issue 18): `autofuse tune ... --workers N` for each N on the same trial
 budget, for the suite's attention and SPLADE head workloads and GPT-2 medium's forward; one Markdown table.
 
-    python -m benchmarks.multi_gpu --workers 1,2 --out $OUT/multi_gpu.md [--workloads gpt2,attention,splade]
+    python -m benchmarks workers --workers 1,2 --out $OUT/multi_gpu.md [--workloads gpt2,attention,splade]
         [--trials gpt2=24,attention=12,splade=12] [--deadline 560] [--commit HASH]
 
 Each configuration runs `python -m autofuse.cli tune` in its own process group, with its own SQLite file

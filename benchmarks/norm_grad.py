@@ -2,7 +2,7 @@
 medium's and Llama's widths and print each job's table and a summary row: what the fused `row_reduce` kernel with
 its sums over the rows (dγ, dβ as partials per block of rows) gains over jax.jit.
 
-    python benchmarks/norm_grad.py --trials 12 --out results/norm_grad.md
+    python -m benchmarks kernels norm-grad --trials 12 --out results/norm_grad.md
 """
 from __future__ import annotations
 

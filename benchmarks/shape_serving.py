@@ -26,10 +26,10 @@ everything in turn, as far as `--deadline` allows.
 The table (`--out`, and its rows as JSON beside it, `<out>.json`) is rewritten after every step, so a run cut short
 keeps what it did; `--deadline` (seconds from the start) skips what would not finish in time, with a row saying so.
 
-    python -m benchmarks.shape_serving --models gpt2,llama --gpus 0,1,2,3 --out results/shape_serving_h100.md \
+    python -m benchmarks deploy shapes --models gpt2,llama --gpus 0,1,2,3 --out results/shape_serving_h100.md \
         --workdir /tmp/shape_serving --commit HASH                              # 4 GPUs: 2 processes per model
-    python -m benchmarks.shape_serving --models gpt2 --out results/shape_serving_gpt2.md     # one GPU, one process
-    python -m benchmarks.shape_serving --models gpt2,llama --small --out /tmp/shape_serving.md   # CPU smoke run
+    python -m benchmarks deploy shapes --models gpt2 --out results/shape_serving_gpt2.md     # one GPU, one process
+    python -m benchmarks deploy shapes --models gpt2,llama --small --out /tmp/shape_serving.md   # CPU smoke run
 
 `--small`: the examples' CPU-sized configs, modelled tuning (`measure="model"`), Pallas in interpret mode; the
 timings are meaningless there, it only runs the whole path and writes the table.

@@ -11,8 +11,8 @@ an example model (`autofuse.tune`, measured on the device), then times, in one p
 after checking that every gradient leaf matches XLA's within the dtype's tolerance, and reports each program's
 device memory (XLA's memory analysis of the compiled step: temporaries, arguments, outputs).
 
-    python -m benchmarks.train_step --models gpt2,llama --modes loss,grad_step --trials 8 --out results/train_step_h100.md
-    python -m benchmarks.train_step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
+    python -m benchmarks models step --models gpt2,llama --modes loss,grad_step --trials 8 --out results/train_step_h100.md
+    python -m benchmarks models step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
 
 `--profile N` adds, per model, the N longest GPU kernels of each step (`benchmarks/kernel_profile.py`): where the
 time the plan leaves to XLA goes.

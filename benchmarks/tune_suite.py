@@ -5,7 +5,7 @@ isolated worker) with a trial and time budget, plans stored in a SQLite file;
 prints jax.jit ms, autofuse ms (the end-to-end validation, same process, same
 inputs), speedup, memory floor and tuning wall time, as a Markdown table.
 
-    python benchmarks/tune_suite.py --trials 30 --time-budget 120 --db /tmp/suite.db --out results/tune_suite.md
+    python -m benchmarks suite --trials 30 --time-budget 120 --db /tmp/suite.db --out results/tune_suite.md
 """
 from __future__ import annotations
 
