@@ -8,12 +8,11 @@ so they get the same data transposed beforehand (untimed). The autofuse kernel i
 either the whole program with the attention group fused at each `--configs` entry (tile sweep) or the tuned plan
 (`--tune N`: `autofuse.tune` with N trials, device measurement, then `autofuse.jit`).
 
-    python benchmarks/attention_bench.py --configs 128x64w8s3,128x128w8s2 --out results/x.md
+    python -m benchmarks kernels attention --configs 128x64w8s3,128x128w8s2 --out results/x.md
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import math
 import os
@@ -29,6 +28,7 @@ import autofuse  # noqa: E402
 from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
+from benchmarks.provenance import header  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, attention_blhd, emit  # noqa: E402
 
 
@@ -101,8 +101,7 @@ def main() -> None:
             plan = "XLA" if rep.plan.is_xla else "; ".join(f"{gr.template} {gr.config}" for gr in rep.plan.groups)
             row("autofuse (tuned plan)", time_fn(fused, sets, repeats=10), f"{plan}; validation speedup {rep.speedup:.2f}x")
     lines = [
-        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; "
-        f"B,H,L,D = {a.shape}, bfloat16; command: python {' '.join(sys.argv)}",
+        f"{header()}; B,H,L,D = {a.shape}, bfloat16",
     ]
     emit(lines + attention_table(rows), a.out)
 

@@ -12,13 +12,12 @@ flash pair's own choice, `AttentionTemplate.vjp_rule`). For reference, JAX's han
 attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, forward and its two backward kernels) runs where it
 can: float16 only and not causal in jax 0.11.2.
 
-    python benchmarks/attention_grad_bench.py --out results/attention_grad_h100.md
-    python benchmarks/attention_grad_bench.py --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
+    python -m benchmarks kernels attention-grad --out results/attention_grad_h100.md
+    python -m benchmarks kernels attention-grad --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import math
 import os
@@ -34,7 +33,7 @@ import autofuse  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
 from autofuse.runner.measure import compare, random_inputs, time_fn  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
-from benchmarks.provenance import commit  # noqa: E402
+from benchmarks.provenance import header  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, emit  # noqa: E402
 
 
@@ -140,8 +139,7 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001
                     print(label, "failed:", type(e).__name__, str(e)[:300], flush=True)
     lines = [
-        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit()}; "
-        f"B,H,L,D = {a.shape}, bfloat16; fwd+bwd (vjp and pullback); command: python {' '.join(sys.argv)}",
+        f"{header()}; B,H,L,D = {a.shape}, bfloat16; fwd+bwd (vjp and pullback)",
     ]
     emit(lines + attention_table(rows), a.out)
 

@@ -1,6 +1,6 @@
 """Where a plan's savings go between its groups timed alone and the whole program (issue 32, item 2).
 
-    python -m benchmarks.composition --model gpt2 --step forward_cudnn --trials 40 --out results/composition_h100.md
+    python -m benchmarks profile composition --model gpt2 --step forward_cudnn --trials 40 --out results/composition_h100.md
 
 Tunes one example model's entry point on the GPU (`autofuse.tune`, device measurement), then, in this process on
 the model's own inputs:
@@ -30,7 +30,7 @@ import autofuse  # noqa: E402
 from autofuse.plan import Plan  # noqa: E402
 from autofuse.runner.measure import time_pair  # noqa: E402
 from benchmarks import kernel_profile  # noqa: E402
-from benchmarks.provenance import commit  # noqa: E402
+from benchmarks.provenance import command, commit  # noqa: E402
 
 KINDS = (("attention (cuDNN)", r"fmha|cudnn|flash|sdpa"), ("GEMM (cuBLAS/CUTLASS)", r"gemm|cutlass|sm90_xmma|nvjet|cublas"),
          ("autofuse kernel", r"^af_|autofuse|mosaic|pallas"), ("copy/transpose", r"copy|transpose"),
@@ -182,9 +182,7 @@ def main() -> None:
         return batching(fn, rep.plan, sets, a.out)
     ref = jax.jit(fn)
     lines = [f"## {a.model}:{a.step} ({a.layers or 'all'} layers), {a.trials} trials", "",
-             f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}, commit {commit()}, "
-             f"`python -m benchmarks.composition --model {a.model} --step {a.step} --trials {a.trials}"
-             f"{f' --layers {a.layers}' if a.layers else ''}`", "",
+             f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}, commit {commit()}, `{command()}`", "",
              f"Job: {rep.summary()}", ""]
     alone = alone_savings(rep)
     plan = rep.plan

@@ -6,12 +6,11 @@ For every suite workload with a plan in the database: wrap it with
 the per-call overhead of a warm hit against plain `jax.jit` on a tiny input
 (where dispatch is all there is), and prints a Markdown table.
 
-    python benchmarks/deploy_check.py --db /tmp/suite.db [--out results/deploy_check.md]
+    python -m benchmarks deploy check --db /tmp/suite.db [--out results/deploy_check.md]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ import autofuse  # noqa: E402
 from autofuse.runner.measure import check, random_inputs, time_fn  # noqa: E402
 from autofuse.plan import executor  # noqa: E402
 from autofuse.tuning.select import default_plan  # noqa: E402
+from benchmarks.provenance import header  # noqa: E402
 from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     hit_xla = dispatch_overhead_us(jax.jit(lambda a: run([a])[0]), x)
     hit_af = dispatch_overhead_us(autofuse.jit(soft, plan=plan), x)
     lines = [
-        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; command: python {' '.join(sys.argv)}",
+        header(),
         "",
         "| program | lookup | correct | tuned speedup (stored) | jax.jit ms | autofuse.jit ms | speedup now |",
         "|---|---|---|---|---|---|---|",

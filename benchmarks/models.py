@@ -1,6 +1,6 @@
 """Whole models through the tuning job on the GPU: each example model's forward, bf16, realistic sizes.
 
-    python -m benchmarks.models --out results/models_h200.md [--models gpt2,splade,llama] [--budget gpt2=90,...]
+    python -m benchmarks models forward --out results/models_h200.md [--models gpt2,splade,llama] [--budget gpt2=90,...]
 
 Per model: one `autofuse.tune` job (device measurement, time budget per
 model) on the forward at `example_inputs()` shapes (taken as shapes only: the
@@ -22,6 +22,7 @@ import time
 import jax
 
 from autofuse.tuning.local import tune
+from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
 MODELS = {
@@ -90,7 +91,7 @@ def main() -> None:
     budgets = dict(DEFAULT_BUDGET_S, **_pairs(a.budget, float))
     layers, trials = _pairs(a.layers, int), _pairs(a.trials, int)
     lines = [
-        f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        header(),
         "",
         "| model | jax.jit ms | autofuse ms | speedup | fused plan measured ms | tuning wall s | candidates tuned / distinct (instances) | trials | fused kernels |",
         "|---|---|---|---|---|---|---|---|---|",

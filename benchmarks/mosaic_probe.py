@@ -6,8 +6,8 @@ template (and cuDNN's fused attention, `jax.nn.dot_product_attention(implementat
 Every kernel is checked against jax.jit on the inputs before it is timed; times are medians of many back-to-back
 calls per sync over 3 rotating input sets (`runner.measure.time_fn`), with the spread (min..max of the repeats).
 
-    python -m benchmarks.mosaic_probe [--only attention] [--out results/mosaic_probe_h100.json] [--quick]
-    python -m benchmarks.mosaic_probe --only groupnorm --out results/groupnorm_probe_h100.json
+    python -m benchmarks kernels mosaic [--only attention] [--out results/mosaic_probe_h100.md] [--quick]
+    python -m benchmarks kernels mosaic --only groupnorm --out results/groupnorm_probe_h100.md
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from autofuse.kernels.mosaic_gpu import matmul as mosaic_matmul
 from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn
 from autofuse.graph import Group
 from autofuse.tuning.partition import Candidate
-from benchmarks.workloads import matmul_bias_swish_groupnorm
+from benchmarks.provenance import header
+from benchmarks.workloads import emit, matmul_bias_swish_groupnorm
 
 BF16 = jnp.bfloat16
 
@@ -126,8 +127,8 @@ def _group(fn, shapes, dtype=BF16):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="", help="the Markdown table (a name ending in .json: the rows as JSON instead)")
     ap.add_argument("--quick", action="store_true", help="the default configs only")
     ap.add_argument("--only", default="", help="comma-separated workload name prefixes")
     a = ap.parse_args(argv)
@@ -207,10 +208,27 @@ def main(argv=None) -> int:
                 measure("jax hopper_matmul_mgpu", jax.jit(lambda x, w: [hm.matmul(x, w, None, c)]))
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-    if a.out:
+    if a.out.endswith(".json"):  # the rows alone, as the earlier probes' files (results/mosaic_h100.md cites them)
         with open(a.out, "w") as f:
             json.dump({"device": dev, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    else:
+        emit(table(rows, argv), a.out)
     return 0
+
+
+def table(rows: list[dict], argv: list[str] | None) -> list[str]:
+    """The probe's rows as a results/ table: per workload and kernel, its time, spread, throughput and error."""
+    lines = [header(argv), "", "Medians of back-to-back calls over 3 rotating input sets (min..max of the repeats); every kernel "
+             "checked against jax.jit on the inputs first.", "",
+             "| workload | kernel | ms | min..max ms | TFLOP/s | max error | config |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['workload']} | {r['kernel']} | {r['status']}: {r['error'][:200].replace('|', '/')} | | | | |")
+            continue
+        err = f"{r['max_error']:.1e}" if "max_error" in r else ""
+        lines.append(f"| {r['workload']} | {r['kernel']} | {r['median_ms']:.4f} | {r['min_ms']:.4f}..{r['max_ms']:.4f} | {r['tflops']:.1f} | "
+                     f"{err} | {json.dumps(r.get('config') or {})} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Tuning on a machine with several GPUs (issue 18): `autofuse tune ... --workers N` for each N on the same trial
 budget, for the suite's attention and SPLADE head workloads and GPT-2 medium's forward; one Markdown table.
 
-    python -m benchmarks.multi_gpu --workers 1,2 --out $OUT/multi_gpu.md [--workloads gpt2,attention,splade]
+    python -m benchmarks workers --workers 1,2 --out $OUT/multi_gpu.md [--workloads gpt2,attention,splade]
         [--trials gpt2=24,attention=12,splade=12] [--deadline 560] [--commit HASH]
 
 Each configuration runs `python -m autofuse.cli tune` in its own process group, with its own SQLite file
@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.provenance import commit
+from benchmarks.provenance import command, commit
 from benchmarks.workloads import specs, workloads
 
 PROGRAMS = {  # name: (function, inputs factory, what it is)
@@ -221,7 +221,7 @@ def gpus() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.multi_gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="gpt2,attention,splade", help=f"of {','.join(PROGRAMS)}, run in this order")
     ap.add_argument("--workers", default="1,2", help="worker counts, each on the same trial budget")
     ap.add_argument("--trials", default="", help="per workload, e.g. gpt2=24,attention=12 (defaults: "
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     header = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(a.commit),
               "gpus": gpus(), "host": f"{os.uname().nodename}, {os.cpu_count()} cores, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
-              "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.multi_gpu", *(argv if argv is not None else sys.argv[1:])])}
+              "command": command(argv)}
     rows: list[dict] = []
     plan = [(p, n) for p in progs for n in counts]
     for k, (p, n) in enumerate(plan):

@@ -4,7 +4,7 @@ it; Triton: `--config` whole), or, for a plain GEMM, JAX's hand-written `hopper_
 best H100 config in GPU_NOTES.md).
 
     ncu --kernel-name regex:autofuse_matmul_mgpu --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks.ncu_kernel bias-gelu-16384x1024x4096
+        --section WarpStateStats --section ComputeWorkloadAnalysis python -m benchmarks profile ncu bias-gelu-16384x1024x4096
 """
 from __future__ import annotations
 

@@ -2,19 +2,18 @@
 medium's and Llama's widths and print each job's table and a summary row: what the fused `row_reduce` kernel with
 its sums over the rows (dγ, dβ as partials per block of rows) gains over jax.jit.
 
-    python benchmarks/norm_grad.py --trials 12 --out results/norm_grad.md
+    python -m benchmarks kernels norm-grad --trials 12 --out results/norm_grad.md
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
 import autofuse
+from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
 
@@ -64,7 +63,7 @@ def main() -> None:
             f"{g.template}/{g.backend} ({len(g.nodes)} ops) " + " ".join(f"{k}={v}" for k, v in sorted(g.config.items())) for g in rep.plan.groups)
         rows.append(f"| {name} | {R}x{C} | {rep.baseline_ms:.4f} | {rep.tuned_ms:.4f} | {rep.speedup:.2f}x | "
                     f"{'' if rep.noise is None else f'±{rep.noise:.1%}'} | {time.time() - t0:.0f} | {plan} |")
-    emit([f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; command: python {' '.join(sys.argv)}",
+    emit([header(),
           "", "| program | shape | jax.jit ms | autofuse ms | speedup | noise | tuning s | plan |", "|---|---|---|---|---|---|---|---|", *rows],
          a.out)
 

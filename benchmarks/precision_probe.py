@@ -2,11 +2,13 @@
 attention's score matmul under `jax.jit` at default precision, at `precision=HIGHEST`, and with
 `jax.default_matmul_precision("tensorfloat32")`, each against a float64 product on the host.
 
-    python -m benchmarks.precision_probe
+    python -m benchmarks profile precision
 
 A relative error near 1e-3 is TF32 (10-bit mantissa), near 1e-6 is float32 (or three-pass TF32).
 """
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ def rel_error(got: jax.Array, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)  # --help
     key = jax.random.PRNGKey(0)
     a = jax.random.normal(jax.random.fold_in(key, 1), (2048, 1024), jnp.float32)
     b = jax.random.normal(jax.random.fold_in(key, 2), (1024, 2048), jnp.float32)

@@ -26,10 +26,10 @@ everything in turn, as far as `--deadline` allows.
 The table (`--out`, and its rows as JSON beside it, `<out>.json`) is rewritten after every step, so a run cut short
 keeps what it did; `--deadline` (seconds from the start) skips what would not finish in time, with a row saying so.
 
-    python -m benchmarks.shape_serving --models gpt2,llama --gpus 0,1,2,3 --out results/shape_serving_h100.md \
+    python -m benchmarks deploy shapes --models gpt2,llama --gpus 0,1,2,3 --out results/shape_serving_h100.md \
         --workdir /tmp/shape_serving --commit HASH                              # 4 GPUs: 2 processes per model
-    python -m benchmarks.shape_serving --models gpt2 --out results/shape_serving_gpt2.md     # one GPU, one process
-    python -m benchmarks.shape_serving --models gpt2,llama --small --out /tmp/shape_serving.md   # CPU smoke run
+    python -m benchmarks deploy shapes --models gpt2 --out results/shape_serving_gpt2.md     # one GPU, one process
+    python -m benchmarks deploy shapes --models gpt2,llama --small --out /tmp/shape_serving.md   # CPU smoke run
 
 `--small`: the examples' CPU-sized configs, modelled tuning (`measure="model"`), Pallas in interpret mode; the
 timings are meaningless there, it only runs the whole path and writes the table.
@@ -58,7 +58,7 @@ import jaxlib
 
 import autofuse  # before JAX starts its GPU client: no preallocation (tune()'s trial process needs the memory)
 from autofuse.runner.measure import compare, time_pair
-from benchmarks.provenance import commit
+from benchmarks.provenance import command, commit
 from examples import gpt2, llama
 
 Shape = tuple[int, int]  # (batch, sequence)
@@ -466,7 +466,7 @@ def header(a: argparse.Namespace, argv: list[str], timing: dict) -> dict:
         "versions": f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, autofuse {autofuse.__version__}",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit(a.commit),
-        "command": " ".join(["python", "-m", "benchmarks.shape_serving", *argv]),
+        "command": command(argv),
         "tuning": (f"autofuse.tune(forward, ..., trials={a.trials}, time_budget_s={a.job_budget or None}, "
                    f"measure={'model' if a.small else 'device'!r}, seed=0), one job per shape, the base job's into the base store, "
                    "the others' into another store"),
@@ -619,8 +619,7 @@ def launch(a: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.shape_serving", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2,llama", help="of gpt2, llama")
     ap.add_argument("--gpus", default="", help="e.g. 0,1,2,3: share each model's jobs among len(gpus) // len(models) processes, one per GPU")
     ap.add_argument("--trials", type=int, default=8, help="trial budget of every job (base and exact)")

@@ -11,8 +11,8 @@ an example model (`autofuse.tune`, measured on the device), then times, in one p
 after checking that every gradient leaf matches XLA's within the dtype's tolerance, and reports each program's
 device memory (XLA's memory analysis of the compiled step: temporaries, arguments, outputs).
 
-    python -m benchmarks.train_step --models gpt2,llama --modes loss,grad_step --trials 8 --out results/train_step_h100.md
-    python -m benchmarks.train_step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
+    python -m benchmarks models step --models gpt2,llama --modes loss,grad_step --trials 8 --out results/train_step_h100.md
+    python -m benchmarks models step --models gpt2 --small   # CPU smoke run (interpret mode, model measure)
 
 `--profile N` adds, per model, the N longest GPU kernels of each step (`benchmarks/kernel_profile.py`): where the
 time the plan leaves to XLA goes.
@@ -20,7 +20,6 @@ time the plan leaves to XLA goes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import os
 import sys
@@ -44,7 +43,7 @@ import autofuse
 from autofuse.runner.measure import time_pair
 from autofuse.runner.program_check import NOISE_SPREAD, example_tolerances, rounding_spread
 from benchmarks import kernel_profile
-from benchmarks.provenance import commit
+from benchmarks.provenance import header
 
 TOL = {np.dtype(jnp.bfloat16): 5e-2, np.dtype(jnp.float16): 1e-2, np.dtype(jnp.float32): 1e-3}
 
@@ -187,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_table(rows: list[dict], out: str, argv: list[str] | None, profile: int = 0) -> str:
     """The Markdown table of `rows` (written to `out` when given): per model and mode, the plan, both steps' times
     and their device memory (XLA's memory analysis of the compiled step: temporaries; arguments and outputs)."""
-    commit_ = commit()
-    lines = [f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; commit {commit_}; "
-             f"command: python -m benchmarks.train_step {' '.join(sys.argv[1:] if argv is None else argv)}", "",
+    lines = [header(argv), "",
              "mode loss: the plan tuned on the forward loss, differentiated (`jax.jit(jax.grad(autofuse.jit(loss, plan)))`); "
              "mode grad_step: the plan tuned on `grad_step` itself (`jax.jit(autofuse.jit(grad_step, plan))`). Memory: XLA's "
              "memory analysis of each compiled step, MiB: temporaries (peak working set beyond arguments and outputs), "

@@ -5,12 +5,11 @@ isolated worker) with a trial and time budget, plans stored in a SQLite file;
 prints jax.jit ms, autofuse ms (the end-to-end validation, same process, same
 inputs), speedup, memory floor and tuning wall time, as a Markdown table.
 
-    python benchmarks/tune_suite.py --trials 30 --time-budget 120 --db /tmp/suite.db --out results/tune_suite.md
+    python -m benchmarks suite --trials 30 --time-budget 120 --db /tmp/suite.db --out results/tune_suite.md
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -18,11 +17,11 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
 from autofuse import costmodel  # noqa: E402
+from benchmarks.provenance import header  # noqa: E402
 from benchmarks.workloads import emit, specs, workloads  # noqa: E402
 
 
@@ -55,7 +54,7 @@ def main() -> None:
             rows.append((w.name, dt, "x".join(map(str, w.shapes[0])), rep, floor, wall, kern))
             print(rep.table(), flush=True)
     lines = [
-        f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {datetime.date.today()}; command: python {' '.join(sys.argv)}",
+        header(),
         "",
         "| workload | dtype | shape | jax.jit ms | autofuse ms | speedup | noise | floor ms | XLA/floor | autofuse/floor | trials | tuning s | plan |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

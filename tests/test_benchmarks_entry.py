@@ -1,0 +1,53 @@
+"""`python -m benchmarks`: the suites' entry lists every suite, and every suite and part answers --help without a GPU
+(the benchmarks run on a GPU machine later; a part that no longer imports must fail here, not there)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.__main__ import SUITES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _help(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "benchmarks", *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), check=False)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_entry_lists_every_suite_one_line_each() -> None:
+    listed = _help().split("suites:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed] == list(SUITES) == ["models", "kernels", "suite", "workers", "deploy", "profile"]
+
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_a_suite_lists_its_parts_and_their_modules(suite: str) -> None:
+    text = _help(suite)
+    for name, part in SUITES[suite][1].items():
+        assert f"  {name} " in text and f"({part.module})" in text, text
+        assert os.path.exists(os.path.join(ROOT, *part.module.split(".")) + ".py")
+
+
+@pytest.mark.parametrize(("suite", "part"), [(s, p) for s, (_, parts) in SUITES.items() for p in parts])
+def test_every_part_answers_help_under_the_entrys_name(suite: str, part: str) -> None:
+    assert _help(suite, part).startswith(f"usage: python -m benchmarks {suite} {part} ")
+
+
+def test_an_unknown_suite_is_an_error_that_lists_the_suites() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=ROOT), check=False)
+    assert out.returncode == 2 and "no suite 'nope'" in out.stderr and "deploy" in out.stderr
+
+
+def test_the_docs_page_lists_every_suite_and_part() -> None:
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        page = f.read()
+    for suite, (_, parts) in SUITES.items():
+        assert f"| `{suite}` |" in page
+        for name, part in parts.items():
+            assert f"| `{name}` | `{part.module.replace('.', '/')}.py` |" in page
