@@ -326,6 +326,9 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
         except NoMatch:
             return None
 
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
+        return candidate_groups(graph, fusible)
+
     def stage_split(self, spec: AttentionVJPSpec) -> tuple[frozenset[int], ...]:
         """Stage 1: the forward chain (the flash forward: O and the row logsumexp); stage 2: the backward nodes
         (the backward kernels: dQ, dK, dV from the saved inputs, O, the logsumexp and dO)."""

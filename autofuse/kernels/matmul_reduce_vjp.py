@@ -26,6 +26,7 @@ it computes again with one stage 1 made (SPLADE's head: `jax.grad` of a max over
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,6 +137,9 @@ class MatmulReduceVJPTemplate(Template[MatmulReduceVJPSpec]):
     def match(self, group: Group) -> MatmulReduceVJPSpec | None:
         """The two stages and their kernels' specs, or None."""
         return _match(group)
+
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, MatmulReduceVJPSpec, tuple[frozenset[int], ...]]]:
+        return candidate_groups(graph, fusible)
 
     def stage_split(self, spec: MatmulReduceVJPSpec) -> tuple[frozenset[int], ...]:
         return spec.stage1, spec.stage2

@@ -18,6 +18,7 @@ that and refuses such a group).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..costmodel import H200, GPUModel
@@ -128,6 +129,9 @@ class ReduceVJPTemplate(Template[ReduceVJPSpec]):
     def match(self, group: Group) -> ReduceVJPSpec | None:
         """The two stages and their kernels' tilings, or None."""
         return _match(group)
+
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, ReduceVJPSpec, tuple[frozenset[int], ...]]]:
+        return candidate_groups(graph, fusible)
 
     def stage_split(self, spec: ReduceVJPSpec) -> tuple[frozenset[int], ...]:
         return spec.stage1, spec.stage2

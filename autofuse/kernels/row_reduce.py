@@ -23,6 +23,7 @@ MAX_BLOCK_COLS = 8192
 class RowReduceTemplate(Template[TileSpec]):
     name = "row_reduce"
     params = ("block_rows", "block_cols", "num_warps", "num_stages")
+    offers_row_sums = True  # a norm's backward with its dγ, dβ
 
     def match(self, group: Group) -> TileSpec | None:
         """A tiling of the group around its column reductions, or None."""

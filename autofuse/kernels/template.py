@@ -15,7 +15,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 from ..costmodel import H200, GPUModel
 from ..differentiate import VJPRule
-from ..graph import Group
+from ..graph import Graph, Group
 from .tiling import NoMatch, template_space
 
 Spec = TypeVar("Spec")
@@ -64,6 +64,14 @@ class Template(ABC, Generic[Spec]):
         None: the plan then saves the group's inputs and differentiates its sub-jaxpr in XLA
         (`autofuse.differentiate.recompute_rule`)."""
         return None
+
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, Spec, tuple[frozenset[int], ...]]]:
+        """Groups the partitioner's growth by neighbours cannot find (of any size, or not convex but run in stages),
+        each as (group, spec, stages: () for one kernel); `fusible(node_id)` says which nodes a group may hold. The
+        partitioner asks every registered template, so a template that finds its own groups needs no edit there."""
+        return []
+
+    offers_row_sums = False  # the partitioner also offers this template's groups with the sums over their rows
 
     def stage_split(self, spec: Spec) -> tuple[frozenset[int], ...] | None:
         """For a template whose group may run in stages (`plan.FusedGroup.stages`): the matched group's nodes split
