@@ -2,6 +2,9 @@
 registry, so a new template or backend needs no edit under autofuse/tuning/."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 
@@ -43,3 +46,20 @@ def test_a_registered_templates_own_groups_are_offered_by_the_partitioner():
         TEMPLATES.update(saved)
     assert len(mine) == 1 and set(mine[0].group.node_ids) == {nd.id for nd in g.nodes}
     assert mine[0].spec is not None and mine[0].stages == ()
+
+
+def test_the_template_base_and_the_tuner_name_no_backend_and_no_template():
+    """kernels/template.py and tuning/ reach templates through `TEMPLATES` and backends through the lowering modules:
+    no template's or backend's name as a string, no import of a template's or a backend's module. (The default
+    backend is `spaces.DEFAULT_BACKEND`, for configs and stored plans that name none.)"""
+    root = Path(autofuse.__file__).parent
+    names = set(TEMPLATES) | {b for t in TEMPLATES.values() for b in t.backends}
+    assert {"triton", "mosaic_gpu", "attention_vjp", "row_reduce"} <= names
+    for path in [root / "kernels" / "template.py", *sorted((root / "tuning").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in names, f"{path.name}:{node.lineno} names {node.value!r}"
+            if isinstance(node, ast.ImportFrom):
+                parts = set((node.module or "").split(".")) | {a.name for a in node.names}
+                assert not parts & names, f"{path.name}:{node.lineno} imports {sorted(parts & names)}"

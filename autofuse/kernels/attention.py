@@ -21,7 +21,6 @@ skip the mask arithmetic.
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -31,12 +30,14 @@ import numpy as np
 
 from .. import costmodel, ops
 from ..costmodel import H200, GPUModel
+from ..differentiate import VJPRule
 from ..graph import Group, Lit, Node
 from ..ops import OpClass, op_class
+from ..spaces import DEFAULT_BACKEND
 from .matmul import DOT_DTYPES, default_precision
 from .template import NoMatch, Template
 from .tile_eval import TileEval
-from .tiling import Span, TileSpec, cdiv, needed, next_pow2, place_axes, template_space
+from .tiling import Span, TileSpec, cdiv, needed, next_pow2, place_axes
 
 _NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
 _MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
@@ -684,7 +685,6 @@ class AttentionEval(TileEval):
 # The template: matching, search space, model.
 class AttentionTemplate(Template[AttentionSpec]):
     name = "attention"
-    params = ("block_q", "block_k", "num_warps", "num_stages")
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> AttentionSpec | None:
@@ -694,41 +694,21 @@ class AttentionTemplate(Template[AttentionSpec]):
         except NoMatch:
             return None
 
-    def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False):
-        """The flash pair (`triton.attention_bwd.flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
-        XLA). The forward runs on the group's own backend and config, emitting the row logsumexp (Triton's default
-        where the backend's lowering cannot run the group or its config with it); the backward on Mosaic GPU for a
-        Mosaic GPU group where that lowering runs it (`mosaic_gpu/attention_vjp.lowerings`), else on Triton. The
-        config's `bwd_` keys, if any, tile the backward (their defaults otherwise)."""
+    def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
+        """The flash pair where `flash_backward_unsupported` allows it, else None (recompute in XLA): `backend`'s
+        `vjp_rule` in its `attention_vjp` lowering (the pair's), which runs the forward on the group's own backend
+        and config, emitting the row logsumexp. The config's `bwd_` keys, if any, tile the backward (their
+        defaults otherwise)."""
         spec = self.match(group)
         if spec is None or flash_backward_unsupported(spec) is not None:
             return None
-        pair = importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule
-        cfg = {**self.defaults, **config}
-        if backend == "mosaic_gpu":
-            mgpu = importlib.import_module(f"{__package__}.mosaic_gpu.attention_vjp")
-            cfg = {"bwd_mosaic": 1, **cfg} if mgpu.backward_runs(spec, cfg) else {**cfg, "bwd_mosaic": 0}
-            try:
-                return pair(group, spec, cfg, cfg, interpret=bool(interpret), **mgpu.lowerings(cfg, interpret))
-            except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory
-                return pair(group, spec, self.default_config(spec), None, interpret=bool(interpret))
-        return pair(group, spec, cfg, cfg, interpret=interpret)
+        pair = self.lowering_module(backend, "attention_vjp")
+        return pair.vjp_rule(group, spec, {**self.defaults, **config}, interpret=interpret)
 
-    def default_config(self, spec: AttentionSpec) -> dict:
-        """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md);
-        no block longer than its sequence (the space's rule), so that a short sequence's default is a config of the
-        space (a plan of defaults then adapts to other shapes, and a study's first trial is measured)."""
-        big = spec.Lq >= 128 and spec.Lk >= 128
-        fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
-        return {"block_q": fit(128 if big else 64, spec.Lq), "block_k": fit(64 if max(spec.D, spec.Dv) > 128 or not big else 128, spec.Lk),
-                "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
-
-    def space(self, group: Group, spec: AttentionSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/attention.toml), the default config and the constraint facts."""
-        spec = spec or self.match(group)
-        return template_space(self.name, self.default_config(spec), {
-            "Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv), "itemsize": spec.dot_dtype1.itemsize,
-            "smem_bytes": H200.smem_bytes})
+    def facts(self, group: Group, spec: AttentionSpec) -> dict:
+        """What search_spaces/attention[.<backend>].toml's constraints read."""
+        return {"Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv), "itemsize": spec.dot_dtype1.itemsize,
+                "smem_bytes": H200.smem_bytes}
 
     def model_time_ms(self, spec: AttentionSpec, config: dict, model: GPUModel = H200) -> float:
         """Flops of both dots over the visited blocks at an efficiency that grows with tile size; K/V re-read per q block.
