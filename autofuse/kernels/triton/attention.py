@@ -15,7 +15,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ... import ops
 from ...graph import Group, Node
-from ..attention import AttentionEval, AttentionSpec, Operand, block_ranges, scale_fold
+from ..attention_masks import block_ranges, scale_fold
+from ..attention_spec import AttentionEval, AttentionSpec, Operand
 from ..tile_eval import edge_mask
 from ..tiling import cdiv, needed, next_pow2
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call

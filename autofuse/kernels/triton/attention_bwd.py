@@ -29,7 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...graph import Group
-from ..attention import AttentionEval, AttentionSpec, _dot_roles, _through_chain, _to_operand, block_ranges, key_block_ranges
+from ..attention import _dot_roles, _through_chain, _to_operand
+from ..attention_masks import block_ranges, key_block_ranges
+from ..attention_spec import AttentionEval, AttentionSpec
 from ..attention_vjp import backward_config
 from ..tiling import cdiv, needed, next_pow2
 from . import attention as fwd_lowering
