@@ -43,9 +43,15 @@ class Constraint:
         return bool(_eval(self.tree.body, names))
 
 
-def space_key(template: str, backend: str = "triton") -> str:
+#: The backend a config or a stored plan that names none runs on, and the one whose search-space files carry no
+#: backend suffix (`<template>.toml`; another backend's are `<template>.<backend>.toml`). Everything else about a
+#: backend is found through its lowering modules (`autofuse.kernels.<backend>.<template>`).
+DEFAULT_BACKEND = "triton"
+
+
+def space_key(template: str, backend: str = DEFAULT_BACKEND) -> str:
     """The name of a template's search space for a backend (its file's stem)."""
-    return template if backend == "triton" else f"{template}.{backend}"
+    return template if backend == DEFAULT_BACKEND else f"{template}.{backend}"
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class Space:
     params: dict[str, list]
     constraints: tuple[Constraint, ...]
     path: str
-    backend: str = "triton"
+    backend: str = DEFAULT_BACKEND
 
     @property
     def key(self) -> str:
@@ -135,7 +141,7 @@ def parse_space(data: Any, path: str) -> Space:
     template = data.get("template")
     if not isinstance(template, str):
         raise SpaceError(f"{path}: key 'template' must be a string")
-    backend = data.get("backend", "triton")
+    backend = data.get("backend", DEFAULT_BACKEND)
     if not isinstance(backend, str) or not backend.isidentifier():
         raise SpaceError(f"{path}: key 'backend' must be a backend's name (e.g. 'mosaic_gpu')")
     params = data.get("parameters")

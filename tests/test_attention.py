@@ -9,7 +9,7 @@ import pytest
 
 import autofuse
 from autofuse.runner.evaluator import lowering_guard
-from autofuse.kernels import attention
+from autofuse.kernels import attention, attention_masks
 from autofuse.runner.measure import check, cone_tolerances
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import plan_from_choices
@@ -94,7 +94,7 @@ def test_split_heads_are_read_in_place_and_the_causal_mask_skips():
     g = autofuse.capture(heads_split_causal, *[S((2, 50, 64), BF16)] * 3)
     spec = _attention_candidate(g).spec
     assert spec.q.value in g.inputs and spec.q.batch == {0: [(0, 1, 2, 1)], 2: [(1, 1, 2, 32)]}  # head h reads columns 32h..32h+31
-    assert attention.block_ranges(spec, 16, 16) is not None and attention.scale_fold(spec) is not None
+    assert attention.block_ranges(spec, 16, 16) is not None and attention_masks.scale_fold(spec) is not None
 
 
 @pytest.mark.slow
@@ -161,7 +161,7 @@ def test_tune_in_model_mode_picks_the_attention_group():
 
 def test_positive_scale_folds_into_the_exp_only_when_it_commutes():
     g = autofuse.capture(attention_bhld_causal, *[S(BHLD, BF16)] * 3)
-    fold = attention.scale_fold(_attention_candidate(g).spec)
+    fold = attention_masks.scale_fold(_attention_candidate(g).spec)
     assert fold is not None and fold[2] == pytest.approx(32 ** -0.5, rel=1e-2)  # through the mask select and the convert
     g = autofuse.capture(bias_blhd, *_specs((BLHD, BLHD, BLHD, (2, 50, 50)), BF16))
-    assert attention.scale_fold(_attention_candidate(g).spec) is None  # (c * s + bias) is not c * (s + bias)
+    assert attention_masks.scale_fold(_attention_candidate(g).spec) is None  # (c * s + bias) is not c * (s + bias)

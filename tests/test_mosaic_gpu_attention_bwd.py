@@ -114,7 +114,7 @@ def test_declines_what_it_does_not_support():
 def test_causal_key_blocks_split_into_masked_and_mask_free_query_blocks():
     """dK/dV's loop bounds per key block: the query blocks it is live in, and the run of those with no position
     masked (the masks are not evaluated there); `test_interpret_matches_the_triton_backward` runs both kinds."""
-    from autofuse.kernels.attention import key_block_ranges
+    from autofuse.kernels.attention_masks import key_block_ranges
 
     _, spec = _group(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16)
     assert key_block_ranges(spec, 64, 64).tolist() == [[0, 1, 4, 4], [1, 2, 4, 4], [2, 3, 4, 4], [3, 3, 3, 4]]

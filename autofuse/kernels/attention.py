@@ -10,7 +10,8 @@ Operands may reach the dots through broadcasts and merging reshapes (that is
 how `jnp.repeat` expresses grouped-query attention): the kernel reads the
 original arrays with the index arithmetic those ops imply.
 
-Kernel (`triton/attention.py`): one program per (batch position, block of queries); a loop over key
+What the match reads is an `AttentionSpec` (`attention_spec.py`); masks known at build time are analysed in
+`attention_masks.py`. Kernel (`triton/attention.py`): one program per (batch position, block of queries); a loop over key
 blocks keeps a running max, a running sum and a float32 accumulator
 (FlashAttention-2). The score work is the group's own equations, evaluated on
 [block_q, block_k] tiles (`AttentionEval`); `iota` gives the tile's global
@@ -21,87 +22,22 @@ skip the mask arithmetic.
 """
 from __future__ import annotations
 
-import importlib
-import math
-from dataclasses import dataclass, field
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import costmodel, ops
+from .. import costmodel
 from ..costmodel import H200, GPUModel
-from ..graph import Group, Lit, Node
+from ..differentiate import VJPRule
+from ..graph import Group, Node
 from ..ops import OpClass, op_class
+from ..spaces import DEFAULT_BACKEND
+from .attention_masks import block_ranges
+from .attention_spec import AttentionSpec, Operand
 from .matmul import DOT_DTYPES, default_precision
 from .template import NoMatch, Template
-from .tile_eval import TileEval
-from .tiling import Span, TileSpec, cdiv, needed, next_pow2, place_axes, template_space
+from .tiling import Span, TileSpec, cdiv, needed, next_pow2, place_axes
 
-_NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
-_MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
-
-
-@dataclass
-class Operand:
-    """A dot operand read from a group input: for each input axis, its role and index arithmetic."""
-
-    value: int  # the group input
-    seq_axis: int  # input axis of the sequence (q or k)
-    d_axis: int  # input axis of the head dimension
-    batch: dict[int, list[tuple[int, int, int, int]]]  # input axis -> [(score axis, div, mod, mul)]: index += ((b // div) % mod) * mul
-
-
-@dataclass
-class AttentionSpec:
-    group: Group
-    score_shape: tuple[int, ...]
-    q_axis: int
-    k_axis: int
-    batch_axes: tuple[int, ...]
-    q: Operand
-    k: Operand
-    v: Operand
-    D: int
-    Dv: int
-    dot1: Node
-    dot2: Node
-    max_node: Node
-    sum_node: Node
-    combine: Node  # div/mul of the exp branch by a function of the sum
-    x: int  # the value the max reduces (scores after their elementwise work)
-    sub_row: int  # the row value subtracted before exp
-    e_sum: int  # the value the sum reduces
-    e_dot: int  # the exp-branch operand of `combine`
-    e_first: bool  # whether that operand comes first in `combine`
-    l_row: int  # the other operand of `combine`
-    pre: list[Node]  # score work, per tile (no dependence on the max)
-    row_m: list[Node]  # row work on the max
-    exp_branch: list[Node]  # sub, exp, converts
-    row_l: list[Node]  # row work on the sum
-    post: list[Node]  # converts between dot2 and the group output
-    out: int  # the group's single output
-    out_roles: list  # per output axis: "q", "d", a score axis (batch index), or None (unit)
-    tile: TileSpec  # score-space tile spec for the evaluator
-    dot_dtype1: np.dtype
-    dot_dtype2: np.dtype
-    mask_selects: dict[int, int] = field(default_factory=dict)  # select node id -> value it takes where unmasked
-    mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
-    dead: np.ndarray | None = None  # [Lq, Lk] positions masked out regardless of runtime inputs
-    masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
-    ranges: dict[tuple[int, int], np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)  # `block_ranges` by tiles
-
-    @property
-    def Lq(self) -> int:
-        return self.score_shape[self.q_axis]
-
-    @property
-    def Lk(self) -> int:
-        return self.score_shape[self.k_axis]
-
-    @property
-    def batch(self) -> int:
-        return math.prod(self.score_shape[a] for a in self.batch_axes)
 
 
 # ---------------------------------------------------------------------------
@@ -430,261 +366,13 @@ def _place(group: Group, nodes: list[Node], S: tuple, scores: int, seed: tuple) 
     return axes
 
 
-# ---------------------------------------------------------------------------
-# Masks known at build time.
-def _iota_only(spec: AttentionSpec) -> set[int]:
-    """Score-space values computed from iota and literals alone, constant over the batch axes."""
-    out: set[int] = set()
-    batchy: set[int] = set()
-    for nd in spec.pre:
-        ins = [a for a in nd.inputs if isinstance(a, int)]
-        if op_class(nd.name) in (OpClass.REDUCTION, OpClass.CONTRACTION) or not all(a in out for a in ins):
-            continue
-        v = nd.outputs[0]
-        if op_class(nd.name) is OpClass.SOURCE:
-            if spec.tile.axes[v][nd.params["dimension"]] in spec.batch_axes:
-                batchy.add(v)
-        elif any(a in batchy for a in ins):
-            batchy.add(v)
-        out.add(v)
-    return out - batchy
 
-
-def _host_values(spec: AttentionSpec, want: set[int]) -> dict[int, np.ndarray]:
-    """Evaluate iota-only values over the whole [Lq, Lk] grid on the host."""
-    nodes = needed(spec.pre, want, set())
-    body = AttentionEval(spec, spec.Lq, spec.Lk)
-    env: dict = {}
-    with jax.ensure_compile_time_eval():
-        body.set_program([0] * len(spec.score_shape), 0, 0)
-        for nd in nodes:
-            body.eval_node(nd, env, 0, 0)
-        return {v: np.asarray(jnp.broadcast_to(env[v], (spec.Lq, spec.Lk))) for v in want}
-
-
-def _analyze_masks(spec: AttentionSpec) -> None:
-    """Positions masked out (for any runtime input) on the path from the scores to the max, and the mask ops.
-
-    A mask is a `select_n` with an iota-only predicate choosing a fill <= -1e4, or
-    the addition of an iota-only value that is <= -1e4 where masked. Being masked
-    survives converts, scaling by a positive literal, adding any other value (a bias is
-    assumed far smaller than the fill), and further selects whose other case is such a fill;
-    anything else after a mask (e.g. tanh soft-capping) could revive a masked score, so
-    only masks after the last such op count.
-    """
-    if spec.masks_known:
-        return
-    spec.masks_known = True
-    if spec.Lq * spec.Lk > _MAX_GRID:
-        return
-    iota = _iota_only(spec)
-    y = spec.exp_branch[0].inputs[0]
-    path = needed(spec.pre, {spec.x, y}, set())
-    main = {spec.dot1.outputs[0]}
-    steps = []  # (kind, node, score operand, iota value, other)
-    for nd in path:
-        ins = list(nd.inputs)
-        m = [a for a in ins if isinstance(a, int) and a in main]
-        if not m:
-            continue
-        main.add(nd.outputs[0])
-        mv = m[0]
-        others = [a for a in ins if a != mv]
-        if nd.name == "select_n" and len(ins) == 3 and len(m) == 1 and ins[0] != mv:
-            other = ins[1] if ins[2] == mv else ins[2]
-            if isinstance(other, Lit) or other in iota:
-                steps.append(("select" if ins[0] in iota else "fill", nd, mv, ins[0], other))
-                continue
-        if nd.name == "add" and len(m) == 1 and isinstance(others[0], int) and others[0] in iota:
-            steps.append(("add", nd, mv, others[0], None))
-            continue
-        ok = (nd.name in ("convert_element_type", "stop_gradient") or op_class(nd.name) in (OpClass.BROADCAST, OpClass.LAYOUT)
-              or nd.name in ("add", "sub") and len(m) == 1 and ins[0] == mv
-              or nd.name == "add" and len(m) == 1
-              or nd.name in ("mul", "div") and len(m) == 1 and ins[0] == mv and isinstance(ins[1], Lit) and float(ins[1].value) > 0
-              or nd.name == "mul" and len(m) == 1 and isinstance(ins[0], Lit) and float(ins[0].value) > 0)
-        if not ok:
-            steps.clear()  # this op can revive what earlier masks masked; later masks still count
-    if not any(k in ("select", "add") for k, *_ in steps):
-        return
-    want = {st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
-    host = _host_values(spec, want)
-    dead = np.zeros((spec.Lq, spec.Lk), bool)
-    selects, adds = {}, {}
-
-    def fill_of(other) -> np.ndarray:
-        return np.broadcast_to(np.float32(other.value) if isinstance(other, Lit) else host[other].astype(np.float32), dead.shape)
-
-    for kind, nd, mv, a, other in steps:
-        if kind == "fill":  # a runtime predicate: only a very negative fill keeps masked scores masked
-            if not np.all(fill_of(other) <= _NEG):
-                return
-        elif kind == "select":  # select_n(pred, c0, c1): True picks c1
-            pred = host[a].astype(bool)
-            picks_fill = ~pred if nd.inputs[2] == mv else pred
-            fill = fill_of(other)
-            if np.any(picks_fill & (fill > _NEG)):
-                return  # a select that is not a mask
-            dead |= picks_fill
-            selects[nd.id] = mv
-        else:
-            bias = host[a].astype(np.float32)
-            d = bias <= _NEG
-            if np.all(bias[~d] == 0):
-                adds[nd.id] = mv
-            dead |= d
-    spec.dead, spec.mask_selects, spec.mask_adds = dead, selects, adds
-
-
-def _const(g, a, members: set[int]) -> float | None:
-    """The value of a scalar constant operand (a literal, possibly broadcast or converted), else None."""
-    while not isinstance(a, Lit):
-        nid = g.producer.get(a)
-        if nid not in members or g.node_index[nid].name not in ("broadcast_in_dim", "convert_element_type"):
-            return None
-        a = g.node_index[nid].inputs[0]
-    return float(np.asarray(a.value))
-
-
-def scale_fold(spec: AttentionSpec) -> tuple[int, int, float] | None:
-    """(mul node, its score operand, c) when the scores reach the max as c * z through converts and masking selects.
-
-    The kernel then evaluates z in place of c * z and puts c into the exp's FMA and the
-    row max (c > 0 commutes with max), saving one multiply per score. A masking fill f
-    then stands for f / c: still at or below -1e4 after scaling, so still masked.
-    """
-    g = spec.group.graph
-    members = {nd.id for nd in spec.pre}
-    if spec.exp_branch[0].inputs[0] != spec.x or set(g.consumers.get(spec.x, ())) != {spec.max_node.id, spec.exp_branch[0].id}:
-        return None
-    v, fills = spec.x, []
-    while True:
-        nid = g.producer.get(v)
-        if nid not in members:
-            return None
-        nd = g.node_index[nid]
-        ins = list(nd.inputs)
-        if nd.name == "convert_element_type" and jnp.issubdtype(g.aval(ins[0]).dtype, jnp.floating) \
-                and jnp.issubdtype(g.avals[v].dtype, jnp.floating):
-            nxt = ins[0]
-        elif nd.name == "select_n" and len(ins) == 3:
-            consts = [_const(g, a, members) for a in ins[1:]]
-            k = [i for i in (0, 1) if consts[i] is None]
-            if len(k) != 1 or not isinstance(ins[1 + k[0]], int) or consts[1 - k[0]] > _NEG:
-                return None
-            fills.append(consts[1 - k[0]])
-            nxt = ins[1 + k[0]]
-        elif nd.name in ("mul", "div"):
-            c = _const(g, ins[1], members)
-            if c is None and nd.name == "mul":
-                c, ins = _const(g, ins[0], members), ins[::-1]
-            if c is None or not c > 0 or not isinstance(ins[0], int):
-                return None
-            c = c if nd.name == "mul" else 1.0 / c
-            if any(f * c > _NEG for f in fills):
-                return None
-            return nd.id, ins[0], c
-        else:
-            return None
-        if not isinstance(nxt, int) or g.consumers.get(nxt) != [nid]:
-            return None
-        v = nxt
-
-
-def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """Per query block: [lo, full_lo, full_hi, hi) key blocks (live range; the mask-free middle), or None. Found
-    once per tile shape (the model asks per config: 5 ms each at L2048, a minute for attention_vjp's space)."""
-    if (bq, bk) not in spec.ranges:
-        spec.ranges[(bq, bk)] = _block_ranges(spec, bq, bk)
-    return spec.ranges[(bq, bk)]
-
-
-def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    """`block_ranges` transposed, the loop bounds of a backward's dK/dV programs: per key block, [lo, full_lo,
-    full_hi, hi) query blocks (those with a live position in the pair; the middle with no position masked, empty
-    where it is not one run), or None (no mask known)."""
-    r = block_ranges(spec, bq, bk)
-    if r is None:
-        return None
-    nk = cdiv(spec.Lk, bk)
-    out = np.zeros((nk, 4), np.int32)
-    for j in range(nk):
-        live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
-        if not len(live):
-            continue
-        lo, hi = int(live[0]), int(live[-1]) + 1
-        full = (r[lo:hi, 1] <= j) & (j < r[lo:hi, 2])
-        idx = np.nonzero(full)[0]
-        flo, fhi = (lo + int(idx[0]), lo + int(idx[-1]) + 1) if len(idx) and full[idx[0]:idx[-1] + 1].all() else (lo, lo)
-        out[j] = (lo, flo, fhi, hi)
-    return out
-
-
-def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
-    _analyze_masks(spec)
-    if spec.dead is None:
-        return None
-    nq, nk = cdiv(spec.Lq, bq), cdiv(spec.Lk, bk)
-    dead = np.ones((nq * bq, nk * bk), bool)
-    dead[: spec.Lq, : spec.Lk] = spec.dead
-    ragged = np.zeros_like(dead)
-    ragged[spec.Lq:, :] = True
-    blk = dead.reshape(nq, bq, nk, bk)
-    live_pos = ~blk
-    any_live = live_pos.any(axis=(1, 3))
-    real_rows = (np.arange(nq * bq) < spec.Lq).reshape(nq, bq)[:, :, None, None]
-    all_live = (live_pos | ~real_rows).all(axis=(1, 3)) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
-    out = np.zeros((nq, 4), np.int32)
-    for i in range(nq):
-        idx = np.nonzero(any_live[i])[0]
-        lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
-        full = np.nonzero(all_live[i, lo:hi])[0] + lo
-        flo, fhi = (int(full[0]), int(full[-1]) + 1) if len(full) and np.all(all_live[i, full[0]:full[-1] + 1]) else (lo, lo)
-        out[i] = (lo, flo, fhi, hi)
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Tile evaluation.
-class AttentionEval(TileEval):
-    """The tile evaluator with attention coordinates: iota gives global q/k positions and batch indices."""
-
-    def __init__(self, spec: AttentionSpec, bq: int, bk: int):
-        super().__init__(spec.tile, bq, bk)
-        self.aspec = spec
-        self.bidx: list = []
-        self.q0 = self.k0 = 0
-
-    def eval_node(self, nd: Node, env: dict, r0, c0, colmask=None) -> None:
-        # Float-to-float converts keep float32 (excess precision, as XLA allows): rounding every
-        # score to bfloat16 and back costs two instructions per score in the inner loop.
-        if nd.name == "convert_element_type" and isinstance(nd.inputs[0], int):
-            src, dst = self.g.avals[nd.inputs[0]].dtype, self.g.avals[nd.outputs[0]].dtype
-            if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
-                env[nd.outputs[0]] = env[nd.inputs[0]].astype(ops.compute_dtype(dst))
-                return
-        super().eval_node(nd, env, r0, c0, colmask)
-
-    def set_program(self, bidx: list, q0, k0) -> None:
-        self.bidx, self.q0, self.k0 = bidx, q0, k0
-
-    def iota(self, nd: Node, r0, c0):
-        a = self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
-        dt = ops.compute_dtype(nd.params["dtype"])
-        if a == self.aspec.q_axis:
-            return (self.q0 + jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0)).astype(dt)
-        if a == self.aspec.k_axis:
-            return (self.k0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.bn), 1)).astype(dt)
-        if a is None:
-            return jnp.zeros((1, 1), dt)
-        return jnp.full((1, 1), self.bidx[a], jnp.int32).astype(dt)
 
 
 # ---------------------------------------------------------------------------
 # The template: matching, search space, model.
 class AttentionTemplate(Template[AttentionSpec]):
     name = "attention"
-    params = ("block_q", "block_k", "num_warps", "num_stages")
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> AttentionSpec | None:
@@ -694,41 +382,21 @@ class AttentionTemplate(Template[AttentionSpec]):
         except NoMatch:
             return None
 
-    def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False):
-        """The flash pair (`triton.attention_bwd.flash_vjp_rule`) where `flash_backward_unsupported` allows it, else None (recompute in
-        XLA). The forward runs on the group's own backend and config, emitting the row logsumexp (Triton's default
-        where the backend's lowering cannot run the group or its config with it); the backward on Mosaic GPU for a
-        Mosaic GPU group where that lowering runs it (`mosaic_gpu/attention_vjp.lowerings`), else on Triton. The
-        config's `bwd_` keys, if any, tile the backward (their defaults otherwise)."""
+    def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
+        """The flash pair where `flash_backward_unsupported` allows it, else None (recompute in XLA): `backend`'s
+        `vjp_rule` in its `attention_vjp` lowering (the pair's), which runs the forward on the group's own backend
+        and config, emitting the row logsumexp. The config's `bwd_` keys, if any, tile the backward (their
+        defaults otherwise)."""
         spec = self.match(group)
         if spec is None or flash_backward_unsupported(spec) is not None:
             return None
-        pair = importlib.import_module(f"{__package__}.triton.attention_bwd").flash_vjp_rule
-        cfg = {**self.defaults, **config}
-        if backend == "mosaic_gpu":
-            mgpu = importlib.import_module(f"{__package__}.mosaic_gpu.attention_vjp")
-            cfg = {"bwd_mosaic": 1, **cfg} if mgpu.backward_runs(spec, cfg) else {**cfg, "bwd_mosaic": 0}
-            try:
-                return pair(group, spec, cfg, cfg, interpret=bool(interpret), **mgpu.lowerings(cfg, interpret))
-            except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory
-                return pair(group, spec, self.default_config(spec), None, interpret=bool(interpret))
-        return pair(group, spec, cfg, cfg, interpret=interpret)
+        pair = self.lowering_module(backend, "attention_vjp")
+        return pair.vjp_rule(group, spec, {**self.defaults, **config}, interpret=interpret)
 
-    def default_config(self, spec: AttentionSpec) -> dict:
-        """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md);
-        no block longer than its sequence (the space's rule), so that a short sequence's default is a config of the
-        space (a plan of defaults then adapts to other shapes, and a study's first trial is measured)."""
-        big = spec.Lq >= 128 and spec.Lk >= 128
-        fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
-        return {"block_q": fit(128 if big else 64, spec.Lq), "block_k": fit(64 if max(spec.D, spec.Dv) > 128 or not big else 128, spec.Lk),
-                "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
-
-    def space(self, group: Group, spec: AttentionSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/attention.toml), the default config and the constraint facts."""
-        spec = spec or self.match(group)
-        return template_space(self.name, self.default_config(spec), {
-            "Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv), "itemsize": spec.dot_dtype1.itemsize,
-            "smem_bytes": H200.smem_bytes})
+    def facts(self, group: Group, spec: AttentionSpec) -> dict:
+        """What search_spaces/attention[.<backend>].toml's constraints read."""
+        return {"Lq": spec.Lq, "Lk": spec.Lk, "D": next_pow2(spec.D), "Dv": next_pow2(spec.Dv), "itemsize": spec.dot_dtype1.itemsize,
+                "smem_bytes": H200.smem_bytes}
 
     def model_time_ms(self, spec: AttentionSpec, config: dict, model: GPUModel = H200) -> float:
         """Flops of both dots over the visited blocks at an efficiency that grows with tile size; K/V re-read per q block.

@@ -41,7 +41,6 @@ from ..graph import Graph, Group, Lit, Node, bind_node, capture, convex, node_te
 from ..ops import OpClass, op_class
 from . import attention
 from .template import NoMatch, Template
-from .tiling import next_pow2, template_space
 
 _CHAIN = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
 _DERIVED: dict[tuple, tuple[set[str], dict[str, int]]] = {}  # (forward signature, cotangent aval) -> (hash set, output hashes)
@@ -314,9 +313,23 @@ def backward_of(graph: Graph, ids: set[int], fwd: Group, attn: attention.Attenti
     return members, convex(graph, members)
 
 
+def backward_default_config(spec: attention.AttentionSpec) -> dict:
+    """The backward kernels' tiles: each program holds `bwd_held` rows (keys for dK/dV, queries for dQ) and steps
+    through the other side `bwd_step` rows at a time. 64 and 64 (five [64, 64] float32 tiles and two accumulators
+    live at once), 4 warps, 2 stages: the best of the three tried at B8 H32 L2048 D128 on an H100
+    (results/attention_grad_h100.md). Here, not with the Triton backward, as the cost model reads them too."""
+    small = min(spec.Lq, spec.Lk) < 64 or max(spec.D, spec.Dv) > 128
+    return {"bwd_held": 32 if small else 64, "bwd_step": 32 if small else 64, "bwd_warps": 4, "bwd_stages": 2}
+
+
+def backward_config(spec: attention.AttentionSpec, config: dict | None) -> dict:
+    """The backward's parameters of a config (the `bwd_` keys of an `attention_vjp` config), the defaults for
+    those it lacks (a forward template's config, or a plan stored before the backward was tuned)."""
+    return {**backward_default_config(spec), **{k: v for k, v in (config or {}).items() if k.startswith("bwd_")}}
+
+
 class AttentionVJPTemplate(Template[AttentionVJPSpec]):
     name = "attention_vjp"
-    params = attention.AttentionTemplate.params
     backends = ("triton", "mosaic_gpu")  # the forward's backend; the backward kernels are Triton's
 
     def match(self, group: Group) -> AttentionVJPSpec | None:
@@ -326,34 +339,26 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
         except NoMatch:
             return None
 
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
+        return candidate_groups(graph, fusible)
+
     def stage_split(self, spec: AttentionVJPSpec) -> tuple[frozenset[int], ...]:
         """Stage 1: the forward chain (the flash forward: O and the row logsumexp); stage 2: the backward nodes
         (the backward kernels: dQ, dK, dV from the saved inputs, O, the logsumexp and dO)."""
         fwd = frozenset(spec.forward.node_ids)
         return fwd, frozenset(spec.group.node_ids) - fwd
 
-    def default_config(self, spec: AttentionVJPSpec) -> dict:
-        """The forward kernel's config and the backward kernels' (`bwd_` keys: `attention_bwd.default_config`)."""
-        from .triton.attention_bwd import default_config as backward_default
-
-        return {**attention.TEMPLATE.default_config(spec.attn), **backward_default(spec.attn)}
-
-    def space(self, group: Group, spec: AttentionVJPSpec | None = None) -> dict:
-        """The forward kernel's parameters and the backward's (search_spaces/attention_vjp.toml): in a training
-        step the backward is most of the pair's time, and its best tiles are not the forward's."""
-        spec = spec or self.match(group)
-        a = spec.attn
-        return template_space("attention_vjp", self.default_config(spec), {
-            "Lq": a.Lq, "Lk": a.Lk, "D": next_pow2(a.D), "Dv": next_pow2(a.Dv), "itemsize": a.dot_dtype1.itemsize,
-            "smem_bytes": H200.smem_bytes})
+    def facts(self, group: Group, spec: AttentionVJPSpec) -> dict:
+        """The forward's facts (search_spaces/attention_vjp[.<backend>].toml tunes the forward's parameters and the
+        backward's: in a training step the backward is most of the pair's time, and its best tiles are not the
+        forward's)."""
+        return attention.TEMPLATE.facts(spec.forward, spec.attn)
 
     def model_time_ms(self, spec: AttentionVJPSpec, config: dict, model: GPUModel = H200) -> float:
         """The forward's model, plus 2.5 times the same model at the backward's tiles (a program of `bwd_held`
         rows stepping `bwd_step` at a time): the backward's five products to the forward's two (its two kernels
         re-evaluate the scores, seven in all, at a lower efficiency than the forward's). A Mosaic GPU backward
         (`bwd_mosaic`) is modelled as the Mosaic GPU forward at its tiles."""
-        from .triton.attention_bwd import backward_config
-
         b = backward_config(spec.attn, config)
         as_forward = {"block_q": b["bwd_held"], "block_k": b["bwd_step"], "num_warps": b["bwd_warps"], "num_stages": b["bwd_stages"]}
         if int(config.get("bwd_mosaic", 0)):

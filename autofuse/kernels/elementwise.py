@@ -9,12 +9,11 @@ from ..costmodel import H200, GPUModel
 from ..graph import Group
 from ..ops import OpClass, op_class
 from .template import NoMatch, Template
-from .tiling import TileSpec, analyze, facts, next_pow2, template_space, tile_time_ms
+from .tiling import TileSpec, analyze, facts, tile_time_ms
 
 
 class ElementwiseTemplate(Template[TileSpec]):
     name = "elementwise"
-    params = ("block_rows", "block_cols", "num_warps", "num_stages", "col_major")
     defaults = {"col_major": 0}  # plans stored before the parameter existed
 
     def match(self, group: Group) -> TileSpec | None:
@@ -34,15 +33,9 @@ class ElementwiseTemplate(Template[TileSpec]):
                 continue
         return None
 
-    def default_config(self, spec: TileSpec) -> dict:
-        bn = min(max(32, next_pow2(spec.C)), 1024)  # the space's narrowest block (masked past C) for a few columns
-        bm = max(1, min(next_pow2(spec.R), 2048 // bn))
-        return {"block_rows": bm, "block_cols": bn, "num_warps": min(4, bm * bn // 32), "num_stages": 1, "col_major": 0}
-
-    def space(self, group: Group, spec: TileSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/elementwise.toml), the default config and the constraint facts."""
-        spec = spec or self.match(group)
-        return template_space(self.name, self.default_config(spec), facts(spec))
+    def facts(self, group: Group, spec: TileSpec) -> dict:
+        """What search_spaces/elementwise.toml's constraints read: the tiling's (`tiling.facts`)."""
+        return facts(spec)
 
     def model_time_ms(self, spec: TileSpec, config: dict, model: GPUModel = H200) -> float:
         """One program per tile, one read of each input."""

@@ -50,8 +50,6 @@ from .tiling import (
     analyze_segments,
     cdiv,
     needed,
-    next_pow2,
-    template_space,
 )
 
 DOT_DTYPES = {np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}  # operand dtypes the dot templates take
@@ -93,7 +91,6 @@ class MatmulSpec:
 
 class MatmulTemplate(Template[MatmulSpec]):
     name = "matmul"
-    params = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> MatmulSpec | None:
@@ -141,26 +138,11 @@ class MatmulTemplate(Template[MatmulSpec]):
             return None
         return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro, exact_f32=exact_f32)
 
-    def default_config(self, spec: MatmulSpec) -> dict:
-        """128x128x64 tiles, 64x64 where a side is short; no block longer than its dimension (the space's rule)."""
-        small = min(spec.M, spec.N) < 128
-        fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
-        bn = fit(64 if small else 128, spec.N)
-        if spec.seg:  # a tile holds whole segments
-            bn = max(bn, spec.seg) // spec.seg * spec.seg
-        bm = fit(64 if small else 128, spec.M)
-        while spec.outer_rows and spec.outer_rows % bm and bm > 16:  # a tile's rows within one outer index
-            bm //= 2
-        return {"block_m": bm, "block_n": bn, "block_k": fit(32 if spec.K < 64 else 64, spec.K),
-                "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
-
-    def space(self, group: Group, spec: MatmulSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/matmul.toml), the default config and the constraint facts."""
-        spec = spec or self.match(group)
+    def facts(self, group: Group, spec: MatmulSpec) -> dict:
+        """What search_spaces/matmul[.<backend>].toml's constraints read."""
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
-        return template_space(self.name, self.default_config(spec),
-                              {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
-                               "seg": spec.seg, "outer_rows": spec.outer_rows})
+        return {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
+                "seg": spec.seg, "outer_rows": spec.outer_rows}
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.

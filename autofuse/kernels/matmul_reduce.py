@@ -37,7 +37,7 @@ from ..ops import OpClass, op_class
 from .matmul import DOT_DTYPES, default_precision
 from .passes import PASS_THROUGH, fold_gathers, foldable_gather, hoist_monotone
 from .template import NoMatch, Template
-from .tiling import Span, TileSpec, analyze, cdiv, next_pow2, template_space
+from .tiling import Span, TileSpec, analyze, cdiv
 
 
 @dataclass
@@ -76,7 +76,6 @@ class MatmulReduceSpec:
 
 class MatmulReduceTemplate(Template[MatmulReduceSpec]):
     name = "matmul_reduce"
-    params = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split")
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> MatmulReduceSpec | None:
@@ -121,27 +120,11 @@ class MatmulReduceTemplate(Template[MatmulReduceSpec]):
                     continue
         return None
 
-    def default_config(self, spec: MatmulReduceSpec) -> dict:
-        """Large tiles where the shapes allow (the best of a few configs timed on the H200, results/matmul_reduce_h200.md);
-        over N, enough ranges of N that the programs fill the SMs."""
-        if not spec.over_n:
-            bm = min(256, max(16, next_pow2(spec.L)))
-            return {"block_m": bm, "block_n": 128, "block_k": 64, "num_warps": 8 if bm >= 128 else 4, "num_stages": 3, "split": 1}
-        bm = 128 if spec.M >= 4096 else 64
-        bn = 256 if spec.N >= 4096 and bm == 128 else 128
-        n_m, n_n = cdiv(spec.M, bm), cdiv(spec.N, bn)
-        split = 1
-        while n_m * split * 2 <= 132 and split < 8 and split * 2 <= n_n:
-            split *= 2
-        return {"block_m": bm, "block_n": bn, "block_k": 32 if spec.K < 64 else 64, "num_warps": 8 if bm == 128 else 4,
-                "num_stages": 3, "split": split}
-
-    def space(self, group: Group, spec: MatmulReduceSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/matmul_reduce.toml), the default config and the constraint facts."""
-        spec = spec or self.match(group)
+    def facts(self, group: Group, spec: MatmulReduceSpec) -> dict:
+        """What search_spaces/matmul_reduce[.<backend>].toml's constraints read."""
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
-        return template_space(self.name, self.default_config(spec), {"M": spec.M, "N": spec.N, "K": spec.K, "L": spec.L,
-                              "over_n": int(spec.over_n), "itemsize": itemsize, "smem_bytes": H200.smem_bytes})
+        return {"M": spec.M, "N": spec.N, "K": spec.K, "L": spec.L, "over_n": int(spec.over_n), "itemsize": itemsize,
+                "smem_bytes": H200.smem_bytes}
 
     def model_time_ms(self, spec: MatmulReduceSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline: the product's flops at a tile efficiency, the epilogue's elementwise work, operand traffic,

@@ -26,6 +26,7 @@ it computes again with one stage 1 made (SPLADE's head: `jax.grad` of a max over
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,6 @@ from . import matmul, matmul_reduce
 from . import reread
 from .reread import split, two_stages
 from .template import Template
-from .tiling import template_space
 
 BWD = "bwd_"  # the prefix of stage 2's (the `matmul` kernel's) config keys
 
@@ -130,28 +130,25 @@ def stage_configs(config: dict) -> tuple[dict, dict]:
 
 class MatmulReduceVJPTemplate(Template[MatmulReduceVJPSpec]):
     name = "matmul_reduce_vjp"
-    params = matmul_reduce.TEMPLATE.params + tuple(BWD + p for p in matmul.TEMPLATE.params)
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> MatmulReduceVJPSpec | None:
         """The two stages and their kernels' specs, or None."""
         return _match(group)
 
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, MatmulReduceVJPSpec, tuple[frozenset[int], ...]]]:
+        return candidate_groups(graph, fusible)
+
     def stage_split(self, spec: MatmulReduceVJPSpec) -> tuple[frozenset[int], ...]:
         return spec.stage1, spec.stage2
 
-    def default_config(self, spec: MatmulReduceVJPSpec) -> dict:
-        return {**matmul_reduce.TEMPLATE.default_config(spec.forward_spec),
-                **{BWD + k: v for k, v in matmul.TEMPLATE.default_config(spec.backward_spec).items()}}
-
-    def space(self, group: Group, spec: MatmulReduceVJPSpec | None = None) -> dict:
-        """Stage 1's parameters and stage 2's (`bwd_` keys), search_spaces/matmul_reduce_vjp.toml."""
-        spec = spec or self.match(group)
+    def facts(self, group: Group, spec: MatmulReduceVJPSpec) -> dict:
+        """Stage 1's facts and stage 2's rows per outer index (search_spaces/matmul_reduce_vjp[.<backend>].toml
+        tunes stage 1's parameters and stage 2's, under `bwd_`)."""
         f = spec.forward_spec
         itemsize = np.dtype(group.graph.avals[f.a].dtype).itemsize
-        return template_space(self.name, self.default_config(spec), {
-            "M": f.M, "N": f.N, "K": f.K, "L": f.L, "over_n": int(f.over_n), "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
-            "outer_rows": spec.backward_spec.outer_rows})
+        return {"M": f.M, "N": f.N, "K": f.K, "L": f.L, "over_n": int(f.over_n), "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
+                "outer_rows": spec.backward_spec.outer_rows}
 
     def model_time_ms(self, spec: MatmulReduceVJPSpec, config: dict, model: GPUModel = H200) -> float:
         """The two kernels' models."""

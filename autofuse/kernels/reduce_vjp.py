@@ -18,6 +18,7 @@ that and refuses such a group).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..costmodel import H200, GPUModel
@@ -27,7 +28,7 @@ from .passes import hoist_monotone
 from . import reread
 from .reread import split, two_stages
 from .template import NoMatch, Template
-from .tiling import TileSpec, analyze, next_pow2, template_space, tile_time_ms
+from .tiling import TileSpec, analyze, next_pow2, tile_time_ms
 
 BWD = "bwd_"  # the prefix of stage 2's config keys
 MAX_INNER = 1024  # the longest reduced middle axis a tile holds whole (with 16 columns: a 16K-element tile)
@@ -110,36 +111,22 @@ def stage_configs(config: dict) -> tuple[dict, dict]:
     return reread.stage_configs(config, BWD)
 
 
-def _stage_config(spec: TileSpec, per_thread: int) -> dict:
-    """A good stage config: rows of 64 columns (128 bytes of bf16) where the tile allows, and warps for about
-    `per_thread` of its elements per thread (on an H100 at SPLADE's [256, 64] tiles: stage 1 at 32 per thread
-    0.26 ms; stage 2 at 32 per thread 0.73 ms, 16 per thread (1024 threads, 64 registers each, spilling) 0.75 ms,
-    128 per thread 2.3 ms: its live values fill the registers; at 32 it runs ~60 instructions per element, bound
-    by the issue rate, not memory)."""
-    rows = next_pow2(spec.inner)
-    bn = max(16, min(64, 32768 // rows, next_pow2(spec.C)))
-    return {"block_cols": bn, "num_warps": max(2, min(32, rows * bn // (32 * per_thread)))}
-
-
 class ReduceVJPTemplate(Template[ReduceVJPSpec]):
     name = "reduce_vjp"
-    params = ("block_cols", "num_warps", BWD + "block_cols", BWD + "num_warps")
 
     def match(self, group: Group) -> ReduceVJPSpec | None:
         """The two stages and their kernels' tilings, or None."""
         return _match(group)
 
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, ReduceVJPSpec, tuple[frozenset[int], ...]]]:
+        return candidate_groups(graph, fusible)
+
     def stage_split(self, spec: ReduceVJPSpec) -> tuple[frozenset[int], ...]:
         return spec.stage1, spec.stage2
 
-    def default_config(self, spec: ReduceVJPSpec) -> dict:
-        return {**_stage_config(spec.forward_spec, 32), **{BWD + k: v for k, v in _stage_config(spec.backward_spec, 32).items()}}
-
-    def space(self, group: Group, spec: ReduceVJPSpec | None = None) -> dict:
-        """Each stage's columns per tile and warps (stage 2's under `bwd_`), search_spaces/reduce_vjp.toml."""
-        spec = spec or self.match(group)
-        return template_space(self.name, self.default_config(spec), {
-            "C": spec.forward_spec.C, "inner": spec.forward_spec.inner})
+    def facts(self, group: Group, spec: ReduceVJPSpec) -> dict:
+        """What search_spaces/reduce_vjp.toml's constraints on each stage's columns per tile and warps read."""
+        return {"C": spec.forward_spec.C, "inner": spec.forward_spec.inner}
 
     def model_time_ms(self, spec: ReduceVJPSpec, config: dict, model: GPUModel = H200) -> float:
         """Each stage one program per sequence and block of columns, one read of its inputs."""

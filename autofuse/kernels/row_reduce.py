@@ -15,14 +15,13 @@ from ..costmodel import H200, GPUModel
 from ..graph import Group
 from ..ops import OpClass, op_class
 from .template import NoMatch, Template
-from .tiling import TileSpec, analyze, cdiv, facts, next_pow2, template_space, tile_time_ms
+from .tiling import TileSpec, analyze, cdiv, facts, tile_time_ms
 
-MAX_BLOCK_COLS = 8192
 
 
 class RowReduceTemplate(Template[TileSpec]):
     name = "row_reduce"
-    params = ("block_rows", "block_cols", "num_warps", "num_stages")
+    offers_row_sums = True  # a norm's backward with its dγ, dβ
 
     def match(self, group: Group) -> TileSpec | None:
         """A tiling of the group around its column reductions, or None."""
@@ -45,16 +44,9 @@ class RowReduceTemplate(Template[TileSpec]):
         except NoMatch:
             return None
 
-    def default_config(self, spec: TileSpec) -> dict:
-        bn = min(max(32, next_pow2(spec.C)), MAX_BLOCK_COLS)  # the space's narrowest block (masked past C) for a few columns
-        bm = max(1, min(next_pow2(spec.R), 4096 // bn))
-        warps = min(4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16, bm * bn // 32)  # a thread per element at least
-        return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
-
-    def space(self, group: Group, spec: TileSpec | None = None) -> dict:
-        """Tunable parameters (search_spaces/row_reduce.toml), the default config and the constraint facts."""
-        spec = spec or self.match(group)
-        return template_space(self.name, self.default_config(spec), facts(spec))
+    def facts(self, group: Group, spec: TileSpec) -> dict:
+        """What search_spaces/row_reduce.toml's constraints read: the tiling's (`tiling.facts`)."""
+        return facts(spec)
 
     def model_time_ms(self, spec: TileSpec, config: dict, model: GPUModel = H200) -> float:
         """One program per block of rows; a row longer than a block reads its inputs once per reduction depth

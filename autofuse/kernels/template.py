@@ -1,24 +1,43 @@
 """The `Template` base class: what the partitioner, the search and the plan executor ask of a kernel template.
 
-A template knows one loop structure. Matching a group, its search space and
-its cost model do not depend on how the kernel is written, so they live with
-the template; writing the kernel does, so `build` hands the matched group to
-one backend's lowering, `autofuse.kernels.<backend>.<name>.lower`. A backend
-is added beside the others by writing those modules and naming the backend in
-`backends`, without touching matching.
+A template knows one loop structure. Matching a group, the facts its search
+spaces' constraints read and its cost model do not depend on how the kernel is
+written, so they live with the template; everything that does lives in one
+lowering module per backend, `autofuse.kernels.<backend>.<name>`, and every
+backend's module has the same shape (`Lowering`), so this base names none:
+adding a backend is writing those modules and naming it in `backends`.
 """
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
 from ..costmodel import H200, GPUModel
 from ..differentiate import VJPRule
-from ..graph import Group
+from ..graph import Graph, Group
+from ..spaces import DEFAULT_BACKEND, space_key
 from .tiling import NoMatch, template_space
 
 Spec = TypeVar("Spec")
+
+
+class Lowering(Protocol):
+    """What a backend's lowering module of one template holds (`Template.lowering_module`).
+
+    Required: `PARAMS` (the config keys, the parameters of `search_spaces/<template>[.<backend>].toml`),
+    `default_config(spec) -> dict` (good without tuning: the search's first trial) and
+    `lower(group, spec, config, *, interpret) -> Callable`. Optional: `lower_stages(group, spec, stages, config, *,
+    interpret)` for a template with `stage_split`; `check_group(spec)` and `check_config(spec, config)`, which raise
+    NotImplementedError for what the lowering cannot run (found without compiling; `config` is `Config.of(dict)`
+    where the module defines a `Config`, else the dict). A lowering without them runs whatever its space allows.
+    """
+
+    PARAMS: tuple[str, ...]
+
+    def default_config(self, spec: Any) -> dict: ...
+
+    def lower(self, group: Group, spec: Any, config: dict, *, interpret: Any) -> Callable: ...
 
 
 class Template(ABC, Generic[Spec]):
@@ -29,27 +48,23 @@ class Template(ABC, Generic[Spec]):
     """
 
     name: str  # the registry key, the search-space file and the lowering modules' name
-    params: tuple[str, ...]  # the config keys
     defaults: dict[str, int] = {}  # values for params added after plans were stored (read-only)
-    backends: tuple[str, ...] = ("triton",)  # the backends with a lowering of this template
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,)  # the backends with a lowering module of this template
 
     @abstractmethod
     def match(self, group: Group) -> Spec | None:
         """What the template reads off `group` (the structure it needs), or None if it cannot run it."""
 
     @abstractmethod
-    def default_config(self, spec: Spec) -> dict:
-        """A config that is good without tuning (the search's first trial)."""
-
-    @abstractmethod
-    def space(self, group: Group, spec: Spec | None = None) -> dict:
-        """The search space: {"params": choices per param, "default": config, "facts": what constraints read, "space": Space}."""
+    def facts(self, group: Group, spec: Spec) -> dict:
+        """What the search spaces' constraints read about the group besides the parameters (sizes, itemsize, ...):
+        the same for every backend."""
 
     @abstractmethod
     def model_time_ms(self, spec: Spec, config: dict, model: GPUModel = H200) -> float:
         """Modelled time of the kernel with `config` on `model` (orders and prunes configs before any is timed)."""
 
-    def build(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False,
+    def build(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
               spec: Spec | None = None) -> Callable:
         """The kernel for `group` with `config`, lowered through `backend`: a function of the group's inputs
         returning its outputs. `spec` (from `match`) saves matching again."""
@@ -59,18 +74,26 @@ class Template(ABC, Generic[Spec]):
             raise NoMatch(f"{self.name} does not match this group")
         return lower(group, spec, {**self.defaults, **config}, interpret=interpret)
 
-    def vjp_rule(self, group: Group, config: dict, *, backend: str = "triton", interpret: bool = False) -> VJPRule | None:
+    def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
         """The template's own reverse-mode rule for `group` (cheaper residuals, a generated backward kernel), or
         None: the plan then saves the group's inputs and differentiates its sub-jaxpr in XLA
         (`autofuse.differentiate.recompute_rule`)."""
         return None
+
+    def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, Spec, tuple[frozenset[int], ...]]]:
+        """Groups the partitioner's growth by neighbours cannot find (of any size, or not convex but run in stages),
+        each as (group, spec, stages: () for one kernel); `fusible(node_id)` says which nodes a group may hold. The
+        partitioner asks every registered template, so a template that finds its own groups needs no edit there."""
+        return []
+
+    offers_row_sums = False  # the partitioner also offers this template's groups with the sums over their rows
 
     def stage_split(self, spec: Spec) -> tuple[frozenset[int], ...] | None:
         """For a template whose group may run in stages (`plan.FusedGroup.stages`): the matched group's nodes split
         into them, in order; None for a template that runs each group as one kernel."""
         return None
 
-    def build_stages(self, group: Group, stages, config: dict, *, backend: str = "triton", interpret: bool = False,
+    def build_stages(self, group: Group, stages, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
                      spec: Spec | None = None) -> list[Callable]:
         """The stage functions of `group` run in `stages` (its `stage_split`): `stage(ins, private) -> (outs,
         private)`, with `ins`/`outs` those of `graph.stage_groups(group, stages)` and `private` what the stage
@@ -82,43 +105,49 @@ class Template(ABC, Generic[Spec]):
 
     def lowering(self, backend: str) -> Callable:
         """The backend's `lower(group, spec, config, *, interpret)` for this template, imported on first use (a
-        plan loads only the backends it runs). A template outside this package overrides this or `build`."""
+        plan loads only the backends it runs)."""
         return self.lowering_module(backend).lower
 
-    def lowering_module(self, backend: str) -> Any:
-        """The module `autofuse.kernels.<backend>.<name>`. Besides `lower`, a backend other than Triton declares
-        its own config there: `PARAMS`, `Config.of(dict)`, `default_config(spec)`, `check_group(spec)` and
-        `check_config(spec, Config)` (both raise NotImplementedError for what it does not do)."""
+    def lowering_module(self, backend: str, name: str | None = None) -> Lowering:
+        """The module `autofuse.kernels.<backend>.<name>` (`name`: this template's, or another's that this template
+        borrows from). A template outside this package overrides this (or the methods that use it)."""
         if backend not in self.backends:
             raise ValueError(f"template {self.name!r} has no {backend!r} lowering; its backends: {', '.join(self.backends)}")
-        return importlib.import_module(f"{__package__}.{backend}.{self.name}")
+        return importlib.import_module(f"{__package__}.{backend}.{name or self.name}")
 
-    # Backends other than Triton: their parameters, spaces and static checks come from their lowering module.
-    def params_of(self, backend: str = "triton") -> tuple[str, ...]:
-        """The config keys of `backend`'s lowering (the template's own `params` are Triton's)."""
-        return self.params if backend == "triton" else tuple(self.lowering_module(backend).PARAMS)
+    def params_of(self, backend: str = DEFAULT_BACKEND) -> tuple[str, ...]:
+        """The config keys of `backend`'s lowering."""
+        return tuple(self.lowering_module(backend).PARAMS)
 
-    def default_config_of(self, spec: Spec, backend: str = "triton") -> dict:
-        return self.default_config(spec) if backend == "triton" else self.lowering_module(backend).default_config(spec)
+    def default_config_of(self, spec: Spec, backend: str = DEFAULT_BACKEND) -> dict:
+        """`backend`'s config that is good without tuning (the search's first trial)."""
+        return self.lowering_module(backend).default_config(spec)
 
-    def space_of(self, group: Group, spec: Spec | None = None, backend: str = "triton") -> dict:
-        """`space` for `backend`: its own file (`search_spaces/<name>.<backend>.toml`), the same facts."""
-        if backend == "triton":
-            return self.space(group, spec)
-        from ..spaces import space_key
-
+    def space_of(self, group: Group, spec: Spec | None = None, backend: str = DEFAULT_BACKEND) -> dict:
+        """`backend`'s search space (`search_spaces/<name>[.<backend>].toml`) with the group's facts: {"params": choices
+        per param, "default": config, "facts": what constraints read, "space": Space}."""
         spec = spec if spec is not None else self.match(group)
-        return template_space(space_key(self.name, backend), self.default_config_of(spec, backend), self.space(group, spec)["facts"])
+        return template_space(space_key(self.name, backend), self.default_config_of(spec, backend), self.facts(group, spec))
 
     def unsupported(self, spec: Spec, backend: str, config: dict | None = None) -> str | None:
         """Why `backend`'s lowering cannot run this group (or this config of it), found without compiling; None if it can."""
-        if backend == "triton":
-            return None
         mod = self.lowering_module(backend)
         try:
-            mod.check_group(spec)
-            if config is not None:
-                mod.check_config(spec, mod.Config.of(config))
+            if hasattr(mod, "check_group"):
+                mod.check_group(spec)
+            if config is not None and hasattr(mod, "check_config"):
+                mod.check_config(spec, mod.Config.of(config) if hasattr(mod, "Config") else config)
         except NotImplementedError as e:
             return str(e)
         return None
+
+    # The default backend's, for callers that name none (and stored plans without a "backend").
+    @property
+    def params(self) -> tuple[str, ...]:
+        return self.params_of(DEFAULT_BACKEND)
+
+    def default_config(self, spec: Spec) -> dict:
+        return self.default_config_of(spec, DEFAULT_BACKEND)
+
+    def space(self, group: Group, spec: Spec | None = None) -> dict:
+        return self.space_of(group, spec, DEFAULT_BACKEND)

@@ -37,6 +37,7 @@ from typing import Any
 from ..graph import capture
 from ..refs import resolve as resolve_ref
 from ..signatures import distance, short_inputs
+from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .options import JobOptions
@@ -202,7 +203,7 @@ def best_configs(cand: CandidateState, n: int = SEEDS) -> list[dict]:
 
 def fits(space: CandidateSpace, config: dict) -> bool:
     """Whether `config` is one of this space's choices (its backend, every parameter) and keeps its constraints."""
-    sp = space.spaces.get(config.get("backend", "triton"))
+    sp = space.spaces.get(config.get("backend", DEFAULT_BACKEND))
     if sp is None:
         return False
     params = {k: v for k, v in config.items() if k != "backend"}

@@ -25,6 +25,7 @@ from ..device import backend_unavailable, default_backends, device_info, softwar
 from ..graph import Graph, Group, flatten_args, qualified_name
 from ..processes import pid_alive
 from ..runner.protocol import TrialResult
+from ..spaces import DEFAULT_BACKEND
 from ..store.base import whoami
 from .ahead import time_xla_concurrently
 from .ledger import CandidateState
@@ -228,7 +229,7 @@ def candidates_file(url: str, run_id: int) -> str:
 
 
 def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel,
-                  backends: Sequence[str] = ("triton",)) -> dict[str, CandidateSpace]:
+                  backends: Sequence[str] = (DEFAULT_BACKEND,)) -> dict[str, CandidateSpace]:
     """Each distinct candidate's search space over the `backends` that can run it, its configs modelled on `model`."""
     return {r.signature: CandidateSpace.of(r.template, by_sig[r.signature][0].group, by_sig[r.signature][0].spec, model, backends)
             for r in cands}

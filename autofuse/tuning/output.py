@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from ..spaces import DEFAULT_BACKEND
 from ..tables import fmt_ms, fmt_x, plural
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def config_text(config: dict | None) -> str:
     if not config:
         return ""
     rest = " ".join(f"{k}={v}" for k, v in sorted(config.items()) if k != "backend")
-    return f"{config.get('backend', 'triton')} {rest}".strip()
+    return f"{config.get('backend', DEFAULT_BACKEND)} {rest}".strip()
 
 
 def best_postfix(baseline_ms: float | None, tuned_ms: float | None) -> str:

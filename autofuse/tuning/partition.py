@@ -10,14 +10,13 @@ norm, and its elementwise tail on its own, not every prefix; a stack of norms
 yields groups that end at each norm, not only at the size bound).
 A dot_general also grows forward (its consumers before its operands'
 producers), so a dot's epilogue, reductions and a second dot (attention)
-form one group even when reshapes feed the dot. In a gradient program, an
-attention forward chain with its own backward is one more candidate
-(`kernels/attention_vjp.candidate_groups`), of whatever size; in a training step, where the two are not
-convex together, that candidate runs in two stages (`Candidate.stages`: each convex, the forward chain then its
-backward; the cover orders them as two units of one option); likewise a dot whose product is reduced and read again
-after the reductions (`kernels/matmul_reduce_vjp.candidate_groups`; `kernels/reduce_vjp.candidate_groups`
-the same without the dot, its product stored and read twice). A row_reduce group is also offered with the
-sums over the rows that read only what it reads or makes (a norm's dγ, dβ). A group holding a dot is also
+form one group even when reshapes feed the dot. Every registered template is also
+asked for the groups it finds itself (`Template.candidate_groups`: in a gradient program, attention's forward chain
+with its own backward, a dot whose product is reduced and read again after the reductions), of whatever size; in a
+training step, where the two are not convex together, such a candidate runs in two stages (`Candidate.stages`: each
+convex, the forward then its backward; the cover orders them as two units of one option). A group of a template
+with `offers_row_sums` (row_reduce) is also offered with the sums over the rows that read only what it reads or
+makes (a norm's dγ, dβ). A group holding a dot is also
 offered with the side inputs of its epilogue made inside it (producers only
 it reads and that feed no dot: a bool mask's broadcast and conversion, GQA's
 broadcast), so a template sees what they are (a {0, 1} factor, not any float).
@@ -35,7 +34,7 @@ import numpy as np
 
 from .. import ops
 from ..graph import Graph, Group, node_text
-from ..kernels import TEMPLATES, attention_vjp, match_template, matmul_reduce_vjp, reduce_vjp
+from ..kernels import TEMPLATES, match_template
 from ..kernels.passes import foldable_gather
 from ..ops import OpClass
 
@@ -147,7 +146,7 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             found.append(c)
             if mask & dots:
                 emit_absorbed(c, mask)
-            if c.template == "row_reduce":
+            if TEMPLATES[c.template].offers_row_sums:
                 emit_sibling_sums(c, mask)
 
     def emit_sibling_sums(c: Candidate, mask: int) -> None:
@@ -257,15 +256,13 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             else:
                 nxt.append((grown, run, forward))
         paths = nxt
-    # In a gradient program, attention's forward chain with its own backward (recognised by derivation, whatever
-    # the group size bound: the flash pair replaces both)
-    # (in two stages where they are not convex together: a training step)
-    # A dot whose product is reduced and read again after the reductions (a cross-entropy's forward and its
-    # backward): the product computed twice, never stored (again in two stages in a training step); or the product
-    # stored by the dot and read by both stages (`reduce_vjp`: SPLADE's max over the sequence and its backward)
-    for module in (attention_vjp, matmul_reduce_vjp, reduce_vjp):
-        for grp, spec, stages in module.candidate_groups(graph, lambda i: is_fusible(graph, i)):
-            emit(Candidate(grp, module.TEMPLATE.name, spec, stages))
+    # Groups a template finds itself (`Template.candidate_groups`): in a gradient program, a forward with its own
+    # backward (attention's flash pair; a dot whose product is reduced and read again), whatever the size bound, in
+    # two stages where the two are not convex together (a training step)
+    fusible_node = lambda i: is_fusible(graph, i)  # noqa: E731
+    for template in list(TEMPLATES.values()):
+        for grp, spec, stages in template.candidate_groups(graph, fusible_node):
+            emit(Candidate(grp, template.name, spec, stages))
     return found
 
 

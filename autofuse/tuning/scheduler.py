@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 from .. import costmodel
 from ..graph import Graph
+from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .partition import Candidate
@@ -138,7 +139,7 @@ def config_failures_only(r: CandidateState) -> bool:
 def backend_untried(r: CandidateState, space: CandidateSpace) -> bool:
     """No config has worked so far and one of the candidate's backends was never tried: a failure (even a wrong
     result) of one lowering says nothing of another's."""
-    tried = {t.config.get("backend", "triton") for t in r.spent()}
+    tried = {t.config.get("backend", DEFAULT_BACKEND) for t in r.spent()}
     return r.best_ms is None and bool(tried) and any(b not in tried for b in space.spaces)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from .. import costmodel
 from ..kernels import TEMPLATES
+from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
 
 PRUNE_FACTOR = 3.0  # on the GPU, configs modelled this much slower than the default are not timed
@@ -33,19 +34,19 @@ class SearchSpace:
     facts: dict
     constraints: Any  # spaces.Space: the template's parameters and constraints
     model_ms: Callable[[dict], float]
-    backend: str = "triton"
+    backend: str = DEFAULT_BACKEND
     check: Callable[[dict], str | None] | None = None  # the lowering's own rules, checked without compiling
     # `model_best`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
     _best: tuple[dict, dict | None] | None = field(default=None, repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @staticmethod
-    def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200, backend: str = "triton") -> "SearchSpace":
+    def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200, backend: str = DEFAULT_BACKEND) -> "SearchSpace":
         tmpl = TEMPLATES[template]
         sp = tmpl.space_of(group, spec, backend)
         return SearchSpace(template, sp["params"], sp["default"], sp["facts"], sp["space"],
                            lambda cfg: tmpl.model_time_ms(spec, {**cfg, "backend": backend}, model), backend,
-                           None if backend == "triton" else lambda cfg: tmpl.unsupported(spec, backend, cfg))
+                           lambda cfg: tmpl.unsupported(spec, backend, cfg))
 
     @property
     def size(self) -> int:
@@ -129,7 +130,7 @@ class CandidateSpace:
 
     @staticmethod
     def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200,
-           backends: Sequence[str] = ("triton",)) -> "CandidateSpace":
+           backends: Sequence[str] = (DEFAULT_BACKEND,)) -> "CandidateSpace":
         """The backends of `backends` (in that order) that the template has and that can run this group; a group none
         of them runs has no space (`job.tunable` leaves it to XLA: never another backend in their stead)."""
         usable = usable_backends(template, spec, backends)
@@ -139,7 +140,7 @@ class CandidateSpace:
                               costmodel.cut_outputs_ms(group, model))
 
     def __getitem__(self, config: dict) -> SearchSpace:
-        return self.spaces[config.get("backend", "triton")]
+        return self.spaces[config.get("backend", DEFAULT_BACKEND)]
 
     @staticmethod
     def _params(config: dict) -> dict:
@@ -181,7 +182,7 @@ class CandidateSpace:
         return out + ([best] if best is not None and best not in out else [])
 
     def learn_shared_memory(self, status: TrialStatus, config: dict, error: str | None) -> bool:
-        return self[config].learn_shared_memory(status, self._params(config), error) if config.get("backend", "triton") in self.spaces else False
+        return self[config].learn_shared_memory(status, self._params(config), error) if config.get("backend", DEFAULT_BACKEND) in self.spaces else False
 
     def suggest(self, trial: Any) -> dict:
         """A config from an Optuna trial: the backend, then that backend's parameters (named `<backend>.<name>` in
@@ -192,7 +193,7 @@ class CandidateSpace:
     @staticmethod
     def optuna_params(config: dict) -> dict:
         """A config as Optuna's parameters (what `suggest` would have named them), for enqueueing it."""
-        b = config.get("backend", "triton")
+        b = config.get("backend", DEFAULT_BACKEND)
         return {"backend": b, **{_optuna_name(b, k): v for k, v in config.items() if k != "backend"}}
 
 
@@ -204,4 +205,4 @@ def usable_backends(template: str, spec: Any, backends: Sequence[str]) -> list[s
 
 
 def _optuna_name(backend: str, param: str) -> str:
-    return param if backend == "triton" else f"{backend}.{param}"
+    return param if backend == DEFAULT_BACKEND else f"{backend}.{param}"

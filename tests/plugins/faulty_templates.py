@@ -14,7 +14,7 @@ import time
 from autofuse.costmodel import H200
 from autofuse.kernels import Template, elementwise
 from autofuse.kernels.tiling import facts, template_space
-from autofuse.spaces import parse_space
+from autofuse.spaces import DEFAULT_BACKEND, parse_space
 
 _SPACE = parse_space(
     {"template": "x", "parameters": {"block_rows": {"choices": [1, 2, 4]}, "block_cols": {"choices": [32, 64]},
@@ -25,18 +25,22 @@ _DEFAULT = {"block_rows": 1, "block_cols": 32, "num_warps": 4, "num_stages": 1}
 
 
 class Faulty(Template):
-    params = elementwise.TEMPLATE.params
-
     def __init__(self, name: str, crash: bool = False, hang: bool = False):
         self.name, self.crash, self.hang = name, crash, hang
 
     def match(self, group):
         return elementwise.match(group)
 
-    def default_config(self, spec):
+    def facts(self, group, spec):
+        return facts(spec)
+
+    def lowering_module(self, backend, name=None):  # elementwise's (its parameters; `build` wraps its kernels)
+        return elementwise.TEMPLATE.lowering_module(backend, name)
+
+    def default_config_of(self, spec, backend=DEFAULT_BACKEND):
         return dict(_DEFAULT)
 
-    def space(self, group, spec=None):
+    def space_of(self, group, spec=None, backend=DEFAULT_BACKEND):
         spec = spec or elementwise.match(group)
         return template_space(self.name, dict(_DEFAULT), facts(spec), _SPACE)
 

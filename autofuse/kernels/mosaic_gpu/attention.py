@@ -91,7 +91,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group, Lit, Node
-from ..attention import AttentionSpec, Operand, block_ranges, scale_fold
+from ..attention_masks import block_ranges, scale_fold
+from ..attention_spec import AttentionSpec, Operand
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
 from .gemm import require_smem

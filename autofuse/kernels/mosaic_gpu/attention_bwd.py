@@ -41,7 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group
-from ..attention import AttentionSpec, block_ranges, key_block_ranges
+from ..attention_masks import block_ranges, key_block_ranges
+from ..attention_spec import AttentionSpec
 from ..tiling import cdiv, needed
 from . import attention as fwd
 from .gemm import interpret_params, require_smem

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ...differentiate import VJPRule
 from ...graph import Group
-from ..attention_vjp import AttentionVJPSpec
-from ..triton import attention_bwd as triton_backward
+from ..attention import AttentionSpec
+from ..attention_vjp import AttentionVJPSpec, backward_default_config
+from ..triton import attention as triton_forward
+from ..triton.attention_bwd import flash_vjp_rule
 from ..triton import attention_vjp as pair
 from . import attention as forward
 from . import attention_bwd as backward
@@ -34,7 +37,7 @@ def default_config(spec: AttentionVJPSpec) -> dict:
     best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100, results/attention_grad_h100.md),
     or the Triton backward's default where the Mosaic GPU backward declines the group."""
     mosaic = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
-    bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **triton_backward.default_config(spec.attn)}
+    bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
     return {**forward.default_config(spec.attn), **bwd}
 
 
@@ -66,6 +69,17 @@ def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret=False
 
 def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, interpret=False) -> list[Callable]:
     return pair.lower_stages(group, spec, stages, config, interpret=bool(interpret), **lowerings(config, interpret))
+
+
+def vjp_rule(group: Group, spec: AttentionSpec, config: dict, *, interpret) -> VJPRule:
+    """`attention`'s reverse-mode rule for a Mosaic GPU group: the flash pair with the Mosaic GPU forward emitting the
+    row logsumexp, and the Mosaic GPU backward where it runs the group at the config's `bwd_` tiles (else Triton's);
+    Triton's forward at its default where this forward cannot run the group or its config with the logsumexp."""
+    cfg = {"bwd_mosaic": 1, **config} if backward_runs(spec, config) else {**config, "bwd_mosaic": 0}
+    try:
+        return flash_vjp_rule(group, spec, cfg, cfg, interpret=bool(interpret), **lowerings(cfg, interpret))
+    except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory
+        return flash_vjp_rule(group, spec, triton_forward.default_config(spec), None, interpret=bool(interpret))
 
 
 def lowerings(config: dict, params) -> dict[str, Callable | None]:

@@ -15,12 +15,27 @@ from jax.experimental.pallas import triton as plgpu
 
 from ... import ops
 from ...graph import Group, Node
-from ..attention import AttentionEval, AttentionSpec, Operand, block_ranges, scale_fold
+from ..attention_masks import block_ranges, scale_fold
+from ..attention_spec import AttentionEval, AttentionSpec, Operand
 from ..tile_eval import edge_mask
 from ..tiling import cdiv, needed, next_pow2
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
 
 _LOG2E = math.log2(math.e)
+
+
+
+PARAMS = ("block_q", "block_k", "num_warps", "num_stages")
+
+
+def default_config(spec: AttentionSpec) -> dict:
+    """128x128 tiles, 8 warps, 3 stages: the best or within 4% of it for D=128 on the H200 (results/attention_h200.md);
+    no block longer than its sequence (the space's rule), so that a short sequence's default is a config of the
+    space (a plan of defaults then adapts to other shapes, and a study's first trial is measured)."""
+    big = spec.Lq >= 128 and spec.Lk >= 128
+    fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
+    return {"block_q": fit(128 if big else 64, spec.Lq), "block_k": fit(64 if max(spec.D, spec.Dv) > 128 or not big else 128, spec.Lk),
+            "num_warps": 8 if big else 4, "num_stages": 3 if big else 2}
 
 
 def _exp2(x, *, fast_math: bool):

@@ -29,26 +29,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...graph import Group
-from ..attention import AttentionEval, AttentionSpec, _dot_roles, _through_chain, _to_operand, block_ranges, key_block_ranges
+from ..attention import _dot_roles, _through_chain, _to_operand
+from ..attention_masks import block_ranges, key_block_ranges
+from ..attention_spec import AttentionEval, AttentionSpec
+from ..attention_vjp import backward_config
 from ..tiling import cdiv, needed, next_pow2
 from . import attention as fwd_lowering
 from .attention import _load_extra, _load_operand
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
-
-
-def default_config(spec: AttentionSpec) -> dict:
-    """The backward kernels' tiles: each program holds `bwd_held` rows (keys for dK/dV, queries for dQ) and steps
-    through the other side `bwd_step` rows at a time. 64 and 64 (five [64, 64] float32 tiles and two accumulators
-    live at once), 4 warps, 2 stages: the best of the three tried at B8 H32 L2048 D128 on an H100
-    (results/attention_grad_h100.md)."""
-    small = min(spec.Lq, spec.Lk) < 64 or max(spec.D, spec.Dv) > 128
-    return {"bwd_held": 32 if small else 64, "bwd_step": 32 if small else 64, "bwd_warps": 4, "bwd_stages": 2}
-
-
-def backward_config(spec: AttentionSpec, config: dict | None) -> dict:
-    """The backward's parameters of a config (the `bwd_` keys of an `attention_vjp` config), the defaults for
-    those it lacks (a forward template's config, or a plan stored before the backward was tuned)."""
-    return {**default_config(spec), **{k: v for k, v in (config or {}).items() if k.startswith("bwd_")}}
 
 
 def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: bool) -> Callable:

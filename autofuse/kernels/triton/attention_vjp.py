@@ -8,10 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...differentiate import VJPRule
 from ...graph import Group, stage_groups
-from ..attention_vjp import AttentionVJPSpec
+from ..attention import AttentionSpec
+from ..attention_vjp import AttentionVJPSpec, backward_default_config
 from . import attention as fwd_lowering
-from .attention_bwd import flash_pair
+from .attention_bwd import flash_pair, flash_vjp_rule
+
+
+
+PARAMS = fwd_lowering.PARAMS  # the backward's `bwd_` keys take their defaults where a config lacks them
+
+
+def default_config(spec: AttentionVJPSpec) -> dict:
+    """The forward kernel's config and the backward kernels' (`bwd_` keys: `attention_vjp.backward_default_config`)."""
+    return {**fwd_lowering.default_config(spec.attn), **backward_default_config(spec.attn)}
+
+
+def vjp_rule(group: Group, spec: AttentionSpec, config: dict, *, interpret) -> VJPRule:
+    """`attention`'s reverse-mode rule on Triton: the flash pair, the forward and the backward tiled by `config`."""
+    return flash_vjp_rule(group, spec, config, config, interpret=interpret)
 
 
 def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret, fwd_lower: Callable = fwd_lowering.lower,

@@ -6,8 +6,18 @@ from typing import Callable
 from jax.experimental import pallas as pl
 
 from ...graph import Group
-from ..tiling import TileSpec, cdiv
+from ..tiling import TileSpec, cdiv, next_pow2
 from .tiles import TileBody, group_refs, kernel_name, single_pass, tile_call
+
+
+
+PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages", "col_major")
+
+
+def default_config(spec: TileSpec) -> dict:
+    bn = min(max(32, next_pow2(spec.C)), 1024)  # the space's narrowest block (masked past C) for a few columns
+    bm = max(1, min(next_pow2(spec.R), 2048 // bn))
+    return {"block_rows": bm, "block_cols": bn, "num_warps": min(4, bm * bn // 32), "num_stages": 1, "col_major": 0}
 
 
 def lower(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Callable:

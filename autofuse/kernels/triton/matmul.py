@@ -11,8 +11,26 @@ from jax.experimental import pallas as pl
 from ...graph import Group
 from ..matmul import MatmulSpec
 from ..tile_eval import edge_mask, product_tile
-from ..tiling import Span, TileSpec, cdiv
+from ..tiling import Span, TileSpec, cdiv, next_pow2
 from .tiles import TileBody, kernel_name, load_tile, pallas_call
+
+
+
+PARAMS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
+
+
+def default_config(spec: MatmulSpec) -> dict:
+    """128x128x64 tiles, 64x64 where a side is short; no block longer than its dimension (the space's rule)."""
+    small = min(spec.M, spec.N) < 128
+    fit = lambda block, length: min(block, max(16, next_pow2(length)))  # noqa: E731
+    bn = fit(64 if small else 128, spec.N)
+    if spec.seg:  # a tile holds whole segments
+        bn = max(bn, spec.seg) // spec.seg * spec.seg
+    bm = fit(64 if small else 128, spec.M)
+    while spec.outer_rows and spec.outer_rows % bm and bm > 16:  # a tile's rows within one outer index
+        bm //= 2
+    return {"block_m": bm, "block_n": bn, "block_k": fit(32 if spec.K < 64 else 64, spec.K),
+            "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
 
 
 def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> Callable:

@@ -16,9 +16,29 @@ from ...graph import Group
 from ..matmul_reduce import MatmulReduceSpec, merge_ranges, rescale_factor
 from ..template import NoMatch
 from ..tile_eval import TileEval, edge_mask, product_tile
-from ..tiling import cdiv
+from ..tiling import cdiv, next_pow2
 from .matmul import dot_tile
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
+
+
+
+PARAMS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split")
+
+
+def default_config(spec: MatmulReduceSpec) -> dict:
+    """Large tiles where the shapes allow (the best of a few configs timed on the H200, results/matmul_reduce_h200.md);
+    over N, enough ranges of N that the programs fill the SMs."""
+    if not spec.over_n:
+        bm = min(256, max(16, next_pow2(spec.L)))
+        return {"block_m": bm, "block_n": 128, "block_k": 64, "num_warps": 8 if bm >= 128 else 4, "num_stages": 3, "split": 1}
+    bm = 128 if spec.M >= 4096 else 64
+    bn = 256 if spec.N >= 4096 and bm == 128 else 128
+    n_m, n_n = cdiv(spec.M, bm), cdiv(spec.N, bn)
+    split = 1
+    while n_m * split * 2 <= 132 and split < 8 and split * 2 <= n_n:
+        split *= 2
+    return {"block_m": bm, "block_n": bn, "block_k": 32 if spec.K < 64 else 64, "num_warps": 8 if bm == 128 else 4,
+            "num_stages": 3, "split": split}
 
 
 def lower(group: Group, spec: MatmulReduceSpec, config: dict, *, interpret: bool) -> Callable:

@@ -9,8 +9,18 @@ from collections.abc import Callable
 
 from ...graph import Group
 from .. import matmul, matmul_reduce
-from ..matmul_reduce_vjp import MatmulReduceVJPSpec, stage_configs
+from ..matmul_reduce_vjp import BWD, MatmulReduceVJPSpec, stage_configs
+from . import matmul as backward
+from . import matmul_reduce as forward
 from .two_stage import as_one, in_stages
+
+
+
+PARAMS = forward.PARAMS + tuple(BWD + p for p in backward.PARAMS)
+
+
+def default_config(spec: MatmulReduceVJPSpec) -> dict:
+    return {**forward.default_config(spec.forward_spec), **{BWD + k: v for k, v in backward.default_config(spec.backward_spec).items()}}
 
 
 def kernels(spec: MatmulReduceVJPSpec, config: dict, *, backend: str, interpret) -> tuple[Callable, Callable]:

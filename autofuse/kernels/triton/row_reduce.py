@@ -17,6 +17,18 @@ from ..tiling import Span, TileSpec, cdiv, depends_on, needed, next_pow2
 from .tiles import TileBody, group_refs, kernel_name, single_pass, tile_call
 
 
+
+PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
+MAX_BLOCK_COLS = 8192
+
+
+def default_config(spec: TileSpec) -> dict:
+    bn = min(max(32, next_pow2(spec.C)), MAX_BLOCK_COLS)  # the space's narrowest block (masked past C) for a few columns
+    bm = max(1, min(next_pow2(spec.R), 4096 // bn))
+    warps = min(4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16, bm * bn // 32)  # a thread per element at least
+    return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
+
+
 def lower(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Callable:
     if spec.inner:
         return _lower_inner(group, spec, config, interpret=interpret)

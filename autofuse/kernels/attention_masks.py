@@ -1,0 +1,227 @@
+"""Masks of an `attention` group known at build time: what depends on `iota` alone is evaluated on the host over the
+whole [q, k] grid, so a kernel skips the key blocks masked out for a whole query block (`block_ranges`,
+`key_block_ranges`) and the mask arithmetic where no position is masked; and a scale the scores can fold
+(`scale_fold`). Apart from matching: it runs on a matched spec, once per tiling."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..graph import Lit
+from ..ops import OpClass, op_class
+from .attention_spec import _MAX_GRID, _NEG, AttentionEval, AttentionSpec
+from .tiling import cdiv, needed
+
+# ---------------------------------------------------------------------------
+# Masks known at build time.
+def _iota_only(spec: AttentionSpec) -> set[int]:
+    """Score-space values computed from iota and literals alone, constant over the batch axes."""
+    out: set[int] = set()
+    batchy: set[int] = set()
+    for nd in spec.pre:
+        ins = [a for a in nd.inputs if isinstance(a, int)]
+        if op_class(nd.name) in (OpClass.REDUCTION, OpClass.CONTRACTION) or not all(a in out for a in ins):
+            continue
+        v = nd.outputs[0]
+        if op_class(nd.name) is OpClass.SOURCE:
+            if spec.tile.axes[v][nd.params["dimension"]] in spec.batch_axes:
+                batchy.add(v)
+        elif any(a in batchy for a in ins):
+            batchy.add(v)
+        out.add(v)
+    return out - batchy
+
+
+def _host_values(spec: AttentionSpec, want: set[int]) -> dict[int, np.ndarray]:
+    """Evaluate iota-only values over the whole [Lq, Lk] grid on the host."""
+    nodes = needed(spec.pre, want, set())
+    body = AttentionEval(spec, spec.Lq, spec.Lk)
+    env: dict = {}
+    with jax.ensure_compile_time_eval():
+        body.set_program([0] * len(spec.score_shape), 0, 0)
+        for nd in nodes:
+            body.eval_node(nd, env, 0, 0)
+        return {v: np.asarray(jnp.broadcast_to(env[v], (spec.Lq, spec.Lk))) for v in want}
+
+
+def _analyze_masks(spec: AttentionSpec) -> None:
+    """Positions masked out (for any runtime input) on the path from the scores to the max, and the mask ops.
+
+    A mask is a `select_n` with an iota-only predicate choosing a fill <= -1e4, or
+    the addition of an iota-only value that is <= -1e4 where masked. Being masked
+    survives converts, scaling by a positive literal, adding any other value (a bias is
+    assumed far smaller than the fill), and further selects whose other case is such a fill;
+    anything else after a mask (e.g. tanh soft-capping) could revive a masked score, so
+    only masks after the last such op count.
+    """
+    if spec.masks_known:
+        return
+    spec.masks_known = True
+    if spec.Lq * spec.Lk > _MAX_GRID:
+        return
+    iota = _iota_only(spec)
+    y = spec.exp_branch[0].inputs[0]
+    path = needed(spec.pre, {spec.x, y}, set())
+    main = {spec.dot1.outputs[0]}
+    steps = []  # (kind, node, score operand, iota value, other)
+    for nd in path:
+        ins = list(nd.inputs)
+        m = [a for a in ins if isinstance(a, int) and a in main]
+        if not m:
+            continue
+        main.add(nd.outputs[0])
+        mv = m[0]
+        others = [a for a in ins if a != mv]
+        if nd.name == "select_n" and len(ins) == 3 and len(m) == 1 and ins[0] != mv:
+            other = ins[1] if ins[2] == mv else ins[2]
+            if isinstance(other, Lit) or other in iota:
+                steps.append(("select" if ins[0] in iota else "fill", nd, mv, ins[0], other))
+                continue
+        if nd.name == "add" and len(m) == 1 and isinstance(others[0], int) and others[0] in iota:
+            steps.append(("add", nd, mv, others[0], None))
+            continue
+        ok = (nd.name in ("convert_element_type", "stop_gradient") or op_class(nd.name) in (OpClass.BROADCAST, OpClass.LAYOUT)
+              or nd.name in ("add", "sub") and len(m) == 1 and ins[0] == mv
+              or nd.name == "add" and len(m) == 1
+              or nd.name in ("mul", "div") and len(m) == 1 and ins[0] == mv and isinstance(ins[1], Lit) and float(ins[1].value) > 0
+              or nd.name == "mul" and len(m) == 1 and isinstance(ins[0], Lit) and float(ins[0].value) > 0)
+        if not ok:
+            steps.clear()  # this op can revive what earlier masks masked; later masks still count
+    if not any(k in ("select", "add") for k, *_ in steps):
+        return
+    want = {st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
+    host = _host_values(spec, want)
+    dead = np.zeros((spec.Lq, spec.Lk), bool)
+    selects, adds = {}, {}
+
+    def fill_of(other) -> np.ndarray:
+        return np.broadcast_to(np.float32(other.value) if isinstance(other, Lit) else host[other].astype(np.float32), dead.shape)
+
+    for kind, nd, mv, a, other in steps:
+        if kind == "fill":  # a runtime predicate: only a very negative fill keeps masked scores masked
+            if not np.all(fill_of(other) <= _NEG):
+                return
+        elif kind == "select":  # select_n(pred, c0, c1): True picks c1
+            pred = host[a].astype(bool)
+            picks_fill = ~pred if nd.inputs[2] == mv else pred
+            fill = fill_of(other)
+            if np.any(picks_fill & (fill > _NEG)):
+                return  # a select that is not a mask
+            dead |= picks_fill
+            selects[nd.id] = mv
+        else:
+            bias = host[a].astype(np.float32)
+            d = bias <= _NEG
+            if np.all(bias[~d] == 0):
+                adds[nd.id] = mv
+            dead |= d
+    spec.dead, spec.mask_selects, spec.mask_adds = dead, selects, adds
+
+
+def _const(g, a, members: set[int]) -> float | None:
+    """The value of a scalar constant operand (a literal, possibly broadcast or converted), else None."""
+    while not isinstance(a, Lit):
+        nid = g.producer.get(a)
+        if nid not in members or g.node_index[nid].name not in ("broadcast_in_dim", "convert_element_type"):
+            return None
+        a = g.node_index[nid].inputs[0]
+    return float(np.asarray(a.value))
+
+
+def scale_fold(spec: AttentionSpec) -> tuple[int, int, float] | None:
+    """(mul node, its score operand, c) when the scores reach the max as c * z through converts and masking selects.
+
+    The kernel then evaluates z in place of c * z and puts c into the exp's FMA and the
+    row max (c > 0 commutes with max), saving one multiply per score. A masking fill f
+    then stands for f / c: still at or below -1e4 after scaling, so still masked.
+    """
+    g = spec.group.graph
+    members = {nd.id for nd in spec.pre}
+    if spec.exp_branch[0].inputs[0] != spec.x or set(g.consumers.get(spec.x, ())) != {spec.max_node.id, spec.exp_branch[0].id}:
+        return None
+    v, fills = spec.x, []
+    while True:
+        nid = g.producer.get(v)
+        if nid not in members:
+            return None
+        nd = g.node_index[nid]
+        ins = list(nd.inputs)
+        if nd.name == "convert_element_type" and jnp.issubdtype(g.aval(ins[0]).dtype, jnp.floating) \
+                and jnp.issubdtype(g.avals[v].dtype, jnp.floating):
+            nxt = ins[0]
+        elif nd.name == "select_n" and len(ins) == 3:
+            consts = [_const(g, a, members) for a in ins[1:]]
+            k = [i for i in (0, 1) if consts[i] is None]
+            if len(k) != 1 or not isinstance(ins[1 + k[0]], int) or consts[1 - k[0]] > _NEG:
+                return None
+            fills.append(consts[1 - k[0]])
+            nxt = ins[1 + k[0]]
+        elif nd.name in ("mul", "div"):
+            c = _const(g, ins[1], members)
+            if c is None and nd.name == "mul":
+                c, ins = _const(g, ins[0], members), ins[::-1]
+            if c is None or not c > 0 or not isinstance(ins[0], int):
+                return None
+            c = c if nd.name == "mul" else 1.0 / c
+            if any(f * c > _NEG for f in fills):
+                return None
+            return nd.id, ins[0], c
+        else:
+            return None
+        if not isinstance(nxt, int) or g.consumers.get(nxt) != [nid]:
+            return None
+        v = nxt
+
+
+def block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    """Per query block: [lo, full_lo, full_hi, hi) key blocks (live range; the mask-free middle), or None. Found
+    once per tile shape (the model asks per config: 5 ms each at L2048, a minute for attention_vjp's space)."""
+    if (bq, bk) not in spec.ranges:
+        spec.ranges[(bq, bk)] = _block_ranges(spec, bq, bk)
+    return spec.ranges[(bq, bk)]
+
+
+def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    """`block_ranges` transposed, the loop bounds of a backward's dK/dV programs: per key block, [lo, full_lo,
+    full_hi, hi) query blocks (those with a live position in the pair; the middle with no position masked, empty
+    where it is not one run), or None (no mask known)."""
+    r = block_ranges(spec, bq, bk)
+    if r is None:
+        return None
+    nk = cdiv(spec.Lk, bk)
+    out = np.zeros((nk, 4), np.int32)
+    for j in range(nk):
+        live = np.nonzero((r[:, 0] <= j) & (j < r[:, 3]))[0]
+        if not len(live):
+            continue
+        lo, hi = int(live[0]), int(live[-1]) + 1
+        full = (r[lo:hi, 1] <= j) & (j < r[lo:hi, 2])
+        idx = np.nonzero(full)[0]
+        flo, fhi = (lo + int(idx[0]), lo + int(idx[-1]) + 1) if len(idx) and full[idx[0]:idx[-1] + 1].all() else (lo, lo)
+        out[j] = (lo, flo, fhi, hi)
+    return out
+
+
+def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+    _analyze_masks(spec)
+    if spec.dead is None:
+        return None
+    nq, nk = cdiv(spec.Lq, bq), cdiv(spec.Lk, bk)
+    dead = np.ones((nq * bq, nk * bk), bool)
+    dead[: spec.Lq, : spec.Lk] = spec.dead
+    ragged = np.zeros_like(dead)
+    ragged[spec.Lq:, :] = True
+    blk = dead.reshape(nq, bq, nk, bk)
+    live_pos = ~blk
+    any_live = live_pos.any(axis=(1, 3))
+    real_rows = (np.arange(nq * bq) < spec.Lq).reshape(nq, bq)[:, :, None, None]
+    all_live = (live_pos | ~real_rows).all(axis=(1, 3)) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
+    out = np.zeros((nq, 4), np.int32)
+    for i in range(nq):
+        idx = np.nonzero(any_live[i])[0]
+        lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+        full = np.nonzero(all_live[i, lo:hi])[0] + lo
+        flo, fhi = (int(full[0]), int(full[-1]) + 1) if len(full) and np.all(all_live[i, full[0]:full[-1] + 1]) else (lo, lo)
+        out[i] = (lo, flo, fhi, hi)
+    return out

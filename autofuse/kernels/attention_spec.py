@@ -1,0 +1,117 @@
+"""What the `attention` template reads off a group (`AttentionSpec`, its `Operand`s) and how the group's score work
+runs on [block_q, block_k] tiles (`AttentionEval`): shared by the matcher (`attention.py`), the masks' analysis
+(`attention_masks.py`) and every backend's lowering, apart from the matching itself so that they need not import it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import ops
+from ..graph import Group, Node
+from .tile_eval import TileEval
+from .tiling import TileSpec
+
+_NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
+_MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
+
+
+@dataclass
+class Operand:
+    """A dot operand read from a group input: for each input axis, its role and index arithmetic."""
+
+    value: int  # the group input
+    seq_axis: int  # input axis of the sequence (q or k)
+    d_axis: int  # input axis of the head dimension
+    batch: dict[int, list[tuple[int, int, int, int]]]  # input axis -> [(score axis, div, mod, mul)]: index += ((b // div) % mod) * mul
+
+
+@dataclass
+class AttentionSpec:
+    group: Group
+    score_shape: tuple[int, ...]
+    q_axis: int
+    k_axis: int
+    batch_axes: tuple[int, ...]
+    q: Operand
+    k: Operand
+    v: Operand
+    D: int
+    Dv: int
+    dot1: Node
+    dot2: Node
+    max_node: Node
+    sum_node: Node
+    combine: Node  # div/mul of the exp branch by a function of the sum
+    x: int  # the value the max reduces (scores after their elementwise work)
+    sub_row: int  # the row value subtracted before exp
+    e_sum: int  # the value the sum reduces
+    e_dot: int  # the exp-branch operand of `combine`
+    e_first: bool  # whether that operand comes first in `combine`
+    l_row: int  # the other operand of `combine`
+    pre: list[Node]  # score work, per tile (no dependence on the max)
+    row_m: list[Node]  # row work on the max
+    exp_branch: list[Node]  # sub, exp, converts
+    row_l: list[Node]  # row work on the sum
+    post: list[Node]  # converts between dot2 and the group output
+    out: int  # the group's single output
+    out_roles: list  # per output axis: "q", "d", a score axis (batch index), or None (unit)
+    tile: TileSpec  # score-space tile spec for the evaluator
+    dot_dtype1: np.dtype
+    dot_dtype2: np.dtype
+    mask_selects: dict[int, int] = field(default_factory=dict)  # select node id -> value it takes where unmasked
+    mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
+    dead: np.ndarray | None = None  # [Lq, Lk] positions masked out regardless of runtime inputs
+    masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
+    ranges: dict[tuple[int, int], np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)  # `block_ranges` by tiles
+
+    @property
+    def Lq(self) -> int:
+        return self.score_shape[self.q_axis]
+
+    @property
+    def Lk(self) -> int:
+        return self.score_shape[self.k_axis]
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.score_shape[a] for a in self.batch_axes)
+
+
+# ---------------------------------------------------------------------------
+# Tile evaluation.
+class AttentionEval(TileEval):
+    """The tile evaluator with attention coordinates: iota gives global q/k positions and batch indices."""
+
+    def __init__(self, spec: AttentionSpec, bq: int, bk: int):
+        super().__init__(spec.tile, bq, bk)
+        self.aspec = spec
+        self.bidx: list = []
+        self.q0 = self.k0 = 0
+
+    def eval_node(self, nd: Node, env: dict, r0, c0, colmask=None) -> None:
+        # Float-to-float converts keep float32 (excess precision, as XLA allows): rounding every
+        # score to bfloat16 and back costs two instructions per score in the inner loop.
+        if nd.name == "convert_element_type" and isinstance(nd.inputs[0], int):
+            src, dst = self.g.avals[nd.inputs[0]].dtype, self.g.avals[nd.outputs[0]].dtype
+            if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
+                env[nd.outputs[0]] = env[nd.inputs[0]].astype(ops.compute_dtype(dst))
+                return
+        super().eval_node(nd, env, r0, c0, colmask)
+
+    def set_program(self, bidx: list, q0, k0) -> None:
+        self.bidx, self.q0, self.k0 = bidx, q0, k0
+
+    def iota(self, nd: Node, r0, c0):
+        a = self.spec.axes[nd.outputs[0]][nd.params["dimension"]]
+        dt = ops.compute_dtype(nd.params["dtype"])
+        if a == self.aspec.q_axis:
+            return (self.q0 + jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0)).astype(dt)
+        if a == self.aspec.k_axis:
+            return (self.k0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.bn), 1)).astype(dt)
+        if a is None:
+            return jnp.zeros((1, 1), dt)
+        return jnp.full((1, 1), self.bidx[a], jnp.int32).astype(dt)
