@@ -271,7 +271,7 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
             Column("plan"), Column("groups"), Column("distinct", of_row=lambda r: len(r["signatures"])),
             Column("status"), Column("alone ms", "alone_ms", _ms), Column("in the program ms", "realised_ms", _ms),
             Column("share", of_row=lambda r: f"{r['realised_ms'] / r['alone_ms']:.0%}" if r.get("realised_ms") is not None and r.get("alone_ms") else "–"),
-            Column("noise", fmt=lambda v: f"±{v:.1%}")], markdown=True))
+            Column("noise", fmt=lambda v: f"±{v:.1%}"), Column("why it failed", "error", lambda v: v or "")], markdown=True))
     lines += ["", "## Plans saved by this run", ""]
     if plans:
         lines.append(format_table(plans, [

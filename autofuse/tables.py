@@ -142,7 +142,8 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
             lines.append(f"  plan {i + 1} ({plural(p.get('groups') or 0, 'group')}, {p.get('status')}): {p.get('seconds', 0):.2f}"
-                         + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else ""))
+                         + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else "")
+                         + (f"; why: {p['error']}" if p.get("error") else ""))
     return lines
 
 

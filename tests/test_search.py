@@ -788,3 +788,19 @@ def test_every_plan_records_its_peak_memory_and_a_cap_refuses_a_plan_above_it():
     for bad in ("lots", "-1GiB", "0"):
         with pytest.raises(ValueError, match="max_memory must be"):
             parse_bytes(bad)
+
+
+def test_a_failed_plans_record_says_why_in_one_line():
+    """A plan that saved time alone but failed on the whole program keeps its reason's first line in the run's record
+    (`validate.failure`, in `composition` and `plans`): the GPU run that lost a training step's 3.6 ms cross-entropy
+    pair to `wrong_result` recorded only the status, and nobody could say why afterwards."""
+    from autofuse.runner.protocol import ValidationResult
+    from autofuse.status import TrialStatus
+    from autofuse.tuning.validate import ERROR_CHARS, failure
+
+    assert failure(ValidationResult(TrialStatus.OK, error="not an error")) == {}
+    assert failure(ValidationResult(TrialStatus.WRONG_RESULT)) == {}
+    why = failure(ValidationResult(TrialStatus.WRONG_RESULT, error="output 3: relative error 0.31 > 0.02\nTraceback (most recent call last):"))
+    assert why == {"error": "output 3: relative error 0.31 > 0.02"}
+    long = failure(ValidationResult(TrialStatus.ERROR, error="x" * 1000))
+    assert len(long["error"]) == ERROR_CHARS and long["error"].endswith("…")

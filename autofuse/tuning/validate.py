@@ -201,10 +201,10 @@ class Measured:
         return v.baseline.median_ms / v.plan.median_ms if self.saving_ms is not None else 0.0
 
     def record(self) -> dict:
-        """What the plan's provenance and the run keep of it (`composition`)."""
+        """What the plan's provenance and the run keep of it (`composition`), with why it failed where it did."""
         return {"groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
                 "alone_ms": round(self.alone_ms, 4), "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
-                "noise": round(self.noise, 4), "status": self.validation.status.value}
+                "noise": round(self.noise, 4), "status": self.validation.status.value, **failure(self.validation)}
 
 
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
@@ -354,7 +354,19 @@ def _validate_once(runner: Any, cand: Plan, state: dict, say: Callable[[str], No
 
 def _plan_timing(cand: Plan, v: ValidationResult, t0: float) -> dict:
     return {"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
-            **{key: round(x, 3) for key, x in (v.seconds or {}).items()}}
+            **{key: round(x, 3) for key, x in (v.seconds or {}).items()}, **failure(v)}
+
+
+ERROR_CHARS = 400  # of a failed plan's reason kept in the run's record: its first line, enough to say which output and how far
+
+
+def failure(v: ValidationResult) -> dict:
+    """`{"error": ...}` for a plan that failed its validation (the reason's first line, cut to `ERROR_CHARS`), else
+    nothing: a run's record says why a plan that saved time alone never reached the program."""
+    if v.status is TrialStatus.OK or not v.error:
+        return {}
+    line = v.error.strip().splitlines()[0] if v.error.strip() else ""
+    return {"error": line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 1] + "…"}
 
 
 def alone_savings(cands: list[CandidateState]) -> dict[str, float]:
