@@ -363,10 +363,10 @@ ERROR_CHARS = 400  # of a failed plan's reason kept in the run's record: its fir
 def failure(v: ValidationResult) -> dict:
     """`{"error": ...}` for a plan that failed its validation (the reason's first line, cut to `ERROR_CHARS`), else
     nothing: a run's record says why a plan that saved time alone never reached the program."""
-    if v.status is TrialStatus.OK or not v.error:
+    lines = (v.error or "").strip().splitlines()
+    if v.status is TrialStatus.OK or not lines:
         return {}
-    line = v.error.strip().splitlines()[0] if v.error.strip() else ""
-    return {"error": line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 1] + "…"}
+    return {"error": lines[0] if len(lines[0]) <= ERROR_CHARS else lines[0][: ERROR_CHARS - 1] + "…"}
 
 
 def alone_savings(cands: list[CandidateState]) -> dict[str, float]:

@@ -357,6 +357,23 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     n_pieces = (bm // em) * (bn // en)
     out_slots = min(2, n_pieces)
 
+    def cta_origin(lin):
+        """The first row and column of this CTA's output tile, the `lin`-th of its walk (a planar snake over the
+        clusters' tiles; a cluster's CTAs take neighbouring tiles along its dimension)."""
+        m_idx, n_idx = plgpu.planar_snake(lin, (cl_m_iters, cl_n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        if cfg.cluster:
+            cta = lax.axis_index("cluster")
+            m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
+        return m_idx * cta_m, n_idx * cta_n
+
+    def wgmma_step(acc_ref, a_smem, b_smem, wg_rows, wg_cols) -> None:
+        """acc += A[wg_rows] @ B[:, wg_cols] from one ring slot (transposed views where stored so), waited for.
+        (`gemm.Operands.wgmma` is the same for `matmul_reduce`; this lowering keeps its own operand layout.)"""
+        a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
+        b = b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols]
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+
     def epilogue_piece(product, scalars: dict, vec_part: Callable, tile_ref: Callable, tile_bar, out_slots_at: list, out_gmem,
                        r0, c0, fetch_next: Callable | None) -> None:
         """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the product and the
@@ -417,12 +434,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
             @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
-                (lin,) = info.index
-                m_idx, n_idx = plgpu.planar_snake(lin, (cl_m_iters, cl_n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-                if cfg.cluster:  # this CTA's tile of its cluster's
-                    cta = lax.axis_index("cluster")
-                    m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
-                cta_r0, cta_c0 = m_idx * cta_m, n_idx * cta_n
+                cta_r0, cta_c0 = cta_origin(info.index[0])
                 wg_r0 = cta_r0 + (wg * bm if wg_m else 0)  # this warpgroup's first row / column
                 wg_c0 = cta_c0 + (0 if wg_m else wg * bn)
                 wg_rows = pl.ds(wg * bm, bm) if wg_m else slice(None)
@@ -463,10 +475,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                                 functools.partial(fetch_tiles, i + 1) if tile_in and i + 1 < n_pieces else None)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
-                    a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
-                    b = b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols]
-                    plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(0)
+                    wgmma_step(acc_ref, a_smem, b_smem, wg_rows, wg_cols)
                     return acc_ref
 
                 a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
@@ -519,10 +528,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
             def tiles_loop(fn):
                 """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup)."""
-                @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+                @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")  # (no clusters here: the same as the tiles)
                 def _loop(info: plgpu.NDLoopInfo):
-                    m_idx, n_idx = plgpu.planar_snake(info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-                    fn(info, m_idx * cta_m, n_idx * cta_n)
+                    fn(info, *cta_origin(info.index[0]))
 
             @pl.when(wg == 3)
             def _memory():
@@ -565,11 +573,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         def _k(k):
                             slot = lax.rem(info.local_index * k_iters + k, stages)
                             plgpu.barrier_wait(full.at[slot])
-                            a_s, b_s = a_ring.at[slot], b_ring.at[slot]
-                            a = a_s.at[:, wg_rows].T if a_km else a_s.at[wg_rows]
-                            b = b_s.at[wg_cols].T if b_nk else b_s.at[:, wg_cols]
-                            plgpu.wgmma(acc_ref, a, b)
-                            plgpu.wgmma_wait(0)
+                            wgmma_step(acc_ref, a_ring.at[slot], b_ring.at[slot], wg_rows, wg_cols)
                             plgpu.barrier_arrive(empty.at[slot])
 
                         acc = acc_ref[...].astype(dot_dt)
