@@ -52,6 +52,12 @@ class SearchSpace:
     def size(self) -> int:
         return math.prod(len(v) for v in self.params.values())
 
+    def complete(self, params: dict) -> dict:
+        """A config of the searched `params`, with the default's value for each parameter the space does not search
+        (a narrowed space, as matmul_reduce_vjp's backward `bwd_` ones): the config a trial runs is the one a plan
+        stores and binds (`plan.bind_plan` wants every parameter of the lowering)."""
+        return {**self.default, **params}
+
     def violated(self, config: dict) -> list[str]:
         broken = self.constraints.violated(config, self.facts)
         why = self.check(config) if self.check is not None and not broken else None
@@ -81,7 +87,7 @@ class SearchSpace:
         if self.size > MODEL_BEST_LIMIT:
             return None
         names = list(self.params)
-        configs = (dict(zip(names, vals)) for vals in itertools.product(*(self.params[n] for n in names)))
+        configs = (self.complete(dict(zip(names, vals))) for vals in itertools.product(*(self.params[n] for n in names)))
         feasible = [c for c in configs if not self.violated(c)]
         return min(feasible, key=self.model_ms) if feasible else None
 
@@ -188,13 +194,14 @@ class CandidateSpace:
         """A config from an Optuna trial: the backend, then that backend's parameters (named `<backend>.<name>` in
         Optuna beside Triton's plain names: a name has one set of choices per study)."""
         backend = trial.suggest_categorical("backend", list(self.spaces))
-        return {"backend": backend, **{k: trial.suggest_categorical(_optuna_name(backend, k), v) for k, v in self.spaces[backend].params.items()}}
+        sp = self.spaces[backend]
+        return {"backend": backend, **sp.complete({k: trial.suggest_categorical(_optuna_name(backend, k), v) for k, v in sp.params.items()})}
 
-    @staticmethod
-    def optuna_params(config: dict) -> dict:
-        """A config as Optuna's parameters (what `suggest` would have named them), for enqueueing it."""
+    def optuna_params(self, config: dict) -> dict:
+        """A config as Optuna's parameters (what `suggest` would have named them: the searched ones), for enqueueing it."""
         b = config.get("backend", DEFAULT_BACKEND)
-        return {"backend": b, **{_optuna_name(b, k): v for k, v in config.items() if k != "backend"}}
+        searched = self.spaces[b].params
+        return {"backend": b, **{_optuna_name(b, k): v for k, v in config.items() if k in searched}}
 
 
 def usable_backends(template: str, spec: Any, backends: Sequence[str]) -> list[str]:
