@@ -227,6 +227,22 @@ def test_config_missing_a_parameter(graph, plan):
         _bind_rejects(graph, Plan.from_dict(d), "config lacks", k)
 
 
+def test_a_plan_that_does_not_bind_fails_validation_as_a_compile_error(graph, plan):
+    """The job's validation of a plan that cannot be built says so (compile_error, with its reason), where it
+    once ran the whole program's check against it and recorded wrong_result: a plan's config lacking a parameter
+    read as a numerics failure in a training step's record."""
+    from autofuse.runner.evaluator import Evaluator
+    from autofuse.runner.protocol import ValidateRequest
+    from autofuse.status import TrialStatus
+
+    d = _d(plan)
+    del d["groups"][1]["config"]["num_warps"]
+    res = Evaluator(graph, measure="model").handle(ValidateRequest(Plan.from_dict(d).to_json()))
+    assert res.status is TrialStatus.COMPILE_ERROR
+    assert res.error.startswith("PlanError: ") and "config lacks ['num_warps']" in res.error, res.error
+    assert Evaluator(graph, measure="model").handle(ValidateRequest(plan.to_json())).ok
+
+
 def test_template_that_does_not_fit_the_group(graph, plan):
     d = _d(plan)
     rr = next(g for g in d["groups"] if g["template"] == "row_reduce")
