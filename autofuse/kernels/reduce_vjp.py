@@ -47,7 +47,7 @@ class ReduceVJPSpec:
     private: tuple[int, ...] = ()  # stage 1's outputs only stage 2 reads: none, stage 2 evaluates them again
 
 
-def _grown(graph: Graph, dot: int) -> tuple[set[int], set[int], set[int]] | None:
+def _grown(graph: Graph, dot: int) -> tuple[frozenset[int], frozenset[int], frozenset[int]] | None:
     """`reread.split` from `dot` without the dot: (the group, stage 1, stage 2), its product an input."""
     parts = split(graph, dot, column_sums=True)
     if parts is None:

@@ -53,11 +53,25 @@ def descendants(graph: Graph, starts) -> set[int]:
     return out
 
 
-def split(graph: Graph, dot: int, *, column_sums: bool = False) -> tuple[set[int], set[int], set[int]] | None:
+Parts = tuple[frozenset[int], frozenset[int], frozenset[int]]
+
+
+def split(graph: Graph, dot: int, *, column_sums: bool = False) -> Parts | None:
     """(the group, stage 1, stage 2) grown from `dot`, or None where the product is not reduced or nothing of its
     shape is read after the reductions. `column_sums`: the group also takes the sums over every axis but the
     last of a value of the product's shape it makes (a bias's gradient, db = Σ dlogits), with the reshapes,
-    unit-axis sums and one conversion after them, into stage 2."""
+    unit-axis sums and one conversion after them, into stage 2.
+
+    Found once per graph and dot (kept in `graph.extra`): the templates' `match` asks it of every group holding one
+    dot, 7203 times in GPT-2 medium's training step, for 300 dots (118 of the enumeration's 190 s on 2 cores)."""
+    cache = graph.extra.setdefault("reread.split", {})
+    key = (dot, column_sums)
+    if key not in cache:
+        cache[key] = _split(graph, dot, column_sums)
+    return cache[key]
+
+
+def _split(graph: Graph, dot: int, column_sums: bool) -> Parts | None:
     S = tuple(graph.avals[graph.node_index[dot].outputs[0]].shape)
     axis = None
 
@@ -98,7 +112,7 @@ def split(graph: Graph, dot: int, *, column_sums: bool = False) -> tuple[set[int
         grown = False
         for nd in reversed(graph.nodes[:max(members)]):
             if nd.id in members or nd.id in operands or op_class(nd.name) not in MEMBER_OPS \
-                    or op_class(nd.name) is OpClass.REDUCTION or any(v in graph.outputs for v in nd.outputs):
+                    or op_class(nd.name) is OpClass.REDUCTION or any(v in graph.output_values for v in nd.outputs):
                 continue
             readers = {c for v in nd.outputs for c in graph.consumers.get(v, ())}
             if readers and readers <= members:
@@ -119,7 +133,7 @@ def split(graph: Graph, dot: int, *, column_sums: bool = False) -> tuple[set[int
     second = members - first
     if not any(shaped(v) for i in second for v in graph.node_index[i].outputs):
         return None
-    return members, first, second
+    return frozenset(members), frozenset(first), frozenset(second)
 
 
 def _column_sums(graph: Graph, members: set[int], S: tuple) -> set[int]:
