@@ -86,8 +86,8 @@ class _Reach:
                 m |= self.desc[s] | (1 << s)
             self.desc[nd.id] = m
 
-    def closure(self, members: int) -> int:
-        """Members plus every node on a path between two members."""
+    def spans(self, members: int) -> tuple[int, int]:
+        """(every ancestor, every descendant) of the members."""
         a = d = 0
         m = members
         while m:
@@ -96,7 +96,19 @@ class _Reach:
             a |= self.anc[i]
             d |= self.desc[i]
             m ^= low
+        return a, d
+
+    def closure(self, members: int) -> int:
+        """Members plus every node on a path between two members (one pass is whole: a node on a path between a
+        member and a node this adds lies on a path between two members already)."""
+        a, d = self.spans(members)
         return members | (a & d)
+
+    def closure_with(self, members: int, spans: tuple[int, int], node: int) -> int:
+        """`closure(members | 1 << node)` from `spans(members)`: a growing group's every next step in a few big-int
+        operations, not one per member (505k closures of up to 64 members in GPT-2 medium's training step)."""
+        a, d = spans
+        return members | (1 << node) | ((a | self.anc[node]) & (d | self.desc[node]))
 
 
 def _bits(mask: int) -> list[int]:
@@ -216,9 +228,10 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
         for i in _bits(cur):
             ins |= neighbours[i]
             outs |= consumers[i]
+        spans = reach.spans(cur)
         for frontier in ((outs, ins) if forward else (ins,)):
             for nb in _bits(frontier & fusible & ~cur):
-                new = reach.closure(cur | (1 << nb))
+                new = reach.closure_with(cur, spans, nb)
                 if new & ~fusible == 0 and bin(new).count("1") <= max_group_size:
                     return new
         return None
