@@ -87,8 +87,9 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
                         "timed on the GPU one at a time after (default: $AUTOFUSE_COMPILE_WORKERS, else this host's cores shared among "
                         "its workers, at most 16)")
     p.add_argument("--backends", default=None, metavar="B,C",
-                   help="Pallas lowerings to search, the preferred first: mosaic_gpu (Hopper: TMA, wgmma), triton "
-                        "(default: mosaic_gpu,triton on a Hopper GPU, else triton)")
+                   help="lowerings to search, the preferred first: mosaic_gpu (Pallas, Hopper: TMA, wgmma), triton (Pallas), "
+                        "xla_ops (XLA's own dot on operands padded to aligned rows) (default: mosaic_gpu,triton,xla_ops on a Hopper GPU, "
+                        "else triton,xla_ops)")
     p.add_argument("--dry-run", action="store_true",
                    help="tune nothing: list the distinct candidates (template, ops, instances, configs), their modelled savings in the "
                         "order the budget reaches them and the contenders, and warn when the budget cannot give each contender more "

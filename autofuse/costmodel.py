@@ -8,6 +8,7 @@ estimates and are always labelled as such.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +93,23 @@ def floor_ms(graph: Graph, model: GPUModel = H200) -> float:
 # matmul: GPU_NOTES (XLA's GEMM fusions). attention: XLA writes and re-reads the B*H*L*L scores and
 # computes masked blocks too; it reaches about 225 of 790 bf16 TFLOP/s on plain-jnp attention (GPU_NOTES).
 XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "attention": 3.5, "matmul_reduce": 1.1}
+
+
+ALIGN_BYTES = 16  # a TMA descriptor's row stride, and cuBLAS's fast paths
+#: XLA's GEMMs reading or writing rows that are not ALIGN_BYTES apart: GPT-2's LM head at its vocabulary (50257 bf16
+#: columns) ran at 216, 282 and 478 TFLOP/s (dx, dW, the logits) against 794, 800 and 739 padded to 50304 (H100,
+#: jax.jit, results/composition_h100.md)
+XLA_UNALIGNED_GEMM = 2.5
+
+
+def unaligned_dot(graph: Graph, node: Any) -> bool:
+    """Whether a dot_general reads or writes a floating array whose last dimension's rows are not ALIGN_BYTES apart."""
+    if ops.op_class(node.name) is not OpClass.CONTRACTION:
+        return False
+    avals = [graph.aval(a) for a in node.inputs] + [graph.avals[v] for v in node.outputs]
+    if not all("float" in np.dtype(a.dtype).name for a in avals):  # bfloat16 is not an np.floating
+        return False
+    return any(len(a.shape) >= 2 and (a.shape[-1] * np.dtype(a.dtype).itemsize) % ALIGN_BYTES for a in avals)
 
 
 def _reduced_then_read(group: Group) -> tuple[list[int], list[int]] | None:
@@ -182,6 +200,8 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
     if kind == "matmul_reduce":  # XLA writes the product, then reads it back to reduce it in a second kernel (GPU_NOTES)
         t += 1e3 * model.launch_s + 1e3 * 2 * sum(group.graph.avals[v].nbytes for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION
                            for v in n.outputs) / model.bandwidth_Bps
+    if kind == "matmul" and any(unaligned_dot(group.graph, n) for n in group.nodes):
+        t *= XLA_UNALIGNED_GEMM
     launches = 3 if kind == "attention" else 1  # attention: the scores' GEMM, the softmax, the second GEMM
     if kind == "attention":  # the scores' round trips through memory, where they outweigh the floor
         t = max(t, 1e3 * _score_traffic(group) / model.bandwidth_Bps)

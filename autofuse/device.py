@@ -49,8 +49,9 @@ def hopper() -> bool:
 
 
 def default_backends() -> tuple[str, ...]:
-    """The lowerings worth trying here, the preferred first: Mosaic GPU (TMA, wgmma) on a Hopper GPU, and Triton."""
-    return ("mosaic_gpu", "triton") if hopper() else ("triton",)
+    """The lowerings worth trying here, the preferred first: Mosaic GPU (TMA, wgmma) on a Hopper GPU, Triton, and XLA's
+    own operations on a changed layout (`aligned_dot`: no Pallas kernel, what Pallas cannot do faster)."""
+    return ("mosaic_gpu", "triton", "xla_ops") if hopper() else ("triton", "xla_ops")
 
 
 def backend_unavailable(backend: str, measure: str) -> str | None:

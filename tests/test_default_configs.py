@@ -76,7 +76,7 @@ def test_a_searched_config_is_whole_and_its_plan_binds():
         if c.group.signature in seen:
             continue
         seen.add(c.group.signature)
-        space = CandidateSpace.of(c.template, c.group, c.spec, costmodel.H200, ("mosaic_gpu", "triton"))
+        space = CandidateSpace.of(c.template, c.group, c.spec, costmodel.H200, ("mosaic_gpu", "triton", "xla_ops"))
         for backend, sp in space.spaces.items():
             params = space.optuna_params({"backend": backend, **sp.default})
             config = space.suggest(optuna.trial.FixedTrial(params))
@@ -84,4 +84,4 @@ def test_a_searched_config_is_whole_and_its_plan_binds():
             assert set(tmpl.params_of(backend)) <= set(config) | set(tmpl.defaults), (c.template, backend, config)
             assert bind_plan(graph, plan_from_choices(graph, [(c.group, c.template, config, c.stages)]))
             bound.add((c.template, backend))
-    assert ("matmul_reduce_vjp", "mosaic_gpu") in bound and ("matmul", "mosaic_gpu") in bound
+    assert {("matmul_reduce_vjp", "mosaic_gpu"), ("matmul", "mosaic_gpu"), ("aligned_dot", "xla_ops")} <= bound

@@ -304,7 +304,7 @@ def test_backends_this_gpu_cannot_measure_are_left_out_or_refused(monkeypatch: p
                                                                   "a Hopper GPU (compute capability 9.x) to be measured; this is NVIDIA "
                                                                   "A100-SXM4-80GB (8.0)): tuning triton")
     assert check_backends(["mosaic_gpu"], "model") == (("mosaic_gpu",), "")  # interpret mode and the model of an H200
-    assert check_backends(None, "device") == (("triton",), "")
+    assert check_backends(None, "device") == (("triton", "xla_ops"), "")  # and XLA's own operations (aligned_dot)
 
 
 # --------------------------------------------------------------------------- workers

@@ -141,13 +141,19 @@ class Template(ABC, Generic[Spec]):
             return str(e)
         return None
 
-    # The default backend's, for callers that name none (and stored plans without a "backend").
+    @property
+    def preferred_backend(self) -> str:
+        """The backend a caller naming none gets: the default one (what stored plans without a "backend" ran on), or
+        this template's first where it has no lowering there (`aligned_dot`'s is XLA's own operations)."""
+        return DEFAULT_BACKEND if DEFAULT_BACKEND in self.backends else self.backends[0]
+
+    # The preferred backend's, for callers that name none (and stored plans without a "backend").
     @property
     def params(self) -> tuple[str, ...]:
-        return self.params_of(DEFAULT_BACKEND)
+        return self.params_of(self.preferred_backend)
 
     def default_config(self, spec: Spec) -> dict:
-        return self.default_config_of(spec, DEFAULT_BACKEND)
+        return self.default_config_of(spec, self.preferred_backend)
 
     def space(self, group: Group, spec: Spec | None = None) -> dict:
-        return self.space_of(group, spec, DEFAULT_BACKEND)
+        return self.space_of(group, spec, self.preferred_backend)

@@ -1,0 +1,1 @@
+"""Lowerings that are XLA's own operations on a changed layout (no Pallas kernel): `aligned_dot`'s padded GEMM."""
