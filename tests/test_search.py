@@ -804,3 +804,27 @@ def test_a_failed_plans_record_says_why_in_one_line():
     assert why == {"error": "output 3: relative error 0.31 > 0.02"}
     long = failure(ValidationResult(TrialStatus.ERROR, error="x" * 1000))
     assert len(long["error"]) == ERROR_CHARS and long["error"].endswith("…")
+
+
+def test_a_composition_takes_every_group_that_saved_time_in_context_within_noise_too():
+    """`compose`: each group that saved time in the program joins the composed plan, judged as a whole, even where its
+    own saving is within its measurement's noise (GPT-2 medium's step: a 2.5 ms and a 1.2 ms saving, each about one
+    noise width of a 100 ms program, were left out of the composition); a group that lost time, or failed, does not."""
+    from autofuse.plan import FusedGroup, Plan
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.validate import Measured, compose
+
+    def single(sig: str, node: int) -> Plan:
+        return Plan("fp", (FusedGroup((node,), "matmul", {}, sig),))
+
+    def measured(plan: Plan, plan_ms: float, spread: float, status=TrialStatus.OK) -> Measured:
+        t = lambda ms, s: Timing(ms, ms * (1 - s), ms * (1 + s), ms * (1 - s / 2), ms * (1 + s / 2))  # noqa: E731
+        ratio = plan_ms / 100.0
+        return Measured(plan, ValidationResult(status, baseline=t(100.0, 0.0), plan=t(plan_ms, spread), ratio=t(ratio, spread)), 1.0)
+
+    singles = [single("clear", 1), single("noisy", 2), single("lost", 3), single("wrong", 4)]
+    by_sig = {"clear": measured(singles[0], 96.0, 0.01), "noisy": measured(singles[1], 99.0, 0.02),
+              "lost": measured(singles[2], 100.5, 0.01), "wrong": measured(singles[3], 90.0, 0.01, TrialStatus.WRONG_RESULT)}
+    assert by_sig["clear"].passed and not by_sig["noisy"].passed  # within noise on its own
+    composed = compose(singles[0], singles, by_sig)
+    assert composed is not None and sorted(g.signature for g in composed.groups) == ["clear", "noisy"]
