@@ -31,6 +31,8 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
         "attention": Part("benchmarks.attention_bench", "attention forward tiles (or a tuned plan) against jax.jit, cuDNN and Pallas mha"),
         "attention-grad": Part("benchmarks.attention_grad_bench", "attention forward + backward, the flash pair, against jax.jit and cuDNN"),
         "norm-grad": Part("benchmarks.norm_grad", "the layer norm's and RMS norm's backward, tuned, against jax.jit"),
+        "unaligned-gemm": Part("benchmarks.unaligned_gemm", "XLA's GEMMs at a vocabulary of unaligned rows against the same padded "
+                               "(why aligned_dot exists)"),
     }),
     "suite": ("the tuning job on every workload of benchmarks/workloads.py (held-out style), against jax.jit", {
         "tune": Part("benchmarks.tune_suite", "per workload and dtype: jax.jit, autofuse, speedup, memory floor, tuning time"),
