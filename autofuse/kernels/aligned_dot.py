@@ -17,8 +17,8 @@ import numpy as np
 from .. import costmodel
 from ..costmodel import H200, GPUModel, unaligned_dot
 from ..graph import Graph, Group, Node
-from ..ops import OpClass, op_class
 from .template import Template
+
 
 @dataclass(frozen=True)
 class AlignedDotSpec:
