@@ -806,13 +806,13 @@ def test_a_failed_plans_record_says_why_in_one_line():
     assert len(long["error"]) == ERROR_CHARS and long["error"].endswith("…")
 
 
-def test_a_composition_takes_every_group_that_saved_time_in_context_within_noise_too():
+def test_a_composition_and_an_extension_take_every_group_that_saved_time_in_context_within_noise_too():
     """`compose`: each group that saved time in the program joins the composed plan, judged as a whole, even where its
     own saving is within its measurement's noise (GPT-2 medium's step: a 2.5 ms and a 1.2 ms saving, each about one
     noise width of a 100 ms program, were left out of the composition); a group that lost time, or failed, does not."""
     from autofuse.plan import FusedGroup, Plan
     from autofuse.runner.protocol import Timing, ValidationResult
-    from autofuse.tuning.validate import Measured, compose
+    from autofuse.tuning.validate import Measured, compose, extend
 
     def single(sig: str, node: int) -> Plan:
         return Plan("fp", (FusedGroup((node,), "matmul", {}, sig),))
@@ -828,3 +828,14 @@ def test_a_composition_takes_every_group_that_saved_time_in_context_within_noise
     assert by_sig["clear"].passed and not by_sig["noisy"].passed  # within noise on its own
     composed = compose(singles[0], singles, by_sig)
     assert composed is not None and sorted(g.signature for g in composed.groups) == ["clear", "noisy"]
+
+    # `extend` the same way: the chosen plan with each extra group that saved time beside it, judged as a whole
+    judged = []
+
+    def judge(plan: Plan, what: str, k: int, n: int, ahead: list) -> Measured:
+        judged.append(plan)
+        sigs = sorted(g.signature for g in plan.groups)
+        return by_sig[sigs[0]] if len(sigs) == 1 else measured(plan, 95.0, 0.01)
+
+    extend(single("chosen", 9), singles[1:], judge)
+    assert sorted(g.signature for g in judged[-1].groups) == ["chosen", "noisy"]
