@@ -345,9 +345,10 @@ def describe_groups(plan: Plan | None) -> str:
 
 def plan_from_choices(graph: Graph, choices: Sequence[tuple], provenance: dict | None = None) -> Plan:
     """A plan of `(group, template, config)` or `(group, template, config, stages)` choices (stages: the node
-    sets of a group run in stages, empty for one unit); a config's "backend" (a tuned parameter) goes to its group."""
+    sets of a group run in stages, empty for one unit); a config's "backend" (a tuned parameter) goes to its group, and
+    a config without one runs on its template's preferred backend."""
     groups = tuple(
-        FusedGroup(tuple(c[0].node_ids), c[1], {k: v for k, v in c[2].items() if k != "backend"}, c[0].signature, c[2].get("backend", "triton"),
+        FusedGroup(tuple(c[0].node_ids), c[1], {k: v for k, v in c[2].items() if k != "backend"}, c[0].signature, c[2].get("backend", TEMPLATES[c[1]].preferred_backend),
                    tuple(tuple(sorted(st)) for st in (c[3] if len(c) > 3 else ()) or ()))
         for c in sorted(choices, key=lambda c: c[0].node_ids)
     )

@@ -33,14 +33,13 @@ class AlignedDotSpec:
 def padded_shapes(spec: AlignedDotSpec, align: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The operands' shapes padded: every dimension but a batch one whose size is over `align` and not a multiple."""
     g, nd = spec.group.graph, spec.dot
-    (_, _), (lb, rb) = nd.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = nd.params["dimension_numbers"]
 
     def up(shape: tuple[int, ...], batch: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(n if d in batch or n <= align or n % align == 0 else -(-n // align) * align for d, n in enumerate(shape))
 
     lhs, rhs = (tuple(g.aval(a).shape) for a in nd.inputs)
     out_l, out_r = up(lhs, tuple(lb)), up(rhs, tuple(rb))
-    (lc, rc), _ = nd.params["dimension_numbers"]
     for a, b in zip(lc, rc):  # a contracted pair padded alike
         n = max(out_l[a], out_r[b])
         out_l = out_l[:a] + (n,) + out_l[a + 1:]

@@ -94,8 +94,7 @@ def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Pl
     cands = enumerate_candidates(graph)
     options = [Option(c.nodes, model_cost_ms(c, model), c, c.stages) for c in cands]
     chosen = select_cover(graph, options, single_node_costs(graph, model))
-    choices = [(o.label.group, o.label.template, {**TEMPLATES[o.label.template].default_config(o.label.spec),
-                                                  "backend": TEMPLATES[o.label.template].preferred_backend}, o.label.stages) for o in chosen]
+    choices = [(o.label.group, o.label.template, TEMPLATES[o.label.template].default_config(o.label.spec), o.label.stages) for o in chosen]
     return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
 
 
