@@ -1,7 +1,8 @@
 """GPU probe: the Mosaic GPU and Triton lowerings of a template against XLA, same process, same inputs: the
 `matmul` template (and, for a plain GEMM, JAX's hand-written `hopper_matmul_mgpu`; `groupnorm`: matmul + bias +
-swish + GroupNorm(32), the epilogue reducing over 128-column segments of each product row), and the `attention`
-template (and cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`).
+swish + GroupNorm(32), the epilogue reducing over 128-column segments of each product row), the `attention`
+template (and cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`), and the
+`matmul_reduce` template on GPT-2's cross-entropy rows (the logits of a 50257 vocabulary never written).
 
 Every kernel is checked against jax.jit on the inputs before it is timed; times are medians of many back-to-back
 calls per sync over 3 rotating input sets (`runner.measure.time_fn`), with the spread (min..max of the repeats).
@@ -47,6 +48,11 @@ def highest_bias_gelu(x, w, b):  # a float32 program that asks for an exact prod
     return jax.nn.gelu(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST) + b)
 
 
+def cross_entropy_rows(x, w, t):  # GPT-2's loss per token (examples.gpt2.cross_entropy without the mean), wte as stored
+    logits = jnp.einsum("mk,nk->mn", x, w).astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.one_hot(t, logits.shape[-1]) * logits, axis=-1)
+
+
 def attention(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
@@ -74,7 +80,9 @@ WORKLOADS = {
     "bias-residual-16384x4096x1024": (bias_residual, [(16384, 4096), (4096, 1024), (1024,), (16384, 1024)]),
     "highest-f32-bias-gelu-4096^3": (highest_bias_gelu, [(4096, 4096), (4096, 4096), (4096,)]),
     "groupnorm-16384x2048x4096-G32": (matmul_bias_swish_groupnorm, [(16384, 2048), (2048, 4096), (4096,), (4096,), (4096,)]),
+    "ce-16384x1024x50257": (cross_entropy_rows, [(16384, 1024), (50257, 1024), (16384,)]),
 }
+INT_ARGS = {"ce-16384x1024x50257": (2,)}  # argument positions that are int32 (targets)
 MOSAIC = {"matmul": [
     {},  # the lowering's default
     {"max_concurrent_steps": 3},
@@ -101,6 +109,14 @@ MOSAIC = {"matmul": [
     {"block_m": 64, "wg_dimension": 1, "max_concurrent_steps": 2, "block_k": 128},  # 256-byte K steps, 2-deep ring
     {"grid_tile_width": 4},
     {"grid_tile_width": 16},
+], "matmul_reduce": [
+    {},  # the lowering's default: 2 x 128 rows, 128-column steps, 32-column epilogue pieces, 4-deep ring, split 2
+    {"epi_tile": 64},
+    {"epi_tile": 128},
+    {"block_m": 64, "block_n": 256, "epi_tile": 64},
+    {"split": 1},
+    {"split": 4},
+    {"max_concurrent_steps": 3, "block_k": 64},
 ], "attention": [
     {},
     {"semantics": 0},
@@ -115,14 +131,20 @@ TRITON_F32 = {"matmul": [{"block_m": 128, "block_n": 128, "block_k": 32, "num_wa
                                                 (64, 64, 4, 1), (128, 64, 8, 1)]]}
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
-          "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}
+          "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},
+          "matmul_reduce": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "split": 1}}
 
 
-def _group(fn, shapes, dtype=BF16):
+def arg_specs(name: str, shapes, dtype=BF16) -> list[jax.ShapeDtypeStruct]:
+    """The workload's arguments: `dtype`, but int32 at its `INT_ARGS` positions."""
+    return [jax.ShapeDtypeStruct(s, jnp.int32 if i in INT_ARGS.get(name, ()) else dtype) for i, s in enumerate(shapes)]
+
+
+def _group(fn, specs):
     """The whole program as one group (a lone dot is no candidate of the tuner, but the matmul template runs it)."""
-    graph = autofuse.capture(fn, *[jax.ShapeDtypeStruct(s, dtype) for s in shapes])
+    graph = autofuse.capture(fn, *specs)
     group = Group.of(graph, [n.id for n in graph.nodes])
-    name = next(n for n in ("attention", "matmul") if TEMPLATES[n].match(group) is not None)
+    name = next(n for n in ("attention", "matmul", "matmul_reduce") if TEMPLATES[n].match(group) is not None)
     return graph, Candidate(group, name, TEMPLATES[name].match(group))
 
 
@@ -139,7 +161,7 @@ def main(argv=None) -> int:
     for name, (fn, shapes) in WORKLOADS.items():
         if a.only and not any(name.startswith(p) for p in a.only.split(",")):
             continue
-        graph, cand = _group(fn, shapes, DTYPES.get(name, BF16))
+        graph, cand = _group(fn, arg_specs(name, shapes, DTYPES.get(name, BF16)))
         tmpl = TEMPLATES[cand.template]
         kind = "groupnorm" if cand.template == "matmul" and cand.spec.seg else cand.template  # the configs to try
         g = cand.group
@@ -147,7 +169,7 @@ def main(argv=None) -> int:
         sets = [random_inputs(avals, 100 + k) for k in range(3)]
         ref = jax.jit(lambda *xs: g.evaluate(xs))
         tol = cone_tolerances(graph, g.node_ids, g.outputs)
-        if cand.template == "matmul":
+        if cand.template in ("matmul", "matmul_reduce"):
             flops = 2.0 * cand.spec.M * cand.spec.N * cand.spec.K
         else:
             B, H, L, D = shapes[0]

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from autofuse.kernels import TEMPLATES
-from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group
+from autofuse.runner.measure import random_inputs
+from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group, arg_specs
 
 
 def main(argv=None) -> None:
@@ -34,13 +35,12 @@ def main(argv=None) -> None:
         k = jax.jit(lambda x, w: hm.matmul(x, w, None, c))
         cfg = c
     else:
-        _, cand = _group(fn, shapes, DTYPES.get(a.workload, jnp.bfloat16))
+        _, cand = _group(fn, arg_specs(a.workload, shapes, DTYPES.get(a.workload, jnp.bfloat16)))
         tmpl = TEMPLATES[cand.template]
         base = tmpl.default_config_of(cand.spec, "mosaic_gpu") if a.backend == "mosaic_gpu" else {}
         cfg = {**base, **json.loads(a.config)}
         k = jax.jit(tmpl.build(cand.group, cfg, backend=a.backend, spec=cand.spec))
-    keys = jax.random.split(jax.random.key(0), len(shapes))
-    xs = [jax.random.normal(kk, s, DTYPES.get(a.workload, jnp.bfloat16)) for kk, s in zip(keys, shapes)]
+    xs = random_inputs(arg_specs(a.workload, shapes, DTYPES.get(a.workload, jnp.bfloat16)), 0)
     for _ in range(4):
         jax.block_until_ready(k(*xs))
     print("config", cfg)
