@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ...graph import Group
 from .tiles import Unsupported
 
 SMEM_LIMIT = 232448  # bytes of shared memory per CTA on an H100/H200 (the Mosaic GPU error message's max_smem_bytes)
@@ -26,6 +27,46 @@ SMEM_MARGIN = 2048  # barriers and alignment (`matmul.smem_bytes` is within ~1.1
 SMEM_ALIGNMENT = 1024  # Mosaic GPU rounds every SMEM allocation (each ref of a run_scoped) up to this many bytes
 BARRIER_BYTES = 8  # an mbarrier
 REDUCTION_SCRATCH = 2048  # SMEM Mosaic GPU reserves when a kernel has any reduction (CompilerParams.reduction_scratch_bytes)
+
+
+#: Primitives whose approximate form under `CompilerParams(approx_math=True)` is coarse: `tanh.approx.f32`, about
+#: 2^-11 relative. The others it changes in a float32 epilogue are exp and log (`ex2.approx` / `lg2.approx` of the
+#: argument times log2(e): about 2^-22 relative plus that product's rounding, a few float32 ulps).
+COARSE_APPROX = frozenset({"tanh"})
+
+
+def approximate_math(group: Group) -> bool:
+    """Whether a Mosaic GPU epilogue may use the GPU's approximate transcendentals: where every output of the group
+    is a 16-bit float, whose own rounding (2^-9 relative for bfloat16) is coarser than any of them; or where the
+    group has none of the coarse ones (`COARSE_APPROX`) and every output is computed from a 16-bit float inside it,
+    so that it carries that float's error and is checked at its bound (`runner.measure.cone_tolerances`): GPT-2's
+    cross-entropy rows, float32 from bf16 logits. On an H100 the exact tanh made the GEMM + bias + GELU kernel 1.16x
+    slower at K = 1024 (results/gemm_epilogue_h100.md); the exact exp was a quarter of the cross-entropy kernel's
+    instructions. A float32 program keeps the exact functions."""
+    avals = group.graph.avals
+    low = lambda v: np.dtype(avals[v].dtype) in LOW  # noqa: E731
+    if all(low(v) for v in group.outputs):
+        return True
+    if any(nd.name in COARSE_APPROX for nd in group.nodes):
+        return False
+    members = {nd.id for nd in group.nodes}
+    producer = group.graph.producer
+
+    def from_low(v: int) -> bool:
+        seen, todo = set(), [v]
+        while todo:
+            x = todo.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if low(x):
+                return True
+            nid = producer.get(x)
+            if nid is not None and nid in members:
+                todo.extend(a for a in group.graph.node_index[nid].inputs if isinstance(a, int))
+        return False
+
+    return all(isinstance(v, int) and from_low(v) for v in group.outputs)
 
 
 def require_smem(need: int) -> None:

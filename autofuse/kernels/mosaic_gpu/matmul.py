@@ -66,7 +66,7 @@ from ...graph import Group
 from ..matmul import MatmulSpec
 from ..tile_eval import product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
-from .gemm import require_smem
+from .gemm import approximate_math, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
 from .gemm import smem_transforms as _tf, tile_transforms as _tile_tf
@@ -287,15 +287,6 @@ def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
 
 # ---------------------------------------------------------------------------
 # The lowering.
-def approximate_math(group: Group) -> bool:
-    """Whether the epilogue may use the GPU's approximate transcendentals (`tanh.approx`, `ex2.approx`: relative
-    error about 2^-11): only where every output of the group is a 16-bit float, whose own rounding (2^-9 relative for
-    bfloat16) is coarser. On an H100 the exact tanh made the GEMM + bias + GELU kernel 1.16x slower at K = 1024
-    (results/gemm_epilogue_h100.md). A float32 output keeps the exact functions."""
-    dts = [np.dtype(group.graph.avals[v].dtype) for v in group.outputs]
-    return all(jnp.issubdtype(d, jnp.floating) and d.itemsize == 2 for d in dts)
-
-
 def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_sms: int | None = None,
           approx_math: bool | None = None) -> Callable:
     """A function of the group's inputs (in `group.inputs` order) giving its outputs (in `group.outputs` order).
@@ -306,7 +297,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     `num_sms`: CTAs of the persistent grid (at most one per output tile); None: the device's SM count
     (132 on an H100), read when the function is traced. Interpret mode runs the CTAs one after another, so
     a small number there only changes which CTA does which tile.
-    `approx_math`: None decides by the group's output dtypes (`approximate_math`); a bool forces it (benchmarks).
+    `approx_math`: None decides by the group's dtypes (`gemm.approximate_math`); a bool forces it (benchmarks).
     Raises `Unsupported` (a NotImplementedError) for what this lowering does not do.
     """
     if spec is None:

@@ -24,7 +24,8 @@ arrays), walked in [rows, epi_tile] pieces, each folded into the running
 reductions with the online rescaling the spec describes (`spec.scale`:
 `sum(exp(x - max))` rescales by exp(max_old - max_new), as in
 attention_mgpu). Columns past the loop's extent (ragged N or L, TMA
-zero-filled) are masked to the reduction's identity. The running values live
+zero-filled) are masked to the reduction's identity, in the steps that reach
+past it only (a branch per step). The running values live
 in SMEM between steps (a few hundred bytes per warpgroup); the step pipelines
 of one CTA are chained (`pipeline_state` START / STEADY / STOP) so the
 producer fetches the next step's tiles while the consumers run the epilogue
@@ -40,7 +41,8 @@ Epilogue inputs are vectors (a target index per row, a bias per column, a
 mask per sequence position) or scalars: vectors are copied by TMA into SMEM
 each step and read in the WGMMA row / column layouts; `is_finite` (in every
 logsumexp) and `log1p` (SPLADE), which the Mosaic GPU lowering lacks, are
-computed from primitives it has.
+computed from primitives it has. Transcendentals are the GPU's approximate ones where the
+group's dtypes allow (`gemm.approximate_math`).
 
 float32 operands run as TF32, which takes K-major operands only: XLA transposes
 a [K, N] B (over L: a [K, N] W read as the kernel's A) outside the kernel.
@@ -77,7 +79,7 @@ from ..tile_eval import product_tile
 from ..tiling import Span, TileSpec, cdiv
 from .gemm import (BARRIER_BYTES, LOW, REDUCTION_SCRATCH, SMEM_LIMIT, Operands, check_operand_tiles, compute_dtype,
                    from_kernel, interpret_params, kernel_dtype, num_sms_default, pad, pad_to, smem_alloc)
-from .gemm import require_smem
+from .gemm import approximate_math, require_smem
 from .tiles import COLS, FULL, ROWS, RegisterTiles, Unsupported, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
@@ -547,6 +549,21 @@ class _Kernel:
         for nd, kind, dt, sm in zip(self.reds, self.kinds, self.carry_dt, carry_smem):
             ident = jnp.asarray(ops.reduction_identity(kind, dt))
             carry.append(jnp.where(first, ident, plgpu.load(sm.at[wg], layout=layout(ROWS))))
+        fold = functools.partial(self._fold, env, carry, acc, j, q, s, wg, wg_r0, col0, pos, vec_smem, carry_smem, out_smem, out_gmem)
+        if not self.masked:
+            fold(False)
+            return
+        # Only a step that runs past the reduced axis's extent masks its columns (three selects per element in the
+        # cross-entropy's epilogue, every step, before): the branch is per step, the same for the whole warpgroup.
+        ragged = pos + self.step > self.C
+        pl.when(ragged)(functools.partial(fold, True))
+        pl.when(jnp.logical_not(ragged))(functools.partial(fold, False))
+
+    def _fold(self, env, carry, acc, j, q, s, wg, wg_r0, col0, pos, vec_smem, carry_smem, out_smem, out_gmem, masked: bool):
+        """`epilogue`'s work on the step's product: each piece folded into the running reductions (`carry`, loaded),
+        kept in SMEM; after the unit's last step the outputs. `masked`: the columns past the extent count as the
+        reductions' identities."""
+        g, tiles, bm, en = self.g, self.tiles, self.bm, self.en
         for i in range(self.step // en):
             c0 = col0 + i * en  # the piece's first column in the reduced space (iota)
             local = dict(env)
@@ -556,7 +573,7 @@ class _Kernel:
                     part = plgpu.load(vec_smem[x.v].at[wg, pl.ds(i * en, en)], layout=layout(COLS))
                     local[x.v] = from_kernel(part, g.avals[x.v].dtype)
             ok = None
-            if self.masked:
+            if masked:
                 idx = plgpu.broadcasted_iota(jnp.int32, (en,), 0, layout=layout(COLS)) + (pos + i * en)
                 ok = lax.broadcast_in_dim(idx < self.C, (bm, en), (1,))
             old = None
@@ -636,7 +653,8 @@ class _Kernel:
             sms = num_sms if num_sms is not None else num_sms_default()
             call = plgpu.kernel(
                 self.body, out_type=out_type, grid=(max(1, min(sms, units)),), grid_names=("sm",), num_threads=3,
-                thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+                thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=approximate_math(group), lowering_semantics=plgpu.LoweringSemantics.Lane),
                 interpret=interp, kernel_name=name)
             res = call(*args)
             res = list(res) if isinstance(res, (list, tuple)) else [res]
