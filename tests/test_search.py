@@ -806,6 +806,25 @@ def test_a_failed_plans_record_says_why_in_one_line():
     assert len(long["error"]) == ERROR_CHARS and long["error"].endswith("…")
 
 
+def test_groups_judged_in_context_are_apart_before_they_are_alternatives():
+    """`group_plans`: the groups tried one by one in context, the largest savings alone first, but a group that shares
+    nodes with one already taken (another fusion of the same GEMM) waits until every group apart from them is in:
+    GPT-2's step spent two of its five on one MLP GEMM's two fusions and never tried the padded dW GEMM."""
+    from autofuse.plan import FusedGroup, Plan
+    from autofuse.tuning.validate import MAX_IN_CONTEXT, group_plans
+
+    def g(sig: str, *nodes: int) -> FusedGroup:
+        return FusedGroup(nodes, "matmul", {}, sig)
+
+    apart = [g(f"apart{k}", 100 + k) for k in range(MAX_IN_CONTEXT)]
+    plan = Plan("fp", (g("big", 1, 2), g("variant", 2, 3), *apart))
+    alone = {"big": 9.0, "variant": 8.0, **{f"apart{k}": 5.0 - k for k in range(MAX_IN_CONTEXT)}}
+    sigs = [p.groups[0].signature for p in group_plans(plan, None, alone)]
+    assert sigs == ["big"] + [f"apart{k}" for k in range(MAX_IN_CONTEXT - 1)]
+    few = Plan("fp", (g("big", 1, 2), g("variant", 2, 3), g("apart0", 100)))
+    assert [p.groups[0].signature for p in group_plans(few, None, alone)] == ["big", "apart0", "variant"]
+
+
 def test_a_composition_and_an_extension_take_every_group_that_saved_time_in_context_within_noise_too():
     """`compose`: each group that saved time in the program joins the composed plan, judged as a whole, even where its
     own saving is within its measurement's noise (GPT-2 medium's step: a 2.5 ms and a 1.2 ms saving, each about one

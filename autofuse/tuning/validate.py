@@ -387,7 +387,10 @@ def plan_alone_ms(plan: Plan, alone: dict[str, float]) -> float:
 
 def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -> list[Plan]:
     """One plan per distinct group of `plan` and of `alternative` (its instances in that plan), the largest savings
-    alone first, at most MAX_IN_CONTEXT; none where `plan` has one distinct group and `alternative` nothing else."""
+    alone first, at most MAX_IN_CONTEXT; none where `plan` has one distinct group and `alternative` nothing else.
+    A group that shares nodes with one of larger saving (another fusion of the same GEMM) comes after every group
+    that does not: GPT-2's step once spent two of its five on two fusions of one MLP GEMM, and never tried a padded
+    LM-head GEMM that had saved 1.7 ms in context before."""
     groups: dict[str, list] = {}
     for source in (plan, alternative):
         if source is None:
@@ -399,8 +402,14 @@ def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -
             groups.setdefault(sig, gs)
     if len(groups) <= 1:
         return []
-    order = sorted(groups, key=lambda sig: -alone.get(sig, 0.0) * len(groups[sig]))[:MAX_IN_CONTEXT]
-    return [Plan(plan.fingerprint, tuple(groups[sig]), dict(plan.provenance)) for sig in order]
+    order = sorted(groups, key=lambda sig: -alone.get(sig, 0.0) * len(groups[sig]))
+    taken: set[int] = set()
+    apart, overlapping = [], []
+    for sig in order:
+        nodes = {n for g in groups[sig] for n in g.nodes}
+        (overlapping if nodes & taken else apart).append(sig)
+        taken |= nodes
+    return [Plan(plan.fingerprint, tuple(groups[sig]), dict(plan.provenance)) for sig in (apart + overlapping)[:MAX_IN_CONTEXT]]
 
 
 def compose(plan: Plan, singles: list[Plan], measured: dict[str, Measured]) -> Plan | None:
