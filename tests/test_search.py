@@ -825,6 +825,50 @@ def test_groups_judged_in_context_are_apart_before_they_are_alternatives():
     assert [p.groups[0].signature for p in group_plans(few, None, alone)] == ["big", "apart0", "variant"]
 
 
+def test_a_group_that_lost_in_context_gives_way_to_the_next_plan_of_savings_alone():
+    """`replace_losers`: after the groups were judged one by one in context, those that lost time there are left out
+    of the plan of the largest savings alone (`replan`), its groups not judged yet are tried in context, and every
+    group that saved time so far is composed and judged as a whole. GPT-2's step: the cross-entropy pair (3.9 ms
+    alone) lost 1.9 ms in context, and the padded logits GEMM it displaced was never tried."""
+    from autofuse.plan import FusedGroup, Plan
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.validate import Measured, replace_losers
+
+    def plan(*groups: tuple[str, tuple[int, ...]]) -> Plan:
+        return Plan("fp", tuple(FusedGroup(nodes, "matmul", {}, sig) for sig, nodes in groups))
+
+    saving = {"pair": -2.0, "dx": 4.0, "logits": 1.1, "wide": 0.5}  # in context, ms of a 100 ms program
+    judged: list[Plan] = []
+
+    def judge(p: Plan, what: str, k: int, n: int, ahead: list) -> Measured:
+        judged.append(p)
+        ms = 100.0 - sum(saving[g.signature] for g in p.groups)
+        t = Timing(ms, ms * 0.99, ms * 1.01, ms * 0.995, ms * 1.005)
+        m = Measured(p, ValidationResult(TrialStatus.OK, baseline=Timing(100.0, 99, 101, 99.5, 100.5), plan=t,
+                                         ratio=Timing(ms / 100, ms / 100, ms / 100, ms / 100, ms / 100)), 0.0)
+        measured.append(m)
+        return m
+
+    measured: list[Measured] = []
+    pair, dx = plan(("pair", (1, 2, 3))), plan(("dx", (5,)))
+    judge(pair, "", 1, 1, []), judge(dx, "", 1, 1, [])
+    asked = []
+
+    def replan(losers: frozenset[str]) -> Plan:
+        asked.append(losers)
+        return plan(("logits", (1,)), ("dx", (5,)), ("wide", (2, 9)))
+
+    replace_losers(dx, measured, replan, {"logits": 4.7, "wide": 1.0, "dx": 6.3}, judge)
+    assert asked == [frozenset({"pair"})]
+    tried = [p.groups[0].signature for p in judged[2:-1]]
+    assert tried == ["logits", "wide"]  # dx was judged already; the largest saving alone first
+    assert sorted(g.signature for g in judged[-1].groups) == ["dx", "logits", "wide"]  # all that saved time, composed
+
+    judged.clear()
+    replace_losers(dx, [measured[1]], replan, {}, judge)  # nothing lost in context: nothing more is tried
+    assert judged == []
+
+
 def test_a_composition_and_an_extension_take_every_group_that_saved_time_in_context_within_noise_too():
     """`compose`: each group that saved time in the program joins the composed plan, judged as a whole, even where its
     own saving is within its measurement's noise (GPT-2 medium's step: a 2.5 ms and a 1.2 ms saving, each about one

@@ -97,10 +97,15 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
     alternative = savings_plan(graph, by_sig, cands, model) if measure == "device" else None
+
+    def replan(losers: frozenset[str]) -> Plan:  # the plan of the largest savings alone without groups that lost in context
+        return savings_plan(graph, by_sig, [r for r in cands if r.signature not in losers], model)
+
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                      timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes)
+                      timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
+                      replan=replan if measure == "device" else None)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
@@ -124,7 +129,8 @@ def _could_be_chosen(r: CandidateState, by_sig: dict[str, list[Candidate]], mode
 def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, cands: list[CandidateState], n_trials: int,
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
-             alternative: Plan | None = None, max_memory_bytes: int | None = None) -> TuneReport:
+             alternative: Plan | None = None, max_memory_bytes: int | None = None,
+             replan: Callable[[frozenset[str]], Plan] | None = None) -> TuneReport:
     """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
@@ -132,13 +138,15 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     REALISED_ENOUGH of its groups' savings alone, only the groups of `alternative` (the plan of the largest savings
     alone: `select.savings_plan`) that it lacks are tried beside it (`extend`); else each of its distinct groups
     and of `alternative`'s, the largest savings alone first, as a plan of its own, and then the plan of the groups
-    that saved time in the program (`probe`). The fastest is kept (a later one only if faster beyond the noise of
-    both). With the model, the chosen plan or the first smaller plan (`smaller_plans`) that passes. None passes:
+    that saved time in the program (`probe`); where some of those lost time there, `replan` (the plan of the largest
+    savings alone without them) gives the groups to try in their stead (`replace_losers`). The fastest is kept (a
+    later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan (`smaller_plans`) that passes. None passes:
     XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
     """
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                           timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes)
+                           timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
+                           replan=replan)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned = cover.baseline_ms, cover.tuned_ms
@@ -216,7 +224,7 @@ class Measured:
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
                 on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
-                max_memory_bytes: int | None) -> TuneReport:
+                max_memory_bytes: int | None, replan: Callable[[frozenset[str]], Plan] | None = None) -> TuneReport:
     """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
     time in the program together (see `validate`).
 
@@ -279,6 +287,8 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         extend(plan, [p for p in group_plans(plan, alternative, alone) if _beside(p, plan)], judge)
     else:
         probe(plan, chosen, group_plans(plan, alternative, alone), judge, measured)
+        if replan is not None:
+            replace_losers(plan, measured, replan, alone, judge)
     if best is None:
         timed = next((m for m in measured if m.validation.baseline is not None), None)
         m = timed or Measured(plan, runner.call(ValidateRequest(Plan(graph.fingerprint, ()).to_json())), 0.0)
@@ -321,6 +331,31 @@ def extend(plan: Plan, extras: list[Plan], judge: Callable[..., Measured]) -> No
     if saved:
         more = Plan(plan.fingerprint, tuple(plan.groups) + tuple(g for m in saved for g in m.plan.groups), dict(plan.provenance))
         judge(more, "the chosen plan and the groups that saved time beside it", total, total, [more])
+
+
+MAX_REPLACEMENTS = 3  # groups tried in context in place of those that lost there (`replace_losers`)
+
+
+def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[frozenset[str]], Plan], alone: dict[str, float],
+                   judge: Callable[..., Measured]) -> None:
+    """Groups that lost time in the program give way: the plan of the largest savings alone without them (`replan`)
+    may hold other fusions of their nodes, and its groups not judged yet are tried in context, at most
+    MAX_REPLACEMENTS, the largest savings alone first; then the groups that saved time in context, all of them so
+    far, composed (`compose`) and judged as a whole where that plan is new. GPT-2's step: the cross-entropy pair
+    saved 3.9 ms alone and lost 1.9 in context, and the padded logits GEMM it had displaced from the plan of the
+    largest savings alone (1.1 ms in context in an earlier run) was never tried."""
+    singles = {m.plan.groups[0].signature: m for m in measured if len({g.signature for g in m.plan.groups}) == 1}
+    losers = frozenset(sig for sig, m in singles.items() if not m.saved_time)
+    if not losers:
+        return
+    todo = [p for p in distinct_groups([replan(losers)], alone) if p.groups[0].signature not in singles][:MAX_REPLACEMENTS]
+    total = len(todo) + 1
+    for k, single in enumerate(todo):
+        singles[single.groups[0].signature] = judge(single, "a group in place of those that lost in context", k + 1, total,
+                                                    todo if k == 0 else [])
+    composed = compose(plan, [m.plan for m in singles.values()], singles) if todo else None
+    if composed is not None and not any(_same_groups(composed, m.plan) for m in measured):
+        judge(composed, "the groups that saved time in context", total, total, [composed])
 
 
 def _beside(extra: Plan, plan: Plan) -> bool:
@@ -386,22 +421,26 @@ def plan_alone_ms(plan: Plan, alone: dict[str, float]) -> float:
 
 
 def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -> list[Plan]:
-    """One plan per distinct group of `plan` and of `alternative` (its instances in that plan), the largest savings
-    alone first, at most MAX_IN_CONTEXT; none where `plan` has one distinct group and `alternative` nothing else.
-    A group that shares nodes with one of larger saving (another fusion of the same GEMM) comes after every group
-    that does not: GPT-2's step once spent two of its five on two fusions of one MLP GEMM, and never tried a padded
-    LM-head GEMM that had saved 1.7 ms in context before."""
+    """One plan per distinct group of `plan` and of `alternative` (`distinct_groups`), at most MAX_IN_CONTEXT; none
+    where `plan` has one distinct group and `alternative` nothing else."""
+    plans = distinct_groups([plan, alternative], alone)
+    return plans[:MAX_IN_CONTEXT] if len(plans) > 1 else []
+
+
+def distinct_groups(sources: list[Plan | None], alone: dict[str, float]) -> list[Plan]:
+    """One plan per distinct group of the `sources` (its instances in the first source that has it), the largest
+    savings alone first. A group that shares nodes with one of larger saving (another fusion of the same GEMM) comes
+    after every group that does not: GPT-2's step once spent two of its five tries in context on two fusions of one
+    MLP GEMM, and never tried a padded LM-head GEMM that had saved 1.7 ms in context before."""
     groups: dict[str, list] = {}
-    for source in (plan, alternative):
+    for source in sources:
         if source is None:
             continue
-        mine = {}
+        mine: dict[str, list] = {}
         for g in source.groups:
             mine.setdefault(g.signature, []).append(g)
         for sig, gs in mine.items():
             groups.setdefault(sig, gs)
-    if len(groups) <= 1:
-        return []
     order = sorted(groups, key=lambda sig: -alone.get(sig, 0.0) * len(groups[sig]))
     taken: set[int] = set()
     apart, overlapping = [], []
@@ -409,7 +448,9 @@ def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -
         nodes = {n for g in groups[sig] for n in g.nodes}
         (overlapping if nodes & taken else apart).append(sig)
         taken |= nodes
-    return [Plan(plan.fingerprint, tuple(groups[sig]), dict(plan.provenance)) for sig in (apart + overlapping)[:MAX_IN_CONTEXT]]
+    fingerprint = next(src.fingerprint for src in sources if src is not None)
+    provenance = next(dict(src.provenance) for src in sources if src is not None)
+    return [Plan(fingerprint, tuple(groups[sig]), provenance) for sig in apart + overlapping]
 
 
 def compose(plan: Plan, singles: list[Plan], measured: dict[str, Measured]) -> Plan | None:
