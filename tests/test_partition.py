@@ -12,7 +12,7 @@ import pytest
 import autofuse
 from autofuse import ops
 from autofuse.tuning import partition
-from autofuse.graph import Graph
+from autofuse.graph import Graph, Group
 from autofuse.kernels import TEMPLATES
 from autofuse.runner.measure import check
 from autofuse.ops import OpClass
@@ -113,6 +113,8 @@ def test_candidates_are_convex_connected_and_fusible(fn, shapes):
         assert all(ops.op_class(graph.node_index[i].name) in ops.FUSIBLE for i in members)
         assert c.template in TEMPLATES and TEMPLATES[c.template].match(c.group) is not None
         assert c.group.outputs
+        of = Group.of(graph, c.group.node_ids)  # enumeration builds its groups in one pass of its own: the same group
+        assert (c.group.inputs, c.group.outputs) == (of.inputs, of.outputs) and c.group.signature == of.signature
         assert len(members) <= partition.MAX_GROUP_SIZE
         seen.add(frozenset(members))
     assert len(seen) == len(cands)  # no duplicates

@@ -286,12 +286,10 @@ def _candidate(graph: Graph, mask: int, matched: dict[tuple, tuple[str, int] | N
     The group's inputs, outputs and structure come from one pass over its nodes (GPT-2 medium's training step
     passes 123k groups while enumerating: `Group.of` and a separate renaming were half of its time)."""
     ids = _bits(mask)
-    computes = graph.extra.get("computes")
-    if computes is None:
-        computes = graph.extra["computes"] = {n.id: ops.op_class(n.name) in (OpClass.ELEMENTWISE, OpClass.REDUCTION) for n in graph.nodes}
+    computes, readers, texts = _node_facts(graph)
     if not any(computes[i] for i in ids):
         return None
-    index, cons, returned = graph.node_index, graph.consumers, graph.output_values
+    index = graph.node_index
     inputs: dict[int, int] = {}  # value -> position, in order of first use (as `Group.of`)
     made: dict[int, int] = {}  # value made inside -> position
     body = []
@@ -306,10 +304,10 @@ def _candidate(graph: Graph, mask: int, matched: dict[tuple, tuple[str, int] | N
                 wiring.append(made[a])
             else:
                 wiring.append(~inputs.setdefault(a, len(inputs)))
-        body.append((_op_text(graph, i), tuple(wiring)))
+        body.append((texts[i], tuple(wiring)))
         for v in nd.outputs:
             made[v] = len(made)
-            if v in returned or any(not mask >> c & 1 for c in cons.get(v, ())):
+            if readers[v] & ~mask:
                 outs.append(v)
     if not outs:
         return None
@@ -325,6 +323,20 @@ def _candidate(graph: Graph, mask: int, matched: dict[tuple, tuple[str, int] | N
     if key is not None:
         matched[key] = (m[0], reductions) if m else None
     return Candidate(group, m[0], m[1], reductions=reductions) if m else None
+
+
+def _node_facts(graph: Graph) -> tuple[dict[int, bool], dict[int, int], dict[int, str]]:
+    """Per node, whether it computes (elementwise or a reduction: a group of layout ops alone is no candidate); per
+    value, the nodes outside a group that would make it an output (its readers as a bitmask, every bit set where the
+    graph returns it); per node, `_op_text`. Made once per graph (`graph.extra`)."""
+    facts = graph.extra.get("node_facts")
+    if facts is None:
+        computes = {n.id: ops.op_class(n.name) in (OpClass.ELEMENTWISE, OpClass.REDUCTION) for n in graph.nodes}
+        beyond = 1 << (max((n.id for n in graph.nodes), default=0) + 1)  # a bit no group has: the program's reader
+        readers = {v: sum(1 << c for c in set(graph.consumers.get(v, ()))) | (beyond if v in graph.output_values else 0)
+                   for n in graph.nodes for v in n.outputs}
+        facts = graph.extra["node_facts"] = (computes, readers, {n.id: _op_text(graph, n.id) for n in graph.nodes})
+    return facts
 
 
 def _op_text(graph: Graph, node_id: int) -> str:
