@@ -856,12 +856,12 @@ def test_a_group_that_lost_in_context_gives_way_to_the_next_plan_of_savings_alon
 
     def replan(losers: frozenset[str]) -> Plan:
         asked.append(losers)
-        return plan(("logits", (1,)), ("dx", (5,)), ("wide", (2, 9)))
+        return plan(("logits", (1,)), ("dx", (5,)), ("wide", (2, 9)), ("elsewhere", (7,)))
 
-    replace_losers(dx, measured, replan, {"logits": 4.7, "wide": 1.0, "dx": 6.3}, judge)
+    replace_losers(dx, measured, replan, {"logits": 4.7, "wide": 1.0, "dx": 6.3, "elsewhere": 9.0}, judge)
     assert asked == [frozenset({"pair"})]
     tried = [p.groups[0].signature for p in judged[2:-1]]
-    assert tried == ["logits", "wide"]  # dx was judged already; the largest saving alone first
+    assert tried == ["logits", "wide"]  # dx judged already, `elsewhere` takes no node of the pair's; largest saving first
     assert sorted(g.signature for g in judged[-1].groups) == ["dx", "logits", "wide"]  # all that saved time, composed
 
     judged.clear()

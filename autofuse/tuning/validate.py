@@ -339,16 +339,18 @@ MAX_REPLACEMENTS = 3  # groups tried in context in place of those that lost ther
 def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[frozenset[str]], Plan], alone: dict[str, float],
                    judge: Callable[..., Measured]) -> None:
     """Groups that lost time in the program give way: the plan of the largest savings alone without them (`replan`)
-    may hold other fusions of their nodes, and its groups not judged yet are tried in context, at most
-    MAX_REPLACEMENTS, the largest savings alone first; then the groups that saved time in context, all of them so
-    far, composed (`compose`) and judged as a whole where that plan is new. GPT-2's step: the cross-entropy pair
+    may hold other fusions of their nodes, and those of its groups that share nodes with them and were not judged
+    yet are tried in context, at most MAX_REPLACEMENTS, the largest savings alone first; then the groups that saved
+    time in context, all of them so far, composed (`compose`) and judged as a whole where that plan is new. GPT-2's step: the cross-entropy pair
     saved 3.9 ms alone and lost 1.9 in context, and the padded logits GEMM it had displaced from the plan of the
     largest savings alone (1.1 ms in context in an earlier run) was never tried."""
     singles = {m.plan.groups[0].signature: m for m in measured if len({g.signature for g in m.plan.groups}) == 1}
     losers = frozenset(sig for sig, m in singles.items() if not m.saved_time)
     if not losers:
         return
-    todo = [p for p in distinct_groups([replan(losers)], alone) if p.groups[0].signature not in singles][:MAX_REPLACEMENTS]
+    lost_nodes = {n for sig in losers for g in singles[sig].plan.groups for n in g.nodes}
+    todo = [p for p in distinct_groups([replan(losers)], alone) if p.groups[0].signature not in singles
+            and any(n in lost_nodes for g in p.groups for n in g.nodes)][:MAX_REPLACEMENTS]
     total = len(todo) + 1
     for k, single in enumerate(todo):
         singles[single.groups[0].signature] = judge(single, "a group in place of those that lost in context", k + 1, total,
