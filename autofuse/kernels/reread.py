@@ -213,6 +213,7 @@ def candidate_groups(graph: Graph, fusible: Callable[[int], bool], grow: Callabl
     nodes, stage 1, stage 2) where `template` matches it, with that match and its stages: `()` where the group is convex and
     runs as one unit, else the forward then the backward, each convex (a training step)."""
     out = []
+    declined: set[tuple] = set()  # structures (with their stages) `template` did not take: a repeated layer's dots
     for nd in graph.nodes:
         if op_class(nd.name) is not OpClass.CONTRACTION:
             continue
@@ -221,8 +222,13 @@ def candidate_groups(graph: Graph, fusible: Callable[[int], bool], grow: Callabl
             continue
         members, first, second = parts
         group = Group.of(graph, sorted(members))
+        at = {i: k for k, i in enumerate(group.node_ids)}
+        shape = (group.signature, tuple(sorted(at[i] for i in first if i in at)), tuple(sorted(at[i] for i in second if i in at)))
+        if shape in declined:  # matched once per layer's structure, not once per layer (0.1 s each in GPT-2's step)
+            continue
         spec = template.match(group)
         if spec is None:
+            declined.add(shape)
             continue
         if convex(graph, members):
             out.append((group, spec, ()))
