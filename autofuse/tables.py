@@ -141,7 +141,9 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
         saved = sel.get("composition") or []
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
-            lines.append(f"  plan {i + 1} ({plural(p.get('groups') or 0, 'group')}, {p.get('status')}): {p.get('seconds', 0):.2f}"
+            what = saved[i].get("what") if i < len(saved) and isinstance(saved[i], dict) else None
+            lines.append(f"  plan {i + 1} ({what + ': ' if what else ''}{plural(p.get('groups') or 0, 'group')}, {p.get('status')}): "
+                         f"{p.get('seconds', 0):.2f}"
                          + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else "")
                          + (f"; why: {p['error']}" if p.get("error") else ""))
     return lines

@@ -485,6 +485,7 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
     assert out.plan.provenance["realised_ms"] == pytest.approx(1.1)
     records = timings["composition"]
     assert len(records) == 5 and records[-1]["realised_ms"] == pytest.approx(1.1) and all(r["alone_ms"] is not None for r in records)
+    assert [r["what"] for r in records] == ["the chosen plan"] + ["one group in context"] * 3 + ["the groups that saved time in context"]
 
 
 @pytest.mark.slow

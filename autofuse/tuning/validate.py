@@ -186,6 +186,7 @@ class Measured:
     plan: Plan
     validation: ValidationResult
     alone_ms: float
+    what: str = ""  # why it was validated: "the chosen plan", "one group in context", ... (the run's record says it)
 
     @property
     def passed(self) -> bool:
@@ -216,7 +217,7 @@ class Measured:
 
     def record(self) -> dict:
         """What the plan's provenance and the run keep of it (`composition`), with why it failed where it did."""
-        return {"groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
+        return {"what": self.what, "groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
                 "alone_ms": round(self.alone_ms, 4), "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
                 "noise": round(self.noise, 4), "status": self.validation.status.value, **failure(self.validation)}
 
@@ -257,7 +258,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         t0 = time.perf_counter()
         v = over_memory(_validate_once(runner, cand, state, say, compile_workers), max_memory_bytes)
         plans_t.append(_plan_timing(cand, v, t0))
-        m = Measured(cand, v, plan_alone_ms(cand, alone))
+        m = Measured(cand, v, plan_alone_ms(cand, alone), what)
         measured.append(m)
         if timings is not None:
             timings.setdefault("composition", []).append(m.record())
