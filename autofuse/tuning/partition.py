@@ -327,8 +327,9 @@ def _candidate(graph: Graph, mask: int, matched: dict[tuple, tuple[str, int] | N
 
 def _node_facts(graph: Graph) -> tuple[dict[int, bool], dict[int, int], dict[int, str]]:
     """Per node, whether it computes (elementwise or a reduction: a group of layout ops alone is no candidate); per
-    value, the nodes outside a group that would make it an output (its readers as a bitmask, every bit set where the
-    graph returns it); per node, `_op_text`. Made once per graph (`graph.extra`)."""
+    value, its readers as a bitmask of node ids (with a bit past every node's where the graph returns it), so that a
+    value of a group is an output where `readers & ~group` is not 0; per node, `_op_text`. Made once per graph
+    (`graph.extra`)."""
     facts = graph.extra.get("node_facts")
     if facts is None:
         computes = {n.id: ops.op_class(n.name) in (OpClass.ELEMENTWISE, OpClass.REDUCTION) for n in graph.nodes}

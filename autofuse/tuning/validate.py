@@ -140,8 +140,8 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     and of `alternative`'s, the largest savings alone first, as a plan of its own, and then the plan of the groups
     that saved time in the program (`probe`); where some of those lost time there, `replan` (the plan of the largest
     savings alone without them) gives the groups to try in their stead (`replace_losers`). The fastest is kept (a
-    later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan (`smaller_plans`) that passes. None passes:
-    XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
+    later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan
+    (`smaller_plans`) that passes. None passes: XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
     """
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
@@ -342,9 +342,9 @@ def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[froze
     """Groups that lost time in the program give way: the plan of the largest savings alone without them (`replan`)
     may hold other fusions of their nodes, and those of its groups that share nodes with them and were not judged
     yet are tried in context, at most MAX_REPLACEMENTS, the largest savings alone first; then the groups that saved
-    time in context, all of them so far, composed (`compose`) and judged as a whole where that plan is new. GPT-2's step: the cross-entropy pair
-    saved 3.9 ms alone and lost 1.9 in context, and the padded logits GEMM it had displaced from the plan of the
-    largest savings alone (1.1 ms in context in an earlier run) was never tried."""
+    time in context, all of them so far, composed (`compose`) and judged as a whole where that plan is new.
+    GPT-2's step: the cross-entropy pair saved 3.9 ms alone and lost 1.9 in context, and the padded logits GEMM it
+    had displaced from the plan of the largest savings alone (1.1 ms in context in an earlier run) was never tried."""
     singles = {m.plan.groups[0].signature: m for m in measured if len({g.signature for g in m.plan.groups}) == 1}
     losers = frozenset(sig for sig, m in singles.items() if not m.saved_time)
     if not losers:
