@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops
-from ..graph import Graph, Group, node_text
+from ..graph import Graph, Group, Node, node_text
 from ..kernels import TEMPLATES, match_template
 from ..kernels.passes import foldable_gather
 from ..ops import OpClass
@@ -336,14 +336,10 @@ def _node_facts(graph: Graph) -> tuple[dict[int, bool], dict[int, int], dict[int
         beyond = 1 << (max((n.id for n in graph.nodes), default=0) + 1)  # a bit no group has: the program's reader
         readers = {v: sum(1 << c for c in set(graph.consumers.get(v, ()))) | (beyond if v in graph.output_values else 0)
                    for n in graph.nodes for v in n.outputs}
-        facts = graph.extra["node_facts"] = (computes, readers, {n.id: _op_text(graph, n.id) for n in graph.nodes})
+        facts = graph.extra["node_facts"] = (computes, readers, {n.id: _op_text(graph, n) for n in graph.nodes})
     return facts
 
 
-def _op_text(graph: Graph, node_id: int) -> str:
-    """A node's primitive, params and output types, without value ids (cached on the graph)."""
-    cache = graph.extra.setdefault("op_text", {})
-    if node_id not in cache:
-        n = graph.node_index[node_id]
-        cache[node_id] = node_text(n, graph.avals, {a: 0 for a in (*n.inputs, *n.outputs) if isinstance(a, int)})
-    return cache[node_id]
+def _op_text(graph: Graph, n: Node) -> str:
+    """A node's primitive, params and output types, without value ids."""
+    return node_text(n, graph.avals, {a: 0 for a in (*n.inputs, *n.outputs) if isinstance(a, int)})
