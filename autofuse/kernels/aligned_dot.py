@@ -25,10 +25,6 @@ class AlignedDotSpec:
     group: Group
     dot: Node
 
-    @property
-    def flops(self) -> float:
-        return costmodel.node_flops(self.group.graph, self.dot.id)
-
 
 def padded_shapes(spec: AlignedDotSpec, align: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The operands' shapes padded: every dimension but a batch one whose size is over `align` and not a multiple."""
