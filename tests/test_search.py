@@ -903,3 +903,57 @@ def test_a_composition_and_an_extension_take_every_group_that_saved_time_in_cont
 
     extend(single("chosen", 9), singles[1:], judge)
     assert sorted(g.signature for g in judged[-1].groups) == ["chosen", "noisy"]
+
+
+def test_a_near_tie_fusion_of_a_kept_groups_nodes_is_its_rival():
+    """`Savings.rivals`: the kept plan with one group swapped for another tuned fusion of some of its nodes that saved
+    nearly as much alone (at least RIVAL_SHARE), the nearest tie first; a fusion that saved much less is no rival.
+    GPT-2's step: a Mosaic GEMM on the logits' gradient (6.84 ms alone) and XLA's GEMM on it padded (6.74) tie alone,
+    but the padded one shares its pad with the other padded LM-head GEMMs in the program."""
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.select import Savings
+
+    def program(x, w, v):
+        h = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # K = 1001: rows not 16-byte aligned
+        return jax.nn.gelu(jnp.dot(h, v) + 1.0)
+
+    graph = autofuse.capture(program, jax.ShapeDtypeStruct((256, 1001), jnp.bfloat16), jax.ShapeDtypeStruct((1001, 256), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((256, 512), jnp.bfloat16))
+    by_sig, states = distinct_candidates(graph)
+    dot = graph.nodes[0].id
+    by_nodes = {(s.template, tuple(s.nodes)): s for s in states}
+    gemm, padded = by_nodes[("matmul", (dot, dot + 1))], by_nodes[("aligned_dot", (dot,))]
+    gelu = max((s for s in states if s.template == "elementwise" and dot + 2 not in s.nodes), key=lambda s: len(s.nodes))
+    lesser = by_nodes[("matmul", (dot + 1, dot + 2, dot + 3))]  # overlaps the GEMM's convert, saves little
+    for s, xla, best in ((gemm, 10.0, 3.16), (padded, 9.9, 3.16), (gelu, 1.0, 0.5), (lesser, 1.0, 0.9)):
+        s.xla_ms, s.best_ms, s.best_config = xla, best, {}
+    savings = Savings(graph, by_sig, states)
+    kept = savings.plan()
+    assert {g.signature for g in kept.groups} == {gemm.signature, gelu.signature}
+    (rival,) = savings.rivals(kept)
+    assert {g.signature for g in rival.groups} == {padded.signature, gelu.signature} and rival.fingerprint == kept.fingerprint
+    padded.best_ms = 5.0  # saves 4.9 ms alone against the GEMM's 6.84: no near tie
+    assert savings.rivals(kept) == []
+
+
+def test_rivals_are_judged_in_the_program_where_new_and_at_most_max_rivals():
+    """`swap_rivals`: the fastest plan so far with a group swapped for a rival is judged in the program, unless that
+    plan was judged already; at most MAX_RIVALS of them."""
+    from autofuse.plan import FusedGroup, Plan
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.tuning.validate import MAX_RIVALS, Measured, swap_rivals
+
+    nodes = {"gemm": (1, 2), "padded": (1,), "gelu": (3,), "wide": (3, 4), "other": (2,), "third": (2, 5)}
+
+    def plan(*sigs: str) -> Plan:
+        return Plan("fp", tuple(FusedGroup(nodes[sig], "matmul", {}, sig) for sig in sigs))
+
+    t = Timing(95.0, 94.0, 96.0, 94.5, 95.5)
+    measured = [Measured(plan("gemm", "gelu"), ValidationResult(TrialStatus.OK, baseline=t, plan=t, ratio=t), 0.0),
+                Measured(plan("padded", "gelu"), ValidationResult(TrialStatus.OK, baseline=t, plan=t, ratio=t), 0.0)]
+    judged: list[tuple[Plan, str]] = []
+    offered = [plan("padded", "gelu"), plan("gemm", "wide"), plan("other", "gelu"), plan("third", "gelu")]
+    swap_rivals(measured[0], lambda p: offered if p is measured[0].plan else [], measured,
+                lambda p, what, k, n, ahead: judged.append((p, what)))
+    assert [p for p, _ in judged] == offered[1:1 + MAX_RIVALS] and MAX_RIVALS == 2
+    assert all(what.startswith("a near-tie fusion in place of") for _, what in judged)

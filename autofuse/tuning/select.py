@@ -243,3 +243,57 @@ def disjoint_savings(gains: dict[str, tuple[Sequence[Any], float]]) -> list[str]
             if total > best[0]:
                 best = (total, pick)
     return best[1]
+
+
+RIVAL_SHARE = 0.9  # a rival of a kept group saved at least this share of what the group saved alone (`Savings.rivals`)
+
+
+@dataclass(frozen=True)
+class Savings:
+    """The tuned candidates' savings alone, from which the validation on the GPU draws other plans to judge in the
+    program: the plan of the largest savings alone without some groups (`plan`), and a kept plan with one group
+    swapped for a near-tie fusion of its nodes (`rivals`)."""
+
+    graph: Graph
+    by_sig: dict[str, list[Candidate]]
+    cands: Sequence[CandidateState]
+    model: costmodel.GPUModel = costmodel.H200
+
+    def plan(self, without: frozenset[str] = frozenset()) -> Plan:
+        """The plan of the largest savings alone (`savings_plan`) of the candidates but those signed `without`."""
+        return savings_plan(self.graph, self.by_sig, [r for r in self.cands if r.signature not in without], self.model)
+
+    def saved_ms(self, signature: str, instances: int) -> float:
+        """What `instances` instances of a candidate saved alone (XLA's time - its best, ms; 0 where unknown)."""
+        r = next((r for r in self.cands if r.signature == signature), None)
+        return (r.xla_ms - r.best_ms) * instances if r is not None and r.xla_ms is not None and r.best_ms is not None else 0.0
+
+    def rivals(self, plan: Plan, share: float = RIVAL_SHARE) -> list[Plan]:
+        """`plan` with one of its groups swapped for a rival, the nearest tie first: another tuned fusion of some of
+        the group's nodes whose instances saved alone at least `share` of what the group's did (each summed over
+        instances); the swapped plan is the plan of the largest savings alone of the other groups and the rival.
+
+        Two fusions of the same nodes that nearly tie alone may not tie in the program, where one can share with its
+        neighbours what each paid for alone: GPT-2's step chose a Mosaic GPU GEMM reading the logits' gradient as
+        it is (6.84 ms saved alone) over XLA's GEMM reading it padded (6.74), beside two padded LM-head GEMMs whose
+        pad of the same operand, 1.2 ms, the padded one would have shared."""
+        nodes: dict[str, set[int]] = {}
+        for g in plan.groups:
+            nodes.setdefault(g.signature, set()).update(g.nodes)
+        count = {sig: sum(1 for g in plan.groups if g.signature == sig) for sig in nodes}
+        swaps = []
+        for sig, taken in nodes.items():
+            own = self.saved_ms(sig, count[sig])
+            for r in self.cands:
+                theirs = self.saved_ms(r.signature, len(self.by_sig[r.signature]))
+                if r.signature not in nodes and own > 0 and theirs >= share * own and \
+                        any(taken & set(c.nodes) for c in self.by_sig[r.signature]):
+                    swaps.append((theirs / own, sig, r))
+        out: list[Plan] = []
+        for _, sig, r in sorted(swaps, key=lambda s: -s[0]):
+            swapped = savings_plan(self.graph, self.by_sig, [c for c in self.cands if c.signature in nodes and c.signature != sig] + [r],
+                                   self.model)
+            if any(g.signature == r.signature for g in swapped.groups) and \
+                    not any(sorted(g.nodes for g in p.groups) == sorted(g.nodes for g in swapped.groups) for p in out):
+                out.append(Plan(plan.fingerprint, swapped.groups, dict(plan.provenance)))
+        return out

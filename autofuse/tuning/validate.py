@@ -31,7 +31,7 @@ from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, best_cover, contested_nodes, disjoint_savings, lone_contraction_costs, lone_contractions, savings_plan
+from .select import Cover, Savings, best_cover, contested_nodes, disjoint_savings, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # model mode: smaller plans validated after the chosen one (its groups with the largest savings)
@@ -96,16 +96,12 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
         singles = lone_contraction_costs(graph, runner, known, contested)
     t2 = time.perf_counter()
     cover = best_cover(graph, by_sig, cands, model, measure, singles)
-    alternative = savings_plan(graph, by_sig, cands, model) if measure == "device" else None
-
-    def replan(losers: frozenset[str]) -> Plan:  # the plan of the largest savings alone without groups that lost in context
-        return savings_plan(graph, by_sig, [r for r in cands if r.signature not in losers], model)
-
+    savings = Savings(graph, by_sig, cands, model) if measure == "device" else None
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
-                      timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
-                      replan=replan if measure == "device" else None)
+                      timings=timings, on_passed=on_passed, alternative=savings.plan() if savings else None,
+                      max_memory_bytes=max_memory_bytes, savings=savings)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
@@ -130,7 +126,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
              alternative: Plan | None = None, max_memory_bytes: int | None = None,
-             replan: Callable[[frozenset[str]], Plan] | None = None) -> TuneReport:
+             savings: Savings | None = None) -> TuneReport:
     """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
@@ -138,15 +134,16 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     REALISED_ENOUGH of its groups' savings alone, only the groups of `alternative` (the plan of the largest savings
     alone: `select.savings_plan`) that it lacks are tried beside it (`extend`); else each of its distinct groups
     and of `alternative`'s, the largest savings alone first, as a plan of its own, and then the plan of the groups
-    that saved time in the program (`probe`); where some of those lost time there, `replan` (the plan of the largest
-    savings alone without them) gives the groups to try in their stead (`replace_losers`). The fastest is kept (a
-    later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan
+    that saved time in the program (`probe`); where some of those lost time there, the plan of the largest savings
+    alone without them (`savings.plan`) gives the groups to try in their stead (`replace_losers`). Last, the fastest
+    plan so far with one group swapped for a fusion of its nodes that nearly tied it alone (`savings.rivals`,
+    `swap_rivals`). The fastest is kept (a later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan
     (`smaller_plans`) that passes. None passes: XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
     """
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                            timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
-                           replan=replan)
+                           savings=savings)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned = cover.baseline_ms, cover.tuned_ms
@@ -225,7 +222,7 @@ class Measured:
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
                 on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
-                max_memory_bytes: int | None, replan: Callable[[frozenset[str]], Plan] | None = None) -> TuneReport:
+                max_memory_bytes: int | None, savings: Savings | None = None) -> TuneReport:
     """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
     time in the program together (see `validate`).
 
@@ -288,8 +285,10 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         extend(plan, [p for p in group_plans(plan, alternative, alone) if _beside(p, plan)], judge)
     else:
         probe(plan, chosen, group_plans(plan, alternative, alone), judge, measured)
-        if replan is not None:
-            replace_losers(plan, measured, replan, alone, judge)
+        if savings is not None:
+            replace_losers(plan, measured, savings.plan, alone, judge)
+    if best is not None and savings is not None:
+        swap_rivals(best, savings.rivals, measured, judge)
     if best is None:
         timed = next((m for m in measured if m.validation.baseline is not None), None)
         m = timed or Measured(plan, runner.call(ValidateRequest(Plan(graph.fingerprint, ()).to_json())), 0.0)
@@ -359,6 +358,18 @@ def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[froze
     composed = compose(plan, [m.plan for m in singles.values()], singles) if todo else None
     if composed is not None and not any(_same_groups(composed, m.plan) for m in measured):
         judge(composed, "the groups that saved time in context", total, total, [composed])
+
+
+MAX_RIVALS = 2  # plans with one group swapped for a near-tie fusion of its nodes, judged in the program (`swap_rivals`)
+
+
+def swap_rivals(best: Measured, rivals: Callable[[Plan], list[Plan]], measured: list[Measured], judge: Callable[..., Measured]) -> None:
+    """The fastest plan so far with one group swapped for a rival that nearly tied it alone (`rivals`:
+    `select.Savings.rivals`), at most MAX_RIVALS, each judged in the program where it is new: what two fusions of
+    the same nodes share with their neighbours (a pad, a producer) is invisible when each is timed alone."""
+    todo = [p for p in rivals(best.plan) if not any(_same_groups(p, m.plan) for m in measured)][:MAX_RIVALS]
+    for k, swapped in enumerate(todo):
+        judge(swapped, "a near-tie fusion in place of one of the fastest plan's groups", k + 1, len(todo), todo if k == 0 else [])
 
 
 def _beside(extra: Plan, plan: Plan) -> bool:
