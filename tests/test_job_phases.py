@@ -316,3 +316,31 @@ def test_a_validation_first_lets_go_of_the_trials_input_sets():
     assert len(ev._sets) == 1 and all(s is not held for s in ev._sets.values())  # the program's sets, made anew for its timing
     assert res.status is fresh.status is TrialStatus.OK
     assert (res.max_error, res.tolerance) == (fresh.max_error, fresh.tolerance)
+
+
+@pytest.mark.parametrize("chosen_saves, rivals_judged", [(4.5, False), (1.0, True)], ids=["kept-its-savings", "lost-them"])
+def test_rivals_are_judged_only_where_the_chosen_plan_lost_its_savings_in_the_program(monkeypatch, chosen_saves, rivals_judged):
+    """A chosen plan that kept most of its savings alone in the program (here 4.5 of 5 ms) is only extended; one that
+    lost them (1 of 5 ms) is taken apart, and the fastest plan then has its groups' near-tie rivals judged too
+    (`swap_rivals`)."""
+    from autofuse.plan import FusedGroup
+    from autofuse.tuning import validate as V
+    from autofuse.tuning.select import Cover
+
+    plan = _four_group_plan()
+    monkeypatch.setattr(V, "plan_alone_ms", lambda p, alone: 5.0)
+    monkeypatch.setattr(V, "group_plans", lambda p, alt, alone: [])
+
+    class Savings:
+        def plan(self, without=frozenset()):
+            return Plan("fp", (), {})
+
+        def rivals(self, p):
+            return [Plan("fp", p.groups[:2] + (FusedGroup((2, 3), "matmul", {}, "rival"),), {})]
+
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    events: list = []
+    report = V.validate(graph, Cover(plan, 10.0, 5.0), _ScriptedRunner({4: 10.0 / (10.0 - chosen_saves), 3: 2.0}, events),
+                        "device", "p", [], 4, 0.0, savings=Savings())
+    assert (("validate", 3) in events) is rivals_judged
+    assert len(report.plan.groups) == (3 if rivals_judged else 4)  # the rival, faster beyond noise, is kept where judged
