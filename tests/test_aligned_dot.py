@@ -15,6 +15,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare
 from autofuse.tuning.partition import enumerate_candidates
 from tests import example_graphs
+from tests.quick import slow_except
 
 NAME = "aligned_dot"
 
@@ -47,7 +48,7 @@ def test_the_unaligned_dots_of_a_vocabulary_head_are_candidates_and_aligned_ones
     assert len(_candidates(fn, _args(204))[1]) == 3
 
 
-@pytest.mark.parametrize("align", [8, 64, 128])
+@pytest.mark.parametrize("align", slow_except([8, 64, 128], "64"))
 def test_the_padded_plan_computes_jax_jits_values_and_gradients(align):
     """Every unaligned dot padded (the contracted vocabulary of dh, the free one of the logits and of dw, whose
     contraction runs over the batch and sequence): the gradients as jax.jit's, and differentiable again."""

@@ -522,6 +522,7 @@ def test_a_group_in_context_that_is_the_chosen_plan_is_not_validated_twice():
     assert out.plan.groups == rep.plan.groups and out.tuned_ms == 9.0
 
 
+@pytest.mark.slow  # a 30-trial tune (~20 s); the quick subset's test_job_phases::test_rivals_are_judged_only_where... covers the path
 def test_a_chosen_plan_that_keeps_its_savings_in_the_program_is_only_extended():
     """A chosen plan that keeps most of its groups' savings alone in the program (GPT-2's forward: 92%) is not taken
     apart again; only the groups of the plan of the largest savings alone that it lacks and that share no node with

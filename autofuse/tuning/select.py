@@ -245,6 +245,11 @@ def disjoint_savings(gains: dict[str, tuple[Sequence[Any], float]]) -> list[str]
     return best[1]
 
 
+def alone_savings(cands: Sequence[CandidateState]) -> dict[str, float]:
+    """Per distinct group: what one instance saved alone (XLA's time - its best, ms; 0 where either is unknown)."""
+    return {r.signature: (r.xla_ms - r.best_ms) if r.xla_ms is not None and r.best_ms is not None else 0.0 for r in cands}
+
+
 RIVAL_SHARE = 0.9  # a rival of a kept group saved at least this share of what the group saved alone (`Savings.rivals`)
 
 
@@ -263,11 +268,6 @@ class Savings:
         """The plan of the largest savings alone (`savings_plan`) of the candidates but those signed `without`."""
         return savings_plan(self.graph, self.by_sig, [r for r in self.cands if r.signature not in without], self.model)
 
-    def saved_ms(self, signature: str, instances: int) -> float:
-        """What `instances` instances of a candidate saved alone (XLA's time - its best, ms; 0 where unknown)."""
-        r = next((r for r in self.cands if r.signature == signature), None)
-        return (r.xla_ms - r.best_ms) * instances if r is not None and r.xla_ms is not None and r.best_ms is not None else 0.0
-
     def rivals(self, plan: Plan, share: float = RIVAL_SHARE) -> list[Plan]:
         """`plan` with one of its groups swapped for a rival, the nearest tie first: another tuned fusion of some of
         the group's nodes whose instances saved alone at least `share` of what the group's did (each summed over
@@ -281,11 +281,12 @@ class Savings:
         for g in plan.groups:
             nodes.setdefault(g.signature, set()).update(g.nodes)
         count = {sig: sum(1 for g in plan.groups if g.signature == sig) for sig in nodes}
+        alone = alone_savings(self.cands)
         swaps = []
         for sig, taken in nodes.items():
-            own = self.saved_ms(sig, count[sig])
+            own = alone.get(sig, 0.0) * count[sig]
             for r in self.cands:
-                theirs = self.saved_ms(r.signature, len(self.by_sig[r.signature]))
+                theirs = alone[r.signature] * len(self.by_sig[r.signature])
                 if r.signature not in nodes and own > 0 and theirs >= share * own and \
                         any(taken & set(c.nodes) for c in self.by_sig[r.signature]):
                     swaps.append((theirs / own, sig, r))

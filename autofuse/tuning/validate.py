@@ -31,7 +31,7 @@ from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, Savings, best_cover, contested_nodes, disjoint_savings, lone_contraction_costs, lone_contractions
+from .select import Cover, Savings, alone_savings, best_cover, contested_nodes, disjoint_savings, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # model mode: smaller plans validated after the chosen one (its groups with the largest savings)
@@ -424,11 +424,6 @@ def failure(v: ValidationResult) -> dict:
     if v.status is TrialStatus.OK or not lines:
         return {}
     return {"error": lines[0] if len(lines[0]) <= ERROR_CHARS else lines[0][: ERROR_CHARS - 1] + "…"}
-
-
-def alone_savings(cands: list[CandidateState]) -> dict[str, float]:
-    """Per distinct group: what one instance saved alone (XLA's time - its best, ms; 0 where either is unknown)."""
-    return {r.signature: (r.xla_ms - r.best_ms) if r.xla_ms is not None and r.best_ms is not None else 0.0 for r in cands}
 
 
 def plan_alone_ms(plan: Plan, alone: dict[str, float]) -> float:
