@@ -282,19 +282,16 @@ class Savings:
             nodes.setdefault(g.signature, set()).update(g.nodes)
         count = {sig: sum(1 for g in plan.groups if g.signature == sig) for sig in nodes}
         alone = alone_savings(self.cands)
+        others = [(r, alone[r.signature] * len(self.by_sig[r.signature]), {n for c in self.by_sig[r.signature] for n in c.nodes})
+                  for r in self.cands if r.signature not in nodes and alone[r.signature] > 0]
         swaps = []
         for sig, taken in nodes.items():
             own = alone.get(sig, 0.0) * count[sig]
-            for r in self.cands:
-                theirs = alone[r.signature] * len(self.by_sig[r.signature])
-                if r.signature not in nodes and own > 0 and theirs >= share * own and \
-                        any(taken & set(c.nodes) for c in self.by_sig[r.signature]):
-                    swaps.append((theirs / own, sig, r))
+            swaps += [(theirs / own, sig, r) for r, theirs, reach in others if own > 0 and theirs >= share * own and reach & taken]
         out: list[Plan] = []
         for _, sig, r in sorted(swaps, key=lambda s: -s[0]):
             swapped = savings_plan(self.graph, self.by_sig, [c for c in self.cands if c.signature in nodes and c.signature != sig] + [r],
                                    self.model)
-            if any(g.signature == r.signature for g in swapped.groups) and \
-                    not any(sorted(g.nodes for g in p.groups) == sorted(g.nodes for g in swapped.groups) for p in out):
+            if any(g.signature == r.signature for g in swapped.groups):
                 out.append(Plan(plan.fingerprint, swapped.groups, dict(plan.provenance)))
         return out

@@ -369,7 +369,10 @@ def swap_rivals(best: Measured, rivals: Callable[[Plan], list[Plan]], measured: 
     the same nodes share with their neighbours (a pad, a producer) is invisible when each is timed alone. Only where
     the chosen plan lost much of its savings in the program: GPT-2's forward, which kept 84% of 60 ms, spent 19 s of
     a 98 s job on 4 H200s judging two rivals among its 97 groups, and found nothing."""
-    todo = [p for p in rivals(best.plan) if not any(_same_groups(p, m.plan) for m in measured)][:MAX_RIVALS]
+    todo: list[Plan] = []
+    for swapped in rivals(best.plan):
+        if len(todo) < MAX_RIVALS and not any(_same_groups(swapped, seen) for seen in [m.plan for m in measured] + todo):
+            todo.append(swapped)
     for k, swapped in enumerate(todo):
         judge(swapped, "a near-tie fusion in place of one of the fastest plan's groups", k + 1, len(todo), todo if k == 0 else [])
 
