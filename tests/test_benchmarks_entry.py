@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,14 @@ def test_the_docs_page_lists_every_suite_and_part() -> None:
         assert f"| `{suite}` |" in page
         for name, part in parts.items():
             assert f"| `{name}` | `{part.module.replace('.', '/')}.py` |" in page
+
+
+def test_the_unaligned_gemm_table_has_each_gemm_with_xlas_own_layouts(capsys) -> None:
+    """`kernels unaligned-gemm` at a CPU-sized vocabulary: a row per GEMM, each timed with row-major operands, with
+    the layouts XLA chooses for the step's intermediates (and which it chose), and padded."""
+    from benchmarks import unaligned_gemm
+
+    unaligned_gemm.main(["--rows", "64", "--width", "32", "--vocab", "101", "--padded", "104"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d") or line.startswith("| logits")]
+    assert [r.split(" | ")[0] for r in rows] == ["| dx = dlogits @ W", "| dW = dlogits^T @ X", "| logits = X @ W^T"]
+    assert all(r.count(" ms ") == 3 and re.search(r"\(\d, \d\); \(\d, \d\); \(\d, \d\)\)", r) for r in rows)  # 3 timings; the layouts
