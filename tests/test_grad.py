@@ -146,8 +146,8 @@ def test_attention_with_a_float_bias_keeps_the_recompute_rule():
 
 @pytest.mark.slow
 def test_flash_rule_serves_every_backend_and_refuses_second_order():
-    """A Mosaic GPU group its lowering cannot run (float32) differentiates with the Triton flash pair; going through
-    the flash kernels a second time is refused with autofuse's message."""
+    """A float32 Mosaic GPU group (its forward runs as TF32, its backward declines float32) differentiates with the
+    flash pair, the Triton backward; going through the flash kernels a second time is refused with autofuse's message."""
     specs = [S((1, 2, 32, 32), F32)] * 3
     plan, graph = _plan(attention_bhld_causal, specs, "attention", SMALL_ATTN)
     group = next(c.group for c in enumerate_candidates(graph) if c.template == "attention")

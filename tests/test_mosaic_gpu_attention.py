@@ -41,7 +41,8 @@ from tests.kernel_checks import rel_err
 from tests.quick import slow_except
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3}  # relative error norms, as the project's checks
+TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3, np.dtype(F32): 1e-4}  # relative error norms (float32: interpret
+# mode multiplies exactly where the GPU runs TF32, ~3e-4 as XLA's own float32 dots there)
 S = jax.ShapeDtypeStruct
 
 
@@ -106,6 +107,11 @@ CASES = [
     pytest.param(alibi_causal, [(2, 4, 200, 64)] * 3 + [(4,)], BF16, K64, id="alibi-slopes-per-head-causal-bf16"),
     pytest.param(additive_causal, [(1, 2, 200, 64)] * 3, F16, K64, id="additive-causal-mask-f16"),
     pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f32-out-f16"),
+    # float32: TF32 wgmma, P through SMEM, V transposed outside ([.., Dv, Lk], its keys padded to 32)
+    pytest.param(attention_bhld, [BHLD] * 3, F32, K64, id="bhld-f32-ragged"),
+    pytest.param(attention_blhd, [BLHD] * 3, F32, K64, id="blhd-f32-out-transposed"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F32, None, id="causal-f32-default-config"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], F32, K64, id="gqa-repeat-f32"),
 ]
 
 
@@ -139,7 +145,7 @@ def _inputs(group, seed=0):
     return out
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-then-softcap-f16"))
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-then-softcap-f16", "bhld-f32-ragged"))
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
     cfg = config or mgpu_attention.default_config(spec)
@@ -152,7 +158,8 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
     assert err <= TOL[np.dtype(dtype)], (cfg, err)
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-d128-bf16-default-config", "gqa-repeat-bf16"))
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-d128-bf16-default-config", "gqa-repeat-bf16",
+                                                              "bhld-f32-ragged"))
 def test_lowers_for_cuda(fn, shapes, dtype, config):
     """The real Mosaic GPU lowering (no GPU): wgmma with P in registers, layouts, TMA tiling, shared memory;
     under both lowering semantics (Warpgroup: layouts inferred, as attention_mgpu; Lane: as the RegisterTiles give)."""
@@ -245,11 +252,12 @@ def test_no_races_or_barrier_misuse():
 def test_smem_estimate_matches_mosaic(monkeypatch):
     """`smem_bytes` equals the count in Mosaic GPU's error message (buffers in whole KiB, barriers, reduction scratch)."""
     monkeypatch.setattr(mgpu_attention, "SMEM_LIMIT", 1 << 30)  # let the oversized configs through our own check
-    for fn, shapes, cfg in [
-        (padding_mask, [(2, 2, 1024, 128)] * 3 + [(2, 1024)], {"block_kv": 128, "max_concurrent_steps": 4}),
-        (bias_blhd, [(1, 1024, 2, 128)] * 3 + [(2, 1024, 1024)], {"block_kv": 256, "max_concurrent_steps": 2}),
+    for fn, shapes, cfg, dtype in [
+        (padding_mask, [(2, 2, 1024, 128)] * 3 + [(2, 1024)], {"block_kv": 128, "max_concurrent_steps": 4}, BF16),
+        (bias_blhd, [(1, 1024, 2, 128)] * 3 + [(2, 1024, 1024)], {"block_kv": 256, "max_concurrent_steps": 2}, BF16),
+        (attention_bhld, [(1, 2, 1024, 128)] * 3, {"block_kv": 128, "max_concurrent_steps": 2}, F32),  # P's own buffer
     ]:
-        g, group, spec = _group(fn, shapes, BF16)
+        g, group, spec = _group(fn, shapes, dtype)
         est = mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(cfg))
         assert est > 232448
         with pytest.raises(Exception, match="smem_bytes") as e:
@@ -257,9 +265,9 @@ def test_smem_estimate_matches_mosaic(monkeypatch):
         assert int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1)) == est
 
 
-def highest_precision_free_f32(q, k, v):
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+def bf16_scores_f32_values(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
 
 
 def log1p_bias(q, k, v, b):
@@ -270,7 +278,7 @@ def log1p_bias(q, k, v, b):
 def test_declines_what_it_does_not_support():
     assert issubclass(Unsupported, NotImplementedError)  # what the tuner counts as an infeasible config
     for fn, shapes, dtype, what in [
-        (highest_precision_free_f32, [(1, 2, 64, 64)] * 3, F32, "float32"),
+        (bf16_scores_f32_values, [(1, 2, 64, 64)] * 3, BF16, "dot dtypes"),
         (attention_bhld, [(1, 2, 64, 40)] * 3, BF16, "head dim"),
         (log1p_bias, [(1, 2, 64, 64)] * 3 + [(64, 64)], BF16, "log1p"),
     ]:
@@ -375,3 +383,33 @@ def test_inner_loop_matches_attention_mgpu(monkeypatch, tmp_path):
         assert _tile_ops(body, "math.exp2", s) == 1
         assert _tile_ops(body, "arith.select", s) == n
         assert not any(op in line for line in body for op in ("vector_store", "vector_load"))
+
+
+def test_float32_runs_as_tf32_with_the_values_transposed_and_its_backward_on_triton(monkeypatch):
+    """A float32 attention (both dots at default precision: TF32, as XLA's own) on wgmma: the issue's shape fits at
+    the default config (block_kv shrunk to 64: P has its own SMEM buffer, counted) and goes through the real
+    lowering; V reaches the kernel [.., Dv, Lk] (TF32 wgmma reads its operands K-major); the flash pair's
+    forward gives the Triton forward's logsumexp, and its backward stays on Triton (the Mosaic GPU one declines)."""
+    from autofuse.kernels.mosaic_gpu import attention_vjp as mgpu_vjp
+    from autofuse.kernels.triton import attention as triton_attention
+
+    g, group, spec = _group(attention_bhld, [(8, 32, 2048, 128)] * 3, F32)
+    assert mgpu_attention.tf32(spec)
+    cfg = mgpu_attention.default_config(spec)
+    assert cfg["block_kv"] == 64 and mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(cfg)) <= mgpu_attention.SMEM_LIMIT
+    exp = export_for_cuda(mgpu_attention.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
+    assert [(o.shape, o.dtype) for o in exp.out_avals] == [((8, 32, 2048, 128), np.dtype(F32))]
+    v = mgpu_attention._operand_view(g, spec.v, seq_minor=True)
+    assert v.shape == (8, 32, 128, 2048) and (v.operand.d_axis, v.operand.seq_axis) == (2, 3)
+
+    g, group, spec = _group(attention_bhld_causal, [(1, 2, 200, 64)] * 3, F32)
+    xs = _inputs(group)
+    out, lse = jax.block_until_ready(mgpu_attention.lower(group, spec, K64, interpret=True, emit_lse=True)(*xs))
+    _, want = triton_attention.lower(group, spec, {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, interpret=True,
+                                     emit_lse=True)(*xs)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert rel_err(out, jax.jit(lambda *a: group.evaluate(a))(*xs)[0]) <= TOL[np.dtype(F32)]
+    assert not mgpu_vjp.backward_runs(spec, {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2})
+    with_p = mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(K64))
+    monkeypatch.setattr(mgpu_attention, "tf32", lambda spec: False)
+    assert with_p - mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(K64)) == 2 * 64 * 64 * 4  # P: [2, block_q, block_kv] f32

@@ -96,7 +96,7 @@ def test_declines_what_it_does_not_support():
     tiles other than 64 held rows and 64 or 128 stepped ones are refused."""
     cases = [(bias_blhd, [(1, 64, 2, 64)] * 3 + [(2, 64, 64)], BF16, "besides q and k"),
              (padding_mask, [(2, 2, 64, 64)] * 3, BF16, "besides q and k"),
-             (attention_bhld, [(1, 2, 64, 64)] * 3, F32, "bf16 / f16")]
+             (attention_bhld, [(1, 2, 64, 64)] * 3, F32, "float32 attention")]
     for fn, shapes, dtype, why in cases:
         specs = [S(s, dtype) for s in shapes]
         if fn is padding_mask:

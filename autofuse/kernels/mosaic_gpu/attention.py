@@ -65,8 +65,12 @@ Interpret mode (CPU) cannot run wgmma with an operand in registers nor
 fresh accumulator that is added to O (same numbers; `export_for_cuda` checks the
 register path).
 
-Declined (`Unsupported`): float32 operands (wgmma takes P from registers only
-as a 16-bit type), head dims that are not a multiple of 32 bytes or above 256,
+Float32 (both dots at default precision, as XLA's own on this GPU) runs as TF32
+(`tf32`): TF32 wgmma reads A from SMEM only and both operands K-major, so P goes
+through SMEM and V reaches the kernel transposed ([.., Dv, Lk], its keys padded
+to whole 128-byte rows by XLA outside); its flash pair's backward is Triton's.
+
+Declined (`Unsupported`): dots of mixed widths (16-bit scores, float32 values), head dims that are not a multiple of 32 bytes or above 256,
 score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`: e.g. `pow`,
 `log1p`), a batch of more than 65535 (the launch grid's y axis), a sequence axis
 merged with a batch axis (an operand read from [B*L, D]) whose length is not a
@@ -203,9 +207,9 @@ def check_group(spec: AttentionSpec) -> None:
     """Raise `Unsupported` if this lowering cannot implement the matched group at all (whatever the config)."""
     g = spec.group.graph
     d1, d2 = np.dtype(spec.dot_dtype1), np.dtype(spec.dot_dtype2)
-    if d1 not in LOW or d2 not in LOW:
-        raise Unsupported(f"dot dtypes {d1}/{d2}: the Mosaic GPU attention takes bf16 / f16 (wgmma reads P from "
-                          "registers only as a 16-bit type; float32 attention stays with the Triton lowering)")
+    if not (d1 in LOW and d2 in LOW or tf32(spec)):
+        raise Unsupported(f"dot dtypes {d1}/{d2}: the Mosaic GPU attention takes bf16 / f16, or float32 for both dots "
+                          "(as TF32)")
     if np.dtype(g.avals[spec.v.value].dtype) != d2:
         raise Unsupported(f"values {g.avals[spec.v.value].dtype} multiplied in {d2}: a conversion of V inside the group")
     for name, n, isz in (("D", spec.D, d1.itemsize), ("Dv", spec.Dv, d2.itemsize)):
@@ -224,6 +228,13 @@ def check_group(spec: AttentionSpec) -> None:
         raise Unsupported("the output lacks a query or a head axis")
     if not jnp.issubdtype(g.avals[spec.out].dtype, jnp.floating):
         raise Unsupported(f"output dtype {g.avals[spec.out].dtype}")
+
+
+def tf32(spec: AttentionSpec) -> bool:
+    """Both dots float32: wgmma runs them as TF32 (XLA's own float32 dots at default precision do too, the only
+    precision the template matches). TF32 wgmma reads A from shared memory only and both operands K-major: P goes
+    through SMEM, and V reaches the kernel transposed, [.., Dv, Lk] (XLA transposes it outside)."""
+    return np.dtype(spec.dot_dtype1) == np.dtype(spec.dot_dtype2) == np.dtype(np.float32)
 
 
 def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> None:
@@ -264,6 +275,8 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
     i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
     out_dt = np.dtype(g.avals[spec.out].dtype)
     bufs = [2 * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2] + ([2 * bq * 4] if emit_lse else [])
+    if tf32(spec):
+        bufs.append(2 * bq * bk * i2)  # P through SMEM
     if not _o_in_q(spec):
         bufs.append(2 * bq * spec.Dv * out_dt.itemsize)
     for v in score_inputs(spec):
@@ -340,22 +353,26 @@ def _round8(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def _operand_view(g, op: Operand) -> _View:
+def _operand_view(g, op: Operand, *, seq_minor: bool = False) -> _View:
     """q/k/v with the head dim as the minor axis (permuted by XLA if it is not) and the sequence axis a multiple of
-    8 long (zero-padded by XLA if it is not: Mosaic GPU views a TMA'd array in its SMEM tiling of 8-row tiles)."""
+    8 long (zero-padded by XLA if it is not: Mosaic GPU views a TMA'd array in its SMEM tiling of 8-row tiles).
+    `seq_minor`: the sequence axis minor and the head dim just before it (V for TF32: `tf32`)."""
     aval = g.avals[op.value]
     n = len(aval.shape)
     perm, op2 = None, op
-    if op.d_axis != n - 1:
-        perm = tuple(a for a in range(n) if a != op.d_axis) + (op.d_axis,)
+    last = (op.d_axis, op.seq_axis) if seq_minor else (op.d_axis,)
+    order = tuple(a for a in range(n) if a not in last) + last
+    if order != tuple(range(n)):
+        perm = order
         new = {old: i for i, old in enumerate(perm)}
-        op2 = Operand(op.value, new[op.seq_axis], n - 1, {new[a]: t for a, t in op.batch.items()})
+        op2 = Operand(op.value, new[op.seq_axis], new[op.d_axis], {new[a]: t for a, t in op.batch.items()})
     shape = tuple(aval.shape[a] for a in perm) if perm else tuple(aval.shape)
     pad = None
-    if shape[op2.seq_axis] % 8:
+    mult = 128 // np.dtype(aval.dtype).itemsize if seq_minor else 8  # minor: whole rows of the 128-byte swizzle
+    if shape[op2.seq_axis] % mult:
         if op2.batch.get(op2.seq_axis):
-            raise Unsupported(f"sequence axis of %{op.value} {aval} merges a batch axis and is not a multiple of 8 long")
-        pad = tuple(_round8(d) if a == op2.seq_axis else d for a, d in enumerate(shape))
+            raise Unsupported(f"sequence axis of %{op.value} {aval} merges a batch axis and is not a multiple of {mult} long")
+        pad = tuple(-(-d // mult) * mult if a == op2.seq_axis else d for a, d in enumerate(shape))
     return _View(perm, shape, np.dtype(aval.dtype), pad, op2)
 
 
@@ -461,7 +478,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     check_config(spec, cfg, emit_lse=emit_lse)
     g = group.graph
     interp = interpret_params(interpret)
-    p_via_smem = interp is not None  # interpret mode: no wgmma with A in registers, no run_state over an ACC
+    tf = tf32(spec)
+    p_via_smem = interp is not None or tf  # interpret mode: no wgmma with A in registers, no run_state over an ACC
 
     bq, bk = cfg.block_q, cfg.block_kv
     Lq, Lk, D, Dv = spec.Lq, spec.Lk, spec.D, spec.Dv
@@ -482,7 +500,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     plan = {m: needed(spec.pre, targets, set(), None if m else masked_nodes) for m in (True, False)}
 
     # Kernel arguments.
-    views = {"q": _operand_view(g, spec.q), "k": _operand_view(g, spec.k), "v": _operand_view(g, spec.v)}
+    views = {"q": _operand_view(g, spec.q), "k": _operand_view(g, spec.k), "v": _operand_view(g, spec.v, seq_minor=tf)}
     ins = score_inputs(spec)
     ispan = {v: spec.tile.span[v] for v in ins}
     iviews = {v: _input_view(spec, v, bq if ispan[v] == ROWS else bk) for v in ins}
@@ -500,7 +518,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     out_rows = _round8(out_shape[q_dim])  # written in whole 8-row tiles (then sliced by XLA if Lq % 8)
     k_out_shape = out_shape[:q_dim] + (out_rows,) + out_shape[q_dim + 1:]
 
-    q_tf, k_tf, v_tf = _tf(D, dt1.itemsize), _tf(D, dt1.itemsize), _tf(Dv, dt2.itemsize)
+    q_tf, k_tf, v_tf = _tf(D, dt1.itemsize), _tf(D, dt1.itemsize), _tf(bk if tf else Dv, dt2.itemsize)
     o_tf = _tf(Dv, out_dt.itemsize)
     full_tf = {v: smem_transforms(_tile_swizzle(bk, iviews[v].dtype.itemsize), iviews[v].dtype.itemsize) for v in full_in}
     o_in_q = _o_in_q(spec)
@@ -513,7 +531,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             q_smem=plgpu.SMEM((2, bq, D), dt1, transforms=q_tf),
             o_smem=None if o_in_q else plgpu.SMEM((2, bq, Dv), out_dt, transforms=o_tf),
             k_smem=plgpu.SMEM((stages, bk, D), dt1, transforms=k_tf),
-            v_smem=plgpu.SMEM((stages, bk, Dv), dt2, transforms=v_tf),
+            v_smem=plgpu.SMEM((stages, Dv, bk) if tf else (stages, bk, Dv), dt2, transforms=v_tf),  # TF32: V^T
             p_smem=plgpu.SMEM((2, bq, bk), dt2, transforms=_tf(bk, dt2.itemsize)) if p_via_smem else None,
             full_smem=[plgpu.SMEM((stages, 2, bq, bk), iviews[v].dtype, transforms=full_tf[v]) for v in full_in],
             cols_smem=[plgpu.SMEM((stages, bk), iviews[v].dtype) for v in cols_in],
@@ -685,7 +703,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         plgpu.commit_smem()
 
                         def compute_pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot].T if tf else v_smem.at[slot])
                             wait_next_k()
                             return acc_ref[...]
 

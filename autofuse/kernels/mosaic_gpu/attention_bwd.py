@@ -99,6 +99,8 @@ class TransposedScoreTiles(fwd.ScoreTiles):
 
 def check_group(spec: AttentionSpec) -> None:
     fwd.check_group(spec)
+    if fwd.tf32(spec):
+        raise Unsupported("float32 attention (TF32): the Triton backward")
     if fwd.score_inputs(spec):
         raise Unsupported("score work reading an input besides q and k (a bias, a mask, a scalar): the Triton backward")
 
