@@ -69,6 +69,7 @@ WORKLOADS = {
     "attention-B8H32L2048D128": (attention, [(8, 32, 2048, 128)] * 3),
     "attention-f32-B8H32L2048D128": (attention, [(8, 32, 2048, 128)] * 3),
     "attention-causal-B8H32L2048D128": (attention_causal, [(8, 32, 2048, 128)] * 3),
+    "attention-causal-f32-B8H32L2048D128": (attention_causal, [(8, 32, 2048, 128)] * 3),
     "gemm-8192^3": (plain, [(8192, 8192), (8192, 8192)]),
     "gemm-1024x8192x8192": (plain, [(1024, 8192), (8192, 8192)]),
     "bias-gelu-8192x4096x8192": (bias_gelu, [(8192, 4096), (4096, 8192), (8192,)]),
@@ -120,11 +121,13 @@ MOSAIC = {"matmul": [
 ], "attention": [
     {},
     {"semantics": 0},
+    {"semantics": 1},
     {"block_kv": 192},
     {"max_concurrent_steps": 3},
     {"schedule_barrier": 0},
 ]}
-DTYPES = {"highest-f32-bias-gelu-4096^3": jnp.float32, "attention-f32-B8H32L2048D128": jnp.float32}  # else bf16
+DTYPES = {"highest-f32-bias-gelu-4096^3": jnp.float32, "attention-f32-B8H32L2048D128": jnp.float32,
+          "attention-causal-f32-B8H32L2048D128": jnp.float32}  # else bf16
 TRITON_F32 = {"matmul": [{"block_m": 128, "block_n": 128, "block_k": 32, "num_warps": 8, "num_stages": 3, "group_m": 8}],
               "attention": [{"block_q": q, "block_k": k, "num_warps": w, "num_stages": st}
                             for q, k, w, st in [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2),

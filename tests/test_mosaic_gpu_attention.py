@@ -413,3 +413,16 @@ def test_float32_runs_as_tf32_with_the_values_transposed_and_its_backward_on_tri
     with_p = mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(K64))
     monkeypatch.setattr(mgpu_attention, "tf32", lambda spec: False)
     assert with_p - mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(K64)) == 2 * 64 * 64 * 4  # P: [2, block_q, block_kv] f32
+
+
+def test_the_kernel_probes_float32_attention_workloads_run_on_mosaic_gpu():
+    """`python -m benchmarks kernels mosaic --only attention-` times the float32 attention (causal too) on Mosaic GPU
+    at its default config and the listed ones that fit, where before it printed "declined"."""
+    from benchmarks import mosaic_probe as probe
+
+    for name in ("attention-f32-B8H32L2048D128", "attention-causal-f32-B8H32L2048D128"):
+        fn, shapes = probe.WORKLOADS[name]
+        _, cand = probe._group(fn, probe.arg_specs(name, shapes, probe.DTYPES[name]))
+        default = attention.TEMPLATE.default_config_of(cand.spec, "mosaic_gpu")
+        runs = [cfg for cfg in probe.MOSAIC["attention"] if attention.TEMPLATE.unsupported(cand.spec, "mosaic_gpu", {**default, **cfg}) is None]
+        assert {} in runs and {"schedule_barrier": 0} in runs, (name, runs)
