@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks.__main__ import SUITES
+from tests.quick import slow_except
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +35,8 @@ def test_a_suite_lists_its_parts_and_their_modules(suite: str) -> None:
         assert os.path.exists(os.path.join(ROOT, *part.module.split(".")) + ".py")
 
 
-@pytest.mark.parametrize(("suite", "part"), [(s, p) for s, (_, parts) in SUITES.items() for p in parts])
+@pytest.mark.parametrize(("suite", "part"), slow_except([(s, p) for s, (_, parts) in SUITES.items() for p in parts], "kernels-mosaic",
+                                                        "profile-composition"))  # each a process importing jax: one or two suffice quick
 def test_every_part_answers_help_under_the_entrys_name(suite: str, part: str) -> None:
     assert _help(suite, part).startswith(f"usage: python -m benchmarks {suite} {part} ")
 

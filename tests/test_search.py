@@ -208,15 +208,19 @@ def test_model_prunes_far_worse_configs_before_timing():
 @pytest.mark.parametrize("argv, says", [
     (["examples.norms:forward", "--inputs", "examples.norms:forward"], "--inputs factory"),
     (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--static-argnums", "a"], "--static-argnums"),
-    (["benchmarks.workloads:softmax", "--inputs", "examples.norms:example_inputs"], "tracing benchmarks.workloads:softmax"),
+    pytest.param(["benchmarks.workloads:softmax", "--inputs", "examples.norms:example_inputs"], "tracing benchmarks.workloads:softmax",
+                 marks=pytest.mark.slow),  # each case a process: the quick subset keeps one of each kind
     (["nosuch:fn", "--inputs", "examples.norms:example_inputs"], "cannot import module 'nosuch'"),
     (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--trials", "0"], "--trials must be a positive"),
-    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--trials", "-3"], "--trials must be a positive"),
+    pytest.param(["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--trials", "-3"], "--trials must be a positive",
+                 marks=pytest.mark.slow),
     (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--time-budget", "-5"], "--time-budget must be a positive"),
-    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--time-budget", "0"], "--time-budget must be a positive"),
-    (["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--measure", "device"], "needs a GPU"),
+    pytest.param(["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--time-budget", "0"], "--time-budget must be a positive",
+                 marks=pytest.mark.slow),
+    pytest.param(["examples.norms:forward", "--inputs", "examples.norms:example_inputs", "--measure", "device"], "needs a GPU",
+                 marks=pytest.mark.slow),
     (["examples.norms:forward", "--inputs", "bad_module_for_cli:f"], "importing module 'bad_module_for_cli' failed: SyntaxError"),
-    (["examples.norms:forward", "--inputs", "bad_module_for_cli:not_a_tuple"], None),
+    pytest.param(["examples.norms:forward", "--inputs", "bad_module_for_cli:not_a_tuple"], None, marks=pytest.mark.slow),
 ])
 def test_cli_tune_bad_input_is_one_clear_line(tmp_path, argv, says):
     if "bad_module_for_cli:f" in argv:
