@@ -150,7 +150,7 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
 
 
 def savings_text(record: dict[str, Any]) -> str:
-    """What a validated plan's groups saved alone and in the program (`validate.Measured.record`): ``saved 1.469 ms
+    """What a validated plan's groups saved alone and in the program (`composition.Measured.record`): ``saved 1.469 ms
     alone, 0.916 ms in the program (62%)``."""
     alone, real = record.get("alone_ms"), record.get("realised_ms")
     if not isinstance(alone, (int, float)):

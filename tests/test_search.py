@@ -798,11 +798,11 @@ def test_every_plan_records_its_peak_memory_and_a_cap_refuses_a_plan_above_it():
 
 def test_a_failed_plans_record_says_why_in_one_line():
     """A plan that saved time alone but failed on the whole program keeps its reason's first line in the run's record
-    (`validate.failure`, in `composition` and `plans`): the GPU run that lost a training step's 3.6 ms cross-entropy
+    (`composition.failure`, in `composition` and `plans`): the GPU run that lost a training step's 3.6 ms cross-entropy
     pair to `wrong_result` recorded only the status, and nobody could say why afterwards."""
     from autofuse.runner.protocol import ValidationResult
     from autofuse.status import TrialStatus
-    from autofuse.tuning.validate import ERROR_CHARS, failure
+    from autofuse.tuning.composition import ERROR_CHARS, failure
 
     assert failure(ValidationResult(TrialStatus.OK, error="not an error")) == {}
     assert failure(ValidationResult(TrialStatus.WRONG_RESULT)) == {}
@@ -817,7 +817,7 @@ def test_groups_judged_in_context_are_apart_before_they_are_alternatives():
     nodes with one already taken (another fusion of the same GEMM) waits until every group apart from them is in:
     GPT-2's step spent two of its five on one MLP GEMM's two fusions and never tried the padded dW GEMM."""
     from autofuse.plan import FusedGroup, Plan
-    from autofuse.tuning.validate import MAX_IN_CONTEXT, group_plans
+    from autofuse.tuning.composition import MAX_IN_CONTEXT, group_plans
 
     def g(sig: str, *nodes: int) -> FusedGroup:
         return FusedGroup(nodes, "matmul", {}, sig)
@@ -838,7 +838,7 @@ def test_a_group_that_lost_in_context_gives_way_to_the_next_plan_of_savings_alon
     alone) lost 1.9 ms in context, and the padded logits GEMM it displaced was never tried."""
     from autofuse.plan import FusedGroup, Plan
     from autofuse.runner.protocol import Timing, ValidationResult
-    from autofuse.tuning.validate import Measured, replace_losers
+    from autofuse.tuning.composition import Measured, replace_losers
 
     def plan(*groups: tuple[str, tuple[int, ...]]) -> Plan:
         return Plan("fp", tuple(FusedGroup(nodes, "matmul", {}, sig) for sig, nodes in groups))
@@ -881,7 +881,7 @@ def test_a_composition_and_an_extension_take_every_group_that_saved_time_in_cont
     noise width of a 100 ms program, were left out of the composition); a group that lost time, or failed, does not."""
     from autofuse.plan import FusedGroup, Plan
     from autofuse.runner.protocol import Timing, ValidationResult
-    from autofuse.tuning.validate import Measured, compose, extend
+    from autofuse.tuning.composition import Measured, compose, extend
 
     def single(sig: str, node: int) -> Plan:
         return Plan("fp", (FusedGroup((node,), "matmul", {}, sig),))
@@ -946,7 +946,7 @@ def test_rivals_are_judged_in_the_program_where_new_and_at_most_max_rivals():
     plan was judged already or offered twice; at most MAX_RIVALS of them."""
     from autofuse.plan import FusedGroup, Plan
     from autofuse.runner.protocol import Timing, ValidationResult
-    from autofuse.tuning.validate import MAX_RIVALS, Measured, swap_rivals
+    from autofuse.tuning.composition import MAX_RIVALS, Measured, swap_rivals
 
     nodes = {"gemm": (1, 2), "padded": (1,), "gelu": (3,), "wide": (3, 4), "other": (2,), "third": (2, 5)}
 

@@ -388,7 +388,7 @@ def test_worker_summary_is_one_line_on_the_run() -> None:
 @pytest.mark.slow
 def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in_the_program(tmp_path: Path) -> None:
     """A job on the GPU records, for every plan it validated on the whole program, what its groups saved timed alone
-    and what the plan saved against jax.jit (`validate.Measured.record`); `autofuse show run` and the report say both."""
+    and what the plan saved against jax.jit (`composition.Measured.record`); `autofuse show run` and the report say both."""
     from autofuse.report import write_report
 
     db = f"sqlite:///{tmp_path}/c.db"

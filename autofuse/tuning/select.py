@@ -221,7 +221,7 @@ def savings_plan(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequen
     (`costmodel.cut_outputs_ms`), nothing else priced. `best_cover` also prices the rest of the
     program with XLA's options measured alone; this plan does not, so the two differ where those options (of other
     groupings of the same nodes) mislead the cover, and the validation judges both in the program
-    (`validate.group_plans`)."""
+    (`composition.group_plans`)."""
     cut = {r.signature: costmodel.cut_outputs_ms(by_sig[r.signature][0].group, model) for r in cands if r.best_ms is not None}
     options = [Option(c.nodes, r.best_ms + cut[r.signature] - r.xla_ms, (c, r.best_config), c.stages) for r in cands
                if r.best_ms is not None and r.xla_ms is not None and r.best_ms + cut[r.signature] < r.xla_ms for c in by_sig[r.signature]]

@@ -1,9 +1,9 @@
 """The end of a job: each candidate's checked best, the cheapest cover, and the whole plan against jax.jit.
 
-On the GPU the plan is judged in the program, not group by group: the chosen plan, then each of its distinct
-groups (and those of the plan of the largest savings alone) as a plan of its own, then the groups that saved time
-in the program together, each checked and timed against jax.jit on the whole program; the fastest is kept, the
-savings alone and realised of each recorded (`composition` in the run's selection timings). The chosen plan is
+On the GPU the plan is judged in the program, not group by group: the chosen plan, then the other plans
+`composition` draws (each distinct group on its own, the groups that saved time together, ...), each checked and
+timed against jax.jit on the whole program; the fastest is kept, the savings alone and realised of each recorded
+(`composition` in the run's selection timings). The chosen plan is
 compiled and validated first, and the job may store it as soon as it passes (`on_passed`). With the model, the
 chosen plan or the first smaller plan that passes. None passes: XLA's own plan, recorded as such.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from .. import costmodel
@@ -27,15 +27,26 @@ from ..runner.protocol import (
 from ..status import TrialStatus
 from ..tables import plural
 from .ahead import compile_batch
+from .composition import (
+    REALISED_ENOUGH,
+    Measured,
+    beside,
+    extend,
+    failure,
+    group_plans,
+    plan_alone_ms,
+    probe,
+    replace_losers,
+    swap_rivals,
+)
 from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, Savings, alone_savings, best_cover, contested_nodes, disjoint_savings, lone_contraction_costs, lone_contractions
+from .select import Cover, Savings, alone_savings, best_cover, contested_nodes, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # model mode: smaller plans validated after the chosen one (its groups with the largest savings)
-MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
 
 
 def finish_candidate(r: CandidateState, runner: Any, measure: str, ledger: Ledger, check: bool = True) -> None:
@@ -171,54 +182,6 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     return _report(graph, plan, name, measure, base, tuned, None, cands, validation, n_trials, t_start)
 
 
-REALISED_ENOUGH = 0.8  # a chosen plan that keeps this share of its savings alone is not taken apart again (`extend`)
-MAX_IN_CONTEXT = 5  # distinct groups, the largest savings alone first, each validated as a plan of its own on the GPU
-
-
-@dataclass
-class Measured:
-    """A plan validated on the GPU: its result, its saving in the program (jax.jit - plan, ms) and the noise of that
-    comparison (a fraction of jax.jit's time), and the saving its groups showed alone."""
-
-    plan: Plan
-    validation: ValidationResult
-    alone_ms: float
-    what: str = ""  # why it was validated: "the chosen plan", "one group in context", ... (the run's record says it)
-
-    @property
-    def passed(self) -> bool:
-        """Correct, and faster than jax.jit beyond noise."""
-        r = self.validation.ratio
-        return self.validation.ok and r is not None and r.q3_ms < 1.0 and r.median_ms < 1 - self.noise
-
-    @property
-    def saved_time(self) -> bool:
-        """Correct, and faster than jax.jit in the program, if only within noise: a group worth composing with others,
-        the composed plan then judged as a whole (`passed`)."""
-        return self.saving_ms is not None and self.saving_ms > 0
-
-    @property
-    def noise(self) -> float:
-        r = self.validation.ratio
-        return max(r.q3_ms - r.q1_ms, MIN_NOISE) if r is not None else 1.0
-
-    @property
-    def saving_ms(self) -> float | None:
-        v = self.validation
-        return v.baseline.median_ms - v.plan.median_ms if v.ok and v.baseline is not None and v.plan is not None else None
-
-    @property
-    def speedup(self) -> float:
-        v = self.validation
-        return v.baseline.median_ms / v.plan.median_ms if self.saving_ms is not None else 0.0
-
-    def record(self) -> dict:
-        """What the plan's provenance and the run keep of it (`composition`), with why it failed where it did."""
-        return {"what": self.what, "groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
-                "alone_ms": round(self.alone_ms, 4), "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
-                "noise": round(self.noise, 4), "status": self.validation.status.value, **failure(self.validation)}
-
-
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
                 on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
@@ -282,7 +245,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
                            n_trials, t_start)
     chosen = judge(plan, "the chosen plan", 1, 1, [plan])
     if chosen.passed and 0 < REALISED_ENOUGH * chosen.alone_ms <= chosen.saving_ms:
-        extend(plan, [p for p in group_plans(plan, alternative, alone) if _beside(p, plan)], judge)
+        extend(plan, [p for p in group_plans(plan, alternative, alone) if beside(p, plan)], judge)
     else:
         probe(plan, chosen, group_plans(plan, alternative, alone), judge, measured)
         if savings is not None:
@@ -297,94 +260,6 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         first.wall_s = time.time() - t_start
         return first
     return _measured_report(graph, best, plan, notes, name, cands, n_trials, t_start)
-
-
-def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[..., Measured], measured: list[Measured]) -> None:
-    """The chosen plan lost much of its groups' savings in the program: each distinct group (`singles`) in context on
-    its own, then those that saved time there together (`compose`)."""
-    by_sig: dict[str, Measured] = {}
-    todo = []
-    for single in singles:
-        if _same_groups(single, plan):  # the chosen plan of one distinct group: measured already
-            by_sig[single.groups[0].signature] = chosen
-        else:
-            todo.append(single)
-    total = 1 + len(todo) + 1
-    for k, single in enumerate(todo):
-        by_sig[single.groups[0].signature] = judge(single, "one group in context", k + 2, total, todo if k == 0 else [])
-    composed = compose(plan, singles, by_sig)
-    if composed is not None and not any(_same_groups(composed, m.plan) for m in measured):
-        judge(composed, "the groups that saved time in context", total, total, [composed])
-
-
-def extend(plan: Plan, extras: list[Plan], judge: Callable[..., Measured]) -> None:
-    """The chosen plan kept most of its groups' savings in the program: only the groups of the plan of the largest
-    savings alone that it lacks and that share no node with it (`extras`) are tried, each in context, then the chosen
-    plan with those that saved time there (within their own noise too, as in `compose`). GPT-2's forward kept 92% of 61 ms, 99% of 1.4 ms with cuDNN attention:
-    taking each of its groups apart again cost about a minute and found nothing."""
-    total = 1 + len(extras) + 1
-    saved = []
-    for k, extra in enumerate(extras):
-        m = judge(extra, "one more group in context", k + 2, total, extras if k == 0 else [])
-        if m.saved_time:
-            saved.append(m)
-    if saved:
-        more = Plan(plan.fingerprint, tuple(plan.groups) + tuple(g for m in saved for g in m.plan.groups), dict(plan.provenance))
-        judge(more, "the chosen plan and the groups that saved time beside it", total, total, [more])
-
-
-MAX_REPLACEMENTS = 3  # groups tried in context in place of those that lost there (`replace_losers`)
-
-
-def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[frozenset[str]], Plan], alone: dict[str, float],
-                   judge: Callable[..., Measured]) -> None:
-    """Groups that lost time in the program give way: the plan of the largest savings alone without them (`replan`)
-    may hold other fusions of their nodes, and those of its groups that share nodes with them and were not judged
-    yet are tried in context, at most MAX_REPLACEMENTS, the largest savings alone first; then the groups that saved
-    time in context, all of them so far, composed (`compose`) and judged as a whole where that plan is new.
-    GPT-2's step: the cross-entropy pair saved 3.9 ms alone and lost 1.9 in context, and the padded logits GEMM it
-    had displaced from the plan of the largest savings alone (1.1 ms in context in an earlier run) was never tried."""
-    singles = {m.plan.groups[0].signature: m for m in measured if len({g.signature for g in m.plan.groups}) == 1}
-    losers = frozenset(sig for sig, m in singles.items() if not m.saved_time)
-    if not losers:
-        return
-    lost_nodes = {n for sig in losers for g in singles[sig].plan.groups for n in g.nodes}
-    todo = [p for p in distinct_groups([replan(losers)], alone) if p.groups[0].signature not in singles
-            and any(n in lost_nodes for g in p.groups for n in g.nodes)][:MAX_REPLACEMENTS]
-    total = len(todo) + 1
-    for k, single in enumerate(todo):
-        singles[single.groups[0].signature] = judge(single, "a group in place of those that lost in context", k + 1, total,
-                                                    todo if k == 0 else [])
-    composed = compose(plan, [m.plan for m in singles.values()], singles) if todo else None
-    if composed is not None and not any(_same_groups(composed, m.plan) for m in measured):
-        judge(composed, "the groups that saved time in context", total, total, [composed])
-
-
-MAX_RIVALS = 2  # plans with one group swapped for a near-tie fusion of its nodes, judged in the program (`swap_rivals`)
-
-
-def swap_rivals(best: Measured, rivals: Callable[[Plan], list[Plan]], measured: list[Measured], judge: Callable[..., Measured]) -> None:
-    """The fastest plan so far with one group swapped for a rival that nearly tied it alone (`rivals`:
-    `select.Savings.rivals`), at most MAX_RIVALS, each judged in the program where it is new: what two fusions of
-    the same nodes share with their neighbours (a pad, a producer) is invisible when each is timed alone. Only where
-    the chosen plan lost much of its savings in the program: GPT-2's forward, which kept 84% of 60 ms, spent 19 s of
-    a 98 s job on 4 H200s judging two rivals among its 97 groups, and found nothing."""
-    todo: list[Plan] = []
-    for swapped in rivals(best.plan):
-        if len(todo) < MAX_RIVALS and not any(_same_groups(swapped, seen) for seen in [m.plan for m in measured] + todo):
-            todo.append(swapped)
-    for k, swapped in enumerate(todo):
-        judge(swapped, "a near-tie fusion in place of one of the fastest plan's groups", k + 1, len(todo), todo if k == 0 else [])
-
-
-def _beside(extra: Plan, plan: Plan) -> bool:
-    """Whether `extra`'s groups are none of `plan`'s and share no node with them."""
-    taken = {n for g in plan.groups for n in g.nodes}
-    return not {g.signature for g in extra.groups} & {g.signature for g in plan.groups} and not any(n in taken for g in extra.groups for n in g.nodes)
-
-
-def _same_groups(a: Plan, b: Plan) -> bool:
-    return sorted(g.nodes for g in a.groups) == sorted(g.nodes for g in b.groups)
 
 
 def over_memory(v: ValidationResult, max_memory_bytes: int | None) -> ValidationResult:
@@ -415,73 +290,6 @@ def _validate_once(runner: Any, cand: Plan, state: dict, say: Callable[[str], No
 def _plan_timing(cand: Plan, v: ValidationResult, t0: float) -> dict:
     return {"groups": len(cand.groups), "status": v.status.value, "seconds": round(time.perf_counter() - t0, 3),
             **{key: round(x, 3) for key, x in (v.seconds or {}).items()}, **failure(v)}
-
-
-ERROR_CHARS = 400  # of a failed plan's reason kept in the run's record: its first line, enough to say which output and how far
-
-
-def failure(v: ValidationResult) -> dict:
-    """`{"error": ...}` for a plan that failed its validation (the reason's first line, cut to `ERROR_CHARS`), else
-    nothing: a run's record says why a plan that saved time alone never reached the program."""
-    lines = (v.error or "").strip().splitlines()
-    if v.status is TrialStatus.OK or not lines:
-        return {}
-    return {"error": lines[0] if len(lines[0]) <= ERROR_CHARS else lines[0][: ERROR_CHARS - 1] + "…"}
-
-
-def plan_alone_ms(plan: Plan, alone: dict[str, float]) -> float:
-    """What `plan`'s groups saved, each timed alone (ms): the sum over its instances."""
-    return sum(alone.get(g.signature, 0.0) for g in plan.groups)
-
-
-def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -> list[Plan]:
-    """One plan per distinct group of `plan` and of `alternative` (`distinct_groups`), at most MAX_IN_CONTEXT; none
-    where `plan` has one distinct group and `alternative` nothing else."""
-    plans = distinct_groups([plan, alternative], alone)
-    return plans[:MAX_IN_CONTEXT] if len(plans) > 1 else []
-
-
-def distinct_groups(sources: list[Plan | None], alone: dict[str, float]) -> list[Plan]:
-    """One plan per distinct group of the `sources` (its instances in the first source that has it), the largest
-    savings alone first. A group that shares nodes with one of larger saving (another fusion of the same GEMM) comes
-    after every group that does not: GPT-2's step once spent two of its five tries in context on two fusions of one
-    MLP GEMM, and never tried a padded LM-head GEMM that had saved 1.7 ms in context before."""
-    groups: dict[str, list] = {}
-    for source in sources:
-        if source is None:
-            continue
-        mine: dict[str, list] = {}
-        for g in source.groups:
-            mine.setdefault(g.signature, []).append(g)
-        for sig, gs in mine.items():
-            groups.setdefault(sig, gs)
-    order = sorted(groups, key=lambda sig: -alone.get(sig, 0.0) * len(groups[sig]))
-    taken: set[int] = set()
-    apart, overlapping = [], []
-    for sig in order:
-        nodes = {n for g in groups[sig] for n in g.nodes}
-        (overlapping if nodes & taken else apart).append(sig)
-        taken |= nodes
-    fingerprint = next(src.fingerprint for src in sources if src is not None)
-    provenance = next(dict(src.provenance) for src in sources if src is not None)
-    return [Plan(fingerprint, tuple(groups[sig]), provenance) for sig in apart + overlapping]
-
-
-def compose(plan: Plan, singles: list[Plan], measured: dict[str, Measured]) -> Plan | None:
-    """The plan of the groups that saved time in the program, whose instances share no node: the largest total saving
-    in context (an exact choice, `select.disjoint_savings`). None: fewer than two. A group's saving need not stand out
-    of its own measurement's noise: the composed plan is judged as a whole against jax.jit, and a 1 ms saving in a 100 ms
-    step is about one noise width (GPT-2 medium's: the dgrad GEMM with GELU' saved 2.5 ms in context, and a padded
-    LM-head GEMM 1.2 ms, both left out of a composition of two that saved 4.6 ms)."""
-    gains = {}
-    for single in singles:
-        m = measured.get(single.groups[0].signature)
-        if m is not None and m.saved_time:
-            gains[single.groups[0].signature] = (single.groups, m.saving_ms)
-    chosen = disjoint_savings(gains)
-    if len(chosen) < 2:
-        return None
-    return Plan(plan.fingerprint, tuple(g for sig in chosen for g in gains[sig][0]), dict(plan.provenance))
 
 
 def _measured_report(graph: Graph, m: Measured, chosen: Plan, notes: list[str], name: str, cands: list[CandidateState], n_trials: int,
