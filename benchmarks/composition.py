@@ -29,6 +29,7 @@ import jax  # noqa: E402
 import autofuse  # noqa: E402
 from autofuse.plan import Plan  # noqa: E402
 from autofuse.runner.measure import time_pair  # noqa: E402
+from autofuse.tuning import select  # noqa: E402
 from benchmarks import kernel_profile  # noqa: E402
 from benchmarks.provenance import command, commit  # noqa: E402
 
@@ -56,14 +57,10 @@ def by_kind(rows: list[kernel_profile.KernelTime]) -> dict[str, tuple[float, flo
 def alone_savings(report) -> dict[str, float]:
     """Per distinct group of the plan: (XLA - best) ms per instance, times the plan's instances of it (0 where the
     job's candidates are not known: a plan read from a file)."""
-    by_sig = {c.signature: c for c in report.candidates}
+    one = select.alone_savings(report.candidates)
     out: dict[str, float] = {}
     for g in report.plan.groups:
-        c = by_sig.get(g.signature)
-        if c is None:
-            out[g.signature] = 0.0
-            continue
-        out[g.signature] = out.get(g.signature, 0.0) + (c.xla_ms or 0.0) - (c.best_ms or 0.0)
+        out[g.signature] = out.get(g.signature, 0.0) + one.get(g.signature, 0.0)
     return out
 
 

@@ -65,3 +65,16 @@ def test_the_unaligned_gemm_table_has_each_gemm_with_xlas_own_layouts(capsys) ->
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d") or line.startswith("| logits")]
     assert [r.split(" | ")[0] for r in rows] == ["| dx = dlogits @ W", "| dW = dlogits^T @ X", "| logits = X @ W^T"]
     assert all(r.count(" ms ") == 3 and re.search(r"\(\d, \d\); \(\d, \d\); \(\d, \d\)\)", r) for r in rows)  # 3 timings; the layouts
+
+
+def test_the_composition_profiles_alone_savings_sum_each_groups_instances() -> None:
+    """`profile composition`'s saving alone per distinct group of a plan: what one instance saved (XLA - best) times
+    the plan's instances of it; 0 where the job's candidate did not measure both (or a plan read from a file)."""
+    from types import SimpleNamespace as NS
+
+    from autofuse.plan import FusedGroup, Plan
+    from benchmarks.composition import alone_savings
+
+    cands = [NS(signature="a", xla_ms=3.0, best_ms=1.0), NS(signature="b", xla_ms=1.0, best_ms=None)]
+    groups = tuple(FusedGroup((n,), "matmul", {}, sig) for n, sig in enumerate("aabc"))
+    assert alone_savings(NS(candidates=cands, plan=Plan("fp", groups))) == {"a": 4.0, "b": 0.0, "c": 0.0}
