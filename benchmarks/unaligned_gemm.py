@@ -6,7 +6,8 @@ And the unaligned GEMM with XLA's own layouts for what would be intermediates in
 activations, the logits: `Layout.AUTO`; the embedding, a parameter, stays row-major): inside a program XLA lays
 those out as it likes, timed alone (as autofuse times a group's XLA reference) it must read and write them
 row-major. The training step's profile found these three GEMMs at 2.97-7.33 ms inside the program against 5.4-10.1
-ms alone (results/models_cudnn_h200.md §2); whether layouts are why is what this column asks.
+ms alone (results/models_cudnn_h200.md §2); whether layouts are why is what this column asks, and whether XLA
+fusing the gradient's producer into the GEMM is, what the second table asks (`with_producer`).
 
     python -m benchmarks kernels unaligned-gemm [--vocab 50257 --padded 50304]
 """
@@ -51,6 +52,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {t1.median_ms:.3f} ms ({flop / t1.median_ms * 1e3:.0f} TFLOP/s) | {t3.median_ms:.3f} ms "
               f"({flop / t3.median_ms * 1e3:.0f}; {chosen}) | {t2.median_ms:.3f} ms ({flop / t2.median_ms * 1e3:.0f}) | "
               f"{r3.median_ms:.3f} ({r3.q1_ms:.3f}-{r3.q3_ms:.3f}) | {r.median_ms:.3f} ({r.q1_ms:.3f}-{r.q3_ms:.3f}) |")
+    with_producer(M, V, w)
+
+
+def with_producer(M: int, V: int, w) -> None:
+    """The other way the program differs from the dot alone: the logits' gradient made by the softmax's backward
+    right before the dot. Timed as the producer alone, the dot alone (on the producer's output) and both in one
+    program: where XLA fuses the producer into its GEMM's operand loads, both together cost less than the parts."""
+    k = jax.random.split(jax.random.PRNGKey(1), 2)
+    logits = jax.random.normal(k[0], (M, V), jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+
+    def producer(logits, lse):  # softmax - (the one-hot term left out: an elementwise producer is the point)
+        return jnp.exp(logits - lse[:, None]).astype(jnp.bfloat16)
+
+    prod, dot, both = jax.jit(producer), jax.jit(lambda g, w: g @ w), jax.jit(lambda l, m, w: producer(l, m) @ w)
+    g = prod(logits, lse)
+    tp, tb, rb = time_pair(lambda: prod(logits, lse), lambda: both(logits, lse, w), [[]], repeats=10)
+    td, _, _ = time_pair(lambda: dot(g, w), lambda: both(logits, lse, w), [[]], repeats=10)
+    parts = tp.median_ms + td.median_ms
+    print(f"\n| dx with its producer | producer alone | dot alone | parts summed | in one program | one program / parts |"
+          f"\n|---|---|---|---|---|---|\n| exp(logits - lse) -> bf16, @ W | {tp.median_ms:.3f} ms | {td.median_ms:.3f} ms | "
+          f"{parts:.3f} ms | {tb.median_ms:.3f} ms | {tb.median_ms / parts:.3f} |")
 
 
 def own_layouts(fn, args: tuple, free: tuple[bool, ...]):

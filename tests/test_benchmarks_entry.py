@@ -58,12 +58,16 @@ def test_the_docs_page_lists_every_suite_and_part() -> None:
 
 def test_the_unaligned_gemm_table_has_each_gemm_with_xlas_own_layouts(capsys) -> None:
     """`kernels unaligned-gemm` at a CPU-sized vocabulary: a row per GEMM, each timed with row-major operands, with
-    the layouts XLA chooses for the step's intermediates (and which it chose), and padded."""
+    the layouts XLA chooses for the step's intermediates (and which it chose), and padded; then the gradient's GEMM
+    with its producer: the parts alone and both in one program."""
     from benchmarks import unaligned_gemm
 
     unaligned_gemm.main(["--rows", "64", "--width", "32", "--vocab", "101", "--padded", "104"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d") or line.startswith("| logits")]
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| d") or line.startswith("| logits")]
     assert [r.split(" | ")[0] for r in rows] == ["| dx = dlogits @ W", "| dW = dlogits^T @ X", "| logits = X @ W^T"]
+    (fused,) = [line for line in out if line.startswith("| exp(logits - lse)")]  # the dot with its producer
+    assert fused.count(" ms ") == 4
     assert all(r.count(" ms ") == 3 and re.search(r"\(\d, \d\); \(\d, \d\); \(\d, \d\)\)", r) for r in rows)  # 3 timings; the layouts
 
 
