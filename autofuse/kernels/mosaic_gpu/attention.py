@@ -70,9 +70,10 @@ Float32 (both dots at default precision, as XLA's own on this GPU) runs as TF32
 through SMEM and V reaches the kernel transposed ([.., Dv, Lk], its keys padded
 to whole 128-byte rows by XLA outside); its flash pair's backward is Triton's.
 
-Declined (`Unsupported`): dots of mixed widths (16-bit scores, float32 values), head dims that are not a multiple of 32 bytes or above 256,
-score work the Mosaic GPU lowering cannot run (`tiles.check_nodes`: e.g. `pow`,
-`log1p`), a batch of more than 65535 (the launch grid's y axis), a sequence axis
+Declined (`Unsupported`): dots of mixed widths (16-bit scores, float32 values),
+head dims that are not a multiple of 32 bytes or above 256, score work the
+Mosaic GPU lowering cannot run (`tiles.check_nodes`: e.g. `pow`, `log1p`), a
+batch of more than 65535 (the launch grid's y axis), a sequence axis
 merged with a batch axis (an operand read from [B*L, D]) whose length is not a
 multiple of 8, configs that break a wgmma / TMA / shared-memory rule
 (`check_config`). Operands whose head dim is not their minor axis, outputs
@@ -701,16 +702,18 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     if p_via_smem:
                         p_smem.at[wg][...] = p16
                         plgpu.commit_smem()
-
+                    p_op = p_smem.at[wg] if p_via_smem else p16
+                    v_op = v_smem.at[slot].T if tf else v_smem.at[slot]
+                    if interp is not None:  # no run_state over an ACC: P V into a fresh accumulator, added to O
                         def compute_pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot].T if tf else v_smem.at[slot])
+                            plgpu.wgmma(acc_ref, p_op, v_op)
                             wait_next_k()
                             return acc_ref[...]
 
                         acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((bq, Dv), jnp.float32))
-                    else:
+                    else:  # O accumulated in place (TF32: P read from SMEM)
                         def compute_pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            plgpu.wgmma(acc_ref, p_op, v_op)
                             wait_next_k()
 
                         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
