@@ -479,3 +479,15 @@ def test_backward_tiles_are_the_backwards_own():
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 
+
+
+def test_a_sequence_of_16_differentiates_with_16_row_backward_blocks():
+    """The flash backward's default tiles never run past a short sequence (SPLADE's small inputs: 16 tokens): 16-row
+    blocks, within the spaces' rule, and the gradients match jax.grad."""
+    from autofuse.kernels.attention_vjp import backward_default_config
+
+    specs = [S((1, 2, 16, 64), F32)] * 3
+    plan, graph = _plan(attention_bhld_causal, specs, "attention", SMALL_ATTN)
+    spec = next(c for c in enumerate_candidates(graph) if c.template == "attention").spec
+    assert (backward_default_config(spec)["bwd_held"], backward_default_config(spec)["bwd_step"]) == (16, 16)
+    _assert_grads_match(attention_bhld_causal, specs, plan, (0, 1, 2))

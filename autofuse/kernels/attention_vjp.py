@@ -317,9 +317,11 @@ def backward_default_config(spec: attention.AttentionSpec) -> dict:
     """The backward kernels' tiles: each program holds `bwd_held` rows (keys for dK/dV, queries for dQ) and steps
     through the other side `bwd_step` rows at a time. 64 and 64 (five [64, 64] float32 tiles and two accumulators
     live at once), 4 warps, 2 stages: the best of the three tried at B8 H32 L2048 D128 on an H100
-    (results/attention_grad_h100.md). Here, not with the Triton backward, as the cost model reads them too."""
+    (results/attention_grad_h100.md); 32 for short sequences or wide heads, and never longer than the sequence
+    rounded up to a power of two (16 at least: a sequence of 16 has 16-row blocks, as the spaces' rule says). Here, not with the Triton backward, as the cost model reads them too."""
     small = min(spec.Lq, spec.Lk) < 64 or max(spec.D, spec.Dv) > 128
-    return {"bwd_held": 32 if small else 64, "bwd_step": 32 if small else 64, "bwd_warps": 4, "bwd_stages": 2}
+    n = min(32 if small else 64, max(16, 1 << (min(spec.Lq, spec.Lk) - 1).bit_length()))  # no block past the sequence
+    return {"bwd_held": n, "bwd_step": n, "bwd_warps": 4, "bwd_stages": 2}
 
 
 def backward_config(spec: attention.AttentionSpec, config: dict | None) -> dict:
