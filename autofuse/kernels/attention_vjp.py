@@ -41,6 +41,7 @@ from ..graph import Graph, Group, Lit, Node, bind_node, capture, convex, node_te
 from ..ops import OpClass, op_class
 from . import attention
 from .template import NoMatch, Template
+from .tiling import next_pow2
 
 _CHAIN = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
 _DERIVED: dict[tuple, tuple[set[str], dict[str, int]]] = {}  # (forward signature, cotangent aval) -> (hash set, output hashes)
@@ -320,7 +321,7 @@ def backward_default_config(spec: attention.AttentionSpec) -> dict:
     (results/attention_grad_h100.md); 32 for short sequences or wide heads, and never longer than the sequence
     rounded up to a power of two (16 at least: a sequence of 16 has 16-row blocks, as the spaces' rule says). Here, not with the Triton backward, as the cost model reads them too."""
     small = min(spec.Lq, spec.Lk) < 64 or max(spec.D, spec.Dv) > 128
-    n = min(32 if small else 64, max(16, 1 << (min(spec.Lq, spec.Lk) - 1).bit_length()))  # no block past the sequence
+    n = min(32 if small else 64, max(16, next_pow2(min(spec.Lq, spec.Lk))))  # no block past the sequence
     return {"bwd_held": n, "bwd_step": n, "bwd_warps": 4, "bwd_stages": 2}
 
 
