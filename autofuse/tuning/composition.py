@@ -10,7 +10,7 @@ or, where the chosen plan kept its savings, only more groups beside it (`extend`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..plan import Plan
 from ..runner.protocol import ValidationResult
@@ -19,11 +19,7 @@ from .select import disjoint_savings
 
 
 MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
-
-
 REALISED_ENOUGH = 0.8  # a chosen plan that keeps this share of its savings alone is not taken apart again (`extend`)
-
-
 MAX_IN_CONTEXT = 5  # distinct groups, the largest savings alone first, each validated as a plan of its own on the GPU
 
 
@@ -135,7 +131,7 @@ def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[froze
 MAX_RIVALS = 2  # plans with one group swapped for a near-tie fusion of its nodes, judged in the program (`swap_rivals`)
 
 
-def swap_rivals(best: Measured, rivals: Callable[[Plan], list[Plan]], measured: list[Measured], judge: Callable[..., Measured]) -> None:
+def swap_rivals(best: Measured, rivals: Callable[[Plan], Iterable[Plan]], measured: list[Measured], judge: Callable[..., Measured]) -> None:
     """The fastest plan so far with one group swapped for a rival that nearly tied it alone (`rivals`:
     `select.Savings.rivals`), at most MAX_RIVALS, each judged in the program where it is new: what two fusions of
     the same nodes share with their neighbours (a pad, a producer) is invisible when each is timed alone. Only where
@@ -143,7 +139,9 @@ def swap_rivals(best: Measured, rivals: Callable[[Plan], list[Plan]], measured: 
     a 98 s job on 4 H200s judging two rivals among its 97 groups, and found nothing."""
     todo: list[Plan] = []
     for swapped in rivals(best.plan):
-        if len(todo) < MAX_RIVALS and not any(same_groups(swapped, seen) for seen in [m.plan for m in measured] + todo):
+        if len(todo) == MAX_RIVALS:
+            break
+        if not any(same_groups(swapped, seen) for seen in [m.plan for m in measured] + todo):
             todo.append(swapped)
     for k, swapped in enumerate(todo):
         judge(swapped, "a near-tie fusion in place of one of the fastest plan's groups", k + 1, len(todo), todo if k == 0 else [])

@@ -10,7 +10,7 @@ option, and is ordered as one unit per stage (each convex, in order).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -268,7 +268,7 @@ class Savings:
         """The plan of the largest savings alone (`savings_plan`) of the candidates but those signed `without`."""
         return savings_plan(self.graph, self.by_sig, [r for r in self.cands if r.signature not in without], self.model)
 
-    def rivals(self, plan: Plan, share: float = RIVAL_SHARE) -> list[Plan]:
+    def rivals(self, plan: Plan, share: float = RIVAL_SHARE) -> Iterator[Plan]:
         """`plan` with one of its groups swapped for a rival, the nearest tie first: another tuned fusion of some of
         the group's nodes whose instances saved alone at least `share` of what the group's did (each summed over
         instances); the swapped plan is the plan of the largest savings alone of the other groups and the rival.
@@ -276,7 +276,8 @@ class Savings:
         Two fusions of the same nodes that nearly tie alone may not tie in the program, where one can share with its
         neighbours what each paid for alone: GPT-2's step chose a Mosaic GPU GEMM reading the logits' gradient as
         it is (6.84 ms saved alone) over XLA's GEMM reading it padded (6.74), beside two padded LM-head GEMMs whose
-        pad of the same operand, 1.2 ms, the padded one would have shared."""
+        pad of the same operand, 1.2 ms, the padded one would have shared. Lazily: each swapped plan is a cover
+        solved again, and the validation judges only the first few."""
         nodes: dict[str, set[int]] = {}
         for g in plan.groups:
             nodes.setdefault(g.signature, set()).update(g.nodes)
@@ -288,10 +289,8 @@ class Savings:
         for sig, taken in nodes.items():
             own = alone.get(sig, 0.0) * count[sig]
             swaps += [(theirs / own, sig, r) for r, theirs, reach in others if own > 0 and theirs >= share * own and reach & taken]
-        out: list[Plan] = []
         for _, sig, r in sorted(swaps, key=lambda s: -s[0]):
             swapped = savings_plan(self.graph, self.by_sig, [c for c in self.cands if c.signature in nodes and c.signature != sig] + [r],
                                    self.model)
             if any(g.signature == r.signature for g in swapped.groups):
-                out.append(Plan(plan.fingerprint, swapped.groups, dict(plan.provenance)))
-        return out
+                yield Plan(plan.fingerprint, swapped.groups, dict(plan.provenance))
