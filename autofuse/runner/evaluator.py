@@ -20,6 +20,7 @@ from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..status import TrialStatus
+from .in_program import InProgram, in_program
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
 from .protocol import (CompileRequest, CompileResult, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
@@ -62,6 +63,7 @@ class Evaluator:
         self.example_inputs = example_inputs  # a pickle of the user's own input leaves (graph input order), if given
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
+        self._views: dict[tuple, InProgram] = {}
         self._ahead: dict[tuple, Callable] = {}  # kernels compiled ahead (`compile_ahead`), taken by their trial
         self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
         self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job (perhaps ahead)
@@ -92,11 +94,18 @@ class Evaluator:
             self._sets = {key: [random_inputs(avals, 1000 + k) for k in range(self.n_input_sets)]}  # keep one program's sets only
         return self._sets[key]
 
+    def _view(self, group: Group) -> InProgram:
+        """The group as it is timed and checked alone: with the layout ops that make its inputs in the program."""
+        key = tuple(group.node_ids)
+        if key not in self._views:
+            self._views[key] = in_program(group)
+        return self._views[key]
+
     def _reference(self, group: Group) -> Callable:
         """The group under plain jax.jit, compiled once per group (perhaps ahead, by `compile_ahead`)."""
         key = tuple(group.node_ids)
         if key not in self._refs:
-            self._refs[key] = jax.jit(lambda *a: group.evaluate(a))
+            self._refs[key] = jax.jit(self._view(group).around(lambda *a: group.evaluate(a)))
         return self._refs[key]
 
     def _compiles(self) -> bool:
@@ -108,9 +117,10 @@ class Evaluator:
         backend = config.get("backend", "triton")
         params = {k: v for k, v in config.items() if k != "backend"}
         kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
-        fn = jax.jit(lambda *a: kernel(*a))
+        view = self._view(group)
+        fn = jax.jit(view.around(lambda *a: kernel(*a)))
         if self._compiles():
-            fn = fn.lower(*_structs(group)).compile()
+            fn = fn.lower(*view.structs()).compile()
         elif jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
             lowering_guard(build_group(group, template, params, backend=backend, interpret=False), _structs(group))
         return fn
@@ -132,10 +142,13 @@ class Evaluator:
             group = Group.of(self.graph, it.nodes)
             if isinstance(it, XlaRequest) and self.measure == "device" and tuple(group.node_ids) not in self._refs \
                     and not any(kind == "xla" and key == tuple(group.node_ids) for kind, key, _ in todo):
-                todo.append(("xla", tuple(group.node_ids), lambda g=group: jax.jit(lambda *a: g.evaluate(a)).lower(*_structs(g)).compile()))
+                view = self._view(group)
+                todo.append(("xla", tuple(group.node_ids),
+                             lambda g=group, v=view: jax.jit(v.around(lambda *a: g.evaluate(a))).lower(*v.structs()).compile()))
             elif isinstance(it, TrialRequest) and self._compiles() and TEMPLATES[it.template].match(group) is not None:
                 key = _trial_key(it.nodes, it.template, it.config)
                 if key not in self._ahead:
+                    self._view(group)  # made here, not in the compiling threads
                     todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config): self._kernel(g, t, c)))
 
         def attempt(build: Callable[[], Any]) -> tuple[Any, float]:
@@ -181,7 +194,7 @@ class Evaluator:
         if self.measure == "model":
             ms = costmodel.xla_group_time_ms(group, self.model)
             return TrialResult(TrialStatus.OK, ms, ms, ms, modelled=True)
-        return self._timed(self._reference(group), group.input_avals())
+        return self._timed(self._reference(group), self._view(group).input_avals())
 
     def trial(self, nodes: Sequence[int], template: str, config: dict, *, check_result: bool = True) -> TrialResult:
         group = Group.of(self.graph, nodes)
@@ -189,7 +202,8 @@ class Evaluator:
         spec = tmpl.match(group)
         if spec is None:
             return TrialResult(TrialStatus.ERROR, error=f"template {template} does not match group")
-        avals = group.input_avals()
+        view = self._view(group)
+        avals = view.input_avals()
         fn = self._ahead.pop(_trial_key(nodes, template, config), None)
         if fn is None:
             try:
@@ -201,7 +215,7 @@ class Evaluator:
             tols = cone_tolerances(self.graph, group.node_ids, group.outputs)
             res = check(fn, self._reference(group), avals, self.seeds, tols)
             if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE:  # rounding amplified, or wrong: judged by float32
-                again = check_as_accurate(fn, self._reference(group), widened(group), avals, self.seeds, tols)
+                again = check_as_accurate(fn, self._reference(group), jax.jit(view.around(widened(group))), avals, self.seeds, tols)
                 res = again if again.ok else replace(res, reason=f"{res.reason}; {again.reason}")
             max_error = res.max_error
             if not res.ok:

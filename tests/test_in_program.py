@@ -1,0 +1,81 @@
+"""A group timed alone as the program runs it (`runner.in_program`): the transposes, broadcasts and reshapes that
+make its inputs in the program go in front of it, so XLA's reference reads what it reads in the program (GPT-2's
+LM head: `wte`, not a row-major copy of `wte.T` with 100514-byte rows)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import autofuse
+from autofuse.graph import Group
+from autofuse.runner.evaluator import Evaluator
+from autofuse.runner.in_program import in_program
+from autofuse.runner.protocol import TrialRequest, XlaRequest
+from autofuse.status import TrialStatus
+
+
+def head(x, w, b):
+    return x @ w.T + b
+
+
+def _args(dtype=jnp.float32):
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    return (jax.random.normal(k[0], (64, 32), dtype), jax.random.normal(k[1], (40, 32), dtype), jax.random.normal(k[2], (40,), dtype))
+
+
+def _group(graph, *names):
+    return Group.of(graph, [n.id for n in graph.nodes if n.name in names])
+
+
+def test_a_transposed_operand_is_read_as_the_program_holds_it():
+    x, w, b = _args()
+    graph = autofuse.capture(head, x, w, b)
+    dot = _group(graph, "dot_general")
+    view = in_program(dot)
+    assert [n.name for n in view.prologue] == ["transpose"]
+    assert [a.shape for a in view.input_avals()] == [(64, 32), (40, 32)]  # w itself, not its [32, 40] transpose
+    assert [s.shape for s in view.structs()] == [(64, 32), (40, 32)]
+    (out,) = jax.jit(view.around(lambda *a: dot.evaluate(a)))(x, w)
+    np.testing.assert_allclose(out, x @ w.T, rtol=1e-6)
+
+
+def test_a_broadcast_input_is_read_before_its_broadcast_and_chains_are_followed():
+    def fn(x, b):
+        return jnp.exp(x) + jnp.broadcast_to(b.reshape(1, 40), (64, 40))
+
+    x, _, b = _args()
+    x = x[:, :1] * jnp.ones((64, 40))
+    graph = autofuse.capture(fn, x, b)
+    add = _group(graph, "add")
+    view = in_program(add)
+    assert {n.name for n in view.prologue} <= {"broadcast_in_dim", "reshape"} and view.prologue
+    assert [a.shape for a in view.input_avals()] == [(64, 40), (40,)]  # exp's result (not a layout op), and b
+    (out,) = jax.jit(view.around(lambda *a: add.evaluate(a)))(jnp.exp(x), b)
+    np.testing.assert_allclose(out, fn(x, b), rtol=1e-6)
+
+
+def test_a_group_whose_inputs_are_computed_or_the_programs_own_is_timed_as_it_is():
+    x, w, b = _args()
+    graph = autofuse.capture(lambda x: jnp.tanh(jnp.exp(x)), x)
+    tanh = _group(graph, "tanh")
+    view = in_program(tanh)
+    assert view.prologue == () and view.inputs == tanh.inputs
+    fn = lambda *a: a  # noqa: E731
+    assert view.around(fn) is fn
+
+
+def test_the_evaluator_times_and_checks_xla_and_a_kernel_on_the_programs_operands():
+    """Device mode on the CPU: XLA's reference and a Triton `matmul` trial (interpret mode) both take `w` as the
+    program holds it, and the kernel is checked against the reference there."""
+    x, w, b = _args()
+    graph = autofuse.capture(head, x, w, b)
+    dot = _group(graph, "dot_general")
+    ev = Evaluator(graph, measure="device", interpret=True, n_input_sets=1, repeats=2, target_ms=1.0)
+    (ref,) = ev._reference(dot)(x, w)
+    np.testing.assert_allclose(ref, x @ w.T, rtol=1e-5)
+    assert ev.handle(XlaRequest(dot.node_ids)).status is TrialStatus.OK
+    cfg = {"backend": "triton", "block_m": 32, "block_n": 32, "block_k": 32, "group_m": 4, "num_warps": 4, "num_stages": 2}
+    res = ev.handle(TrialRequest(dot.node_ids, "matmul", cfg))
+    assert res.status is TrialStatus.OK, res.error
+    assert res.max_error is not None and res.max_error < 1e-4
