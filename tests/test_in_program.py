@@ -79,3 +79,31 @@ def test_the_evaluator_times_and_checks_xla_and_a_kernel_on_the_programs_operand
     res = ev.handle(TrialRequest(dot.node_ids, "matmul", cfg))
     assert res.status is TrialStatus.OK, res.error
     assert res.max_error is not None and res.max_error < 1e-4
+
+
+def _unaligned_head(h, w):
+    """A vocabulary head whose product the program reads (the loss) or returns (the logits)."""
+    logits = h @ w.T
+    return jnp.sum(logits.astype(jnp.float32) ** 2), logits
+
+
+def test_a_padded_products_slice_is_timed_where_the_program_makes_it():
+    """`aligned_dot` timed alone: the product the program's own kernels read stays padded (XLA fuses the slice into
+    them), the one it returns is sliced (a copy there too); the checked kernel is sliced either way."""
+    from autofuse.kernels import TEMPLATES
+
+    h, w = jnp.ones((2, 48, 32), jnp.bfloat16), jnp.ones((203, 32), jnp.bfloat16)
+    for returned in (False, True):
+        fn = _unaligned_head if returned else (lambda h, w: _unaligned_head(h, w)[0])
+        graph = autofuse.capture(fn, h, w)
+        dot = _group(graph, "dot_general")
+        alone = TEMPLATES["aligned_dot"].build_alone(dot, {"align": 64}, backend="xla_ops")
+        checked = TEMPLATES["aligned_dot"].build(dot, {"align": 64}, backend="xla_ops")
+        ins = [h, w.T]
+        assert checked(*ins)[0].shape == (2, 48, 203)
+        assert alone(*ins)[0].shape == ((2, 48, 203) if returned else (2, 48, 256))
+        np.testing.assert_allclose(np.asarray(alone(*ins)[0][..., :203], np.float32), np.asarray(checked(*ins)[0], np.float32))
+        ev = Evaluator(graph, measure="device", n_input_sets=1, repeats=2, target_ms=1.0)
+        res = ev.handle(TrialRequest(dot.node_ids, "aligned_dot", {"align": 64, "backend": "xla_ops"}))
+        assert res.status is TrialStatus.OK and res.median_ms > 0, res.error
+    assert TEMPLATES["matmul"].build_alone(dot, {}, backend="triton") is None  # a kernel timed as it runs

@@ -17,6 +17,7 @@ import pytest
 import autofuse
 from autofuse import costmodel
 from autofuse.runner.evaluator import Evaluator, _trial_key
+from autofuse.runner.in_program import in_program
 from autofuse.runner.process import ProcessRunner, ProgramSpec
 from autofuse.runner.protocol import (
     CompileRequest,
@@ -144,8 +145,8 @@ def test_compiling_ahead_gives_the_serial_executables_and_results():
     assert len(conc._refs) == len(cands) and len(conc._ahead) == len(cands)
     for q in xla:
         group = autofuse.graph.Group.of(graph, q.nodes)
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()]
-        again = jax.jit(lambda *a, g=group: g.evaluate(a)).lower(*structs).compile()
+        view = in_program(group)  # the group as timed alone: with the layout ops that make its inputs
+        again = jax.jit(view.around(lambda *a, g=group: g.evaluate(a))).lower(*view.structs()).compile()
         assert _hlo(conc._refs[tuple(group.node_ids)]) == _hlo(again) and "ENTRY" in _hlo(again)
         a, b = serial.handle(q), conc.handle(q)
         assert a.status is b.status is TrialStatus.OK and a.device == b.device == "cpu:0 cpu"

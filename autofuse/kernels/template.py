@@ -28,7 +28,9 @@ class Lowering(Protocol):
     Required: `PARAMS` (the config keys, the parameters of `search_spaces/<template>[.<backend>].toml`),
     `default_config(spec) -> dict` (good without tuning: the search's first trial) and
     `lower(group, spec, config, *, interpret) -> Callable`. Optional: `lower_stages(group, spec, stages, config, *,
-    interpret)` for a template with `stage_split`; `check_group(spec)` and `check_config(spec, config)`, which raise
+    interpret)` for a template with `stage_split`; `lower_alone(group, spec, config, *, interpret)`, the kernel as the
+    tuner times it alone where the program's readers absorb part of what `lower`'s function does (`aligned_dot`'s
+    slice of its padded product, which XLA fuses into the product's readers); `check_group(spec)` and `check_config(spec, config)`, which raise
     NotImplementedError for what the lowering cannot run (found without compiling; `config` is `Config.of(dict)`
     where the module defines a `Config`, else the dict). A lowering without them runs whatever its space allows.
     """
@@ -72,6 +74,15 @@ class Template(ABC, Generic[Spec]):
         spec = spec if spec is not None else self.match(group)
         if spec is None:
             raise NoMatch(f"{self.name} does not match this group")
+        return lower(group, spec, {**self.defaults, **config}, interpret=interpret)
+
+    def build_alone(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
+                    spec: Spec | None = None) -> Callable | None:
+        """The kernel as timed alone, where the backend's lowering has a `lower_alone` (else None: `build`'s is)."""
+        lower = getattr(self.lowering_module(backend), "lower_alone", None)
+        spec = spec if spec is not None else self.match(group)
+        if lower is None or spec is None:
+            return None
         return lower(group, spec, {**self.defaults, **config}, interpret=interpret)
 
     def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:

@@ -114,16 +114,24 @@ class Evaluator:
 
     def _kernel(self, group: Group, template: str, config: dict) -> Callable:
         """One config of a template for a group, built and (on the device) compiled."""
-        backend = config.get("backend", "triton")
-        params = {k: v for k, v in config.items() if k != "backend"}
+        backend, params = _split(config)
         kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
+        if not self._compiles() and jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
+            lowering_guard(build_group(group, template, params, backend=backend, interpret=False), _structs(group))
+        return self._jit(group, kernel)
+
+    def _alone(self, group: Group, template: str, config: dict) -> Callable | None:
+        """The kernel as timed alone where its template's lowering times it otherwise than it runs
+        (`Template.build_alone`), compiled on the device; None where it is the checked kernel itself."""
+        backend, params = _split(config)
+        kernel = TEMPLATES[template].build_alone(group, params, backend=backend, interpret=self.interpret)
+        return None if kernel is None else self._jit(group, kernel)
+
+    def _jit(self, group: Group, kernel: Callable) -> Callable:
+        """`kernel` as the group is timed alone (`in_program`), jitted and (on the device) compiled."""
         view = self._view(group)
         fn = jax.jit(view.around(lambda *a: kernel(*a)))
-        if self._compiles():
-            fn = fn.lower(*view.structs()).compile()
-        elif jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
-            lowering_guard(build_group(group, template, params, backend=backend, interpret=False), _structs(group))
-        return fn
+        return fn.lower(*view.structs()).compile() if self._compiles() else fn
 
     def compile_ahead(self, items: Sequence[XlaRequest | TrialRequest], workers: int) -> CompileResult:
         """Compile what `items` will need on `workers` threads at once (XLA compiles without the GIL), then keep
@@ -225,7 +233,7 @@ class Evaluator:
             ms = tmpl.model_time_ms(spec, config, self.model)
             return TrialResult(TrialStatus.OK, ms, ms, ms, max_error=max_error, modelled=True)
         try:
-            return self._timed(fn, avals, max_error=max_error)
+            return self._timed(self._alone(group, template, config) or fn, avals, max_error=max_error)
         except Exception as e:
             return TrialResult(TrialStatus.ERROR, error=_short(e))
 
@@ -320,6 +328,11 @@ def _structs(group: Group) -> list[jax.ShapeDtypeStruct]:
 def _program_structs(graph: Graph) -> list[jax.ShapeDtypeStruct]:
     """The whole program's inputs as the shapes its executables are compiled for."""
     return [jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype) for v in graph.inputs]
+
+
+def _split(config: dict) -> tuple[str, dict]:
+    """A trial's config as (its backend, the lowering's own parameters)."""
+    return config.get("backend", "triton"), {k: v for k, v in config.items() if k != "backend"}
 
 
 def _trial_key(nodes: Sequence[int], template: str, config: dict) -> tuple:
