@@ -53,6 +53,15 @@ def matmul_bias_swish_groupnorm(x, w, b, gamma, beta, groups=32):
     return out.astype(x.dtype)
 
 
+def mlp_grad(x, w1, b1, w2, b2):
+    """A transformer MLP's backward (GPT-2's: up-projection, GELU, down-projection): the gradients of a float32 loss
+    with respect to x and every weight and bias. The dgrad GEMM of the down-projection meets GELU' and the
+    up-projection bias's gradient there (`matmul` with a sum over the rows in its epilogue)."""
+    def loss(x, w1, b1, w2, b2):
+        return jnp.sum(jnp.square((jax.nn.gelu(x @ w1 + b1) @ w2 + b2).astype(jnp.float32)))
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w1, b1, w2, b2)
+
+
 def splade_head(h, w, bias, mask):
     """SPLADE: max over the sequence of log(1 + relu(h @ W + b)), padding masked ([B, S, D] -> [B, V])."""
     return jnp.max(jnp.log1p(jax.nn.relu(h @ w + bias)) * mask[..., None], axis=1)
@@ -121,6 +130,7 @@ WORKLOADS = [
     Workload("logsumexp", logsumexp, ((16384, 4096),)),
     Workload("matmul_bias_gelu", matmul_bias_gelu, ((8192, 4096), (4096, 8192), (8192,))),
     Workload("matmul_bias_swish_groupnorm", matmul_bias_swish_groupnorm, ((16384, 2048), (2048, 4096), (4096,), (4096,), (4096,))),
+    Workload("mlp_grad", mlp_grad, ((16384, 1024), (1024, 4096), (4096,), (4096, 1024), (1024,))),  # GPT-2 medium's MLP
     Workload("splade_head", splade_head, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
     Workload("splade_head_grad", splade_head_grad, ((32, 256, 768), (768, 30522), (30522,), (32, 256))),
     Workload("cross_entropy", cross_entropy, ((8192, 4096), (4096, 32000), (8192,)), (None, None, "int32")),
@@ -137,6 +147,7 @@ SMALL = {
     "logsumexp": ((50, 333),),
     "matmul_bias_gelu": ((100, 70), (70, 90), (90,)),
     "matmul_bias_swish_groupnorm": ((100, 70), (70, 1024), (1024,), (1024,), (1024,)),  # 32 segments of 32
+    "mlp_grad": ((100, 40), (40, 136), (136,), (136, 40), (40,)),
     "splade_head": ((2, 37, 40), (40, 70), (70,), (2, 37)),
     "splade_head_grad": ((2, 37, 40), (40, 70), (70,), (2, 37)),
     "cross_entropy": ((50, 40), (40, 300), (50,)),

@@ -22,6 +22,12 @@ results/precision_h100.md) runs as three-pass TF32 (`DotAlgorithmPreset.TF32_TF3
 about 1e-6) on the Triton backend, and is checked at float32's bound; the Mosaic GPU lowering declines it. A 16-bit
 dot's products are exact in its float32 accumulator at any precision. `precision=HIGH` stays in XLA.
 
+An epilogue may also sum a value over all the product's rows where the group returns the sum (a bias's gradient:
+`db = Σ dy` over batch and sequence, beside the dgrad GEMM whose epilogue makes dy, e.g. `(dz @ W^T) * gelu'(h)`):
+`TileSpec.col_sums`, each tile writing its rows' partial sums ([row blocks, N] float32) that a small XLA sum adds
+up, so dy is not read again for them (XLA fuses that sum with dy's elementwise producer, which a kernel that makes
+dy would otherwise take from it).
+
 An epilogue may also reduce over segments of a product row (GroupNorm: a reshape of [..., N] into
 [..., G, N / G], reductions over the last axis, broadcasts back, a reshape back): `passes.split_columns` rewrites
 it so that every value carrying the product's columns carries them as [G, seg] (seg = N / G), and
@@ -92,6 +98,7 @@ class MatmulSpec:
 class MatmulTemplate(Template[MatmulSpec]):
     name = "matmul"
     backends = ("triton", "mosaic_gpu")
+    offers_row_sums = True  # a dgrad GEMM with its bias's gradient
 
     def match(self, group: Group) -> MatmulSpec | None:
         """A matmul spec when the group is one plain (2-D or batched) dot plus an elementwise epilogue of it."""
@@ -197,9 +204,11 @@ def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...])
         spec = analyze_segments(seg_sub, S[:-1] + (S[-1] // seg, seg), n - 1)
         spec.axes[out], spec.span[out] = tuple(range(n + 1)), Span(True, True)
         return spec
-    spec = analyze(sub, S, n - 1, outer=True)
+    spec = analyze(sub, S, n - 1, outer=True, column_sums=True)
     if spec.reductions:
         raise NoMatch("reductions belong to matmul_reduce")
+    if spec.col_sums and spec.outer:
+        raise NoMatch("sums over the rows beside an input over the leading row axes")
     spec.axes[out], spec.span[out] = tuple(range(n)), Span(True, True)
     return spec
 

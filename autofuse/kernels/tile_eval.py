@@ -43,6 +43,18 @@ def product_tile(acc: jax.Array, spec: Any) -> jax.Array:
     return acc.astype(spec.group.graph.avals[spec.dot.outputs[0]].dtype).astype(jnp.float32)
 
 
+def partials_struct(spec: TileSpec, v: int, blocks: int) -> jax.ShapeDtypeStruct:
+    """The kernel's array for a sum over the rows (`TileSpec.col_sums`): one float32 partial per block of rows."""
+    return jax.ShapeDtypeStruct((blocks, spec.layout2d(v)[1]), jnp.float32)
+
+
+def add_partials(spec: TileSpec, v: int, partials: jax.Array) -> jax.Array:
+    """A sum over the rows from its partials (a few row blocks, in XLA), in the output's dtype and shape."""
+    g = spec.group.graph
+    kind = ops.reduction_kind(g.node_index[spec.col_sums[v]].name)
+    return jnp.reshape(ops.reduce_tile(kind, partials, axis=0).astype(g.avals[v].dtype), g.avals[v].shape)
+
+
 class TileEval:
     """Evaluates a group's equations on [bm, bn] tiles at rows r0.., columns c0.. of the [R, C] space."""
 

@@ -64,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
 from ..matmul import MatmulSpec
-from ..tile_eval import product_tile
+from ..tile_eval import add_partials, product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import approximate_math, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
@@ -157,6 +157,8 @@ def default_config(spec: MatmulSpec) -> dict:
         cfg["block_n"] = 64
     cfg["epi_tile_m"] = min(cfg["epi_tile_m"], cfg["block_m"])
     cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
+    if spec.epi.col_sums:  # its sums over the rows need the one epilogue warpgroup (`check_config`)
+        cfg["epilogue_wg"] = 1
     if spec.seg:  # one epilogue piece per segment, whole segments per tile
         cfg["block_n"] = max(cfg["block_n"], spec.seg) // spec.seg * spec.seg
         cfg["epi_tile_n"] = spec.seg
@@ -204,10 +206,12 @@ def check_group(spec: MatmulSpec) -> None:
         raise Unsupported("an epilogue input over the leading row axes only (one row per outer index): not yet in the Mosaic GPU lowering")
     if dt not in _LOW and dt != np.dtype(jnp.float32):
         raise Unsupported(f"operand dtype {dt}: wgmma takes bf16, f16 and float32 (as TF32)")
-    check_nodes(spec.epi_nodes, reductions=bool(spec.seg))
+    check_nodes([n for n in spec.epi_nodes if n.id not in spec.epi.col_sum_nodes], reductions=bool(spec.seg))
     if spec.seg and any(n.name == "iota" for n in spec.epi_nodes):
         raise Unsupported("an iota in an epilogue over segments of a row: not in the Mosaic GPU lowering")
     for v in spec.group.outputs:
+        if v in spec.epi.col_sums:
+            continue  # a sum over the rows: a partial per epilogue piece (`RegisterTiles.column_partial`)
         if spec.epi.layout_span(v) != FULL:
             raise Unsupported(f"output %{v} {g.avals[v]} is not a full [M, N] tile of the product")
         if np.dtype(g.avals[v].dtype) == np.dtype(bool):
@@ -217,6 +221,11 @@ def check_group(spec: MatmulSpec) -> None:
             raise Unsupported("an operand of the dot read again by the epilogue")
         if np.dtype(g.avals[v].dtype).itemsize > 4:
             raise Unsupported(f"64-bit epilogue input %{v}")
+
+
+def full_outputs(spec: MatmulSpec) -> list[int]:
+    """The group's outputs written as [M, N] tiles (all but its sums over the rows)."""
+    return [v for v in spec.group.outputs if v not in spec.epi.col_sums]
 
 
 def epi_inputs(spec: MatmulSpec) -> list[int]:
@@ -250,8 +259,12 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("cluster must be 0 (none), 1 (M) or 2 (N)")
     if cfg.epilogue_wg and cfg.cluster:
         raise Unsupported("epilogue_wg=1 runs its own pipeline: no clusters")
+    if spec.epi.col_sums and not cfg.epilogue_wg:
+        raise Unsupported("epilogue_wg=0 with a sum over the rows: its reduction across warps goes through Mosaic GPU's "
+                          "one reduction scratch, which the two compute warpgroups would share (epilogue_wg=1: one "
+                          "epilogue warpgroup)")
     g = spec.group.graph
-    for v in spec.group.outputs + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
+    for v in tuple(full_outputs(spec)) + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
             raise Unsupported(f"epi_tile_n={cfg.epi_tile_n}: epilogue tiles of %{v} ({g.avals[v].dtype}) need rows of 32-byte multiples")
     for v in epi_inputs(spec):
@@ -273,7 +286,8 @@ def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
     copies = 1 if cfg.epilogue_wg else 2  # per warpgroup that runs an epilogue
-    outs = sum(copies * slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in spec.group.outputs)
+    outs = sum(copies * slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in full_outputs(spec))
+    outs += copies * slots * en * 4 * len(spec.epi.col_sums)  # a sum's float32 partials, staged for their TMA store
     ins = 0
     for v in epi_inputs(spec):
         sp, isz = spec.epi.span[v], _kernel_dtype(g.avals[v].dtype).itemsize
@@ -281,7 +295,7 @@ def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
         ins += isz * (copies * em * en if sp == FULL else vec if sp in (ROWS, COLS) else 0)
     if cfg.epilogue_wg:  # the product handed from the compute warpgroups to the epilogue's, in the dot's own dtype
         ins += cfg.cta_m * cfg.cta_n * np.dtype(g.avals[spec.dot.outputs[0]].dtype).itemsize
-    scratch = REDUCTION_SCRATCH if spec.seg else 0  # Mosaic GPU reserves it in a kernel with reductions
+    scratch = REDUCTION_SCRATCH if spec.seg or spec.epi.col_sums else 0  # Mosaic GPU reserves it in a kernel with reductions
     return ring + outs + ins + scratch + SMEM_MARGIN  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
 
 
@@ -328,8 +342,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     vec_in = [v for v in ein if espan[v] in (ROWS, COLS)]  # fetched once per output tile (a warpgroup's bm rows / bn columns)
     scalar_in = [v for v in ein if espan[v] == NONE]
     tiles = RegisterTiles(spec.epi, em, en)
-    outs = list(group.outputs)
+    outs = full_outputs(spec)
     out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
+    sums = [v for v in group.outputs if v in spec.epi.col_sums]  # written as float32 partials, one row per piece
+    n_stores = len(outs) + len(sums)  # TMA stores per piece
 
     # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
     # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
@@ -366,11 +382,12 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.wgmma_wait(0)
 
     def epilogue_piece(product, scalars: dict, vec_part: Callable, tile_ref: Callable, tile_bar, out_slots_at: list, out_gmem,
-                       r0, c0, fetch_next: Callable | None) -> None:
+                       r0, c0, fetch_next: Callable | None, sum_slots_at: tuple = (), sum_gmem: tuple = ()) -> None:
         """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the product and the
         inputs' pieces (`vec_part(v)`, `tile_ref(v)`: their SMEM, the tiles behind `tile_bar`), its outputs written
-        into `out_slots_at` and stored from there by TMA; `fetch_next` issues the next piece's tiles once every
-        thread has read these (after the commit's barrier)."""
+        into `out_slots_at` (its sums' partials into `sum_slots_at`, row r0 // em of theirs) and stored from there
+        by TMA; `fetch_next` issues the next piece's tiles once every thread has read these (after the commit's
+        barrier)."""
         env = {out_v: product, **scalars}
         for v in vec_in:
             env[v] = _from_kernel(plgpu.load(vec_part(v), layout=layout(espan[v])), g.avals[v].dtype)
@@ -380,15 +397,21 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 # plain (unswizzled) SMEM has no bank-conflict-free plan: allow the slower one
                 env[v] = _from_kernel(plgpu.load(tile_ref(v), layout=layout(FULL), optimized=bool(in_tf[v])), g.avals[v].dtype)
         for nd in epi_nodes:
-            tiles.eval_node(nd, env, r0, c0)
-        plgpu.wait_smem_to_gmem(len(outs) * (out_slots - 1), wait_read_only=True)
+            if nd.id not in spec.epi.col_sum_nodes:
+                tiles.eval_node(nd, env, r0, c0)
+        parts = [tiles.column_partial(env, v, r0, M) for v in sums]
+        plgpu.wait_smem_to_gmem(n_stores * (out_slots - 1), wait_read_only=True)
         for v, d, sm in zip(outs, out_dt, out_slots_at):
             sm[...] = tiles.store_value(env, v, d)
+        for part, sm in zip(parts, sum_slots_at):
+            sm[...] = part
         plgpu.commit_smem()
         if fetch_next is not None:
             fetch_next()
         for sm, o in zip(out_slots_at, out_gmem):
             plgpu.copy_smem_to_gmem(sm, o.at[pl.ds(r0, em), pl.ds(c0, en)])
+        for sm, o in zip(sum_slots_at, sum_gmem):
+            plgpu.copy_smem_to_gmem(sm, o.at[r0 // em, pl.ds(c0, en)])
 
     def body(a_gmem, b_gmem, *rest):
         in_gmem = dict(zip(ein, rest[: len(ein)]))
@@ -492,7 +515,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         tiles. Barriers: `full`/`empty` per ring slot (TMA landed / both compute warpgroups done with it), `staged`
         (both halves of a product written), `free` (the epilogue has read them all)."""
         in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem = rest[len(ein):]
+        out_gmem, sum_gmem = rest[len(ein):len(ein) + len(outs)], rest[len(ein) + len(outs):]
         kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
         a_blk = (bk, cta_m) if a_km else (cta_m, bk)
         b_blk = (cta_n, bk) if b_nk else (bk, cta_n)
@@ -501,6 +524,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             "b_ring": plgpu.SMEM((stages, *b_blk), dt, transforms=op_tf),
             "stage": plgpu.SMEM((2, bm, bn), dot_dt, transforms=stage_tf),
             "out_smem": [plgpu.SMEM((out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
+            "sum_smem": [plgpu.SMEM((out_slots, en), jnp.float32) for _ in sums],
             "tile_smem": [plgpu.SMEM((em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
             "vec_smem": [plgpu.SMEM((cta_m if espan[v] == ROWS else cta_n,), kdt[v]) for v in vec_in],
             "full": plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -512,7 +536,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         }
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(a_ring, b_ring, stage, out_smem, tile_smem, vec_smem, full, empty, staged, free, tile_barrier, vec_barrier):
+        def _scope(a_ring, b_ring, stage, out_smem, sum_smem, tile_smem, vec_smem, full, empty, staged, free, tile_barrier, vec_barrier):
             wg = lax.axis_index("wg")
             tile_smem = dict(zip(tile_in, tile_smem))
             vec_smem = dict(zip(vec_in, vec_smem))
@@ -615,12 +639,14 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                             x.astype(jnp.float32), scalars,
                             lambda v: vec_smem[v].at[pl.ds(pr, em)] if espan[v] == ROWS else vec_smem[v].at[pl.ds(pc, en)],
                             lambda v: tile_smem[v], tile_barrier, [sm.at[j % out_slots] for sm in out_smem], out_gmem, r0 + pr, c0 + pc,
-                            functools.partial(fetch_tiles, *pieces_per_wg[j + 1]) if tile_in and j + 1 < len(pieces_per_wg) else None)
+                            functools.partial(fetch_tiles, *pieces_per_wg[j + 1]) if tile_in and j + 1 < len(pieces_per_wg) else None,
+                            tuple(sm.at[j % out_slots] for sm in sum_smem), sum_gmem)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
     out_type = [jax.ShapeDtypeStruct((M, c), d) for c, d in zip(out_cols, out_dt)]
+    out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = None
     if interpret is True:
@@ -657,6 +683,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             kernel_name=name)
         res = call(*args)
         res = res if isinstance(res, (list, tuple)) else [res]
-        return [jnp.reshape(r[:, :N], g.avals[v].shape) for v, r in zip(outs, res)]
+        done = {v: jnp.reshape(r[:, :N], g.avals[v].shape) for v, r in zip(outs, res)}
+        done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[len(outs):])})
+        return [done[v] for v in group.outputs]
 
     return run

@@ -183,6 +183,20 @@ class RegisterTiles:
         stride = math.prod(S[d + 1 :]) if along_cols else math.prod(S[d + 1 : k])
         return ((idx // stride) % S[d]).astype(dt)
 
+    def column_partial(self, env: dict, v: int, r0, rows: int) -> jax.Array:
+        """This tile's partial of a sum over every row (`TileSpec.col_sums`): a float32 [bn] column vector, the
+        rows from `rows` on (past the array's edge, where TMA zero-filled the operands but the epilogue need not
+        give zero) left out. A reduction across the tile's warps, through Mosaic GPU's reduction scratch: one
+        warpgroup at a time may run it (the scratch is the kernel's, not the warpgroup's)."""
+        nd = self.g.node_index[self.spec.col_sums[v]]
+        kind = ops.reduction_kind(nd.name)
+        a = nd.inputs[0]
+        x = self.widen(self.atom(env, a), self.span_of(a), FULL).astype(jnp.float32)
+        if rows % self.bm:
+            idx = plgpu.broadcasted_iota(jnp.int32, (self.bm,), 0, layout=layout(ROWS)) + r0
+            x = jnp.where(self.widen(idx < rows, ROWS, FULL), x, jnp.asarray(ops.reduction_identity(kind, jnp.float32)))
+        return {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind](x, axis=0)
+
     def store_value(self, env: dict, v: int, dtype) -> jax.Array:
         """Output `v` as a full [bm, bn] tile in its own dtype (rounded from float32 where it is a low float)."""
         return self.widen(env[v], self.span_of(v), FULL).astype(dtype)

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 
 from ...graph import Group
 from ..matmul import MatmulSpec
-from ..tile_eval import edge_mask, product_tile
+from ..tile_eval import add_partials, edge_mask, partials_struct, product_tile
 from ..tiling import Span, TileSpec, cdiv, next_pow2
 from .tiles import TileBody, kernel_name, load_tile, pallas_call
 
@@ -41,6 +41,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
     if any(inner % bm for inner in spec.epi.outer.values()):
         raise NotImplementedError(f"block_m={bm} must divide the rows per index of an input over the leading row axes "
                                   f"({sorted(set(spec.epi.outer.values()))})")
+    if spec.epi.col_sums and spec.batch > 1:
+        raise NotImplementedError("sums over the rows of a batched dot's epilogue")
     g = group.graph
     body = _BatchBody(spec.epi, bm, bn, spec.M)
     out_v = spec.dot.outputs[0]
@@ -83,11 +85,16 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
             env[v] = body.load(ins[v], v, rg, c0)
         colmask = body.mask(Span(False, True), rg, c0)
         for nd in epi_nodes:
-            body.eval_node(nd, env, rg, c0, colmask)
+            if nd.id not in spec.epi.col_sum_nodes:
+                body.eval_node(nd, env, rg, c0, colmask)
         for v in group.outputs:
-            body.store(outs[v], v, env[v], rg, c0)
+            if v in spec.epi.col_sums:  # this tile's rows' partial sums (`tiling.TileSpec.col_sums`)
+                body.store_col_sum(outs[v], v, env, rg, c0)
+            else:
+                body.store(outs[v], v, env[v], rg, c0)
 
-    out_shape = [jax.ShapeDtypeStruct(spec.epi.layout2d(v), g.avals[v].dtype) for v in group.outputs]
+    out_shape = [partials_struct(spec.epi, v, n_m) if v in spec.epi.col_sums else
+                 jax.ShapeDtypeStruct(spec.epi.layout2d(v), g.avals[v].dtype) for v in group.outputs]
     call = pallas_call(kernel, out_shape=out_shape, grid=(n_m * n_n, spec.batch) if spec.batch > 1 else (n_m * n_n,),
                        name=kernel_name("matmul", group), interpret=interpret, num_warps=int(config["num_warps"]),
                        num_stages=int(config["num_stages"]))
@@ -98,7 +105,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> C
         args = [_stacked(env[v]) if v in (spec.a, spec.b) else
                 jnp.reshape(env[v], next(sp.layout2d(v) for sp in layouts if v in sp.group.inputs)) for v in in_order]
         res = call(*args)
-        return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, res)]
+        return [add_partials(spec.epi, v, o) if v in spec.epi.col_sums else jnp.reshape(o, g.avals[v].shape)
+                for v, o in zip(group.outputs, res)]
 
     return run
 

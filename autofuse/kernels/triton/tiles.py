@@ -14,7 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ... import ops
 from ...graph import Group
-from ..tile_eval import TileEval
+from ..tile_eval import TileEval, add_partials, partials_struct
 from ..tiling import Span, TileSpec
 
 
@@ -106,9 +106,8 @@ def tile_call(spec: TileSpec, kernel: Callable, *, grid: tuple[int, ...], name: 
     """Launch `kernel` over `grid` with the group's inputs and outputs reshaped to their 2-D layouts (and back)."""
     group = spec.group
     g = group.graph
-    summed = {v: ops.reduction_kind(g.node_index[i].name) for v, i in spec.col_sums.items()}
     blocks = grid[0]  # programs along the rows: one partial each per column sum
-    out_shape = [jax.ShapeDtypeStruct((blocks, spec.layout2d(v)[1]), jnp.float32) if v in summed else
+    out_shape = [partials_struct(spec, v, blocks) if v in spec.col_sums else
                  jax.ShapeDtypeStruct(spec.layout2d(v), g.avals[v].dtype) for v in group.outputs]
     call = pallas_call(kernel, out_shape=out_shape, grid=grid, name=name, interpret=interpret, num_warps=num_warps,
                        num_stages=num_stages)
@@ -116,8 +115,7 @@ def tile_call(spec: TileSpec, kernel: Callable, *, grid: tuple[int, ...], name: 
     def run(*ins):
         ins2 = [jnp.reshape(x, spec.layout2d(v)) for v, x in zip(group.inputs, ins)]
         outs = call(*ins2)
-        outs = [ops.reduce_tile(summed[v], o, axis=0).astype(g.avals[v].dtype) if v in summed else o
+        return [add_partials(spec, v, o) if v in spec.col_sums else jnp.reshape(o, g.avals[v].shape)
                 for v, o in zip(group.outputs, outs)]
-        return [jnp.reshape(o, g.avals[v].shape) for v, o in zip(group.outputs, outs)]
 
     return run

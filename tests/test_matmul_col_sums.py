@@ -1,0 +1,117 @@
+"""`matmul` with a bias's gradient in its epilogue: the dgrad GEMM of an MLP's down-projection, GELU' applied on the
+way (dy = (dz @ W2^T) * gelu'(h)), and db = Σ dy over batch and sequence written as per-piece partials
+(`TileSpec.col_sums`), so XLA need not read dy again for db. Both lowerings in interpret mode at ragged rows and
+columns, the Mosaic GPU one through the real CUDA lowering too, and a training step's plan against jax.grad."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autofuse
+from autofuse.graph import bind_node, read_atom
+from autofuse.kernels import TEMPLATES
+from autofuse.plan import build_group, plan_from_choices
+from autofuse.runner.evaluator import export_for_cuda
+from autofuse.tuning.partition import enumerate_candidates
+from tests.kernel_checks import assert_plan_matches_jit, rel_err
+from tests.quick import slow_except
+
+
+def mlp_bwd(dz, w2, h):
+    dy = (dz @ w2.T) * jax.grad(lambda t: jnp.sum(jax.nn.gelu(t)))(h)
+    return dy, jnp.sum(dy.astype(jnp.float32), axis=(0, 1))
+
+
+def shifted(dz, w2, b):
+    """A product with a bias, summed over the rows: past the last row the epilogue of TMA's zeros is b, not 0."""
+    y = dz @ w2.T + b
+    return y, jnp.sum(y.astype(jnp.float32), axis=(0, 1))
+
+
+def _args(S=100, F=200, dtype=jnp.bfloat16):
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    return (jax.random.normal(k[0], (2, S, 64), dtype), (0.1 * jax.random.normal(k[1], (F, 64))).astype(dtype),
+            jax.random.normal(k[2], (2, S, F), dtype))
+
+
+def _with_sum(args, fn=mlp_bwd):
+    """The program's graph and its matmul candidates that return a [F] sum over the rows beside the product's tile."""
+    graph = autofuse.capture(fn, *args)
+    F = args[1].shape[0]
+    return graph, [c for c in enumerate_candidates(graph) if c.template == "matmul"
+                   and any(graph.avals[v].shape == (F,) for v in c.group.outputs)]
+
+
+def _values(graph, args) -> dict:
+    env = dict(zip(graph.inputs, args))
+    for n in graph.nodes:
+        env.update(zip(n.outputs, bind_node(n, [read_atom(env, a) for a in n.inputs])))
+    return env
+
+
+def test_the_partitioner_offers_a_dgrad_gemm_with_its_bias_gradient():
+    graph, cands = _with_sum(_args())
+    assert cands
+    for c in cands:
+        assert c.spec.epi.col_sums and [n.name for n in c.group.nodes][-1] == "reduce_sum"
+    graph, plain = _with_sum(_args(dtype=jnp.float32))
+    assert plain  # float32 too (no conversion before the sum)
+
+
+@pytest.mark.parametrize("fn", [mlp_bwd, shifted], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("S,F", slow_except([(100, 200), (64, 256), (37, 136)], "100-200"))
+def test_dgrad_with_bias_gradient_matches_xla(fn, backend, S, F):
+    """Rows (2 x S) and columns F not multiples of the tiles: the partials leave out the rows past the edge
+    (`shifted`: the epilogue there gives the bias, not 0)."""
+    args = _args(S, F)
+    if fn is shifted:
+        args = args[:2] + (args[2][0, 0],)
+    graph, cands = _with_sum(args, fn)
+    env = _values(graph, args)
+    c = min(cands, key=lambda c: len(c.group.nodes))
+    ins = [env[v] for v in c.group.inputs]
+    cfg = TEMPLATES["matmul"].default_config_of(c.spec, backend)
+    assert TEMPLATES["matmul"].unsupported(c.spec, backend, cfg) is None
+    outs = build_group(c.group, "matmul", cfg, backend=backend, interpret=True)(*ins)
+    refs = jax.jit(lambda *a: c.group.evaluate(a))(*ins)
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        assert rel_err(o, r) < 1e-2
+
+
+def test_mosaic_gpu_sums_over_rows_in_the_epilogue_warpgroup_and_lower_for_cuda():
+    """The reduction across a tile's warps uses Mosaic GPU's one reduction scratch: with two compute warpgroups
+    running epilogues it would be shared, so only `epilogue_wg=1` (one epilogue warpgroup) runs it; that config
+    passes the real Mosaic GPU lowering for CUDA."""
+    args = _args()
+    graph, cands = _with_sum(args)
+    c = min(cands, key=lambda c: len(c.group.nodes))
+    cfg = TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu")
+    assert cfg["epilogue_wg"] == 1
+    why = TEMPLATES["matmul"].unsupported(c.spec, "mosaic_gpu", {**cfg, "epilogue_wg": 0})
+    assert why and "reduction scratch" in why
+    env = _values(graph, args)
+    structs = [jax.ShapeDtypeStruct(env[v].shape, env[v].dtype) for v in c.group.inputs]
+    export_for_cuda(build_group(c.group, "matmul", cfg, backend="mosaic_gpu", interpret=False), structs)
+
+
+@pytest.mark.parametrize("backend", slow_except(["triton", "mosaic_gpu"], "mosaic_gpu"))
+def test_a_training_steps_plan_with_the_fused_bias_gradient_matches_jax_grad(backend):
+    """An MLP's loss differentiated: the dgrad GEMM, GELU' and the up-projection bias's gradient run as one kernel
+    in the plan, and every gradient is jax.grad's."""
+    def loss(w1, b1, w2, x):
+        return jnp.sum(jnp.square(jax.nn.gelu(x @ w1 + b1) @ w2).astype(jnp.float32))
+
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    args = ((0.1 * jax.random.normal(k[0], (64, 136))).astype(jnp.bfloat16), jnp.zeros((136,), jnp.bfloat16) + 0.1,
+            (0.1 * jax.random.normal(k[1], (136, 64))).astype(jnp.bfloat16), jax.random.normal(k[2], (2, 40, 64), jnp.bfloat16))
+    step = jax.grad(loss, argnums=(0, 1, 2))
+    graph = autofuse.capture(step, *args)
+    cands = [c for c in enumerate_candidates(graph) if c.template == "matmul" and c.spec.epi.col_sums]
+    assert cands, "no dgrad GEMM offered with the bias's gradient"
+    c = min(cands, key=lambda c: len(c.group.nodes))
+    cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, backend), "backend": backend}
+    plan = plan_from_choices(graph, [(c.group, "matmul", cfg)])
+    assert_plan_matches_jit(step, plan, args, 2e-2)
