@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import ops
-from .graph import Graph, Group
+from .graph import Aval, Graph, Group
 from .ops import OpClass
 
 
@@ -96,10 +96,16 @@ XLA_FACTOR = {"elementwise": 1.2, "row_reduce": 1.35, "matmul": 1.1, "attention"
 
 
 ALIGN_BYTES = 16  # a TMA descriptor's row stride, and cuBLAS's fast paths
-#: XLA's GEMMs reading or writing rows that are not ALIGN_BYTES apart: GPT-2's LM head at its vocabulary (50257 bf16
-#: columns) ran at 216, 282 and 478 TFLOP/s (dx, dW, the logits) against 794, 800 and 739 padded to 50304 (H100,
-#: jax.jit, results/composition_h100.md)
-XLA_UNALIGNED_GEMM = 2.5
+#: XLA's GEMMs reading rows that are not ALIGN_BYTES apart, and writing them only: GPT-2's LM head at its vocabulary
+#: (50257 bf16 columns), as bare dots in the program's own layouts, took 7.10 and 5.43 ms (dx and dW, reading the
+#: logits' gradient) and 3.29 ms (the logits, written) against 2.13, 2.14 and 2.38 padded to 50304 (H200,
+#: results/models_cudnn_h200.md §4): 3.3x, 2.5x and 1.4x.
+XLA_UNALIGNED_READ = 2.5
+XLA_UNALIGNED_WRITE = 1.4
+
+
+def _unaligned(aval: Aval) -> bool:
+    return len(aval.shape) >= 2 and (aval.shape[-1] * np.dtype(aval.dtype).itemsize) % ALIGN_BYTES != 0
 
 
 def unaligned_dot(graph: Graph, node: Any) -> bool:
@@ -109,7 +115,25 @@ def unaligned_dot(graph: Graph, node: Any) -> bool:
     avals = [graph.aval(a) for a in node.inputs] + [graph.avals[v] for v in node.outputs]
     if not all("float" in np.dtype(a.dtype).name for a in avals):  # bfloat16 is not an np.floating
         return False
-    return any(len(a.shape) >= 2 and (a.shape[-1] * np.dtype(a.dtype).itemsize) % ALIGN_BYTES for a in avals)
+    return any(_unaligned(a) for a in avals)
+
+
+def as_xla_reads(graph: Graph, atom: Any) -> Aval:
+    """An operand as XLA's GEMM reads it in the program: a transposed array in its own layout (XLA folds the transpose
+    into the GEMM; `x @ w.T` reads `w`)."""
+    while isinstance(atom, int) and atom in graph.producer and graph.node_index[graph.producer[atom]].name == "transpose":
+        atom = graph.node_index[graph.producer[atom]].inputs[0]
+    return graph.aval(atom)
+
+
+def xla_unaligned_factor(graph: Graph, node: Any) -> float:
+    """How much slower XLA runs a dot for its unaligned rows: reading them (`XLA_UNALIGNED_READ`), writing them only
+    (`XLA_UNALIGNED_WRITE`), or neither (1)."""
+    if not unaligned_dot(graph, node):
+        return 1.0
+    if any(_unaligned(as_xla_reads(graph, a)) for a in node.inputs):
+        return XLA_UNALIGNED_READ
+    return XLA_UNALIGNED_WRITE if any(_unaligned(graph.avals[v]) for v in node.outputs) else 1.0
 
 
 def _reduced_then_read(group: Group) -> tuple[list[int], list[int]] | None:
@@ -200,8 +224,8 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
     if kind == "matmul_reduce":  # XLA writes the product, then reads it back to reduce it in a second kernel (GPU_NOTES)
         t += 1e3 * model.launch_s + 1e3 * 2 * sum(group.graph.avals[v].nbytes for n in group.nodes if ops.op_class(n.name) is OpClass.CONTRACTION
                            for v in n.outputs) / model.bandwidth_Bps
-    if kind == "matmul" and any(unaligned_dot(group.graph, n) for n in group.nodes):
-        t *= XLA_UNALIGNED_GEMM
+    if kind == "matmul":
+        t *= max(xla_unaligned_factor(group.graph, n) for n in group.nodes)
     launches = 3 if kind == "attention" else 1  # attention: the scores' GEMM, the softmax, the second GEMM
     if kind == "attention":  # the scores' round trips through memory, where they outweigh the floor
         t = max(t, 1e3 * _score_traffic(group) / model.bandwidth_Bps)
