@@ -537,7 +537,7 @@ class _Kernel:
     def epilogue(self, acc, j, q, s, wg, wg_r0, col0, pos, vec_smem, sc_gmem, carry_smem, out_smem, out_gmem):
         """Fold one step's [bm, step] product tile into the running reductions (kept in SMEM between steps); after
         the unit's last step, run the work after the reductions and write the outputs (or this range's values)."""
-        g, tiles, bm, en = self.g, self.tiles, self.bm, self.en
+        g, tiles = self.g, self.tiles
         env = {x.v: from_kernel(sc_gmem[x.v][q if x.outer else 0], g.avals[x.v].dtype) for x in self.scalar_in}
         for x in self.vec_in:
             if x.kind == "rows":
