@@ -107,3 +107,21 @@ def test_a_padded_products_slice_is_timed_where_the_program_makes_it():
         res = ev.handle(TrialRequest(dot.node_ids, "aligned_dot", {"align": 64, "backend": "xla_ops"}))
         assert res.status is TrialStatus.OK and res.median_ms > 0, res.error
     assert TEMPLATES["matmul"].build_alone(dot, {}, backend="triton") is None  # a kernel timed as it runs
+
+
+def test_gpt2s_lm_head_dots_are_timed_on_the_embedding_itself():
+    """GPT-2's training step (small config): the logits' dot and the gradient's dot both read `transpose(wte)`;
+    timed alone they read `wte` as the program holds it (the jaxpr's transpose in front of them)."""
+    from examples import gpt2
+
+    params, batch = gpt2.small_inputs()
+    graph = autofuse.capture(gpt2.grad_step_cudnn, params, batch)
+    wte = tuple(params["wte"].shape)
+    dots = [n for n in graph.nodes if n.name == "dot_general" and any(
+        isinstance(a, int) and a in graph.producer and graph.node_index[graph.producer[a]].name == "transpose"
+        and tuple(graph.avals[graph.node_index[graph.producer[a]].inputs[0]].shape) == wte for a in n.inputs)]
+    assert len(dots) == 2  # the logits and the hidden states' gradient
+    for nd in dots:
+        view = in_program(Group.of(graph, [nd.id]))
+        assert [n.name for n in view.prologue] == ["transpose"]
+        assert wte in [tuple(a.shape) for a in view.input_avals()]
