@@ -105,8 +105,12 @@ class Evaluator:
         """The group under plain jax.jit, compiled once per group (perhaps ahead, by `compile_ahead`)."""
         key = tuple(group.node_ids)
         if key not in self._refs:
-            self._refs[key] = jax.jit(self._view(group).around(lambda *a: group.evaluate(a)))
+            self._refs[key] = self._xla_fn(group)
         return self._refs[key]
+
+    def _xla_fn(self, group: Group) -> Callable:
+        """The group under plain jax.jit as it is timed alone (`in_program`), not compiled yet."""
+        return jax.jit(self._view(group).around(lambda *a: group.evaluate(a)))
 
     def _compiles(self) -> bool:
         """Whether a kernel trial compiles for the device (else it runs in interpret mode and is modelled)."""
@@ -150,9 +154,8 @@ class Evaluator:
             group = Group.of(self.graph, it.nodes)
             if isinstance(it, XlaRequest) and self.measure == "device" and tuple(group.node_ids) not in self._refs \
                     and not any(kind == "xla" and key == tuple(group.node_ids) for kind, key, _ in todo):
-                view = self._view(group)
                 todo.append(("xla", tuple(group.node_ids),
-                             lambda g=group, v=view: jax.jit(v.around(lambda *a: g.evaluate(a))).lower(*v.structs()).compile()))
+                             lambda f=self._xla_fn(group), v=self._view(group): f.lower(*v.structs()).compile()))
             elif isinstance(it, TrialRequest) and self._compiles() and TEMPLATES[it.template].match(group) is not None:
                 key = _trial_key(it.nodes, it.template, it.config)
                 if key not in self._ahead:
