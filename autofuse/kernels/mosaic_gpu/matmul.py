@@ -20,6 +20,11 @@ block_n holds whole segments): a segment's statistics are row reductions of the 
 (each row's columns are held by the four threads of one quad, so they stay within a warp), row vectors that
 broadcast back over the piece, where the normalisation runs before the piece is stored.
 
+An epilogue may also sum a value over all the product's rows (`TileSpec.col_sums`: a dgrad GEMM with its bias's
+gradient): each piece's column sums (`RegisterTiles.column_partial`, rows past M left out) go out by TMA as one
+float32 row of a [pieces along M, N] array that XLA adds up. That reduction crosses the warps of a warpgroup through
+Mosaic GPU's one reduction scratch, so it runs only where one warpgroup runs every epilogue (`epilogue_wg=1`).
+
 Ragged shapes: no masks, and no padding to the tile sizes. TMA loads zero-fill
 whatever part of a box lies outside the array (so the K tail contributes zeros
 to the product, and the epilogue of rows / columns past the edge runs on zeros),
@@ -45,7 +50,7 @@ XLA outside the kernel for float32.
 
 Declined (`Unsupported`, a `NotImplementedError`: the tuner counts the config
 as infeasible): batched dots, prologues (work on an operand before the dot),
-epilogue outputs that are not full [M, N] tiles, primitives the Mosaic GPU
+epilogue outputs that are neither full [M, N] tiles nor sums over the rows, primitives the Mosaic GPU
 lowering lacks (log1p, expm1, pow, floor, ...: see `tiles.check_nodes`),
 configs that break a wgmma / TMA / layout rule (`check_config`).
 """
