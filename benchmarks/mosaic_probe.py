@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import traceback
 
@@ -53,6 +54,18 @@ def cross_entropy_rows(x, w, t):  # GPT-2's loss per token (examples.gpt2.cross_
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.one_hot(t, logits.shape[-1]) * logits, axis=-1)
 
 
+def dgrad_gelu(dz, w, h):  # an MLP's down-projection backward: dz @ W^T (W [N, K] as stored), times GELU'(h) (tanh form)
+    c = math.sqrt(2 / math.pi)
+    t = jnp.tanh(c * (h + 0.044715 * h ** 3))
+    gelu_grad = 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * 0.044715 * h * h)
+    return jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ()))) * gelu_grad
+
+
+def dgrad_gelu_dbias(dz, w, h):  # the same with the up-projection bias's gradient, a sum over the rows, in the epilogue
+    dy = dgrad_gelu(dz, w, h)
+    return dy, jnp.sum(dy.astype(jnp.float32), axis=0)
+
+
 def attention(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
@@ -82,6 +95,8 @@ WORKLOADS = {
     "highest-f32-bias-gelu-4096^3": (highest_bias_gelu, [(4096, 4096), (4096, 4096), (4096,)]),
     "groupnorm-16384x2048x4096-G32": (matmul_bias_swish_groupnorm, [(16384, 2048), (2048, 4096), (4096,), (4096,), (4096,)]),
     "ce-16384x1024x50257": (cross_entropy_rows, [(16384, 1024), (50257, 1024), (16384,)]),
+    "dgrad-gelu-16384x1024x4096": (dgrad_gelu, [(16384, 1024), (4096, 1024), (16384, 4096)]),
+    "dgrad-gelu-dbias-16384x1024x4096": (dgrad_gelu_dbias, [(16384, 1024), (4096, 1024), (16384, 4096)]),
 }
 INT_ARGS = {"ce-16384x1024x50257": (2,)}  # argument positions that are int32 (targets)
 MOSAIC = {"matmul": [

@@ -115,3 +115,21 @@ def test_a_training_steps_plan_with_the_fused_bias_gradient_matches_jax_grad(bac
     cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, backend), "backend": backend}
     plan = plan_from_choices(graph, [(c.group, "matmul", cfg)])
     assert_plan_matches_jit(step, plan, args, 2e-2)
+
+
+def test_the_probes_dgrad_workloads_are_one_matmul_with_and_without_the_sum():
+    """`python -m benchmarks kernels mosaic --only dgrad-` times these two at GPT-2's shapes (the fused sum's cost
+    is their difference); at a small shape each whole program is one `matmul` group, and its Mosaic GPU kernel
+    computes what XLA does."""
+    from benchmarks.mosaic_probe import _group, arg_specs, dgrad_gelu, dgrad_gelu_dbias
+
+    shapes = [(160, 64), (96, 64), (160, 96)]
+    for fn, sums in ((dgrad_gelu, False), (dgrad_gelu_dbias, True)):
+        _, cand = _group(fn, arg_specs(fn.__name__, shapes, jnp.bfloat16))
+        assert cand.template == "matmul" and bool(cand.spec.epi.col_sums) == sums
+        g = cand.group
+        ins = [jax.random.normal(jax.random.PRNGKey(i), a.shape, a.dtype) for i, a in enumerate(g.input_avals())]
+        cfg = TEMPLATES["matmul"].default_config_of(cand.spec, "mosaic_gpu")
+        outs = build_group(g, "matmul", cfg, backend="mosaic_gpu", interpret=True)(*ins)
+        for o, r in zip(outs, jax.jit(lambda *a: g.evaluate(a))(*ins)):
+            assert rel_err(o, r) < 1e-2
