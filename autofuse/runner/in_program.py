@@ -17,10 +17,16 @@ from typing import Any, Callable
 import jax
 
 from ..graph import Aval, Group, Node, bind_node, read_atom
+from ..ops import OpClass, op_class
 
-#: Producers that cost nothing in the program where XLA fuses them into their reader, and a copy where a kernel
-#: reads them (a dtype conversion is not one: XLA may as well fuse it into the value's producer).
-LAYOUT_OPS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+
+def layout_op(name: str) -> bool:
+    """A producer that costs nothing in the program where XLA fuses it into its reader, and a copy where a kernel
+    reads it: a transpose, broadcast or reshape (a dtype conversion is not one: XLA may as well fuse it into the
+    value's producer)."""
+    return name == "transpose" or op_class(name) in (OpClass.BROADCAST, OpClass.LAYOUT)
+
+
 #: How many layout ops in a row are followed back from a group's input (transpose of a reshape of a broadcast).
 MAX_CHAIN = 4
 
@@ -62,7 +68,7 @@ def in_program(group: Group) -> InProgram:
 
     def take(v: int, depth: int) -> None:
         p = g.producer.get(v)
-        if p is None or p in members or depth >= MAX_CHAIN or g.node_index[p].name not in LAYOUT_OPS:
+        if p is None or p in members or depth >= MAX_CHAIN or not layout_op(g.node_index[p].name):
             return
         nd = taken.setdefault(p, g.node_index[p])
         for a in nd.inputs:
