@@ -92,5 +92,4 @@ def in_program(group: Group) -> InProgram:
 
     for v in group.inputs:
         roots(v)
-    order = {n.id: k for k, n in enumerate(g.nodes)}
-    return InProgram(group, tuple(sorted(taken.values(), key=lambda n: order[n.id])), tuple(inputs))
+    return InProgram(group, tuple(sorted(taken.values(), key=lambda n: n.id)), tuple(inputs))  # a node's id is its place
