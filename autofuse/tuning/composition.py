@@ -80,9 +80,7 @@ def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[...
     total = 1 + len(todo) + 1
     for k, single in enumerate(todo):
         by_sig[single.groups[0].signature] = judge(single, "one group in context", k + 2, total, todo if k == 0 else [])
-    composed = compose(plan, singles, by_sig)
-    if composed is not None and not any(same_groups(composed, m.plan) for m in measured):
-        judge(composed, "the groups that saved time in context", total, total, [composed])
+    judge_composed(compose(plan, singles, by_sig), measured, judge, total)
 
 
 def extend(plan: Plan, extras: list[Plan], judge: Callable[..., Measured]) -> None:
@@ -123,7 +121,13 @@ def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[froze
     for k, single in enumerate(todo):
         singles[single.groups[0].signature] = judge(single, "a group in place of those that lost in context", k + 1, total,
                                                     todo if k == 0 else [])
-    composed = compose(plan, [m.plan for m in singles.values()], singles) if todo else None
+    if todo:
+        judge_composed(compose(plan, [m.plan for m in singles.values()], singles), measured, judge, total)
+
+
+def judge_composed(composed: Plan | None, measured: list[Measured], judge: Callable[..., Measured], total: int) -> None:
+    """The groups that saved time in context, composed (`compose`), judged as the last of `total` plans where that plan
+    is new."""
     if composed is not None and not any(same_groups(composed, m.plan) for m in measured):
         judge(composed, "the groups that saved time in context", total, total, [composed])
 
