@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="the Markdown table (a name ending in .json: the rows as JSON instead)")
     ap.add_argument("--quick", action="store_true", help="the default configs only")
     ap.add_argument("--only", default="", help="comma-separated workload name prefixes")
+    ap.add_argument("--configs", default="", help="a JSON list of Mosaic GPU configs (each over the default) instead of the "
+                    "probe's own list")
     a = ap.parse_args(argv)
 
     rows = []
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
                   flush=True)
 
         measure("xla", ref)
-        for cfg in ([{}] if a.quick else MOSAIC[kind]):
+        for cfg in ([{}] if a.quick else json.loads(a.configs) if a.configs else MOSAIC[kind]):
             full = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), **cfg}
             why = tmpl.unsupported(cand.spec, "mosaic_gpu", full)
             if why:

@@ -34,13 +34,15 @@ def main(argv=None) -> None:
                             grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=8, wg_dimension=hm.MatmulDimension.M)
         k = jax.jit(lambda x, w: hm.matmul(x, w, None, c))
         cfg = c
+        avals = arg_specs(a.workload, shapes)
     else:
         _, cand = _group(fn, arg_specs(a.workload, shapes, DTYPES.get(a.workload, jnp.bfloat16)))
         tmpl = TEMPLATES[cand.template]
         base = tmpl.default_config_of(cand.spec, "mosaic_gpu") if a.backend == "mosaic_gpu" else {}
         cfg = {**base, **json.loads(a.config)}
         k = jax.jit(tmpl.build(cand.group, cfg, backend=a.backend, spec=cand.spec))
-    xs = random_inputs(arg_specs(a.workload, shapes, DTYPES.get(a.workload, jnp.bfloat16)), 0)
+        avals = cand.group.input_avals()  # the kernel's inputs in the group's order, not the workload function's
+    xs = random_inputs(avals, 0)
     for _ in range(4):
         jax.block_until_ready(k(*xs))
     print("config", cfg)

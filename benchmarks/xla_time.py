@@ -21,7 +21,7 @@ import re
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import jax
 import numpy as np
@@ -67,6 +67,8 @@ class Instruction:
             return "attention (cuDNN)"
         if "gemm" in k or "cublas" in k or self.opcode == "dot" or ("triton" in k and f.get("dot")) or f.get("dot"):
             return "GEMM"
+        if self.opcode == "kernel":
+            return "not in the module's text"
         if self.opcode in ("copy", "transpose") or (f and set(f) <= {"copy", "transpose", "bitcast", "parameter"}):
             return "copy/transpose"
         if f.get("reduce") or self.opcode == "reduce":
@@ -145,9 +147,11 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
     return out
 
 
-def op_times(fn: Callable, args: tuple, calls: int = 3) -> dict[str, tuple[float, float]]:
-    """Device ms per call and launches per call of each HLO instruction (the profiler's "XLA Ops" line of the
-    GPU), empty without a device trace (the CPU)."""
+def op_times(fn: Callable, args: tuple, names: Iterable[str], calls: int = 3) -> dict[str, tuple[float, float]]:
+    """Device ms per call and launches per call of each HLO instruction of `names`, from the GPU's stream lines: a
+    kernel is the instruction its `hlo_op` stat names, else the one its own name is (XLA names a fusion's kernel after
+    it, '.' as '_'); a kernel of neither is kept under its own name. Empty without a device trace (the CPU)."""
+    known = {n: n for n in names} | {n.replace(".", "_"): n for n in names}
     jax.block_until_ready(fn(*args))
     total: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -163,10 +167,13 @@ def op_times(fn: Callable, args: tuple, calls: int = 3) -> dict[str, tuple[float
             if not plane.name.startswith("/device:GPU"):
                 continue
             for line in plane.lines:
-                if line.name != "XLA Ops":
+                if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
                     continue
                 for ev in line.events:
-                    t = total.setdefault(ev.name, [0.0, 0.0])
+                    stats = dict(ev.stats)
+                    hlo = next((str(stats[k]) for k in ("hlo_op", "tf_op", "long_name") if k in stats and str(stats[k]) in known), None)
+                    name = known.get(hlo or ev.name, hlo or ev.name)
+                    t = total.setdefault(name, [0.0, 0.0])
                     t[0] += ev.duration_ns / 1e6 / calls
                     t[1] += 1 / calls
     return {k: (v[0], v[1]) for k, v in total.items()}
@@ -186,7 +193,8 @@ def table(instrs: dict[str, Instruction], times: dict[str, tuple[float, float]],
     """By category, then the `top` instructions (by device time; by bytes where nothing was timed)."""
     timed = bool(times)
     key = (lambda i: -times.get(i.name, (0.0, 0))[0]) if timed else (lambda i: -(i.in_bytes + i.out_bytes))
-    rows = sorted(instrs.values(), key=key)
+    stray = {k: Instruction(k, "kernel", 0, 0, "not in the module's text", "", "") for k in times if k not in instrs}
+    rows = sorted([*instrs.values(), *stray.values()], key=key)
     lines = []
     if timed:
         by_cat: dict[str, list[float]] = {}
@@ -196,13 +204,10 @@ def table(instrs: dict[str, Instruction], times: dict[str, tuple[float, float]],
             c[0] += ms
             c[1] += n
             c[2] += (i.in_bytes + i.out_bytes) * n
-        unmatched = sum(ms for k, (ms, _) in times.items() if k not in instrs)
-        whole = sum(v[0] for v in by_cat.values()) + unmatched
+        whole = sum(v[0] for v in by_cat.values())
         lines += ["| kind | ms per call | share | launches | GB moved | at the card's bandwidth, ms |", "|---|---|---|---|---|---|"]
         for cat, (ms, n, b) in sorted(by_cat.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"| {cat} | {ms:.3f} | {ms / whole:.1%} | {n:g} | {b / 1e9:.2f} | {b / 1e6 / bandwidth_gbs:.3f} |")
-        if unmatched:
-            lines.append(f"| not in the module's text | {unmatched:.3f} | {unmatched / whole:.1%} | | | |")
         lines += [f"| all | {whole:.3f} | 100% | | | |", ""]
         by_src: dict[tuple[str, str], list[float]] = {}
         for i in rows:
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     args = tuple(factory())
     fn = jax.jit(getattr(mod, a.step))
     instrs = parse_hlo(fn.lower(*args).compile().as_text())
-    times = op_times(fn, args)
+    times = op_times(fn, args, instrs)
     lines = [f"## jax.jit's time by kernel: {a.model}:{a.step}", "", header(argv), ""]
     lines += table(instrs, times, a.top, a.bandwidth)
     emit(lines, a.out)

@@ -49,4 +49,4 @@ def test_the_table_sums_time_by_kind_and_line_and_gives_each_kernels_bandwidth()
     mine = next(ln for ln in lines if ln.startswith(f"| `{s.name}`"))
     assert f"| {(64 * 16 * 4 + 64 * 4) / 1e-6 / 1e9:.0f} |" in mine  # its bytes in 1 µs, in GB/s
     if jax.default_backend() != "gpu":
-        assert op_times(fn, args) == {}  # traced on the CPU: no device line
+        assert op_times(fn, args, instrs) == {}  # traced on the CPU: no device line

@@ -281,23 +281,32 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
     require_smem(smem_bytes(spec, cfg))
 
 
-def smem_bytes(spec: MatmulSpec, cfg: Config) -> int:
-    """Shared memory the kernel allocates (the A/B ring, the epilogue's input and output buffers, barriers), roughly."""
+def tile_slots(spec: MatmulSpec, cfg: Config) -> int:
+    """SMEM slots per epilogue warpgroup for the [M, N] inputs of its pieces: two (the next piece's land during this
+    one's math) where the warpgroup runs more than one piece and they fit, else one."""
+    pieces = (cfg.block_m // cfg.epi_tile_m) * (cfg.block_n // cfg.epi_tile_n) * (2 if cfg.epilogue_wg else 1)
+    return 2 if pieces > 1 and smem_bytes(spec, cfg, 2) <= SMEM_LIMIT else 1
+
+
+def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
+    """Shared memory the kernel allocates (the A/B ring, the epilogue's input and output buffers, barriers), roughly;
+    `slots` per [M, N] input (`tile_slots`; None: as many as the kernel will take)."""
     g = spec.group.graph
     itemsize = np.dtype(g.avals[spec.a].dtype).itemsize
     k_steps = -(-spec.K // cfg.block_k)
     stages = min(cfg.max_concurrent_steps, k_steps)
     ring = stages * (cfg.cta_m + cfg.cta_n) * cfg.block_k * itemsize
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
-    slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
+    out_slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
     copies = 1 if cfg.epilogue_wg else 2  # per warpgroup that runs an epilogue
-    outs = sum(copies * slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in full_outputs(spec))
-    outs += copies * slots * en * 4 * len(spec.epi.col_sums)  # a sum's float32 partials, staged for their TMA store
+    slots = tile_slots(spec, cfg) if slots is None else slots
+    outs = sum(copies * out_slots * em * en * np.dtype(g.avals[v].dtype).itemsize for v in full_outputs(spec))
+    outs += copies * out_slots * en * 4 * len(spec.epi.col_sums)  # a sum's float32 partials, staged for their TMA store
     ins = 0
     for v in epi_inputs(spec):
         sp, isz = spec.epi.span[v], _kernel_dtype(g.avals[v].dtype).itemsize
         vec = (cfg.cta_m if sp == ROWS else cfg.cta_n) if cfg.epilogue_wg else 2 * (em if sp == ROWS else en)
-        ins += isz * (copies * em * en if sp == FULL else vec if sp in (ROWS, COLS) else 0)
+        ins += isz * (copies * slots * em * en if sp == FULL else vec if sp in (ROWS, COLS) else 0)
     if cfg.epilogue_wg:  # the product handed from the compute warpgroups to the epilogue's, in the dot's own dtype
         ins += cfg.cta_m * cfg.cta_n * np.dtype(g.avals[spec.dot.outputs[0]].dtype).itemsize
     scratch = REDUCTION_SCRATCH if spec.seg or spec.epi.col_sums else 0  # Mosaic GPU reserves it in a kernel with reductions
@@ -368,6 +377,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     PP = plgpu.PipelinePipeline
     n_pieces = (bm // em) * (bn // en)
     out_slots = min(2, n_pieces)
+    n_tile_slots = tile_slots(spec, cfg)
 
     def cta_origin(lin):
         """The first row and column of this CTA's output tile, the `lin`-th of its walk (a planar snake over the
@@ -391,8 +401,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the product and the
         inputs' pieces (`vec_part(v)`, `tile_ref(v)`: their SMEM, the tiles behind `tile_bar`), its outputs written
         into `out_slots_at` (its sums' partials into `sum_slots_at`, row r0 // em of theirs) and stored from there
-        by TMA; `fetch_next` issues the next piece's tiles once every thread has read these (after the commit's
-        barrier)."""
+        by TMA; `fetch_next` issues the tiles of the piece after the next into this piece's SMEM slot once every
+        thread has read these (after the commit's barrier): double-buffered, the next piece's tiles land during this
+        one's math instead of after it (a dgrad GEMM's GELU' reads h [M, N] per piece)."""
         env = {out_v: product, **scalars}
         for v in vec_in:
             env[v] = _from_kernel(plgpu.load(vec_part(v), layout=layout(espan[v])), g.avals[v].dtype)
@@ -439,9 +450,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         scratch = {
             "pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
             "out_smem": [plgpu.SMEM((2, out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
-            "tile_smem": [plgpu.SMEM((2, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
+            "tile_smem": [plgpu.SMEM((2 * n_tile_slots, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
             "vec_smem": [plgpu.SMEM((2, bm if espan[v] == ROWS else bn), kdt[v]) for v in vec_in],
-            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=2) if tile_in else None,
+            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=2 * n_tile_slots) if tile_in else None,
             "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in), num_barriers=2) if vec_in else None,
         }
 
@@ -462,19 +473,23 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 def piece_origin(i: int):
                     return wg_r0 + (i // (bn // en)) * em, wg_c0 + (i % (bn // en)) * en
 
+                def tile_slot(i: int):
+                    return wg * n_tile_slots + i % n_tile_slots
+
                 def fetch_tiles(i: int):
-                    """TMA the epilogue's [M, N] inputs of piece i into this warpgroup's SMEM buffers (zero past the edges)."""
+                    """TMA the epilogue's [M, N] inputs of piece i into this warpgroup's SMEM slot of it (zero past the edges)."""
                     r0, c0 = piece_origin(i)
                     for v in tile_in:
-                        plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0, em), pl.ds(c0, en)], tile_smem[v].at[wg], tile_barrier.at[wg])
+                        plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0, em), pl.ds(c0, en)], tile_smem[v].at[tile_slot(i)],
+                                                tile_barrier.at[tile_slot(i)])
 
                 def compute_context(eval_pipeline):
                     # Issued before the mainloop, so that they overlap it.
                     for v in vec_in:
                         src = in_gmem[v].at[pl.ds(wg_r0, bm)] if espan[v] == ROWS else in_gmem[v].at[pl.ds(wg_c0, bn)]
                         plgpu.copy_gmem_to_smem(src, vec_smem[v].at[wg], vec_barrier.at[wg])
-                    if tile_in:
-                        fetch_tiles(0)
+                    for i in range(n_tile_slots if tile_in else 0):
+                        fetch_tiles(i)
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
                     def _acc_scope(acc_ref):
@@ -489,9 +504,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                             epilogue_piece(
                                 product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec), scalars,
                                 lambda v: vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)],
-                                lambda v: tile_smem[v].at[wg], tile_barrier.at[wg] if tile_in else None,
+                                lambda v, i=i: tile_smem[v].at[tile_slot(i)], tile_barrier.at[tile_slot(i)] if tile_in else None,
                                 [sm.at[wg, i % out_slots] for sm in out_smem], out_gmem, *piece_origin(i),
-                                functools.partial(fetch_tiles, i + 1) if tile_in and i + 1 < n_pieces else None)
+                                functools.partial(fetch_tiles, i + n_tile_slots) if tile_in and i + n_tile_slots < n_pieces else None)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     wgmma_step(acc_ref, a_smem, b_smem, wg_rows, wg_cols)
@@ -530,13 +545,13 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             "stage": plgpu.SMEM((2, bm, bn), dot_dt, transforms=stage_tf),
             "out_smem": [plgpu.SMEM((out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
             "sum_smem": [plgpu.SMEM((out_slots, en), jnp.float32) for _ in sums],
-            "tile_smem": [plgpu.SMEM((em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
+            "tile_smem": [plgpu.SMEM((n_tile_slots, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
             "vec_smem": [plgpu.SMEM((cta_m if espan[v] == ROWS else cta_n,), kdt[v]) for v in vec_in],
             "full": plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             "empty": plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             "staged": plgpu.Barrier(num_arrivals=2),
             "free": plgpu.Barrier(num_arrivals=1),
-            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in)) if tile_in else None,
+            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=n_tile_slots) if tile_in else None,
             "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in)) if vec_in else None,
         }
 
@@ -619,16 +634,18 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         mi, ni = divmod(i, bn // en)
                         return (w * bm if wg_m else 0) + mi * em, (0 if wg_m else w * bn) + ni * en
 
-                    def fetch_tiles(w: int, i: int):
-                        pr, pc = origin(w, i)
+                    def fetch_tiles(j: int):
+                        """TMA the [M, N] inputs of the j-th piece (`pieces_per_wg`) into slot j % n_tile_slots."""
+                        pr, pc = origin(*pieces_per_wg[j])
                         for v in tile_in:
-                            plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0 + pr, em), pl.ds(c0 + pc, en)], tile_smem[v], tile_barrier)
+                            plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0 + pr, em), pl.ds(c0 + pc, en)], tile_smem[v].at[j % n_tile_slots],
+                                                    tile_barrier.at[j % n_tile_slots])
 
                     for v in vec_in:  # issued before the product is ready, so that they overlap the mainloop
                         src = in_gmem[v].at[pl.ds(r0, cta_m)] if espan[v] == ROWS else in_gmem[v].at[pl.ds(c0, cta_n)]
                         plgpu.copy_gmem_to_smem(src, vec_smem[v], vec_barrier)
-                    if tile_in:
-                        fetch_tiles(0, 0)
+                    for j in range(n_tile_slots if tile_in else 0):
+                        fetch_tiles(j)
                     scalars = {v: _from_kernel(in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
                     plgpu.barrier_wait(staged)
                     if vec_in:
@@ -643,8 +660,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         epilogue_piece(
                             x.astype(jnp.float32), scalars,
                             lambda v: vec_smem[v].at[pl.ds(pr, em)] if espan[v] == ROWS else vec_smem[v].at[pl.ds(pc, en)],
-                            lambda v: tile_smem[v], tile_barrier, [sm.at[j % out_slots] for sm in out_smem], out_gmem, r0 + pr, c0 + pc,
-                            functools.partial(fetch_tiles, *pieces_per_wg[j + 1]) if tile_in and j + 1 < len(pieces_per_wg) else None,
+                            lambda v, j=j: tile_smem[v].at[j % n_tile_slots], tile_barrier.at[j % n_tile_slots] if tile_in else None,
+                            [sm.at[j % out_slots] for sm in out_smem], out_gmem, r0 + pr, c0 + pc,
+                            functools.partial(fetch_tiles, j + n_tile_slots) if tile_in and j + n_tile_slots < len(pieces_per_wg) else None,
                             tuple(sm.at[j % out_slots] for sm in sum_smem), sum_gmem)
 
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
