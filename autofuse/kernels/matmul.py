@@ -28,6 +28,11 @@ An epilogue may also sum a value over all the product's rows where the group ret
 up, so dy is not read again for them (XLA fuses that sum with dy's elementwise producer, which a kernel that makes
 dy would otherwise take from it).
 
+An epilogue may also end in a `split` of its [M, N] value along N (a fused QKV projection split into queries, keys
+and values): `MatmulSpec.windows`, each part written as its own array by the tiles over its columns. XLA slices
+such a product into three copies (cuDNN attention reads each contiguous: 1.5 ms of GPT-2 medium's forward on an
+H200); the kernel writes them where the program reads them.
+
 An epilogue may also reduce over segments of a product row (GroupNorm: a reshape of [..., N] into
 [..., G, N / G], reductions over the last axis, broadcasts back, a reshape back): `passes.split_columns` rewrites
 it so that every value carrying the product's columns carries them as [G, seg] (seg = N / G), and
@@ -45,7 +50,7 @@ import numpy as np
 
 from .. import costmodel
 from ..costmodel import H200, GPUModel
-from ..graph import Group, Node
+from ..graph import Graph, Group, Node
 from ..ops import OpClass, dot_precision, op_class
 from .passes import segment_length, split_columns
 from .template import NoMatch, Template
@@ -77,6 +82,7 @@ class MatmulSpec:
     pro: dict = field(default_factory=dict)  # operand (a or b) -> (its prologue's nodes, their TileSpec on the operand's shape)
     round_product: bool = False  # the epilogue reads the product rounded to the dot's dtype (not the float32 accumulator)
     exact_f32: bool = False  # a float32 dot at precision=HIGHEST: three-pass TF32 (Triton), not TF32
+    windows: dict = field(default_factory=dict)  # a split value -> ((part, first column, columns), ...) along N
 
     @property
     def seg(self) -> int:
@@ -104,9 +110,13 @@ class MatmulTemplate(Template[MatmulSpec]):
         """A matmul spec when the group is one plain (2-D or batched) dot plus an elementwise epilogue of it."""
         g = group.graph
         dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
-        if len(dots) != 1 or any(op_class(n.name) is OpClass.OPAQUE for n in group.nodes):
+        splits = [n for n in group.nodes if n.name == "split"]
+        if len(dots) != 1 or len(splits) > 1 or any(op_class(n.name) is OpClass.OPAQUE and n.name != "split" for n in group.nodes):
             return None  # (reductions: only over segments of a product row, which the epilogue's analysis checks)
         dot = dots[0]
+        windows = _windows(group, splits[0]) if splits else {}
+        if windows is None:
+            return None
         a, b = dot.inputs
         if not (isinstance(a, int) and isinstance(b, int)):
             return None
@@ -135,7 +145,7 @@ class MatmulTemplate(Template[MatmulSpec]):
             if pro and nb:
                 raise NoMatch("a prologue on a batched dot")
             in_pro = {nd.id for nodes, _ in pro.values() for nd in nodes}
-            rest = [n.id for n in group.nodes if n.id != dot.id and n.id not in in_pro]
+            rest = [n.id for n in group.nodes if n.id != dot.id and n.id not in in_pro and n.name != "split"]
             epi = _epilogue_spec(group, dot, rest, g.avals[dot.outputs[0]].shape)
             for v in set(group.inputs) - {a, b}:  # an input read by two parts must have one 2-D layout
                 shapes = {sp.layout2d(v) for sp in [epi] + [t for _, t in pro.values()] if v in sp.group.inputs}
@@ -143,7 +153,25 @@ class MatmulTemplate(Template[MatmulSpec]):
                     raise NoMatch(f"input %{v} is read with two layouts")
         except NoMatch:
             return None
-        return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro, exact_f32=exact_f32)
+        if windows and (batch > 1 or next(iter(windows)) not in epi.group.outputs + (dot.outputs[0],)):
+            return None
+        return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro, exact_f32=exact_f32, windows=windows)
+
+    def candidate_groups(self, graph: Graph, fusible) -> list[tuple[Group, MatmulSpec, tuple]]:
+        """Each dot with the elementwise epilogue whose value a `split` along N cuts into parts, and the split
+        (`MatmulSpec.windows`): the partitioner grows no group through a split (XLA's own copy of each part)."""
+        out = []
+        for sp in graph.nodes:
+            if sp.name != "split" or not isinstance(sp.inputs[0], int):
+                continue
+            nodes = _epilogue_chain(graph, sp.inputs[0], fusible)
+            if nodes is None:
+                continue
+            group = Group.of(graph, sorted(nodes | {sp.id}))
+            spec = self.match(group)
+            if spec is not None:
+                out.append((group, spec, ()))
+        return out
 
     def facts(self, group: Group, spec: MatmulSpec) -> dict:
         """What search_spaces/matmul[.<backend>].toml's constraints read."""
@@ -170,6 +198,59 @@ class MatmulTemplate(Template[MatmulSpec]):
         a_bytes = spec.batch * spec.M * spec.K * np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
         bytes_moved = a_bytes * tiles_n / max(1, reuse) ** 0.5 + sum(a.nbytes for a in spec.group.output_avals())
         return costmodel.kernel_time_ms(bytes_moved, flops / max(eff, 0.05), model, low) * max(1.0, 132 / max(1, tiles_m * tiles_n)) ** 0.5
+
+
+def _windows(group: Group, split: Node) -> dict | None:
+    """The split's parts as column windows of its input, {input: ((part, first column, columns), ...)}, or None
+    where the split is not the group's last step along the last axis with every part returned whole."""
+    g = group.graph
+    (u,) = split.inputs
+    shape = g.avals[u].shape
+    if not isinstance(u, int) or split.params["axis"] % len(shape) != len(shape) - 1:
+        return None
+    if any(c != split.id for c in g.consumers.get(u, ())) or u in g.output_values or u in group.outputs:
+        return None  # the whole value is read elsewhere too
+    if any(v not in group.outputs for v in split.outputs) or u in group.inputs:
+        return None
+    parts, col = [], 0
+    for v, size in zip(split.outputs, split.params["sizes"]):
+        parts.append((v, col, int(size)))
+        col += int(size)
+    return {u: tuple(parts)}
+
+
+def _epilogue_chain(graph: Graph, v: int, fusible) -> set[int] | None:
+    """The nodes from one dot to value `v` (every node that is the dot's descendant and v's producer's ancestor),
+    with the broadcasts only they read; None where v is not made from exactly one dot by elementwise work."""
+    anc: set[int] = set()
+    todo = [graph.producer[v]] if v in graph.producer else []
+    while todo:
+        i = todo.pop()
+        if i in anc:
+            continue
+        anc.add(i)
+        nd = graph.node_index[i]
+        if op_class(nd.name) is not OpClass.CONTRACTION:
+            todo += [graph.producer[a] for a in nd.inputs if isinstance(a, int) and a in graph.producer]
+    dots = [i for i in anc if op_class(graph.node_index[i].name) is OpClass.CONTRACTION]
+    if len(dots) != 1 or not all(fusible(i) for i in anc):
+        return None
+    keep = {dots[0]}
+    for i in sorted(anc):  # descendants of the dot among v's ancestors (ids are topological)
+        nd = graph.node_index[i]
+        if any(isinstance(a, int) and graph.producer.get(a) in keep for a in nd.inputs):
+            keep.add(i)
+    for i in anc - keep:  # a bias's broadcast read only inside
+        nd = graph.node_index[i]
+        if op_class(nd.name) is OpClass.BROADCAST and all(c in keep for o in nd.outputs for c in graph.consumers.get(o, ())):
+            keep.add(i)
+    if len(keep) > MAX_CHAIN or any(op_class(graph.node_index[i].name) not in CHAIN_OPS for i in keep):
+        return None
+    return keep
+
+
+MAX_CHAIN = 32  # nodes of an epilogue chain (a bias, an activation): more is no epilogue this template writes
+CHAIN_OPS = (OpClass.CONTRACTION, OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT)
 
 
 def _prologue(group: Group, dot: Node, operand: int) -> tuple[list[Node], TileSpec]:

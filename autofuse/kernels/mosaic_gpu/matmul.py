@@ -162,6 +162,9 @@ def default_config(spec: MatmulSpec) -> dict:
         cfg["block_n"] = 64
     cfg["epi_tile_m"] = min(cfg["epi_tile_m"], cfg["block_m"])
     cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
+    firsts = [first for parts in spec.windows.values() for _, first, _ in parts]
+    while any(f % cfg["epi_tile_n"] for f in firsts) and cfg["epi_tile_n"] > 8:  # no piece across two split parts
+        cfg["epi_tile_n"] //= 2
     if spec.epi.col_sums:  # its sums over the rows need the one epilogue warpgroup (`check_config`)
         cfg["epilogue_wg"] = 1
     if spec.seg:  # one epilogue piece per segment, whole segments per tile
@@ -214,10 +217,12 @@ def check_group(spec: MatmulSpec) -> None:
     check_nodes([n for n in spec.epi_nodes if n.id not in spec.epi.col_sum_nodes], reductions=bool(spec.seg))
     if spec.seg and any(n.name == "iota" for n in spec.epi_nodes):
         raise Unsupported("an iota in an epilogue over segments of a row: not in the Mosaic GPU lowering")
-    for v in spec.group.outputs:
+    if spec.windows and spec.seg:
+        raise Unsupported("a split product with an epilogue over segments of a row")
+    for v in full_outputs(spec) + [v for v in spec.group.outputs if v in spec.epi.col_sums]:
         if v in spec.epi.col_sums:
             continue  # a sum over the rows: a partial per epilogue piece (`RegisterTiles.column_partial`)
-        if spec.epi.layout_span(v) != FULL:
+        if v != spec.dot.outputs[0] and spec.epi.layout_span(v) != FULL:
             raise Unsupported(f"output %{v} {g.avals[v]} is not a full [M, N] tile of the product")
         if np.dtype(g.avals[v].dtype) == np.dtype(bool):
             raise Unsupported(f"bool output %{v}")
@@ -229,14 +234,26 @@ def check_group(spec: MatmulSpec) -> None:
 
 
 def full_outputs(spec: MatmulSpec) -> list[int]:
-    """The group's outputs written as [M, N] tiles (all but its sums over the rows)."""
-    return [v for v in spec.group.outputs if v not in spec.epi.col_sums]
+    """The values written as [M, N] tiles: the group's outputs but its sums over the rows, a split value
+    (`MatmulSpec.windows`) in place of its parts."""
+    part_of = {p: u for u, parts in spec.windows.items() for p, _, _ in parts}
+    out: list[int] = []
+    for v in spec.group.outputs:
+        w = part_of.get(v, v)
+        if v not in spec.epi.col_sums and w not in out:
+            out.append(w)
+    return out
+
+
+def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
+    """Where a written value goes: ((array, first column, columns), ...), its split's parts, else itself whole."""
+    return spec.windows.get(v) or ((v, 0, spec.N),)
 
 
 def epi_inputs(spec: MatmulSpec) -> list[int]:
     """The epilogue's inputs from outside the group, in first-use order (the dot's output excluded)."""
     out_v = spec.dot.outputs[0]
-    return [v for v in spec.epi.group.inputs if v != out_v] if len(spec.group.nodes) > 1 else []
+    return [v for v in spec.epi.group.inputs if v != out_v] if spec.epi_nodes else []
 
 
 def check_config(spec: MatmulSpec, cfg: Config) -> None:
@@ -278,6 +295,11 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         if n and (n * _kernel_dtype(g.avals[v].dtype).itemsize) % 128:
             raise Unsupported(f"a {'row' if sp == ROWS else 'column'} vector input %{v} of {n} x {g.avals[v].dtype} per warpgroup: "
                               "TMA copies here must move a multiple of 128 bytes")
+    for u, parts in spec.windows.items():
+        for _, first, cols in parts:
+            if first % cfg.epi_tile_n:
+                raise Unsupported(f"a split part at columns {first}..{first + cols} is not a whole number of epi_tile_n={cfg.epi_tile_n} "
+                                  "pieces: a piece would straddle two parts")
     require_smem(smem_bytes(spec, cfg))
 
 
@@ -370,7 +392,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     in_tf = {v: _tile_tf(_kernel_dtype(g.avals[v].dtype), (M, N), en) for v in ein if espan[v] == FULL}
     in_cols = {v: _pad_to(N, _kernel_dtype(g.avals[v].dtype).itemsize) for v in in_tf}
     out_tf = [_tile_tf(d, (M, N), en) for d in out_dt]
-    out_cols = [_pad_to(N, d.itemsize) for d in out_dt]
 
     chain = k_iters % stages == 0  # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps
     cl_m_iters, cl_n_iters = -(-m_iters // cfg.cluster_m), -(-n_iters // cfg.cluster_n)  # cluster tiles
@@ -424,14 +445,34 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.commit_smem()
         if fetch_next is not None:
             fetch_next()
-        for sm, o in zip(out_slots_at, out_gmem):
-            plgpu.copy_smem_to_gmem(sm, o.at[pl.ds(r0, em), pl.ds(c0, en)])
+        for sm, dests in zip(out_slots_at, out_gmem):
+            store_piece(sm, dests, r0, c0)
         for sm, o in zip(sum_slots_at, sum_gmem):
             plgpu.copy_smem_to_gmem(sm, o.at[r0 // em, pl.ds(c0, en)])
 
+    def store_piece(sm, dests: list, r0, c0) -> None:
+        """TMA one [em, en] piece from SMEM to its array: the one split part whose columns hold it (the last part
+        takes what lies past the edge, which TMA drops), else the whole value's."""
+        if len(dests) == 1:
+            plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
+            return
+        for k, (ref, first, cols) in enumerate(dests):
+            inside = c0 >= first if k == len(dests) - 1 else (c0 >= first) & (c0 < first + cols)
+
+            @pl.when(inside)
+            def _(ref=ref, first=first):
+                plgpu.copy_smem_to_gmem(sm, ref.at[pl.ds(r0, em), pl.ds(c0 - first, en)])
+
+    n_refs = sum(len(targets(spec, v)) for v in outs)
+
+    def dests_of(refs) -> list[list]:
+        """The kernel's output refs, per written value, as [(ref, first column, columns), ...] (`targets`)."""
+        it = iter(refs)
+        return [[(next(it), first, cols) for _, first, cols in targets(spec, v)] for v in outs]
+
     def body(a_gmem, b_gmem, *rest):
         in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem = rest[len(ein):]
+        out_gmem = dests_of(rest[len(ein):len(ein) + n_refs])
 
         def pipeline(mma_body, compute_context, state=None):
             # In a cluster along N both CTAs read the same A rows (multicast to both), along M the same B columns.
@@ -535,7 +576,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         tiles. Barriers: `full`/`empty` per ring slot (TMA landed / both compute warpgroups done with it), `staged`
         (both halves of a product written), `free` (the epilogue has read them all)."""
         in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem, sum_gmem = rest[len(ein):len(ein) + len(outs)], rest[len(ein) + len(outs):]
+        out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
         kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
         a_blk = (bk, cta_m) if a_km else (cta_m, bk)
         b_blk = (cta_n, bk) if b_nk else (bk, cta_n)
@@ -668,7 +709,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
-    out_type = [jax.ShapeDtypeStruct((M, c), d) for c, d in zip(out_cols, out_dt)]
+    out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = None
@@ -706,8 +747,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             kernel_name=name)
         res = call(*args)
         res = res if isinstance(res, (list, tuple)) else [res]
-        done = {v: jnp.reshape(r[:, :N], g.avals[v].shape) for v, r in zip(outs, res)}
-        done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[len(outs):])})
+        parts = [(p, cols) for v in outs for p, _, cols in targets(spec, v)]
+        done = {p: jnp.reshape(r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
+        done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[n_refs:])})
         return [done[v] for v in group.outputs]
 
     return run

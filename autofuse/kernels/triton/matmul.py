@@ -33,6 +33,13 @@ def default_config(spec: MatmulSpec) -> dict:
             "num_warps": 4 if small else 8, "num_stages": 3, "group_m": 8}
 
 
+def check_group(spec: MatmulSpec) -> None:
+    """Raise NotImplementedError for what this lowering cannot run: a product split into parts along N (its tiles
+    write one array per output; the Mosaic GPU lowering writes the parts)."""
+    if spec.windows:
+        raise NotImplementedError("a product split into parts along N (split): Mosaic GPU only")
+
+
 def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> Callable:
     bm, bn, bk = (int(config[k]) for k in ("block_m", "block_n", "block_k"))
     gm = int(config["group_m"])

@@ -1,0 +1,103 @@
+"""A matmul whose epilogue's value a `split` along N cuts into parts (a fused QKV projection split into queries, keys
+and values): one candidate, the Mosaic GPU kernel writing each part as its own array (interpret mode and the real
+CUDA lowering), where XLA writes the product and then copies each part out of it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import autofuse
+from autofuse.kernels import matmul
+from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
+from autofuse.kernels.mosaic_gpu.tiles import Unsupported
+from autofuse.runner.evaluator import export_for_cuda
+from tests.kernel_checks import rel_err
+
+S = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+SMALL = {"block_m": 64, "block_n": 64, "block_k": 32, "max_concurrent_steps": 2, "epi_tile_m": 64, "epi_tile_n": 32,
+         "grid_tile_width": 2, "grid_minor_dim": 0, "wg_dimension": 1, "epilogue_wg": 0, "cluster": 0}
+
+
+def qkv_gelu(x, w, b):  # rows ragged against the tiles (200), parts of 96 columns: three 32-column pieces each
+    return tuple(t.reshape(2, 100, 3, 32) for t in jnp.split(jax.nn.gelu(x @ w + b), 3, axis=-1))
+
+
+def uneven(x, w):  # parts of 64, 160 and 64 columns, the middle one read twice outside
+    a, b, c = jnp.split(x @ w, [64, 224], axis=-1)
+    return a, b * 2.0, c, b
+
+
+def _candidate(fn, *specs):
+    g = autofuse.capture(fn, *specs)
+    found = matmul.TEMPLATE.candidate_groups(g, lambda i: True)
+    assert len(found) == 1, found
+    group, spec, stages = found[0]
+    assert stages == () and matmul.match(group) is not None
+    return group, spec
+
+
+QKV = (qkv_gelu, S((2, 100, 64), BF16), S((64, 288), BF16), S((288,), BF16))
+UNEVEN = (uneven, S((200, 64), BF16), S((64, 288), BF16))
+
+
+def test_the_split_is_read_as_column_windows_and_triton_declines_it() -> None:
+    group, spec = _candidate(*QKV[:1], *QKV[1:])
+    (u, parts), = spec.windows.items()
+    assert [(first, cols) for _, first, cols in parts] == [(0, 96), (96, 96), (192, 96)]
+    assert [p for p, _, _ in parts] == list(group.outputs)  # the parts are what the group returns
+    assert "split" in matmul.TEMPLATE.unsupported(spec, "triton")
+    assert matmul.TEMPLATE.unsupported(spec, "mosaic_gpu", SMALL) is None
+    g = autofuse.capture(lambda x, w: jnp.split(x @ w, 2, axis=0), S((64, 32), BF16), S((32, 64), BF16))
+    assert matmul.TEMPLATE.candidate_groups(g, lambda i: True) == []  # along the rows: no window of N
+
+
+def test_gpt2s_fused_qkv_projection_is_a_candidate_with_its_split() -> None:
+    from autofuse.tuning.job import distinct_candidates
+    from examples import gpt2
+
+    graph = autofuse.capture(gpt2.forward_cudnn, *gpt2.small_inputs())
+    by_sig, cands = distinct_candidates(graph)
+    split = [r for r in cands if any(n.name == "split" for n in by_sig[r.signature][0].group.nodes)]
+    assert len(split) == 1 and split[0].template == "matmul"
+    assert len(by_sig[split[0].signature]) == len(gpt2.small_inputs()[0]["blocks"])  # one per layer
+
+
+def _inputs(group):
+    keys = jax.random.split(jax.random.key(0), len(group.inputs))
+    return [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
+
+
+@pytest.mark.parametrize("program,extra", [(QKV, {}), (QKV, {"epilogue_wg": 1}), (UNEVEN, {"grid_minor_dim": 1})],
+                         ids=["qkv-gelu", "qkv-gelu-epilogue-wg", "uneven-parts"])
+def test_each_part_is_written_where_the_program_reads_it(program, extra) -> None:
+    """Interpret mode with the race detector, against the group's own jaxpr under jax.jit."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    group, spec = _candidate(program[0], *program[1:])
+    kernel = mgpu_matmul.lower(group, spec, {**SMALL, **extra}, interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
+    xs = _inputs(group)
+    outs = jax.block_until_ready(kernel(*xs))
+    assert not interpret_pallas_call.get_races().races_found
+    refs = jax.jit(lambda *a: group.evaluate(a))(*xs)
+    assert len(outs) == len(refs) == len(group.outputs)
+    for o, r, a in zip(outs, refs, group.output_avals()):
+        assert o.shape == r.shape == a.shape and o.dtype == r.dtype
+        assert rel_err(o, r) <= 2e-2
+
+
+def test_the_cuda_lowering_writes_one_array_per_part() -> None:
+    group, spec = _candidate(*QKV[:1], *QKV[1:])
+    for cfg in (SMALL, {**SMALL, "epilogue_wg": 1}, mgpu_matmul.default_config(spec)):
+        exp = export_for_cuda(mgpu_matmul.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
+        assert [(o.shape, o.dtype) for o in exp.out_avals] == [(a.shape, a.dtype) for a in group.output_avals()]
+
+
+def test_a_piece_straddling_two_parts_is_declined() -> None:
+    group, spec = _candidate(*QKV[:1], *QKV[1:])
+    with pytest.raises(Unsupported, match="straddle"):
+        mgpu_matmul.check_config(spec, mgpu_matmul.Config.of({**SMALL, "epi_tile_n": 64}))  # the second part starts at 96
+    assert np.all([first % mgpu_matmul.default_config(spec)["epi_tile_n"] == 0 for _, first, _ in spec.windows[next(iter(spec.windows))]])
