@@ -227,6 +227,11 @@ def xla_group_time_ms(group: Group, model: GPUModel = H200) -> float:
     if kind == "matmul":
         t *= max(xla_unaligned_factor(group.graph, n) for n in group.nodes)
     launches = 3 if kind == "attention" else 1  # attention: the scores' GEMM, the softmax, the second GEMM
+    made = {v for n in group.nodes for v in n.outputs}
+    for n in group.nodes:  # an op no fusion takes (a split's parts: copies): its operand written, read back, its kernel
+        if ops.op_class(n.name) is OpClass.OPAQUE:
+            t += 1e3 * 2 * sum(group.graph.avals[a].nbytes for a in n.inputs if isinstance(a, int) and a in made) / model.bandwidth_Bps
+            launches += len(n.outputs)
     if kind == "attention":  # the scores' round trips through memory, where they outweigh the floor
         t = max(t, 1e3 * _score_traffic(group) / model.bandwidth_Bps)
     return t * XLA_FACTOR[kind] + launches * 1e3 * model.launch_s
@@ -265,10 +270,25 @@ def _barrier(graph: Graph, node_id: int) -> bool:
     return cls is OpClass.CONTRACTION or cls not in ops.FUSIBLE
 
 
+def _through_layouts(graph: Graph, readers: list[int]) -> list[int]:
+    """`readers` with each reshape among them replaced by its own readers (XLA folds a layout op into them: a split
+    part reshaped into heads for cuDNN attention is read by the attention)."""
+    out: list[int] = []
+    todo = list(readers)
+    while todo:
+        r = todo.pop()
+        nd = graph.node_index[r]
+        if ops.op_class(nd.name) is OpClass.LAYOUT and not any(v in graph.output_values for v in nd.outputs):
+            todo.extend(c for v in nd.outputs for c in graph.consumers.get(v, ()))
+        elif r not in out:
+            out.append(r)
+    return out
+
+
 def _read_past_a_barrier(graph: Graph, value: int, members: set[int]) -> bool:
     """Whether XLA must materialise `value`: some reader outside `members` is a barrier, or is reached from `value`
     also through a barrier (a residual sum read again after the GEMMs it feeds)."""
-    readers = [r for r in graph.consumers.get(value, ()) if r not in members]
+    readers = _through_layouts(graph, [r for r in graph.consumers.get(value, ()) if r not in members])
     if any(_barrier(graph, r) for r in readers):
         return True
     last = max(readers, default=-1)

@@ -101,3 +101,23 @@ def test_a_piece_straddling_two_parts_is_declined() -> None:
     with pytest.raises(Unsupported, match="straddle"):
         mgpu_matmul.check_config(spec, mgpu_matmul.Config.of({**SMALL, "epi_tile_n": 64}))  # the second part starts at 96
     assert np.all([first % mgpu_matmul.default_config(spec)["epi_tile_n"] == 0 for _, first, _ in spec.windows[next(iter(spec.windows))]])
+
+
+def test_xla_is_modelled_with_its_copies_of_the_parts_and_the_parts_cost_no_neighbour() -> None:
+    """XLA writes the product, then copies each part out (an op no fusion takes); the kernel writes the parts, which
+    their readers behind a reshape (here attention's dots, in a GPU program cuDNN's call) read from memory anyway: no
+    fusion of XLA's is cut."""
+    from autofuse import costmodel
+
+    def program(x, w, b):
+        q, k, v = jnp.split(x @ w + b, 3, axis=-1)
+        heads = lambda t: t.reshape(4, 256, 8, 64)  # noqa: E731
+        return jax.nn.dot_product_attention(heads(q), heads(k), heads(v), implementation="xla")
+
+    graph = autofuse.capture(program, S((4, 256, 512), BF16), S((512, 1536), BF16), S((1536,), BF16))
+    (group, spec), = [(g, s) for g, s, _ in matmul.TEMPLATE.candidate_groups(graph, lambda i: True)]
+    whole = autofuse.graph.Group.of(graph, [n.id for n in group.nodes if n.name != "split"])
+    product = 4 * 256 * 1536 * 2
+    extra = costmodel.xla_group_time_ms(group) - costmodel.xla_group_time_ms(whole)
+    assert extra >= 1e3 * 2 * product / costmodel.H200.bandwidth_Bps  # written and read back by the copies
+    assert costmodel.cut_outputs_ms(group) == 0.0
