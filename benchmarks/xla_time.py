@@ -35,6 +35,8 @@ SHAPE = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True))
 INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 #: Instructions that launch nothing (views, bookkeeping) and take no device time of their own.
+#: Library kernels the trace names by themselves, not by their HLO instruction: their kind by name.
+LIBRARY_KERNELS = (("attention (cuDNN)", r"fmha|sdpa|flash|cudnn"), ("GEMM", r"nvjet|gemm|cutlass|xmma|cublas"))
 FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id", "replica-id"})
 
 
@@ -67,8 +69,11 @@ class Instruction:
             return "attention (cuDNN)"
         if "gemm" in k or "cublas" in k or self.opcode == "dot" or ("triton" in k and f.get("dot")) or f.get("dot"):
             return "GEMM"
-        if self.opcode == "kernel":
-            return "not in the module's text"
+        if self.opcode == "kernel":  # a library's kernel the profiler names by itself (cuBLAS, cuDNN)
+            for cat, pattern in LIBRARY_KERNELS:
+                if re.search(pattern, self.name, re.IGNORECASE):
+                    return cat
+            return "other kernel"
         if self.opcode in ("copy", "transpose") or (f and set(f) <= {"copy", "transpose", "bitcast", "parameter"}):
             return "copy/transpose"
         if f.get("reduce") or self.opcode == "reduce":
@@ -193,7 +198,7 @@ def table(instrs: dict[str, Instruction], times: dict[str, tuple[float, float]],
     """By category, then the `top` instructions (by device time; by bytes where nothing was timed)."""
     timed = bool(times)
     key = (lambda i: -times.get(i.name, (0.0, 0))[0]) if timed else (lambda i: -(i.in_bytes + i.out_bytes))
-    stray = {k: Instruction(k, "kernel", 0, 0, "not in the module's text", "", "") for k in times if k not in instrs}
+    stray = {k: Instruction(k, "kernel", 0, 0, "library kernel", "", "") for k in times if k not in instrs}
     rows = sorted([*instrs.values(), *stray.values()], key=key)
     lines = []
     if timed:

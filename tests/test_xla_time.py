@@ -41,11 +41,12 @@ def test_the_table_sums_time_by_kind_and_line_and_gives_each_kernels_bandwidth()
     fn, args, text = _compiled()
     instrs = parse_hlo(text)
     s = next(i for i in instrs.values() if i.fused_ops.get("reduce"))
-    times = {s.name: (0.001, 1.0), "not_an_instruction": (0.002, 1.0)}
+    times = {s.name: (0.001, 1.0), "not_an_instruction": (0.002, 1.0), "nvjet_sm90_tst_128x128": (0.003, 2.0)}
     lines = table(instrs, times, top=3, bandwidth_gbs=1000.0)
     row = next(ln for ln in lines if ln.startswith("| XLA fusion with a reduction"))
-    assert "| 0.001 | 33.3% | 1 |" in row  # a third of all the time traced
-    assert any(ln.startswith("| not in the module's text | 0.002") for ln in lines)
+    assert "| 0.001 | 16.7% | 1 |" in row  # a sixth of all the time traced
+    assert any(ln.startswith("| GEMM | 0.003 | 50.0% | 2 |") for ln in lines)  # cuBLAS's kernel, named by itself
+    assert any(ln.startswith("| other kernel | 0.002") for ln in lines)  # a kernel of no instruction, by its own name
     mine = next(ln for ln in lines if ln.startswith(f"| `{s.name}`"))
     assert f"| {(64 * 16 * 4 + 64 * 4) / 1e-6 / 1e9:.0f} |" in mine  # its bytes in 1 µs, in GB/s
     if jax.default_backend() != "gpu":
