@@ -56,6 +56,7 @@ def test_the_docs_page_lists_every_suite_and_part() -> None:
             assert f"| `{name}` | `{part.module.replace('.', '/')}.py` |" in page
 
 
+@pytest.mark.slow  # a benchmark's smoke run, not the quick subset's
 def test_the_unaligned_gemm_table_has_each_gemm_with_xlas_own_layouts(capsys) -> None:
     """`kernels unaligned-gemm` at a CPU-sized vocabulary: a row per GEMM, each timed with row-major operands, with
     the layouts XLA chooses for the step's intermediates (and which it chose), and padded; then the gradient's GEMM

@@ -117,6 +117,7 @@ def test_a_training_steps_plan_with_the_fused_bias_gradient_matches_jax_grad(bac
     assert_plan_matches_jit(step, plan, args, 2e-2)
 
 
+@pytest.mark.slow  # a benchmark's smoke run, not the quick subset's
 def test_the_probes_dgrad_workloads_are_one_matmul_with_and_without_the_sum():
     """`python -m benchmarks kernels mosaic --only dgrad-` times these two at GPT-2's shapes (the fused sum's cost
     is their difference); at a small shape each whole program is one `matmul` group, and its Mosaic GPU kernel

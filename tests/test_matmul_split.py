@@ -15,6 +15,7 @@ from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
 from autofuse.kernels.mosaic_gpu.tiles import Unsupported
 from autofuse.runner.evaluator import export_for_cuda
 from tests.kernel_checks import rel_err
+from tests.quick import slow_except
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -71,8 +72,9 @@ def _inputs(group):
     return [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
 
 
-@pytest.mark.parametrize("program,extra", [(QKV, {}), (QKV, {"epilogue_wg": 1}), (UNEVEN, {"grid_minor_dim": 1})],
-                         ids=["qkv-gelu", "qkv-gelu-epilogue-wg", "uneven-parts"])
+@pytest.mark.parametrize("program,extra", slow_except([pytest.param(QKV, {}, id="qkv-gelu"),
+                                                      pytest.param(QKV, {"epilogue_wg": 1}, id="qkv-gelu-epilogue-wg"),
+                                                      pytest.param(UNEVEN, {"grid_minor_dim": 1}, id="uneven-parts")], "uneven-parts"))
 def test_each_part_is_written_where_the_program_reads_it(program, extra) -> None:
     """Interpret mode with the race detector, against the group's own jaxpr under jax.jit."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
