@@ -145,7 +145,7 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
             lines.append(f"  plan {i + 1} ({what + ': ' if what else ''}{plural(p.get('groups') or 0, 'group')}, {p.get('status')}): "
                          f"{p.get('seconds', 0):.2f}"
                          + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else "")
-                         + (f"; why: {p['error']}" if p.get("error") else ""))
+                         + (f"; why: {p['error']}" if p.get("error") else "") + (f"; on GPU {p['gpu']}" if p.get("gpu") else ""))
     return lines
 
 

@@ -167,7 +167,7 @@ def phases_from(phases: dict | None, offset: float) -> dict[str, Any]:
     if plans:
         out["selection_parts"] += "; plans: " + ", ".join(
             f"{p.get('groups')}g {p.get('seconds', 0):.1f} (compile {p.get('compile', 0):.1f}, ref {p.get('reference', 0):.1f}, "
-            f"check {p.get('check', 0):.1f}, time {p.get('time', 0):.1f})" for p in plans)
+            f"check {p.get('check', 0):.1f}, time {p.get('time', 0):.1f})" + (f" on GPU {p['gpu']}" if p.get("gpu") else "") for p in plans)
     return out
 
 

@@ -115,8 +115,9 @@ class InlineRunner:
 class ProcessRunner:
     """Sends requests to an isolated child process, restarted when it dies or hangs."""
 
-    def __init__(self, spec: ProgramSpec, options: dict, *, timeout_s: float = 300.0, start_timeout_s: float = 300.0):
-        self.spec, self.options = spec, options
+    def __init__(self, spec: ProgramSpec, options: dict, *, timeout_s: float = 300.0, start_timeout_s: float = 300.0,
+                 gpu: str | None = None):
+        self.spec, self.options, self.gpu = spec, options, gpu
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._proc: subprocess.Popen | None = None
         self._to: Connection | None = None
@@ -135,6 +136,8 @@ class ProcessRunner:
         state = gpumem.STATE or gpumem.AllocatorState(True, {}, False)
         argv, env = python_command("autofuse.runner.process")  # not the working directory first (`refs`) until the parent's path
         env.update(gpumem.trial_process_env(gpumem.client_platform(), state), PYTHONUNBUFFERED="1")
+        if self.gpu is not None:  # a validation helper on another GPU of this host (`tuning.helpers`)
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
         self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
@@ -215,10 +218,12 @@ class ProcessRunner:
         return resp
 
 
-def make_runner(spec: ProgramSpec, options: dict, *, isolate: bool = True, timeout_s: float = 300.0) -> InlineRunner | ProcessRunner:
-    """A child-process runner where the function can be rebuilt in a child (and `isolate`), else an inline one."""
+def make_runner(spec: ProgramSpec, options: dict, *, isolate: bool = True, timeout_s: float = 300.0,
+                gpu: str | None = None) -> InlineRunner | ProcessRunner:
+    """A child-process runner where the function can be rebuilt in a child (and `isolate`), else an inline one.
+    `gpu`: the child sees only that GPU of this host (its CUDA_VISIBLE_DEVICES)."""
     if isolate and spec.picklable():
-        return ProcessRunner(spec, options, timeout_s=timeout_s)
+        return ProcessRunner(spec, options, timeout_s=timeout_s, gpu=gpu)
     return InlineRunner(spec, options)
 
 

@@ -27,6 +27,7 @@ from ..runner.protocol import (
 from ..status import TrialStatus
 from ..tables import plural
 from .ahead import compile_batch
+from .helpers import Helpers
 from .composition import (
     REALISED_ENOUGH,
     Measured,
@@ -37,6 +38,7 @@ from .composition import (
     plan_alone_ms,
     probe,
     replace_losers,
+    same_groups,
     swap_rivals,
 )
 from .ledger import CandidateState, Ledger
@@ -75,13 +77,14 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
              model: costmodel.GPUModel, ledger: Ledger, name: str, n_trials: int, t_start: float,
              say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
-             max_memory_bytes: int | None = None) -> TuneReport:
+             max_memory_bytes: int | None = None, helpers: Helpers | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
     `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
     `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
     references; the plans to validate with the whole program's reference). `timings` receives where the time went
     (seconds: check, singles, cover, validate, and per plan validated its parts). `on_passed` hears the report of
-    the first plan that passes on the GPU, before the others are validated (the job stores it at once)."""
+    the first plan that passes on the GPU, before the others are validated (the job stores it at once). `helpers`:
+    trial processes on this host's other GPUs that validate the plans judged after the chosen one (`Helpers`)."""
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
@@ -112,7 +115,7 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                       timings=timings, on_passed=on_passed, alternative=savings.plan() if savings else None,
-                      max_memory_bytes=max_memory_bytes, savings=savings)
+                      max_memory_bytes=max_memory_bytes, savings=savings, helpers=helpers)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
@@ -137,7 +140,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
              alternative: Plan | None = None, max_memory_bytes: int | None = None,
-             savings: Savings | None = None) -> TuneReport:
+             savings: Savings | None = None, helpers: Helpers | None = None) -> TuneReport:
     """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
@@ -154,7 +157,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                            timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
-                           savings=savings)
+                           savings=savings, helpers=helpers)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned = cover.baseline_ms, cover.tuned_ms
@@ -185,14 +188,16 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
                 on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
-                max_memory_bytes: int | None, savings: Savings | None = None) -> TuneReport:
+                max_memory_bytes: int | None, savings: Savings | None = None, helpers: Helpers | None = None) -> TuneReport:
     """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
     time in the program together (see `validate`).
 
     Groups measured alone do not add up in the program (results/composition_h100.md): GPT-2 medium's forward with
     cuDNN attention kept its GEMM+GELU groups' 1.4 ms in the program, but half a layer norm that saved 0.77 ms alone
     lost 1.86 ms there, and in its training step every group that saved time alone lost it in the program. Where the
-    cover chose XLA's own plan, the plan of the largest savings alone is judged in its stead."""
+    cover chose XLA's own plan, the plan of the largest savings alone is judged in its stead. With `helpers`, each
+    distinct group's plan is queued on them before the chosen plan is validated (whichever way the chosen plan's
+    result goes, `extend` or `probe` judges some of them), and every later batch of plans but the first of it."""
     say = phase or (lambda s: None)
     plan = cover.plan if not cover.plan.is_xla or alternative is None or alternative.is_xla else alternative
     alone = alone_savings(cands)
@@ -203,8 +208,8 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
     state = {"restarted": False}
     plans_t = [] if timings is None else timings.setdefault("plans", [])
 
-    def judge(cand: Plan, what: str, k: int, n: int, ahead: list[Plan]) -> Measured:
-        nonlocal best, first
+    def judge_here(cand: Plan, what: str, k: int, n: int, ahead: list[Plan]) -> ValidationResult:
+        """`cand` validated on this process's GPU, the plans of `ahead` compiled at once first."""
         if compile_workers > 1 and ahead:
             t0 = time.perf_counter()
             batch = plural(len(ahead), "plan") if measured else "the chosen plan and jax.jit's reference"
@@ -215,9 +220,22 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
                 timings["compile_ahead"] = round(timings.get("compile_ahead", 0.0) + time.perf_counter() - t0, 3)
                 timings.setdefault("compiled", []).append(longest)
         say(f"autofuse: validating plan {k} of {n} ({what}: {describe_groups(cand)}) against jax.jit")
+        return over_memory(_validate_once(runner, cand, state, say, compile_workers), max_memory_bytes)
+
+    def judge(cand: Plan, what: str, k: int, n: int, ahead: list[Plan]) -> Measured:
+        nonlocal best, first
+        if helpers and len(ahead) > 1:  # the others on the helpers' GPUs, this one here
+            helpers.submit([p for p in ahead if p is not cand])
+            ahead = [p for p in ahead if p is cand]
         t0 = time.perf_counter()
-        v = over_memory(_validate_once(runner, cand, state, say, compile_workers), max_memory_bytes)
-        plans_t.append(_plan_timing(cand, v, t0))
+        v = helpers.take(cand) if helpers else None
+        if v is not None:
+            say(f"autofuse: plan {k} of {n} ({what}: {describe_groups(cand)}) validated on GPU {helpers.validated.get(cand.to_json())}")
+            v = over_memory(v, max_memory_bytes)
+        else:
+            v = judge_here(cand, what, k, n, ahead)
+        plans_t.append({**_plan_timing(cand, v, t0), **({"gpu": helpers.validated[cand.to_json()]}
+                                                        if helpers and cand.to_json() in helpers.validated else {})})
         m = Measured(cand, v, plan_alone_ms(cand, alone), what)
         measured.append(m)
         if timings is not None:
@@ -243,6 +261,8 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         m = Measured(plan, runner.call(ValidateRequest(plan.to_json())), 0.0)
         return _xla_report(graph, m, plan, [plan.provenance.get("reason", "no fused group is cheaper than XLA")], name, cands,
                            n_trials, t_start)
+    if helpers:  # whichever way the chosen plan goes, some of these are judged next (`extend`, `probe`)
+        helpers.submit([p for p in group_plans(plan, alternative, alone) if not same_groups(p, plan)])
     chosen = judge(plan, "the chosen plan", 1, 1, [plan])
     if chosen.passed and 0 < REALISED_ENOUGH * chosen.alone_ms <= chosen.saving_ms:
         extend(plan, [p for p in group_plans(plan, alternative, alone) if beside(p, plan)], judge)

@@ -42,7 +42,6 @@ launch, refuses to run.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import socket
@@ -70,6 +69,7 @@ from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_b
                   restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable, warn_preallocated)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
+from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
 from .options import Job, JobOptions
@@ -242,6 +242,7 @@ def start_workers(run_id: int, program: str, url: str, n: int, gpus: Sequence[st
         env[AHEAD_ENV] = str(compile_workers(None, share=n))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            env[HOST_GPUS_ENV] = ",".join(gpus)  # the selecting worker validates plans on the others' once they are done
         procs.append(subprocess.Popen(argv, env=env))
     return procs
 
@@ -373,7 +374,10 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             if selected:
                 marks("trials")
                 say(f"measured {plural(w.loop.measured, 'trial')}; selecting the plan of run {run_id}")
-                w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks)
+                gpus = host_gpus(_my_gpu()) if measure == "device" and isinstance(runner, ProcessRunner) else []
+                helper_runner = lambda gpu: make_runner(spec, {"measure": measure, "model": o.model}, timeout_s=o.trial_timeout_s, gpu=gpu)  # noqa: E731
+                with Helpers(gpus, helper_runner, threads) as helpers:
+                    w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks, helpers=helpers)
             say(f"done: measured {plural(w.loop.measured, 'trial')}" + ("; plan saved" if selected else ""))
     except BaseException as e:
         if pstore.get_run(run_id)["selected_by"] == me:  # this worker was selecting: the run ends with it
@@ -470,15 +474,16 @@ def read_xla(pstore: Any, run_id: int, cands: list[CandidateState]) -> int:
 
 def _gpu_lock() -> int:
     """Hold a lock file on this worker's GPU for its lifetime; refuse if another worker of this host holds it."""
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
-    path = os.path.join(tempfile.gettempdir(), f"autofuse-gpu-{gpu}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"GPU {gpu} already has an autofuse worker on this host ({path}); one worker per GPU") from None
+    gpu = _my_gpu()
+    fd = lock_gpu(gpu)
+    if fd is None:
+        raise RuntimeError(f"GPU {gpu} already has an autofuse worker on this host ({tempfile.gettempdir()}/autofuse-gpu-{gpu}.lock); "
+                           "one worker per GPU")
     return fd
+
+
+def _my_gpu() -> str:
+    return (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
 
 
 class _Worker:
@@ -537,8 +542,9 @@ class _Worker:
                 self.loop.ledger.mark_lost(self.cands[i], t.optuna_trial_id, "worker died (its trial failed by heartbeat)")
 
     def select(self, graph: Any, by_sig: dict, gmodel: costmodel.GPUModel, run: dict, *, compile_workers: int = 1,
-               marks: PhaseMarks | None = None) -> None:
-        """Check the bests, choose the cover, validate it and save the plan (the worker that won begin_selection)."""
+               marks: PhaseMarks | None = None, helpers: Helpers | None = None) -> None:
+        """Check the bests, choose the cover, validate it and save the plan (the worker that won begin_selection);
+        `helpers` validate plans on this host's other GPUs."""
         marks = marks or PhaseMarks(None, None)
         self.loop.ledger.refresh(self.cands)
         for r in self.cands:
@@ -549,7 +555,7 @@ class _Worker:
         report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
                           run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings,
                           on_passed=lambda first: (saver.early(first), marks("first_plan")),
-                          max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"))
+                          max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"), helpers=helpers)
         marks("selected")
         marks("selection", value=timings)
         saver.final(report)
