@@ -19,6 +19,11 @@ from autofuse.tuning.helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu
 
 t = lambda v: Timing(v, v * 0.99, v * 1.01, v * 0.995, v * 1.005)  # noqa: E731
 
+if os.environ.get("AUTOFUSE_TEST_SLOW_TEARDOWN"):  # in a trial process of the test below: a teardown that takes 30 s
+    import atexit
+
+    atexit.register(time.sleep, 30)
+
 
 def _gpu(name: str) -> str:
     return f"test-{os.getpid()}-{name}"  # a lock file of its own: tests in parallel share the temp directory
@@ -180,3 +185,19 @@ def test_the_selection_with_helpers_keeps_what_it_keeps_alone() -> None:
     assert len(singles) == 2 and all(w != "here" for w, _ in singles)  # queued before the chosen plan: on the helpers
     assert all(p.get("gpu") in (_gpu("h1"), _gpu("h2")) for p, r in zip(timings["plans"], timings["composition"])
                if r["what"] == "one group in context")
+
+
+def test_a_closed_trial_process_exits_at_once_and_cleanly(monkeypatch) -> None:
+    """Told it is done, the trial process leaves without tearing its interpreter down (seconds for a process full of
+    compiled programs: the job waited 10 s for it, then killed it), and exits 0. Its interpreter's teardown here
+    takes 30 s (an exit handler that this module registers in the trial process, which imports it for `_ln`)."""
+    from autofuse.runner.process import ProgramSpec
+
+    monkeypatch.setenv("AUTOFUSE_TEST_SLOW_TEARDOWN", "1")
+    runner = ProcessRunner(ProgramSpec(_ln, (jax.ShapeDtypeStruct((8, 16), jnp.float32),) * 1 + (jax.ShapeDtypeStruct((16,), jnp.float32),) * 2),
+                           {"measure": "model"})
+    runner._start()  # ready: jax imported, the program captured
+    proc = runner._proc
+    t0 = time.monotonic()
+    runner.close()
+    assert proc.returncode == 0 and time.monotonic() - t0 < 5.0

@@ -74,8 +74,10 @@ def child_main() -> None:
             req = inp.recv()
         except EOFError:
             return
-        if req is None:
-            return
+        if req is None:  # done: nothing left to write (the compilation and autotune caches are written as they fill)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # not the interpreter's teardown of every executable and buffer: 10 s on GPT-2 medium's trials
         try:
             resp = ev.handle(req)
         except Exception as e:  # an unexpected error fails the request, not the process
@@ -181,6 +183,10 @@ class ProcessRunner:
         fragmented by the trials' buffers) carries over."""
         self.close()
         self._spawn()
+
+    def kill(self) -> None:
+        """Stop the trial process now, whatever it is doing (a validation helper the selection no longer needs)."""
+        self._kill()
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

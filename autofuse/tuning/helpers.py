@@ -148,9 +148,9 @@ class Helpers:
             self._cond.notify_all()
         with self._cond:
             held, self._held = self._held, []
-        for runner, fd in held:  # a helper still inside a request returns once its trial process is gone
+        for runner, fd in held:  # killed, not asked: a helper may be inside a validation nobody will take
             try:
-                runner.close()
+                getattr(runner, "kill", runner.close)()
             finally:
                 os.close(fd)
         for t in self._threads:
