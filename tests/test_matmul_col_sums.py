@@ -81,18 +81,31 @@ def test_dgrad_with_bias_gradient_matches_xla(fn, backend, S, F):
         assert rel_err(o, r) < 1e-2
 
 
-def test_mosaic_gpu_sums_over_rows_in_the_epilogue_warpgroup_and_lower_for_cuda():
-    """The reduction across a tile's warps uses Mosaic GPU's one reduction scratch: with two compute warpgroups
-    running epilogues it would be shared, so only `epilogue_wg=1` (one epilogue warpgroup) runs it; that config
-    passes the real Mosaic GPU lowering for CUDA."""
+@pytest.mark.parametrize("epilogue_wg", [0, 1])
+def test_mosaic_gpu_sums_over_rows_in_either_epilogue_race_free_and_lower_for_cuda(epilogue_wg):
+    """The reduction across a tile's warps goes through Mosaic GPU's one reduction scratch. With the epilogues in the
+    two compute warpgroups (`epilogue_wg=0`, the default: one epilogue warpgroup cannot hide GELU's latencies, 0.81 ms
+    against 0.28 on an H200) they take turns at it, warpgroup 0 then 1 for each piece; interpret mode's race
+    detector finds no race on it, several tiles per CTA and pieces per tile, and the real lowering for CUDA passes."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
+
     args = _args()
     graph, cands = _with_sum(args)
     c = min(cands, key=lambda c: len(c.group.nodes))
-    cfg = TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu")
-    assert cfg["epilogue_wg"] == 1
-    why = TEMPLATES["matmul"].unsupported(c.spec, "mosaic_gpu", {**cfg, "epilogue_wg": 0})
-    assert why and "reduction scratch" in why
+    assert TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu")["epilogue_wg"] == 0
+    cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "block_m": 64, "block_n": 64, "epi_tile_n": 32,
+           "epilogue_wg": epilogue_wg}
+    assert TEMPLATES["matmul"].unsupported(c.spec, "mosaic_gpu", cfg) is None
     env = _values(graph, args)
+    ins = [env[v] for v in c.group.inputs]
+    kernel = mgpu_matmul.lower(c.group, c.spec, cfg, interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)
+    outs = jax.block_until_ready(kernel(*ins))
+    assert not interpret_pallas_call.get_races().races_found
+    for o, r in zip(outs, jax.jit(lambda *a: c.group.evaluate(a))(*ins)):
+        assert rel_err(o, r) < 1e-2
     structs = [jax.ShapeDtypeStruct(env[v].shape, env[v].dtype) for v in c.group.inputs]
     export_for_cuda(build_group(c.group, "matmul", cfg, backend="mosaic_gpu", interpret=False), structs)
 

@@ -23,7 +23,7 @@ broadcast back over the piece, where the normalisation runs before the piece is 
 An epilogue may also sum a value over all the product's rows (`TileSpec.col_sums`: a dgrad GEMM with its bias's
 gradient): each piece's column sums (`RegisterTiles.column_partial`, rows past M left out) go out by TMA as one
 float32 row of a [pieces along M, N] array that XLA adds up. That reduction crosses the warps of a warpgroup through
-Mosaic GPU's one reduction scratch, so it runs only where one warpgroup runs every epilogue (`epilogue_wg=1`).
+Mosaic GPU's one reduction scratch; where both compute warpgroups run epilogues they take turns at it (`in_turn`).
 
 Ragged shapes: no masks, and no padding to the tile sizes. TMA loads zero-fill
 whatever part of a box lies outside the array (so the K tail contributes zeros
@@ -165,8 +165,6 @@ def default_config(spec: MatmulSpec) -> dict:
     firsts = [first for parts in spec.windows.values() for _, first, _ in parts]
     while any(f % cfg["epi_tile_n"] for f in firsts) and cfg["epi_tile_n"] > 8:  # no piece across two split parts
         cfg["epi_tile_n"] //= 2
-    if spec.epi.col_sums:  # its sums over the rows need the one epilogue warpgroup (`check_config`)
-        cfg["epilogue_wg"] = 1
     if spec.seg:  # one epilogue piece per segment, whole segments per tile
         cfg["block_n"] = max(cfg["block_n"], spec.seg) // spec.seg * spec.seg
         cfg["epi_tile_n"] = spec.seg
@@ -281,10 +279,6 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("cluster must be 0 (none), 1 (M) or 2 (N)")
     if cfg.epilogue_wg and cfg.cluster:
         raise Unsupported("epilogue_wg=1 runs its own pipeline: no clusters")
-    if spec.epi.col_sums and not cfg.epilogue_wg:
-        raise Unsupported("epilogue_wg=0 with a sum over the rows: its reduction across warps goes through Mosaic GPU's "
-                          "one reduction scratch, which the two compute warpgroups would share (epilogue_wg=1: one "
-                          "epilogue warpgroup)")
     g = spec.group.graph
     for v in tuple(full_outputs(spec)) + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
@@ -418,13 +412,16 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.wgmma_wait(0)
 
     def epilogue_piece(product, scalars: dict, vec_part: Callable, tile_ref: Callable, tile_bar, out_slots_at: list, out_gmem,
-                       r0, c0, fetch_next: Callable | None, sum_slots_at: tuple = (), sum_gmem: tuple = ()) -> None:
+                       r0, c0, fetch_next: Callable | None, sum_slots_at: tuple = (), sum_gmem: tuple = (),
+                       in_turn: Callable | None = None) -> None:
         """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the product and the
         inputs' pieces (`vec_part(v)`, `tile_ref(v)`: their SMEM, the tiles behind `tile_bar`), its outputs written
         into `out_slots_at` (its sums' partials into `sum_slots_at`, row r0 // em of theirs) and stored from there
         by TMA; `fetch_next` issues the tiles of the piece after the next into this piece's SMEM slot once every
         thread has read these (after the commit's barrier): double-buffered, the next piece's tiles land during this
-        one's math instead of after it (a dgrad GEMM's GELU' reads h [M, N] per piece)."""
+        one's math instead of after it (a dgrad GEMM's GELU' reads h [M, N] per piece). `in_turn(make)` runs the
+        sums' reductions across warps when this warpgroup's turn comes (two warpgroups share Mosaic GPU's one
+        reduction scratch)."""
         env = {out_v: product, **scalars}
         for v in vec_in:
             env[v] = _from_kernel(plgpu.load(vec_part(v), layout=layout(espan[v])), g.avals[v].dtype)
@@ -436,7 +433,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         for nd in epi_nodes:
             if nd.id not in spec.epi.col_sum_nodes:
                 tiles.eval_node(nd, env, r0, c0)
-        parts = [tiles.column_partial(env, v, r0, M) for v in sums]
+        make = lambda: [tiles.column_partial(env, v, r0, M) for v in sums]  # noqa: E731
+        parts = in_turn(make) if in_turn is not None and sums else make()
         plgpu.wait_smem_to_gmem(n_stores * (out_slots - 1), wait_read_only=True)
         for v, d, sm in zip(outs, out_dt, out_slots_at):
             sm[...] = tiles.store_value(env, v, d)
@@ -472,7 +470,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
     def body(a_gmem, b_gmem, *rest):
         in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem = dests_of(rest[len(ein):len(ein) + n_refs])
+        out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
 
         def pipeline(mma_body, compute_context, state=None):
             # In a cluster along N both CTAs read the same A rows (multicast to both), along M the same B columns.
@@ -495,11 +493,28 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             "vec_smem": [plgpu.SMEM((2, bm if espan[v] == ROWS else bn), kdt[v]) for v in vec_in],
             "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=2 * n_tile_slots) if tile_in else None,
             "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in), num_barriers=2) if vec_in else None,
+            "sum_smem": [plgpu.SMEM((2, out_slots, en), jnp.float32) for _ in sums],
+            "turns": plgpu.Barrier(num_arrivals=1, num_barriers=2) if sums else None,  # warpgroup w's reduction done
         }
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(pipeline_allocs, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier):
+        def _scope(pipeline_allocs, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier, sum_smem, turns):
             wg = lax.axis_index("wg")
+
+            def in_turn(make: Callable, first) -> list:
+                """`make()` (the sums' reductions across warps) in this warpgroup's turn: warpgroup 1 after warpgroup
+                0's of the same piece, warpgroup 0 after warpgroup 1's of the piece before (none before `first`)."""
+                @pl.when(wg == 1)
+                def _():
+                    plgpu.barrier_wait(turns.at[0])
+
+                @pl.when((wg == 0) & jnp.logical_not(first))
+                def _():
+                    plgpu.barrier_wait(turns.at[1])
+
+                parts = make()
+                plgpu.barrier_arrive(turns.at[wg])
+                return parts
             tile_smem = dict(zip(tile_in, tile_smem))
             vec_smem = dict(zip(vec_in, vec_smem))
 
@@ -547,7 +562,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                                 lambda v: vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)],
                                 lambda v, i=i: tile_smem[v].at[tile_slot(i)], tile_barrier.at[tile_slot(i)] if tile_in else None,
                                 [sm.at[wg, i % out_slots] for sm in out_smem], out_gmem, *piece_origin(i),
-                                functools.partial(fetch_tiles, i + n_tile_slots) if tile_in and i + n_tile_slots < n_pieces else None)
+                                functools.partial(fetch_tiles, i + n_tile_slots) if tile_in and i + n_tile_slots < n_pieces else None,
+                                tuple(sm.at[wg, i % out_slots] for sm in sum_smem), sum_gmem,
+                                functools.partial(in_turn, first=(info.local_index == 0) & (i == 0)))
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     wgmma_step(acc_ref, a_smem, b_smem, wg_rows, wg_cols)
@@ -560,6 +577,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                     first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                     state = jnp.where(first, int(PP.START), jnp.where(last, int(PP.STOP), int(PP.STEADY)))
                 pipeline(mma_body, compute_context, state)(a_view, b_view, allocations=pipeline_allocs)
+
+            if sums:  # the last turn of warpgroup 1, observed like the others (every phase of a barrier is waited on)
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.barrier_wait(turns.at[1])
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
