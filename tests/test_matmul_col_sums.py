@@ -85,8 +85,10 @@ def test_dgrad_with_bias_gradient_matches_xla(fn, backend, S, F):
 def test_mosaic_gpu_sums_over_rows_in_either_epilogue_race_free_and_lower_for_cuda(epilogue_wg):
     """The reduction across a tile's warps goes through Mosaic GPU's one reduction scratch. With the epilogues in the
     two compute warpgroups (`epilogue_wg=0`, the default: one epilogue warpgroup cannot hide GELU's latencies, 0.81 ms
-    against 0.28 on an H200) they take turns at it, warpgroup 0 then 1 for each piece; interpret mode's race
-    detector finds no race on it, several tiles per CTA and pieces per tile, and the real lowering for CUDA passes."""
+    against 0.28 on an H200) they take turns at it, warpgroup 0 then 1 for each piece, through two barriers. Interpret
+    mode runs both (several tiles per CTA, pieces per tile) with its race detector on TMA, SMEM and those barriers,
+    and the real lowering for CUDA passes; it does not model the reduction scratch itself (without the turns it
+    passes too): that the turns keep the sums right is checked on the GPU (results/models_cudnn_h200.md, section 7)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
