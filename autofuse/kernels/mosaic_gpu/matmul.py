@@ -170,12 +170,16 @@ def default_config(spec: MatmulSpec) -> dict:
         cfg["epi_tile_n"] = spec.seg
     wide = 128 // itemsize  # K elements of one 128-byte swizzle row
     rings = ([(2 * wide, 2)] if spec.K >= 4 * wide else []) + [(wide, 4), (wide, 3), (wide, 2)] if spec.K > wide else [(64 // itemsize, 4)]
+    start = dict(cfg)
     while True:
         for bk, steps in rings:
             cfg["block_k"], cfg["max_concurrent_steps"] = bk, steps
             if smem_bytes(spec, Config.of(cfg)) <= SMEM_LIMIT:
                 return cfg
         if not _shrink(cfg, spec.seg):
+            if spec.epi.col_sums and not start["epilogue_wg"]:  # one epilogue warpgroup's buffers, not two
+                cfg = start = {**start, "epilogue_wg": 1}
+                continue
             return cfg  # the lowering's own check says why it does not fit
 
 
