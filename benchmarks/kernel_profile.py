@@ -26,7 +26,8 @@ class KernelTime:
 def kernel_times(fn: Callable, args: tuple, *, calls: int = 3) -> list[KernelTime]:
     """The kernels `fn(*args)` launches on the GPU, longest first (empty where no device plane is traced: the CPU)."""
     total: dict[str, list[float]] = {}
-    for name, _, duration_ns in _kernel_events(fn, args, calls):
+    for ev in kernel_events(fn, args, calls):
+        name, duration_ns = ev.name, ev.duration_ns
         t = total.setdefault(name, [0.0, 0])
         t[0] += duration_ns
         t[1] += 1
@@ -47,7 +48,7 @@ class Timeline:
 def timeline(fn: Callable, args: tuple, *, calls: int = 3, top: int = 8) -> Timeline | None:
     """`fn(*args)`'s GPU timeline over `calls` back-to-back calls, every stream together (None without a GPU).
     A plan whose kernels add up to less than jax.jit's can still take longer if the GPU waits between them."""
-    events = sorted(_kernel_events(fn, args, calls), key=lambda e: e[1])
+    events = sorted(((e.name, e.start_ns, e.duration_ns) for e in kernel_events(fn, args, calls)), key=lambda e: e[1])
     if not events:
         return None
     busy, span_end, gaps = 0.0, events[0][1], {}
@@ -65,8 +66,19 @@ def timeline(fn: Callable, args: tuple, *, calls: int = 3, top: int = 8) -> Time
     return Timeline(busy / calls / 1e6, span / calls / 1e6, worst)
 
 
-def _kernel_events(fn: Callable, args: tuple, calls: int) -> list[tuple[str, float, float]]:
-    """(kernel name, start ns, duration ns) of every kernel `calls` back-to-back calls of `fn(*args)` launch."""
+@dataclass(frozen=True)
+class KernelEvent:
+    """One kernel launch of a traced call: its name, start and duration, and the profiler's stats on it (XLA's
+    `hlo_op`, the HLO instruction that launched it, where the trace has it)."""
+
+    name: str
+    start_ns: float
+    duration_ns: float
+    stats: dict
+
+
+def kernel_events(fn: Callable, args: tuple, calls: int) -> list[KernelEvent]:
+    """Every kernel `calls` back-to-back calls of `fn(*args)` launch (empty without a device plane: the CPU)."""
     jax.block_until_ready(fn(*args))  # compiled and warm before the trace
     out = []
     with tempfile.TemporaryDirectory() as d:
@@ -84,7 +96,7 @@ def _kernel_events(fn: Callable, args: tuple, calls: int) -> list[tuple[str, flo
             for line in plane.lines:
                 if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
                     continue
-                out.extend((ev.name, ev.start_ns, ev.duration_ns) for ev in line.events)
+                out.extend(KernelEvent(ev.name, ev.start_ns, ev.duration_ns, dict(ev.stats)) for ev in line.events)
     return out
 
 

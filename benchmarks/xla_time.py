@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import importlib
-import os
 import re
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -26,6 +23,7 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
+from benchmarks.kernel_profile import kernel_events
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
@@ -153,34 +151,17 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
 
 
 def op_times(fn: Callable, args: tuple, names: Iterable[str], calls: int = 3) -> dict[str, tuple[float, float]]:
-    """Device ms per call and launches per call of each HLO instruction of `names`, from the GPU's stream lines: a
-    kernel is the instruction its `hlo_op` stat names, else the one its own name is (XLA names a fusion's kernel after
-    it, '.' as '_'); a kernel of neither is kept under its own name. Empty without a device trace (the CPU)."""
+    """Device ms per call and launches per call of each HLO instruction of `names`: a kernel is the instruction its
+    `hlo_op` stat names, else the one its own name is (XLA names a fusion's kernel after it, '.' as '_'); a kernel
+    of neither is kept under its own name. Empty without a device trace (the CPU)."""
     known = {n: n for n in names} | {n.replace(".", "_"): n for n in names}
-    jax.block_until_ready(fn(*args))
     total: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls - 1):
-                fn(*args)
-            jax.block_until_ready(fn(*args))
-        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return {}
-        data = jax.profiler.ProfileData.from_file(paths[0])
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
-                    continue
-                for ev in line.events:
-                    stats = dict(ev.stats)
-                    hlo = next((str(stats[k]) for k in ("hlo_op", "tf_op", "long_name") if k in stats and str(stats[k]) in known), None)
-                    name = known.get(hlo or ev.name, hlo or ev.name)
-                    t = total.setdefault(name, [0.0, 0.0])
-                    t[0] += ev.duration_ns / 1e6 / calls
-                    t[1] += 1 / calls
+    for ev in kernel_events(fn, args, calls):
+        hlo = next((str(ev.stats[k]) for k in ("hlo_op", "tf_op", "long_name") if str(ev.stats.get(k)) in known), None)
+        name = known.get(hlo or ev.name, hlo or ev.name)
+        t = total.setdefault(name, [0.0, 0.0])
+        t[0] += ev.duration_ns / 1e6 / calls
+        t[1] += 1 / calls
     return {k: (v[0], v[1]) for k, v in total.items()}
 
 
