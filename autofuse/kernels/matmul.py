@@ -205,8 +205,7 @@ def _windows(group: Group, split: Node) -> dict | None:
     where the split is not the group's last step along the last axis with every part returned whole."""
     g = group.graph
     (u,) = split.inputs
-    shape = g.avals[u].shape
-    if not isinstance(u, int) or split.params["axis"] % len(shape) != len(shape) - 1:
+    if not isinstance(u, int) or split.params["axis"] % len(g.avals[u].shape) != len(g.avals[u].shape) - 1:
         return None
     if any(c != split.id for c in g.consumers.get(u, ())) or u in g.output_values or u in group.outputs:
         return None  # the whole value is read elsewhere too
@@ -229,6 +228,8 @@ def _epilogue_chain(graph: Graph, v: int, fusible) -> set[int] | None:
         if i in anc:
             continue
         anc.add(i)
+        if len(anc) > 2 * MAX_CHAIN:
+            return None  # v's producers reach far past one dot (a residual): no epilogue chain of one dot
         nd = graph.node_index[i]
         if op_class(nd.name) is not OpClass.CONTRACTION:
             todo += [graph.producer[a] for a in nd.inputs if isinstance(a, int) and a in graph.producer]

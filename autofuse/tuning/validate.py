@@ -197,7 +197,8 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
     lost 1.86 ms there, and in its training step every group that saved time alone lost it in the program. Where the
     cover chose XLA's own plan, the plan of the largest savings alone is judged in its stead. With `helpers`, each
     distinct group's plan is queued on them before the chosen plan is validated (whichever way the chosen plan's
-    result goes, `extend` or `probe` judges some of them), and every later batch of plans but the first of it."""
+    result goes, `extend` or `probe` judges some of them), and so is every later batch of plans but its first, which
+    this process validates."""
     say = phase or (lambda s: None)
     plan = cover.plan if not cover.plan.is_xla or alternative is None or alternative.is_xla else alternative
     alone = alone_savings(cands)
@@ -229,13 +230,13 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
             ahead = [p for p in ahead if p is cand]
         t0 = time.perf_counter()
         v = helpers.take(cand) if helpers else None
+        gpu = helpers.validated.get(cand.to_json()) if v is not None else None  # the helper's GPU that validated it
         if v is not None:
-            say(f"autofuse: plan {k} of {n} ({what}: {describe_groups(cand)}) validated on GPU {helpers.validated.get(cand.to_json())}")
+            say(f"autofuse: plan {k} of {n} ({what}: {describe_groups(cand)}) validated on GPU {gpu}")
             v = over_memory(v, max_memory_bytes)
         else:
             v = judge_here(cand, what, k, n, ahead)
-        plans_t.append({**_plan_timing(cand, v, t0), **({"gpu": helpers.validated[cand.to_json()]}
-                                                        if helpers and cand.to_json() in helpers.validated else {})})
+        plans_t.append({**_plan_timing(cand, v, t0), **({"gpu": gpu} if gpu else {})})
         m = Measured(cand, v, plan_alone_ms(cand, alone), what)
         measured.append(m)
         if timings is not None:
