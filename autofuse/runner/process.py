@@ -117,6 +117,8 @@ class InlineRunner:
 class ProcessRunner:
     """Sends requests to an isolated child process, restarted when it dies or hangs."""
 
+    gpu: str | None = None  # the one GPU of this host its child sees (a validation helper's), None: this process's
+
     def __init__(self, spec: ProgramSpec, options: dict, *, timeout_s: float = 300.0, start_timeout_s: float = 300.0,
                  gpu: str | None = None):
         self.spec, self.options, self.gpu = spec, options, gpu
