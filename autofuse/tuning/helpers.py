@@ -29,11 +29,15 @@ HOST_GPUS_ENV = "AUTOFUSE_HOST_GPUS"  # the GPUs of this host the launcher gave 
 log = logging.getLogger("autofuse")
 
 
+def lock_path(gpu: str) -> str:
+    """The lock file of `gpu` of this host, which its worker (or helper) holds."""
+    return os.path.join(tempfile.gettempdir(), f"autofuse-gpu-{gpu}.lock")
+
+
 def lock_gpu(gpu: str) -> int | None:
     """A lock file held on `gpu` of this host (its fd; closing it releases the GPU), or None where a worker or
     helper holds it already."""
-    path = os.path.join(tempfile.gettempdir(), f"autofuse-gpu-{gpu}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(lock_path(gpu), os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

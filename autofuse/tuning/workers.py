@@ -47,7 +47,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -69,7 +68,7 @@ from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_b
                   restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable, warn_preallocated)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
-from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu
+from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu, lock_path
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
 from .options import Job, JobOptions
@@ -477,7 +476,7 @@ def _gpu_lock() -> int:
     gpu = _my_gpu()
     fd = lock_gpu(gpu)
     if fd is None:
-        raise RuntimeError(f"GPU {gpu} already has an autofuse worker on this host ({tempfile.gettempdir()}/autofuse-gpu-{gpu}.lock); "
+        raise RuntimeError(f"GPU {gpu} already has an autofuse worker on this host ({lock_path(gpu)}); "
                            "one worker per GPU")
     return fd
 
