@@ -13,14 +13,15 @@ import importlib
 import os
 
 from ..graph import Group
-from . import aligned_dot, attention, attention_vjp, elementwise, matmul, matmul_reduce, matmul_reduce_vjp, reduce_vjp, row_reduce
+from . import aligned_dot, attention, attention_vjp, concat_sink, elementwise, matmul, matmul_reduce, matmul_reduce_vjp, reduce_vjp, row_reduce
 from .template import Template
 
 __all__ = ["TEMPLATES", "Template", "match_template", "register_template"]
 
 TEMPLATES: dict[str, Template] = {t.name: t for t in (attention.TEMPLATE, attention_vjp.TEMPLATE, row_reduce.TEMPLATE, elementwise.TEMPLATE,
                                                       matmul_reduce.TEMPLATE, matmul.TEMPLATE, matmul_reduce_vjp.TEMPLATE,
-                                                      reduce_vjp.TEMPLATE, aligned_dot.TEMPLATE)}
+                                                      reduce_vjp.TEMPLATE, aligned_dot.TEMPLATE,
+                                                      concat_sink.TEMPLATE)}
 
 
 def register_template(template: Template, *, first: bool = False) -> None:
