@@ -201,3 +201,33 @@ def test_a_closed_trial_process_exits_at_once_and_cleanly(monkeypatch) -> None:
     t0 = time.monotonic()
     runner.close()
     assert proc.returncode == 0 and time.monotonic() - t0 < 5.0
+
+
+def test_a_trial_process_killed_from_another_thread_while_a_call_waits_on_it() -> None:
+    """The selection kills a validation helper's trial process (`Helpers.close`) while the helper's thread waits in
+    `call` for it: neither side may fail on the other's half-torn-down state (on 4 H200s every 4-worker job failed
+    at its end: `'NoneType' object has no attribute 'stdin'` in the kill, the waiting call having cleared it)."""
+    from autofuse.runner.process import ProgramSpec
+    from autofuse.runner.protocol import ValidateRequest
+
+    spec = ProgramSpec(_ln, (jax.ShapeDtypeStruct((8, 16), jnp.float32),) + (jax.ShapeDtypeStruct((16,), jnp.float32),) * 2)
+    for delay in (0.0, 0.05, 0.2, 0.5, 1.0):
+        runner = ProcessRunner(spec, {"measure": "model"})
+        runner.start()
+        outcome: list = []
+
+        def wait_in_call():
+            try:
+                outcome.append(runner.call(ValidateRequest(_plan(1).to_json())))
+            except RuntimeError as e:  # the trial process died before it was ready
+                outcome.append(e)
+
+        th = threading.Thread(target=wait_in_call)
+        th.start()
+        time.sleep(delay)
+        runner.kill()
+        th.join(30)
+        assert not th.is_alive() and len(outcome) == 1, delay
+        res = outcome[0]
+        assert isinstance(res, RuntimeError) and "failed to start" in str(res) or not res.ok, (delay, res)
+        assert runner._proc is None

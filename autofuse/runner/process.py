@@ -158,26 +158,34 @@ class ProcessRunner:
         self._ready = True
 
     def _recv(self, timeout_s: float) -> Any:
-        """The child's next message; "timeout" or "died" when none comes."""
+        """The child's next message; "timeout" or "died" when none comes (or the process was killed meanwhile)."""
+        src = self._from
+        if src is None:
+            return "died"
         try:
-            if not self._from.poll(timeout_s):
+            if not src.poll(timeout_s):
                 return "timeout"
-            return self._from.recv()
+            return src.recv()
         except (EOFError, OSError):
             return "died"
 
     def _kill(self) -> int | None:
-        code = None
-        if self._proc is not None:
-            self._proc.kill()
-            code = self._proc.wait(10)
-            for c in (self._to, self._from, self._proc.stdin, self._proc.stdout):
-                try:
-                    c.close()
-                except (OSError, AttributeError):
-                    pass
+        """Kill the trial process and forget it. Safe from another thread while one waits in `call` (the selection
+        kills a validation helper mid-validation): the process and its pipes are taken here first, so the waiting
+        call finds them gone ("died") rather than half closed."""
+        proc, conns = self._proc, (self._to, self._from)
         self._proc = self._to = self._from = None
         self._ready = False
+        if proc is None:
+            return None
+        proc.kill()
+        code = proc.wait(10)
+        for c in (*conns, proc.stdin, proc.stdout):
+            try:
+                if c is not None:
+                    c.close()
+            except OSError:
+                pass
         return code
 
     def restart(self) -> None:
@@ -191,10 +199,11 @@ class ProcessRunner:
         self._kill()
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        proc, to = self._proc, self._to
+        if proc is not None and to is not None and proc.poll() is None:
             try:
-                self._to.send(None)
-                self._proc.wait(10)
+                to.send(None)
+                proc.wait(10)
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self._kill()
@@ -210,17 +219,18 @@ class ProcessRunner:
             if self._proc is not None and self._proc.poll() is not None:
                 self._kill()
             self._start()
+        proc, to = self._proc, self._to
         try:
-            self._to.send(req)
-        except OSError:
-            pass  # the child is gone: _recv says so
+            to.send(req)
+        except (OSError, AttributeError):
+            pass  # the child is gone (or was killed meanwhile): _recv says so
         limit = getattr(req, "timeout_s", None) or self.timeout_s  # a batch of compilations brings its own
         resp = self._recv(limit)
         if resp == "timeout":
             self._kill()
             return failed(req, TrialStatus.TIMEOUT, f"no answer within {limit:.0f} s; trial process restarted")
         if resp == "died":
-            code = self._proc.wait(10) if self._proc is not None else None
+            code = proc.wait(10) if proc is not None else None
             self._kill()
             return failed(req, TrialStatus.CRASHED, f"trial process died (exit code {code}); restarted for the next trial")
         return resp

@@ -139,7 +139,8 @@ class Helpers:
                 result = runner.call(ValidateRequest(key))
                 self.validated[key] = gpu
             except Exception as e:  # noqa: BLE001 - the selecting worker validates it itself
-                log.warning("autofuse: validating a plan on GPU %s failed (%s: %s); the selecting worker validates it", gpu, type(e).__name__, e)
+                if not self._closed:  # else it was killed by `close`: nobody waits for it
+                    log.warning("autofuse: validating a plan on GPU %s failed (%s: %s); the selecting worker validates it", gpu, type(e).__name__, e)
             with self._cond:
                 self._running.discard(key)
                 self._results[key] = result
