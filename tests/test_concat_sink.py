@@ -56,21 +56,26 @@ def test_the_gradient_of_a_split_projection_is_a_candidate_with_its_three_reader
     assert cat not in c.group.outputs and len(c.group.outputs) == 3
 
 
-@pytest.mark.parametrize("dtype,accumulate", [(jnp.float32, 0), (jnp.bfloat16, 0), (jnp.bfloat16, 1)])
-def test_the_plan_computes_jax_jits_gradients_without_the_concatenation(dtype, accumulate):
+@pytest.mark.parametrize("dtype,accumulate,contracted", [(jnp.float32, 0, 1), (jnp.bfloat16, 0, 1), (jnp.bfloat16, 1, 1),
+                                                        (jnp.bfloat16, 0, 0)])
+def test_the_plan_computes_jax_jits_gradients_without_the_concatenation(dtype, accumulate, contracted):
     """The weight's gradient (the concatenated axis kept: the parts' products concatenated, [D, 3D], small), the
-    input's (contracted: the parts' dots added) and the bias's (kept: the parts' sums concatenated)."""
+    input's (contracted: the parts' dots added, or with `contracted` = 0 the one dot on the concatenation, written
+    for it alone) and the bias's (kept: the parts' sums concatenated)."""
     fn = jax.grad(qkv_block, argnums=(0, 1, 2))
     args = _args(dtype)
     graph, (c,) = _candidates(fn, args)
-    kernel = TEMPLATES[NAME].build(c.group, {"accumulate": accumulate}, backend="xla_ops", spec=c.spec)
+    config = {"accumulate": accumulate, "contracted": contracted}
+    kernel = TEMPLATES[NAME].build(c.group, config, backend="xla_ops", spec=c.spec)
     ins = [jax.random.normal(jax.random.PRNGKey(i), graph.avals[v].shape).astype(graph.avals[v].dtype) for i, v in enumerate(c.group.inputs)]
-    assert sorted(_concatenations(kernel, ins)) == [(48,), (48, 16)] and not _parts_concatenated(kernel, ins)  # the results
+    made = sorted(_concatenations(kernel, ins))
+    assert made == ([(48,), (48, 16)] if contracted else [(2, 24, 48), (48,), (48, 16)])  # the small results (and dx's operand)
+    assert _parts_concatenated(kernel, ins) == (not contracted)
     for o, r in zip(jax.jit(kernel)(*ins), c.group.evaluate(ins)):
         assert o.shape == r.shape and o.dtype == r.dtype
         ok, _, why = compare(o, r, 2e-2 if dtype == jnp.bfloat16 else 1e-5)
         assert ok, why
-    plan = plan_from_choices(graph, [(c.group, NAME, {"accumulate": accumulate, "backend": "xla_ops"})])
+    plan = plan_from_choices(graph, [(c.group, NAME, {**config, "backend": "xla_ops"})])
     fused = autofuse.jit(fn, plan=plan, on_miss="error")
     outs, refs = fused(*args), jax.jit(fn)(*args)
     assert fused.last_status.startswith("plan: 1 fused group (concat_sink)"), fused.last_status
@@ -144,5 +149,8 @@ def test_the_model_counts_xlas_concatenation_once_per_gemm_and_prefers_the_parts
     (grp, spec, _), = TEMPLATES[NAME].candidate_groups(graph, lambda i: True)
     cat = costmodel.node_time_ms(graph, spec.concat.id)
     readers = sum(costmodel.xla_group_time_ms(type(grp).of(graph, [n.id])) for n in grp.nodes if n.name != "concatenate")
-    assert costmodel.xla_group_time_ms(grp) == pytest.approx(2 * cat + readers)
-    assert TEMPLATES[NAME].model_time_ms(spec, {"accumulate": 0}) < 0.95 * costmodel.xla_group_time_ms(grp)
+    xla = costmodel.xla_group_time_ms(grp)
+    assert xla == pytest.approx(2 * cat + readers)
+    parts, keep_dx = (TEMPLATES[NAME].model_time_ms(spec, {"accumulate": 0, "contracted": k}) for k in (1, 0))
+    assert parts < 0.95 * xla and keep_dx < 0.95 * xla  # both are worth a trial
+    assert parts < keep_dx < parts + cat  # dx's copy of the concatenation, less the K-split's additions

@@ -88,6 +88,7 @@ def closure(graph: Graph, concat: Node, fusible) -> tuple[list[int], frozenset[i
 class ConcatSinkTemplate(Template[ConcatSinkSpec]):
     name = "concat_sink"
     backends = ("xla_ops",)
+    defaults = {"contracted": 1}  # plans stored before the parameter was searched
 
     def match(self, group: Group) -> ConcatSinkSpec | None:
         """A group of one concatenation and all its readers down to sums and dots (`closure`)."""
@@ -126,17 +127,23 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
     def model_time_ms(self, spec: ConcatSinkSpec, config: dict, model: GPUModel = H200) -> float:
         """Each sink run once per part (its operands' parts read, its partial results written), and the partial
         results combined: added (each but the first read once more, as the next GEMM's addend; float32 partials
-        where `accumulate` says so, written and read back) or concatenated (copied)."""
+        where `accumulate` says so, written and read back) or concatenated (copied). With `contracted` = 0 a dot
+        contracting the concatenated axis reads the concatenation, written once for such dots."""
         g = spec.group.graph
         n = len(spec.sizes)
         t = 0.0
+        whole = False  # the concatenation written, for the dots that contract it
         for nd in spec.group.nodes:
             if nd.name not in SINKS:
+                continue
+            if nd.name == "dot_general" and not config.get("contracted", 1) and reduces_the_axis(nd, spec):
+                whole = True
+                t += costmodel.xla_group_time_ms(Group.of(g, [nd.id]), model)
                 continue
             out = g.avals[nd.outputs[0]]
             ins = sum(g.aval(a).nbytes for a in nd.inputs if isinstance(a, int))
             low = all(np.dtype(g.aval(a).dtype).itemsize <= 2 for a in nd.inputs)
-            summed = _reduces_the_axis(nd, spec)
+            summed = reduces_the_axis(nd, spec)
             part_bytes = out.nbytes * (4 / out.dtype.itemsize if summed and config.get("accumulate") else 1.0)
             flops = costmodel.node_flops(g, nd.id)
             factor = costmodel.XLA_FACTOR["matmul"] if nd.name == "dot_general" else 1.0
@@ -144,10 +151,10 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
                      for _ in range(n))
             combine = (2 * n * part_bytes if config.get("accumulate") else (n - 1) * part_bytes) if summed else 2 * out.nbytes
             t += costmodel.kernel_time_ms(combine, 0.0, model)
-        return t
+        return t + (costmodel.node_time_ms(g, spec.concat.id, model) if whole else 0.0)
 
 
-def _reduces_the_axis(node: Node, spec: ConcatSinkSpec) -> bool:
+def reduces_the_axis(node: Node, spec: ConcatSinkSpec) -> bool:
     """Whether a sink sums over the concatenated axis (its parts' results are added) rather than keeping it (they
     are concatenated)."""
     value = next(a for a in node.inputs if isinstance(a, int) and a in spec.pieces)

@@ -9,18 +9,20 @@ import numpy as np
 from jax import lax
 
 from ...graph import Group, Node, bind_node, read_atom
-from ..concat_sink import ConcatSinkSpec
+from ..concat_sink import ConcatSinkSpec, reduces_the_axis
 
-PARAMS = ("accumulate",)
+PARAMS = ("accumulate", "contracted")
 
 
 def default_config(spec: ConcatSinkSpec) -> dict:
-    return {"accumulate": 0}
+    return {"accumulate": 0, "contracted": 1}
 
 
 def check_config(spec: ConcatSinkSpec, cfg: dict) -> None:
     if cfg["accumulate"] not in (0, 1):
         raise NotImplementedError(f"accumulate={cfg['accumulate']} must be 0 (the result's dtype) or 1 (float32)")
+    if cfg["contracted"] not in (0, 1):
+        raise NotImplementedError(f"contracted={cfg['contracted']} must be 0 (read the concatenation) or 1 (the parts)")
 
 
 class Parts(list):
@@ -30,20 +32,28 @@ class Parts(list):
 def lower(group: Group, spec: ConcatSinkSpec, config: dict, *, interpret=False) -> Callable:
     """`interpret` is unused: XLA's operations run wherever XLA does. `accumulate` = 1 adds the partial results of a
     sum over the concatenated axis in float32 (partial dots with float32 products), 0 in the result's own dtype
-    (XLA folds each addition into the next GEMM's output)."""
+    (XLA folds each addition into the next GEMM's output). `contracted` = 0 leaves a dot that contracts the
+    concatenated axis reading the concatenation (written once, for those dots only): K-split GEMMs and their
+    additions may cost more than the copy."""
     axis, sizes = spec.axis, spec.sizes
     starts = np.cumsum((0,) + sizes[:-1]).tolist()
-    wide = bool(config["accumulate"])
+    wide, split_k = bool(config["accumulate"]), bool(config.get("contracted", 1))
 
     def kernel(*ins):
         env = dict(zip(group.inputs, ins))
+        whole: dict[int, object] = {}  # a piece-wise value concatenated, for the dots that read it whole
         for nd in group.nodes:
             args = [read_atom(env, a) for a in nd.inputs]
-            if nd is spec.concat or nd.id == spec.concat.id:
+            if nd.id == spec.concat.id:
                 out = Parts(args)
             elif any(isinstance(x, Parts) for x in args) and nd.name not in ("dot_general", "reduce_sum"):
                 (parts,) = [x for x in args if isinstance(x, Parts)]
                 out = Parts(bind_node(nd, [p if isinstance(x, Parts) else x for x in args])[0] for p in parts)
+            elif nd.name == "dot_general" and not split_k and reduces_the_axis(nd, spec):
+                v = next(a for a in nd.inputs if isinstance(a, int) and a in spec.pieces)
+                if v not in whole:
+                    whole[v] = jnp.concatenate(env[v], axis=axis)
+                out = bind_node(nd, [whole[v] if a == v else x for a, x in zip(nd.inputs, args)])[0]
             elif nd.name == "dot_general":
                 out = _dot(nd, args, axis, starts, sizes, wide)
             else:
