@@ -126,9 +126,10 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
 
     def model_time_ms(self, spec: ConcatSinkSpec, config: dict, model: GPUModel = H200) -> float:
         """Each sink run once per part (its operands' parts read, its partial results written), and the partial
-        results combined: added (each but the first read once more, as the next GEMM's addend; float32 partials
-        where `accumulate` says so, written and read back) or concatenated (copied). With `contracted` = 0 a dot
-        contracting the concatenated axis reads the concatenation, written once for such dots."""
+        results combined: added (a kernel reading each partial and writing the sum: on an H200 the K-split of
+        GPT-2's QKV input gradient cost about what its concatenation did; float32 partials where `accumulate` says
+        so, written and read back) or concatenated (copied). With `contracted` = 0 a dot contracting the
+        concatenated axis reads the concatenation, written once for such dots."""
         g = spec.group.graph
         n = len(spec.sizes)
         t = 0.0
@@ -149,7 +150,7 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
             factor = costmodel.XLA_FACTOR["matmul"] if nd.name == "dot_general" else 1.0
             t += sum(costmodel.kernel_time_ms((ins + (part_bytes if summed else out.nbytes)) / n, flops / n, model, low) * factor
                      for _ in range(n))
-            combine = (2 * n * part_bytes if config.get("accumulate") else (n - 1) * part_bytes) if summed else 2 * out.nbytes
+            combine = ((n + 1) + (n if config.get("accumulate") else 0)) * part_bytes if summed else 2 * out.nbytes
             t += costmodel.kernel_time_ms(combine, 0.0, model)
         return t + (costmodel.node_time_ms(g, spec.concat.id, model) if whole else 0.0)
 
