@@ -84,3 +84,13 @@ def test_the_composition_profiles_alone_savings_sum_each_groups_instances() -> N
     cands = [NS(signature="a", xla_ms=3.0, best_ms=1.0), NS(signature="b", xla_ms=1.0, best_ms=None)]
     groups = tuple(FusedGroup((n,), "matmul", {}, sig) for n, sig in enumerate("aabc"))
     assert alone_savings(NS(candidates=cands, plan=Plan("fp", groups))) == {"a": 4.0, "b": 0.0, "c": 0.0}
+
+
+@pytest.mark.slow  # a benchmark's smoke run, not the quick subset's
+def test_the_concat_sink_probe_checks_and_times_every_config(capsys) -> None:
+    """`kernels concat-sink` at the CPU-sized GPT-2: one row per config, each checked against jax.jit."""
+    from benchmarks import concat_sink_probe
+
+    concat_sink_probe.main(["--small", "--repeats", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| accumulate=")]
+    assert len(rows) == len(concat_sink_probe.CONFIGS) and all("| ok (" in r for r in rows)
