@@ -146,6 +146,12 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
                          f"{p.get('seconds', 0):.2f}"
                          + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else "")
                          + (f"; why: {p['error']}" if p.get("error") else "") + (f"; on GPU {p['gpu']}" if p.get("gpu") else ""))
+        for c in sel.get("comparisons") or []:
+            if isinstance(c, dict):
+                lines.append(f"  close call: a plan of {plural(c.get('second') or 0, 'group')} against one of {c.get('first')}, timed "
+                             f"against each other: " + (f"ratio {c['ratio']:.4f} ({c['q1']:.4f}..{c['q3']:.4f}) over {c.get('pairs')} pairs, "
+                                                        if isinstance(c.get("ratio"), (int, float)) else f"{c.get('status')}: {c.get('error')}, ")
+                             + f"kept the {'later' if c.get('kept') == 'second' else 'earlier'}")
     return lines
 
 

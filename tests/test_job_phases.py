@@ -143,11 +143,16 @@ class _ScriptedRunner:
         self.speedup_by_groups, self.events = speedup_by_groups, events
 
     def call(self, req):
-        from autofuse.runner.protocol import CompileResult, Timing, ValidationResult
+        from autofuse.runner.protocol import CompareRequest, ComparisonResult, CompileResult, Timing, ValidationResult
 
         if isinstance(req, CompileRequest):
             self.events.append(("compile", tuple(len(Plan.from_json(it.plan_json).groups) for it in req.items)))
             return CompileResult(TrialStatus.OK, len(req.items), 0, 0.0)
+        if isinstance(req, CompareRequest):  # head to head: the speedups' ratio, within half a percent either way
+            n1, n2 = (len(Plan.from_json(j).groups) for j in (req.first_json, req.second_json))
+            self.events.append(("compare", n1, n2))
+            r = self.speedup_by_groups[n1] / self.speedup_by_groups[n2]
+            return ComparisonResult(TrialStatus.OK, ratio=Timing(r, r, r, r * 0.995, r * 1.005, 1, 16))
         n = len(Plan.from_json(req.plan_json).groups)
         self.events.append(("validate", n))
         s = self.speedup_by_groups[n]
@@ -165,7 +170,8 @@ def _four_group_plan():
 
 
 @pytest.mark.parametrize("speedups, kept_groups, early_groups", [
-    ({4: 1.5, 2: 1.505, 1: 1.2, 3: 1.49}, 4, 4),  # no other plan faster beyond noise (0.5%): the chosen plan, stored early, kept
+    ({4: 1.5, 2: 1.505, 1: 1.2, 3: 1.49}, 4, 4),  # no other plan faster beyond noise (0.5%), nor head to head (within
+                                                  # half a percent): the chosen plan, stored early, kept
     ({4: 1.5, 2: 2.0, 1: 1.2, 3: 1.9}, 2, 4),    # one group's plan in context faster beyond noise replaces it
     ({4: None, 2: 1.3, 1: 1.2, 3: 1.35}, 3, 2),  # the chosen plan is wrong: the first that passes is stored early, the
                                                  # plan of the groups that saved time in context replaces it
@@ -197,6 +203,8 @@ def test_the_first_plan_that_passes_is_handed_over_before_the_groups_in_context_
     assert events.index(("compile", (2, 1))) > events.index(("validate", 4))  # the groups in context compiled after the chosen one's check
     assert events[-2:] == [("compile", (3,)), ("validate", 3)]  # the two groups that saved time in context, together
     assert (report is early[0]) == (kept_groups == early_groups)  # the job stores the kept plan once
+    compared = [e for e in events if e[0] == "compare"]
+    assert compared == ([("compare", 4, 2)] if speedups[2] == 1.505 else [])  # the close call, timed head to head
     assert report.speedup == pytest.approx(speedups[kept_groups])
     if kept_groups != 4:  # here every plan's groups are some of the chosen plan's
         assert report.plan.provenance["reason"].startswith(f"smaller plan kept ({kept_groups} of 4 groups): the chosen plan")

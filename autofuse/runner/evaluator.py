@@ -23,8 +23,8 @@ from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
-from .protocol import (CompileRequest, CompileResult, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
-                       XlaRequest)
+from .protocol import (CompareRequest, CompileRequest, CompileResult, ComparisonResult, Request, Result, Timing, TrialRequest, TrialResult,
+                       ValidateRequest, ValidationResult, XlaRequest)
 
 #: How long one timed batch of a candidate's calls lasts (XLA's group or a kernel config; the median of `repeats`
 #: batches is its time). 10 ms is tens of calls of a typical group, enough for a stable median, and keeps a
@@ -33,6 +33,9 @@ from .protocol import (CompileRequest, CompileResult, Request, Result, Timing, T
 CANDIDATE_BATCH_MS = 10.0
 #: About how long a whole plan's timing against jax.jit may take: 20 pairs of a small program, 8 of a whole model.
 VALIDATION_TIMING_MS = 3000.0
+#: Two validated plans timed against each other (`CompareRequest`): at least this many pairs, about this long.
+COMPARE_PAIRS, COMPARE_TIMING_MS = 16, 12000.0
+HELD_PLANS = 3  # validated plans kept compiled for a comparison (their code only: no buffers are held)
 
 
 def classify_compile_error(e: BaseException) -> TrialStatus:
@@ -66,6 +69,7 @@ class Evaluator:
         self._views: dict[tuple, InProgram] = {}
         self._ahead: dict[tuple, Callable] = {}  # kernels compiled ahead (`compile_ahead`), taken by their trial
         self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
+        self._held: dict[str, Callable] = {}  # the last validated plans, compiled, for a comparison (`compare`)
         self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job (perhaps ahead)
         self._check: ProgramCheck | None = None  # judging plans against it, its spreads measured once per job, not per plan
         self.device = device_label()  # recorded on every result: which device of which worker ran it
@@ -85,6 +89,8 @@ class Evaluator:
                 if classify_compile_error(e) is not TrialStatus.RESOURCE_EXHAUSTED:
                     raise
                 return ValidationResult(TrialStatus.RESOURCE_EXHAUSTED, error=_short(e))
+        if isinstance(req, CompareRequest):
+            return self.compare(req.first_json, req.second_json)
         raise TypeError(f"unknown request {req!r}")
 
     # helpers ---------------------------------------------------------------
@@ -304,8 +310,40 @@ class Evaluator:
         base, plan_t, ratio = time_pair(judge.ref, fused, self._input_sets(judge.avals), repeats=2 * self.repeats,
                                         budget_ms=VALIDATION_TIMING_MS)
         secs["time"] = time.perf_counter() - t4
+        self._hold(key or plan.to_json(), fused)
         return ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, base, plan_t, ratio,
                                 seconds=secs, **memory)
+
+
+    def _hold(self, key: str, fused: Callable) -> None:
+        self._held.pop(key, None)
+        self._held[key] = fused
+        while len(self._held) > HELD_PLANS:
+            self._held.pop(next(iter(self._held)))
+
+    def compare(self, first_json: str, second_json: str) -> ComparisonResult:
+        """Two whole plans, validated before (here or on another GPU), timed against each other in alternation: at
+        least COMPARE_PAIRS pairs, about COMPARE_TIMING_MS. Compiled again where not held (the persistent
+        compilation cache has them). Their correctness is their validations'."""
+        if self.measure == "model":
+            return ComparisonResult(TrialStatus.OK)
+        secs: dict[str, float] = {}
+        t0 = time.perf_counter()
+        fns = []
+        try:
+            for key in (first_json, second_json):
+                fns.append(self._held.get(key) or self._compile_plan(Plan.from_json(key)))
+                self._hold(key, fns[-1])
+        except Exception as e:  # noqa: BLE001 - a plan that no longer compiles here: no comparison
+            return ComparisonResult(classify_compile_error(e), error=_short(e))
+        secs["compile"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._sets.clear()
+        avals = [self.graph.avals[v] for v in self.graph.inputs]
+        first, second, ratio = time_pair(fns[0], fns[1], self._input_sets(avals), repeats=3 * COMPARE_PAIRS, min_repeats=COMPARE_PAIRS,
+                                         budget_ms=COMPARE_TIMING_MS)
+        secs["time"] = time.perf_counter() - t1
+        return ComparisonResult(TrialStatus.OK, first, second, ratio, seconds=secs)
 
 
 def peak_bytes(compiled: Any) -> int | None:

@@ -19,6 +19,7 @@ from .select import disjoint_savings
 
 
 MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whatever the measured spread
+MAX_COMPARISONS = 2  # close calls between a later plan and the fastest so far, decided by timing the two against each other
 REALISED_ENOUGH = 0.8  # a chosen plan that keeps this share of its savings alone is not taken apart again (`extend`)
 MAX_IN_CONTEXT = 5  # distinct groups, the largest savings alone first, each validated as a plan of its own on the GPU
 
