@@ -15,16 +15,7 @@ from autofuse.status import TrialStatus
 from autofuse.tables import format_phases
 from tests.quick import slow_except
 from tests.test_concat_sink import NAME, _args, _candidates, qkv_block
-
-
-def _ln(x, g, b):
-    xf = x.astype(jnp.float32)
-    mu = xf.mean(-1, keepdims=True)
-    return (xf - mu) * jax.lax.rsqrt(((xf - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
-
-
-def _head(y, c):
-    return jnp.log1p(jax.nn.relu(y + c))
+from tests.test_helpers import TWO_PARTS_ARGS, two_parts
 
 
 def _timing(v: float, spread: float = 0.0) -> Timing:
@@ -34,15 +25,9 @@ def _timing(v: float, spread: float = 0.0) -> Timing:
 @pytest.fixture(scope="module")
 def tuned():
     """A two-group program tuned on the model, and its graph."""
-    def two_parts(x, g, b, y, c):
-        return _ln(x, g, b), _head(y, c)
-
-    f32 = jnp.float32
-    args = (jax.ShapeDtypeStruct((512, 1024), f32), jax.ShapeDtypeStruct((1024,), f32), jax.ShapeDtypeStruct((1024,), f32),
-            jax.ShapeDtypeStruct((512, 4096), f32), jax.ShapeDtypeStruct((4096,), f32))
-    rep = autofuse.tune(two_parts, *args, trials=30, seed=0, quiet=True, store=False, isolate=False)
+    rep = autofuse.tune(two_parts, *TWO_PARTS_ARGS, trials=30, seed=0, quiet=True, store=False, isolate=False)
     assert len({g.signature for g in rep.plan.groups}) == 2
-    return rep, autofuse.capture(two_parts, *args)
+    return rep, autofuse.capture(two_parts, *TWO_PARTS_ARGS)
 
 
 @pytest.mark.parametrize("head_to_head", slow_except([0.97, 1.01], "0.97"))

@@ -127,6 +127,16 @@ def _head(y, c):
     return jnp.log1p(jax.nn.relu(y + c))
 
 
+def two_parts(x, g, b, y, c):
+    """Two independent groups: a layer norm and a head."""
+    return _ln(x, g, b), _head(y, c)
+
+
+TWO_PARTS_ARGS = (jax.ShapeDtypeStruct((512, 1024), jnp.float32), jax.ShapeDtypeStruct((1024,), jnp.float32),
+                  jax.ShapeDtypeStruct((1024,), jnp.float32), jax.ShapeDtypeStruct((512, 4096), jnp.float32),
+                  jax.ShapeDtypeStruct((4096,), jnp.float32))
+
+
 @pytest.mark.slow  # a tuning job (model mode) and its selection, twice
 def test_the_selection_with_helpers_keeps_what_it_keeps_alone() -> None:
     """GPU validation of a chosen plan that lost its savings in the program (its groups then each judged in the
@@ -136,12 +146,7 @@ def test_the_selection_with_helpers_keeps_what_it_keeps_alone() -> None:
     from autofuse.tuning.select import Cover
     from autofuse.tuning.validate import validate
 
-    def two_parts(x, g, b, y, c):
-        return _ln(x, g, b), _head(y, c)
-
-    f32 = jnp.float32
-    args = (jax.ShapeDtypeStruct((512, 1024), f32), jax.ShapeDtypeStruct((1024,), f32), jax.ShapeDtypeStruct((1024,), f32),
-            jax.ShapeDtypeStruct((512, 4096), f32), jax.ShapeDtypeStruct((4096,), f32))
+    args = TWO_PARTS_ARGS
     rep = autofuse.tune(two_parts, *args, trials=30, seed=0, quiet=True, store=False, isolate=False)
     assert len({g.signature for g in rep.plan.groups}) == 2
     a, b = sorted({g.signature for g in rep.plan.groups})

@@ -96,8 +96,8 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
         cats = [n for n in group.nodes if n.name == "concatenate"]
         if len(cats) != 1 or not all(isinstance(a, int) for a in cats[0].inputs) or len(cats[0].inputs) < 2:
             return None
-        cat = cats[0]
-        found = closure(g, cat, lambda i: i in set(group.node_ids))
+        cat, members = cats[0], set(group.node_ids)
+        found = closure(g, cat, members.__contains__)
         if found is None or tuple(found[0]) != tuple(group.node_ids) or not set(group.outputs).isdisjoint(found[1]):
             return None
         if not any(n.name in SINKS for n in group.nodes):

@@ -314,8 +314,8 @@ class Evaluator:
         return ValidationResult(status, verdict.max_error, res.tolerance, error, verdict.sensitivity, verdict.examples, base, plan_t, ratio,
                                 seconds=secs, **memory)
 
-
     def _hold(self, key: str, fused: Callable) -> None:
+        """Keep a validated plan compiled for a comparison (the last HELD_PLANS of them)."""
         self._held.pop(key, None)
         self._held[key] = fused
         while len(self._held) > HELD_PLANS:

@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ...graph import Group, Node, bind_node, read_atom
-from ..concat_sink import ConcatSinkSpec, reduces_the_axis
+from ..concat_sink import SINKS, ConcatSinkSpec, reduces_the_axis
 
 PARAMS = ("accumulate", "contracted")
 
@@ -48,7 +48,7 @@ def lower(group: Group, spec: ConcatSinkSpec, config: dict, *, interpret=False) 
             args = [read_atom(env, a) for a in nd.inputs]
             if nd.id == spec.concat.id:
                 out = Parts(args)
-            elif any(isinstance(x, Parts) for x in args) and nd.name not in ("dot_general", "reduce_sum"):
+            elif any(isinstance(x, Parts) for x in args) and nd.name not in SINKS:  # an elementwise op of the parts
                 (parts,) = [x for x in args if isinstance(x, Parts)]
                 out = Parts(bind_node(nd, [p if isinstance(x, Parts) else x for x in args])[0] for p in parts)
             elif nd.name == "dot_general" and not split_k and reduces_the_axis(nd, spec):
