@@ -10,7 +10,7 @@ option, and is ordered as one unit per stage (each convex, in order).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -79,9 +79,12 @@ def select_cover(graph: Graph, options: Sequence[Option], node_cost: dict[int, f
     raise RuntimeError("cover selection: too many cyclic covers")
 
 
-def single_node_costs(graph: Graph, model: costmodel.GPUModel) -> dict[int, float]:
-    """Cost of a node left alone in XLA: unfused for fusible nodes; opaque nodes always run in XLA (cost 0)."""
-    return {n.id: costmodel.node_time_ms(graph, n.id, model) if is_fusible(graph, n.id) else 0.0 for n in graph.nodes}
+def single_node_costs(graph: Graph, model: costmodel.GPUModel, covered: Collection[int] = frozenset()) -> dict[int, float]:
+    """Cost of a node left alone in XLA: unfused for fusible nodes. An opaque node costs every cover alike (0), but
+    one that some candidate's group takes (`covered`: a split written by its GEMM's epilogue, a concatenation read in
+    parts) costs what XLA spends on it, which that group saves: priced at 0, GPT-2's QKV split (three slice copies,
+    0.065 ms a layer on an H200) lost every cover to XLA's GEMM beside a free split."""
+    return {n.id: costmodel.node_time_ms(graph, n.id, model) if is_fusible(graph, n.id) or n.id in covered else 0.0 for n in graph.nodes}
 
 
 def model_cost_ms(cand: Candidate, model: costmodel.GPUModel = costmodel.H200, config: dict | None = None) -> float:
@@ -93,7 +96,7 @@ def default_plan(graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> Pl
     """A plan from default configs and modelled costs (no measurement)."""
     cands = enumerate_candidates(graph)
     options = [Option(c.nodes, model_cost_ms(c, model), c, c.stages) for c in cands]
-    chosen = select_cover(graph, options, single_node_costs(graph, model))
+    chosen = select_cover(graph, options, single_node_costs(graph, model, {n for c in cands for n in c.nodes}))
     choices = [(o.label.group, o.label.template, TEMPLATES[o.label.template].default_config(o.label.spec), o.label.stages) for o in chosen]
     return plan_from_choices(graph, choices, {"measure": "default", "model": model.name})
 
@@ -201,7 +204,8 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
                 xla_only.append(o)
             if r.best_ms is not None:
                 options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config), c.stages))
-    singles = {**single_node_costs(graph, model), **(measured_singles or {})}
+    covered = {n for group in by_sig.values() for c in group for n in c.nodes}
+    singles = {**single_node_costs(graph, model, covered), **(measured_singles or {})}
 
     def cost(chosen: list[Option]) -> float:
         covered = {i for o in chosen for i in o.nodes}
