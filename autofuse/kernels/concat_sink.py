@@ -14,6 +14,7 @@ tuner times it against the group as written, in the program, like any kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import numpy as np
 
@@ -43,16 +44,20 @@ def _piecewise(node: Node, pieces: set[int], graph: Graph) -> bool:
     return len(ins) == 1 and ins[0] in pieces and all(graph.aval(a).size == 1 for a in node.inputs if not isinstance(a, int))
 
 
+def piece_side(node: Node, pieces: Collection[int]) -> int | None:
+    """Which operand of a dot is held in parts (0 or 1); None where neither or both are."""
+    sides = [i for i, a in enumerate(node.inputs) if isinstance(a, int) and a in pieces]
+    return sides[0] if len(sides) == 1 else None
+
+
 def _sink_axis_ok(node: Node, pieces: set[int], axis: int) -> bool:
     """A reader that takes the parts: a sum, or a dot of one piece-wise operand where the concatenated axis is not a
     batch axis."""
     if node.name == "reduce_sum":
         return True
-    sides = [i for i, a in enumerate(node.inputs) if isinstance(a, int) and a in pieces]
-    if len(sides) != 1:
-        return False
+    side = piece_side(node, pieces)
     _, batch = node.params["dimension_numbers"]
-    return axis not in batch[sides[0]]
+    return side is not None and axis not in batch[side]
 
 
 def closure(graph: Graph, concat: Node, fusible) -> tuple[list[int], frozenset[int]] | None:
@@ -158,11 +163,10 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
 def reduces_the_axis(node: Node, spec: ConcatSinkSpec) -> bool:
     """Whether a sink sums over the concatenated axis (its parts' results are added) rather than keeping it (they
     are concatenated)."""
-    value = next(a for a in node.inputs if isinstance(a, int) and a in spec.pieces)
     if node.name == "reduce_sum":
         return spec.axis in node.params["axes"]
-    (lc, rc), _ = node.params["dimension_numbers"]
-    return spec.axis in ((lc, rc)[0 if node.inputs[0] == value else 1])
+    contract, _ = node.params["dimension_numbers"]
+    return spec.axis in contract[piece_side(node, spec.pieces)]
 
 
 TEMPLATE = ConcatSinkTemplate()

@@ -204,8 +204,8 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
                 xla_only.append(o)
             if r.best_ms is not None:
                 options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config), c.stages))
-    covered = {n for group in by_sig.values() for c in group for n in c.nodes}
-    singles = {**single_node_costs(graph, model, covered), **(measured_singles or {})}
+    takeable = {n for group in by_sig.values() for c in group for n in c.nodes}  # nodes some candidate's group holds
+    singles = {**single_node_costs(graph, model, takeable), **(measured_singles or {})}
 
     def cost(chosen: list[Option]) -> float:
         covered = {i for o in chosen for i in o.nodes}
