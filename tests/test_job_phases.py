@@ -352,3 +352,38 @@ def test_rivals_are_judged_only_where_the_chosen_plan_lost_its_savings_in_the_pr
                         "device", "p", [], 4, 0.0, savings=Savings())
     assert (("validate", 3) in events) is rivals_judged
     assert len(report.plan.groups) == (3 if rivals_judged else 4)  # the rival, faster beyond noise, is kept where judged
+
+
+def test_the_selection_is_recorded_as_each_plan_is_judged_so_a_killed_job_keeps_it(monkeypatch, tmp_path):
+    """The selection's record grows in the store after every plan validated and every close call (a job killed in
+    its selection, as a 170 s limit cut GPT-2's forward while it timed a close call, kept nothing of it before):
+    each write holds one more plan than the last, with its savings beside it, and the last write is the whole
+    record; a replacing mark overwrites what an earlier one wrote, a plain mark keeps the first."""
+    import copy
+
+    from autofuse.tuning import validate as V
+    from autofuse.tuning.job import PhaseMarks, open_run
+    from autofuse.tuning.select import Cover
+
+    plan = _four_group_plan()
+    monkeypatch.setattr(V, "group_plans", lambda p, alt, alone: [Plan(p.fingerprint, p.groups[:2], {}), Plan(p.fingerprint, p.groups[3:], {})])
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    pstore, run_id, _ = open_run(f"sqlite:///{tmp_path}/p.db", graph, "p", "device", 4, None, 0, None)
+    marks = PhaseMarks(pstore, run_id)
+    written: list[dict] = []
+
+    def on_timings(t: dict) -> None:
+        written.append(copy.deepcopy(t))
+        marks("selection", value=t, replace=True)
+        assert pstore.get_run(run_id)["phases"]["selection"] == written[-1]  # in the store at once
+
+    timings: dict = {}
+    V.validate(graph, Cover(plan, 10.0, 5.0), _ScriptedRunner({4: 1.5, 2: 1.505, 1: 1.2, 3: 1.49}, []), "device", "p", [], 4, 0.0,
+               timings=timings, on_timings=on_timings)
+    plans = [len(w.get("plans", [])) for w in written]
+    assert plans[0] == 1 and plans[-1] == len(timings["plans"]) == 4, plans  # the chosen plan, two alone, the ones that saved
+    assert all(len(w["plans"]) == len(w["composition"]) for w in written)  # each plan's savings written with it
+    assert sum(1 for a, b in zip(written, written[1:]) if len(b["plans"]) == len(a["plans"])) == len(timings["comparisons"]) == 1
+    assert written[-1] == timings
+    marks("selection", value={"check": 1.0})
+    assert pstore.get_run(run_id)["phases"]["selection"] == timings  # without `replace`, the first mark stays

@@ -335,16 +335,19 @@ class PhaseMarks:
     """When each phase of a run ended, in its store (`PlanStore.mark_phase`: seconds from the run's start, shown by
     ``autofuse show run``); nothing without a store. Run-level marks: start (the job's own start, before the run
     row), setup, xla, trials, first_plan (the first validated plan stored), selected, saved; `worker` marks go under
-    that worker. A mark that cannot be written is logged, never fails the job."""
+    that worker. A mark that cannot be written is logged, never fails the job. `replace`: this mark is rewritten as it
+    grows (the selection's parts, recorded after each plan it validates), whoever wrote it before."""
 
     def __init__(self, pstore: Any, run_id: int | None, *, keep_first: bool = True):
         self.pstore, self.run_id, self.keep_first = pstore, run_id, keep_first
 
-    def __call__(self, name: str, *, at: float | None = None, value: Any = None, worker: str | None = None) -> None:
+    def __call__(self, name: str, *, at: float | None = None, value: Any = None, worker: str | None = None,
+                 replace: bool = False) -> None:
         if self.pstore is None or self.run_id is None:
             return
         try:
-            self.pstore.mark_phase(self.run_id, name, worker=worker, at=at, value=value, keep_first=self.keep_first and worker is None)
+            self.pstore.mark_phase(self.run_id, name, worker=worker, at=at, value=value,
+                                   keep_first=self.keep_first and worker is None and not replace)
         except Exception as e:  # noqa: BLE001 - a mark is for people reading the run later, never a reason to stop
             log.warning("autofuse: could not record phase %s of run %s: %s: %s", name, self.run_id, type(e).__name__, e)
 

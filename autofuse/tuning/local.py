@@ -176,9 +176,9 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
                           say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings,
                           on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")),
-                          max_memory_bytes=job.max_memory_bytes)
+                          max_memory_bytes=job.max_memory_bytes, on_timings=lambda t: marks("selection", value=t, replace=True))
         marks("selected")
-        marks("selection", value=timings)
+        marks("selection", value=timings, replace=True)
         report.wall_s = clock() - t_start
         status = "finished"
     except KeyboardInterrupt:

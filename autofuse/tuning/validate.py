@@ -79,14 +79,17 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
              model: costmodel.GPUModel, ledger: Ledger, name: str, n_trials: int, t_start: float,
              say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
-             max_memory_bytes: int | None = None, helpers: Helpers | None = None) -> TuneReport:
+             max_memory_bytes: int | None = None, helpers: Helpers | None = None,
+             on_timings: Callable[[dict], None] | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
     `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
     `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
     references; the plans to validate with the whole program's reference). `timings` receives where the time went
     (seconds: check, singles, cover, validate, and per plan validated its parts). `on_passed` hears the report of
     the first plan that passes on the GPU, before the others are validated (the job stores it at once). `helpers`:
-    trial processes on this host's other GPUs that validate the plans judged after the chosen one (`Helpers`)."""
+    trial processes on this host's other GPUs that validate the plans judged after the chosen one (`Helpers`).
+    `on_timings` hears `timings` as they grow (after the cover, each plan validated, each close call): the job
+    records them as they come, so that a job killed in its selection keeps what the selection learned."""
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
@@ -115,9 +118,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     savings = Savings(graph, by_sig, cands, model) if measure == "device" else None
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
+    if on_timings is not None:
+        on_timings(timings)
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                       timings=timings, on_passed=on_passed, alternative=savings.plan() if savings else None,
-                      max_memory_bytes=max_memory_bytes, savings=savings, helpers=helpers)
+                      max_memory_bytes=max_memory_bytes, savings=savings, helpers=helpers, on_timings=on_timings)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     return report
 
@@ -142,7 +147,8 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
              t_start: float, phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
              alternative: Plan | None = None, max_memory_bytes: int | None = None,
-             savings: Savings | None = None, helpers: Helpers | None = None) -> TuneReport:
+             savings: Savings | None = None, helpers: Helpers | None = None,
+             on_timings: Callable[[dict], None] | None = None) -> TuneReport:
     """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
@@ -159,7 +165,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                            timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
-                           savings=savings, helpers=helpers)
+                           savings=savings, helpers=helpers, on_timings=on_timings)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned = cover.baseline_ms, cover.tuned_ms
@@ -190,7 +196,8 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
 def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[CandidateState], n_trials: int, t_start: float,
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
                 on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
-                max_memory_bytes: int | None, savings: Savings | None = None, helpers: Helpers | None = None) -> TuneReport:
+                max_memory_bytes: int | None, savings: Savings | None = None, helpers: Helpers | None = None,
+                on_timings: Callable[[dict], None] | None = None) -> TuneReport:
     """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
     time in the program together (see `validate`).
 
@@ -211,6 +218,10 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
     state = {"restarted": False, "compared": 0}
     plans_t = [] if timings is None else timings.setdefault("plans", [])
 
+    def recorded() -> None:
+        if on_timings is not None and timings is not None:
+            on_timings(timings)
+
     def closer_look(best: Measured, m: Measured, k: int, n: int) -> Measured:
         """`m` beat the fastest plan so far, but within the noise of their timings against jax.jit (8 pairs of a 100
         ms step: ±1.4%, where GPT-2's step rejected a plan that saved 0.9 ms more): the two timed against each
@@ -224,6 +235,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
                 {"first": len(best.plan.groups), "second": len(m.plan.groups), "status": c.status.value, "kept": "second" if c.second_faster else "first",
                  **({"ratio": round(r.median_ms, 4), "q1": round(r.q1_ms, 4), "q3": round(r.q3_ms, 4), "pairs": r.repeats} if r else {}),
                  **{k2: round(v, 3) for k2, v in c.seconds.items()}, **({"error": c.error} if c.error else {})})
+            recorded()
         if c.second_faster:
             notes.append(f"{m.what}: faster than the plan before it in {c.ratio.repeats} alternating pairs "
                          f"(ratio {c.ratio.median_ms:.4f}, quartiles {c.ratio.q1_ms:.4f}..{c.ratio.q3_ms:.4f})")
@@ -262,6 +274,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         measured.append(m)
         if timings is not None:
             timings.setdefault("composition", []).append(m.record())
+            recorded()
         if not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
             notes.append(f"{what}, {plural(len(cand.groups), 'group')}: validation failed: {v.status}: {v.error}")

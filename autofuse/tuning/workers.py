@@ -554,9 +554,10 @@ class _Worker:
         report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
                           run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings,
                           on_passed=lambda first: (saver.early(first), marks("first_plan")),
-                          max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"), helpers=helpers)
+                          max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"), helpers=helpers,
+                          on_timings=lambda t: marks("selection", value=t, replace=True))
         marks("selected")
-        marks("selection", value=timings)
+        marks("selection", value=timings, replace=True)
         saver.final(report)
         marks("saved")
 
