@@ -70,6 +70,10 @@ def dgrad_gelu_dbias(dz, w, h):  # the same with the up-projection bias's gradie
     return dy, jnp.sum(dy.astype(jnp.float32), axis=0)
 
 
+def swiglu(h, w_gate, w_up):  # Llama's MLP before its down-projection: two GEMMs of one A meeting in the epilogue
+    return jax.nn.silu(h @ w_gate) * (h @ w_up)
+
+
 def attention(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
@@ -102,6 +106,7 @@ WORKLOADS = {
     "ce-16384x1024x50257": (cross_entropy_rows, [(16384, 1024), (50257, 1024), (16384,)]),
     "dgrad-gelu-16384x1024x4096": (dgrad_gelu, [(16384, 1024), (4096, 1024), (16384, 4096)]),
     "dgrad-gelu-dbias-16384x1024x4096": (dgrad_gelu_dbias, [(16384, 1024), (4096, 1024), (16384, 4096)]),
+    "swiglu-8192x2048x8192": (swiglu, [(8192, 2048), (2048, 8192), (2048, 8192)]),  # Llama 3.2 1B, B4 S2048
 }
 INT_ARGS = {"ce-16384x1024x50257": (2,)}  # argument positions that are int32 (targets)
 MOSAIC = {"matmul": [
@@ -121,6 +126,15 @@ MOSAIC = {"matmul": [
     {"cluster": 1},
     {"cluster": 2},
     {"cluster": 1, "wg_dimension": 1},
+], "dual": [  # two [block_m, block_n] float32 accumulators per warpgroup: at most 128 x 64 each
+    {},  # the lowering's default: 64 x 128 per warpgroup, the two along M (CTA 128 x 128)
+    {"block_m": 128, "block_n": 64, "wg_dimension": 1},  # CTA 128 x 128, the warpgroups side by side along N
+    {"block_m": 128, "block_n": 64},  # CTA 256 x 64
+    {"wg_dimension": 1},  # CTA 64 x 256
+    {"block_k": 64, "max_concurrent_steps": 4},
+    {"block_k": 64, "max_concurrent_steps": 3},
+    {"grid_tile_width": 16},
+    {"grid_minor_dim": 0},
 ], "groupnorm": [  # epi_tile_n is the segment (128) in every one: one epilogue piece per segment
     {},  # the lowering's default: 2 x [128, 128] warpgroup tiles along M, 3-deep ring of 64-column K steps
     {"block_m": 64, "wg_dimension": 1},  # CTA 64 x 256: half the accumulator registers per thread (64), 4 stages fit
@@ -188,14 +202,16 @@ def main(argv=None) -> int:
             continue
         graph, cand = _group(fn, arg_specs(name, shapes, DTYPES.get(name, BF16)))
         tmpl = TEMPLATES[cand.template]
-        kind = "groupnorm" if cand.template == "matmul" and cand.spec.seg else cand.template  # the configs to try
+        kind = cand.template  # the configs to try
+        if cand.template == "matmul":
+            kind = "groupnorm" if cand.spec.seg else "dual" if cand.spec.dot2 is not None else kind
         g = cand.group
         avals = g.input_avals()
         sets = [random_inputs(avals, 100 + k) for k in range(3)]
         ref = jax.jit(lambda *xs: g.evaluate(xs))
         tol = cone_tolerances(graph, g.node_ids, g.outputs)
         if cand.template in ("matmul", "matmul_reduce"):
-            flops = 2.0 * cand.spec.M * cand.spec.N * cand.spec.K
+            flops = 2.0 * cand.spec.M * cand.spec.N * cand.spec.K * (2 if getattr(cand.spec, "dot2", None) is not None else 1)
         else:
             B, H, L, D = shapes[0]
             flops = 4.0 * B * H * L * L * D * (0.5 if fn is attention_causal else 1.0)
@@ -227,11 +243,12 @@ def main(argv=None) -> int:
                 continue
             k = tmpl.build(g, full, backend="mosaic_gpu", spec=cand.spec)
             measure(f"mosaic {json.dumps(cfg)}", jax.jit(lambda *xs, k=k: k(*xs)), full)
-            if not cfg and kind == "matmul" and len(g.nodes) > 1:  # the same kernel with the exact transcendentals
+            if not cfg and kind in ("matmul", "dual") and len(g.nodes) > 1:  # the same kernel with the exact transcendentals
                 k = mosaic_matmul.lower(g, cand.spec, full, approx_math=False)
                 measure("mosaic {} exact math", jax.jit(lambda *xs, k=k: k(*xs)), full)
-        triton_cfgs = TRITON_F32[kind] if name in DTYPES else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}])
-        for tcfg in triton_cfgs if not tmpl.unsupported(cand.spec, "triton") else []:
+        triton_cfgs = ([] if tmpl.unsupported(cand.spec, "triton") else TRITON_F32[kind] if name in DTYPES
+                       else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}]))
+        for tcfg in triton_cfgs:
             k = tmpl.build(g, tcfg, spec=cand.spec)
             measure(f"triton {json.dumps(tcfg)}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))

@@ -33,6 +33,11 @@ and values): `MatmulSpec.windows`, each part written as its own array by the til
 such a product into three copies (cuDNN attention reads each contiguous: 1.5 ms of GPT-2 medium's forward on an
 H200); the kernel writes them where the program reads them.
 
+Two dots may share their A operand and meet in one epilogue (a dual GEMM: SwiGLU's `silu(h @ W_gate) * (h @ W_up)`,
+GeGLU): `MatmulSpec.b2`/`dot2`, both products accumulated from the same A tiles and combined before anything is
+written. XLA writes both [M, N] products and reads them back for the combine; the kernel reads A once and writes
+only the combination. The two B operands have the same shape and layout.
+
 An epilogue may also reduce over segments of a product row (GroupNorm: a reshape of [..., N] into
 [..., G, N / G], reductions over the last axis, broadcasts back, a reshape back): `passes.split_columns` rewrites
 it so that every value carrying the product's columns carries them as [G, seg] (seg = N / G), and
@@ -83,6 +88,13 @@ class MatmulSpec:
     round_product: bool = False  # the epilogue reads the product rounded to the dot's dtype (not the float32 accumulator)
     exact_f32: bool = False  # a float32 dot at precision=HIGHEST: three-pass TF32 (Triton), not TF32
     windows: dict = field(default_factory=dict)  # a split value -> ((part, first column, columns), ...) along N
+    dot2: Node | None = None  # a second dot of the same A (a dual GEMM), its B `b2` laid out as `b`
+    b2: int | None = None
+
+    @property
+    def products(self) -> tuple[int, ...]:
+        """The dots' outputs, which the epilogue reads: one, or two for a dual GEMM."""
+        return (self.dot.outputs[0],) + ((self.dot2.outputs[0],) if self.dot2 is not None else ())
 
     @property
     def seg(self) -> int:
@@ -111,9 +123,11 @@ class MatmulTemplate(Template[MatmulSpec]):
         g = group.graph
         dots = [n for n in group.nodes if op_class(n.name) is OpClass.CONTRACTION]
         splits = [n for n in group.nodes if n.name == "split"]
-        if len(dots) != 1 or len(splits) > 1 or any(op_class(n.name) is OpClass.OPAQUE and n.name != "split" for n in group.nodes):
+        if not 1 <= len(dots) <= 2 or len(splits) > 1 or any(op_class(n.name) is OpClass.OPAQUE and n.name != "split" for n in group.nodes):
             return None  # (reductions: only over segments of a product row, which the epilogue's analysis checks)
-        dot = dots[0]
+        dot, dot2 = dots[0], (dots[1] if len(dots) == 2 else None)
+        if dot2 is not None and (splits or not _shares_a(g, dot, dot2) or dot2.inputs[1] not in group.inputs):
+            return None
         windows = _windows(group, splits[0]) if splits else {}
         if windows is None:
             return None
@@ -142,11 +156,12 @@ class MatmulTemplate(Template[MatmulSpec]):
         batch = av.shape[0] if nb else 1
         try:
             pro = {v: _prologue(group, dot, v) for v in (a, b) if v not in group.inputs}
-            if pro and nb:
-                raise NoMatch("a prologue on a batched dot")
+            if pro and (nb or dot2 is not None):
+                raise NoMatch("a prologue on a batched dot or a dual GEMM")
             in_pro = {nd.id for nodes, _ in pro.values() for nd in nodes}
-            rest = [n.id for n in group.nodes if n.id != dot.id and n.id not in in_pro and n.name != "split"]
-            epi = _epilogue_spec(group, dot, rest, g.avals[dot.outputs[0]].shape)
+            dot_ids = {d.id for d in dots}
+            rest = [n.id for n in group.nodes if n.id not in dot_ids and n.id not in in_pro and n.name != "split"]
+            epi = _epilogue_spec(group, dots, rest, g.avals[dot.outputs[0]].shape)
             for v in set(group.inputs) - {a, b}:  # an input read by two parts must have one 2-D layout
                 shapes = {sp.layout2d(v) for sp in [epi] + [t for _, t in pro.values()] if v in sp.group.inputs}
                 if len(shapes) > 1:
@@ -155,11 +170,16 @@ class MatmulTemplate(Template[MatmulSpec]):
             return None
         if windows and (batch > 1 or next(iter(windows)) not in epi.group.outputs + (dot.outputs[0],)):
             return None
-        return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro, exact_f32=exact_f32, windows=windows)
+        if dot2 is not None and (nb or not rest):
+            return None  # a dual GEMM is two batched dots, or two products returned as they are: XLA's
+        return MatmulSpec(group, dot, a, b, M, N, K, a_km, b_nk, epi, batch, pro, exact_f32=exact_f32, windows=windows,
+                          dot2=dot2, b2=dot2.inputs[1] if dot2 is not None else None)
 
     def candidate_groups(self, graph: Graph, fusible) -> list[tuple[Group, MatmulSpec, tuple]]:
         """Each dot with the elementwise epilogue whose value a `split` along N cuts into parts, and the split
-        (`MatmulSpec.windows`): the partitioner grows no group through a split (XLA's own copy of each part)."""
+        (`MatmulSpec.windows`): the partitioner grows no group through a split (XLA's own copy of each part).
+        And each dual GEMM: two dots of the same A with the elementwise work up to where their products meet
+        (the partitioner grows a group from one dot, never two)."""
         out = []
         for sp in graph.nodes:
             if sp.name != "split" or not isinstance(sp.inputs[0], int):
@@ -171,13 +191,36 @@ class MatmulTemplate(Template[MatmulSpec]):
             spec = self.match(group)
             if spec is not None:
                 out.append((group, spec, ()))
+        return out + self._dual_groups(graph, fusible)
+
+    def _dual_groups(self, graph: Graph, fusible) -> list[tuple[Group, MatmulSpec, tuple]]:
+        """The groups of two dots sharing A that end where their products first meet (SwiGLU's product of the
+        gate's activation and the up-projection), and the elementwise work after it that only it reads."""
+        by_a: dict[int, list[Node]] = {}
+        for nd in graph.nodes:
+            if op_class(nd.name) is OpClass.CONTRACTION and isinstance(nd.inputs[0], int):
+                by_a.setdefault(nd.inputs[0], []).append(nd)
+        if not any(len(ds) > 1 for ds in by_a.values()):
+            return []
+        out, seen = [], set()
+        for nd in graph.nodes:
+            if op_class(nd.name) is not OpClass.ELEMENTWISE or len(nd.outputs) != 1:
+                continue
+            nodes = _epilogue_chain(graph, nd.outputs[0], fusible, dots=2)
+            if nodes is None or frozenset(nodes) in seen:
+                continue
+            seen.add(frozenset(nodes))
+            group = Group.of(graph, sorted(nodes))
+            spec = self.match(group)
+            if spec is not None and spec.dot2 is not None:
+                out.append((group, spec, ()))
         return out
 
     def facts(self, group: Group, spec: MatmulSpec) -> dict:
         """What search_spaces/matmul[.<backend>].toml's constraints read."""
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
-                "seg": spec.seg, "outer_rows": spec.outer_rows}
+                "seg": spec.seg, "outer_rows": spec.outer_rows, "dual": int(spec.dot2 is not None)}
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.
@@ -187,7 +230,7 @@ class MatmulTemplate(Template[MatmulSpec]):
         663 vs 570 TFLOP/s)."""
         bm, bn, bk = int(config["block_m"]), int(config["block_n"]), int(config["block_k"])
         low = np.dtype(spec.group.graph.avals[spec.a].dtype) != np.dtype("float32")
-        flops = 2.0 * spec.batch * spec.M * spec.N * spec.K
+        flops = 2.0 * spec.batch * spec.M * spec.N * spec.K * len(spec.products)
         if config.get("backend") == "mosaic_gpu":
             wg_m = int(config["wg_dimension"]) == 0
             bm, bn, reuse = bm * (2 if wg_m else 1), bn * (1 if wg_m else 2), int(config["grid_tile_width"])
@@ -196,7 +239,8 @@ class MatmulTemplate(Template[MatmulSpec]):
             eff, reuse = min(1.0, (bm * bn) / (128 * 256)) ** 0.5 * min(1.0, bk / 64) ** 0.25, int(config["group_m"])
         tiles_m, tiles_n = spec.batch * cdiv(spec.M, bm), cdiv(spec.N, bn)
         a_bytes = spec.batch * spec.M * spec.K * np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
-        bytes_moved = a_bytes * tiles_n / max(1, reuse) ** 0.5 + sum(a.nbytes for a in spec.group.output_avals())
+        b_bytes = (len(spec.products) - 1) * spec.batch * spec.N * spec.K * np.dtype(spec.group.graph.avals[spec.b].dtype).itemsize
+        bytes_moved = a_bytes * tiles_n / max(1, reuse) ** 0.5 + b_bytes + sum(a.nbytes for a in spec.group.output_avals())
         return costmodel.kernel_time_ms(bytes_moved, flops / max(eff, 0.05), model, low) * max(1.0, 132 / max(1, tiles_m * tiles_n)) ** 0.5
 
 
@@ -218,9 +262,10 @@ def _windows(group: Group, split: Node) -> dict | None:
     return {u: tuple(parts)}
 
 
-def _epilogue_chain(graph: Graph, v: int, fusible) -> set[int] | None:
+def _epilogue_chain(graph: Graph, v: int, fusible, dots: int = 1) -> set[int] | None:
     """The nodes from one dot to value `v` (every node that is the dot's descendant and v's producer's ancestor),
-    with the broadcasts only they read; None where v is not made from exactly one dot by elementwise work."""
+    with the broadcasts only they read; None where v is not made from exactly one dot by elementwise work (`dots`:
+    from exactly that many, each reached by v's producers)."""
     anc: set[int] = set()
     todo = [graph.producer[v]] if v in graph.producer else []
     while todo:
@@ -233,10 +278,10 @@ def _epilogue_chain(graph: Graph, v: int, fusible) -> set[int] | None:
         nd = graph.node_index[i]
         if op_class(nd.name) is not OpClass.CONTRACTION:
             todo += [graph.producer[a] for a in nd.inputs if isinstance(a, int) and a in graph.producer]
-    dots = [i for i in anc if op_class(graph.node_index[i].name) is OpClass.CONTRACTION]
-    if len(dots) != 1 or not all(fusible(i) for i in anc):
+    found = [i for i in anc if op_class(graph.node_index[i].name) is OpClass.CONTRACTION]
+    if len(found) != dots or not all(fusible(i) for i in anc):
         return None
-    keep = {dots[0]}
+    keep = set(found)
     for i in sorted(anc):  # descendants of the dot among v's ancestors (ids are topological)
         nd = graph.node_index[i]
         if any(isinstance(a, int) and graph.producer.get(a) in keep for a in nd.inputs):
@@ -247,7 +292,18 @@ def _epilogue_chain(graph: Graph, v: int, fusible) -> set[int] | None:
             keep.add(i)
     if len(keep) > MAX_CHAIN or any(op_class(graph.node_index[i].name) not in CHAIN_OPS for i in keep):
         return None
+    if dots > 1 and any(graph.producer.get(a) in keep for i in found for a in graph.node_index[i].inputs):
+        return None  # one dot reads the other's work: a chain of GEMMs, not two beside each other
     return keep
+
+
+def _shares_a(g: Graph, d1: Node, d2: Node) -> bool:
+    """Whether two dots read the same A with the same dimension numbers and B operands of one shape and dtype."""
+    b1, b2 = d1.inputs[1], d2.inputs[1]
+    return (d1.inputs[0] == d2.inputs[0] and d1.params["dimension_numbers"] == d2.params["dimension_numbers"]
+            and d1.params.get("precision") == d2.params.get("precision") and isinstance(b1, int) and isinstance(b2, int)
+            and g.avals[b1].shape == g.avals[b2].shape and g.avals[b1].dtype == g.avals[b2].dtype
+            and g.avals[d1.outputs[0]].dtype == g.avals[d2.outputs[0]].dtype)
 
 
 MAX_CHAIN = 32  # nodes of an epilogue chain (a bias, an activation): more is no epilogue this template writes
@@ -272,14 +328,18 @@ def default_precision(dot: Node) -> bool:
     return dot_precision(dot) == "default"
 
 
-def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...]) -> TileSpec:
-    """The epilogue tiled with rows = all but the last axis of the product (batch entries stacked), columns = N."""
+def _epilogue_spec(group: Group, dots: list[Node], rest: list[int], S: tuple[int, ...]) -> TileSpec:
+    """The epilogue tiled with rows = all but the last axis of the product (batch entries stacked), columns = N;
+    the products of `dots` (one, or a dual GEMM's two) are full tiles."""
+    dot = dots[0]
     out, n = dot.outputs[0], len(S)
     sub = group.part(rest) if rest else None
     if sub is None:
         return TileSpec(Group.of(group.graph, [dot.id]), S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
-    if {dot.inputs[0], dot.inputs[1]} & set(sub.inputs):
+    if {a for d in dots for a in d.inputs} & set(sub.inputs):
         raise NoMatch("an operand of the dot is also read by the epilogue")
+    if len(dots) > 1 and (seg := segment_length(sub, out)) is not None:
+        raise NoMatch(f"a dual GEMM's epilogue over segments of {seg} columns")
     seg = segment_length(sub, out)
     if seg is not None:  # reductions over segments of a product row (GroupNorm): S = (*rows, N / seg, seg)
         seg_sub = split_columns(sub, out, seg)
@@ -291,7 +351,8 @@ def _epilogue_spec(group: Group, dot: Node, rest: list[int], S: tuple[int, ...])
         raise NoMatch("reductions belong to matmul_reduce")
     if spec.col_sums and spec.outer:
         raise NoMatch("sums over the rows beside an input over the leading row axes")
-    spec.axes[out], spec.span[out] = tuple(range(n)), Span(True, True)
+    for d in dots:
+        spec.axes[d.outputs[0]], spec.span[d.outputs[0]] = tuple(range(n)), Span(True, True)
     return spec
 
 

@@ -42,6 +42,11 @@ slower register <-> SMEM copy, no padding). (2) Every stride but the innermost
 must be a multiple of 16 bytes: a plain-SMEM epilogue array whose rows are not
 (bf16 with N % 8 != 0) is padded (an output: written padded, then sliced).
 
+A dual GEMM (`MatmulSpec.dot2`: SwiGLU's gate and up projections of one A) runs a second B through the same ring
+(its own TMA copies beside B's) into a second accumulator in each compute warpgroup, both wgmma'd from the same A
+tile; the epilogue reads the two products. Two float32 accumulators take twice the registers, so a warpgroup's
+tile is at most 128 x 64 (or 64 x 128), and the epilogue runs inline (no epilogue warpgroup, no clusters).
+
 Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
 given to `wgmma` as transposed SMEM views for 16-bit types. float32 runs as TF32
 (`wgmma` with tf32 operands, as XLA's default-precision float32 dot on Hopper),
@@ -99,6 +104,9 @@ PARAMS = tuple(DEFAULTS)
 #: 64K registers are 512 per thread of one warpgroup; a compute warpgroup's [128, 128] float32 accumulator alone
 #: takes 128).
 EPI_WG_REGISTERS = (40, 96, 184)
+#: The largest [block_m, block_n] of a dual GEMM's warpgroup: its two float32 accumulators take what one
+#: [128, 128] accumulator does (128 registers per thread).
+DUAL_TILE = 128 * 64
 @dataclasses.dataclass(frozen=True)
 class Config:
     block_m: int
@@ -160,6 +168,8 @@ def default_config(spec: MatmulSpec) -> dict:
         cfg["block_m"] = 64
     if cfg["wg_dimension"] == N_DIM and spec.N <= 128:
         cfg["block_n"] = 64
+    if spec.dot2 is not None:  # two accumulators: one [64, 128] tile each per warpgroup (wgmma's widest N of the two)
+        cfg["block_m"], cfg["block_n"] = 64, min(cfg["block_n"], 128)
     cfg["epi_tile_m"] = min(cfg["epi_tile_m"], cfg["block_m"])
     cfg["epi_tile_n"] = min(cfg["epi_tile_n"], cfg["block_n"])
     firsts = [first for parts in spec.windows.values() for _, first, _ in parts]
@@ -221,13 +231,15 @@ def check_group(spec: MatmulSpec) -> None:
         raise Unsupported("an iota in an epilogue over segments of a row: not in the Mosaic GPU lowering")
     if spec.windows and spec.seg:
         raise Unsupported("a split product with an epilogue over segments of a row")
+    if spec.dot2 is not None and (spec.seg or spec.windows or spec.epi.col_sums):
+        raise Unsupported("a dual GEMM's epilogue is elementwise: no segments, split or sums over the rows")
     for v in full_outputs(spec):  # (a sum over the rows is none: a partial per epilogue piece, `RegisterTiles.column_partial`)
-        if v != spec.dot.outputs[0] and spec.epi.layout_span(v) != FULL:
+        if v not in spec.products and spec.epi.layout_span(v) != FULL:
             raise Unsupported(f"output %{v} {g.avals[v]} is not a full [M, N] tile of the product")
         if np.dtype(g.avals[v].dtype) == np.dtype(bool):
             raise Unsupported(f"bool output %{v}")
     for v in epi_inputs(spec):
-        if v in (spec.a, spec.b):
+        if v in (spec.a, spec.b, spec.b2):
             raise Unsupported("an operand of the dot read again by the epilogue")
         if np.dtype(g.avals[v].dtype).itemsize > 4:
             raise Unsupported(f"64-bit epilogue input %{v}")
@@ -251,9 +263,8 @@ def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
 
 
 def epi_inputs(spec: MatmulSpec) -> list[int]:
-    """The epilogue's inputs from outside the group, in first-use order (the dot's output excluded)."""
-    out_v = spec.dot.outputs[0]
-    return [v for v in spec.epi.group.inputs if v != out_v] if spec.epi_nodes else []
+    """The epilogue's inputs from outside the group, in first-use order (the dots' outputs excluded)."""
+    return [v for v in spec.epi.group.inputs if v not in spec.products] if spec.epi_nodes else []
 
 
 def check_config(spec: MatmulSpec, cfg: Config) -> None:
@@ -281,6 +292,9 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("cluster must be 0 (none), 1 (M) or 2 (N)")
     if cfg.epilogue_wg and cfg.cluster:
         raise Unsupported("epilogue_wg=1 runs its own pipeline: no clusters")
+    if spec.dot2 is not None and (cfg.epilogue_wg or cfg.cluster or bm * bn > DUAL_TILE):
+        raise Unsupported(f"a dual GEMM keeps two float32 accumulators per warpgroup: block_m * block_n <= {DUAL_TILE} "
+                          f"(here {bm} x {bn}), the epilogue inline (epilogue_wg=0), no clusters")
     g = spec.group.graph
     for v in tuple(full_outputs(spec)) + tuple(v for v in epi_inputs(spec) if spec.epi.span[v] == FULL):
         if (cfg.epi_tile_n * np.dtype(g.avals[v].dtype).itemsize) % 32 and np.dtype(g.avals[v].dtype) != np.dtype(bool):
@@ -313,7 +327,7 @@ def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
     itemsize = np.dtype(g.avals[spec.a].dtype).itemsize
     k_steps = -(-spec.K // cfg.block_k)
     stages = min(cfg.max_concurrent_steps, k_steps)
-    ring = stages * (cfg.cta_m + cfg.cta_n) * cfg.block_k * itemsize
+    ring = stages * (cfg.cta_m + len(spec.products) * cfg.cta_n) * cfg.block_k * itemsize
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out_slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
     copies = 1 if cfg.epilogue_wg else 2  # per warpgroup that runs an epilogue
@@ -367,6 +381,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     wg_m = cfg.wg_dimension == M_DIM
 
     out_v = spec.dot.outputs[0]
+    dual = spec.dot2 is not None
     epi_nodes = spec.epi_nodes
     ein = epi_inputs(spec)
     espan = {v: spec.epi.span[v] for v in ein}
@@ -405,18 +420,19 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
         return m_idx * cta_m, n_idx * cta_n
 
-    def wgmma_step(acc_ref, a_smem, b_smem, wg_rows, wg_cols) -> None:
-        """acc += A[wg_rows] @ B[:, wg_cols] from one ring slot (transposed views where stored so), waited for.
-        (`gemm.Operands.wgmma` is the same for `matmul_reduce`; this lowering keeps its own operand layout.)"""
+    def wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols) -> None:
+        """acc += A[wg_rows] @ B[:, wg_cols] from one ring slot (transposed views where stored so), waited for; a
+        dual GEMM's second accumulator from the same A and its own B. (`gemm.Operands.wgmma` is the same for
+        `matmul_reduce`; this lowering keeps its own operand layout.)"""
         a = a_smem.at[:, wg_rows].T if a_km else a_smem.at[wg_rows]
-        b = b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols]
-        plgpu.wgmma(acc_ref, a, b)
+        for acc_ref, b_smem in zip(acc_refs, b_smems):
+            plgpu.wgmma(acc_ref, a, b_smem.at[wg_cols].T if b_nk else b_smem.at[:, wg_cols])
         plgpu.wgmma_wait(0)
 
-    def epilogue_piece(product, scalars: dict, vec_part: Callable, tile_ref: Callable, tile_bar, out_slots_at: list, out_gmem,
+    def epilogue_piece(products: list, scalars: dict, vec_part: Callable, tile_ref: Callable, tile_bar, out_slots_at: list, out_gmem,
                        r0, c0, fetch_next: Callable | None, sum_slots_at: tuple = (), sum_gmem: tuple = (),
                        in_turn: Callable | None = None) -> None:
-        """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the product and the
+        """One [em, en] piece of the epilogue at rows r0.., columns c0..: the group's jaxpr on the products and the
         inputs' pieces (`vec_part(v)`, `tile_ref(v)`: their SMEM, the tiles behind `tile_bar`), its outputs written
         into `out_slots_at` (its sums' partials into `sum_slots_at`, row r0 // em of theirs) and stored from there
         by TMA; `fetch_next` issues the tiles of the piece after the next into this piece's SMEM slot once every
@@ -424,7 +440,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         one's math instead of after it (a dgrad GEMM's GELU' reads h [M, N] per piece). `in_turn(make)` runs the
         sums' reductions across warps when this warpgroup's turn comes (two warpgroups share Mosaic GPU's one
         reduction scratch)."""
-        env = {out_v: product, **scalars}
+        env = {**dict(zip(spec.products, products)), **scalars}
         for v in vec_in:
             env[v] = _from_kernel(plgpu.load(vec_part(v), layout=layout(espan[v])), g.avals[v].dtype)
         if tile_in:
@@ -471,6 +487,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         return [[(next(it), first, cols) for _, first, cols in targets(spec, v)] for v in outs]
 
     def body(a_gmem, b_gmem, *rest):
+        b_gmems, rest = (b_gmem, *rest[:int(dual)]), rest[int(dual):]  # a dual GEMM's second B comes next
         in_gmem = dict(zip(ein, rest[: len(ein)]))
         out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
 
@@ -483,13 +500,13 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                                      transforms=op_tf, memory_space=plgpu.SMEM,
                                      collective_axes=("cluster",) if cfg.cluster == 1 else ())
             return plgpu.emit_pipeline_warp_specialized(
-                mma_body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
+                mma_body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec] + [b_spec] * len(b_gmems), wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context, pipeline_state=state)
 
         ignore = lambda *_, **__: None  # noqa: E731
         kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
         scratch = {
-            "pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+            "pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, *b_gmems),
             "out_smem": [plgpu.SMEM((2, out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
             "tile_smem": [plgpu.SMEM((2 * n_tile_slots, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
             "vec_smem": [plgpu.SMEM((2, bm if espan[v] == ROWS else bn), kdt[v]) for v in vec_in],
@@ -549,10 +566,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                     for i in range(n_tile_slots if tile_in else 0):
                         fetch_tiles(i)
 
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                    def _acc_scope(acc_ref):
-                        eval_pipeline(acc_ref)
-                        acc = acc_ref[...]
+                    @functools.partial(pl.run_scoped, acc_refs=[plgpu.ACC((bm, bn), jnp.float32) for _ in b_gmems])
+                    def _acc_scope(acc_refs):
+                        eval_pipeline(tuple(acc_refs))
+                        accs = [r[...] for r in acc_refs]
                         scalars = {v: _from_kernel(in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
                         if vec_in:
                             plgpu.barrier_wait(vec_barrier.at[wg])
@@ -560,7 +577,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         for i in range(n_pieces):
                             mi, ni = divmod(i, bn // en)
                             epilogue_piece(
-                                product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec), scalars,
+                                [product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec) for acc in accs], scalars,
                                 lambda v: vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)],
                                 lambda v, i=i: tile_smem[v].at[tile_slot(i)], tile_barrier.at[tile_slot(i)] if tile_in else None,
                                 [sm.at[wg, i % out_slots] for sm in out_smem], out_gmem, *piece_origin(i),
@@ -568,17 +585,18 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                                 tuple(sm.at[wg, i % out_slots] for sm in sum_smem), sum_gmem,
                                 functools.partial(in_turn, first=(info.local_index == 0) & (i == 0)))
 
-                def mma_body(_, a_smem, b_smem, acc_ref):
-                    wgmma_step(acc_ref, a_smem, b_smem, wg_rows, wg_cols)
-                    return acc_ref
+                def mma_body(_, a_smem, *b_smems_and_accs):
+                    *b_smems, acc_refs = b_smems_and_accs
+                    wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols)
+                    return acc_refs
 
                 a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
-                b_view = b_gmem.at[pl.ds(cta_c0, cta_n), :] if b_nk else b_gmem.at[:, pl.ds(cta_c0, cta_n)]
+                b_views = [b.at[pl.ds(cta_c0, cta_n), :] if b_nk else b.at[:, pl.ds(cta_c0, cta_n)] for b in b_gmems]
                 state = None
                 if chain:  # one pipeline over the CTA's tiles: the producer fetches the next tile's operands during the epilogue
                     first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
                     state = jnp.where(first, int(PP.START), jnp.where(last, int(PP.STOP), int(PP.STEADY)))
-                pipeline(mma_body, compute_context, state)(a_view, b_view, allocations=pipeline_allocs)
+                pipeline(mma_body, compute_context, state)(a_view, *b_views, allocations=pipeline_allocs)
 
             if sums:  # the last turn of warpgroup 1, observed like the others (every phase of a barrier is waited on)
                 @pl.when(wg == 0)
@@ -673,7 +691,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         def _k(k):
                             slot = lax.rem(info.local_index * k_iters + k, stages)
                             plgpu.barrier_wait(full.at[slot])
-                            wgmma_step(acc_ref, a_ring.at[slot], b_ring.at[slot], wg_rows, wg_cols)
+                            wgmma_step((acc_ref,), a_ring.at[slot], (b_ring.at[slot],), wg_rows, wg_cols)
                             plgpu.barrier_arrive(empty.at[slot])
 
                         acc = acc_ref[...].astype(dot_dt)
@@ -723,7 +741,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         if j == len(pieces_per_wg) - 1:
                             plgpu.barrier_arrive(free)  # every piece of the product is in registers
                         epilogue_piece(
-                            x.astype(jnp.float32), scalars,
+                            [x.astype(jnp.float32)], scalars,
                             lambda v: vec_smem[v].at[pl.ds(pr, em)] if espan[v] == ROWS else vec_smem[v].at[pl.ds(pc, en)],
                             lambda v, j=j: tile_smem[v].at[j % n_tile_slots], tile_barrier.at[j % n_tile_slots] if tile_in else None,
                             [sm.at[j % out_slots] for sm in out_smem], out_gmem, r0 + pr, c0 + pc,
@@ -744,14 +762,16 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
-        a, b = env[spec.a], env[spec.b]
+        a = env[spec.a]
         a = jnp.reshape(a, (K, M) if spec.a_km else (M, K))
         if spec.a_km and not a_km:
             a = a.T
-        b = jnp.reshape(b, (N, K) if spec.b_nk else (K, N))
-        if b_nk and not spec.b_nk:
-            b = b.T
-        args = [_pad(a, a_pad), _pad(b, b_pad)]
+        args = [_pad(a, a_pad)]
+        for bv in (spec.b, spec.b2)[:1 + dual]:
+            b = jnp.reshape(env[bv], (N, K) if spec.b_nk else (K, N))
+            if b_nk and not spec.b_nk:
+                b = b.T
+            args.append(_pad(b, b_pad))
         for v in ein:
             x = env[v]
             if np.dtype(x.dtype) == np.dtype(bool):

@@ -35,9 +35,12 @@ def default_config(spec: MatmulSpec) -> dict:
 
 def check_group(spec: MatmulSpec) -> None:
     """Raise NotImplementedError for what this lowering cannot run: a product split into parts along N (its tiles
-    write one array per output; the Mosaic GPU lowering writes the parts)."""
+    write one array per output; the Mosaic GPU lowering writes the parts), a dual GEMM (two accumulators at once
+    are the Mosaic GPU lowering's)."""
     if spec.windows:
         raise NotImplementedError("a product split into parts along N (split): Mosaic GPU only")
+    if spec.dot2 is not None:
+        raise NotImplementedError("two dots of one A (a dual GEMM): Mosaic GPU only")
 
 
 def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret: bool) -> Callable:
