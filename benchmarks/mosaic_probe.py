@@ -130,7 +130,7 @@ MOSAIC = {"matmul": [
     {},  # the lowering's default: 64 x 128 per warpgroup, the two along M (CTA 128 x 128)
     {"block_m": 128, "block_n": 64, "wg_dimension": 1},  # CTA 128 x 128, the warpgroups side by side along N
     {"block_m": 128, "block_n": 64},  # CTA 256 x 64
-    {"wg_dimension": 1},  # CTA 64 x 256
+    {"wg_dimension": 1, "block_k": 64, "max_concurrent_steps": 2},  # CTA 64 x 256
     {"block_k": 64, "max_concurrent_steps": 4},
     {"block_k": 64, "max_concurrent_steps": 3},
     {"grid_tile_width": 16},
