@@ -232,8 +232,8 @@ class MatmulTemplate(Template[MatmulSpec]):
         low = np.dtype(spec.group.graph.avals[spec.a].dtype) != np.dtype("float32")
         flops = 2.0 * spec.batch * spec.M * spec.N * spec.K * len(spec.products)
         if config.get("backend") == "mosaic_gpu":
-            wg_m = int(config["wg_dimension"]) == 0
-            bm, bn, reuse = bm * (2 if wg_m else 1), bn * (1 if wg_m else 2), int(config["grid_tile_width"])
+            wg_m = int(config["wg_dimension"]) == 0  # (a dual GEMM's A tile meets two B tiles: as wide a tile's reuse)
+            bm, bn, reuse = bm * (2 if wg_m else 1), bn * (1 if wg_m else 2) * len(spec.products), int(config["grid_tile_width"])
             eff = 1.15 * min(1.0, (bm * bn) / (256 * 128)) ** 0.5 * min(1.0, bk / 64) ** 0.25 * min(1.0, int(config["max_concurrent_steps"]) / 3) ** 0.25
         else:
             eff, reuse = min(1.0, (bm * bn) / (128 * 256)) ** 0.5 * min(1.0, bk / 64) ** 0.25, int(config["group_m"])
