@@ -338,9 +338,9 @@ def _epilogue_spec(group: Group, dots: list[Node], rest: list[int], S: tuple[int
         return TileSpec(Group.of(group.graph, [dot.id]), S, n - 1, {out: tuple(range(n))}, {out: Span(True, True)}, [])
     if {a for d in dots for a in d.inputs} & set(sub.inputs):
         raise NoMatch("an operand of the dot is also read by the epilogue")
-    if len(dots) > 1 and (seg := segment_length(sub, out)) is not None:
-        raise NoMatch(f"a dual GEMM's epilogue over segments of {seg} columns")
     seg = segment_length(sub, out)
+    if seg is not None and len(dots) > 1:
+        raise NoMatch(f"a dual GEMM's epilogue over segments of {seg} columns")
     if seg is not None:  # reductions over segments of a product row (GroupNorm): S = (*rows, N / seg, seg)
         seg_sub = split_columns(sub, out, seg)
         spec = analyze_segments(seg_sub, S[:-1] + (S[-1] // seg, seg), n - 1)
