@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..plan import Plan
-from ..runner.protocol import ValidationResult
+from ..runner.protocol import ComparisonResult, ValidationResult
 from ..status import TrialStatus
 from .select import disjoint_savings
 
@@ -66,6 +66,16 @@ class Measured:
         return {"what": self.what, "groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
                 "alone_ms": round(self.alone_ms, 4), "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
                 "noise": round(self.noise, 4), "status": self.validation.status.value, **failure(self.validation)}
+
+
+def comparison_record(earlier: Plan, later: Plan, c: ComparisonResult) -> dict:
+    """What the run keeps of a close call (`CompareRequest`: the two plans timed against each other), as `show run`
+    prints it: the plans' group counts, which one was kept, the head-to-head ratio with its quartiles and pairs."""
+    r = c.ratio
+    return {"first": len(earlier.groups), "second": len(later.groups), "status": c.status.value,
+            "kept": "second" if c.second_faster else "first",
+            **({"ratio": round(r.median_ms, 4), "q1": round(r.q1_ms, 4), "q3": round(r.q3_ms, 4), "pairs": r.repeats} if r else {}),
+            **{k: round(v, 3) for k, v in c.seconds.items()}, **({"error": c.error} if c.error else {})}
 
 
 def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[..., Measured], measured: list[Measured]) -> None:

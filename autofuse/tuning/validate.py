@@ -34,6 +34,7 @@ from .composition import (
     REALISED_ENOUGH,
     Measured,
     beside,
+    comparison_record,
     extend,
     failure,
     group_plans,
@@ -230,11 +231,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         say(f"autofuse: plan {k} of {n} beat the fastest plan so far within noise: timing the two against each other")
         c = runner.call(CompareRequest(best.plan.to_json(), m.plan.to_json()))
         if timings is not None:
-            r = c.ratio
-            timings.setdefault("comparisons", []).append(
-                {"first": len(best.plan.groups), "second": len(m.plan.groups), "status": c.status.value, "kept": "second" if c.second_faster else "first",
-                 **({"ratio": round(r.median_ms, 4), "q1": round(r.q1_ms, 4), "q3": round(r.q3_ms, 4), "pairs": r.repeats} if r else {}),
-                 **{k2: round(v, 3) for k2, v in c.seconds.items()}, **({"error": c.error} if c.error else {})})
+            timings.setdefault("comparisons", []).append(comparison_record(best.plan, m.plan, c))
             recorded()
         if c.second_faster:
             notes.append(f"{m.what}: faster than the plan before it in {c.ratio.repeats} alternating pairs "
