@@ -35,6 +35,8 @@ def geglu_bias(h, w1, w2, b):  # B stored [N, K] (transposed dots), a bias on on
 # Ragged against the tiles: M = 200 rows (64-row tiles), N = 160 (64-column tiles), K = 80 (32-column K steps).
 SWIGLU = (swiglu, S((2, 100, 80), BF16), S((80, 160), BF16), S((80, 160), BF16))
 GEGLU = (geglu_bias, S((200, 80), BF16), S((160, 80), BF16), S((160, 80), BF16), S((160,), BF16))
+F32 = jnp.float32  # Llama's CPU-sized examples (TF32 on the GPU, as XLA's default-precision float32 dots)
+SWIGLU_F32 = (swiglu, S((200, 64), F32), S((64, 160), F32), S((64, 160), F32))
 
 
 def _candidate(fn, *specs):
@@ -84,6 +86,7 @@ def _inputs(group):
     pytest.param(SWIGLU, {}, id="swiglu-side-by-side"),
     pytest.param(SWIGLU, {"wg_dimension": 0, "grid_minor_dim": 1}, id="swiglu-stacked"),
     pytest.param(GEGLU, {"block_m": 128, "epi_tile_m": 128, "wg_dimension": 0}, id="geglu-bias-nk"),
+    pytest.param(SWIGLU_F32, {}, id="swiglu-float32"),
 ], "swiglu-side-by-side"))
 def test_the_combination_matches_jax_jit_at_ragged_edges(program, extra) -> None:
     """Interpret mode with the race detector, against the group's own jaxpr under jax.jit."""
