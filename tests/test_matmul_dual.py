@@ -135,3 +135,19 @@ def test_the_search_space_keeps_a_dual_gemms_configs_within_its_rules() -> None:
     # combine, as measured (H200: 0.83 against 0.91 ms), so the budget reaches it among the first (it was modelled
     # as a loss, ordered last, and got no trial in a 40-trial Llama job)
     assert modelled < costmodel.xla_group_time_ms(group, costmodel.H200)
+
+
+def test_a_dual_gemm_whose_outputs_do_not_fit_shared_memory_is_declined_up_front() -> None:
+    """In Llama's training step (float32 on the CPU) the backward reads the gate's product, its sigmoid, SiLU and the
+    up-projection: the dual group writes five float32 outputs, which no tile fits in shared memory beside two B rings
+    (there is no epilogue warpgroup to fall back on): the lowering declines the group, where its default config was
+    an infeasible first trial before."""
+    from autofuse.tuning.job import distinct_candidates
+    from examples import llama
+
+    graph = autofuse.capture(llama.grad_step_cudnn, *llama.small_inputs())
+    by_sig, cands = distinct_candidates(graph)
+    (dual,) = [by_sig[r.signature][0] for r in cands if r.template == "matmul" and by_sig[r.signature][0].spec.dot2 is not None]
+    assert len(mgpu_matmul.full_outputs(dual.spec)) == 5
+    why = matmul.TEMPLATE.unsupported(dual.spec, "mosaic_gpu")
+    assert why is not None and "dual GEMM with 5 outputs" in why and "shared memory" in why

@@ -243,6 +243,10 @@ def check_group(spec: MatmulSpec) -> None:
             raise Unsupported("an operand of the dot read again by the epilogue")
         if np.dtype(g.avals[v].dtype).itemsize > 4:
             raise Unsupported(f"64-bit epilogue input %{v}")
+    if spec.dot2 is not None and (need := smem_bytes(spec, Config.of(default_config(spec)))) > SMEM_LIMIT:
+        # (no epilogue warpgroup to fall back on: the narrowest tile `default_config` finds is the narrowest there is)
+        raise Unsupported(f"a dual GEMM with {len(full_outputs(spec))} outputs: shared memory even at the narrowest tile "
+                          f"{need} > {SMEM_LIMIT}")
 
 
 def full_outputs(spec: MatmulSpec) -> list[int]:
