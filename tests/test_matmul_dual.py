@@ -67,6 +67,7 @@ def test_dots_that_do_not_share_a_and_meet_are_no_dual_gemm(fn, specs) -> None:
     assert [s for _, s, _ in matmul.TEMPLATE.candidate_groups(g, lambda i: True) if s.dot2 is not None] == []
 
 
+@pytest.mark.slow
 def test_llamas_swiglu_is_a_dual_gemm_candidate_once_per_layer() -> None:
     from autofuse.tuning.job import distinct_candidates
     from examples import llama
@@ -137,6 +138,7 @@ def test_the_search_space_keeps_a_dual_gemms_configs_within_its_rules() -> None:
     assert modelled < costmodel.xla_group_time_ms(group, costmodel.H200)
 
 
+@pytest.mark.slow
 def test_a_dual_gemm_whose_outputs_do_not_fit_shared_memory_is_declined_up_front() -> None:
     """In Llama's training step (float32 on the CPU) the backward reads the gate's product, its sigmoid, SiLU and the
     up-projection: the dual group writes five float32 outputs, which no tile fits in shared memory beside two B rings
