@@ -25,7 +25,7 @@ def _timing(v: float, spread: float = 0.0) -> Timing:
 @pytest.fixture(scope="module")
 def tuned():
     """A two-group program tuned on the model, and its graph."""
-    rep = autofuse.tune(two_parts, *TWO_PARTS_ARGS, trials=30, seed=0, quiet=True, store=False, isolate=False)
+    rep = autofuse.tune(two_parts, *TWO_PARTS_ARGS, trials=20, seed=0, quiet=True, store=False, isolate=False)
     assert len({g.signature for g in rep.plan.groups}) == 2
     return rep, autofuse.capture(two_parts, *TWO_PARTS_ARGS)
 
