@@ -146,6 +146,11 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
                          f"{p.get('seconds', 0):.2f}"
                          + (f" = {inner}" if inner else "") + (f"; {savings_text(saved[i])}" if i < len(saved) and isinstance(saved[i], dict) else "")
                          + (f"; why: {p['error']}" if p.get("error") else "") + (f"; on GPU {p['gpu']}" if p.get("gpu") else ""))
+        skipped = sel.get("not_judged")
+        if isinstance(skipped, dict) and skipped.get("groups"):
+            lines.append(f"  not judged alone in the program (each saved less alone than {skipped.get('floor_ms', 0):.3f} ms, half the "
+                         "noise of a whole-program timing): " + ", ".join(f"{g.get('alone_ms', 0):.3f} ms ({plural(g.get('instances') or 0, 'instance')})"
+                                                                          for g in skipped["groups"] if isinstance(g, dict)))
         for c in sel.get("comparisons") or []:
             if isinstance(c, dict):
                 lines.append(f"  close call: a plan of {plural(c.get('second') or 0, 'group')} against one of {c.get('first')}, timed "

@@ -462,9 +462,9 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
     (c_sig,) = {fg.signature for fg in alternative.groups}  # C: part of the layer norm, the alternative plan's
     ms = {frozenset({a.signature, b.signature}): 9.7, frozenset({a.signature}): 9.2, frozenset({b.signature}): 9.6,
           frozenset({c_sig}): 9.1, frozenset({c_sig, b.signature}): 8.9}
-    for r in rep.candidates:  # alone, A saved 1.0 ms and B 0.8: the chosen plan keeps 0.3 of 1.8 in the program
-        if r.signature in (a.signature, b.signature):
-            r.xla_ms = r.best_ms + (1.0 if r.signature == a.signature else 0.8)
+    for r in rep.candidates:  # alone, A saved 1.0 ms and B 0.8: the chosen plan keeps 0.3 of 1.8 in the program; C 0.5
+        if r.signature in (a.signature, b.signature, c_sig):  # (a group saving less alone than half the noise of a
+            r.xla_ms = r.best_ms + {a.signature: 1.0, b.signature: 0.8, c_sig: 0.5}[r.signature]  # whole-program timing is not judged alone)
     t = lambda v: Timing(v, v * 0.99, v * 1.01, v * 0.995, v * 1.005)  # noqa: E731
 
     class Device:

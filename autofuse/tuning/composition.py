@@ -22,6 +22,7 @@ MIN_NOISE = 0.005  # a plan must beat jax.jit by at least this fraction, whateve
 MAX_COMPARISONS = 2  # close calls between a later plan and the fastest so far, decided by timing the two against each other
 REALISED_ENOUGH = 0.8  # a chosen plan that keeps this share of its savings alone is not taken apart again (`extend`)
 MAX_IN_CONTEXT = 5  # distinct groups, the largest savings alone first, each validated as a plan of its own on the GPU
+MEASURABLE = 0.5  # of a whole-program timing's noise (ms): a group saving less alone is not judged alone in the program
 
 
 @dataclass
@@ -78,20 +79,34 @@ def comparison_record(earlier: Plan, later: Plan, c: ComparisonResult) -> dict:
             **{k: round(v, 3) for k, v in c.seconds.items()}, **({"error": c.error} if c.error else {})}
 
 
-def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[..., Measured], measured: list[Measured]) -> None:
+def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[..., Measured], measured: list[Measured],
+          alone: dict[str, float] | None = None) -> list[Plan]:
     """The chosen plan lost much of its groups' savings in the program: each distinct group (`singles`) in context on
-    its own, then those that saved time there together (`compose`)."""
+    its own, then those that saved time there together (`compose`). A group whose instances saved less alone than
+    `measurable_ms` of the chosen plan's timing is not judged (its saving in the program would be the noise's: GPT-2's
+    forward judged two groups of 0.06 ms each against a noise of 0.5 ms, 10 s of its selection); those are returned."""
     by_sig: dict[str, Measured] = {}
-    todo = []
+    todo, small = [], []
+    floor = measurable_ms(chosen)
     for single in singles:
         if same_groups(single, plan):  # the chosen plan of one distinct group: measured already
             by_sig[single.groups[0].signature] = chosen
+        elif alone is not None and 0 < plan_alone_ms(single, alone) < floor:
+            small.append(single)
         else:
             todo.append(single)
     total = 1 + len(todo) + 1
     for k, single in enumerate(todo):
         by_sig[single.groups[0].signature] = judge(single, "one group in context", k + 2, total, todo if k == 0 else [])
     judge_composed(compose(plan, singles, by_sig), measured, judge, total)
+    return small
+
+
+def measurable_ms(m: Measured) -> float:
+    """The least saving (ms) that a plan judged in the program the way `m` was could tell from noise: MEASURABLE of
+    `m`'s noise, in ms of its jax.jit time (0 where it has none)."""
+    base = m.validation.baseline
+    return MEASURABLE * m.noise * base.median_ms if base is not None else 0.0
 
 
 def extend(plan: Plan, extras: list[Plan], judge: Callable[..., Measured]) -> None:

@@ -38,6 +38,7 @@ from .composition import (
     extend,
     failure,
     group_plans,
+    measurable_ms,
     plan_alone_ms,
     probe,
     replace_losers,
@@ -301,7 +302,11 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
     if chosen.passed and 0 < REALISED_ENOUGH * chosen.alone_ms <= chosen.saving_ms:
         extend(plan, [p for p in group_plans(plan, alternative, alone) if beside(p, plan)], judge)
     else:
-        probe(plan, chosen, group_plans(plan, alternative, alone), judge, measured)
+        small = probe(plan, chosen, group_plans(plan, alternative, alone), judge, measured, alone)
+        if small and timings is not None:  # `show run` says which groups were too small to judge alone
+            timings["not_judged"] = {"floor_ms": round(measurable_ms(chosen), 4),
+                                     "groups": [{"instances": len(p.groups), "alone_ms": round(plan_alone_ms(p, alone), 4)} for p in small]}
+            recorded()
         if savings is not None:
             replace_losers(plan, measured, savings.plan, alone, judge)
             if best is not None:
