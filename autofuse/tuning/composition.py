@@ -80,7 +80,7 @@ def comparison_record(earlier: Plan, later: Plan, c: ComparisonResult) -> dict:
 
 
 def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[..., Measured], measured: list[Measured],
-          alone: dict[str, float] | None = None) -> list[Plan]:
+          alone: dict[str, float]) -> list[Plan]:
     """The chosen plan lost much of its groups' savings in the program: each distinct group (`singles`) in context on
     its own, then those that saved time there together (`compose`). A group whose instances saved less alone than
     `measurable_ms` of the chosen plan's timing is not judged (its saving in the program would be the noise's: GPT-2's
@@ -91,7 +91,7 @@ def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[...
     for single in singles:
         if same_groups(single, plan):  # the chosen plan of one distinct group: measured already
             by_sig[single.groups[0].signature] = chosen
-        elif alone is not None and 0 < plan_alone_ms(single, alone) < floor:
+        elif 0 < plan_alone_ms(single, alone) < floor:
             small.append(single)
         else:
             todo.append(single)
