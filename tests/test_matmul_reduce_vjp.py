@@ -225,3 +225,26 @@ def test_xla_is_modelled_as_two_fusions_each_reading_the_product():
     whole = costmodel.xla_group_time_ms(c.group)
     assert whole == pytest.approx(sum(costmodel.xla_group_time_ms(Group.of(g, ids)) for ids in parts))
     assert whole > costmodel.xla_group_time_ms(Group.of(g, first))
+
+
+@pytest.mark.parametrize("tail, grown", [(10, True), (300, False)])
+def test_a_growth_along_a_long_chain_of_the_products_shape_is_given_up(tail, grown):
+    """A log-softmax of a product, then `tail` elementwise steps on its result: the growth from the dot takes them all
+    (each keeps the product's shape) and is a two-stage group while it stays within `reread.MAX_MEMBERS`; past that,
+    the growth stops and no group is made (a projection onto a residual stream grew through every later layer of
+    GPT-2 medium's forward, 48 unique growths of up to 1105 nodes, each matched and declined: a third of the
+    enumeration; the candidates are the same without them)."""
+    from autofuse.kernels import reread
+
+    def fn(x, w):
+        z = jax.nn.log_softmax(x @ w, axis=-1)
+        for _ in range(tail):
+            z = z * 1.001
+        return z
+
+    g = autofuse.capture(fn, jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 128), jnp.float32))
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    parts = reread.split(g, dot)
+    assert (parts is not None) == grown
+    if grown:
+        assert tail < len(parts[0]) <= reread.MAX_MEMBERS and parts[1] and parts[2]

@@ -19,6 +19,11 @@ from ..graph import Graph, Group, convex
 from ..ops import OpClass, op_class
 
 MEMBER_OPS = (OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE)
+#: Nodes a growth from one dot may take before it is given up: no kernel of two stages holds more (a training step's
+#: cross-entropy pair is ~50, an attention backward ~65), and a projection onto a residual stream grows along it
+#: through every later layer (GPT-2 medium's forward: 48 growths of 24-1105 nodes, each unique, each matched and
+#: declined: a third of the program's enumeration).
+MAX_MEMBERS = 256
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,8 @@ def _split(graph: Graph, dot: int, column_sums: bool) -> Parts | None:
         elif not (shaped(nd.outputs[0]) or row(nd.outputs[0])):
             continue
         members.add(nd.id)
+        if len(members) > MAX_MEMBERS:
+            return None
         made.update(nd.outputs)
         for c in graph.succs(nd.id):
             if c not in seen:
