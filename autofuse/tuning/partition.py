@@ -112,11 +112,18 @@ class _Reach:
 
 
 def _bits(mask: int) -> list[int]:
+    """The set bits of `mask`, lowest first. A group's nodes lie close together in a program of thousands: shifted
+    down to its lowest member first, the loop works on a small int, not on one as wide as the program (GPT-2
+    medium's training step: 6295 bits, 400k calls, a seventh of its enumeration)."""
+    if not mask:
+        return []
+    base = (mask & -mask).bit_length() - 1
+    m = mask >> base
     out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
+    while m:
+        low = m & -m
+        out.append(base + low.bit_length() - 1)
+        m ^= low
     return out
 
 
