@@ -171,14 +171,12 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
             pstore.begin_selection(run_id, f"{os.uname().nodename}:{os.getpid()}")  # a resume after a kill from here on selects only
         marks("trials")
         n_trials = sum(1 for r in cands for t in r.trials if t.status.spends_budget)
-        timings: dict = {}
         saver = PlanSaver(pstore, ids, run_id, job.promote) if pstore is not None else None
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
-                          say if verbose else (lambda s: None), phase, compile_workers=threads, timings=timings,
+                          say if verbose else (lambda s: None), phase, compile_workers=threads,
                           on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")),
                           max_memory_bytes=job.max_memory_bytes, on_timings=lambda t: marks("selection", value=t, replace=True))
         marks("selected")
-        marks("selection", value=timings, replace=True)
         report.wall_s = clock() - t_start
         status = "finished"
     except KeyboardInterrupt:

@@ -90,8 +90,8 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     (seconds: check, singles, cover, validate, and per plan validated its parts). `on_passed` hears the report of
     the first plan that passes on the GPU, before the others are validated (the job stores it at once). `helpers`:
     trial processes on this host's other GPUs that validate the plans judged after the chosen one (`Helpers`).
-    `on_timings` hears `timings` as they grow (after the cover, each plan validated, each close call): the job
-    records them as they come, so that a job killed in its selection keeps what the selection learned."""
+    `on_timings` hears `timings` as they grow (after the cover, each plan validated, each close call, and whole at
+    the end): the job records them as they come, so that a job killed in its selection keeps what it learned."""
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
@@ -126,6 +126,8 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
                       timings=timings, on_passed=on_passed, alternative=savings.plan() if savings else None,
                       max_memory_bytes=max_memory_bytes, savings=savings, helpers=helpers, on_timings=on_timings)
     timings["validate"] = round(time.perf_counter() - t3, 3)
+    if on_timings is not None:
+        on_timings(timings)
     return report
 
 

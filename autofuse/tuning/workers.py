@@ -549,15 +549,13 @@ class _Worker:
         for r in self.cands:
             r.trials = [t for t in r.trials if t.status is not TrialStatus.LOST]
         n = sum(t.status.value not in UNCOUNTED for r in self.cands for t in r.trials)
-        timings: dict = {}
         saver = PlanSaver(self.pstore, RunIds(run["program_id"], run["device_id"], run["software_id"]), self.run_id)
         report = finalize(graph, by_sig, self.cands, self.loop.ctx.runner, self.loop.ctx.measure, gmodel, self.loop.ledger, run["program"], n,
-                          run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers, timings=timings,
+                          run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers,
                           on_passed=lambda first: (saver.early(first), marks("first_plan")),
                           max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"), helpers=helpers,
                           on_timings=lambda t: marks("selection", value=t, replace=True))
         marks("selected")
-        marks("selection", value=timings, replace=True)
         saver.final(report)
         marks("saved")
 
