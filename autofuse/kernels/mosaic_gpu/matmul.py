@@ -98,12 +98,16 @@ DEFAULTS = {
     "wg_dimension": M_DIM,  # the two compute warpgroups split the CTA tile along 0 (M: CTA tile 2*block_m x block_n) or 1 (N)
     "epilogue_wg": 0,  # 1: a third warpgroup runs the epilogue of tile t while the compute warpgroups run tile t+1's mainloop
     "cluster": 0,  # 2-CTA clusters sharing an operand by TMA multicast: 0 none, 1 along M (B shared), 2 along N (A shared)
+    "pingpong": 0,  # 1: the compute warpgroups take turns at whole [block_m, block_n] tiles (the CTA tile), one's epilogue beside the other's mainloop
 }
 PARAMS = tuple(DEFAULTS)
 #: Registers per thread of the memory, epilogue and (each of two) compute warpgroups with `epilogue_wg` (the SM's
 #: 64K registers are 512 per thread of one warpgroup; a compute warpgroup's [128, 128] float32 accumulator alone
 #: takes 128).
 EPI_WG_REGISTERS = (40, 96, 184)
+#: Registers per thread of the memory and (each of two) compute warpgroups with `pingpong` (as Pallas' own
+#: warp-specialised pipeline gives them: (512 - 40) / 2, rounded down to a multiple of 8).
+PINGPONG_REGISTERS = (40, 232)
 #: The largest [block_m, block_n] of a dual GEMM's warpgroup: its two float32 accumulators take what one
 #: [128, 128] accumulator does (128 registers per thread).
 DUAL_TILE = 128 * 64
@@ -120,6 +124,7 @@ class Config:
     wg_dimension: int
     epilogue_wg: int
     cluster: int
+    pingpong: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -130,11 +135,11 @@ class Config:
 
     @property
     def cta_m(self) -> int:
-        return self.block_m * (2 if self.wg_dimension == M_DIM else 1)
+        return self.block_m * (2 if self.wg_dimension == M_DIM and not self.pingpong else 1)
 
     @property
     def cta_n(self) -> int:
-        return self.block_n * (2 if self.wg_dimension == N_DIM else 1)
+        return self.block_n * (2 if self.wg_dimension == N_DIM and not self.pingpong else 1)
 
     @property
     def cluster_m(self) -> int:
@@ -296,6 +301,13 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("cluster must be 0 (none), 1 (M) or 2 (N)")
     if cfg.epilogue_wg and cfg.cluster:
         raise Unsupported("epilogue_wg=1 runs its own pipeline: no clusters")
+    if cfg.pingpong not in (0, 1, 2):
+        raise Unsupported("pingpong must be 0, 1 or 2")
+    if cfg.pingpong and (cfg.epilogue_wg or cfg.cluster):
+        raise Unsupported("pingpong=1 runs its own pipeline, the epilogues inline: no epilogue warpgroup, no clusters")
+    if cfg.pingpong and spec.epi.col_sums:
+        raise Unsupported("pingpong=1: sums over the rows take turns at one reduction scratch, which would chain the "
+                          "warpgroups' epilogues to each other")
     if spec.dot2 is not None and (cfg.epilogue_wg or cfg.cluster or bm * bn > DUAL_TILE):
         raise Unsupported(f"a dual GEMM keeps two float32 accumulators per warpgroup: block_m * block_n <= {DUAL_TILE} "
                           f"(here {bm} x {bn}), the epilogue inline (epilogue_wg=0), no clusters")
@@ -331,7 +343,7 @@ def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
     itemsize = np.dtype(g.avals[spec.a].dtype).itemsize
     k_steps = -(-spec.K // cfg.block_k)
     stages = min(cfg.max_concurrent_steps, k_steps)
-    ring = stages * (cfg.cta_m + len(spec.products) * cfg.cta_n) * cfg.block_k * itemsize
+    ring = stages * (cfg.cta_m + len(spec.products) * cfg.cta_n) * cfg.block_k * itemsize  # (pingpong: one warpgroup's tile)
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out_slots = min(2, (cfg.block_m * cfg.block_n) // (em * en))
     copies = 1 if cfg.epilogue_wg else 2  # per warpgroup that runs an epilogue
@@ -490,6 +502,75 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         it = iter(refs)
         return [[(next(it), first, cols) for _, first, cols in targets(spec, v)] for v in outs]
 
+    def epilogue_scratch(kdt: dict) -> dict:
+        """SMEM and barriers of the epilogues run by the two compute warpgroups (one slot set per warpgroup)."""
+        return {
+            "out_smem": [plgpu.SMEM((2, out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
+            "tile_smem": [plgpu.SMEM((2 * n_tile_slots, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
+            "vec_smem": [plgpu.SMEM((2, bm if espan[v] == ROWS else bn), kdt[v]) for v in vec_in],
+            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=2 * n_tile_slots) if tile_in else None,
+            "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in), num_barriers=2) if vec_in else None,
+            "sum_smem": [plgpu.SMEM((2, out_slots, en), jnp.float32) for _ in sums],
+            "turns": plgpu.Barrier(num_arrivals=1, num_barriers=2) if sums else None,  # warpgroup w's reduction done
+        }
+
+    @dataclasses.dataclass
+    class WarpgroupEpilogue:
+        """The epilogue of one compute warpgroup's [bm, bn] tile at rows wg_r0.., columns wg_c0.., run inline by that
+        warpgroup: `prefetch()` issues its inputs' TMA loads (before the mainloop, so that they overlap it), `run(accs)`
+        evaluates the pieces on the accumulators and stores them. The refs are the `epilogue_scratch` ones."""
+        in_gmem: dict
+        out_gmem: list
+        sum_gmem: tuple
+        out_smem: list
+        tile_smem: dict
+        vec_smem: dict
+        tile_barrier: object
+        vec_barrier: object
+        sum_smem: list
+        in_turn: Callable | None
+        wg: object
+        wg_r0: object
+        wg_c0: object
+
+        def piece_origin(self, i: int):
+            return self.wg_r0 + (i // (bn // en)) * em, self.wg_c0 + (i % (bn // en)) * en
+
+        def tile_slot(self, i: int):
+            return self.wg * n_tile_slots + i % n_tile_slots
+
+        def fetch_tiles(self, i: int) -> None:
+            """TMA the epilogue's [M, N] inputs of piece i into this warpgroup's SMEM slot of it (zero past the edges)."""
+            r0, c0 = self.piece_origin(i)
+            for v in tile_in:
+                plgpu.copy_gmem_to_smem(self.in_gmem[v].at[pl.ds(r0, em), pl.ds(c0, en)], self.tile_smem[v].at[self.tile_slot(i)],
+                                        self.tile_barrier.at[self.tile_slot(i)])
+
+        def prefetch(self) -> None:
+            for v in vec_in:
+                src = self.in_gmem[v].at[pl.ds(self.wg_r0, bm)] if espan[v] == ROWS else self.in_gmem[v].at[pl.ds(self.wg_c0, bn)]
+                plgpu.copy_gmem_to_smem(src, self.vec_smem[v].at[self.wg], self.vec_barrier.at[self.wg])
+            for i in range(n_tile_slots if tile_in else 0):
+                self.fetch_tiles(i)
+
+        def run(self, accs: list, first) -> None:
+            """`first`: this is the CTA's first tile (no reduction turn of the other warpgroup before it)."""
+            wg = self.wg
+            scalars = {v: _from_kernel(self.in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
+            if vec_in:
+                plgpu.barrier_wait(self.vec_barrier.at[wg])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for i in range(n_pieces):
+                mi, ni = divmod(i, bn // en)
+                epilogue_piece(
+                    [product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec) for acc in accs], scalars,
+                    lambda v: self.vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else self.vec_smem[v].at[wg, pl.ds(ni * en, en)],
+                    lambda v, i=i: self.tile_smem[v].at[self.tile_slot(i)], self.tile_barrier.at[self.tile_slot(i)] if tile_in else None,
+                    [sm.at[wg, i % out_slots] for sm in self.out_smem], self.out_gmem, *self.piece_origin(i),
+                    functools.partial(self.fetch_tiles, i + n_tile_slots) if tile_in and i + n_tile_slots < n_pieces else None,
+                    tuple(sm.at[wg, i % out_slots] for sm in self.sum_smem), self.sum_gmem,
+                    functools.partial(self.in_turn, first=first & (i == 0)) if self.in_turn is not None else None)
+
     def body(a_gmem, b_gmem, *rest):
         b_gmems, rest = (b_gmem, *rest[:int(dual)]), rest[int(dual):]  # a dual GEMM's second B comes next
         in_gmem = dict(zip(ein, rest[: len(ein)]))
@@ -509,16 +590,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
         ignore = lambda *_, **__: None  # noqa: E731
         kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
-        scratch = {
-            "pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, *b_gmems),
-            "out_smem": [plgpu.SMEM((2, out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
-            "tile_smem": [plgpu.SMEM((2 * n_tile_slots, em, en), kdt[v], transforms=in_tf[v]) for v in tile_in],
-            "vec_smem": [plgpu.SMEM((2, bm if espan[v] == ROWS else bn), kdt[v]) for v in vec_in],
-            "tile_barrier": plgpu.Barrier(num_arrivals=len(tile_in), num_barriers=2 * n_tile_slots) if tile_in else None,
-            "vec_barrier": plgpu.Barrier(num_arrivals=len(vec_in), num_barriers=2) if vec_in else None,
-            "sum_smem": [plgpu.SMEM((2, out_slots, en), jnp.float32) for _ in sums],
-            "turns": plgpu.Barrier(num_arrivals=1, num_barriers=2) if sums else None,  # warpgroup w's reduction done
-        }
+        scratch = {"pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, *b_gmems), **epilogue_scratch(kdt)}
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
         def _scope(pipeline_allocs, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier, sum_smem, turns):
@@ -544,50 +616,18 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
                 cta_r0, cta_c0 = cta_origin(info.index[0])
-                wg_r0 = cta_r0 + (wg * bm if wg_m else 0)  # this warpgroup's first row / column
-                wg_c0 = cta_c0 + (0 if wg_m else wg * bn)
                 wg_rows = pl.ds(wg * bm, bm) if wg_m else slice(None)
                 wg_cols = slice(None) if wg_m else pl.ds(wg * bn, bn)
-
-                def piece_origin(i: int):
-                    return wg_r0 + (i // (bn // en)) * em, wg_c0 + (i % (bn // en)) * en
-
-                def tile_slot(i: int):
-                    return wg * n_tile_slots + i % n_tile_slots
-
-                def fetch_tiles(i: int):
-                    """TMA the epilogue's [M, N] inputs of piece i into this warpgroup's SMEM slot of it (zero past the edges)."""
-                    r0, c0 = piece_origin(i)
-                    for v in tile_in:
-                        plgpu.copy_gmem_to_smem(in_gmem[v].at[pl.ds(r0, em), pl.ds(c0, en)], tile_smem[v].at[tile_slot(i)],
-                                                tile_barrier.at[tile_slot(i)])
+                epi = WarpgroupEpilogue(in_gmem, out_gmem, sum_gmem, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier,
+                                        sum_smem, in_turn, wg, cta_r0 + (wg * bm if wg_m else 0), cta_c0 + (0 if wg_m else wg * bn))
 
                 def compute_context(eval_pipeline):
-                    # Issued before the mainloop, so that they overlap it.
-                    for v in vec_in:
-                        src = in_gmem[v].at[pl.ds(wg_r0, bm)] if espan[v] == ROWS else in_gmem[v].at[pl.ds(wg_c0, bn)]
-                        plgpu.copy_gmem_to_smem(src, vec_smem[v].at[wg], vec_barrier.at[wg])
-                    for i in range(n_tile_slots if tile_in else 0):
-                        fetch_tiles(i)
+                    epi.prefetch()
 
                     @functools.partial(pl.run_scoped, acc_refs=[plgpu.ACC((bm, bn), jnp.float32) for _ in b_gmems])
                     def _acc_scope(acc_refs):
                         eval_pipeline(tuple(acc_refs))
-                        accs = [r[...] for r in acc_refs]
-                        scalars = {v: _from_kernel(in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
-                        if vec_in:
-                            plgpu.barrier_wait(vec_barrier.at[wg])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for i in range(n_pieces):
-                            mi, ni = divmod(i, bn // en)
-                            epilogue_piece(
-                                [product_tile(acc[mi * em:(mi + 1) * em, ni * en:(ni + 1) * en], spec) for acc in accs], scalars,
-                                lambda v: vec_smem[v].at[wg, pl.ds(mi * em, em)] if espan[v] == ROWS else vec_smem[v].at[wg, pl.ds(ni * en, en)],
-                                lambda v, i=i: tile_smem[v].at[tile_slot(i)], tile_barrier.at[tile_slot(i)] if tile_in else None,
-                                [sm.at[wg, i % out_slots] for sm in out_smem], out_gmem, *piece_origin(i),
-                                functools.partial(fetch_tiles, i + n_tile_slots) if tile_in and i + n_tile_slots < n_pieces else None,
-                                tuple(sm.at[wg, i % out_slots] for sm in sum_smem), sum_gmem,
-                                functools.partial(in_turn, first=(info.local_index == 0) & (i == 0)))
+                        epi.run([r[...] for r in acc_refs], info.local_index == 0)
 
                 def mma_body(_, a_smem, *b_smems_and_accs):
                     *b_smems, acc_refs = b_smems_and_accs
@@ -606,6 +646,118 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 @pl.when(wg == 0)
                 def _():
                     plgpu.barrier_wait(turns.at[1])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def body_pingpong(a_gmem, b_gmem, *rest):
+        """Three warpgroups: a memory one (TMA) and two compute ones that take turns at the CTA's output tiles (its
+        j-th to warpgroup j % 2), each running a whole [block_m, block_n] tile and then its epilogue inline, so that
+        one warpgroup's epilogue runs while the other's mainloop keeps the tensor cores busy (CUTLASS's ping-pong
+        schedule; the cooperative one above stops the tensor cores for every tile's epilogue).
+
+        One ring of operand slots filled in the walk's order, so the next tile's first steps land while this one's
+        last run and the warpgroups' mainloops follow each other. Its barriers are per warpgroup (`full` / `empty`
+        at w * stages + slot): a barrier's phase is tracked by each thread that waits on it, so a warpgroup may wait
+        only on a barrier every phase of which it observes. Each warpgroup keeps one step's wgmma in flight while it
+        issues the next, releasing a slot a step late."""
+        b_gmems, rest = (b_gmem, *rest[:int(dual)]), rest[int(dual):]
+        in_gmem = dict(zip(ein, rest[: len(ein)]))
+        out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
+        kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
+        a_blk = (bk, bm) if a_km else (bm, bk)
+        b_blk = (bn, bk) if b_nk else (bk, bn)
+        scratch = {
+            "a_ring": plgpu.SMEM((stages, *a_blk), dt, transforms=op_tf),
+            "b_rings": [plgpu.SMEM((stages, *b_blk), dt, transforms=op_tf) for _ in b_gmems],
+            "full": plgpu.Barrier(num_arrivals=1 + len(b_gmems), num_barriers=2 * stages),
+            "empty": plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+            **epilogue_scratch(kdt),
+        }
+        groups = len(b_gmems)  # wgmma commit groups per step
+        in_flight = cfg.pingpong == 1  # 2: each step's wgmma waited for before its slot is released
+
+        @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+        def _scope(a_ring, b_rings, full, empty, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier, sum_smem, turns):
+            wg = lax.axis_index("wg")
+            tile_smem = dict(zip(tile_in, tile_smem))
+            vec_smem = dict(zip(vec_in, vec_smem))
+
+            def tiles_loop(fn):
+                """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup)."""
+                @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+                def _loop(info: plgpu.NDLoopInfo):
+                    fn(info, *cta_origin(info.index[0]))
+
+            def owner(step):
+                return lax.rem(lax.div(step, k_iters), 2)
+
+            @pl.when(wg == 2)
+            def _memory():
+                plgpu.set_max_registers(PINGPONG_REGISTERS[0], action="decrease")
+
+                @tiles_loop
+                def _(info, r0, c0):
+                    @pl.loop(0, k_iters)
+                    def _k(k):
+                        step = info.local_index * k_iters + k
+                        slot = lax.rem(step, stages)
+
+                        @pl.when(step >= stages)
+                        def _():
+                            plgpu.barrier_wait(empty.at[owner(step - stages) * stages + slot])
+
+                        ks = pl.ds(k * bk, bk)
+                        bar = full.at[owner(step) * stages + slot]
+                        plgpu.copy_gmem_to_smem(a_gmem.at[ks, pl.ds(r0, bm)] if a_km else a_gmem.at[pl.ds(r0, bm), ks], a_ring.at[slot], bar)
+                        for b, ring in zip(b_gmems, b_rings):
+                            plgpu.copy_gmem_to_smem(b.at[pl.ds(c0, bn), ks] if b_nk else b.at[ks, pl.ds(c0, bn)], ring.at[slot], bar)
+
+                    @pl.when(info.local_index == info.num_local_steps - 1)
+                    def _drain():  # observe the ring's last releases too (every phase of a barrier is waited on)
+                        @pl.loop(0, stages)
+                        def _(j):
+                            step = (info.local_index + 1) * k_iters - stages + j
+                            plgpu.barrier_wait(empty.at[owner(step) * stages + lax.rem(step, stages)])
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(PINGPONG_REGISTERS[1], action="increase")
+
+                @tiles_loop
+                def _(info, r0, c0):
+                    @pl.when(lax.rem(info.local_index, 2) == wg)
+                    def _mine():
+                        epi = WarpgroupEpilogue(in_gmem, out_gmem, sum_gmem, out_smem, tile_smem, vec_smem, tile_barrier,
+                                                vec_barrier, sum_smem, None, wg, r0, c0)
+                        epi.prefetch()
+
+                        @functools.partial(pl.run_scoped, acc_refs=[plgpu.ACC((bm, bn), jnp.float32) for _ in b_gmems])
+                        def _acc_scope(acc_refs):
+                            def release(k):  # the slot of this tile's k-th step, whose wgmma has completed
+                                plgpu.barrier_arrive(empty.at[wg * stages + lax.rem(info.local_index * k_iters + k, stages)])
+
+                            @pl.loop(0, k_iters)
+                            def _k(k):
+                                slot = lax.rem(info.local_index * k_iters + k, stages)
+                                plgpu.barrier_wait(full.at[wg * stages + slot])
+                                a = a_ring.at[slot]
+                                a = a.T if a_km else a
+                                for acc_ref, ring in zip(acc_refs, b_rings):
+                                    plgpu.wgmma(acc_ref, a, ring.at[slot].T if b_nk else ring.at[slot])
+                                if in_flight:
+                                    plgpu.wgmma_wait(groups)  # the step before this one is done: its slot is free
+
+                                    @pl.when(k > 0)
+                                    def _():
+                                        release(k - 1)
+                                else:
+                                    plgpu.wgmma_wait(0)
+                                    release(k)
+
+                            if in_flight:
+                                plgpu.wgmma_wait(0)
+                                release(k_iters - 1)
+                            epi.run([r[...] for r in acc_refs], info.local_index < 2)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -787,7 +939,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         csize = cfg.cluster_m * cfg.cluster_n
         cluster = dict(cluster=(csize,), cluster_names=("cluster",)) if csize > 1 else {}
         call = plgpu.kernel(
-            body_epilogue_wg if cfg.epilogue_wg else body, out_type=out_type,
+            body_epilogue_wg if cfg.epilogue_wg else body_pingpong if cfg.pingpong else body, out_type=out_type,
             grid=(max(1, min(sms // csize, cl_m_iters * cl_n_iters)),), grid_names=("sm",), **cluster,
             num_threads=4 if cfg.epilogue_wg else 3, thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
