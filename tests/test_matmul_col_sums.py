@@ -11,9 +11,11 @@ import pytest
 import autofuse
 from autofuse.graph import bind_node, read_atom
 from autofuse.kernels import TEMPLATES
+from autofuse.costmodel import H200
 from autofuse.plan import build_group, plan_from_choices
 from autofuse.runner.evaluator import export_for_cuda
 from autofuse.tuning.partition import enumerate_candidates
+from autofuse.tuning.space import CandidateSpace
 from tests.kernel_checks import assert_plan_matches_jit, rel_err
 from tests.quick import slow_except
 
@@ -101,6 +103,12 @@ def test_mosaic_gpu_sums_over_rows_in_either_epilogue_race_free_and_lower_for_cu
     cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "block_m": 64, "block_n": 64, "epi_tile_n": 32,
            "epilogue_wg": epilogue_wg}
     assert TEMPLATES["matmul"].unsupported(c.spec, "mosaic_gpu", cfg) is None
+    # taking turns at the reduction scratch would chain ping-pong's warpgroups, whose epilogues run at different times:
+    # the lowering declines it, and the search space never samples it
+    pp = {**cfg, "epilogue_wg": 0, "pingpong": 1}
+    assert "pingpong" in TEMPLATES["matmul"].unsupported(c.spec, "mosaic_gpu", pp)
+    space = CandidateSpace.of("matmul", c.group, c.spec, H200, ("mosaic_gpu",)).spaces["mosaic_gpu"]
+    assert any("ping-pong" in why for why in space.violated(pp)) and space.violated({**pp, "pingpong": 0}) == []
     env = _values(graph, args)
     ins = [env[v] for v in c.group.inputs]
     kernel = mgpu_matmul.lower(c.group, c.spec, cfg, interpret=plgpu.InterpretGPUParams(detect_races=True), num_sms=2)

@@ -88,6 +88,7 @@ def _inputs(group):
     pytest.param(SWIGLU, {"wg_dimension": 0, "grid_minor_dim": 1}, id="swiglu-stacked"),
     pytest.param(GEGLU, {"block_m": 128, "epi_tile_m": 128, "wg_dimension": 0}, id="geglu-bias-nk"),
     pytest.param(SWIGLU_F32, {}, id="swiglu-float32"),
+    pytest.param(SWIGLU, {"pingpong": 1, "block_m": 64, "block_n": 64}, id="swiglu-pingpong"),
 ], "swiglu-side-by-side"))
 def test_the_combination_matches_jax_jit_at_ragged_edges(program, extra) -> None:
     """Interpret mode with the race detector, against the group's own jaxpr under jax.jit."""
@@ -112,7 +113,7 @@ def test_the_cuda_lowering_runs_two_accumulators_within_the_register_budget() ->
     declined before anything compiles."""
     group, spec = _candidate(swiglu, S((8192, 2048), BF16), S((2048, 8192), BF16), S((2048, 8192), BF16))
     default = mgpu_matmul.default_config(spec)
-    for cfg in (default, {**default, "block_m": 128, "block_n": 64, "wg_dimension": 1}):
+    for cfg in (default, {**default, "block_m": 128, "block_n": 64, "wg_dimension": 1}, {**default, "pingpong": 1}):
         exp = export_for_cuda(mgpu_matmul.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
         assert [(o.shape, o.dtype) for o in exp.out_avals] == [(a.shape, a.dtype) for a in group.output_avals()]
     for bad in ({"block_m": 128, "block_n": 128}, {"epilogue_wg": 1}, {"cluster": 2}):

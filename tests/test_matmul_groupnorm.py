@@ -135,6 +135,9 @@ MOSAIC_CASES = [
     pytest.param(gn_ex2, ((70, 48), (96, 48), (96,), (96,), (96,)), F16, None, id="Bt-ex2-gn-f16-ragged-N"),
     pytest.param(gn_at, ((40, 50), (40, 192), (50, 1)), BF16, None, id="At-gn-rowscale-bf16-seg64"),
     pytest.param(gn_3d, ((2, 37, 40), (40, 64), (64,)), BF16, None, id="3d-lhs-mean-max-bf16"),
+    pytest.param(GN4, ((200, 96), (96, 256), (256,), (256,), (256,)), BF16,
+                 {"block_m": 64, "block_n": 128, "block_k": 32, "max_concurrent_steps": 2, "epi_tile_m": 64, "epi_tile_n": 64,
+                  "grid_tile_width": 2, "grid_minor_dim": 0, "pingpong": 1}, id="swish-gn-bf16-seg64-pingpong"),
 ]
 
 
