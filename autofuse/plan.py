@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from . import kernel_cache
 from .differentiate import differentiable
 from .graph import Graph, Group, bind_node, execution_order, read_atom, stage_groups
 from .kernels import TEMPLATES
@@ -252,11 +253,17 @@ def preload_pallas_lowerings(interpret: bool | None = None) -> None:
 
 
 def build_group(group: Group, template: str, config: dict, *, backend: str = "triton", interpret: bool | None = None) -> Callable:
+    """The group's kernel for `config`: a function of its inputs (in `group.inputs` order) giving its outputs. On a
+    GPU it is lowered once for all processes and jobs (`kernel_cache`)."""
     mod = TEMPLATES[template]
     spec = mod.match(group)
     if spec is None:
         raise PlanError(f"template {template} does not match group {list(group.node_ids)}")
-    return mod.build(group, config, backend=backend, interpret=default_interpret() if interpret is None else interpret, spec=spec)
+    interpret = default_interpret() if interpret is None else interpret
+    kernel = mod.build(group, config, backend=backend, interpret=interpret, spec=spec)
+    if interpret or jax.default_backend() != "gpu":  # (the CPU lowers GPU kernels only to check them: nothing to keep)
+        return kernel
+    return kernel_cache.cached(kernel, group, template, backend, config)
 
 
 def build_differentiable_group(group: Group, template: str, config: dict, *, backend: str = "triton",

@@ -3,7 +3,6 @@ compute the same thing are tuned once), their search spaces, the run in the stor
 and one Optuna study per candidate with its first configs enqueued."""
 from __future__ import annotations
 
-import functools
 import glob
 import hashlib
 import json
@@ -20,7 +19,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .. import costmodel
+from .. import costmodel, digests
 from ..device import backend_unavailable, default_backends, device_info, software
 from ..graph import Graph, Group, flatten_args, qualified_name
 from ..processes import pid_alive
@@ -159,29 +158,9 @@ def _enumeration_code() -> str:
     the templates registered now (a plugin's too: its name and its module's source). No search space is part of it,
     bundled or the user's ($AUTOFUSE_SEARCH_SPACES): the cache holds groups and templates only, and each job reads
     the spaces afresh, so an edited space is never served from here."""
-    from ..kernels import TEMPLATES
-
-    h = hashlib.sha256(_autofuse_code().encode())
-    for name, tmpl in TEMPLATES.items():
-        h.update(name.encode())
-        h.update(_file_digest(sys.modules[type(tmpl).__module__].__file__ or "").encode())
+    h = hashlib.sha256(digests.sources("graph.py", "ops.py", "tuning/partition.py", "kernels/**/*.py").encode())
+    digests.templates_digest(h)
     return h.hexdigest()[:16]
-
-
-@functools.cache
-def _autofuse_code() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    files = [os.path.join(root, "graph.py"), os.path.join(root, "ops.py"), os.path.join(root, "tuning", "partition.py"),
-             *sorted(glob.glob(os.path.join(root, "kernels", "**", "*.py"), recursive=True))]
-    return "".join(_file_digest(f) for f in files)
-
-
-def _file_digest(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return path
 
 
 def _states(by_sig: dict[str, list[Candidate]]) -> list[CandidateState]:
