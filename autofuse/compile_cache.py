@@ -7,7 +7,8 @@ JAX's persistent compilation cache at one directory where the user chose none: `
 (``off`` for none), else ``~/.cache/autofuse/jax-compile/jaxlib-<version>``, capped at `MAX_BYTES` (JAX evicts
 the least recently used entries). JAX caches only compilations that took at least a second (its default), so the
 small kernels of trials are compiled as before. Where JAX is already imported it is configured through
-`jax.config`; else through the environment variables JAX reads at import. Imports nothing from JAX itself.
+`jax.config`; else through the environment variables JAX reads at import. Imports nothing from JAX itself, but for
+`keep_short_compiles` (called on a GPU, where kernels are built).
 """
 from __future__ import annotations
 
@@ -55,3 +56,18 @@ def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
 
 
 DIR: str | None = None  # set by `import autofuse`
+MIN_COMPILE_S = 0.1  # what `keep_short_compiles` keeps from
+JAX_MIN = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
+def keep_short_compiles(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Keep compilations of `MIN_COMPILE_S` or more in the cache autofuse chose (JAX's default keeps those of a second
+    or more): on a GPU a kernel's program compiles in 0.2-1.2 s and a job compiles each in several processes
+    (results/compile_cost_h200.md). Left alone where the user chose the cache or the threshold; True if set."""
+    import jax
+
+    if DIR is None or DIR != default_dir(environ) or JAX_MIN in environ:
+        return False
+    if jax.config.jax_persistent_cache_min_compile_time_secs > MIN_COMPILE_S:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
+    return True

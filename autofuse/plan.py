@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import kernel_cache
+from . import compile_cache, kernel_cache
 from .differentiate import differentiable
 from .graph import Graph, Group, bind_node, execution_order, read_atom, stage_groups
 from .kernels import TEMPLATES
@@ -254,7 +254,7 @@ def preload_pallas_lowerings(interpret: bool | None = None) -> None:
 
 def build_group(group: Group, template: str, config: dict, *, backend: str = "triton", interpret: bool | None = None) -> Callable:
     """The group's kernel for `config`: a function of its inputs (in `group.inputs` order) giving its outputs. On a
-    GPU it is lowered once for all processes and jobs (`kernel_cache`)."""
+    GPU it is lowered once for all processes and jobs (`kernel_cache`), and compiled once (`compile_cache`)."""
     mod = TEMPLATES[template]
     spec = mod.match(group)
     if spec is None:
@@ -263,6 +263,7 @@ def build_group(group: Group, template: str, config: dict, *, backend: str = "tr
     kernel = mod.build(group, config, backend=backend, interpret=interpret, spec=spec)
     if interpret or jax.default_backend() != "gpu":  # (the CPU lowers GPU kernels only to check them: nothing to keep)
         return kernel
+    compile_cache.keep_short_compiles()
     return kernel_cache.cached(kernel, group, template, backend, config)
 
 

@@ -55,3 +55,23 @@ def test_configured_through_jax_config_where_jax_was_imported_first(tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", before[0])
         jax.config.update("jax_compilation_cache_max_size", before[1])
+
+
+def test_short_compiles_are_kept_only_in_the_cache_autofuse_chose(tmp_path, monkeypatch):
+    """On a GPU a kernel compiles in 0.2-1.2 s, under JAX's one-second threshold: `keep_short_compiles` lowers it
+    where autofuse chose the cache, and leaves the user's cache and the user's threshold alone."""
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    ours = {compile_cache.ENV_DIR: str(tmp_path / "c")}
+    try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        monkeypatch.setattr(compile_cache, "DIR", str(tmp_path / "own"))  # the user's JAX_COMPILATION_CACHE_DIR
+        assert not compile_cache.keep_short_compiles(ours)
+        monkeypatch.setattr(compile_cache, "DIR", str(tmp_path / "c"))
+        assert not compile_cache.keep_short_compiles({**ours, compile_cache.JAX_MIN: "2"})  # the user's threshold
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+        assert compile_cache.keep_short_compiles(ours)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_S
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)

@@ -361,6 +361,22 @@ def test_the_first_trials_compile_with_the_first_xla_references():
     assert CompileAhead(Recorder(), cands, spaces, "device", 1).first_batch() == []
 
 
+def test_the_workers_of_a_host_share_the_first_batch_between_them():
+    """Numbered workers (`index`) starting together each compile every `share`-th candidate of the first batch, the
+    others' kernels coming from the kernel and compilation caches: together they compile the batch once, where each
+    compiled it whole. Every candidate of it is marked sent in each (its trial compiles what it does not find)."""
+    *_, cands, spaces = _program()
+    whole = CompileAhead(Recorder(), cands, spaces, "device", 2, share=3, budget=30)
+    batch = whole.first_batch()
+    parts = []
+    for w in range(3):
+        ca = CompileAhead(Recorder(), cands, spaces, "device", 2, share=3, budget=30, index=w)
+        parts.append(ca.first_batch())
+        assert ca.sent == whole.sent and len(ca.sent) >= 3
+    assert all(parts) and sorted(map(repr, (q for p in parts for q in p))) == sorted(map(repr, batch))
+    assert not set(map(repr, parts[0])) & set(map(repr, parts[1]))
+
+
 def test_finding_model_bests_ahead_keeps_the_main_threads_gil_waits_short(monkeypatch):
     """The model's bests are found on a background thread (pure Python, ~14 s for GPT-2) while the main thread talks
     to the store and the trial process; at the default 5 ms switch interval every return from I/O waited for the GIL

@@ -128,9 +128,9 @@ class CompileAhead:
     """
 
     def __init__(self, runner: Any, cands: list[CandidateState], spaces: dict[str, CandidateSpace], measure: str, workers: int,
-                 share: int = 1, budget: int | None = None):
+                 share: int = 1, budget: int | None = None, index: int | None = None):
         self.runner, self.cands, self.spaces, self.measure = runner, cands, spaces, measure
-        self.workers, self.share, self.budget = workers, max(1, share), budget
+        self.workers, self.share, self.budget, self.index = workers, max(1, share), budget, index
         self.sent: set[int] = set()
         self.batches: list[int] = []  # the size of each batch sent
         self.seconds: list[float] = []  # how long each batch took to compile
@@ -147,27 +147,35 @@ class CompileAhead:
     def first_batch(self) -> list[XlaRequest | TrialRequest]:
         """The batch `before` would send for phase 1's first candidate, marked sent: the job compiles it with its
         first XLA references (`time_xla_concurrently`), whose timings then decide phase 1's order (a first
-        candidate guessed wrong has its batch sent by `before`, as any)."""
+        candidate guessed wrong has its batch sent by `before`, as any). The workers of one host (`index` given)
+        each compile every `share`-th of its candidates, as they all start together: on a GPU each kernel is kept
+        lowered and compiled for the others (`kernel_cache`, `compile_cache`), where each worker compiled them all
+        (GPT-2's ~31 first kernels: 7-9 s per worker on 4 H200s, results/multi_gpu_h200x4_run18.md)."""
         if self.workers <= 1 or self.measure != "device":
             return []
         first = next((j for j in phase1_order(self.cands, self.spaces) if not self.cands[j].trials), None)
-        return [] if first is None else list(self._take(first))
+        if first is None:
+            return []
+        pick = self._pick(first)
+        if self.index is not None and self.share > 1:
+            pick = pick[self.index % self.share::self.share]
+        return [q for j in pick for q in self.first_requests(j)]
 
-    def _take(self, i: int) -> tuple[XlaRequest | TrialRequest, ...]:
-        """Candidate i's first requests and those of the next untried candidates in phase 1's order, no more than
-        this worker's part of the trials left; marked sent."""
+    def _pick(self, i: int) -> list[int]:
+        """Candidate i and the next untried candidates in phase 1's order, no more than this worker's part of the
+        trials left; marked sent."""
         n = chunk_size(self.workers)
         if self.budget is not None:  # this worker's part of the trials left
             n = min(n, -(-(self.budget - sum(len(c.spent()) for c in self.cands)) // self.share))
         rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent]
         pick = [i] + rest[:max(0, n - 1)]
         self.sent.update(pick)
-        return tuple(q for j in pick for q in self.first_requests(j))
+        return pick
 
     def before(self, i: int) -> None:
         if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
             return
-        reqs = self._take(i)
+        reqs = [q for j in self._pick(i) for q in self.first_requests(j)]
         if len(reqs) > 1:
             self.batches.append(len(reqs))
             t0 = time.perf_counter()

@@ -349,7 +349,8 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
                 prefetch = prefetch_model_bests(cands, spaces, order)
             spent: dict = {}
             first = [cands[i] for i in order]
-            ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total)
+            ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total,
+                                 index=index)
             timed = share_xla(pstore, run_id, first, runner, me, threads, stale_s=2 * o.trial_timeout_s + 60,
                               share=job.get("workers") or 1, spent=spent, first_trials=ahead.first_batch())
             marks(f"xla_parts {me}", value=spent)
