@@ -8,7 +8,7 @@ built for a config on a GPU, is exported (the lowered StableHLO, the Pallas kern
 and serialized into a directory, keyed by the group's computation, template, backend and config, the device, JAX's
 version and the source of the kernels; a process asking for the same kernel deserializes it (milliseconds) and calls
 it, and JAX's compilation cache then finds its executable. A kernel that cannot be exported runs as built and is
-not kept; an entry that cannot be read is made again.
+not kept; an entry that cannot be read is made again; past `MAX_BYTES` the least recently used entries go.
 
 ``$AUTOFUSE_KERNEL_CACHE_DIR`` (``off``: none), else ``~/.cache/autofuse/kernels/jaxlib-<version>``.
 """
@@ -27,6 +27,7 @@ from .graph import Group
 from .xla_autotune import jaxlib_cache_dir
 
 ENV_DIR = "AUTOFUSE_KERNEL_CACHE_DIR"
+MAX_BYTES = 2 * 2**30  # an entry is tens of KB: tens of thousands of kernels; the least recently used go first
 log = logging.getLogger("autofuse")
 
 
@@ -69,7 +70,9 @@ def cached(kernel: Callable, group: Group, template: str, backend: str, config: 
     path = os.path.join(root, key[:2], f"{key}.jaxexp")
     try:
         with open(path, "rb") as f:
-            return _call(jax.export.deserialize(bytearray(f.read())))
+            exp = jax.export.deserialize(bytearray(f.read()))
+        os.utime(path)  # used now: the last to be evicted
+        return _call(exp)
     except FileNotFoundError:
         pass
     except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: made again below
@@ -83,6 +86,7 @@ def cached(kernel: Callable, group: Group, template: str, backend: str, config: 
         log.debug("autofuse: kernel of %s (%s, %s) not exported: %s: %s", group.signature, template, backend, type(e).__name__, e)
         return kernel
     _write(path, blob)
+    trim(root)
     return _call(exp)
 
 
@@ -104,5 +108,23 @@ def _write(path: str, blob: bytes) -> None:
         log.debug("autofuse: could not keep a kernel in %s: %s", path, e)
         try:
             os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def trim(root: str, max_bytes: int = MAX_BYTES) -> None:
+    """Delete the least recently used entries until the cache holds at most `max_bytes`."""
+    try:
+        entries = [(e.stat().st_mtime, e.stat().st_size, e.path) for d in os.scandir(root) if d.is_dir()
+                   for e in os.scandir(d.path) if e.name.endswith(".jaxexp")]
+    except OSError:
+        return
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= max_bytes:
+            return
+        try:
+            os.unlink(path)
+            total -= size
         except OSError:
             pass

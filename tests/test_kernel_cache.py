@@ -9,7 +9,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import autofuse
 from autofuse import kernel_cache
@@ -95,3 +94,15 @@ def test_no_cache_when_turned_off_and_none_for_interpreted_kernels(tmp_path, mon
     build_group(Group.of(g, [n.id for n in g.nodes]), "elementwise", {"block_rows": 32, "block_cols": 32, "num_warps": 4, "num_stages": 1, "col_major": 0},
                 interpret=True)
     assert not any(os.scandir(tmp_path))  # an interpreted kernel (the CPU's) is never kept
+
+
+def test_past_its_size_the_least_recently_used_entries_go(tmp_path):
+    group = _group()
+    for bm in (16, 32, 64):
+        kernel_cache.cached(_kernel([]), group, "matmul", "triton", {"block_m": bm}, directory=str(tmp_path))
+    entries = {p: p.stat().st_size for p in tmp_path.rglob("*.jaxexp")}
+    assert len(entries) == 3
+    oldest = kernel_cache.kernel_key(group, "matmul", "triton", {"block_m": 16})
+    os.utime(next(p for p in entries if p.stem == oldest), (1, 1))  # not read for a long time
+    kernel_cache.trim(str(tmp_path), max_bytes=sum(entries.values()) - 1)
+    assert sorted(p.stem for p in tmp_path.rglob("*.jaxexp")) == sorted(p.stem for p in entries if p.stem != oldest)
