@@ -27,6 +27,7 @@ import io
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -324,6 +325,22 @@ def _print_fields(d: dict[str, Any], skip: Sequence[str] = ()) -> None:
         print(f"{k.ljust(width)}  {text}")
 
 
+SIGNATURE_CHARS = 160  # a program's signature longer than this is summed up in `show run` (--json has it whole)
+
+
+def _signature_text(sig: Any) -> Any:
+    """A run's input/output signature as `show run` prints it: whole where short, else counted by type (a model's
+    hundreds of weights made a line of thousands of characters)."""
+    if not isinstance(sig, dict) or len(json.dumps(sig)) <= SIGNATURE_CHARS:
+        return sig
+
+    def counted(avals: Sequence[str]) -> str:
+        return ", ".join(a if n == 1 else f"{a} x{n}" for a, n in Counter(avals).items())
+    ins, outs = sig.get("inputs") or [], sig.get("outputs") or []
+    text = f"{len(ins)} inputs: {counted(ins)}; {len(outs)} output(s): {counted(outs)}"
+    return text if len(text) <= 2 * SIGNATURE_CHARS else text[:2 * SIGNATURE_CHARS] + "... (--json: all)"
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     store = _store(args)
     if args.kind == "run":
@@ -339,7 +356,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             out = dict(run, candidates=cands, trial_status=counts, plans=plans)
             print(json.dumps(jsonable(out), indent=2))
             return 0
-        _print_fields(dict(run, device=_shown_device(run)), skip=("phases",))
+        _print_fields(dict(run, device=_shown_device(run), signature=_signature_text(run.get("signature"))), skip=("phases",))
         print()
         print("phases (seconds from the run's start, + since the mark before):")
         for line in format_phases(run.get("phases")):

@@ -253,3 +253,18 @@ def test_a_directory_given_as_the_store_is_said_to_be_one(argv: list[str], tmp_p
     err = capsys.readouterr().err
     assert err == f"autofuse: error: {tmp_path} is a directory, not a database file\n", err
     assert os.listdir(tmp_path) == []
+
+
+def test_show_run_sums_up_a_models_long_signature() -> None:
+    """A model's hundreds of weights made `show run`'s signature line thousands of characters long: it is counted by
+    type there (short ones stay as they are; --json has the whole)."""
+    from autofuse.cli import SIGNATURE_CHARS, _signature_text
+
+    short = {"inputs": ["float32[8, 16]"], "outputs": ["float32[8]"]}
+    assert _signature_text(short) is short
+    long = {"inputs": ["bfloat16[1024]"] * 146 + ["bfloat16[1024, 4096]"] * 24 + ["int32[8, 2048]"] * 2,
+            "outputs": ["bfloat16[8, 2048, 50257]"]}
+    text = _signature_text(long)
+    assert text == ("172 inputs: bfloat16[1024] x146, bfloat16[1024, 4096] x24, int32[8, 2048] x2; "
+                    "1 output(s): bfloat16[8, 2048, 50257]")
+    assert len(_signature_text({"inputs": [f"float32[{i}]" for i in range(500)], "outputs": []})) <= 2 * SIGNATURE_CHARS + 20
