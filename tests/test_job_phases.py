@@ -50,6 +50,9 @@ def test_a_local_run_records_its_phases_and_show_prints_them(tmp_path):
     assert {"check", "singles", "cover", "validate"} <= set(sel) and sel["plans"], sel
     assert {"compile", "time", "groups"} <= set(phases["xla_parts"]) and phases["xla_parts"]["groups"] > 0, phases
     assert any(ln.startswith("XLA timings (this process): compile ") for ln in format_phases(phases))
+    tp = phases["trial_parts"]
+    assert {"ledger", "pick", "trials", "measure", "claim"} <= set(tp) and tp["trials"] >= tp["measure"] > 0, tp
+    assert any(ln.startswith("trials (this process): ") for ln in format_phases(phases))
     with_compiles = dict(phases, selection=dict(sel, compile_ahead=3.0, compiled=[{"program": 2.5, "plan": 1.25}]))
     assert "(longest compile of one: program 2.50, plan 1.25)" in "\n".join(format_phases(with_compiles))
     assert all({"groups", "status", "seconds", "compile", "reference", "check"} <= set(p) for p in sel["plans"]), sel
@@ -77,7 +80,10 @@ def test_a_run_with_workers_records_the_launchers_and_each_workers_phases(tmp_pa
     assert {k.split(" ", 1)[1] for k in parts} == set(workers) and sum(p.get("groups", 0) for p in parts.values()) > 0, phases
     assert all("store" in p for p in parts.values()), phases  # claiming and recording the timings: apart from the work
     trial_parts = {k.split(" ", 1)[1]: v for k, v in phases.items() if k.startswith("trial_parts ")}
-    assert set(trial_parts) == set(workers) and all({"compiled_ahead", "batches", "compile_ahead"} <= set(v) for v in trial_parts.values()), phases
+    assert set(trial_parts) == set(workers), phases
+    for v in trial_parts.values():  # where each worker's trial time went, the measurements apart from the store and the sampler
+        assert {"compiled_ahead", "batches", "compile_ahead", "ledger", "pick", "study", "trials", "measure", "claim"} <= set(v), v
+        assert v["trials"] >= v["measure"] + v["claim"] > 0, v
     for marks in workers.values():
         assert _in_order(marks, ("joined", "ready", "xla", "loop", "trials")) and marks["ready"] >= phases["candidates"], phases
     assert any(line.startswith("trials (") for line in format_phases(phases)), format_phases(phases)

@@ -33,6 +33,15 @@ class TrialLoop:
         self.creates_studies = False  # whether a candidate's study is created here, at its first trial (one driver alone)
         self.seeds: dict[str, list[dict]] = {}  # by signature: configs a new study tries before its defaults (`buckets`)
         self.xla_tried: set[int] = set()  # candidates this driver timed in XLA at their first trial
+        # Where the trials' time went (seconds): reading the ledger, the scheduler's pick, compiling ahead, XLA
+        # timings at a first trial, and the trials (`run_trial`'s own parts: the measurement, the ledger's claim and
+        # finish; the rest of a trial is the sampler and its storage).
+        self.spent: dict[str, float] = {}
+
+    def _took(self, part: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.spent[part] = round(self.spent.get(part, 0.0) + now - t0, 3)
+        return now
 
     @property
     def ledger(self) -> Ledger:
@@ -48,18 +57,26 @@ class TrialLoop:
 
     def step(self) -> str | None:
         """One trial of the candidate the budget rule names; None when it names none. Returns what became of the trial."""
+        t = time.perf_counter()
         self.ledger.refresh(self.cands)
         for c in self.cands:
             c.update_best()
+        t = self._took("ledger", t)
         i = self.scheduler.pick()
+        t = self._took("pick", t)
         if i is None:
             return None
         if self.ahead is not None:
             self.ahead.before(i)
+            t = self._took("compile_ahead", t)
         r = self.cands[i]
         if r.xla_ms is None and i not in self.xla_tried:  # not among those timed first (`scheduler.timed_first`)
             self.time_xla(i)
-        kind = run_trial(self.study(i), r, self.spaces[r.signature], self.ctx)
+            t = self._took("xla", t)
+        study = self.study(i)
+        t = self._took("study", t)
+        kind = run_trial(study, r, self.spaces[r.signature], self.ctx, self.spent)
+        self._took("trials", t)
         self.scheduler.note(i, kind)
         self.order.append((i, kind))
         if kind == "measured":

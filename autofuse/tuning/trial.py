@@ -9,6 +9,7 @@ has is told its known value and spends nothing.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,15 @@ def measure_config(runner: Any, cand: CandidateState, config: dict) -> TrialResu
     return runner.call(TrialRequest(tuple(cand.nodes), cand.template, dict(config)))
 
 
-def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: TrialContext) -> str:
+def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: TrialContext, spent: dict | None = None) -> str:
     """One Optuna trial of `cand`; returns what became of it: "measured", "unmeasured" (infeasible or pruned),
     "duplicate" (a config already done), "spent" (no budget left), "closed" (the run takes no more trials) or
-    "stale" (taken for dead meanwhile; its retry measures it again)."""
+    "stale" (taken for dead meanwhile; its retry measures it again). `spent` adds up the seconds of the measurement
+    ("measure") and of the ledger's claims and finishes ("claim")."""
+    spent = {} if spent is None else spent
+
+    def took(part: str, t0: float) -> None:
+        spent[part] = round(spent.get(part, 0.0) + time.perf_counter() - t0, 3)
     for t in cand.trials:  # any worker's shared-memory failure corrects this group's budget here too
         space.learn_shared_memory(t.status, t.config, t.error)
     outcome = {"kind": "closed"}
@@ -55,10 +61,12 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
             enqueue_model_best(study, space)
         trial.set_user_attr("worker", ctx.worker)
         unmeasured = space.unmeasured_reason(cfg, ctx.measure)
+        t0 = time.perf_counter()
         if unmeasured:
             claim = ctx.ledger.claim(cand, cfg, trial.number, limit=None, status=unmeasured[0], error=unmeasured[1])
         else:
             claim = ctx.ledger.claim(cand, cfg, trial.number, limit=ctx.limit)
+        took("claim", t0)
         outcome["kind"] = claim.kind
         if claim.kind == "duplicate":  # the sampler proposed a config done (or running) already: nothing spent
             known = claim.known
@@ -74,8 +82,13 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
             trial.set_user_attr("result", {**record, "status": unmeasured[0].value, "error": unmeasured[1]})
             outcome["kind"] = "unmeasured"
             return INFEASIBLE_VALUE
+        t0 = time.perf_counter()
         res = measure_config(ctx.runner, cand, cfg)
-        if not ctx.ledger.finish(cand, claim.number, res):
+        took("measure", t0)
+        t0 = time.perf_counter()
+        finished = ctx.ledger.finish(cand, claim.number, res)
+        took("claim", t0)
+        if not finished:
             outcome["kind"] = "stale"
             raise _NoResult("marked lost while running")
         trial.set_constraint("violations", 0.0)

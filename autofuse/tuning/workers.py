@@ -369,7 +369,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             w.work()
             marks("trials", worker=me)
             marks(f"trial_parts {me}", value={"compiled_ahead": sum(w.loop.ahead.batches), "batches": len(w.loop.ahead.batches),
-                                               "compile_ahead": round(sum(w.loop.ahead.seconds), 3)})
+                                               **w.loop.spent})
             selected = pstore.begin_selection(run_id, me)
             if selected:
                 marks("trials")
