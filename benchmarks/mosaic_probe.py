@@ -109,6 +109,8 @@ WORKLOADS = {
     "swiglu-8192x2048x8192": (swiglu, [(8192, 2048), (2048, 8192), (2048, 8192)]),  # Llama 3.2 1B, B4 S2048
 }
 INT_ARGS = {"ce-16384x1024x50257": (2,)}  # argument positions that are int32 (targets)
+# Mosaic GPU configs per kind, each over the lowering's default ({}: the default itself); a matmul config that does not
+# name `pingpong` is over the cooperative schedule's default (`default_config(spec, pingpong=False)`).
 MOSAIC = {"matmul": [
     {},  # the lowering's default
     {"max_concurrent_steps": 3},
@@ -236,7 +238,10 @@ def main(argv=None) -> int:
 
         measure("xla", ref)
         for cfg in ([{}] if a.quick else json.loads(a.configs) if a.configs else MOSAIC[kind]):
-            full = {**tmpl.default_config_of(cand.spec, "mosaic_gpu"), **cfg}
+            base = tmpl.default_config_of(cand.spec, "mosaic_gpu")
+            if cand.template == "matmul" and cfg and "pingpong" not in cfg:  # a variant of the cooperative schedule
+                base = mosaic_matmul.default_config(cand.spec, pingpong=False)
+            full = {**base, **cfg}
             why = tmpl.unsupported(cand.spec, "mosaic_gpu", full)
             if why:
                 print(f"{name:30} mosaic {cfg} declined: {why}", flush=True)

@@ -205,3 +205,23 @@ def test_approximate_transcendentals_where_the_dtypes_allow(fn, shapes, dtype, a
     lg2.approx (a few float32 ulps) are fine for a float32 that carries a 16-bit float's error."""
     _, group, _ = _group(fn, shapes, dtype)
     assert approximate_math(group) is approx
+
+
+def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
+    """Measured on an H200 (results/gemm_pingpong_h200.md): ping-pong ahead on GEMMs with an epilogue at K = 1024-2048,
+    tied at 4096, behind at 8192 and on SwiGLU's dual GEMM; its ring three deep at least."""
+    from autofuse.kernels.matmul import TEMPLATE
+
+    def default(K, fn=bias_gelu, shapes=None, **kw):
+        _, _, spec = _group(fn, shapes or [(4096, K), (K, 1024), (1024,)], BF16)
+        return mgpu_matmul.default_config(spec, **kw)
+
+    for K in (1024, 2048):
+        cfg = default(K)
+        assert cfg["pingpong"] == 1 and cfg["max_concurrent_steps"] >= 3 and cfg["grid_tile_width"] == 16, cfg
+    assert default(4096)["pingpong"] == 0 and default(1024, pingpong=False)["pingpong"] == 0
+    dual = lambda h, wg, wu: jax.nn.silu(h @ wg) * (h @ wu)  # noqa: E731
+    g = autofuse.capture(dual, S((1024, 1024), BF16), S((1024, 2048), BF16), S((1024, 2048), BF16))
+    group = Group.of(g, [n.id for n in g.nodes])
+    spec = TEMPLATE.match(group)
+    assert spec is not None and spec.dot2 is not None and mgpu_matmul.default_config(spec)["pingpong"] == 0

@@ -220,8 +220,7 @@ class MatmulTemplate(Template[MatmulSpec]):
         """What search_spaces/matmul[.<backend>].toml's constraints read."""
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
-                "seg": spec.seg, "outer_rows": spec.outer_rows, "dual": int(spec.dot2 is not None),
-                "sums": int(bool(spec.epi.col_sums))}
+                "seg": spec.seg, "outer_rows": spec.outer_rows, "dual": int(spec.dot2 is not None)}
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.
