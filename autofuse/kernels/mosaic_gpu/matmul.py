@@ -660,6 +660,42 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def tiles_loop(fn):
+        """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup). (The
+        hand-written pipelines have no clusters: the clusters' tiles are the tiles.)"""
+        @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")
+        def _loop(info: plgpu.NDLoopInfo):
+            fn(info, *cta_origin(info.index[0]))
+
+    def produce(a_gmem, b_gmems, a_ring, b_rings, full_at: Callable, empty_at: Callable) -> None:
+        """The memory warpgroup of a hand-written pipeline: each K step of each of the CTA's tiles, its A rows and B
+        columns by TMA into the step's ring slot (arriving on `full_at(step, slot)`), once the step that used the
+        slot before released it (`empty_at(that step, slot)`); at the end the ring's last releases are waited on too
+        (every phase of a barrier is waited on)."""
+        @tiles_loop
+        def _(info, r0, c0):
+            @pl.loop(0, k_iters)
+            def _k(k):
+                step = info.local_index * k_iters + k
+                slot = lax.rem(step, stages)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(empty_at(step - stages, slot))
+
+                ks = pl.ds(k * bk, bk)
+                bar = full_at(step, slot)
+                plgpu.copy_gmem_to_smem(a_gmem.at[ks, pl.ds(r0, cta_m)] if a_km else a_gmem.at[pl.ds(r0, cta_m), ks], a_ring.at[slot], bar)
+                for b, ring in zip(b_gmems, b_rings):
+                    plgpu.copy_gmem_to_smem(b.at[pl.ds(c0, cta_n), ks] if b_nk else b.at[ks, pl.ds(c0, cta_n)], ring.at[slot], bar)
+
+            @pl.when(info.local_index == info.num_local_steps - 1)
+            def _drain():
+                @pl.loop(0, stages)
+                def _(j):
+                    step = (info.local_index + 1) * k_iters - stages + j
+                    plgpu.barrier_wait(empty_at(step, lax.rem(step, stages)))
+
     def body_pingpong(a_gmem, b_gmem, *rest):
         """Three warpgroups: a memory one (TMA) and two compute ones that take turns at the CTA's output tiles (its
         j-th to warpgroup j % 2), each running a whole [block_m, block_n] tile and then its epilogue inline, so that
@@ -695,42 +731,14 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             tile_smem = dict(zip(tile_in, tile_smem))
             vec_smem = dict(zip(vec_in, vec_smem))
 
-            def tiles_loop(fn):
-                """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup)."""
-                @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-                def _loop(info: plgpu.NDLoopInfo):
-                    fn(info, *cta_origin(info.index[0]))
-
             def owner(step):
                 return lax.rem(lax.div(step, k_iters), 2)
 
             @pl.when(wg == 2)
             def _memory():
                 plgpu.set_max_registers(PINGPONG_REGISTERS[0], action="decrease")
-
-                @tiles_loop
-                def _(info, r0, c0):
-                    @pl.loop(0, k_iters)
-                    def _k(k):
-                        step = info.local_index * k_iters + k
-                        slot = lax.rem(step, stages)
-
-                        @pl.when(step >= stages)
-                        def _():
-                            plgpu.barrier_wait(empty.at[owner(step - stages) * stages + slot])
-
-                        ks = pl.ds(k * bk, bk)
-                        bar = full.at[owner(step) * stages + slot]
-                        plgpu.copy_gmem_to_smem(a_gmem.at[ks, pl.ds(r0, bm)] if a_km else a_gmem.at[pl.ds(r0, bm), ks], a_ring.at[slot], bar)
-                        for b, ring in zip(b_gmems, b_rings):
-                            plgpu.copy_gmem_to_smem(b.at[pl.ds(c0, bn), ks] if b_nk else b.at[ks, pl.ds(c0, bn)], ring.at[slot], bar)
-
-                    @pl.when(info.local_index == info.num_local_steps - 1)
-                    def _drain():  # observe the ring's last releases too (every phase of a barrier is waited on)
-                        @pl.loop(0, stages)
-                        def _(j):
-                            step = (info.local_index + 1) * k_iters - stages + j
-                            plgpu.barrier_wait(empty.at[owner(step) * stages + lax.rem(step, stages)])
+                produce(a_gmem, b_gmems, a_ring, b_rings, lambda step, slot: full.at[owner(step) * stages + slot],
+                        lambda step, slot: empty.at[owner(step) * stages + slot])
 
             @pl.when(wg < 2)
             def _compute():
@@ -822,38 +830,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             tile_smem = dict(zip(tile_in, tile_smem))
             vec_smem = dict(zip(vec_in, vec_smem))
 
-            def tiles_loop(fn):
-                """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup)."""
-                @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")  # (no clusters here: the same as the tiles)
-                def _loop(info: plgpu.NDLoopInfo):
-                    fn(info, *cta_origin(info.index[0]))
-
             @pl.when(wg == 3)
             def _memory():
                 plgpu.set_max_registers(EPI_WG_REGISTERS[0], action="decrease")
-
-                @tiles_loop
-                def _(info, r0, c0):
-                    @pl.loop(0, k_iters)
-                    def _k(k):
-                        step = info.local_index * k_iters + k
-                        slot = lax.rem(step, stages)
-
-                        @pl.when(step >= stages)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-
-                        ks = pl.ds(k * bk, bk)
-                        a_src = a_gmem.at[ks, pl.ds(r0, cta_m)] if a_km else a_gmem.at[pl.ds(r0, cta_m), ks]
-                        b_src = b_gmem.at[pl.ds(c0, cta_n), ks] if b_nk else b_gmem.at[ks, pl.ds(c0, cta_n)]
-                        plgpu.copy_gmem_to_smem(a_src, a_ring.at[slot], full.at[slot])
-                        plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], full.at[slot])
-
-                    @pl.when(info.local_index == info.num_local_steps - 1)
-                    def _drain():  # observe the ring's last releases too (every phase of a barrier is waited on)
-                        @pl.loop(0, stages)
-                        def _(j):
-                            plgpu.barrier_wait(empty.at[lax.rem((info.local_index + 1) * k_iters - stages + j, stages)])
+                produce(a_gmem, [b_gmem], a_ring, [b_ring], lambda step, slot: full.at[slot], lambda step, slot: empty.at[slot])
 
             @pl.when(wg < 2)
             def _compute():
