@@ -513,7 +513,19 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         it = iter(refs)
         return [[(next(it), first, cols) for _, first, cols in targets(spec, v)] for v in outs]
 
-    def epilogue_scratch(kdt: dict) -> dict:
+    kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}  # the epilogue's inputs as the kernel holds them
+
+    def refs_after_operands(rest) -> tuple:
+        """The kernel's refs after its operands: the epilogue's inputs (by value), the written values' refs
+        (`dests_of`), the sums' partials."""
+        return dict(zip(ein, rest[: len(ein)])), dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
+
+    def operand_rings(n_b: int) -> dict:
+        """The hand-written pipelines' SMEM rings of A [cta_m] and of each of `n_b` Bs [cta_n], swizzled for wgmma."""
+        return {"a_ring": plgpu.SMEM((stages, *((bk, cta_m) if a_km else (cta_m, bk))), dt, transforms=op_tf),
+                "b_rings": [plgpu.SMEM((stages, *((cta_n, bk) if b_nk else (bk, cta_n))), dt, transforms=op_tf) for _ in range(n_b)]}
+
+    def epilogue_scratch() -> dict:
         """SMEM and barriers of the epilogues run by the two compute warpgroups (one slot set per warpgroup)."""
         return {
             "out_smem": [plgpu.SMEM((2, out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
@@ -584,8 +596,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
     def body(a_gmem, b_gmem, *rest):
         b_gmems, rest = (b_gmem, *rest[:int(dual)]), rest[int(dual):]  # a dual GEMM's second B comes next
-        in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
+        in_gmem, out_gmem, sum_gmem = refs_after_operands(rest)
 
         def pipeline(mma_body, compute_context, state=None):
             # In a cluster along N both CTAs read the same A rows (multicast to both), along M the same B columns.
@@ -600,8 +611,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 max_concurrent_steps=stages, compute_context=compute_context, pipeline_state=state)
 
         ignore = lambda *_, **__: None  # noqa: E731
-        kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
-        scratch = {"pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, *b_gmems), **epilogue_scratch(kdt)}
+        scratch = {"pipeline_allocs": pipeline(ignore, ignore).get_allocations(a_gmem, *b_gmems), **epilogue_scratch()}
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
         def _scope(pipeline_allocs, out_smem, tile_smem, vec_smem, tile_barrier, vec_barrier, sum_smem, turns):
@@ -711,17 +721,12 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         issues the next, releasing a slot a step late (waiting for each step before releasing its slot lost 5-12% on
         an H200, results/gemm_pingpong_h200.md), so the ring needs a third slot for the producer to run ahead."""
         b_gmems, rest = (b_gmem, *rest[:int(dual)]), rest[int(dual):]
-        in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
-        kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
-        a_blk = (bk, bm) if a_km else (bm, bk)
-        b_blk = (bn, bk) if b_nk else (bk, bn)
+        in_gmem, out_gmem, sum_gmem = refs_after_operands(rest)
         scratch = {
-            "a_ring": plgpu.SMEM((stages, *a_blk), dt, transforms=op_tf),
-            "b_rings": [plgpu.SMEM((stages, *b_blk), dt, transforms=op_tf) for _ in b_gmems],
+            **operand_rings(len(b_gmems)),
             "full": plgpu.Barrier(num_arrivals=1 + len(b_gmems), num_barriers=2 * stages),
             "empty": plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
-            **epilogue_scratch(kdt),
+            **epilogue_scratch(),
         }
         groups = len(b_gmems)  # wgmma commit groups per step
 
@@ -803,14 +808,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         epilogue (the group's jaxpr on the tile, the stores) runs beside the tensor cores instead of between their
         tiles. Barriers: `full`/`empty` per ring slot (TMA landed / both compute warpgroups done with it), `staged`
         (both halves of a product written), `free` (the epilogue has read them all)."""
-        in_gmem = dict(zip(ein, rest[: len(ein)]))
-        out_gmem, sum_gmem = dests_of(rest[len(ein):len(ein) + n_refs]), rest[len(ein) + n_refs:]
-        kdt = {v: _kernel_dtype(g.avals[v].dtype) for v in ein}
-        a_blk = (bk, cta_m) if a_km else (cta_m, bk)
-        b_blk = (cta_n, bk) if b_nk else (bk, cta_n)
+        in_gmem, out_gmem, sum_gmem = refs_after_operands(rest)
         scratch = {
-            "a_ring": plgpu.SMEM((stages, *a_blk), dt, transforms=op_tf),
-            "b_ring": plgpu.SMEM((stages, *b_blk), dt, transforms=op_tf),
+            **operand_rings(1),
             "stage": plgpu.SMEM((2, bm, bn), dot_dt, transforms=stage_tf),
             "out_smem": [plgpu.SMEM((out_slots, em, en), d, transforms=tf) for d, tf in zip(out_dt, out_tf)],
             "sum_smem": [plgpu.SMEM((out_slots, en), jnp.float32) for _ in sums],
@@ -825,7 +825,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         }
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(a_ring, b_ring, stage, out_smem, sum_smem, tile_smem, vec_smem, full, empty, staged, free, tile_barrier, vec_barrier):
+        def _scope(a_ring, b_rings, stage, out_smem, sum_smem, tile_smem, vec_smem, full, empty, staged, free, tile_barrier, vec_barrier):
             wg = lax.axis_index("wg")
             tile_smem = dict(zip(tile_in, tile_smem))
             vec_smem = dict(zip(vec_in, vec_smem))
@@ -833,7 +833,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             @pl.when(wg == 3)
             def _memory():
                 plgpu.set_max_registers(EPI_WG_REGISTERS[0], action="decrease")
-                produce(a_gmem, [b_gmem], a_ring, [b_ring], lambda step, slot: full.at[slot], lambda step, slot: empty.at[slot])
+                produce(a_gmem, [b_gmem], a_ring, b_rings, lambda step, slot: full.at[slot], lambda step, slot: empty.at[slot])
 
             @pl.when(wg < 2)
             def _compute():
@@ -849,7 +849,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                         def _k(k):
                             slot = lax.rem(info.local_index * k_iters + k, stages)
                             plgpu.barrier_wait(full.at[slot])
-                            wgmma_step((acc_ref,), a_ring.at[slot], (b_ring.at[slot],), wg_rows, wg_cols)
+                            wgmma_step((acc_ref,), a_ring.at[slot], (b_rings[0].at[slot],), wg_rows, wg_cols)
                             plgpu.barrier_arrive(empty.at[slot])
 
                         acc = acc_ref[...].astype(dot_dt)
