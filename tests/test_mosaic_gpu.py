@@ -209,7 +209,7 @@ def test_approximate_transcendentals_where_the_dtypes_allow(fn, shapes, dtype, a
 
 def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
     """Measured on an H200 (results/gemm_pingpong_h200.md): ping-pong ahead on GEMMs with an epilogue at K = 1024-2048,
-    tied at 4096, behind at 8192 and on SwiGLU's dual GEMM; its ring three deep at least."""
+    tied at 4096, behind at 8192, on SwiGLU's dual GEMM and with a bias's gradient summed; its ring three deep at least."""
     from autofuse.kernels.matmul import TEMPLATE
 
     def default(K, fn=bias_gelu, shapes=None, **kw):
@@ -225,3 +225,7 @@ def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
     group = Group.of(g, [n.id for n in g.nodes])
     spec = TEMPLATE.match(group)
     assert spec is not None and spec.dot2 is not None and mgpu_matmul.default_config(spec)["pingpong"] == 0
+    from benchmarks.mosaic_probe import _group as probe_group, dgrad_gelu_dbias  # a dgrad GEMM with its bias's gradient
+
+    _, cand = probe_group(dgrad_gelu_dbias, [S((4096, 1024), BF16), S((4096, 1024), BF16), S((4096, 4096), BF16)])
+    assert cand.spec.epi.col_sums and mgpu_matmul.default_config(cand.spec)["pingpong"] == 0

@@ -165,7 +165,8 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     """A good config without tuning. Up to K = `PINGPONG_MAX_K` the ping-pong schedule, its 128-byte K steps in a
     4-deep ring, its tiles walked in bands 16 wide: on an H200 it ran GPT-2's and a UNet's GEMMs with an epilogue
     (bias + GELU, the QKV split, GELU' of a dgrad, GroupNorm; K = 1024-2048) 2-9% faster than the cooperative default
-    and tied a K = 4096 GEMM with a residual (results/gemm_pingpong_h200.md); a dual GEMM's two accumulators lost with it.
+    and tied a K = 4096 GEMM with a residual (results/gemm_pingpong_h200.md); a dual GEMM's two accumulators lost with it,
+    and so did a dgrad with its bias's gradient (0.4005 against 0.3701 ms: the sums' turns at the reduction scratch).
     Otherwise (or with `pingpong` False) the cooperative schedule. On an H100 (bf16, bias+GELU 8192x4096x8192) K steps of 256 bytes in a 2-deep
     ring ran 0.830 ms against 0.882 for hopper_matmul_mgpu's 128-byte steps in a 4-deep ring (the ring's bytes are
     the same); where the epilogue's buffers leave no room for that, the 4-, 3-, 2-deep 128-byte rings, then
@@ -192,7 +193,7 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
         cfg["block_n"] = max(cfg["block_n"], spec.seg) // spec.seg * spec.seg
         cfg["epi_tile_n"] = spec.seg
     wide = 128 // itemsize  # K elements of one 128-byte swizzle row
-    if pingpong and spec.dot2 is None and 4 * wide <= spec.K <= PINGPONG_MAX_K:
+    if pingpong and spec.dot2 is None and not spec.epi.col_sums and 4 * wide <= spec.K <= PINGPONG_MAX_K:
         pp = {**cfg, "pingpong": 1, "grid_tile_width": 16, "block_k": wide}
         for steps in (4, 3):
             pp["max_concurrent_steps"] = steps
