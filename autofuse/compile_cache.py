@@ -5,8 +5,8 @@ reference of the whole program (GPT-2 medium's forward: 6 s on an H100, its trai
 compiles it again with each plan, and a deploy compiles the plan once more. `import autofuse` therefore points
 JAX's persistent compilation cache at one directory where the user chose none: ``$AUTOFUSE_COMPILE_CACHE_DIR``
 (``off`` for none), else ``~/.cache/autofuse/jax-compile/jaxlib-<version>``, capped at `MAX_BYTES` (JAX evicts
-the least recently used entries). JAX caches only compilations that took at least a second (its default), so the
-small kernels of trials are compiled as before. Where JAX is already imported it is configured through
+the least recently used entries). JAX caches only compilations that took at least a second (its default); where
+kernels are built on a GPU, `keep_short_compiles` keeps those of 0.1 s too. Where JAX is already imported it is configured through
 `jax.config`; else through the environment variables JAX reads at import. Imports nothing from JAX itself, but for
 `keep_short_compiles` (called on a GPU, where kernels are built).
 """

@@ -11,8 +11,9 @@ import sys
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.cache
 def file_digest(path: str) -> str:
-    """sha256 of the file's bytes (its path where it cannot be read)."""
+    """sha256 of the file's bytes (its path where it cannot be read), read once per process."""
     try:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()

@@ -82,8 +82,10 @@ def test_a_run_with_workers_records_the_launchers_and_each_workers_phases(tmp_pa
     trial_parts = {k.split(" ", 1)[1]: v for k, v in phases.items() if k.startswith("trial_parts ")}
     assert set(trial_parts) == set(workers), phases
     for v in trial_parts.values():  # where each worker's trial time went, the measurements apart from the store and the sampler
-        assert {"compiled_ahead", "batches", "compile_ahead", "ledger", "pick", "study", "trials", "measure", "claim"} <= set(v), v
-        assert v["trials"] >= v["measure"] + v["claim"] > 0, v
+        assert {"compiled_ahead", "batches", "ledger", "pick"} <= set(v), v
+        assert v.get("trials", 0) >= v.get("measure", 0) + v.get("claim", 0), v
+    measured = [v for v in trial_parts.values() if "measure" in v]  # (a worker may run none of the 6 trials)
+    assert measured and all({"compile_ahead", "study", "trials", "claim"} <= set(v) and v["measure"] > 0 for v in measured), trial_parts
     for marks in workers.values():
         assert _in_order(marks, ("joined", "ready", "xla", "loop", "trials")) and marks["ready"] >= phases["candidates"], phases
     assert any(line.startswith("trials (") for line in format_phases(phases)), format_phases(phases)

@@ -132,8 +132,7 @@ class CompileAhead:
         self.runner, self.cands, self.spaces, self.measure = runner, cands, spaces, measure
         self.workers, self.share, self.budget, self.index = workers, max(1, share), budget, index
         self.sent: set[int] = set()
-        self.batches: list[int] = []  # the size of each batch sent
-        self.seconds: list[float] = []  # how long each batch took to compile
+        self.batches: list[int] = []  # the size of each batch sent (their seconds: the trial loop's "compile_ahead")
 
     def first_requests(self, i: int) -> list[XlaRequest | TrialRequest]:
         """Candidate i's XLA reference (its trial checks against it; the trial process skips one it has, timed
@@ -178,10 +177,8 @@ class CompileAhead:
         reqs = [q for j in self._pick(i) for q in self.first_requests(j)]
         if len(reqs) > 1:
             self.batches.append(len(reqs))
-            t0 = time.perf_counter()
             if not compile_batch(self.runner, reqs, self.workers):
                 self.workers = 1
-            self.seconds.append(round(time.perf_counter() - t0, 3))
 
 
 #: The interpreter's thread switch interval while `prefetch_model_bests` runs. At Python's default 5 ms the main
