@@ -72,7 +72,7 @@ def cached(kernel: Callable, group: Group, template: str, backend: str, config: 
         with open(path, "rb") as f:
             exp = jax.export.deserialize(bytearray(f.read()))
         os.utime(path)  # used now: the last to be evicted
-        return _call(exp)
+        return _call(exp, kernel)
     except FileNotFoundError:
         pass
     except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: made again below
@@ -87,12 +87,21 @@ def cached(kernel: Callable, group: Group, template: str, backend: str, config: 
         return kernel
     _write(path, blob)
     trim(root)
-    return _call(exp)
+    return _call(exp, kernel)
 
 
-def _call(exp: Any) -> Callable:
+def _call(exp: Any, kernel: Callable) -> Callable:
+    """The exported kernel as a function of the group's inputs; under `jax.vmap` (which an exported function has no
+    rule for) the kernel as built, batched as JAX batches it."""
+    @jax.custom_batching.custom_vmap
     def run(*xs):
         return exp.call(*xs)
+
+    @run.def_vmap
+    def _batched(axis_size, in_batched, *xs):
+        outs = jax.vmap(kernel, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*xs)
+        return outs, jax.tree_util.tree_map(lambda _: True, outs)
+
     return run
 
 

@@ -106,3 +106,15 @@ def test_past_its_size_the_least_recently_used_entries_go(tmp_path):
     os.utime(next(p for p in entries if p.stem == oldest), (1, 1))  # not read for a long time
     kernel_cache.trim(str(tmp_path), max_bytes=sum(entries.values()) - 1)
     assert sorted(p.stem for p in tmp_path.rglob("*.jaxexp")) == sorted(p.stem for p in entries if p.stem != oldest)
+
+
+def test_a_cached_kernel_batches_under_vmap_as_the_kernel_built(tmp_path):
+    """An exported function has no batching rule: under `jax.vmap` the kernel as built runs, batched by JAX (a
+    Pallas kernel by pallas_call's own rule), so a vmapped plan keeps working where it did without the cache."""
+    group, (x, w) = _group(), _args()
+    k = kernel_cache.cached(_kernel([]), group, "matmul", "triton", {}, directory=str(tmp_path))
+    xs = jnp.stack([x, 2 * x, -x])
+    (out,) = jax.jit(jax.vmap(k, in_axes=(0, None)))(xs, w)
+    np.testing.assert_allclose(out, jnp.tanh(xs @ w) * 2.0, rtol=1e-6)
+    (one,) = jax.jit(k)(x, w)  # unbatched: the export
+    np.testing.assert_allclose(one, out[0], rtol=1e-6)
