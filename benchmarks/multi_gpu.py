@@ -138,6 +138,9 @@ def read_store(db: str, t0: float) -> dict[str, Any]:
         w = per_worker[t.get("worker") or "?"]
         w["trials"] += 1
         w["devices"][t.get("device") or "?"] += 1
+    for key, parts in (run.get("phases") or {}).items():  # where each worker's trial loop went (`TrialLoop.spent`)
+        if key.startswith("trial_parts ") and isinstance(parts, dict):
+            per_worker[key.split(" ", 1)[1]]["loop"] = parts
     return {
         "status": run["status"], "error": run.get("error"), "device": run["device"],
         "versions": f"jax {run.get('jax')}, jaxlib {run.get('jaxlib')}, autofuse {run.get('autofuse')}",
@@ -176,12 +179,25 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
 
 
 def workers_cell(per_worker: dict) -> str:
-    """Per worker: the devices it ran on (counts), its XLA timings and its trials."""
+    """Per worker: the devices it ran on (counts), its XLA timings and its trials, and where its trial loop's seconds
+    went (`loop_text`)."""
     parts = []
     for w, v in sorted(per_worker.items()):
         devs = "; ".join(f"{d} x{n}" for d, n in v["devices"].most_common())
-        parts.append(f"`{w}`: {v['xla']} XLA + {v['trials']} trials on {devs}")
+        loop = loop_text(v.get("loop"))
+        parts.append(f"`{w}`: {v['xla']} XLA + {v['trials']} trials on {devs}" + (f"; loop s: {loop}" if loop else ""))
     return "<br>".join(parts) or "—"
+
+
+def loop_text(parts: dict | None) -> str:
+    """A worker's trial loop in seconds: measuring (compile and time), the sampler and its storage (a trial's time
+    that is neither measuring nor the ledger's claims), compiling ahead, the scheduler's picks, reading the ledger."""
+    if not parts:
+        return ""
+    sampler = parts.get("trials", 0.0) - parts.get("measure", 0.0) - parts.get("claim", 0.0)
+    shown = {"measure": parts.get("measure"), "sampler": sampler if "trials" in parts else None, "claims": parts.get("claim"),
+             "ahead": parts.get("compile_ahead"), "pick": parts.get("pick"), "ledger": parts.get("ledger"), "study": parts.get("study")}
+    return ", ".join(f"{k} {v:.1f}" for k, v in shown.items() if isinstance(v, (int, float)))
 
 
 def phases_cell(ph: dict) -> str:
@@ -194,7 +210,7 @@ def table(rows: list[dict], header: dict[str, str]) -> str:
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += ["", ("| workload | workers | exit | status | wall s | start s | first plan s | phases ended at s: setup / XLA / trials / first plan / selected "
                    "| selection s: parts | trials | trials/min | jax.jit ms | plan ms "
-                   "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices | command |"),
+                   "| speedup | candidates: timed in XLA, their XLA ms summed | per worker: XLA timings, trials, devices, trial loop | command |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpm = 60 * r["trials"] / r["wall_s"] if r.get("trials") and r.get("wall_s") else None

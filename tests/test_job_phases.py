@@ -86,6 +86,10 @@ def test_a_run_with_workers_records_the_launchers_and_each_workers_phases(tmp_pa
         assert v.get("trials", 0) >= v.get("measure", 0) + v.get("claim", 0), v
     measured = [v for v in trial_parts.values() if "measure" in v]  # (a worker may run none of the 6 trials)
     assert measured and all({"compile_ahead", "study", "trials", "claim"} <= set(v) and v["measure"] > 0 for v in measured), trial_parts
+    from benchmarks.multi_gpu import read_store, workers_cell  # the scaling table says where each worker's loop went
+
+    cell = workers_cell(read_store(f"{tmp_path}/w.db", 0.0)["per_worker"])
+    assert all(f"`{w}`" in cell for w in workers) and cell.count("loop s: ") == len(workers) and "sampler " in cell, cell
     for marks in workers.values():
         assert _in_order(marks, ("joined", "ready", "xla", "loop", "trials")) and marks["ready"] >= phases["candidates"], phases
     assert any(line.startswith("trials (") for line in format_phases(phases)), format_phases(phases)
