@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .xla_autotune import jaxlib_cache_dir
+from .xla_autotune import chosen_dir, jaxlib_cache_dir
 
 ENV_DIR = "AUTOFUSE_COMPILE_CACHE_DIR"
 JAX_DIR = "JAX_COMPILATION_CACHE_DIR"
@@ -25,10 +25,7 @@ MAX_BYTES = 8 * 2**30  # a whole model's executables are tens of MB each: thousa
 
 def default_dir(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
     """``$AUTOFUSE_COMPILE_CACHE_DIR`` as given (None for ``off`` or empty), else one directory per jaxlib version."""
-    if ENV_DIR in environ:
-        given = environ[ENV_DIR].strip()
-        return None if given.lower() in ("", "off", "none", "0") else given
-    return jaxlib_cache_dir("jax-compile")
+    return chosen_dir(environ, ENV_DIR, jaxlib_cache_dir("jax-compile"))
 
 
 def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:

@@ -24,7 +24,7 @@ import jax
 
 from . import digests
 from .graph import Group
-from .xla_autotune import jaxlib_cache_dir
+from .xla_autotune import chosen_dir, jaxlib_cache_dir
 
 ENV_DIR = "AUTOFUSE_KERNEL_CACHE_DIR"
 MAX_BYTES = 2 * 2**30  # an entry is tens of KB: tens of thousands of kernels; the least recently used go first
@@ -33,10 +33,7 @@ log = logging.getLogger("autofuse")
 
 def cache_dir(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
     """``$AUTOFUSE_KERNEL_CACHE_DIR`` as given (None for ``off`` or empty), else one directory per jaxlib version."""
-    if ENV_DIR in environ:
-        given = environ[ENV_DIR].strip()
-        return None if given.lower() in ("", "off", "none", "0") else given
-    return jaxlib_cache_dir("kernels")
+    return chosen_dir(environ, ENV_DIR, jaxlib_cache_dir("kernels"))
 
 
 def _platform() -> str:

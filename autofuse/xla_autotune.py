@@ -32,6 +32,17 @@ def default_dir(environ: dict[str, str] | os._Environ = os.environ) -> str:
     return jaxlib_cache_dir("xla-autotune")
 
 
+OFF = ("", "off", "none", "0")  # a cache directory's variable set to one of these: no cache
+
+
+def chosen_dir(environ: dict[str, str] | os._Environ, var: str, default: str) -> str | None:
+    """A cache's directory: ``$var`` as given (None where it says `OFF`), else `default`."""
+    if var in environ:
+        given = environ[var].strip()
+        return None if given.lower() in OFF else given
+    return default
+
+
 def jaxlib_cache_dir(kind: str) -> str:
     """``~/.cache/autofuse/<kind>/jaxlib-<version>``: what this jaxlib's compiler made is kept apart from another's
     (an upgrade starts a new directory)."""

@@ -37,6 +37,7 @@ from ..status import TrialStatus
 from .ledger import CandidateState
 from .scheduler import phase1_order
 from .space import CandidateSpace
+from .spent import add_since
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
 MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
@@ -101,15 +102,14 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
         extra = []
         if workers > 1 and len(items) > 1 and not compile_batch(runner, items, workers):
             workers = 1
-        t1 = time.perf_counter()
-        spent["compile"] = round(spent.get("compile", 0.0) + t1 - t0, 3)
+        t1 = add_since(spent, "compile", t0)
         for r in part:
             res = runner.call(XlaRequest(tuple(r.nodes)))
             r.xla_ms = res.median_ms if res.ok else None
             results.append(res)
             if bar is not None:
                 bar.update(1)
-        spent["time"] = round(spent.get("time", 0.0) + time.perf_counter() - t1, 3)
+        add_since(spent, "time", t1)
         spent["groups"] = spent.get("groups", 0) + len(part)
     return results
 

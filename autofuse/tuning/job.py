@@ -26,6 +26,7 @@ from ..processes import pid_alive
 from ..runner.protocol import TrialResult
 from ..spaces import DEFAULT_BACKEND
 from ..store.base import whoami
+from ..xla_autotune import chosen_dir
 from .ahead import time_xla_concurrently
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
@@ -146,11 +147,8 @@ def enumeration_file(fingerprint: str) -> str | None:
     enumerate on the CPU, each job and worker again. Keyed by the code that enumerates too (`_enumeration_code`), so
     that a changed template or partitioner never reads another version's answer. ``$AUTOFUSE_ENUMERATION_CACHE``
     (``off``: none), else ``~/.cache/autofuse/candidates``."""
-    where = os.environ.get(ENUMERATION_CACHE)
-    if where is not None and where.strip().lower() in ("", "off", "none", "0"):
-        return None
-    base = where or os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "candidates")
-    return os.path.join(base, _enumeration_code(), f"{fingerprint}.json")
+    base = chosen_dir(os.environ, ENUMERATION_CACHE, os.path.join(os.path.expanduser("~"), ".cache", "autofuse", "candidates"))
+    return None if base is None else os.path.join(base, _enumeration_code(), f"{fingerprint}.json")
 
 
 def _enumeration_code() -> str:

@@ -11,6 +11,7 @@ from .ledger import CandidateState, Ledger
 from .output import best_postfix, trial_line
 from .scheduler import Scheduler
 from .space import CandidateSpace
+from .spent import add_since
 from .trial import TrialContext, run_trial
 
 
@@ -37,12 +38,6 @@ class TrialLoop:
         # timings at a first trial, and the trials (`run_trial`'s own parts: the measurement, the ledger's claim and
         # finish; the rest of a trial is the sampler and its storage).
         self.spent: dict[str, float] = {}
-
-    def _took(self, part: str, t0: float) -> float:
-        now = time.perf_counter()
-        self.spent[part] = round(self.spent.get(part, 0.0) + now - t0, 3)
-        return now
-
     @property
     def ledger(self) -> Ledger:
         return self.ctx.ledger
@@ -61,22 +56,22 @@ class TrialLoop:
         self.ledger.refresh(self.cands)
         for c in self.cands:
             c.update_best()
-        t = self._took("ledger", t)
+        t = add_since(self.spent, "ledger", t)
         i = self.scheduler.pick()
-        t = self._took("pick", t)
+        t = add_since(self.spent, "pick", t)
         if i is None:
             return None
         if self.ahead is not None:
             self.ahead.before(i)
-            t = self._took("compile_ahead", t)
+            t = add_since(self.spent, "compile_ahead", t)
         r = self.cands[i]
         if r.xla_ms is None and i not in self.xla_tried:  # not among those timed first (`scheduler.timed_first`)
             self.time_xla(i)
-            t = self._took("xla", t)
+            t = add_since(self.spent, "xla", t)
         study = self.study(i)
-        t = self._took("study", t)
+        t = add_since(self.spent, "study", t)
         kind = run_trial(study, r, self.spaces[r.signature], self.ctx, self.spent)
-        self._took("trials", t)
+        add_since(self.spent, "trials", t)
         self.scheduler.note(i, kind)
         self.order.append((i, kind))
         if kind == "measured":

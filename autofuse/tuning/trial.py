@@ -18,6 +18,7 @@ from ..status import TrialStatus
 from .job import enqueue_model_best
 from .ledger import CandidateState, Ledger
 from .space import CandidateSpace
+from .spent import add_since
 
 INFEASIBLE_VALUE = 1e9  # what Optuna is told for a config that was never measured
 
@@ -48,9 +49,6 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
     "stale" (taken for dead meanwhile; its retry measures it again). `spent` adds up the seconds of the measurement
     ("measure") and of the ledger's claims and finishes ("claim")."""
     spent = {} if spent is None else spent
-
-    def took(part: str, t0: float) -> None:
-        spent[part] = round(spent.get(part, 0.0) + time.perf_counter() - t0, 3)
     for t in cand.trials:  # any worker's shared-memory failure corrects this group's budget here too
         space.learn_shared_memory(t.status, t.config, t.error)
     outcome = {"kind": "closed"}
@@ -66,7 +64,7 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
             claim = ctx.ledger.claim(cand, cfg, trial.number, limit=None, status=unmeasured[0], error=unmeasured[1])
         else:
             claim = ctx.ledger.claim(cand, cfg, trial.number, limit=ctx.limit)
-        took("claim", t0)
+        add_since(spent, "claim", t0)
         outcome["kind"] = claim.kind
         if claim.kind == "duplicate":  # the sampler proposed a config done (or running) already: nothing spent
             known = claim.known
@@ -84,10 +82,10 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
             return INFEASIBLE_VALUE
         t0 = time.perf_counter()
         res = measure_config(ctx.runner, cand, cfg)
-        took("measure", t0)
+        add_since(spent, "measure", t0)
         t0 = time.perf_counter()
         finished = ctx.ledger.finish(cand, claim.number, res)
-        took("claim", t0)
+        add_since(spent, "claim", t0)
         if not finished:
             outcome["kind"] = "stale"
             raise _NoResult("marked lost while running")

@@ -68,6 +68,7 @@ from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_b
                   restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable, warn_preallocated)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
+from .spent import add_since
 from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu, lock_path
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
@@ -424,7 +425,7 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
     spent = {} if spent is None else spent
 
     def stored(t0: float) -> None:
-        spent["store"] = round(spent.get("store", 0.0) + time.perf_counter() - t0, 3)
+        add_since(spent, "store", t0)
 
     while True:
         t0 = time.perf_counter()
