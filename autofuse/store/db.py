@@ -5,7 +5,8 @@
   (``$XDG_DATA_HOME`` or ``~/.local/share``).
 * SQLite: WAL journal, a busy timeout, foreign keys on, and write
   transactions opened with ``BEGIN IMMEDIATE`` so that concurrent writers wait
-  for the lock instead of failing on a stale read snapshot. A new file is made
+  for the lock instead of failing on a stale read snapshot; the writers of one
+  host queue for it (`turns`) rather than poll. A new file is made
   only in an existing directory (or the default store's, made at first use).
 * Read-only stores (:func:`readonly_reason`: a ``?mode=ro`` URL, or a file or
   directory nobody may write, root included) are never written; readers
@@ -30,6 +31,7 @@ import os
 import random
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +41,8 @@ import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
+
+from .turns import TurnConnection
 
 ENV_VAR = "AUTOFUSE_DB"
 VERSION_TABLE = "autofuse_alembic_version"
@@ -130,7 +134,7 @@ def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
     u = _parse(url, repr(url))
     try:
         if u.get_backend_name() == "sqlite":
-            engine = sa.create_engine(u, connect_args={"timeout": timeout})
+            engine = sa.create_engine(u, connect_args=sqlite_connect_args(timeout))
             _configure_sqlite(engine, timeout)
         else:
             connect_args: dict[str, Any] = {}
@@ -142,6 +146,12 @@ def create_engine(url: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S)
     except exc.ArgumentError as e:
         raise StoreError(f"invalid database URL {display_url(u)}: {e}") from None
     return engine
+
+
+def sqlite_connect_args(timeout: float) -> dict[str, Any]:
+    """The sqlite3 connect arguments of a writing engine: its busy timeout, and connections that take this host's
+    write turns on the file before ``BEGIN IMMEDIATE`` (`turns`)."""
+    return {"timeout": timeout, "factory": TurnConnection}
 
 
 def _configure_sqlite(engine: Engine, timeout: float, *, always_immediate: bool = False, foreign_keys: bool = True) -> None:
@@ -168,10 +178,35 @@ def _configure_sqlite(engine: Engine, timeout: float, *, always_immediate: bool 
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        if always_immediate or conn.get_execution_options().get("autofuse_write"):
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        if (always_immediate and not _reads.active) or conn.get_execution_options().get("autofuse_write"):
+            dbapi_conn = conn.connection.dbapi_connection
+            if isinstance(dbapi_conn, TurnConnection):
+                dbapi_conn.take_turn()
+            try:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            except BaseException:
+                if isinstance(dbapi_conn, TurnConnection):
+                    dbapi_conn.rollback()  # no transaction began: this gives the turn back
+                raise
         else:
             conn.exec_driver_sql("BEGIN")
+
+
+class _Reads(threading.local):
+    active = False
+
+
+_reads = _Reads()
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """Transactions this thread begins meanwhile only read: on an engine `serialise_sqlite` made, they take no lock."""
+    was, _reads.active = _reads.active, True
+    try:
+        yield
+    finally:
+        _reads.active = was
 
 
 def serialise_sqlite(engine: Engine, timeout: float = DEFAULT_TIMEOUT_S) -> None:
