@@ -399,3 +399,74 @@ def test_the_selection_is_recorded_as_each_plan_is_judged_so_a_killed_job_keeps_
     assert written[-1] == timings
     marks("selection", value={"check": 1.0})
     assert pstore.get_run(run_id)["phases"]["selection"] == timings  # without `replace`, the first mark stays
+
+
+def _small_space_candidate():
+    """rms_norm's candidates, and the one with the smallest enumerated space of more than one config worth timing."""
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    usable = [c for c in cands if len(_worth(spaces[c.signature])) > 1]
+    r = min(usable, key=lambda c: spaces[c.signature].size)
+    return graph, by_sig, cands, spaces, r
+
+
+def _worth(space) -> list[dict]:
+    """Every config of an enumerated space that would be timed on the GPU."""
+    configs = [{"backend": b, **c} for b, sp in space.spaces.items() for c in (sp.ranked() or [])]
+    return [c for c in configs if space.unmeasured_reason(c, "device") is None]
+
+
+def test_untried_is_the_models_best_config_not_tried_and_says_when_none_is_left():
+    *_, spaces, r = _small_space_candidate()
+    space = spaces[r.signature]
+    worth = _worth(space)
+    first = min(worth, key=space.model_ms)
+    assert space.untried([], "device") == (first, True)
+    assert space.untried([first], "device") == (min([c for c in worth if c != first], key=space.model_ms), True)
+    assert space.untried(worth, "device") == (None, True)  # each tried: nothing left, and the space was enumerated
+
+
+def test_a_repeated_proposal_queues_the_models_best_untried_config_and_an_explored_space_is_given_up():
+    """TPE proposing a config done already used to cost a trial step each time (61 of GPT-2's attention candidate's 96
+    steps on an H200): now the next step takes an untried config, and once every config worth timing was tried the
+    scheduler gives the candidate up at once."""
+    from optuna.trial import TrialState
+
+    from autofuse.runner.protocol import TrialResult
+    from autofuse.tuning.ledger import MemoryLedger
+    from autofuse.tuning.scheduler import STUCK_AFTER, Budget, Scheduler
+    from autofuse.tuning.trial import TrialContext, run_trial
+
+    graph, by_sig, cands, spaces, r = _small_space_candidate()
+    space = spaces[r.signature]
+    ledger = MemoryLedger(cands)
+
+    def done(config: dict) -> None:
+        claim = ledger.claim(r, config, 0, limit=None)
+        assert ledger.finish(r, claim.number, TrialResult(TrialStatus.OK, median_ms=1.0))
+
+    first = space.untried([], "device")[0]
+    done(first)
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, study_name="s", direction="minimize")
+    study.enqueue_trial(space.optuna_params(first))  # the sampler proposes the config done already
+    ctx = TrialContext(ledger, runner=None, measure="device", limit=100, worker="me:1")
+    assert run_trial(study, r, space, ctx) == "duplicate"
+    waiting = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    assert waiting == [space.optuna_params(space.untried([first], "device")[0])]
+
+    for c in _worth(space):
+        if c != first:
+            done(c)
+    study.ask()  # the queued config (a worker elsewhere took it)
+    study.enqueue_trial(space.optuna_params(first))
+    assert run_trial(study, r, space, ctx) == "exhausted"
+    assert not study.get_trials(deepcopy=False, states=(TrialState.WAITING,))  # nothing left to queue
+    sched = Scheduler(graph, by_sig, cands, spaces, Budget(100), costmodel.H200)
+    i = cands.index(r)
+    sched.note(i, "duplicate")
+    assert sched.idle[i] < STUCK_AFTER  # a repeat alone gives nothing up
+    sched.note(i, "exhausted")
+    assert sched.idle[i] >= STUCK_AFTER  # the rule `pick` leaves a candidate out by
+

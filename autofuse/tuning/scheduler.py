@@ -42,7 +42,7 @@ from ..status import TrialStatus
 from .ledger import CandidateState
 from .partition import Candidate
 from .select import Cover, best_cover
-from .space import CandidateSpace
+from .space import CandidateSpace, config_key
 
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
@@ -193,8 +193,8 @@ class Scheduler:
         counted = [len(c.spent()) for c in self.cands]
         open_ = [i for i in range(len(self.cands)) if counted[i] < self.caps[i] and self.idle[i] < STUCK_AFTER]
         for i in open_:  # a dead worker's config first: its retry waits in the study
-            live = {_key(t.config) for t in self.cands[i].trials if t.status is not TrialStatus.LOST}
-            lost = [_key(t.config) for t in self.cands[i].trials if t.status is TrialStatus.LOST]
+            live = {config_key(t.config) for t in self.cands[i].trials if t.status is not TrialStatus.LOST}
+            lost = [config_key(t.config) for t in self.cands[i].trials if t.status is TrialStatus.LOST]
             if any(k not in live and lost.count(k) <= MAX_RETRY for k in lost):
                 return i
         visits_left = self.phase1_visits - sum(1 for n in counted if n)
@@ -230,9 +230,10 @@ class Scheduler:
         return self._cover[1]
 
     def note(self, i: int, outcome: str) -> None:
-        """What became of candidate i's trial: proposals that measure nothing (done or infeasible configs) count toward giving it up."""
-        self.idle[i] = 0 if outcome in ("measured", "spent") else self.idle[i] + 1
+        """What became of candidate i's trial: proposals that measure nothing (done or infeasible configs) count toward
+        giving it up; a space with every config worth timing tried ("exhausted") gives it up at once."""
+        if outcome == "exhausted":
+            self.idle[i] = STUCK_AFTER
+        else:
+            self.idle[i] = 0 if outcome in ("measured", "spent") else self.idle[i] + 1
 
-
-def _key(cfg: dict) -> tuple:
-    return tuple(sorted(cfg.items()))

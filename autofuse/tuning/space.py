@@ -36,8 +36,8 @@ class SearchSpace:
     model_ms: Callable[[dict], float]
     backend: str = DEFAULT_BACKEND
     check: Callable[[dict], str | None] | None = None  # the lowering's own rules, checked without compiling
-    # `model_best`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
-    _best: tuple[dict, dict | None] | None = field(default=None, repr=False, compare=False)
+    # `ranked`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
+    _ranked: tuple[dict, list[dict] | None] | None = field(default=None, repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @staticmethod
@@ -75,21 +75,24 @@ class SearchSpace:
         return None
 
     def model_best(self) -> dict | None:
-        """The feasible config with the lowest modelled time (None for spaces too large to enumerate). Found once
-        per facts (enumerating a space takes up to a second: `ahead.prefetch_model_bests` finds them ahead)."""
-        with self._lock:
-            if self._best is None or self._best[0] is not self.facts:
-                self._best = (self.facts, self._find_model_best())
-            best = self._best[1]
-        return None if best is None else dict(best)
+        """The feasible config with the lowest modelled time (None for spaces too large to enumerate)."""
+        ranked = self.ranked()
+        return dict(ranked[0]) if ranked else None
 
-    def _find_model_best(self) -> dict | None:
+    def ranked(self) -> list[dict] | None:
+        """Every feasible config, the lowest modelled time first (None for spaces too large to enumerate). Found
+        once per facts (enumerating a space takes up to a second: `ahead.prefetch_model_bests` finds them ahead)."""
+        with self._lock:
+            if self._ranked is None or self._ranked[0] is not self.facts:
+                self._ranked = (self.facts, self._rank())
+            return self._ranked[1]
+
+    def _rank(self) -> list[dict] | None:
         if self.size > MODEL_BEST_LIMIT:
             return None
         names = list(self.params)
         configs = (self.complete(dict(zip(names, vals))) for vals in itertools.product(*(self.params[n] for n in names)))
-        feasible = [c for c in configs if not self.violated(c)]
-        return min(feasible, key=self.model_ms) if feasible else None
+        return sorted((c for c in configs if not self.violated(c)), key=self.model_ms)
 
     def first_configs(self) -> list[dict]:
         """A new study's first trials: the template's default, then the config the roofline model ranks best."""
@@ -118,7 +121,7 @@ class SearchSpace:
         return True
 
     def copy(self) -> "SearchSpace":
-        return replace(self, facts=dict(self.facts), _best=None, _lock=threading.Lock())
+        return replace(self, facts=dict(self.facts), _ranked=None, _lock=threading.Lock())
 
 
 _SMEM_REPORT = re.compile(r"(?:requested|required|smem_bytes)[:=]?\s*(\d+)\D+?(?:available|hardware limit|max_smem_bytes)[:=]?\s*(\d+)",
@@ -177,6 +180,22 @@ class CandidateSpace:
         best = [{"backend": b, **c} for b, sp in self.spaces.items() for c in [sp.model_best()] if c is not None]
         return min(best, key=self.model_ms) if best else None
 
+    def untried(self, tried: Sequence[dict], measure: str) -> tuple[dict | None, bool]:
+        """The config the model ranks best among the feasible ones worth timing that are not in `tried`, and whether
+        every backend's space was enumerated (so that None means each such config was tried)."""
+        done = {config_key(c) for c in tried}
+        firsts, enumerated = [], True
+        for b, sp in self.spaces.items():
+            ranked = sp.ranked()
+            if ranked is None:
+                enumerated = False
+                continue
+            configs = ({"backend": b, **c} for c in ranked)
+            first = next((c for c in configs if config_key(c) not in done and self.unmeasured_reason(c, measure) is None), None)
+            if first is not None:
+                firsts.append(first)
+        return (min(firsts, key=self.model_ms) if firsts else None), enumerated
+
     def defaults(self) -> list[dict]:
         """Each backend's default, the preferred backend first: what a new study is created with."""
         return [{"backend": b, **sp.default} for b, sp in self.spaces.items()]
@@ -209,6 +228,11 @@ def usable_backends(template: str, spec: Any, backends: Sequence[str]) -> list[s
     describes (checked without compiling)."""
     tmpl = TEMPLATES[template]
     return [b for b in backends if b in tmpl.backends and tmpl.unsupported(spec, b) is None]
+
+
+def config_key(config: dict) -> tuple:
+    """A config as a hashable key (one config, whatever its keys' order)."""
+    return tuple(sorted(config.items()))
 
 
 def _optuna_name(backend: str, param: str) -> str:
