@@ -417,22 +417,18 @@ def _worth(space) -> list[dict]:
     return [c for c in configs if space.unmeasured_reason(c, "device") is None]
 
 
-def test_untried_is_the_models_best_config_not_tried_and_says_when_none_is_left():
+def test_a_space_is_explored_once_every_config_worth_timing_was_tried():
     *_, spaces, r = _small_space_candidate()
     space = spaces[r.signature]
     worth = _worth(space)
-    first = min(worth, key=space.model_ms)
-    assert space.untried([], "device") == (first, True)
-    assert space.untried([first], "device") == (min([c for c in worth if c != first], key=space.model_ms), True)
-    assert space.untried(worth, "device") == (None, True)  # each tried: nothing left, and the space was enumerated
+    assert not space.explored([], "device") and not space.explored(worth[:-1], "device")
+    assert space.explored(worth, "device") and space.explored(list(reversed(worth)), "device")
 
 
-def test_a_repeated_proposal_queues_the_models_best_untried_config_and_an_explored_space_is_given_up():
-    """TPE proposing a config done already used to cost a trial step each time (61 of GPT-2's attention candidate's 96
-    steps on an H200): now the next step takes an untried config, and once every config worth timing was tried the
-    scheduler gives the candidate up at once."""
-    from optuna.trial import TrialState
-
+def test_a_repeated_proposal_of_an_explored_space_gives_the_candidate_up_at_once():
+    """TPE proposes configs done already once a small space is explored (61 of GPT-2's attention candidate's 96 trial
+    steps on an H200, ~80 ms each): where every config worth timing was tried, the scheduler gives the candidate up
+    at the first such proposal rather than after `STUCK_AFTER` of them."""
     from autofuse.runner.protocol import TrialResult
     from autofuse.tuning.ledger import MemoryLedger
     from autofuse.tuning.scheduler import STUCK_AFTER, Budget, Scheduler
@@ -441,32 +437,17 @@ def test_a_repeated_proposal_queues_the_models_best_untried_config_and_an_explor
     graph, by_sig, cands, spaces, r = _small_space_candidate()
     space = spaces[r.signature]
     ledger = MemoryLedger(cands)
-
-    def done(config: dict) -> None:
-        claim = ledger.claim(r, config, 0, limit=None)
-        assert ledger.finish(r, claim.number, TrialResult(TrialStatus.OK, median_ms=1.0))
-
-    first = space.untried([], "device")[0]
-    done(first)
-    storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(storage=storage, study_name="s", direction="minimize")
-    study.enqueue_trial(space.optuna_params(first))  # the sampler proposes the config done already
+    worth = _worth(space)
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="minimize")
     ctx = TrialContext(ledger, runner=None, measure="device", limit=100, worker="me:1")
-    assert run_trial(study, r, space, ctx) == "duplicate"
-    waiting = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
-    assert waiting == [space.optuna_params(space.untried([first], "device")[0])]
-
-    for c in _worth(space):
-        if c != first:
-            done(c)
-    study.ask()  # the queued config (a worker elsewhere took it)
-    study.enqueue_trial(space.optuna_params(first))
-    assert run_trial(study, r, space, ctx) == "exhausted"
-    assert not study.get_trials(deepcopy=False, states=(TrialState.WAITING,))  # nothing left to queue
+    for k, c in enumerate(worth):
+        claim = ledger.claim(r, c, k, limit=None)
+        assert ledger.finish(r, claim.number, TrialResult(TrialStatus.OK, median_ms=1.0 + k))
+        study.enqueue_trial(space.optuna_params(worth[0]))  # the sampler proposes the first config again
+        assert run_trial(study, r, space, ctx) == ("exhausted" if k == len(worth) - 1 else "duplicate")
     sched = Scheduler(graph, by_sig, cands, spaces, Budget(100), costmodel.H200)
     i = cands.index(r)
     sched.note(i, "duplicate")
     assert sched.idle[i] < STUCK_AFTER  # a repeat alone gives nothing up
     sched.note(i, "exhausted")
     assert sched.idle[i] >= STUCK_AFTER  # the rule `pick` leaves a candidate out by
-

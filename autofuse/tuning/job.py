@@ -262,20 +262,6 @@ def enqueue_model_best(study: Any, space: CandidateSpace) -> None:
     study.enqueue_trial(params)
 
 
-def enqueue_untried(study: Any, space: CandidateSpace, tried: list[dict], measure: str) -> bool:
-    """After the sampler proposed a config done already (TPE repeats itself once a small space is mostly explored),
-    the candidate's next trial takes the config the model ranks best among those not tried yet, unless a trial is
-    queued already. False where every config worth timing has been tried (the space enumerated)."""
-    from optuna.trial import TrialState
-
-    config, enumerated = space.untried(tried, measure)
-    if config is None:
-        return not enumerated
-    if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        study.enqueue_trial(space.optuna_params(config))
-    return True
-
-
 def load_study(storage: Any, run_id: int | None, signature: str, seed: int) -> Any:
     """A candidate's study as one driver samples it (TPE, seeded; the constant liar sees other workers' running trials)."""
     import optuna

@@ -180,21 +180,19 @@ class CandidateSpace:
         best = [{"backend": b, **c} for b, sp in self.spaces.items() for c in [sp.model_best()] if c is not None]
         return min(best, key=self.model_ms) if best else None
 
-    def untried(self, tried: Sequence[dict], measure: str) -> tuple[dict | None, bool]:
-        """The config the model ranks best among the feasible ones worth timing that are not in `tried`, and whether
-        every backend's space was enumerated (so that None means each such config was tried)."""
+    def explored(self, tried: Sequence[dict], measure: str) -> bool:
+        """Whether every config worth timing is among `tried` (False where a backend's space is too large to
+        enumerate): TPE proposes configs done already once a small space is explored, and no more trials of it can
+        measure anything new."""
         done = {config_key(c) for c in tried}
-        firsts, enumerated = [], True
         for b, sp in self.spaces.items():
             ranked = sp.ranked()
             if ranked is None:
-                enumerated = False
-                continue
+                return False
             configs = ({"backend": b, **c} for c in ranked)
-            first = next((c for c in configs if config_key(c) not in done and self.unmeasured_reason(c, measure) is None), None)
-            if first is not None:
-                firsts.append(first)
-        return (min(firsts, key=self.model_ms) if firsts else None), enumerated
+            if any(config_key(c) not in done and self.unmeasured_reason(c, measure) is None for c in configs):
+                return False
+        return True
 
     def defaults(self) -> list[dict]:
         """Each backend's default, the preferred backend first: what a new study is created with."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..runner.protocol import TrialRequest, TrialResult
 from ..status import TrialStatus
-from .job import enqueue_model_best, enqueue_untried
+from .job import enqueue_model_best
 from .ledger import CandidateState, Ledger
 from .space import CandidateSpace
 from .spent import add_since
@@ -45,8 +45,8 @@ def measure_config(runner: Any, cand: CandidateState, config: dict) -> TrialResu
 
 def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: TrialContext, spent: dict | None = None) -> str:
     """One Optuna trial of `cand`; returns what became of it: "measured", "unmeasured" (infeasible or pruned),
-    "duplicate" (a config already done; the model's best untried config is queued next), "exhausted" (a config
-    already done, and every config worth timing has been tried), "spent" (no budget left), "closed" (the run takes no more trials) or
+    "duplicate" (a config already done), "exhausted" (a config already done, and every config worth timing has
+    been tried), "spent" (no budget left), "closed" (the run takes no more trials) or
     "stale" (taken for dead meanwhile; its retry measures it again). `spent` adds up the seconds of the measurement
     ("measure") and of the ledger's claims and finishes ("claim")."""
     spent = {} if spent is None else spent
@@ -69,8 +69,7 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
         outcome["kind"] = claim.kind
         if claim.kind == "duplicate":  # the sampler proposed a config done (or running) already: nothing spent
             known = claim.known
-            tried = [t.config for t in cand.trials if t.status is not TrialStatus.LOST]  # a lost config's retry is queued
-            if not enqueue_untried(study, space, tried, ctx.measure):
+            if space.explored([t.config for t in cand.trials if t.status is not TrialStatus.LOST], ctx.measure):
                 outcome["kind"] = "exhausted"
             if known.status is TrialStatus.OK or not known.status.compiled:
                 trial.set_constraint("violations", 1.0 if known.status is TrialStatus.INFEASIBLE else 0.0)
