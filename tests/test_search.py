@@ -328,7 +328,7 @@ def test_phase1_visits_the_largest_modelled_saving_first():
     fused = {"big-cheap": 0.05, "leaky": 1.9, "attention": 0.3, "head": 1.0, "unmeasured": 0.0}
     spaces = {k: CandidateSpace({"triton": SearchSpace("any", {}, {}, {}, None, lambda cfg, v=v: v)}) for k, v in fused.items()}
     assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "leaky", "big-cheap", "unmeasured"]
-    spaces["big-cheap"].spaces["triton"].model_ms = lambda cfg: 0.01  # saves 0.09, "leaky" 0.1: one step, so the larger group first
+    spaces["big-cheap"] = CandidateSpace({"triton": SearchSpace("any", {}, {}, {}, None, lambda cfg: 0.01)})  # saves 0.09, "leaky" 0.1: one step, so the larger group first
     assert [rs[i].signature for i in phase1_order(rs, spaces)] == ["attention", "head", "big-cheap", "leaky", "unmeasured"]
     # not timed in XLA yet: placed by the model's estimate of XLA's time (1.5 ms: saves 1.5, between "head" and the rest)
     spaces["unmeasured"].xla_model_ms = 1.5

@@ -100,7 +100,7 @@ def modelled_saving(r: CandidateState, space: CandidateSpace) -> float:
     """What fusing every instance of `r` at its default config saves in the program (ms): XLA's time (by the model
     where it was not measured yet: `xla_time_ms`) less the default's and less what the group's outputs cost its
     neighbours (`costmodel.cut_outputs_ms`: intermediates XLA would never write); negative: a modelled loss."""
-    return (xla_time_ms(r, space) - space.model_ms(space.default) - space.cut_ms) * r.instances
+    return (xla_time_ms(r, space) - space.default_ms() - space.cut_ms) * r.instances
 
 
 def modelled_loss(r: CandidateState, space: CandidateSpace) -> bool:
@@ -123,7 +123,7 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
         gain = modelled_saving(r, sp)
         if gain > 0:
             return (0, -math.floor(math.log(gain) / math.log(GAIN_STEP)), -len(r.nodes))
-        fused = sp.model_ms(sp.default) + sp.cut_ms
+        fused = sp.default_ms() + sp.cut_ms
         return (1, -(xla_time_ms(r, sp) / fused if fused > 0 else 0.0), -len(r.nodes))
 
     return sorted(range(len(cands)), key=key)

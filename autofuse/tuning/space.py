@@ -38,6 +38,7 @@ class SearchSpace:
     check: Callable[[dict], str | None] | None = None  # the lowering's own rules, checked without compiling
     # `ranked`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
     _ranked: tuple[dict, list[dict] | None] | None = field(default=None, repr=False, compare=False)
+    _default_ms: tuple[dict, float] | None = field(default=None, repr=False, compare=False)  # `default_ms`'s, likewise
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @staticmethod
@@ -69,10 +70,18 @@ class SearchSpace:
         violated = self.violated(config)
         if violated:
             return TrialStatus.INFEASIBLE, "; ".join(violated), len(violated)
-        if measure == "device" and self.model_ms(config) > PRUNE_FACTOR * self.model_ms(self.default):
+        if measure == "device" and self.model_ms(config) > PRUNE_FACTOR * self.default_ms():
             return (TrialStatus.PRUNED, f"modelled {self.model_ms(config):.4f} ms > {PRUNE_FACTOR}x the default's "
-                    f"{self.model_ms(self.default):.4f} ms", 0)
+                    f"{self.default_ms():.4f} ms", 0)
         return None
+
+    def default_ms(self) -> float:
+        """The model's time of the default config, found once per facts (the scheduler asks at every pick, for
+        every candidate)."""
+        with self._lock:
+            if self._default_ms is None or self._default_ms[0] is not self.facts:
+                self._default_ms = (self.facts, self.model_ms(self.default))
+            return self._default_ms[1]
 
     def model_best(self) -> dict | None:
         """The feasible config with the lowest modelled time (None for spaces too large to enumerate)."""
@@ -121,7 +130,7 @@ class SearchSpace:
         return True
 
     def copy(self) -> "SearchSpace":
-        return replace(self, facts=dict(self.facts), _ranked=None, _lock=threading.Lock())
+        return replace(self, facts=dict(self.facts), _ranked=None, _default_ms=None, _lock=threading.Lock())
 
 
 _SMEM_REPORT = re.compile(r"(?:requested|required|smem_bytes)[:=]?\s*(\d+)\D+?(?:available|hardware limit|max_smem_bytes)[:=]?\s*(\d+)",
@@ -167,13 +176,17 @@ class CandidateSpace:
     def model_ms(self, config: dict) -> float:
         return self[config].model_ms(self._params(config))
 
+    def default_ms(self) -> float:
+        """The model's time of the default config (the preferred backend's)."""
+        return next(iter(self.spaces.values())).default_ms()
+
     def violated(self, config: dict) -> list[str]:
         return self[config].violated(self._params(config))
 
     def unmeasured_reason(self, config: dict, measure: str) -> tuple[TrialStatus, str, int] | None:
         reason = self[config].unmeasured_reason(self._params(config), measure)
         if reason and reason[0] is TrialStatus.PRUNED:  # pruned against the candidate's default, whatever its backend
-            return reason if self.model_ms(config) > PRUNE_FACTOR * self.model_ms(self.default) else None
+            return reason if self.model_ms(config) > PRUNE_FACTOR * self.default_ms() else None
         return reason
 
     def model_best(self) -> dict | None:
