@@ -8,6 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from autofuse.store import PlanStore, db
@@ -74,13 +75,14 @@ def test_writers_go_on_without_turns_where_no_lock_file_can_be_made(tmp_path: Pa
         conn.exec_driver_sql("CREATE TABLE t (x INTEGER)")
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the heartbeat's arguments
 def test_optunas_reads_take_no_lock_while_another_process_writes(tmp_path: Path) -> None:
     """A worker's sampler reads a study's trials while another worker holds SQLite's write lock: the read goes on at
     once (it used to wait for the lock like a write), and a write still waits for it."""
     import optuna
 
     url = PlanStore(str(tmp_path / "d.db")).url
-    storage = optuna_storage(url)
+    storage = optuna_storage(url, heartbeat_s=5)
     study = optuna.create_study(study_name="s", storage=storage)
     study.enqueue_trial({"x": 1})
     study_id = storage.get_study_id_from_name("s")
@@ -92,6 +94,7 @@ def test_optunas_reads_take_no_lock_while_another_process_writes(tmp_path: Path)
     try:
         t0 = time.monotonic()
         assert len(storage.get_all_trials(study_id)) == 1 and storage.get_study_directions(study_id)
+        assert storage._get_stale_trial_ids(study_id) == []  # what every trial of a worker asks first
         assert time.monotonic() - t0 < 5.0
         engine = sa.create_engine(url, connect_args={"timeout": 0.5})
         db.serialise_sqlite(engine, timeout=0.5)

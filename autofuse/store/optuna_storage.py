@@ -17,7 +17,8 @@ from autofuse.store import db
 # RDBStorage's methods that only read: on SQLite their transactions begin unlocked (`db.reading`).
 READ_METHODS = ("get_study_id_from_name", "get_study_name_from_id", "get_study_directions", "get_study_user_attrs",
                 "get_study_system_attrs", "get_trial_user_attrs", "get_trial_system_attrs", "get_all_studies", "get_trial_param",
-                "get_trial_id_from_study_id_trial_number", "get_trial", "get_all_trials", "_get_trials", "get_best_trial")
+                "get_trial_id_from_study_id_trial_number", "get_trial", "get_all_trials", "_get_trials", "get_best_trial",
+                "_get_stale_trial_ids")  # the last: at every trial's start, with heartbeats
 
 
 @functools.cache
