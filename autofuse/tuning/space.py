@@ -13,7 +13,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .. import costmodel
 from ..kernels import TEMPLATES
@@ -36,8 +36,8 @@ class SearchSpace:
     model_ms: Callable[[dict], float]
     backend: str = DEFAULT_BACKEND
     check: Callable[[dict], str | None] | None = None  # the lowering's own rules, checked without compiling
-    # `ranked`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
-    _ranked: tuple[dict, list[dict] | None] | None = field(default=None, repr=False, compare=False)
+    # `model_best`'s answer for the facts it was found with (a space corrected by `learn_shared_memory` has new facts)
+    _best: tuple[dict, dict | None] | None = field(default=None, repr=False, compare=False)
     _default_ms: tuple[dict, float] | None = field(default=None, repr=False, compare=False)  # `default_ms`'s, likewise
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -84,29 +84,26 @@ class SearchSpace:
             return self._default_ms[1]
 
     def model_best(self) -> dict | None:
-        """The feasible config with the lowest modelled time (None for spaces too large to enumerate)."""
-        ranked = self.ranked()
-        return dict(ranked[0]) if ranked else None
-
-    def ranked(self) -> list[dict] | None:
-        """Every feasible config, the lowest modelled time first (None for spaces too large to enumerate). Found
-        once per facts (enumerating a space takes up to a second: `ahead.prefetch_model_bests` finds them ahead)."""
+        """The feasible config with the lowest modelled time (None for spaces too large to enumerate). Found once
+        per facts (enumerating a space takes up to a second: `ahead.prefetch_model_bests` finds them ahead)."""
         with self._lock:
-            if self._ranked is None or self._ranked[0] is not self.facts:
-                self._ranked = (self.facts, self._rank())
-            return self._ranked[1]
+            if self._best is None or self._best[0] is not self.facts:
+                feasible = self.feasible()
+                self._best = (self.facts, None if feasible is None else min(feasible, key=self.model_ms, default=None))
+            best = self._best[1]
+        return None if best is None else dict(best)
 
-    def _rank(self) -> list[dict] | None:
+    def feasible(self) -> Iterator[dict] | None:
+        """Every config that breaks no rule (None for spaces too large to enumerate)."""
         if self.size > MODEL_BEST_LIMIT:
             return None
         names = list(self.params)
         configs = (self.complete(dict(zip(names, vals))) for vals in itertools.product(*(self.params[n] for n in names)))
-        return sorted((c for c in configs if not self.violated(c)), key=self.model_ms)
+        return (c for c in configs if not self.violated(c))
 
-    def first_configs(self) -> list[dict]:
-        """A new study's first trials: the template's default, then the config the roofline model ranks best."""
-        best = self.model_best()
-        return [self.default] + ([best] if best is not None and best != self.default else [])
+    def holds(self, config: dict) -> bool:
+        """Whether `config` is one of this space's (each searched parameter at one of its choices)."""
+        return all(config.get(k) in v for k, v in self.params.items())
 
     def learn_shared_memory(self, status: TrialStatus, config: dict, error: str | None) -> bool:
         """A config that exhausted shared memory tells how far the space's estimate is off for this group.
@@ -130,7 +127,7 @@ class SearchSpace:
         return True
 
     def copy(self) -> "SearchSpace":
-        return replace(self, facts=dict(self.facts), _ranked=None, _default_ms=None, _lock=threading.Lock())
+        return replace(self, facts=dict(self.facts), _best=None, _default_ms=None, _lock=threading.Lock())
 
 
 _SMEM_REPORT = re.compile(r"(?:requested|required|smem_bytes)[:=]?\s*(\d+)\D+?(?:available|hardware limit|max_smem_bytes)[:=]?\s*(\d+)",
@@ -145,6 +142,7 @@ class CandidateSpace:
     spaces: dict[str, SearchSpace]  # by backend, the preferred first
     xla_model_ms: float = 0.0  # the model's time of XLA's own fusion of the group: phase 1's order until XLA's is measured
     cut_ms: float = 0.0  # what fusing the group costs its neighbours in the program (`costmodel.cut_outputs_ms`)
+    _worth: dict = field(default_factory=dict, repr=False, compare=False)  # `worth_timing`'s counts, by measure
 
     @staticmethod
     def of(template: str, group: Any, spec: Any, model: costmodel.GPUModel = costmodel.H200,
@@ -197,15 +195,22 @@ class CandidateSpace:
         """Whether every config worth timing is among `tried` (False where a backend's space is too large to
         enumerate): TPE proposes configs done already once a small space is explored, and no more trials of it can
         measure anything new."""
-        done = {config_key(c) for c in tried}
-        for b, sp in self.spaces.items():
-            ranked = sp.ranked()
-            if ranked is None:
-                return False
-            configs = ({"backend": b, **c} for c in ranked)
-            if any(config_key(c) not in done and self.unmeasured_reason(c, measure) is None for c in configs):
-                return False
-        return True
+        n = self.worth_timing(measure)
+        done = {config_key(c) for c in tried if c.get("backend", DEFAULT_BACKEND) in self.spaces and self[c].holds(c)
+                and self.unmeasured_reason(c, measure) is None}
+        return n is not None and len(done) >= n
+
+    def worth_timing(self, measure: str) -> int | None:
+        """How many configs break no rule and are not pruned (None where a backend's space is too large to
+        enumerate): counted once per measure and facts."""
+        facts = tuple(sp.facts for sp in self.spaces.values())
+        known = self._worth.get(measure)
+        if known is None or any(a is not b for a, b in zip(known[0], facts)):
+            feasible = {b: sp.feasible() for b, sp in self.spaces.items()}
+            n = None if any(f is None for f in feasible.values()) else sum(
+                1 for b, f in feasible.items() for c in f if self.unmeasured_reason({"backend": b, **c}, measure) is None)
+            known = self._worth[measure] = (facts, n)
+        return known[1]
 
     def defaults(self) -> list[dict]:
         """Each backend's default, the preferred backend first: what a new study is created with."""
