@@ -52,6 +52,7 @@ def test_a_local_run_records_its_phases_and_show_prints_them(tmp_path):
     assert any(ln.startswith("XLA timings (this process): compile ") for ln in format_phases(phases))
     tp = phases["trial_parts"]
     assert {"ledger", "pick", "trials", "measure", "claim"} <= set(tp) and tp["trials"] >= tp["measure"] > 0, tp
+    assert "measure_build" in tp and tp["measure"] >= tp["measure_build"], tp  # the trial process's parts (model mode: no check)
     assert any(ln.startswith("trials (this process): ") for ln in format_phases(phases))
     with_compiles = dict(phases, selection=dict(sel, compile_ahead=3.0, compiled=[{"program": 2.5, "plan": 1.25}]))
     assert "(longest compile of one: program 2.50, plan 1.25)" in "\n".join(format_phases(with_compiles))

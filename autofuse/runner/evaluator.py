@@ -19,6 +19,7 @@ from ..device import device_label
 from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
+from ..spent import add_since
 from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
@@ -221,12 +222,16 @@ class Evaluator:
             return TrialResult(TrialStatus.ERROR, error=f"template {template} does not match group")
         view = self._view(group)
         avals = view.input_avals()
+        secs: dict[str, float] = {}
+        t = time.perf_counter()
         fn = self._ahead.pop(_trial_key(nodes, template, config), None)
         if fn is None:
             try:
                 fn = self._kernel(group, template, config)
             except Exception as e:
-                return TrialResult(classify_compile_error(e), error=_short(e))
+                add_since(secs, "build", t)
+                return TrialResult(classify_compile_error(e), error=_short(e), seconds=secs)
+        t = add_since(secs, "build", t)
         max_error = None
         if check_result:
             tols = cone_tolerances(self.graph, group.node_ids, group.outputs)
@@ -235,16 +240,21 @@ class Evaluator:
                 again = check_as_accurate(fn, self._reference(group), jax.jit(view.around(widened(group))), avals, self.seeds, tols)
                 res = again if again.ok else replace(res, reason=f"{res.reason}; {again.reason}")
             max_error = res.max_error
+            t = add_since(secs, "check", t)
             if not res.ok:
                 status = TrialStatus.NAN if "NaN" in res.reason else TrialStatus.WRONG_RESULT
-                return TrialResult(status, error=res.reason, max_error=res.max_error)
+                return TrialResult(status, error=res.reason, max_error=res.max_error, seconds=secs)
         if self.measure == "model":
             ms = tmpl.model_time_ms(spec, config, self.model)
-            return TrialResult(TrialStatus.OK, ms, ms, ms, max_error=max_error, modelled=True)
+            return TrialResult(TrialStatus.OK, ms, ms, ms, max_error=max_error, modelled=True, seconds=secs)
         try:
-            return self._timed(self._alone(group, template, config) or fn, avals, max_error=max_error)
+            timed = self._alone(group, template, config) or fn
+            t = add_since(secs, "alone", t)
+            res = self._timed(timed, avals, max_error=max_error)
+            add_since(secs, "time", t)
+            return replace(res, seconds=secs)
         except Exception as e:
-            return TrialResult(TrialStatus.ERROR, error=_short(e))
+            return TrialResult(TrialStatus.ERROR, error=_short(e), seconds=secs)
 
     def _compile_program(self) -> Callable:
         """The whole program under jax.jit, compiled for its input shapes."""

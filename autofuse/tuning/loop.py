@@ -11,7 +11,7 @@ from .ledger import CandidateState, Ledger
 from .output import best_postfix, trial_line
 from .scheduler import Scheduler
 from .space import CandidateSpace
-from .spent import add_since
+from ..spent import add_since
 from .trial import TrialContext, run_trial
 
 

@@ -18,7 +18,7 @@ from ..status import TrialStatus
 from .job import enqueue_model_best
 from .ledger import CandidateState, Ledger
 from .space import CandidateSpace
-from .spent import add_since
+from ..spent import add_parts, add_since
 
 INFEASIBLE_VALUE = 1e9  # what Optuna is told for a config that was never measured
 
@@ -48,7 +48,8 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
     "duplicate" (a config already done), "exhausted" (a config already done, and every config worth timing has
     been tried), "spent" (no budget left), "closed" (the run takes no more trials) or
     "stale" (taken for dead meanwhile; its retry measures it again). `spent` adds up the seconds of the measurement
-    ("measure") and of the ledger's claims and finishes ("claim")."""
+    ("measure"; its parts in the trial process as "measure_build", "measure_check", ...: `TrialResult.seconds`) and
+    of the ledger's claims and finishes ("claim")."""
     spent = {} if spent is None else spent
     for t in cand.trials:  # any worker's shared-memory failure corrects this group's budget here too
         space.learn_shared_memory(t.status, t.config, t.error)
@@ -86,6 +87,7 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
         t0 = time.perf_counter()
         res = measure_config(ctx.runner, cand, cfg)
         add_since(spent, "measure", t0)
+        add_parts(spent, res.seconds, "measure_")
         t0 = time.perf_counter()
         finished = ctx.ledger.finish(cand, claim.number, res)
         add_since(spent, "claim", t0)

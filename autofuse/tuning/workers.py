@@ -68,7 +68,7 @@ from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_b
                   restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable, warn_preallocated)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
-from .spent import add_since
+from ..spent import add_since
 from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu, lock_path
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
