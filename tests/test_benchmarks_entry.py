@@ -94,3 +94,14 @@ def test_the_concat_sink_probe_checks_and_times_every_config(capsys) -> None:
     concat_sink_probe.main(["--small", "--repeats", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| accumulate=")]
     assert len(rows) == len(concat_sink_probe.CONFIGS) and all("| ok (" in r for r in rows)
+
+
+def test_the_workers_table_shows_a_worker_loop_and_its_trials_parts() -> None:
+    """A worker's trial loop as the scaling table shows it: the sampler is what a trial's time is besides measuring
+    and the claims, and the trial process's parts follow the measuring (`TrialResult.seconds`)."""
+    from benchmarks.multi_gpu import loop_text
+
+    parts = {"trials": 10.0, "measure": 6.0, "claim": 1.0, "pick": 0.5, "measure_build": 5.0, "measure_time": 0.5}
+    assert loop_text(parts) == "measure 6.0, sampler 3.0, claims 1.0, pick 0.5 (measuring: build 5.0, time 0.5)"
+    assert loop_text({"trials": 2.0, "measure": 1.0}) == "measure 1.0, sampler 1.0"  # a run from before the parts
+    assert loop_text(None) == ""
