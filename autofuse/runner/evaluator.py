@@ -19,7 +19,7 @@ from ..device import device_label
 from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
-from ..spent import add_since
+from ..spent import add_parts, add_since
 from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
@@ -69,6 +69,7 @@ class Evaluator:
         self._refs: dict[tuple, Callable] = {}
         self._views: dict[tuple, InProgram] = {}
         self._ahead: dict[tuple, Callable] = {}  # kernels compiled ahead (`compile_ahead`), taken by their trial
+        self.last_jit: dict[str, float] = {}  # the last kernel `_jit` compiled: its lowering's and compile's seconds
         self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
         self._held: dict[str, Callable] = {}  # the last validated plans, compiled, for a comparison (`compare`)
         self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job (perhaps ahead)
@@ -139,10 +140,19 @@ class Evaluator:
         return None if kernel is None else self._jit(group, kernel)
 
     def _jit(self, group: Group, kernel: Callable) -> Callable:
-        """`kernel` as the group is timed alone (`in_program`), jitted and (on the device) compiled."""
+        """`kernel` as the group is timed alone (`in_program`), jitted and (on the device) compiled; the seconds of
+        its lowering (Python: the kernel's own, or its export read back from `kernel_cache`) and of XLA's compile
+        in `last_jit`."""
         view = self._view(group)
         fn = jax.jit(view.around(lambda *a: kernel(*a)))
-        return fn.lower(*view.structs()).compile() if self._compiles() else fn
+        if not self._compiles():
+            return fn
+        t0 = time.perf_counter()
+        lowered = fn.lower(*view.structs())
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        self.last_jit = {"lower": t1 - t0, "compile": time.perf_counter() - t1}
+        return compiled
 
     def compile_ahead(self, items: Sequence[XlaRequest | TrialRequest], workers: int) -> CompileResult:
         """Compile what `items` will need on `workers` threads at once (XLA compiles without the GIL), then keep
@@ -226,11 +236,13 @@ class Evaluator:
         t = time.perf_counter()
         fn = self._ahead.pop(_trial_key(nodes, template, config), None)
         if fn is None:
+            self.last_jit = {}
             try:
                 fn = self._kernel(group, template, config)
             except Exception as e:
                 add_since(secs, "build", t)
                 return TrialResult(classify_compile_error(e), error=_short(e), seconds=secs)
+            add_parts(secs, self.last_jit, "build_")  # of which lowering and XLA's compile
         t = add_since(secs, "build", t)
         max_error = None
         if check_result:

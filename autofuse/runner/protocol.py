@@ -114,8 +114,9 @@ class TrialResult:
     max_error: float | None = None
     modelled: bool = False
     device: str | None = None  # where it ran: "gpu:0 NVIDIA H100 80GB HBM3 (CUDA_VISIBLE_DEVICES=1)"
-    # a kernel trial's parts in seconds: "build" (lowered and compiled, or taken ready), "check" (against XLA on
-    # fresh inputs), "alone" (its timed form compiled, where the template times it otherwise), "time"
+    # a kernel trial's parts in seconds: "build" (lowered and compiled, or taken ready; of it "build_lower", the
+    # lowering or its export read back, and "build_compile", XLA's), "check" (against XLA on fresh inputs),
+    # "alone" (its timed form compiled, where the template times it otherwise), "time"
     seconds: dict[str, float] | None = None
 
     @property
