@@ -141,8 +141,8 @@ class Evaluator:
 
     def _jit(self, group: Group, kernel: Callable) -> Callable:
         """`kernel` as the group is timed alone (`in_program`), jitted and (on the device) compiled; the seconds of
-        its lowering (Python: the kernel's own, or its export read back from `kernel_cache`) and of XLA's compile
-        in `last_jit`."""
+        the jitted function's lowering (the kernel's own lowering happened in `build_group`, where `kernel_cache`
+        keeps it) and of XLA's compile in `last_jit`."""
         view = self._view(group)
         fn = jax.jit(view.around(lambda *a: kernel(*a)))
         if not self._compiles():

@@ -115,8 +115,9 @@ class TrialResult:
     modelled: bool = False
     device: str | None = None  # where it ran: "gpu:0 NVIDIA H100 80GB HBM3 (CUDA_VISIBLE_DEVICES=1)"
     # a kernel trial's parts in seconds: "build" (lowered and compiled, or taken ready; of it "build_lower", the
-    # lowering or its export read back, and "build_compile", XLA's), "check" (against XLA on fresh inputs),
-    # "alone" (its timed form compiled, where the template times it otherwise), "time"
+    # jitted group's tracing and lowering around a kernel `build_group` lowered already, into or out of
+    # `kernel_cache`, and "build_compile", XLA's compile), "check" (against XLA on fresh inputs), "alone" (its timed
+    # form compiled, where the template times it otherwise), "time"
     seconds: dict[str, float] | None = None
 
     @property
