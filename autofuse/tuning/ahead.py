@@ -33,11 +33,11 @@ from ..runner.protocol import (
     ValidateRequest,
     XlaRequest,
 )
+from ..spent import add_since
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .scheduler import phase1_order
 from .space import CandidateSpace
-from ..spent import add_since
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
 MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate

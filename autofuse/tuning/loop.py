@@ -6,12 +6,12 @@ import time
 from typing import Any
 
 from ..runner.protocol import XlaRequest
+from ..spent import add_since
 from .job import create_study, load_study
 from .ledger import CandidateState, Ledger
 from .output import best_postfix, trial_line
 from .scheduler import Scheduler
 from .space import CandidateSpace
-from ..spent import add_since
 from .trial import TrialContext, run_trial
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runner.protocol import TrialRequest, TrialResult
+from ..spent import add_parts, add_since
 from ..status import TrialStatus
 from .job import enqueue_model_best
 from .ledger import CandidateState, Ledger
 from .space import CandidateSpace
-from ..spent import add_parts, add_since
 
 INFEASIBLE_VALUE = 1e9  # what Optuna is told for a config that was never measured
 

@@ -61,6 +61,7 @@ from ..codec import decode_call, encode_call
 from ..refs import python_command, reference, resolve
 from ..runner.process import ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
+from ..spent import add_since
 from ..status import UNCOUNTED, TrialStatus
 from ..tables import plural
 from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_backends, create_study, distinct_candidates,
@@ -68,7 +69,6 @@ from .job import (Notes, PhaseMarks, PlanSaver, RunIds, candidates_file, check_b
                   restore_autotune, save_candidates, search_spaces, stored_in, study_name, time_xla, tunable, warn_preallocated)
 from .ahead import ENV_VAR as AHEAD_ENV
 from .ahead import CompileAhead, chunk_size, compile_workers, prefetch_model_bests
-from ..spent import add_since
 from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu, lock_path
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
