@@ -192,12 +192,12 @@ def workers_cell(per_worker: dict) -> str:
 def loop_text(parts: dict | None) -> str:
     """A worker's trial loop in seconds: measuring (compile and time; its parts in the trial process beside it: the
     kernel built, checked, its timed form compiled, timed), the sampler and its storage (a trial's time that is
-    neither measuring nor the ledger's claims), compiling ahead, the scheduler's picks, reading the ledger."""
+    neither measuring nor the ledger's claims), compiling ahead (and asking phase 2's configs ahead), the scheduler's picks, reading the ledger."""
     if not parts:
         return ""
     sampler = parts.get("trials", 0.0) - parts.get("measure", 0.0) - parts.get("claim", 0.0)
     shown = {"measure": parts.get("measure"), "sampler": sampler if "trials" in parts else None, "claims": parts.get("claim"),
-             "ahead": parts.get("compile_ahead"), "pick": parts.get("pick"), "ledger": parts.get("ledger"), "study": parts.get("study")}
+             "ahead": parts.get("compile_ahead"), "asked ahead": parts.get("ask_ahead"), "pick": parts.get("pick"), "ledger": parts.get("ledger"), "study": parts.get("study")}
     inner = {k[len("measure_"):]: v for k, v in parts.items() if k.startswith("measure_") and isinstance(v, (int, float))}
     text = ", ".join(f"{k} {v:.1f}" for k, v in shown.items() if isinstance(v, (int, float)))
     return text + (f" (measuring: {', '.join(f'{k} {v:.1f}' for k, v in inner.items())})" if inner else "")

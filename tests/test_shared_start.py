@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 
 import jax
 import pytest
@@ -359,6 +360,97 @@ def test_the_first_trials_compile_with_the_first_xla_references():
     time_xla([], rec, compile_workers=2, first_trials=batch)  # no chunk of its own: the batch alone
     assert rec.requests == [CompileRequest(tuple(batch), 2, ahead.BATCH_TIMEOUT_S)]
     assert CompileAhead(Recorder(), cands, spaces, "device", 1).first_batch() == []
+
+
+class _Faster(Recorder):
+    """Kernels that beat XLA by an amount each config sets (so phase 2 has contenders and TPE something to learn)."""
+
+    def call(self, req):
+        if not isinstance(req, TrialRequest):
+            return super().call(req)
+        self.requests.append(req)
+        ms = 0.5 + zlib.crc32(repr(sorted(req.config.items())).encode()) % 100 / 1000
+        return TrialResult(TrialStatus.OK, ms, ms, ms, device=self.device)
+
+
+def _keys(reqs):
+    return [_trial_key(q.nodes, q.template, q.config) for q in reqs if isinstance(q, TrialRequest)]
+
+
+def test_phase_two_configs_are_asked_ahead_and_compiled_together_before_their_trials():
+    """Past phase 1, a candidate with no config waiting has this worker's part of its due trials asked of its
+    sampler at once and compiled in one batch; its next trials take them in order, finding them compiled. The asked
+    trials end failed and marked (nothing left running for a worker to wait on), and the budget is spent as before.
+    One compile thread: nothing is asked ahead."""
+    graph, by_sig, cands, spaces = _program()
+    rec = _Faster()
+    time_xla(cands, rec)
+    budget = len(cands) + 32
+    loop = local_loop(graph, by_sig, cands, spaces, Budget(budget), costmodel.H200, "device", rec, None, None, 0)
+    loop.ahead = CompileAhead(rec, cands, spaces, "device", 4)
+    loop.run()
+    phase1_end = [i for i, q in enumerate(rec.requests) if isinstance(q, TrialRequest)][len(cands) - 1]
+    later = rec.requests[phase1_end + 1:]
+    batches = [q for q in later if isinstance(q, CompileRequest)]
+    assert len(batches) >= 3 and all(len({q.nodes for q in b.items}) == 1 for b in batches)  # one candidate's configs each
+    for b in batches:  # each config compiled ahead is asked for by a later trial of its candidate, in the batch's order
+        after = _keys(later[later.index(b) + 1:])
+        assert all(key in after for key in _keys(b.items))
+        assert sorted(_keys(b.items), key=after.index) == _keys(b.items)
+    ahead_keys = {key for b in batches for key in _keys(b.items)}
+    trials = _keys(later)
+    assert sum(key in ahead_keys for key in trials) >= len(trials) // 2
+    assert sum(len(c.spent()) for c in cands) == budget
+    from optuna.trial import TrialState
+
+    studies = [loop.study(i) for i in range(len(cands))]
+    asked = [t for s in studies for t in s.get_trials(deepcopy=False) if t.user_attrs.get("asked_ahead")]
+    assert len(asked) >= sum(len(b.items) for b in batches) and all(t.state is TrialState.FAIL for t in asked)
+    assert not [t for s in studies for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+
+    serial = _Faster()
+    time_xla(cands, serial)
+    loop = local_loop(graph, by_sig, cands, spaces, Budget(budget), costmodel.H200, "device", serial, None, None, 0)
+    loop.ahead = CompileAhead(serial, cands, spaces, "device", 1)
+    loop.run()
+    assert not [q for q in serial.requests if isinstance(q, CompileRequest)]
+    assert not [t for i in range(len(cands)) for t in loop.study(i).get_trials(deepcopy=False) if t.user_attrs.get("asked_ahead")]
+
+
+def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(tmp_path):
+    """The configs a worker asked ahead are waiting trials of the candidate's study in the shared store: another
+    worker's next trial of it (this one dead, say) takes the first of them, as it would a default."""
+    from optuna.trial import TrialState
+
+    from autofuse.store.optuna_storage import optuna_storage
+    from autofuse.tuning.job import create_study, load_study
+    from autofuse.tuning.trial import TrialContext, run_trial
+
+    from autofuse.tuning.ledger import StoreLedger
+
+    *_, spaces = _program()
+    pstore, run_id, cands = _run_with_candidates(tmp_path)
+    r, space = cands[0], spaces[cands[0].signature]
+    storage = optuna_storage(pstore.url)
+    create_study(storage, run_id, space, r.signature)
+    ledger = StoreLedger(pstore, run_id, "a")
+    ctx = TrialContext(ledger, _Faster(), "device", 100, "a")
+    study = load_study(storage, run_id, r.signature, 1)
+    for _ in space.defaults():
+        assert run_trial(study, r, space, ctx) == "measured"
+    while study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # the model's best, queued by the first
+        run_trial(study, r, space, ctx)
+    rec = Recorder()
+    CompileAhead(rec, cands, spaces, "device", 4).ask(0, study, due=6)
+    (batch,) = rec.requests
+    waiting = load_study(storage, run_id, r.signature, 2).get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    queued = [space.optuna_params(q.config) for q in batch.items]
+    assert [t.system_attrs["fixed_params"] for t in waiting if t.system_attrs["fixed_params"] in queued] == queued
+    other = TrialContext(StoreLedger(pstore, run_id, "b"), _Faster(), "device", 100, "b")
+    before = len(r.trials)
+    run_trial(load_study(storage, run_id, r.signature, 2), r, space, other)
+    ledger.refresh(cands)
+    assert len(r.trials) == before + 1 and space.optuna_params(r.trials[-1].config) == waiting[0].system_attrs["fixed_params"]
 
 
 def test_the_workers_of_a_host_share_the_first_batch_between_them():

@@ -37,11 +37,12 @@ from ..spent import add_since
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .scheduler import phase1_order
-from .space import CandidateSpace
+from .space import CandidateSpace, config_key
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
 MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
+MAX_ASKED_AHEAD = 8  # phase 2: configs of one candidate asked of its sampler at once (they see none of each other's results)
 BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
 log = logging.getLogger("autofuse")
 
@@ -132,6 +133,7 @@ class CompileAhead:
         self.runner, self.cands, self.spaces, self.measure = runner, cands, spaces, measure
         self.workers, self.share, self.budget, self.index = workers, max(1, share), budget, index
         self.sent: set[int] = set()
+        self.compiled: set[tuple[int, tuple]] = set()  # phase 2: (candidate, config) sent ahead by `ask`
         self.batches: list[int] = []  # the size of each batch sent (their seconds: the trial loop's "compile_ahead")
 
     def first_requests(self, i: int) -> list[XlaRequest | TrialRequest]:
@@ -176,9 +178,67 @@ class CompileAhead:
             return
         reqs = [q for j in self._pick(i) for q in self.first_requests(j)]
         if len(reqs) > 1:
-            self.batches.append(len(reqs))
-            if not compile_batch(self.runner, reqs, self.workers):
-                self.workers = 1
+            self._compile(reqs)
+
+    def _compile(self, reqs: list) -> None:
+        self.batches.append(len(reqs))
+        if not compile_batch(self.runner, reqs, self.workers):
+            self.workers = 1
+
+    def ask(self, i: int, study: Any, due: int, spent: dict | None = None) -> None:
+        """Phase 2 compiled ahead: before a trial of candidate i (one tried before), the configs its next trials
+        will take compiled in one batch: this worker's part of the `due` trials (`Scheduler.due`, at most
+        MAX_ASKED_AHEAD), the configs waiting in its study first (the model's best, another worker's), then new ones
+        asked of its sampler at once and queued behind them (a trial takes waiting configs first, as it takes the
+        defaults; an ask takes them too, so those it takes are queued again first; a study with a dead worker's
+        retry waiting is not asked: the retry keeps its history). The asked trials are failed at once, marked
+        ``asked_ahead`` (a failed trial is nothing to TPE): a queued config is an ordinary waiting trial, which
+        another worker takes if this one dies, where an asked one left running would never be retried (Optuna
+        fails only trials with a heartbeat). Asked together, the constant liar keeps them apart; none sees
+        another's result, the price of compiling them at once (a trial is 86-91% its kernel's build,
+        results/tuning_one_h200_run20.md). `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""
+        k = min(-(-due // self.share), MAX_ASKED_AHEAD, chunk_size(self.workers))
+        if self.workers <= 1 or self.measure != "device" or k < 2 or not self.cands[i].trials:
+            return
+        from optuna.trial import TrialState
+
+        spent = {} if spent is None else spent
+        t0 = time.perf_counter()
+        r, space = self.cands[i], self.spaces[self.cands[i].signature]
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        queue = [c for t in waiting for c in [_waiting_config(space, t.system_attrs.get("fixed_params"))] if c is not None]
+        if len(queue) < k and not any("failed_trial" in t.system_attrs for t in waiting):  # a retry keeps its history
+            asked = []
+            for _ in range(k):  # one at a time: each sees the ones before as running (the constant liar)
+                trial = study.ask()
+                trial.set_user_attr("asked_ahead", True)
+                asked.append((trial, space.suggest(trial)))
+            fixed = {t.number: t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                     if "fixed_params" in t.system_attrs}  # the waiting configs, taken first by the asks: queued again, first
+            seen = {config_key(t.config) for t in r.trials}
+            queue = []
+            for trial, cfg in asked:
+                if trial.number in fixed or config_key(cfg) not in seen:
+                    seen.add(config_key(cfg))
+                    queue.append(cfg)
+                    study.enqueue_trial(fixed.get(trial.number) or space.optuna_params(cfg))
+                study.tell(trial, state=TrialState.FAIL)
+        todo = [c for c in queue if (i, config_key(c)) not in self.compiled and not space.unmeasured_reason(c, self.measure)]
+        t1 = add_since(spent, "ask_ahead", t0)
+        if len(todo) > 1:
+            self.compiled.update((i, config_key(c)) for c in todo)
+            self._compile([TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in todo])
+        add_since(spent, "compile_ahead", t1)
+
+
+def _waiting_config(space: CandidateSpace, params: dict | None) -> dict | None:
+    """The config a waiting Optuna trial will suggest (its fixed parameters); None if they name no whole config."""
+    import optuna
+
+    try:
+        return space.suggest(optuna.trial.FixedTrial(params or {}))
+    except (ValueError, KeyError):
+        return None
 
 
 #: The interpreter's thread switch interval while `prefetch_model_bests` runs. At Python's default 5 ms the main

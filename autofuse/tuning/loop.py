@@ -70,6 +70,9 @@ class TrialLoop:
             t = add_since(self.spent, "xla", t)
         study = self.study(i)
         t = add_since(self.spent, "study", t)
+        if self.ahead is not None and r.trials:
+            self.ahead.ask(i, study, self.scheduler.due(i), self.spent)
+            t = time.perf_counter()
         kind = run_trial(study, r, self.spaces[r.signature], self.ctx, self.spent)
         add_since(self.spent, "trials", t)
         self.scheduler.note(i, kind)

@@ -179,6 +179,7 @@ class Scheduler:
         self.idle = [0] * len(cands)  # proposals in a row that were configs already done
         self._contenders: tuple[tuple, list[int]] | None = None
         self._cover: tuple[tuple, Cover] | None = None
+        self.planned: dict[int, int] = {}  # phase 2: the trials each contender is still due at the last pick (`allocate`)
 
     def spent(self) -> int:
         return sum(len(c.spent()) for c in self.cands)
@@ -188,6 +189,7 @@ class Scheduler:
 
     def pick(self) -> int | None:
         """The candidate of the next trial; None when the budget or the time is spent, or no candidate can use more."""
+        self.planned = {}
         if self.done():
             return None
         counted = [len(c.spent()) for c in self.cands]
@@ -212,7 +214,12 @@ class Scheduler:
         weights = [self.cands[i].xla_ms or 0.0 for i in cont]
         target = allocate(weights, [self.caps[i] for i in cont], sum(have) + self.total - sum(counted))
         behind = max(range(len(cont)), key=lambda k: ((target[k] - have[k]) / max(target[k], 1), weights[k]))
+        self.planned = {cont[k]: target[k] - have[k] for k in range(len(cont))}
         return cont[behind]
+
+    def due(self, i: int) -> int:
+        """The trials candidate i is still due in phase 2 (counting the one it was just picked for); 1 outside phase 2."""
+        return max(1, self.planned.get(i, 1))
 
     def contenders(self) -> list[int]:
         """`contenders`, solved again only when a candidate's best or failures changed."""
