@@ -200,6 +200,9 @@ def loop_text(parts: dict | None) -> str:
              "ahead": parts.get("compile_ahead"), "asked ahead": parts.get("ask_ahead"), "pick": parts.get("pick"), "ledger": parts.get("ledger"), "study": parts.get("study")}
     inner = {k[len("measure_"):]: v for k, v in parts.items() if k.startswith("measure_") and isinstance(v, (int, float))}
     text = ", ".join(f"{k} {v:.1f}" for k, v in shown.items() if isinstance(v, (int, float)))
+    if parts.get("batches"):
+        text += (f" (compiled ahead: {parts.get('compiled_ahead', 0)} in {parts['batches']} batches, {parts.get('ahead_failed', 0)} failed, "
+                 f"{parts.get('ahead_lost', 0)} batches lost)")
     return text + (f" (measuring: {', '.join(f'{k} {v:.1f}' for k, v in inner.items())})" if inner else "")
 
 

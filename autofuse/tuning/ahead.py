@@ -68,14 +68,18 @@ def chunk_size(workers: int) -> int:
 
 
 def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | ValidateRequest], workers: int,
-                  timeout_s: float | None = BATCH_TIMEOUT_S, longest: dict | None = None) -> bool:
+                  timeout_s: float | None = BATCH_TIMEOUT_S, longest: dict | None = None, tally: dict | None = None) -> bool:
     """Send one batch to be compiled ahead; False if it crashed or hung the trial process (restarted for the next
     request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch.
     `timeout_s` None: the runner's per-request limit (whole programs, which take longer than a batch of kernels).
-    `longest` receives the longest compilation of one item per kind (`CompileResult.longest`)."""
+    `longest` receives the longest compilation of one item per kind (`CompileResult.longest`); `tally` adds up the
+    items that failed to compile ("failed") and the batches that crashed or hung the trial process ("lost")."""
     res = runner.call(CompileRequest(tuple(items), workers, timeout_s=timeout_s))
     if longest is not None:
         longest.update(getattr(res, "longest", None) or {})
+    if tally is not None:
+        tally["failed"] = tally.get("failed", 0) + (getattr(res, "failed", 0) or 0)
+        tally["lost"] = tally.get("lost", 0) + (res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT))
     if res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT):
         log.warning("autofuse: compiling %d items ahead on %d threads: %s (%s); compiling one at a time from here",
                     len(items), workers, res.status.value, res.error)
@@ -135,6 +139,11 @@ class CompileAhead:
         self.sent: set[int] = set()
         self.compiled: set[tuple[int, tuple]] = set()  # phase 2: (candidate, config) sent ahead by `ask`
         self.batches: list[int] = []  # the size of each batch sent (their seconds: the trial loop's "compile_ahead")
+        self.tally: dict[str, int] = {}  # items that failed to compile ahead, batches lost to a crash or hang (`compile_batch`)
+
+    def parts(self) -> dict:
+        """What compiling ahead did in the trial loop, for its `trial_parts` mark."""
+        return {"compiled_ahead": sum(self.batches), "batches": len(self.batches), **{f"ahead_{k}": v for k, v in self.tally.items()}}
 
     def first_requests(self, i: int) -> list[XlaRequest | TrialRequest]:
         """Candidate i's XLA reference (its trial checks against it; the trial process skips one it has, timed
@@ -182,7 +191,7 @@ class CompileAhead:
 
     def _compile(self, reqs: list) -> None:
         self.batches.append(len(reqs))
-        if not compile_batch(self.runner, reqs, self.workers):
+        if not compile_batch(self.runner, reqs, self.workers, tally=self.tally):
             self.workers = 1
 
     def ask(self, i: int, study: Any, due: int, spent: dict | None = None) -> None:

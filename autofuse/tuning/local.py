@@ -167,7 +167,7 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
             loop.bar.update(loop.scheduler.spent())  # a resumed run's trials
             loop.run()
             loop.bar.close()
-            marks("trial_parts", value={"compiled_ahead": sum(ahead.batches), "batches": len(ahead.batches), **loop.spent})
+            marks("trial_parts", value={**ahead.parts(), **loop.spent})
         if pstore is not None:
             pstore.begin_selection(run_id, f"{os.uname().nodename}:{os.getpid()}")  # a resume after a kill from here on selects only
         marks("trials")

@@ -369,8 +369,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             marks("loop", worker=me)  # the trial loop is ready (its storage connected): the first trial comes next
             w.work()
             marks("trials", worker=me)
-            marks(f"trial_parts {me}", value={"compiled_ahead": sum(w.loop.ahead.batches), "batches": len(w.loop.ahead.batches),
-                                               **w.loop.spent})
+            marks(f"trial_parts {me}", value={**w.loop.ahead.parts(), **w.loop.spent})
             selected = pstore.begin_selection(run_id, me)
             if selected:
                 marks("trials")
