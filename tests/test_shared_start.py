@@ -378,10 +378,10 @@ def _keys(reqs):
 
 
 def test_phase_two_configs_are_asked_ahead_and_compiled_together_before_their_trials():
-    """Past phase 1, a candidate with no config waiting has this worker's part of its due trials asked of its
-    sampler at once and compiled in one batch; its next trials take them in order, finding them compiled. The asked
-    trials end failed and marked (nothing left running for a worker to wait on), and the budget is spent as before.
-    One compile thread: nothing is asked ahead."""
+    """Past phase 1, the configs the contenders' next trials will take (each one's part of its due trials, asked of
+    its sampler at once and queued in its study) are compiled in batches that span candidates; the trials take
+    them in each candidate's order, finding them compiled. The asked trials end failed and marked (nothing left
+    running for a worker to wait on), and the budget is spent as before. One compile thread: nothing is asked."""
     graph, by_sig, cands, spaces = _program()
     rec = _Faster()
     time_xla(cands, rec)
@@ -392,20 +392,23 @@ def test_phase_two_configs_are_asked_ahead_and_compiled_together_before_their_tr
     phase1_end = [i for i, q in enumerate(rec.requests) if isinstance(q, TrialRequest)][len(cands) - 1]
     later = rec.requests[phase1_end + 1:]
     batches = [q for q in later if isinstance(q, CompileRequest)]
-    assert len(batches) >= 3 and all(len({q.nodes for q in b.items}) == 1 for b in batches)  # one candidate's configs each
-    for b in batches:  # each config compiled ahead is asked for by a later trial of its candidate, in the batch's order
-        after = _keys(later[later.index(b) + 1:])
-        assert all(key in after for key in _keys(b.items))
-        assert sorted(_keys(b.items), key=after.index) == _keys(b.items)
-    ahead_keys = {key for b in batches for key in _keys(b.items)}
+    assert batches and max(len({q.nodes for q in b.items}) for b in batches) > 1  # a batch of several candidates' configs
+    assert all(len(b.items) <= ahead.MAX_BATCH_AHEAD for b in batches)
     trials = _keys(later)
-    assert sum(key in ahead_keys for key in trials) >= len(trials) // 2
+    for b in batches:  # each candidate's configs are asked for in the order they were compiled
+        after = _keys(later[later.index(b) + 1:])
+        for nodes in {q.nodes for q in b.items}:
+            used = [key for key in _keys(b.items) if key[0] == nodes and key in after]
+            assert sorted(used, key=after.index) == used
+    compiled = [key for b in batches for key in _keys(b.items)]
+    assert sum(key in trials for key in compiled) >= 0.8 * len(compiled)  # few guesses wasted
+    assert sum(key in set(compiled) for key in trials) >= len(trials) // 2
     assert sum(len(c.spent()) for c in cands) == budget
     from optuna.trial import TrialState
 
     studies = [loop.study(i) for i in range(len(cands))]
     asked = [t for s in studies for t in s.get_trials(deepcopy=False) if t.user_attrs.get("asked_ahead")]
-    assert len(asked) >= sum(len(b.items) for b in batches) and all(t.state is TrialState.FAIL for t in asked)
+    assert len(asked) >= len(compiled) and all(t.state is TrialState.FAIL for t in asked)
     assert not [t for s in studies for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
 
     serial = _Faster()
@@ -441,7 +444,7 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     while study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # the model's best, queued by the first
         run_trial(study, r, space, ctx)
     rec = Recorder()
-    CompileAhead(rec, cands, spaces, "device", 4).ask(0, study, due=6)
+    CompileAhead(rec, cands, spaces, "device", 4).ask([(0, study, 6)])
     (batch,) = rec.requests
     waiting = load_study(storage, run_id, r.signature, 2).get_trials(deepcopy=False, states=(TrialState.WAITING,))
     queued = [space.optuna_params(q.config) for q in batch.items]

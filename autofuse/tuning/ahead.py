@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
 MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
 MAX_ASKED_AHEAD = 8  # phase 2: configs of one candidate asked of its sampler at once (they see none of each other's results)
+MAX_BATCH_AHEAD = 16  # phase 2: configs compiled in one batch, of several candidates
 BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
 log = logging.getLogger("autofuse")
 
@@ -138,6 +140,7 @@ class CompileAhead:
         self.workers, self.share, self.budget, self.index = workers, max(1, share), budget, index
         self.sent: set[int] = set()
         self.compiled: set[tuple[int, tuple]] = set()  # phase 2: (candidate, config) sent ahead by `ask`
+        self.asked_at: dict[int, int] = {}  # phase 2: a candidate's trials that spent budget when its sampler was last asked
         self.batches: list[int] = []  # the size of each batch sent (their seconds: the trial loop's "compile_ahead")
         self.tally: dict[str, int] = {}  # items that failed to compile ahead, batches lost to a crash or hang (`compile_batch`)
 
@@ -194,50 +197,72 @@ class CompileAhead:
         if not compile_batch(self.runner, reqs, self.workers, tally=self.tally):
             self.workers = 1
 
-    def ask(self, i: int, study: Any, due: int, spent: dict | None = None) -> None:
-        """Phase 2 compiled ahead: before a trial of candidate i (one tried before), the configs its next trials
-        will take compiled in one batch: this worker's part of the `due` trials (`Scheduler.due`, at most
-        MAX_ASKED_AHEAD), the configs waiting in its study first (the model's best, another worker's), then new ones
-        asked of its sampler at once and queued behind them (a trial takes waiting configs first, as it takes the
-        defaults; an ask takes them too, so those it takes are queued again first; a study with a dead worker's
-        retry waiting is not asked: the retry keeps its history). The asked trials are failed at once, marked
-        ``asked_ahead`` (a failed trial is nothing to TPE): a queued config is an ordinary waiting trial, which
-        another worker takes if this one dies, where an asked one left running would never be retried (Optuna
-        fails only trials with a heartbeat). Asked together, the constant liar keeps them apart; none sees
-        another's result, the price of compiling them at once (a trial is 86-91% its kernel's build,
-        results/tuning_one_h200_run20.md). `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""
-        k = min(-(-due // self.share), MAX_ASKED_AHEAD, chunk_size(self.workers))
-        if self.workers <= 1 or self.measure != "device" or k < 2 or not self.cands[i].trials:
+    def ask(self, due: Sequence[tuple[int, Any, int]], spent: dict | None = None) -> None:
+        """Phase 2 compiled ahead. `due`: (candidate, its study, the trials it is still due: `Scheduler.due`) for the
+        candidate of the next trial first, then the other contenders of phase 2. Before a trial, the configs the
+        next trials of these candidates will take are compiled in one batch (at most MAX_BATCH_AHEAD): for each,
+        this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
+        model's best, another worker's), then new ones asked of its sampler at once and queued behind them
+        (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2
+        candidate is due 2-4 trials at a time: the batch spans candidates, so that its compiles run side by side.
+        `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""
+        if self.workers <= 1 or self.measure != "device" or not due:
             return
-        from optuna.trial import TrialState
-
         spent = {} if spent is None else spent
         t0 = time.perf_counter()
+        todo: list[TrialRequest] = []
+        for i, study, n in due:
+            if len(todo) >= MAX_BATCH_AHEAD:
+                break
+            r, space = self.cands[i], self.spaces[self.cands[i].signature]
+            fresh = [c for c in self._queue(i, study, min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)))
+                     if (i, config_key(c)) not in self.compiled and not space.unmeasured_reason(c, self.measure)][:MAX_BATCH_AHEAD - len(todo)]
+            self.compiled.update((i, config_key(c)) for c in fresh)
+            todo += [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in fresh]
+        t1 = add_since(spent, "ask_ahead", t0)
+        if len(todo) > 1:
+            self._compile(todo)
+        add_since(spent, "compile_ahead", t1)
+
+    def _queue(self, i: int, study: Any, k: int) -> list[dict]:
+        """The configs candidate i's next trials will take: those waiting in its study, topped up to `k` with new
+        ones asked of its sampler once per trial of it that spent budget (asks that found nothing new are not
+        repeated) and queued in the study. A trial takes waiting configs first, as it takes the defaults; an ask
+        takes them too, so those it takes are queued again first (a study with a dead worker's retry waiting is not
+        asked: the retry keeps its history). The asked trials are failed at once, marked ``asked_ahead`` (a failed
+        trial is nothing to TPE): a queued config is an ordinary waiting trial, which another worker takes if this
+        one dies, where an asked one left running would never be retried (Optuna fails only trials with a
+        heartbeat). Asked together, the constant liar keeps them apart; none sees another's result, the price of
+        compiling them at once. A space nearly explored is asked for no more than its untried configs."""
+        from optuna.trial import TrialState
+
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
+        worth = space.worth_timing(self.measure)
+        if worth is not None:
+            k = min(k, worth - len({config_key(t.config) for t in r.trials}))
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         queue = [c for t in waiting for c in [_waiting_config(space, t.system_attrs.get("fixed_params"))] if c is not None]
-        if len(queue) < k and not any("failed_trial" in t.system_attrs for t in waiting):  # a retry keeps its history
-            asked = []
+        if k < 2 or len(queue) >= k or self.asked_at.get(i, -1) >= len(r.spent()) or any("failed_trial" in t.system_attrs for t in waiting):
+            return queue
+        self.asked_at[i] = len(r.spent())
+        asked = []
+        with warnings.catch_warnings():  # Optuna's "heartbeat is supposed to be used with Study.optimize": these never run
+            warnings.simplefilter("ignore", UserWarning)
             for _ in range(k):  # one at a time: each sees the ones before as running (the constant liar)
                 trial = study.ask()
                 trial.set_user_attr("asked_ahead", True)
                 asked.append((trial, space.suggest(trial)))
-            fixed = {t.number: t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                     if "fixed_params" in t.system_attrs}  # the waiting configs, taken first by the asks: queued again, first
-            seen = {config_key(t.config) for t in r.trials}
-            queue = []
-            for trial, cfg in asked:
-                if trial.number in fixed or config_key(cfg) not in seen:
-                    seen.add(config_key(cfg))
-                    queue.append(cfg)
-                    study.enqueue_trial(fixed.get(trial.number) or space.optuna_params(cfg))
-                study.tell(trial, state=TrialState.FAIL)
-        todo = [c for c in queue if (i, config_key(c)) not in self.compiled and not space.unmeasured_reason(c, self.measure)]
-        t1 = add_since(spent, "ask_ahead", t0)
-        if len(todo) > 1:
-            self.compiled.update((i, config_key(c)) for c in todo)
-            self._compile([TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in todo])
-        add_since(spent, "compile_ahead", t1)
+        fixed = {t.number: t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                 if "fixed_params" in t.system_attrs}  # the waiting configs, taken first by the asks
+        seen = {config_key(t.config) for t in r.trials}
+        queue = []
+        for trial, cfg in asked:
+            if trial.number in fixed or config_key(cfg) not in seen:
+                seen.add(config_key(cfg))
+                queue.append(cfg)
+                study.enqueue_trial(fixed.get(trial.number) or space.optuna_params(cfg))
+            study.tell(trial, state=TrialState.FAIL)
+        return queue
 
 
 def _waiting_config(space: CandidateSpace, params: dict | None) -> dict | None:
