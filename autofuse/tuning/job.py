@@ -31,7 +31,7 @@ from .ahead import time_xla_concurrently
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates
 from .report import TuneReport
-from .space import CandidateSpace, usable_backends
+from .space import CandidateSpace, sampler, usable_backends
 
 log = logging.getLogger("autofuse")
 
@@ -266,8 +266,8 @@ def load_study(storage: Any, run_id: int | None, signature: str, seed: int) -> A
     """A candidate's study as one driver samples it (TPE, seeded; the constant liar sees other workers' running trials)."""
     import optuna
 
-    sampler = optuna.samplers.TPESampler(seed=seed % 2**31, n_startup_trials=4, constant_liar=True)
-    return optuna.load_study(study_name=study_name(run_id, signature), storage=storage, sampler=sampler)
+    return optuna.load_study(study_name=study_name(run_id, signature), storage=storage, sampler=sampler(seed))
+
 
 
 @dataclass(frozen=True)

@@ -246,6 +246,14 @@ def usable_backends(template: str, spec: Any, backends: Sequence[str]) -> list[s
     return [b for b in backends if b in tmpl.backends and tmpl.unsupported(spec, b) is None]
 
 
+def sampler(seed: int) -> Any:
+    """The sampler of a candidate's study: TPE, seeded; the constant liar sees running trials (other workers', and
+    configs asked ahead: `ahead.CompileAhead`) as bad, so that several asked at once differ."""
+    import optuna
+
+    return optuna.samplers.TPESampler(seed=seed % 2**31, n_startup_trials=4, constant_liar=True)
+
+
 def config_key(config: dict) -> tuple:
     """A config as a hashable key (one config, whatever its keys' order)."""
     return tuple(sorted(config.items()))
