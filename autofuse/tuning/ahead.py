@@ -204,15 +204,16 @@ class CompileAhead:
         this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
         model's best, another worker's), then new ones asked of its sampler at once and queued behind them
         (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2
-        candidate is due 2-4 trials at a time: the batch spans candidates, so that its compiles run side by side.
+        candidate is due 2-4 trials at a time: the batch spans candidates, so that its compiles run side by side. The
+        others are looked at only when the next trial's candidate has configs to compile (a store read each).
         `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""
         if self.workers <= 1 or self.measure != "device" or not due:
             return
         spent = {} if spent is None else spent
         t0 = time.perf_counter()
         todo: list[TrialRequest] = []
-        for i, study, n in due:
-            if len(todo) >= MAX_BATCH_AHEAD:
+        for k, (i, study, n) in enumerate(due):
+            if len(todo) >= MAX_BATCH_AHEAD or (k == 1 and not todo):  # the next trial's config is compiled (or not worth it)
                 break
             r, space = self.cands[i], self.spaces[self.cands[i].signature]
             fresh = [c for c in self._queue(i, study, min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)))
