@@ -40,6 +40,7 @@ from autofuse.tuning.job import (
 )
 from autofuse.tuning.local import local_loop
 from autofuse.tuning.scheduler import Budget, phase1_order
+from autofuse.tuning.space import config_key
 from autofuse.tuning.workers import share_xla
 from benchmarks.workloads import log_relu_bias, rms_norm
 from tests.dist_programs import log_relu_bias_inputs, rms_norm_inputs
@@ -451,6 +452,54 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     run_trial(load_study(storage, run_id, r.signature, 2), r, space, other)
     ledger.refresh(cands)
     assert len(r.trials) == before + 1 and space.optuna_params(r.trials[-1].config) == waiting[0].system_attrs["fixed_params"]
+
+
+def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(tmp_path):
+    """Two workers of one store taking turns, each asking its part of phase 2 ahead: a config one queued is
+    measured once (by whichever comes first), the budget is spent exactly, and nothing is left running."""
+    import copy
+
+    from optuna.trial import TrialState
+
+    from autofuse.store.optuna_storage import optuna_storage
+    from autofuse.tuning.job import create_study
+    from autofuse.tuning.ledger import StoreLedger
+    from autofuse.tuning.loop import TrialLoop
+    from autofuse.tuning.scheduler import Scheduler
+    from autofuse.tuning.trial import TrialContext
+
+    graph, by_sig, _, spaces = _program()
+    pstore, run_id, cands = _run_with_candidates(tmp_path)
+    time_xla(cands, _Faster())
+    for r in cands:
+        pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
+        create_study(optuna_storage(pstore.url), run_id, spaces[r.signature], r.signature)
+    budget = len(cands) + 24
+    loops, runners = [], []
+    for w in range(2):
+        mine = copy.deepcopy(cands)
+        rec = _Faster(device=f"fake:{w}")
+        scheduler = Scheduler(graph, by_sig, mine, spaces, Budget(budget), costmodel.H200)
+        ctx = TrialContext(StoreLedger(pstore, run_id, f"w{w}"), rec, "device", scheduler.total, f"w{w}")
+        loop = TrialLoop(mine, spaces, scheduler, ctx, optuna_storage(pstore.url), run_id, 0, worker_seed=w)
+        loop.ahead = CompileAhead(rec, mine, spaces, "device", 4, share=2, budget=scheduler.total)
+        loops.append(loop)
+        runners.append(rec)
+    active = [0, 1]
+    while active:
+        for w in list(active):
+            if loops[w].step() in (None, "closed"):
+                active.remove(w)
+    ledger = StoreLedger(pstore, run_id)
+    ledger.refresh(cands)
+    measured = [(r.signature, config_key(t.config)) for r in cands for t in r.trials if t.status is TrialStatus.OK]
+    assert len(measured) == len(set(measured)) == budget
+    defaults = {tuple(r.nodes): [config_key(c) for c in spaces[r.signature].defaults()] for r in cands}
+    for rec in runners:  # each compiled configs past the defaults ahead
+        assert [q for b in rec.requests if isinstance(b, CompileRequest) for q in b.items
+                if isinstance(q, TrialRequest) and config_key(q.config) not in defaults[q.nodes]]
+    studies = [loops[0].study(i) for i in range(len(cands))]
+    assert not [t for s in studies for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
 
 
 def test_the_workers_of_a_host_share_the_first_batch_between_them():
