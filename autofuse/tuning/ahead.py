@@ -1,8 +1,8 @@
-"""Compiling ahead: the start of a job compiles on many CPU cores at once, and times on the GPU one at a time.
+"""Compiling ahead: a job compiles on many CPU cores at once, and times on the GPU one at a time.
 
-A job's start is mostly compilation: XLA's reference of every distinct
-candidate (about 0.4 s each on an H100, a minute for GPT-2 medium's 158), then
-phase 1's default config of each. Compilation is CPU work and XLA releases the
+A job is mostly compilation: XLA's reference of every distinct candidate (about
+0.4 s each on an H100, a minute for GPT-2 medium's 158), phase 1's default
+config of each, then every trial's kernel (86-91% of a trial). Compilation is CPU work and XLA releases the
 GIL while it compiles, so the trial process compiles a chunk of them on a
 thread pool (`CompileRequest`), then the usual requests time them one at a
 time on the GPU, finding their executables ready. The results are those of the
@@ -122,7 +122,8 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
 
 
 class CompileAhead:
-    """Phase 1's default configs compiled ahead, a chunk at a time, just before the driver reaches them.
+    """Phase 1's default configs compiled ahead, a chunk at a time, just before the driver reaches them (`before`);
+    phase 2's next configs asked of the samplers and compiled ahead (`ask`).
 
     `before(i)` runs before each trial of candidate i: when i has no trial yet and its first config was not
     sent ahead, the trial process compiles it together with the next untried candidates in phase 1 order, no

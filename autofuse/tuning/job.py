@@ -269,7 +269,6 @@ def load_study(storage: Any, run_id: int | None, signature: str, seed: int) -> A
     return optuna.load_study(study_name=study_name(run_id, signature), storage=storage, sampler=sampler(seed))
 
 
-
 @dataclass(frozen=True)
 class RunIds:
     """The store's rows a run's plan is filed under."""

@@ -247,8 +247,9 @@ def usable_backends(template: str, spec: Any, backends: Sequence[str]) -> list[s
 
 
 def sampler(seed: int) -> Any:
-    """The sampler of a candidate's study: TPE, seeded; the constant liar sees running trials (other workers', and
-    configs asked ahead: `ahead.CompileAhead`) as bad, so that several asked at once differ."""
+    """The sampler of a candidate's study (and of the copy phase 2 asks ahead, `ahead.CompileAhead`): TPE, seeded;
+    the constant liar takes running trials (other workers', those asked before in the same batch) for bad ones, so
+    that several asked at once differ."""
     import optuna
 
     return optuna.samplers.TPESampler(seed=seed % 2**31, n_startup_trials=4, constant_liar=True)
