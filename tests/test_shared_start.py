@@ -320,18 +320,20 @@ def test_each_worker_is_pinned_to_its_gpu_and_its_trial_process_records_it(monke
 
 
 def test_compiling_ahead_stops_at_this_workers_part_of_the_budget():
-    """Two workers with 5 trials left: a batch holds this worker's 3 candidates at most, the next of phase 1 (the
-    workers go through it in step), each with its XLA reference (its trial's check needs it) and every default
-    config (a worker takes whichever is enqueued next)."""
+    """Two workers with 9 trials left (a default each for the 8 candidates): a batch holds this worker's part of
+    phase 1's 8 visits, 4 candidates, the next of phase 1 (the workers go through it in step), each with its XLA
+    reference (its trial's check needs it) and every default config (a worker takes whichever is enqueued next).
+    With 6 trials, short of the candidates, phase 1 visits 3 of them: this worker's batch holds 2; with 3 trials it
+    visits 1."""
     *_, cands, spaces = _program()
     time_xla(cands, Recorder())
-    rec = Recorder()
-    ca = CompileAhead(rec, cands, spaces, "device", 8, share=2, budget=5)
     order = phase1_order(cands, spaces)
-    ca.before(order[0])
-    (batch,) = rec.requests
-    want = [(tuple(cands[j].nodes), cfg) for j in order[:3] for cfg in [None] + spaces[cands[j].signature].defaults()]
-    assert [(q.nodes, getattr(q, "config", None)) for q in batch.items] == want
+    for budget, n in ((9, 4), (6, 2), (3, 1)):
+        rec = Recorder()
+        CompileAhead(rec, cands, spaces, "device", 8, share=2, budget=budget).before(order[0])
+        (batch,) = rec.requests
+        want = [(tuple(cands[j].nodes), cfg) for j in order[:n] for cfg in [None] + spaces[cands[j].signature].defaults()]
+        assert [(q.nodes, getattr(q, "config", None)) for q in batch.items] == want
     ca1 = CompileAhead(Recorder(), cands, spaces, "device", 8, share=1, budget=5)
     first = ca1.first_requests(order[0])
     assert [q.config for q in first[1:]] == [spaces[cands[order[0]].signature].default] and isinstance(first[0], XlaRequest)  # one worker: its first

@@ -37,7 +37,7 @@ from ..runner.protocol import (
 from ..spent import add_since
 from ..status import TrialStatus
 from .ledger import CandidateState
-from .scheduler import phase1_order
+from .scheduler import modelled_loss, phase1_order, phase1_visits
 from .space import CandidateSpace, config_key, sampler
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
@@ -177,11 +177,17 @@ class CompileAhead:
 
     def _pick(self, i: int) -> list[int]:
         """Candidate i and the next untried candidates in phase 1's order, no more than this worker's part of the
-        trials left; marked sent."""
+        trials left and of phase 1's visits left (a budget short of the candidates visits half as many, and no
+        modelled loss: `Scheduler.pick`; GPT-2 at 24 trials compiled 12 defaults no trial asked for); marked sent."""
         n = chunk_size(self.workers)
-        if self.budget is not None:  # this worker's part of the trials left
+        short = False
+        if self.budget is not None:  # this worker's part of the trials left, and of phase 1's visits left
             n = min(n, -(-(self.budget - sum(len(c.spent()) for c in self.cands)) // self.share))
-        rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent]
+            visits = phase1_visits(len(self.cands), self.budget) - sum(1 for c in self.cands if c.spent())
+            n = min(n, max(1, -(-visits // self.share)))
+            short = self.budget < len(self.cands)
+        rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent
+                and not (short and modelled_loss(self.cands[j], self.spaces[self.cands[j].signature]))]
         pick = [i] + rest[:max(0, n - 1)]
         self.sent.update(pick)
         return pick

@@ -96,6 +96,12 @@ def timed_first(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpac
     return [i for i in order if not modelled_loss(cands[i], spaces[cands[i].signature])][:total]
 
 
+def phase1_visits(n_cands: int, total: int) -> int:
+    """First visits phase 1 may make before phase 2: every candidate where `total` trials cover every default,
+    else PHASE1_SHARE of them."""
+    return n_cands if total >= n_cands else max(1, int(total * PHASE1_SHARE))
+
+
 def modelled_saving(r: CandidateState, space: CandidateSpace) -> float:
     """What fusing every instance of `r` at its default config saves in the program (ms): XLA's time (by the model
     where it was not measured yet: `xla_time_ms`) less the default's and less what the group's outputs cost its
@@ -174,8 +180,7 @@ class Scheduler:
         self.graph, self.by_sig, self.cands, self.spaces, self.budget, self.model = graph, by_sig, cands, spaces, budget, model
         self.caps = [spaces[c.signature].size for c in cands]
         self.total = trial_total(cands, spaces, budget.trials)
-        # first visits phase 1 may make before phase 2 (all, where the budget covers every candidate's default)
-        self.phase1_visits = len(cands) if self.total >= len(cands) else max(1, int(self.total * PHASE1_SHARE))
+        self.phase1_visits = phase1_visits(len(cands), self.total)
         self.idle = [0] * len(cands)  # proposals in a row that were configs already done
         self._contenders: tuple[tuple, list[int]] | None = None
         self._cover: tuple[tuple, Cover] | None = None
