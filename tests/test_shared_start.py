@@ -444,7 +444,7 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     while study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # the model's best, queued by the first
         run_trial(study, r, space, ctx)
     rec = Recorder()
-    CompileAhead(rec, cands, spaces, "device", 4).ask([(0, study, 8)])
+    CompileAhead(rec, cands, spaces, "device", 4).ask([(0, 8)], lambda i: study)
     waiting = load_study(storage, run_id, r.signature, 2).get_trials(deepcopy=False, states=(TrialState.WAITING,))
     assert len(waiting) >= 2 and all(t.user_attrs == {} for t in waiting)
     compiled = [space.optuna_params(q.config) for b in rec.requests for q in b.items]  # those worth timing, in the queue's order

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..runner.protocol import (
@@ -204,9 +204,10 @@ class CompileAhead:
         if not compile_batch(self.runner, reqs, self.workers, tally=self.tally):
             self.workers = 1
 
-    def ask(self, due: Sequence[tuple[int, Any, int]], spent: dict | None = None) -> None:
-        """Phase 2 compiled ahead. `due`: (candidate, its study, the trials it is still due: `Scheduler.due`) for the
-        candidate of the next trial first, then the other contenders of phase 2. Before a trial, the configs the
+    def ask(self, due: Sequence[tuple[int, int]], study_of: Callable[[int], Any], spent: dict | None = None) -> None:
+        """Phase 2 compiled ahead. `due`: (candidate, the trials it is still due: `Scheduler.due`) for the candidate
+        of the next trial first, then the other contenders of phase 2; `study_of(i)`: candidate i's study. Before a
+        trial, the configs the
         next trials of these candidates will take are compiled in one batch (at most MAX_BATCH_AHEAD): for each,
         this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
         model's best, another worker's), then new ones asked of its sampler at once and queued behind them
@@ -219,11 +220,11 @@ class CompileAhead:
         spent = {} if spent is None else spent
         t0 = time.perf_counter()
         todo: list[TrialRequest] = []
-        for k, (i, study, n) in enumerate(due):
+        for k, (i, n) in enumerate(due):
             if len(todo) >= MAX_BATCH_AHEAD or (k == 1 and not todo):  # the next trial's config is compiled (or not worth it)
                 break
             r, space = self.cands[i], self.spaces[self.cands[i].signature]
-            fresh = [c for c in self._queue(i, study, min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)))
+            fresh = [c for c in self._queue(i, study_of(i), min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)))
                      if (i, config_key(c)) not in self.compiled and not space.unmeasured_reason(c, self.measure)][:MAX_BATCH_AHEAD - len(todo)]
             self.compiled.update((i, config_key(c)) for c in fresh)
             todo += [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in fresh]

@@ -71,8 +71,8 @@ class TrialLoop:
         study = self.study(i)
         t = add_since(self.spent, "study", t)
         if self.ahead is not None and r.trials:  # phase 2's next configs, this one's and the other contenders'
-            others = [j for j, n in sorted(self.scheduler.planned.items(), key=lambda kv: -kv[1]) if j != i and n > 0 and self.cands[j].trials]
-            self.ahead.ask([(i, study, self.scheduler.due(i))] + [(j, self.study(j), self.scheduler.due(j)) for j in others], self.spent)
+            others = [(j, n) for j, n in sorted(self.scheduler.planned.items(), key=lambda kv: -kv[1]) if j != i and n > 0 and self.cands[j].trials]
+            self.ahead.ask([(i, self.scheduler.due(i))] + others, self.study, self.spent)
             t = time.perf_counter()
         kind = run_trial(study, r, self.spaces[r.signature], self.ctx, self.spent)
         add_since(self.spent, "trials", t)
