@@ -37,7 +37,7 @@ from ..runner.protocol import (
 from ..spent import add_since
 from ..status import TrialStatus
 from .ledger import CandidateState
-from .scheduler import modelled_loss, phase1_order, phase1_visits
+from .scheduler import phase1_order, phase1_visits, skipped_in_phase1
 from .space import CandidateSpace, config_key, sampler
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
@@ -180,14 +180,13 @@ class CompileAhead:
         trials left and of phase 1's visits left (a budget short of the candidates visits half as many, and no
         modelled loss: `Scheduler.pick`; GPT-2 at 24 trials compiled 12 defaults no trial asked for); marked sent."""
         n = chunk_size(self.workers)
-        short = False
         if self.budget is not None:  # this worker's part of the trials left, and of phase 1's visits left
             n = min(n, -(-(self.budget - sum(len(c.spent()) for c in self.cands)) // self.share))
             visits = phase1_visits(len(self.cands), self.budget) - sum(1 for c in self.cands if c.spent())
             n = min(n, max(1, -(-visits // self.share)))
-            short = self.budget < len(self.cands)
         rest = [j for j in phase1_order(self.cands, self.spaces) if j != i and not self.cands[j].trials and j not in self.sent
-                and not (short and modelled_loss(self.cands[j], self.spaces[self.cands[j].signature]))]
+                and not (self.budget is not None
+                         and skipped_in_phase1(self.cands[j], self.spaces[self.cands[j].signature], self.budget, len(self.cands)))]
         pick = [i] + rest[:max(0, n - 1)]
         self.sent.update(pick)
         return pick
@@ -207,8 +206,8 @@ class CompileAhead:
     def ask(self, due: Sequence[tuple[int, int]], study_of: Callable[[int], Any], spent: dict | None = None) -> None:
         """Phase 2 compiled ahead. `due`: (candidate, the trials it is still due: `Scheduler.due`) for the candidate
         of the next trial first, then the other contenders of phase 2; `study_of(i)`: candidate i's study. Before a
-        trial, the configs the
-        next trials of these candidates will take are compiled in one batch (at most MAX_BATCH_AHEAD): for each,
+        trial, the configs the next trials of these candidates will take are compiled in one batch (at most
+        MAX_BATCH_AHEAD): for each,
         this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
         model's best, another worker's), then new ones asked of its sampler at once and queued behind them
         (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2

@@ -93,7 +93,7 @@ def timed_first(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpac
     order = phase1_order(cands, spaces)
     if total >= len(order):
         return order
-    return [i for i in order if not modelled_loss(cands[i], spaces[cands[i].signature])][:total]
+    return [i for i in order if not skipped_in_phase1(cands[i], spaces[cands[i].signature], total, len(cands))][:total]
 
 
 def phase1_visits(n_cands: int, total: int) -> int:
@@ -111,6 +111,12 @@ def modelled_saving(r: CandidateState, space: CandidateSpace) -> float:
 
 def modelled_loss(r: CandidateState, space: CandidateSpace) -> bool:
     return modelled_saving(r, space) <= 0
+
+
+def skipped_in_phase1(r: CandidateState, space: CandidateSpace, total: int, n_cands: int) -> bool:
+    """A budget of `total` trials that cannot give each of the `n_cands` candidates its default spends none of phase 1
+    on a modelled loss."""
+    return total < n_cands and modelled_loss(r, space)
 
 
 def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> list[int]:
@@ -206,10 +212,9 @@ class Scheduler:
                 return i
         visits_left = self.phase1_visits - sum(1 for n in counted if n)
         order = phase1_order(self.cands, self.spaces)
-        short = self.total < len(self.cands)  # a budget that cannot give every default spends none on a modelled loss
         for i in order:
             r = self.cands[i]
-            first_visit = not counted[i] and visits_left > 0 and not (short and modelled_loss(r, self.spaces[r.signature]))
+            first_visit = not counted[i] and visits_left > 0 and not skipped_in_phase1(r, self.spaces[r.signature], self.total, len(self.cands))
             if i in open_ and (first_visit or config_failures_only(r) or backend_untried(r, self.spaces[r.signature])):
                 return i
         cont = [i for i in self.contenders() if i in open_]
