@@ -37,6 +37,7 @@ def _candidates(fn, args):
     return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
 
 
+@pytest.mark.slow
 def test_the_unaligned_dots_of_a_vocabulary_head_are_candidates_and_aligned_ones_are_not():
     fn = jax.grad(head, argnums=(0, 1))
     graph, cands = _candidates(fn, _args(203))  # 406-byte rows

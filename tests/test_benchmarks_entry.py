@@ -105,3 +105,19 @@ def test_the_workers_table_shows_a_worker_loop_and_its_trials_parts() -> None:
     assert loop_text(parts) == "measure 6.0, sampler 3.0, claims 1.0, pick 0.5 (measuring: build 5.0, time 0.5)"
     assert loop_text({"trials": 2.0, "measure": 1.0}) == "measure 1.0, sampler 1.0"  # a run from before the parts
     assert loop_text(None) == ""
+
+
+def test_gemm_clocks_reads_the_sm_clock_of_a_window_from_nvidia_smis_samples() -> None:
+    """The clock column of `kernels gemm-clocks`: nvidia-smi's CSV samples inside the window only, their median and the
+    event reasons seen (a line nvidia-smi garbles is skipped, not an error)."""
+    import datetime
+
+    from benchmarks.gemm_clocks import clock_window
+
+    def at(s: float) -> str:
+        return datetime.datetime.fromtimestamp(1_800_000_000 + s).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    lines = [f"{at(0.0)}, 1980 MHz, 0x0000000000000000", f"{at(1.0)}, 1470 MHz, 0x0000000000000004",
+             f"{at(1.1)}, 1440 MHz, 0x0000000000000004", "garbled", f"{at(1.2)}, 1500 MHz, 0x0000000000000004", f"{at(3.0)}, 1980 MHz, 0x0"]
+    w = clock_window(lines, 1_800_000_000 + 0.5, 1_800_000_000 + 2.0)
+    assert (w.samples, w.median_mhz, w.reasons) == (3, 1470, ("0x0000000000000004",))
+    assert clock_window(lines, 1_800_000_010, 1_800_000_011).samples == 0

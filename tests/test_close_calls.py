@@ -71,6 +71,7 @@ def test_a_later_plan_within_noise_is_kept_only_where_it_wins_head_to_head(tuned
     assert len(shown) == 1 and ("kept the later" if head_to_head < 1 else "kept the earlier") in shown[0]
 
 
+@pytest.mark.slow
 def test_the_evaluator_times_two_validated_plans_against_each_other() -> None:
     """On this machine's device (the CPU): the program under jax.jit and its plan with the QKV gradient's
     concatenation read in parts, the second validated before (held compiled), timed in alternation over at least

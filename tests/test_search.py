@@ -563,6 +563,7 @@ def test_a_chosen_plan_that_keeps_its_savings_in_the_program_is_only_extended():
     assert {fg.signature for fg in out.plan.groups} == {a.signature, b.signature} and out.tuned_ms == pytest.approx(8.6)
 
 
+@pytest.mark.slow
 def test_where_the_cover_chose_xla_the_plan_of_the_largest_savings_alone_is_judged():
     """The cover prices the rest of the program with XLA's options measured alone and may choose XLA's own plan where
     the plan of the largest savings alone would win in the program: that plan is then validated in its stead."""

@@ -456,6 +456,7 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     assert len(r.trials) == before + 1 and space.optuna_params(r.trials[-1].config) == waiting[0].system_attrs["fixed_params"]
 
 
+@pytest.mark.slow
 def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(tmp_path):
     """Two workers of one store taking turns, each asking its part of phase 2 ahead: a config one queued is
     measured once (by whichever comes first), the budget is spent exactly, and nothing is left running."""

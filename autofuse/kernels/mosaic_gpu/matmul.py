@@ -318,8 +318,8 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
         raise Unsupported("epilogue_wg=1 runs its own pipeline: no clusters")
     if cfg.pingpong not in (0, 1):
         raise Unsupported("pingpong must be 0 or 1")
-    if cfg.pingpong and (cfg.epilogue_wg or cfg.cluster):
-        raise Unsupported("pingpong=1 runs its own pipeline, the epilogues inline: no epilogue warpgroup, no clusters")
+    if cfg.pingpong and cfg.epilogue_wg:
+        raise Unsupported("pingpong=1 runs its own pipeline, the epilogues inline: no epilogue warpgroup")
     if spec.dot2 is not None and (cfg.epilogue_wg or cfg.cluster or bm * bn > DUAL_TILE):
         raise Unsupported(f"a dual GEMM keeps two float32 accumulators per warpgroup: block_m * block_n <= {DUAL_TILE} "
                           f"(here {bm} x {bn}), the epilogue inline (epilogue_wg=0), no clusters")
@@ -672,8 +672,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def tiles_loop(fn):
-        """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup). (The
-        hand-written pipelines have no clusters: the clusters' tiles are the tiles.)"""
+        """Run fn(info, row0, col0) on each of this CTA's output tiles (the same walk in every warpgroup, and in
+        both CTAs of a cluster: the clusters' tiles, each CTA its part of one)."""
         @plgpu.nd_loop((cl_m_iters * cl_n_iters,), collective_axes="sm")
         def _loop(info: plgpu.NDLoopInfo):
             fn(info, *cta_origin(info.index[0]))
@@ -696,9 +696,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
                 ks = pl.ds(k * bk, bk)
                 bar = full_at(step, slot)
-                plgpu.copy_gmem_to_smem(a_gmem.at[ks, pl.ds(r0, cta_m)] if a_km else a_gmem.at[pl.ds(r0, cta_m), ks], a_ring.at[slot], bar)
+                plgpu.copy_gmem_to_smem(a_gmem.at[ks, pl.ds(r0, cta_m)] if a_km else a_gmem.at[pl.ds(r0, cta_m), ks], a_ring.at[slot], bar,
+                                        collective_axes="cluster" if cfg.cluster == 2 else None)
                 for b, ring in zip(b_gmems, b_rings):
-                    plgpu.copy_gmem_to_smem(b.at[pl.ds(c0, cta_n), ks] if b_nk else b.at[ks, pl.ds(c0, cta_n)], ring.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(b.at[pl.ds(c0, cta_n), ks] if b_nk else b.at[ks, pl.ds(c0, cta_n)], ring.at[slot], bar,
+                                            collective_axes="cluster" if cfg.cluster == 1 else None)
 
             @pl.when(info.local_index == info.num_local_steps - 1)
             def _drain():
@@ -720,13 +722,19 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         reduction scratch after the tile before's (`turns`: the warpgroups' epilogues follow each other in the walk's
         order anyway, a mainloop apart). Each warpgroup keeps one step's wgmma in flight while it
         issues the next, releasing a slot a step late (waiting for each step before releasing its slot lost 5-12% on
-        an H200, results/gemm_pingpong_h200.md), so the ring needs a third slot for the producer to run ahead."""
+        an H200, results/gemm_pingpong_h200.md), so the ring needs a third slot for the producer to run ahead.
+
+        In a 2-CTA cluster (cuBLAS's schedule at K = 1024 on an H100/H200: ping-pong, 2 x 1 clusters) the CTAs walk the
+        same cluster tiles in step, the shared operand's slot filled in both by one multicast copy, so a slot's
+        `empty` barrier is the cluster's: refilled once the owning warpgroup of each CTA released it."""
         b_gmems, rest = (b_gmem, *rest[:int(dual)]), rest[int(dual):]
         in_gmem, out_gmem, sum_gmem = refs_after_operands(rest)
         scratch = {
             **operand_rings(len(b_gmems)),
             "full": plgpu.Barrier(num_arrivals=1 + len(b_gmems), num_barriers=2 * stages),
-            "empty": plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+            # in a cluster a slot is refilled (by multicast, in every CTA of it) once both CTAs' warpgroups released it
+            "empty": plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=2 * stages) if cfg.cluster
+            else plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
             **epilogue_scratch(),
         }
         groups = len(b_gmems)  # wgmma commit groups per step
