@@ -191,7 +191,7 @@ def test_row_reduce_multi_chunk(fn, shapes, dtype, bm, bn, loops):
 
 
 @pytest.mark.parametrize("bn", [64, 512], ids=["multi-chunk", "one-chunk"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=pytest.mark.slow)], ids=["f32", "bf16"])
 def test_row_max_min_mask_the_tail(dtype, bn):
     # All-negative rows: a max that let masked (zero) lanes in would return 0; likewise a min over all-positive rows.
     def f(x):
