@@ -104,6 +104,9 @@ CASES = [
                  id="pingpong-cluster-m-bias-gelu-bf16-ragged"),
     pytest.param(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], F16, {**SMALL, "pingpong": 1, "cluster": 2},
                  id="pingpong-cluster-n-Bt-rowscale-residual-f16-ragged"),
+    # the ping-pong default's 192-column tiles (three 64-column epilogue pieces), the last one ragged (400 = 2 x 192 + 16)
+    pytest.param(bias_gelu, [(M, K), (K, 400), (400,)], BF16, {**SMALL, "pingpong": 1, "block_n": 192, "block_k": 64,
+                                                                "max_concurrent_steps": 3, "epi_tile_n": 64}, id="pingpong-192-bias-gelu-bf16-ragged"),
 ]
 
 
@@ -219,7 +222,8 @@ def test_approximate_transcendentals_where_the_dtypes_allow(fn, shapes, dtype, a
 
 def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
     """Measured on an H200 (results/gemm_pingpong_h200.md): ping-pong ahead on GEMMs with an epilogue at K = 1024-2048,
-    tied at 4096, behind at 8192, on SwiGLU's dual GEMM and with a bias's gradient summed; its ring three deep at least."""
+    tied at 4096, behind at 8192, on SwiGLU's dual GEMM and with a bias's gradient summed; its ring three deep at least;
+    192-column tiles on wide 16-bit products (results/gemm_clocks_h200.md)."""
     from autofuse.kernels.matmul import TEMPLATE
 
     def default(K, fn=bias_gelu, shapes=None, **kw):
@@ -229,6 +233,12 @@ def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
     for K in (1024, 2048):
         cfg = default(K)
         assert cfg["pingpong"] == 1 and cfg["max_concurrent_steps"] >= 3 and cfg["grid_tile_width"] == 16, cfg
+    # 192 columns where eight such tiles fit across N (GPT-2's 3072- and 4096-wide products), 128 below and for TF32
+    wide = default(1024, shapes=[(4096, 1024), (1024, 4096), (4096,)])
+    assert (wide["block_n"], wide["max_concurrent_steps"]) == (192, 4) and 192 % wide["epi_tile_n"] == 0, wide
+    assert default(1024)["block_n"] == 128  # N = 1024
+    _, _, f32_spec = _group(bias_gelu, [(4096, 1024), (1024, 4096), (4096,)], F32)
+    assert mgpu_matmul.default_config(f32_spec)["block_n"] == 128
     assert default(4096)["pingpong"] == 0 and default(1024, pingpong=False)["pingpong"] == 0
     dual = lambda h, wg, wu: jax.nn.silu(h @ wg) * (h @ wu)  # noqa: E731
     g = autofuse.capture(dual, S((1024, 1024), BF16), S((1024, 2048), BF16), S((1024, 2048), BF16))

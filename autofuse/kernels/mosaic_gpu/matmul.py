@@ -112,6 +112,10 @@ PINGPONG_REGISTERS = (40, 232)
 #: at 4096 and behind at 8192, where a tile's mainloop is long against its epilogue and two warpgroups sharing the
 #: CTA's A tile reuse it).
 PINGPONG_MAX_K = 2048
+#: The ping-pong default's tile width for 16-bit GEMMs at least 8 such tiles wide (a 4-deep ring that fits): on an H200
+#: 128 x 192 tiles ran GPT-2's K = 1024 GEMMs with an epilogue (bias + GELU, the QKV split, a dgrad's GELU') 2-5%
+#: faster than 128 x 128 in bursts and 2-4% under the power cap (results/gemm_clocks_h200.md); a 3-deep ring lost.
+PINGPONG_WIDE_N = 192
 #: The largest [block_m, block_n] of a dual GEMM's warpgroup: its two float32 accumulators take what one
 #: [128, 128] accumulator does (128 registers per thread).
 DUAL_TILE = 128 * 64
@@ -163,7 +167,7 @@ def _dim(x) -> int:
 
 def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     """A good config without tuning. Up to K = `PINGPONG_MAX_K` the ping-pong schedule, its 128-byte K steps in a
-    4-deep ring, its tiles walked in bands 16 wide: on an H200 it ran GPT-2's and a UNet's GEMMs with an epilogue
+    4-deep ring, its tiles walked in bands 16 wide (and `PINGPONG_WIDE_N` columns wide where N allows): on an H200 it ran GPT-2's and a UNet's GEMMs with an epilogue
     (bias + GELU, the QKV split, GELU' of a dgrad, GroupNorm; K = 1024-2048) 2-9% faster than the cooperative default
     and tied a K = 4096 GEMM with a residual (results/gemm_pingpong_h200.md); a dual GEMM's two accumulators lost with it,
     and so did a dgrad with its bias's gradient (0.4005 against 0.3701 ms: the sums' turns at the reduction scratch).
@@ -195,8 +199,9 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     wide = 128 // itemsize  # K elements of one 128-byte swizzle row
     if pingpong and spec.dot2 is None and not spec.epi.col_sums and 4 * wide <= spec.K <= PINGPONG_MAX_K:
         pp = {**cfg, "pingpong": 1, "grid_tile_width": 16, "block_k": wide}
-        for steps in (4, 3):
-            pp["max_concurrent_steps"] = steps
+        wider = [(PINGPONG_WIDE_N, 4)] if itemsize == 2 and not spec.seg and cfg["block_n"] == 128 and spec.N >= 8 * PINGPONG_WIDE_N else []
+        for bn, steps in wider + [(cfg["block_n"], 4), (cfg["block_n"], 3)]:
+            pp["block_n"], pp["max_concurrent_steps"] = bn, steps
             if smem_bytes(spec, Config.of(pp)) <= SMEM_LIMIT:
                 return pp
     rings = ([(2 * wide, 2)] if spec.K >= 4 * wide else []) + [(wide, 4), (wide, 3), (wide, 2)] if spec.K > wide else [(64 // itemsize, 4)]
