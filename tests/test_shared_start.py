@@ -44,6 +44,7 @@ from autofuse.tuning.space import config_key
 from autofuse.tuning.workers import share_xla
 from benchmarks.workloads import log_relu_bias, rms_norm
 from tests.dist_programs import log_relu_bias_inputs, rms_norm_inputs
+from tests.quick import slow_except
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,6 +158,42 @@ def test_compiling_ahead_gives_the_serial_executables_and_results():
         assert (a.status, a.max_error, a.error) == (b.status, b.max_error, b.error) and b.ok, (a, b)
         assert _trial_key(q.nodes, q.template, q.config) not in conc._ahead
     assert conc._ahead == {}
+
+
+class _InProcess:
+    """The trial process's requests answered by an evaluator in this process (device mode on the CPU)."""
+
+    def __init__(self, ev: Evaluator):
+        self.ev, self.requests = ev, []
+
+    def call(self, req):
+        self.requests.append(req)
+        return self.ev.handle(req)
+
+
+@pytest.mark.parametrize(("program", "workers", "ahead"), slow_except([pytest.param(True, 2, True, id="with-the-xla-batch"),
+                                                                       pytest.param(False, 2, False, id="not-asked"),
+                                                                       pytest.param(True, 1, False, id="one-compile-thread")],
+                                                                      "with-the-xla-batch"))
+def test_the_whole_program_compiles_beside_the_xla_timings_and_the_first_validation_finds_it(monkeypatch, program, workers, ahead):
+    """jax.jit's whole program, the reference every validation is judged against, compiles in the XLA timings'
+    first batch where the job asks (`time_xla(program=True)`, device mode, several compile threads): the first
+    plan's validation then compiles it no more. Not asked, or with one thread, the validation compiles it as before."""
+    from autofuse.runner.protocol import ProgramRequest, ValidateRequest
+    from autofuse.tuning.select import default_plan
+
+    graph, _, cands, _ = _program()
+    ev = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
+    compiled = []
+    real = ev._compile_program
+    monkeypatch.setattr(ev, "_compile_program", lambda: compiled.append(1) or real())
+    runner = _InProcess(ev)
+    time_xla(cands, runner, compile_workers=workers, program=program)
+    batches = [q for q in runner.requests if isinstance(q, CompileRequest)]
+    assert sum(isinstance(it, ProgramRequest) for q in batches for it in q.items) == int(ahead)
+    assert (ev._program is not None, len(compiled)) == (ahead, int(ahead)) and all(r.xla_ms for r in cands)
+    res = ev.handle(ValidateRequest(default_plan(graph).to_json()))
+    assert res.ok and len(compiled) == 1, res.error
 
 
 def _hlo(compiled) -> str:

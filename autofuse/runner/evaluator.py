@@ -24,8 +24,8 @@ from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
-from .protocol import (CompareRequest, CompileRequest, CompileResult, ComparisonResult, Request, Result, Timing, TrialRequest, TrialResult,
-                       ValidateRequest, ValidationResult, XlaRequest)
+from .protocol import (CompareRequest, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing, TrialRequest,
+                       TrialResult, ValidateRequest, ValidationResult, XlaRequest)
 
 #: How long one timed batch of a candidate's calls lasts (XLA's group or a kernel config; the median of `repeats`
 #: batches is its time). 10 ms is tens of calls of a typical group, enough for a stable median, and keeps a
@@ -154,7 +154,7 @@ class Evaluator:
         self.last_jit = {"lower": t1 - t0, "compile": time.perf_counter() - t1}
         return compiled
 
-    def compile_ahead(self, items: Sequence[XlaRequest | TrialRequest], workers: int) -> CompileResult:
+    def compile_ahead(self, items: Sequence[XlaRequest | TrialRequest | ValidateRequest | ProgramRequest], workers: int) -> CompileResult:
         """Compile what `items` will need on `workers` threads at once (XLA compiles without the GIL), then keep
         the executables for the requests that time them one at a time. Only what those would compile is
         compiled: XLA's reference in device mode, a kernel where trials compile; nothing in model mode's XLA
@@ -162,9 +162,11 @@ class Evaluator:
         t0 = time.perf_counter()
         todo: list[tuple[str, Any, Callable[[], Callable]]] = []
         for it in items:
-            if isinstance(it, ValidateRequest):  # a whole plan, and once the whole program's reference
+            if isinstance(it, (ValidateRequest, ProgramRequest)):  # a whole plan, and once the whole program's reference
                 if self._program is None and not any(kind == "program" for kind, _, _ in todo):
                     todo.append(("program", None, self._compile_program))
+                if isinstance(it, ProgramRequest):
+                    continue
                 if it.plan_json not in self._plans:
                     todo.append(("plan", it.plan_json, lambda pj=it.plan_json: self._compile_plan(Plan.from_json(pj))))
                 continue
@@ -186,9 +188,9 @@ class Evaluator:
             except Exception:
                 return None, time.perf_counter() - t
 
-        # with a whole plan: the small programs its check will run (inputs, nudges, comparisons), not a result
+        # with a whole plan or the program: the small programs a check will run (inputs, nudges, comparisons), not a result
         side = check_program_builders([self.graph.avals[v] for v in self.graph.inputs], [self.graph.aval(a) for a in self.graph.outputs]) \
-            if self.measure == "device" and self._check is None and any(kind == "plan" for kind, _, _ in todo) else []
+            if self.measure == "device" and self._check is None and any(kind in ("plan", "program") for kind, _, _ in todo) else []
         with ThreadPoolExecutor(max(1, min(workers, len(todo) + len(side) or 1)), thread_name_prefix="autofuse-compile") as pool:
             done = list(pool.map(attempt, [b for _, _, b in todo] + side))
         if side:

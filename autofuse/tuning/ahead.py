@@ -29,6 +29,7 @@ from typing import Any
 
 from ..runner.protocol import (
     CompileRequest,
+    ProgramRequest,
     TrialRequest,
     TrialResult,
     ValidateRequest,
@@ -90,17 +91,20 @@ def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | Valid
 
 
 def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None,
-                          spent: dict | None = None, first_trials: Sequence[XlaRequest | TrialRequest] = ()) -> list[TrialResult]:
+                          spent: dict | None = None, first_trials: Sequence[XlaRequest | TrialRequest] = (),
+                          program: bool = False) -> list[TrialResult]:
     """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
     at a time; one result per candidate, in order. `first_trials` (`CompileAhead.first_batch`) compile with the
     first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s)
-    compile beside XLA's references instead of after them. `spent` adds up where the time went: seconds compiling
-    ahead ("compile"), seconds of the timing requests ("time", with what they compiled themselves), groups
-    ("groups"), first trials' kernels compiled with them ("trials")."""
+    compile beside XLA's references instead of after them; so does jax.jit's whole program with `program` (the
+    reference every validation is judged against, else compiled by the first one, on the first plan's critical
+    path). `spent` adds up where the time went: seconds compiling ahead ("compile"), seconds of the timing requests
+    ("time", with what they compiled themselves), groups ("groups"), first trials' kernels compiled with them
+    ("trials")."""
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
-    extra = list(first_trials) if workers > 1 else []
+    extra = list(first_trials) + ([ProgramRequest()] if program else []) if workers > 1 else []
     for part in [cands[k:k + size] for k in range(0, len(cands), size)] or ([[]] if extra else []):
         t0 = time.perf_counter()
         items = [XlaRequest(tuple(r.nodes)) for r in part] + extra
