@@ -171,29 +171,34 @@ class _InProcess:
         return self.ev.handle(req)
 
 
-@pytest.mark.parametrize(("program", "workers", "ahead"), slow_except([pytest.param(True, 2, True, id="with-the-xla-batch"),
-                                                                       pytest.param(False, 2, False, id="not-asked"),
-                                                                       pytest.param(True, 1, False, id="one-compile-thread")],
-                                                                      "with-the-xla-batch"))
-def test_the_whole_program_compiles_beside_the_xla_timings_and_the_first_validation_finds_it(monkeypatch, program, workers, ahead):
+@pytest.mark.parametrize(("asked", "workers", "ahead"), slow_except([pytest.param(True, 2, True, id="with-the-xla-batch"),
+                                                                     pytest.param(False, 2, False, id="not-asked"),
+                                                                     pytest.param(True, 1, False, id="one-compile-thread")],
+                                                                    "with-the-xla-batch"))
+def test_the_whole_program_compiles_beside_the_xla_timings_and_the_first_validation_finds_it(monkeypatch, asked, workers, ahead):
     """jax.jit's whole program, the reference every validation is judged against, compiles in the XLA timings'
-    first batch where the job asks (`time_xla(program=True)`, device mode, several compile threads): the first
-    plan's validation then compiles it no more. Not asked, or with one thread, the validation compiles it as before."""
+    first batch with the first trials' kernels (`CompileAhead.first_compiles`, device mode, several compile
+    threads): the first plan's validation then compiles it no more. With phase 1's kernels alone (`first_batch`),
+    or one thread, the validation compiles it as before."""
     from autofuse.runner.protocol import ProgramRequest, ValidateRequest
     from autofuse.tuning.select import default_plan
 
-    graph, _, cands, _ = _program()
+    graph, _, cands, spaces = _program()
     ev = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
     compiled = []
     real = ev._compile_program
     monkeypatch.setattr(ev, "_compile_program", lambda: compiled.append(1) or real())
     runner = _InProcess(ev)
-    time_xla(cands, runner, compile_workers=workers, program=program)
+    ca = CompileAhead(runner, cands, spaces, "device", workers)
+    first = ca.first_compiles() if asked else ca.first_batch()
+    assert (ProgramRequest() in first) is ahead
+    time_xla(cands, runner, compile_workers=workers, first_trials=first)
     batches = [q for q in runner.requests if isinstance(q, CompileRequest)]
     assert sum(isinstance(it, ProgramRequest) for q in batches for it in q.items) == int(ahead)
     assert (ev._program is not None, len(compiled)) == (ahead, int(ahead)) and all(r.xla_ms for r in cands)
     res = ev.handle(ValidateRequest(default_plan(graph).to_json()))
     assert res.ok and len(compiled) == 1, res.error
+    assert CompileAhead(runner, cands, spaces, "model", 2).first_compiles() == []  # model mode validates in interpret mode
 
 
 def _hlo(compiled) -> str:

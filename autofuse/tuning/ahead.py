@@ -91,20 +91,17 @@ def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | Valid
 
 
 def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None,
-                          spent: dict | None = None, first_trials: Sequence[XlaRequest | TrialRequest] = (),
-                          program: bool = False) -> list[TrialResult]:
+                          spent: dict | None = None, first_trials: Sequence[XlaRequest | TrialRequest | ProgramRequest] = ()) -> list[TrialResult]:
     """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
-    at a time; one result per candidate, in order. `first_trials` (`CompileAhead.first_batch`) compile with the
-    first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s)
-    compile beside XLA's references instead of after them; so does jax.jit's whole program with `program` (the
-    reference every validation is judged against, else compiled by the first one, on the first plan's critical
-    path). `spent` adds up where the time went: seconds compiling ahead ("compile"), seconds of the timing requests
-    ("time", with what they compiled themselves), groups ("groups"), first trials' kernels compiled with them
-    ("trials")."""
+    at a time; one result per candidate, in order. `first_trials` (`CompileAhead.first_compiles`) compile with the
+    first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s) and
+    the whole program compile beside XLA's references instead of after them. `spent` adds up where the time went:
+    seconds compiling ahead ("compile"), seconds of the timing requests ("time", with what they compiled
+    themselves), groups ("groups"), first trials' kernels compiled with them ("trials")."""
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
-    extra = list(first_trials) + ([ProgramRequest()] if program else []) if workers > 1 else []
+    extra = list(first_trials) if workers > 1 else []
     for part in [cands[k:k + size] for k in range(0, len(cands), size)] or ([[]] if extra else []):
         t0 = time.perf_counter()
         items = [XlaRequest(tuple(r.nodes)) for r in part] + extra
@@ -161,6 +158,15 @@ class CompileAhead:
         cfgs = space.defaults() if self.share > 1 else [space.default]  # without enumerating the space for the model's best
         return [XlaRequest(tuple(r.nodes))] + [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs
                                                if not space.unmeasured_reason(c, self.measure)]
+
+    def first_compiles(self) -> list[XlaRequest | TrialRequest | ProgramRequest]:
+        """What the job compiles with its XLA timings' first chunk: `first_batch`, and in device mode jax.jit's whole
+        program, the reference every validation is judged against (else compiled beside the chosen plan by the first
+        validation, on the first plan's critical path: GPT-2 medium's forward, 4.6 s of 15; every worker of a run
+        compiles it, as any of them may select the plan)."""
+        if self.workers <= 1 or self.measure != "device":
+            return []
+        return self.first_batch() + [ProgramRequest()]
 
     def first_batch(self) -> list[XlaRequest | TrialRequest]:
         """The batch `before` would send for phase 1's first candidate, marked sent: the job compiles it with its

@@ -213,12 +213,11 @@ def search_spaces(by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateS
 
 
 def time_xla(cands: Sequence[CandidateState], runner: Any, bar: Any = None, *, compile_workers: int = 1,
-             spent: dict | None = None, first_trials: Sequence[Any] = (), program: bool = False) -> list[TrialResult]:
+             spent: dict | None = None, first_trials: Sequence[Any] = ()) -> list[TrialResult]:
     """XLA's time of each of `cands` (an option of the cover beside their fused configs), set on each; with
-    `compile_workers` > 1 compiled that many at a time ahead of the timings, the first trials' kernels with them,
-    and with `program` the whole program's jax.jit that the selection validates against (`ahead`; `spent`: where
-    the time went). Returns each candidate's result."""
-    return time_xla_concurrently(list(cands), runner, compile_workers, bar, spent, first_trials, program)
+    `compile_workers` > 1 compiled that many at a time ahead of the timings, the first trials' kernels with them
+    (`ahead`; `spent`: where the time went). Returns each candidate's result."""
+    return time_xla_concurrently(list(cands), runner, compile_workers, bar, spent, first_trials)
 
 
 def program_name(fn: Callable) -> str:

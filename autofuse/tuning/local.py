@@ -145,7 +145,7 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         spent: dict = {}
         ahead = CompileAhead(runner, cands, spaces, measure, threads, budget=total)
         time_xla(todo, runner, progress_bar(len(todo), name, quiet or progress is not None, "XLA", "group"), compile_workers=threads,
-                 spent=spent, first_trials=ahead.first_batch(), program=measure == "device")
+                 spent=spent, first_trials=ahead.first_compiles())
         marks("xla_parts", value=spent)
         if pstore is not None:
             for r in todo:

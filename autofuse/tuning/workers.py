@@ -353,7 +353,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             ahead = CompileAhead(runner, cands, spaces, measure, threads, share=job.get("workers") or 1, budget=scheduler.total,
                                  index=index)
             timed = share_xla(pstore, run_id, first, runner, me, threads, stale_s=2 * o.trial_timeout_s + 60,
-                              share=job.get("workers") or 1, spent=spent, first_trials=ahead.first_batch(), program=measure == "device")
+                              share=job.get("workers") or 1, spent=spent, first_trials=ahead.first_compiles())
             marks(f"xla_parts {me}", value=spent)
             say(f"timed {timed} of the {len(first)} candidates the budget reaches first in XLA ({threads} compiling at once; "
                 f"{len(cands)} in all, the others at their first trial)")
@@ -408,7 +408,7 @@ def wait_for_phase(pstore: Any, run_id: int, name: str, timeout_s: float) -> Non
 
 
 def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any, me: str, threads: int, *, stale_s: float,
-              share: int = 1, spent: dict | None = None, first_trials: Sequence[Any] = (), program: bool = False) -> int:
+              share: int = 1, spent: dict | None = None, first_trials: Sequence[Any] = ()) -> int:
     """This worker's part of the XLA timings of `cands` (those the run times first), then everyone's: claim a chunk
     of them nobody timed,
     compile them `threads` at a time and time them one by one (`ahead`), record them with this worker's device;
@@ -416,9 +416,8 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
     over after `stale_s`, at once on this host). Each candidate is timed once across the run's workers.
     `share`: the run's worker count, by which the chunks shrink so that the workers end together (`xla_chunk`);
     `spent`: where this worker's time went (`ahead.time_xla_concurrently`, "store": claiming, recording and reading
-    back the timings, and "waiting" for the others' chunks). `first_trials` (`CompileAhead.first_batch`) compile
-    with this worker's first chunk, or alone before it waits where it claimed none; so does jax.jit's whole program
-    with `program` (whichever worker selects the plan finds it built).
+    back the timings, and "waiting" for the others' chunks). `first_trials` (`CompileAhead.first_compiles`) compile
+    with this worker's first chunk, or alone before it waits where it claimed none.
     Sets the `xla_ms` of each of `cands`; returns how many this worker timed."""
     by_id = {r.candidate_id: r for r in cands}
     timed = 0
@@ -433,16 +432,16 @@ def share_xla(pstore: Any, run_id: int, cands: list[CandidateState], runner: Any
         stored(t0)
         if ids:
             part = [by_id[i] for i in ids]
-            results = time_xla(part, runner, compile_workers=threads, spent=spent, first_trials=first_trials, program=program)
-            first_trials, program = (), False
+            results = time_xla(part, runner, compile_workers=threads, spent=spent, first_trials=first_trials)
+            first_trials = ()
             t0 = time.perf_counter()
             pstore.finish_xla_many(me, [(r.candidate_id, res.status.value, r.xla_ms, res.device) for r, res in zip(part, results, strict=True)])
             stored(t0)
             timed += len(part)
             continue
-        if first_trials or program:
-            time_xla([], runner, compile_workers=threads, spent=spent, first_trials=first_trials, program=program)
-            first_trials, program = (), False
+        if first_trials:
+            time_xla([], runner, compile_workers=threads, spent=spent, first_trials=first_trials)
+            first_trials = ()
         t0 = time.perf_counter()
         pending = read_xla(pstore, run_id, cands)
         stored(t0)

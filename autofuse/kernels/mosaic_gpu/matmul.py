@@ -167,7 +167,8 @@ def _dim(x) -> int:
 
 def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     """A good config without tuning. Up to K = `PINGPONG_MAX_K` the ping-pong schedule, its 128-byte K steps in a
-    4-deep ring, its tiles walked in bands 16 wide (and `PINGPONG_WIDE_N` columns wide where N allows): on an H200 it ran GPT-2's and a UNet's GEMMs with an epilogue
+    4-deep ring, its tiles walked in bands 16 wide (and `PINGPONG_WIDE_N` columns wide where N allows): on an H200
+    it ran GPT-2's and a UNet's GEMMs with an epilogue
     (bias + GELU, the QKV split, GELU' of a dgrad, GroupNorm; K = 1024-2048) 2-9% faster than the cooperative default
     and tied a K = 4096 GEMM with a residual (results/gemm_pingpong_h200.md); a dual GEMM's two accumulators lost with it,
     and so did a dgrad with its bias's gradient (0.4005 against 0.3701 ms: the sums' turns at the reduction scratch).
@@ -199,7 +200,8 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     wide = 128 // itemsize  # K elements of one 128-byte swizzle row
     if pingpong and spec.dot2 is None and not spec.epi.col_sums and 4 * wide <= spec.K <= PINGPONG_MAX_K:
         pp = {**cfg, "pingpong": 1, "grid_tile_width": 16, "block_k": wide}
-        wider = [(PINGPONG_WIDE_N, 4)] if itemsize == 2 and not spec.seg and cfg["block_n"] == 128 and spec.N >= 8 * PINGPONG_WIDE_N else []
+        wide_n = itemsize == 2 and not spec.seg and cfg["block_n"] == 128 and spec.N >= 8 * PINGPONG_WIDE_N
+        wider = [(PINGPONG_WIDE_N, 4)] if wide_n else []
         for bn, steps in wider + [(cfg["block_n"], 4), (cfg["block_n"], 3)]:
             pp["block_n"], pp["max_concurrent_steps"] = bn, steps
             if smem_bytes(spec, Config.of(pp)) <= SMEM_LIMIT:
