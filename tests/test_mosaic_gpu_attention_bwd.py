@@ -65,7 +65,7 @@ def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step):
         assert rel_err(a.astype(F32), b) <= 1e-2, (name, rel_err(a.astype(F32), b))
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,step", CASES[:4] + [CASES[6]])
+@pytest.mark.parametrize("fn,shapes,dtype,step", slow_except(CASES[:4] + [CASES[6]], "bhld-bf16-ragged-step128", "causal-d128-ragged-step128"))
 def test_lowers_for_cuda(fn, shapes, dtype, step):
     """The real Mosaic GPU lowering (no GPU): wgmma with Pᵀ and dS from registers, the transposed tile's layouts."""
     group, spec = _group(fn, shapes, dtype)
