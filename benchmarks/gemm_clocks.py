@@ -3,8 +3,8 @@
 again after a second of back-to-back calls (its clock under its power cap), with the SM clock sampled meanwhile.
 
 Why two: an H200 here runs a K = 1024 GEMM at 1980 MHz in a burst and at 1425-1650 MHz after a second of them
-(nvidia-smi's clock event reason 0x4, the software power cap), 15-20% apart, and a kernel that draws more power is
-capped lower. JAX's GEMM benchmark (and GPU_NOTES' 799 TFLOP/s for `hopper_matmul_mgpu`) times bursts; the tuner's
+(nvidia-smi's clock event reason 0x4, the software power cap), its GEMMs 13-21% slower there, and a kernel that
+draws more power is capped lower. JAX's GEMM benchmark (and GPU_NOTES' 799 TFLOP/s for `hopper_matmul_mgpu`) times bursts; the tuner's
 `time_fn` sits in between. Every kernel is checked against jax.jit on the inputs before it is timed.
 
     python -m benchmarks kernels gemm-clocks [--only gemm-8192^3] [--configs JSON] [--hopper] [--out results/x.md]
