@@ -24,8 +24,8 @@ from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
-from .protocol import (CompareRequest, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing, TrialRequest,
-                       TrialResult, ValidateRequest, ValidationResult, XlaRequest)
+from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing,
+                       TrialRequest, TrialResult, ValidateRequest, ValidationResult, XlaRequest)
 
 #: How long one timed batch of a candidate's calls lasts (XLA's group or a kernel config; the median of `repeats`
 #: batches is its time). 10 ms is tens of calls of a typical group, enough for a stable median, and keeps a
@@ -154,7 +154,7 @@ class Evaluator:
         self.last_jit = {"lower": t1 - t0, "compile": time.perf_counter() - t1}
         return compiled
 
-    def compile_ahead(self, items: Sequence[XlaRequest | TrialRequest | ValidateRequest | ProgramRequest], workers: int) -> CompileResult:
+    def compile_ahead(self, items: Sequence[CompileItem], workers: int) -> CompileResult:
         """Compile what `items` will need on `workers` threads at once (XLA compiles without the GIL), then keep
         the executables for the requests that time them one at a time. Only what those would compile is
         compiled: XLA's reference in device mode, a kernel where trials compile; nothing in model mode's XLA

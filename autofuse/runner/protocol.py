@@ -49,7 +49,7 @@ class CompileRequest:
     (None: the runner's per-request limit).
     """
 
-    items: tuple[XlaRequest | TrialRequest | ValidateRequest | ProgramRequest, ...]
+    items: tuple[CompileItem, ...]
     workers: int
     timeout_s: float | None = None
 
@@ -89,6 +89,8 @@ class CompareRequest:
 
 
 Request = Union[XlaRequest, TrialRequest, CompileRequest, ValidateRequest, CompareRequest]
+#: What a `CompileRequest` compiles ahead: what later requests time (a `ProgramRequest` only here).
+CompileItem = Union[XlaRequest, TrialRequest, ValidateRequest, ProgramRequest]
 
 
 @dataclass(frozen=True)

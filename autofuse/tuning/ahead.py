@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..runner.protocol import (
+    CompileItem,
     CompileRequest,
     ProgramRequest,
     TrialRequest,
     TrialResult,
-    ValidateRequest,
     XlaRequest,
 )
 from ..spent import add_since
@@ -70,7 +70,7 @@ def chunk_size(workers: int) -> int:
     return max(1, CHUNK_PER_THREAD * workers)
 
 
-def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | ValidateRequest], workers: int,
+def compile_batch(runner: Any, items: Sequence[CompileItem], workers: int,
                   timeout_s: float | None = BATCH_TIMEOUT_S, longest: dict | None = None, tally: dict | None = None) -> bool:
     """Send one batch to be compiled ahead; False if it crashed or hung the trial process (restarted for the next
     request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch.
@@ -91,7 +91,7 @@ def compile_batch(runner: Any, items: Sequence[XlaRequest | TrialRequest | Valid
 
 
 def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers: int, bar: Any = None,
-                          spent: dict | None = None, first_trials: Sequence[XlaRequest | TrialRequest | ProgramRequest] = ()) -> list[TrialResult]:
+                          spent: dict | None = None, first_trials: Sequence[CompileItem] = ()) -> list[TrialResult]:
     """XLA's time of each candidate (set on it, None where timing failed), compiled `workers` at a time, timed one
     at a time; one result per candidate, in order. `first_trials` (`CompileAhead.first_compiles`) compile with the
     first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s) and
@@ -159,7 +159,7 @@ class CompileAhead:
         return [XlaRequest(tuple(r.nodes))] + [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs
                                                if not space.unmeasured_reason(c, self.measure)]
 
-    def first_compiles(self) -> list[XlaRequest | TrialRequest | ProgramRequest]:
+    def first_compiles(self) -> list[CompileItem]:
         """What the job compiles with its XLA timings' first chunk: `first_batch`, and in device mode jax.jit's whole
         program, the reference every validation is judged against (else compiled beside the chosen plan by the first
         validation, on the first plan's critical path: GPT-2 medium's forward, 4.6 s of 15; every worker of a run
