@@ -1,5 +1,5 @@
-"""GEMM kernels at the card's two clocks: the Mosaic GPU `matmul` lowering (and XLA's cuBLAS, JAX's hand-written
-`hopper_matmul_mgpu`) timed by CUPTI as a burst after the card idled (40 launches back to back: its boost clock) and
+"""GEMM and attention kernels at the card's two clocks: the Mosaic GPU `matmul` and `attention` lowerings (and XLA's
+cuBLAS, JAX's hand-written `hopper_matmul_mgpu`, cuDNN's fused attention) timed by CUPTI as a burst after the card idled (40 launches back to back: its boost clock) and
 again after a second of back-to-back calls (its clock under its power cap), with the SM clock sampled meanwhile.
 
 Why two: an H200 here runs a K = 1024 GEMM at 1980 MHz in a burst and at 1425-1650 MHz after a second of them
@@ -8,6 +8,10 @@ draws more power is capped lower. JAX's GEMM benchmark (and GPU_NOTES' 799 TFLOP
 `time_fn` sits in between. Every kernel is checked against jax.jit on the inputs before it is timed.
 
     python -m benchmarks kernels gemm-clocks [--only gemm-8192^3] [--configs JSON] [--hopper] [--out results/x.md]
+    python -m benchmarks kernels gemm-clocks --configs '{"attention-B8H32L2048D64": [{}, {"overlap": 1}]}'
+
+cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) takes [B, L, H, D]: it is checked and timed on the same
+inputs transposed beforehand, so no transpose is in its time.
 """
 from __future__ import annotations
 
@@ -24,10 +28,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+import jax.numpy as jnp
+
 from autofuse.kernels import TEMPLATES
 from autofuse.kernels.mosaic_gpu import matmul as mosaic_matmul
 from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn
-from benchmarks.mosaic_probe import WORKLOADS, _group, arg_specs
+from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group, arg_specs, attention_causal, flops_of
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
@@ -40,6 +46,11 @@ CONFIGS = {
     "bias-gelu-8192x4096x8192": [{}],
     "gemm-16384x1024x4096": [{}],
     "gemm-8192^3": [{}, {"pingpong": 1, "block_m": 128, "block_n": 192, "block_k": 64, "max_concurrent_steps": 4}],
+    # and attention against cuDNN (issue 31: <= 0.92x its time, D128 and D64)
+    "attention-B8H32L2048D128": [{}, {"overlap": 1}],
+    "attention-causal-B8H32L2048D128": [{}, {"overlap": 1}],
+    "attention-B8H32L2048D64": [{}, {"overlap": 1}],
+    "attention-causal-B8H32L2048D64": [{}, {"overlap": 1}],
 }
 # hopper_matmul_mgpu's own tuning space (tile_m, tile_n, wg_dimension, grid_tile_width, grid_minor_dim) where it fits
 # in shared memory at 4 stages of 64-wide K steps
@@ -107,6 +118,11 @@ def cupti_us(f, args) -> float:
     return float(np.median([sum(t for _, t in run) for run in runs])) * 1e3
 
 
+def _swap(xs):
+    """[B, H, L, D] <-> [B, L, H, D]."""
+    return [jnp.swapaxes(x, 1, 2) for x in xs]
+
+
 def measure(f, ref, avals, sets, tol, clocks: ClockSampler) -> dict:
     """`f` checked against `ref`, then its burst time, time_fn's median over ~1 s, and the burst right after that."""
     res = check(f, ref, avals, (1,), tol)
@@ -140,17 +156,17 @@ def main(argv=None) -> int:
             if a.only and not any(name.startswith(p) for p in a.only.split(",")):
                 continue
             fn, shapes = WORKLOADS[name]
-            graph, cand = _group(fn, arg_specs(name, shapes))
-            g, tmpl = cand.group, TEMPLATES["matmul"]
+            graph, cand = _group(fn, arg_specs(name, shapes, DTYPES.get(name, jnp.bfloat16)))
+            g, tmpl = cand.group, TEMPLATES[cand.template]
             avals = g.input_avals()
             sets = [random_inputs(avals, 100 + k) for k in range(3)]
-            flops = 2.0 * cand.spec.M * cand.spec.N * cand.spec.K
+            flops = flops_of(fn, cand, shapes)
             ref = jax.jit(lambda *xs, g=g: g.evaluate(xs))
             tol = cone_tolerances(graph, g.node_ids, g.outputs)
             kernels = [("xla", None, ref)]
             for cfg in cfgs:
-                base = mosaic_matmul.default_config(cand.spec, pingpong=False) if cfg and "pingpong" not in cfg else \
-                    tmpl.default_config_of(cand.spec, "mosaic_gpu")
+                base = mosaic_matmul.default_config(cand.spec, pingpong=False) \
+                    if cand.template == "matmul" and cfg and "pingpong" not in cfg else tmpl.default_config_of(cand.spec, "mosaic_gpu")
                 full = {**base, **cfg}
                 why = tmpl.unsupported(cand.spec, "mosaic_gpu", full)
                 if why:
@@ -167,9 +183,16 @@ def main(argv=None) -> int:
                                         wg_dimension=getattr(hm.MatmulDimension, wg))
                     kernels.append(("hopper_matmul_mgpu", {"tile": f"{tm}x{tn}", "wg": wg, "width": width, "minor": minor},
                                     jax.jit(lambda x, w, c=c: [hm.matmul(x, w, None, c)])))
-            for label, cfg, f in kernels:
+            runs = [(label, cfg, f, ref, avals, sets) for label, cfg, f in kernels]
+            if cand.template == "attention":
+                causal = fn is attention_causal
+                runs.append(("cudnn", None, jax.jit(lambda q, k, v, c=causal: [jax.nn.dot_product_attention(
+                    q, k, v, is_causal=c, implementation="cudnn")]), jax.jit(lambda *xs, g=g: _swap(g.evaluate(_swap(xs)))),
+                    [jax.ShapeDtypeStruct(s.shape[:1] + (s.shape[2], s.shape[1]) + s.shape[3:], s.dtype) for s in avals],
+                    [_swap(xs) for xs in sets]))
+            for label, cfg, f, f_ref, f_avals, f_sets in runs:
                 try:
-                    r = measure(f, ref, avals, sets, tol, clocks)
+                    r = measure(f, f_ref, f_avals, f_sets, tol, clocks)
                 except Exception as e:  # noqa: BLE001 - a kernel that fails is a row, not the end of the run
                     r = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 r.update(workload=name, kernel=label, config=cfg, flops=flops)
@@ -182,7 +205,7 @@ def main(argv=None) -> int:
 def line_of(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['workload']:30} {r['kernel']} {json.dumps(r['config'])} {r['status']}: {r['error'][:200]}"
-    tf = lambda us: r["flops"] / us / 1e6  # noqa: E731 - TFLOP/s of a time in microseconds
+    tf = lambda us: r["flops"] / us / 1e6  # noqa: E731 - TFLOP/s of a time in microseconds (attention: 4BHL^2D, causal half)
     return (f"{r['workload']:30} {r['kernel']} {json.dumps(r['config'])}: burst {r['burst_us']:.1f} us ({tf(r['burst_us']):.0f} TFLOP/s), "
             f"capped {r['capped_us']:.1f} us ({tf(r['capped_us']):.0f}) at {r['clock'].median_mhz} MHz, time_fn {r['time_fn_us']:.1f} us")
 
@@ -191,7 +214,7 @@ def table(rows: list[dict], argv: list[str] | None) -> list[str]:
     """The rows as a results/ table: per workload and kernel, burst and power-capped times, their rates, the clock."""
     lines = [header(argv), "", f"CUPTI kernel time, median of {BURST} launches back to back: a burst after 0.5 s idle, and again after "
              "`time_fn`'s ~1 s of back-to-back calls (the card under its power cap); the SM clock's median over that second and "
-             "nvidia-smi's clock event reasons (0x4: software power cap). TFLOP/s count 2MNK.", "",
+             "nvidia-smi's clock event reasons (0x4: software power cap). TFLOP/s count 2MNK (attention 4BHL^2D, causal half).", "",
              "| workload | kernel | config | burst us | TFLOP/s | capped us | TFLOP/s | SM MHz (capped) | reasons | time_fn us | max error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -115,6 +115,7 @@ DEFAULTS = {
     "max_concurrent_steps": 2,  # depth of the TMA ring of K/V buffers (clamped to the key blocks)
     "schedule_barrier": 1,  # 1: the two compute warpgroups alternate tensor-core and softmax phases
     "semantics": 0,  # Mosaic GPU lowering semantics: 0 Lane (0.999 vs 1.028 ms non-causal on an H100), 1 Warpgroup (attention_mgpu's)
+    "overlap": 0,  # 1: each step issues S of its key block with P V of the one before, the softmax beside the second (FA3)
 }
 PARAMS = tuple(DEFAULTS)
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Config:
     max_concurrent_steps: int
     schedule_barrier: int
     semantics: int
+    overlap: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -249,8 +251,11 @@ def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) ->
         raise Unsupported(f"block_kv={bk}: needs a multiple of 64 in [64, 256] (wgmma N for S, K groups for P V)")
     if cfg.max_concurrent_steps < 1:
         raise Unsupported("max_concurrent_steps must be >= 1")
-    if cfg.schedule_barrier not in (0, 1) or cfg.semantics not in (0, 1):
-        raise Unsupported("schedule_barrier and semantics must be 0 or 1")
+    if cfg.schedule_barrier not in (0, 1) or cfg.semantics not in (0, 1) or cfg.overlap not in (0, 1):
+        raise Unsupported("schedule_barrier, semantics and overlap must be 0 or 1")
+    if cfg.overlap and _stages(spec, cfg) < 2 and cdiv(spec.Lk, bk) > 1:
+        raise Unsupported("overlap needs max_concurrent_steps >= 2: a step issues its key block's K beside the block "
+                          "before's V, both in the ring")
     g = spec.group.graph
     for v in score_inputs(spec):
         sp = spec.tile.span[v]
@@ -288,7 +293,7 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
             bufs.append(s * bk * _vector_dtype(g.avals[v].dtype, bk).itemsize)
         elif sp == ROWS:
             bufs.append(2 * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize)
-    barriers = 4 * s + 2 + (1 if cfg.schedule_barrier else 0)
+    barriers = 4 * s + 2 + ((2 if cfg.overlap else 1) if cfg.schedule_barrier else 0)
     return sum(-(-b // 1024) * 1024 for b in bufs) + 8 * barriers + 2048
 
 
@@ -423,26 +428,30 @@ def _operand_index(op: Operand, ndim: int, bidx: list, s0, bs: int, D: int) -> t
     return tuple(idx)
 
 
-def _ranges_table(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
+def _ranges_table(spec: AttentionSpec, bq: int, bk: int, *, one_block: bool = False) -> np.ndarray | None:
     """Per CTA (2 query blocks): [lo, full_lo, full_hi, hi] of each block, then the CTA's [lo, hi); None without
-    build-time masks (every block visits every key block; the last one masks its columns past Lk)."""
+    build-time masks (every block visits every key block; the last one masks its columns past Lk). `one_block`: see
+    `per_cta`."""
     r = block_ranges(spec, bq, bk)
-    return None if r is None else per_cta(r)
+    return None if r is None else per_cta(r, one_block=one_block)
 
 
-def per_cta(r: np.ndarray) -> np.ndarray:
+def per_cta(r: np.ndarray, *, one_block: bool = False) -> np.ndarray:
     """Per-block [lo, full_lo, full_hi, hi) ranges packed per CTA of two blocks (one per compute warpgroup): both
     blocks' ranges (a dead block or one past the end: empty, at the CTA's lo), then the CTA's [lo, hi) (what its
-    memory warpgroup loads)."""
+    memory warpgroup loads). `one_block` (the overlapped schedule, whose first and last steps are peeled off its
+    loop): a dead block visits the CTA's first key block instead, all of it masked (its P is zero, its l zero, as
+    with no block at all), and a CTA with no live block loads key block 0 for it."""
     n = len(r)
     out = np.zeros((cdiv(n, 2), 10), np.int32)
     for c in range(len(out)):
         blocks = [tuple(int(t) for t in r[2 * c + w]) if 2 * c + w < n else None for w in (0, 1)]
         live = [b for b in blocks if b is not None and b[3] > b[0]]
         clo = min(b[0] for b in live) if live else 0
-        chi = max(b[3] for b in live) if live else 0
+        chi = max(b[3] for b in live) if live else int(one_block)
+        dead = (clo, clo, clo, clo + int(one_block))
         for w, b in enumerate(blocks):
-            out[c, 4 * w:4 * w + 4] = b if b is not None and b[3] > b[0] else (clo, clo, clo, clo)
+            out[c, 4 * w:4 * w + 4] = b if b is not None and b[3] > b[0] else dead
         out[c, 8:] = (clo, chi)
     return out
 
@@ -490,9 +499,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     n_cta = cdiv(nq, 2)
     stages = _stages(spec, cfg)
     use_sched = bool(cfg.schedule_barrier)
+    overlap = bool(cfg.overlap)
     ragged_k = Lk % bk != 0
 
-    table = _ranges_table(spec, bq, bk)
+    table = _ranges_table(spec, bq, bk, one_block=overlap)
     fold = scale_fold(spec)
     scale = 1.0 if fold is None else fold[2]
     masked_nodes = {**spec.mask_selects, **spec.mask_adds} if table is not None else {}
@@ -543,12 +553,13 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=2),
             k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            sched_bar=plgpu.Barrier(num_arrivals=2) if use_sched else None,
+            sched_bar=plgpu.Barrier(num_arrivals=2) if use_sched and not overlap else None,
+            turn=plgpu.Barrier(num_barriers=2) if use_sched and overlap else None,  # turn[w]: warpgroup w may issue
         )
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
         def _scope(q_smem, o_smem, k_smem, v_smem, p_smem, full_smem, cols_smem, rows_smem, lse_smem, k_bar, v_bar,
-                   q_bar, k_free, v_free, sched_bar):
+                   q_bar, k_free, v_free, sched_bar, turn):
             o_smem = q_smem if o_smem is None else o_smem
             full_smem, cols_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem))
             rows_smem = dict(zip(rows_in, rows_smem))
@@ -628,17 +639,12 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     base = cta * 10 + wg * 4
                     lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
 
-                def step(j, carry, masked: bool):
-                    acc, m_i, msub, l_i = carry
+                def score_work(j, s, m_i, msub, masked: bool):
+                    """Key block j's score work and online softmax on its S tile (the block's score inputs read from
+                    its K slot, which is then released): (P in the second dot's dtype, alpha, the new running max and
+                    its log2 form, the e tile whose rows sum into l)."""
                     slot = slot_of(j)
                     k0 = j * bk
-
-                    def compute_qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
-                        sched()
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
                     env = dict(consts)
                     env[spec.dot1.outputs[0]] = s
                     for v in full_in:
@@ -674,7 +680,19 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         tiles.eval_node(nd, env, q0, k0)
                     alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp2(msub - msub_new))
                     e_sum = tiles.full(env, spec.e_sum).astype(jnp.float32)
-                    p16 = tiles.full(env, spec.e_dot).astype(dt2)
+                    return tiles.full(env, spec.e_dot).astype(dt2), alpha, m_new, msub_new, e_sum
+
+                def step(j, carry, masked: bool):
+                    acc, m_i, msub, l_i = carry
+                    slot = slot_of(j)
+
+                    def compute_qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+                        sched()
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+                    p16, alpha, m_new, msub_new, e_sum = score_work(j, s, m_i, msub, masked)
                     acc = acc * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
 
                     def end_softmax():
@@ -720,6 +738,94 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, msub_new, l_new
 
+                # FlashAttention-3's intra-warpgroup overlap (`overlap`): each step issues the next key block's
+                # S = Q K^T and the previous block's O += P V together, then runs the softmax of the first while the
+                # second is on the tensor cores; O is rescaled by the new block's alpha once that P V has landed.
+                # With the schedule barrier the two warpgroups take turns at issuing (FA3's warp scheduler barrier).
+                def take_turn():
+                    if use_sched:
+                        plgpu.barrier_wait(turn.at[wg])
+
+                def give_turn():
+                    if use_sched:
+                        plgpu.barrier_arrive(turn.at[1 - wg])
+
+                def pv_operands(slot, p_prev):
+                    return (p_smem.at[wg] if p_via_smem else p_prev), (v_smem.at[slot].T if tf else v_smem.at[slot])
+
+                def keep_p(p16):
+                    """P of this block for the next step's P V: in registers, or through SMEM (interpret mode, TF32)
+                    once the P V reading the previous one has completed."""
+                    if p_via_smem:
+                        p_smem.at[wg][...] = p16
+                        plgpu.commit_smem()
+                        return None
+                    return p16
+
+                def with_o(acc, issue, after_issue=lambda: None):
+                    """Issue `issue(o_ref)` (O += P V) on an accumulator holding `acc`, run `after_issue()` meanwhile,
+                    and return (O after the dot, what after_issue returned). Interpret mode cannot initialise an
+                    accumulator from a value: there the dot goes into a fresh one that is added to `acc`."""
+                    def body(o_ref):
+                        if interp is None:
+                            o_ref[...] = acc
+                        issue(o_ref)
+                        res = after_issue()
+                        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), res
+
+                    o, res = pl.run_scoped(body, plgpu.ACC((bq, Dv), jnp.float32))
+                    return (o if interp is None else acc + o), res
+
+                def first_block(j, carry):
+                    acc, m_i, msub, l_i = carry
+                    slot = slot_of(j)
+                    plgpu.barrier_wait(k_bar.at[slot])
+
+                    def dot(s_ref):
+                        take_turn()
+                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
+                        give_turn()
+                        # masked: the first block's kind varies by warpgroup; the masked work is right for any block
+                        return score_work(j, plgpu.wgmma_accumulator_load(s_ref, wait_n=0), m_i, msub, True)
+
+                    p16, alpha, m_new, msub_new, e_sum = pl.run_scoped(dot, plgpu.ACC((bq, bk), jnp.float32))
+                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p16)
+
+                def overlapped(j, carry, masked: bool):
+                    acc, m_i, msub, l_i, p_prev = carry
+                    slot, pslot = slot_of(j), slot_of(j - 1)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[pslot])
+
+                    def dots(s_ref):
+                        def issue(o_ref):
+                            take_turn()
+                            plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
+                            plgpu.wgmma(o_ref, *pv_operands(pslot, p_prev))
+                            give_turn()
+
+                        return with_o(acc, issue, lambda: score_work(
+                            j, plgpu.wgmma_accumulator_load(s_ref, wait_n=1), m_i, msub, masked))
+
+                    o, (p16, alpha, m_new, msub_new, e_sum) = pl.run_scoped(dots, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[pslot])
+                    acc = o * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
+                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p16)
+
+                def last_block(j, carry):
+                    acc, m_i, msub, l_i, p_prev = carry
+                    slot = slot_of(j)
+                    plgpu.barrier_wait(v_bar.at[slot])
+
+                    def issue(o_ref):
+                        take_turn()
+                        plgpu.wgmma(o_ref, *pv_operands(slot, p_prev))
+                        give_turn()
+
+                    acc, _ = with_o(acc, issue)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_i, msub, l_i
+
                 def flush(j, _):
                     # A key block the CTA loads for the other warpgroup only: observe its loads (barrier phases are
                     # tracked per thread, in order), release its buffers, keep the schedule barrier's count.
@@ -728,30 +834,44 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     plgpu.barrier_wait(v_bar.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
-                    sched()
-                    sched()
+                    if overlap:
+                        take_turn()
+                        give_turn()
+                    else:
+                        sched()
+                        sched()
 
                 row = layout(ROWS)
                 carry = (plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), layout(FULL)),
                          plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
                          plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
                          plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
+                if overlap and use_sched:
+                    pl.when(wg == 1)(give_turn)  # warpgroup 0 issues first (before any flush takes a turn)
                 if table is not None:
                     lax.fori_loop(clo, lo, flush, None)
+                if overlap:
+                    carry = first_block(lo, carry)
+                    after = lo + 1  # the blocks after the first: [lo + 1, hi) in the table's three ranges
+                    carry = lax.fori_loop(after, lax.max(flo, after), functools.partial(_call, overlapped, masked=True), carry)
+                    carry = lax.fori_loop(lax.max(flo, after), lax.max(fhi, after),
+                                          functools.partial(_call, overlapped, masked=False), carry)
+                    carry = lax.fori_loop(lax.max(fhi, after), hi, functools.partial(_call, overlapped, masked=True), carry)
+                    carry = last_block(hi - 1, carry)
+                else:
+                    @pl.when(lo < hi)
+                    def _first_k():
+                        plgpu.barrier_wait(k_bar.at[slot_of(lo)])
 
-                @pl.when(lo < hi)
-                def _first_k():
-                    plgpu.barrier_wait(k_bar.at[slot_of(lo)])
-
-                if use_sched:
-                    pl.when(wg == 1)(sched)
-                carry = lax.fori_loop(lo, flo, functools.partial(_call, step, masked=True), carry)
-                carry = lax.fori_loop(flo, fhi, functools.partial(_call, step, masked=False), carry)
-                carry = lax.fori_loop(fhi, hi, functools.partial(_call, step, masked=True), carry)
+                    if use_sched:
+                        pl.when(wg == 1)(sched)
+                    carry = lax.fori_loop(lo, flo, functools.partial(_call, step, masked=True), carry)
+                    carry = lax.fori_loop(flo, fhi, functools.partial(_call, step, masked=False), carry)
+                    carry = lax.fori_loop(fhi, hi, functools.partial(_call, step, masked=True), carry)
                 if table is not None:
                     lax.fori_loop(hi, chi, flush, None)
                 if use_sched:
-                    pl.when(wg == 0)(sched)
+                    pl.when(wg == 0)(take_turn if overlap else sched)
 
                 acc, _, msub, l_i = carry
                 if emit_lse:  # P = exp(y - msub) / l = exp(y - lse); msub is in log2 units here
