@@ -641,8 +641,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
 
                 def score_work(j, s, m_i, msub, masked: bool):
                     """Key block j's score work and online softmax on its S tile (the block's score inputs read from
-                    its K slot, which is then released): (P in the second dot's dtype, alpha, the new running max and
-                    its log2 form, the e tile whose rows sum into l)."""
+                    its K slot, which is then released): (P in float32, alpha, the new running max and its log2 form,
+                    the e tile whose rows sum into l)."""
                     slot = slot_of(j)
                     k0 = j * bk
                     env = dict(consts)
@@ -680,7 +680,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         tiles.eval_node(nd, env, q0, k0)
                     alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp2(msub - msub_new))
                     e_sum = tiles.full(env, spec.e_sum).astype(jnp.float32)
-                    return tiles.full(env, spec.e_dot).astype(dt2), alpha, m_new, msub_new, e_sum
+                    return tiles.full(env, spec.e_dot).astype(jnp.float32), alpha, m_new, msub_new, e_sum
 
                 def step(j, carry, masked: bool):
                     acc, m_i, msub, l_i = carry
@@ -692,7 +692,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         return acc_ref[...]
 
                     s = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
-                    p16, alpha, m_new, msub_new, e_sum = score_work(j, s, m_i, msub, masked)
+                    p, alpha, m_new, msub_new, e_sum = score_work(j, s, m_i, msub, masked)
+                    p16 = p.astype(dt2)
                     acc = acc * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
 
                     def end_softmax():
@@ -753,9 +754,12 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 def pv_operands(slot, p_prev):
                     return (p_smem.at[wg] if p_via_smem else p_prev), (v_smem.at[slot].T if tf else v_smem.at[slot])
 
-                def keep_p(p16):
-                    """P of this block for the next step's P V: in registers, or through SMEM (interpret mode, TF32)
-                    once the P V reading the previous one has completed."""
+                def keep_p(p):
+                    """P of this block (float32) for the next step's P V, in its dtype: in registers, or through SMEM
+                    (interpret mode, TF32). Called once the P V reading the previous one has completed: the barrier
+                    keeps the conversion after that wait, else ptxas serialises the wgmmas (C7513: the registers of an
+                    in-flight wgmma's A operand redefined)."""
+                    p16 = lax.optimization_barrier(p).astype(dt2)
                     if p_via_smem:
                         p_smem.at[wg][...] = p16
                         plgpu.commit_smem()
@@ -788,8 +792,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         # masked: the first block's kind varies by warpgroup; the masked work is right for any block
                         return score_work(j, plgpu.wgmma_accumulator_load(s_ref, wait_n=0), m_i, msub, True)
 
-                    p16, alpha, m_new, msub_new, e_sum = pl.run_scoped(dot, plgpu.ACC((bq, bk), jnp.float32))
-                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p16)
+                    p, alpha, m_new, msub_new, e_sum = pl.run_scoped(dot, plgpu.ACC((bq, bk), jnp.float32))
+                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p)
 
                 def overlapped(j, carry, masked: bool):
                     acc, m_i, msub, l_i, p_prev = carry
@@ -804,13 +808,17 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                             plgpu.wgmma(o_ref, *pv_operands(pslot, p_prev))
                             give_turn()
 
-                        return with_o(acc, issue, lambda: score_work(
-                            j, plgpu.wgmma_accumulator_load(s_ref, wait_n=1), m_i, msub, masked))
+                        def softmax():  # beside the P V: everything but P's conversion (see keep_p)
+                            p, alpha, m_new, msub_new, e_sum = score_work(
+                                j, plgpu.wgmma_accumulator_load(s_ref, wait_n=1), m_i, msub, masked)
+                            return p, alpha, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1)
 
-                    o, (p16, alpha, m_new, msub_new, e_sum) = pl.run_scoped(dots, plgpu.ACC((bq, bk), jnp.float32))
+                        return with_o(acc, issue, softmax)
+
+                    o, (p, alpha, m_new, msub_new, l_new) = pl.run_scoped(dots, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[pslot])
                     acc = o * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
-                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p16)
+                    return acc, m_new, msub_new, l_new, keep_p(p)
 
                 def last_block(j, carry):
                     acc, m_i, msub, l_i, p_prev = carry
