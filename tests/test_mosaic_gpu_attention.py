@@ -90,6 +90,15 @@ CASES = [
     pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, None, id="causal-d128-bf16-default-config"),
     pytest.param(attention_bhld, [(1, 1, 300, 128)] * 3, BF16, {"block_kv": 192, "schedule_barrier": 0},
                  id="bhld-d128-bkv192-no-schedule-barrier"),
+    # FA3's intra-warpgroup overlap (the default at D128 has it without the schedule barrier): with the barrier's
+    # turns, leading and trailing flushes (a band), Lq != Lk, a CTA whose second warpgroup is past the last query
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, {**K64, "overlap": 1}, id="sliding-window-overlap-bf16"),
+    pytest.param(cross_causal_bottom_right, [(1, 2, 70, 64), (1, 2, 200, 64), (1, 2, 200, 64)], F16,
+                 {**K64, "overlap": 1, "max_concurrent_steps": 3}, id="cross-causal-overlap-3-stages-f16"),
+    pytest.param(attention_bhld_causal, [(1, 2, 150, 64)] * 3, BF16, {**K64, "overlap": 1},
+                 id="causal-overlap-warpgroup-past-the-end-bf16"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, "overlap": 2, "schedule_barrier": 0},
+                 id="causal-overlap-rescale-between-the-issues-bf16"),
     pytest.param(causal_iota_minus_1e9, [(1, 2, 200, 64)] * 3, F16, K64, id="causal-iota-finite-fill-f16"),
     pytest.param(bias_blhd, [BLHD] * 3 + [(2, L, L)], BF16, K64, id="bias-blhd-bf16"),
     pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, K64, id="padding-mask-bf16"),
@@ -112,6 +121,7 @@ CASES = [
     pytest.param(attention_blhd, [BLHD] * 3, F32, K64, id="blhd-f32-out-transposed"),
     pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F32, None, id="causal-f32-default-config"),
     pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], F32, K64, id="gqa-repeat-f32"),
+    pytest.param(attention_bhld, [BHLD] * 3, F32, {**K64, "overlap": 1}, id="bhld-f32-overlap"),  # P through SMEM
 ]
 
 
@@ -222,7 +232,7 @@ def test_issue_target_shape_lowers(fn, dtype):
     """B8 H32 L2048 D128 (benchmarks/workloads.py): the default config is attention_mgpu's best and fits."""
     g, group, spec = _group(fn, [(8, 32, 2048, 128)] * 3, dtype)
     cfg = mgpu_attention.default_config(spec)
-    assert cfg == mgpu_attention.DEFAULTS
+    assert cfg == {**mgpu_attention.DEFAULTS, "overlap": 1, "schedule_barrier": 0}
     assert mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(cfg)) <= mgpu_attention.SMEM_LIMIT
     exp = export_for_cuda(mgpu_attention.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
     assert [(o.shape, o.dtype) for o in exp.out_avals] == [((8, 32, 2048, 128), np.dtype(dtype))]
@@ -239,12 +249,14 @@ def test_causal_ctas_visit_live_key_blocks_only():
     assert mgpu_attention._ranges_table(spec, 64, 128) is None  # no mask: every block, no mask arithmetic
 
 
-def test_no_races_or_barrier_misuse():
-    """Interpret mode's happens-before race detector over TMA, SMEM, barriers (a band: leading and trailing flushes)."""
+@pytest.mark.parametrize("overlap", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_no_races_or_barrier_misuse(overlap):
+    """Interpret mode's happens-before race detector over TMA, SMEM, barriers (a band: leading and trailing flushes);
+    with the overlap, P V reads the previous block's V slot while this block's K slot is released."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     g, group, spec = _group(sliding_window, [(1, 1, 300, 64)] * 3, BF16)
-    kernel = mgpu_attention.lower(group, spec, K64, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    kernel = mgpu_attention.lower(group, spec, {**K64, "overlap": overlap}, interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(kernel(*_inputs(group)))
     assert not interpret_pallas_call.get_races().races_found
 
@@ -275,6 +287,31 @@ def log1p_bias(q, k, v, b):
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
 
 
+def test_defaults_follow_the_head_dim_and_dtype():
+    """D128 16-bit: the overlap without the schedule barrier; D64 with enough queries: 128 rows per warpgroup; float32
+    (TF32, P through SMEM): neither (both measured slower there, results/attention_overlap_h200.md)."""
+    cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64}),
+             ((1, 2, 1024, 64), BF16, {"overlap": 0, "schedule_barrier": 1, "block_q": 128}),
+             ((1, 2, 256, 64), F16, {"overlap": 0, "block_q": 64}),
+             ((1, 2, 1024, 128), F32, {"overlap": 0, "schedule_barrier": 1})]
+    for shape, dtype, want in cases:
+        g, group, spec = _group(attention_bhld, [shape] * 3, dtype)
+        cfg = mgpu_attention.default_config(spec)
+        assert {k: cfg[k] for k in want} == want, (shape, dtype, cfg)
+        mgpu_attention.check_config(spec, mgpu_attention.Config.of(cfg))
+
+
+def test_overlap_ranges_give_every_warpgroup_a_block():
+    """The overlap peels its first and last steps off the loop, so every warpgroup visits at least one key block: a
+    dead block (past the last query, or masked whole) visits its CTA's first one, all of it masked (P and l zero,
+    as with none), and a CTA with no live block loads key block 0 for it; without the overlap they stay empty."""
+    r = np.array([[0, 0, 1, 2], [0, 0, 0, 0], [3, 3, 3, 3]], np.int32)  # block 1 dead (empty), block 2 dead too
+    plain, one = mgpu_attention.per_cta(r), mgpu_attention.per_cta(r, one_block=True)
+    assert list(plain[0]) == [0, 0, 1, 2, 0, 0, 0, 0, 0, 2] and list(plain[1]) == [0] * 10
+    assert list(one[0]) == [0, 0, 1, 2, 0, 0, 0, 1, 0, 2]
+    assert list(one[1]) == [0, 0, 0, 1, 0, 0, 0, 1, 0, 1]  # block 2 and the missing block 3: key block 0, masked
+
+
 def test_declines_what_it_does_not_support():
     assert issubclass(Unsupported, NotImplementedError)  # what the tuner counts as an infeasible config
     for fn, shapes, dtype, what in [
@@ -296,6 +333,10 @@ def test_declines_what_it_does_not_support():
             mgpu_attention.lower(group, spec, bad)
         with pytest.raises(Unsupported, match=why):
             mgpu_attention.check_config(spec, mgpu_attention.Config.of(bad))
+    with pytest.raises(Unsupported, match="overlap"):  # its step needs the next K beside the previous V in the ring
+        mgpu_attention.check_config(spec, mgpu_attention.Config.of({"overlap": 1, "max_concurrent_steps": 1}))
+    g1, group1, spec1 = _group(attention_bhld, [(1, 2, 100, 64)] * 3, BF16)  # one key block: one step in flight is enough
+    mgpu_attention.check_config(spec1, mgpu_attention.Config.of({"overlap": 1, "max_concurrent_steps": 1}))
     mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 192, "max_concurrent_steps": 2}))  # 226 KiB: fits
     mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 128, "max_concurrent_steps": 3}))
 

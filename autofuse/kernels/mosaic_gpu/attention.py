@@ -115,7 +115,8 @@ DEFAULTS = {
     "max_concurrent_steps": 2,  # depth of the TMA ring of K/V buffers (clamped to the key blocks)
     "schedule_barrier": 1,  # 1: the two compute warpgroups alternate tensor-core and softmax phases
     "semantics": 0,  # Mosaic GPU lowering semantics: 0 Lane (0.999 vs 1.028 ms non-causal on an H100), 1 Warpgroup (attention_mgpu's)
-    "overlap": 0,  # 1: each step issues S of its key block with P V of the one before, the softmax beside the second (FA3)
+    "overlap": 0,  # 1: each step issues S of its key block with P V of the one before, the softmax beside the second (FA3);
+    # 2: the same with O rescaled by the block before's alpha between the two issues (FA3's order), not after its wait
 }
 PARAMS = tuple(DEFAULTS)
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +252,8 @@ def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) ->
         raise Unsupported(f"block_kv={bk}: needs a multiple of 64 in [64, 256] (wgmma N for S, K groups for P V)")
     if cfg.max_concurrent_steps < 1:
         raise Unsupported("max_concurrent_steps must be >= 1")
-    if cfg.schedule_barrier not in (0, 1) or cfg.semantics not in (0, 1) or cfg.overlap not in (0, 1):
-        raise Unsupported("schedule_barrier, semantics and overlap must be 0 or 1")
+    if cfg.schedule_barrier not in (0, 1) or cfg.semantics not in (0, 1) or cfg.overlap not in (0, 1, 2):
+        raise Unsupported("schedule_barrier and semantics must be 0 or 1, overlap 0, 1 or 2")
     if cfg.overlap and _stages(spec, cfg) < 2 and cdiv(spec.Lk, bk) > 1:
         raise Unsupported("overlap needs max_concurrent_steps >= 2: a step issues its key block's K beside the block "
                           "before's V, both in the ring")
@@ -298,8 +299,15 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
 
 
 def default_config(spec: AttentionSpec) -> dict:
-    """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages), shrunk until it fits."""
+    """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages) with what measured better on an H200
+    (results/attention_overlap_h200.md): 16-bit head dims over 64 up to 128 overlap each step's two dots, without the
+    schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532); head dims up to 64 take 128 query rows
+    per compute warpgroup where the queries fill them (D64: 662 -> 631 us, causal the same). Shrunk until it fits."""
     cfg = dict(DEFAULTS)
+    if not tf32(spec) and 64 < max(spec.D, spec.Dv) <= 128:
+        cfg.update(overlap=1, schedule_barrier=0)
+    if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
+        cfg["block_q"] = 128
     if spec.Lk <= 64:
         cfg["block_kv"] = 64
     while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["block_kv"] > 64:
@@ -499,7 +507,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     n_cta = cdiv(nq, 2)
     stages = _stages(spec, cfg)
     use_sched = bool(cfg.schedule_barrier)
-    overlap = bool(cfg.overlap)
+    overlap, late_rescale = bool(cfg.overlap), cfg.overlap == 2
     ragged_k = Lk % bk != 0
 
     table = _ranges_table(spec, bq, bk, one_block=overlap)
@@ -741,8 +749,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
 
                 # FlashAttention-3's intra-warpgroup overlap (`overlap`): each step issues the next key block's
                 # S = Q K^T and the previous block's O += P V together, then runs the softmax of the first while the
-                # second is on the tensor cores; O is rescaled by the new block's alpha once that P V has landed.
-                # With the schedule barrier the two warpgroups take turns at issuing (FA3's warp scheduler barrier).
+                # second is on the tensor cores; O is rescaled by the new block's alpha once that P V has landed
+                # (overlap 2: at the next step, between its two issues, beside S's MMA, as FA3 does). With the
+                # schedule barrier the two warpgroups take turns at issuing (FA3's warp scheduler barrier).
                 def take_turn():
                     if use_sched:
                         plgpu.barrier_wait(turn.at[wg])
@@ -766,19 +775,25 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         return None
                     return p16
 
-                def with_o(acc, issue, after_issue=lambda: None):
-                    """Issue `issue(o_ref)` (O += P V) on an accumulator holding `acc`, run `after_issue()` meanwhile,
-                    and return (O after the dot, what after_issue returned). Interpret mode cannot initialise an
-                    accumulator from a value: there the dot goes into a fresh one that is added to `acc`."""
+                def with_o(acc, scale, issue, after_issue=lambda: None):
+                    """`issue(o_ref, init)` (O += P V; `init()` puts acc * scale, a row vector or None, into the
+                    accumulator: called before the wgmma), `after_issue()` meanwhile; returns (O after the dot, what
+                    after_issue returned). Interpret mode cannot initialise an accumulator from a value: there the dot
+                    goes into a fresh one that is added to acc * scale."""
+                    def scaled():
+                        return acc if scale is None else acc * lax.broadcast_in_dim(scale, (bq, Dv), (0,))
+
                     def body(o_ref):
-                        if interp is None:
-                            o_ref[...] = acc
-                        issue(o_ref)
+                        def init():
+                            if interp is None:
+                                o_ref[...] = scaled()
+
+                        issue(o_ref, init)
                         res = after_issue()
                         return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), res
 
                     o, res = pl.run_scoped(body, plgpu.ACC((bq, Dv), jnp.float32))
-                    return (o if interp is None else acc + o), res
+                    return (o if interp is None else scaled() + o), res
 
                 def first_block(j, carry):
                     acc, m_i, msub, l_i = carry
@@ -793,18 +808,23 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         return score_work(j, plgpu.wgmma_accumulator_load(s_ref, wait_n=0), m_i, msub, True)
 
                     p, alpha, m_new, msub_new, e_sum = pl.run_scoped(dot, plgpu.ACC((bq, bk), jnp.float32))
-                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p)
+                    # O is zero: any scale pending on it (overlap 2) is fine, alpha's as well
+                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p), alpha if late_rescale else None
 
                 def overlapped(j, carry, masked: bool):
-                    acc, m_i, msub, l_i, p_prev = carry
+                    acc, m_i, msub, l_i, p_prev, pending = carry
                     slot, pslot = slot_of(j), slot_of(j - 1)
                     plgpu.barrier_wait(k_bar.at[slot])
                     plgpu.barrier_wait(v_bar.at[pslot])
 
                     def dots(s_ref):
-                        def issue(o_ref):
+                        def issue(o_ref, init):
+                            if not late_rescale:
+                                init()
                             take_turn()
                             plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
+                            if late_rescale:
+                                init()
                             plgpu.wgmma(o_ref, *pv_operands(pslot, p_prev))
                             give_turn()
 
@@ -813,24 +833,26 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                                 j, plgpu.wgmma_accumulator_load(s_ref, wait_n=1), m_i, msub, masked)
                             return p, alpha, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1)
 
-                        return with_o(acc, issue, softmax)
+                        return with_o(acc, pending, issue, softmax)
 
                     o, (p, alpha, m_new, msub_new, l_new) = pl.run_scoped(dots, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[pslot])
-                    acc = o * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
-                    return acc, m_new, msub_new, l_new, keep_p(p)
+                    if late_rescale:
+                        return o, m_new, msub_new, l_new, keep_p(p), alpha
+                    return o * lax.broadcast_in_dim(alpha, (bq, Dv), (0,)), m_new, msub_new, l_new, keep_p(p), None
 
                 def last_block(j, carry):
-                    acc, m_i, msub, l_i, p_prev = carry
+                    acc, m_i, msub, l_i, p_prev, pending = carry
                     slot = slot_of(j)
                     plgpu.barrier_wait(v_bar.at[slot])
 
-                    def issue(o_ref):
+                    def issue(o_ref, init):
+                        init()
                         take_turn()
                         plgpu.wgmma(o_ref, *pv_operands(slot, p_prev))
                         give_turn()
 
-                    acc, _ = with_o(acc, issue)
+                    acc, _ = with_o(acc, pending, issue)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_i, msub, l_i
 
