@@ -12,6 +12,7 @@ the shared-memory limit) with no GPU, so every case is also exported.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -299,6 +300,12 @@ def test_defaults_follow_the_head_dim_and_dtype():
         cfg = mgpu_attention.default_config(spec)
         assert {k: cfg[k] for k in want} == want, (shape, dtype, cfg)
         mgpu_attention.check_config(spec, mgpu_attention.Config.of(cfg))
+    # the flash pair's forward keeps 64 rows per warpgroup at D64 (its causal pair measured slower at 128)
+    from autofuse.kernels.mosaic_gpu import attention_vjp as mgpu_vjp
+
+    g, group, spec = _group(attention_bhld_causal, [(1, 2, 1024, 64)] * 3, BF16)
+    assert mgpu_attention.default_config(spec)["block_q"] == 128
+    assert mgpu_vjp.default_config(SimpleNamespace(attn=spec))["block_q"] == 64
 
 
 def test_overlap_ranges_give_every_warpgroup_a_block():

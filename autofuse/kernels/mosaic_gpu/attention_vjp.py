@@ -33,12 +33,14 @@ class Config:
 
 
 def default_config(spec: AttentionVJPSpec) -> dict:
-    """The Mosaic GPU forward's default with the Mosaic GPU backward at 64 held and 64 stepped rows, 2 in flight (the
-    best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100, results/attention_grad_h100.md),
-    or the Triton backward's default where the Mosaic GPU backward declines the group."""
+    """The Mosaic GPU forward's default (at 64 query rows per warpgroup) with the Mosaic GPU backward at 64 held and
+    64 stepped rows, 2 in flight (the best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100,
+    results/attention_grad_h100.md), or the Triton backward's default where the Mosaic GPU backward declines the group."""
     mosaic = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
     bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
-    return {**forward.default_config(spec.attn), **bwd}
+    # 64 query rows per warpgroup whatever the head dim: at D64 the forward alone gains from 128 (631 vs 662 us), the
+    # causal pair loses (1.912 vs 1.712 ms, results/attention_overlap_h200.md)
+    return {**forward.default_config(spec.attn), "block_q": 64, **bwd}
 
 
 def backward_runs(spec, config: dict) -> bool:
