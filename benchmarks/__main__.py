@@ -28,7 +28,7 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
     "kernels": ("autofuse's kernels alone against XLA, cuDNN, Pallas and hopper_matmul_mgpu", {
         "mosaic": Part("benchmarks.mosaic_probe", "matmul, GEMM epilogues and attention, Mosaic GPU and Triton, against XLA, "
                        "cuDNN and hopper_matmul_mgpu"),
-        "gemm-clocks": Part("benchmarks.gemm_clocks", "GEMMs (Mosaic GPU, cuBLAS, hopper_matmul_mgpu) at the card's boost clock and under "
+        "gemm-clocks": Part("benchmarks.gemm_clocks", "GEMMs (Mosaic GPU, cuBLAS, hopper_matmul_mgpu) and attention (cuDNN) at the card's boost clock and under "
                             "its power cap, the SM clock sampled"),
         "attention": Part("benchmarks.attention_bench", "attention forward tiles (or a tuned plan) against jax.jit, cuDNN and Pallas mha"),
         "attention-grad": Part("benchmarks.attention_grad_bench", "attention forward + backward, the flash pair, against jax.jit and cuDNN"),
