@@ -401,11 +401,12 @@ class AttentionTemplate(Template[AttentionSpec]):
     def model_time_ms(self, spec: AttentionSpec, config: dict, model: GPUModel = H200) -> float:
         """Flops of both dots over the visited blocks at an efficiency that grows with tile size; K/V re-read per q block.
 
-        A Mosaic GPU config (`config["backend"] == "mosaic_gpu"`: two warpgroups of block_q rows per CTA, block_kv keys
-        per step) runs at attention_mgpu's measured share of the peak (653 of ~790 TFLOP/s on an H100 at D128)."""
+        A Mosaic GPU config (`config["backend"] == "mosaic_gpu"`: compute_wgs warpgroups of block_q rows per CTA,
+        block_kv keys per step) runs at attention_mgpu's measured share of the peak (653 of ~790 TFLOP/s on an H100 at
+        D128)."""
         low = spec.dot_dtype1 != np.dtype("float32")
         if config.get("backend") == "mosaic_gpu":
-            bq, bk = 2 * int(config["block_q"]), int(config["block_kv"])
+            bq, bk = int(config.get("compute_wgs", 2)) * int(config["block_q"]), int(config["block_kv"])
             eff = 0.8 * min(1.0, bq * bk / (128 * 128)) ** 0.3 * min(1.0, int(config["max_concurrent_steps"]) / 2) ** 0.2
         else:
             bq, bk, warps = int(config["block_q"]), int(config["block_k"]), int(config["num_warps"])

@@ -107,6 +107,9 @@ BACKEND = "mosaic_gpu"
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _MAX_GRID_Y = 65535
+# setmaxnreg per number of compute warpgroups: (the memory warpgroup's, each compute one's); 128 threads each share
+# the SM's 64K registers
+_REGISTERS = {2: (40, 232), 3: (32, 160)}
 
 #: Config parameters and their defaults (attention_mgpu's best forward config on an H100, D=128).
 DEFAULTS = {
@@ -117,6 +120,7 @@ DEFAULTS = {
     "semantics": 0,  # Mosaic GPU lowering semantics: 0 Lane (0.999 vs 1.028 ms non-causal on an H100), 1 Warpgroup (attention_mgpu's)
     "overlap": 0,  # 1: each step issues S of its key block with P V of the one before, the softmax beside the second (FA3);
     # 2: the same with O rescaled by the block before's alpha between the two issues (FA3's order), not after its wait
+    "compute_wgs": 2,  # compute warpgroups per CTA, block_q query rows each (3: FA3's choice at head dim 64; 160 registers)
 }
 PARAMS = tuple(DEFAULTS)
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Config:
     schedule_barrier: int
     semantics: int
     overlap: int
+    compute_wgs: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -254,6 +259,11 @@ def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) ->
         raise Unsupported("max_concurrent_steps must be >= 1")
     if cfg.schedule_barrier not in (0, 1) or cfg.semantics not in (0, 1) or cfg.overlap not in (0, 1, 2):
         raise Unsupported("schedule_barrier and semantics must be 0 or 1, overlap 0, 1 or 2")
+    if cfg.compute_wgs not in (2, 3):
+        raise Unsupported(f"compute_wgs={cfg.compute_wgs}: 2 or 3 compute warpgroups")
+    if cfg.compute_wgs == 3 and (bq != 64 or (cfg.schedule_barrier and not cfg.overlap)):
+        raise Unsupported("3 compute warpgroups: 64 rows each (160 registers a thread), and the schedule barrier only "
+                          "with the overlap (its turns go round; without it the barrier pairs two warpgroups)")
     if cfg.overlap and _stages(spec, cfg) < 2 and cdiv(spec.Lk, bk) > 1:
         raise Unsupported("overlap needs max_concurrent_steps >= 2: a step issues its key block's K beside the block "
                           "before's V, both in the ring")
@@ -277,24 +287,24 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
     score inputs' buffers) in whole KiB, 8 bytes per barrier, the reduction scratch (CompilerParams' 2 KiB).
     Matches the `smem_bytes` of Mosaic GPU's error message exactly on the configs tried."""
     g = spec.group.graph
-    bq, bk = cfg.block_q, cfg.block_kv
+    bq, bk, n = cfg.block_q, cfg.block_kv, cfg.compute_wgs
     s = _stages(spec, cfg)
     i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
     out_dt = np.dtype(g.avals[spec.out].dtype)
-    bufs = [2 * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2] + ([2 * bq * 4] if emit_lse else [])
+    bufs = [n * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2] + ([n * bq * 4] if emit_lse else [])
     if tf32(spec):
-        bufs.append(2 * bq * bk * i2)  # P through SMEM
+        bufs.append(n * bq * bk * i2)  # P through SMEM
     if not _o_in_q(spec):
-        bufs.append(2 * bq * spec.Dv * out_dt.itemsize)
+        bufs.append(n * bq * spec.Dv * out_dt.itemsize)
     for v in score_inputs(spec):
         sp = spec.tile.span[v]
         if sp == FULL:
-            bufs.append(s * 2 * bq * bk * kernel_dtype(g.avals[v].dtype).itemsize)
+            bufs.append(s * n * bq * bk * kernel_dtype(g.avals[v].dtype).itemsize)
         elif sp == COLS:
             bufs.append(s * bk * _vector_dtype(g.avals[v].dtype, bk).itemsize)
         elif sp == ROWS:
-            bufs.append(2 * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize)
-    barriers = 4 * s + 2 + ((2 if cfg.overlap else 1) if cfg.schedule_barrier else 0)
+            bufs.append(n * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize)
+    barriers = 4 * s + n + ((n if cfg.overlap else 1) if cfg.schedule_barrier else 0)
     return sum(-(-b // 1024) * 1024 for b in bufs) + 8 * barriers + 2048
 
 
@@ -436,31 +446,31 @@ def _operand_index(op: Operand, ndim: int, bidx: list, s0, bs: int, D: int) -> t
     return tuple(idx)
 
 
-def _ranges_table(spec: AttentionSpec, bq: int, bk: int, *, one_block: bool = False) -> np.ndarray | None:
-    """Per CTA (2 query blocks): [lo, full_lo, full_hi, hi] of each block, then the CTA's [lo, hi); None without
+def _ranges_table(spec: AttentionSpec, bq: int, bk: int, *, one_block: bool = False, n: int = 2) -> np.ndarray | None:
+    """Per CTA (n query blocks): [lo, full_lo, full_hi, hi] of each block, then the CTA's [lo, hi); None without
     build-time masks (every block visits every key block; the last one masks its columns past Lk). `one_block`: see
     `per_cta`."""
     r = block_ranges(spec, bq, bk)
-    return None if r is None else per_cta(r, one_block=one_block)
+    return None if r is None else per_cta(r, one_block=one_block, n=n)
 
 
-def per_cta(r: np.ndarray, *, one_block: bool = False) -> np.ndarray:
-    """Per-block [lo, full_lo, full_hi, hi) ranges packed per CTA of two blocks (one per compute warpgroup): both
+def per_cta(r: np.ndarray, *, one_block: bool = False, n: int = 2) -> np.ndarray:
+    """Per-block [lo, full_lo, full_hi, hi) ranges packed per CTA of n blocks (one per compute warpgroup): the
     blocks' ranges (a dead block or one past the end: empty, at the CTA's lo), then the CTA's [lo, hi) (what its
     memory warpgroup loads). `one_block` (the overlapped schedule, whose first and last steps are peeled off its
     loop): a dead block visits the CTA's first key block instead, all of it masked (its P is zero, its l zero, as
     with no block at all), and a CTA with no live block loads key block 0 for it."""
-    n = len(r)
-    out = np.zeros((cdiv(n, 2), 10), np.int32)
+    nb = len(r)
+    out = np.zeros((cdiv(nb, n), 4 * n + 2), np.int32)
     for c in range(len(out)):
-        blocks = [tuple(int(t) for t in r[2 * c + w]) if 2 * c + w < n else None for w in (0, 1)]
+        blocks = [tuple(int(t) for t in r[n * c + w]) if n * c + w < nb else None for w in range(n)]
         live = [b for b in blocks if b is not None and b[3] > b[0]]
         clo = min(b[0] for b in live) if live else 0
         chi = max(b[3] for b in live) if live else int(one_block)
         dead = (clo, clo, clo, clo + int(one_block))
         for w, b in enumerate(blocks):
             out[c, 4 * w:4 * w + 4] = b if b is not None and b[3] > b[0] else dead
-        out[c, 8:] = (clo, chi)
+        out[c, 4 * n:] = (clo, chi)
     return out
 
 
@@ -503,14 +513,16 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     Lq, Lk, D, Dv = spec.Lq, spec.Lk, spec.D, spec.Dv
     dt1, dt2 = spec.dot_dtype1, spec.dot_dtype2
     out_dt = np.dtype(g.avals[spec.out].dtype)
+    nw = cfg.compute_wgs  # compute warpgroups; the memory one is warpgroup nw
     nq, nk = cdiv(Lq, bq), cdiv(Lk, bk)
-    n_cta = cdiv(nq, 2)
+    n_cta = cdiv(nq, nw)
     stages = _stages(spec, cfg)
     use_sched = bool(cfg.schedule_barrier)
     overlap, late_rescale = bool(cfg.overlap), cfg.overlap == 2
+    row_stride = 4 * nw + 2  # of the ranges table
     ragged_k = Lk % bk != 0
 
-    table = _ranges_table(spec, bq, bk, one_block=overlap)
+    table = _ranges_table(spec, bq, bk, one_block=overlap, n=nw)
     fold = scale_fold(spec)
     scale = 1.0 if fold is None else fold[2]
     masked_nodes = {**spec.mask_selects, **spec.mask_adds} if table is not None else {}
@@ -547,22 +559,22 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
         tbl_ref = rest[len(ins)] if table is not None else None
         out_ref, lse_ref = (rest[-2], rest[-1]) if emit_lse else (rest[-1], None)
         scratch = dict(
-            q_smem=plgpu.SMEM((2, bq, D), dt1, transforms=q_tf),
-            o_smem=None if o_in_q else plgpu.SMEM((2, bq, Dv), out_dt, transforms=o_tf),
+            q_smem=plgpu.SMEM((nw, bq, D), dt1, transforms=q_tf),
+            o_smem=None if o_in_q else plgpu.SMEM((nw, bq, Dv), out_dt, transforms=o_tf),
             k_smem=plgpu.SMEM((stages, bk, D), dt1, transforms=k_tf),
             v_smem=plgpu.SMEM((stages, Dv, bk) if tf else (stages, bk, Dv), dt2, transforms=v_tf),  # TF32: V^T
-            p_smem=plgpu.SMEM((2, bq, bk), dt2, transforms=_tf(bk, dt2.itemsize)) if p_via_smem else None,
-            full_smem=[plgpu.SMEM((stages, 2, bq, bk), iviews[v].dtype, transforms=full_tf[v]) for v in full_in],
+            p_smem=plgpu.SMEM((nw, bq, bk), dt2, transforms=_tf(bk, dt2.itemsize)) if p_via_smem else None,
+            full_smem=[plgpu.SMEM((stages, nw, bq, bk), iviews[v].dtype, transforms=full_tf[v]) for v in full_in],
             cols_smem=[plgpu.SMEM((stages, bk), iviews[v].dtype) for v in cols_in],
-            rows_smem=[plgpu.SMEM((2, bq), iviews[v].dtype) for v in rows_in],
-            lse_smem=plgpu.SMEM((2, bq), jnp.float32) if emit_lse else None,
-            k_bar=plgpu.Barrier(num_arrivals=1 + 2 * len(full_in) + len(cols_in), num_barriers=stages),
+            rows_smem=[plgpu.SMEM((nw, bq), iviews[v].dtype) for v in rows_in],
+            lse_smem=plgpu.SMEM((nw, bq), jnp.float32) if emit_lse else None,
+            k_bar=plgpu.Barrier(num_arrivals=1 + nw * len(full_in) + len(cols_in), num_barriers=stages),
             v_bar=plgpu.Barrier(num_barriers=stages),
-            q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=2),
-            k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=nw),
+            k_free=plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
+            v_free=plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
             sched_bar=plgpu.Barrier(num_arrivals=2) if use_sched and not overlap else None,
-            turn=plgpu.Barrier(num_barriers=2) if use_sched and overlap else None,  # turn[w]: warpgroup w may issue
+            turn=plgpu.Barrier(num_barriers=nw) if use_sched and overlap else None,  # turn[w]: warpgroup w may issue
         )
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
@@ -576,11 +588,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             if table is not None:
                 cta = n_cta - 1 - cta  # the longest rows (causal) first
             bidx = batch_index(spec)
-            q_cta0 = cta * (2 * bq)
+            q_cta0 = cta * (nw * bq)
             if table is None:
                 clo, chi = 0, nk
             else:
-                clo, chi = tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9]
+                clo, chi = tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1]
 
             def slot_of(j):
                 return lax.rem(j - clo, stages)
@@ -601,9 +613,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     idx.append(pl.ds(q0, nq_rows) if a == spec.q_axis else pl.ds(k0, bk) if a == spec.k_axis else bidx[a])
                 return tuple(idx)
 
-            @pl.when(wg == 2)
+            @pl.when(wg == nw)
             def _memory_wg():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(_REGISTERS[nw][0], action="decrease")
 
                 def issue_k(j, slot):
                     k0 = traced(j * bk)
@@ -611,7 +623,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     plgpu.copy_gmem_to_smem(k_ref.at[_operand_index(kv.operand, len(kv.shape), bidx, k0, bk, D)],
                                             k_smem.at[slot], k_bar.at[slot])
                     for v in full_in:
-                        for w in range(2):
+                        for w in range(nw):
                             plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q_cta0 + w * bq, bq, k0)],
                                                     full_smem[v].at[slot, w], k_bar.at[slot])
                     for v in cols_in:
@@ -624,9 +636,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
 
                 memory_ring(clo, chi, stages, slot_of, [(k_free, issue_k), (v_free, issue_v)])
 
-            @pl.when(wg < 2)
+            @pl.when(wg < nw)
             def _compute_wg():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(_REGISTERS[nw][1], action="increase")
                 tiles = ScoreTiles(spec, bq, bk)
                 tiles.bidx = bidx
                 q0 = q_cta0 + wg * bq
@@ -644,7 +656,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 if table is None:
                     lo, flo, fhi, hi = 0, 0, nk - int(ragged_k), nk
                 else:
-                    base = cta * 10 + wg * 4
+                    base = cta * row_stride + wg * 4
                     lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
 
                 def score_work(j, s, m_i, msub, masked: bool):
@@ -756,9 +768,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     if use_sched:
                         plgpu.barrier_wait(turn.at[wg])
 
-                def give_turn():
+                def give_turn():  # to the next warpgroup round the CTA's
                     if use_sched:
-                        plgpu.barrier_arrive(turn.at[1 - wg])
+                        plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, nw)])
 
                 def pv_operands(slot, p_prev):
                     return (p_smem.at[wg] if p_via_smem else p_prev), (v_smem.at[slot].T if tf else v_smem.at[slot])
@@ -877,7 +889,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                          plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
                          plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
                 if overlap and use_sched:
-                    pl.when(wg == 1)(give_turn)  # warpgroup 0 issues first (before any flush takes a turn)
+                    pl.when(wg == nw - 1)(give_turn)  # warpgroup 0 issues first (before any flush takes a turn)
                 if table is not None:
                     lax.fori_loop(clo, lo, flush, None)
                 if overlap:
@@ -934,10 +946,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     semantics = plgpu.LoweringSemantics.Warpgroup if cfg.semantics else plgpu.LoweringSemantics.Lane
     out_type = jax.ShapeDtypeStruct(k_out_shape, out_dt)
     if emit_lse:
-        out_type = (out_type, jax.ShapeDtypeStruct((spec.batch, n_cta * 2 * bq), jnp.float32))
+        out_type = (out_type, jax.ShapeDtypeStruct((spec.batch, n_cta * nw * bq), jnp.float32))
     kernel = plgpu.kernel(
         body, out_type=out_type, grid=(spec.batch, n_cta), grid_names=("b", "q"),
-        num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
+        num_threads=nw + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
         kernel_name=name)
     tbl = None if table is None else np.ascontiguousarray(table.reshape(-1))  # a jax array per call (see triton/attention)
 
