@@ -79,6 +79,7 @@ def additive_causal(q, k, v):
 
 
 K64 = {"block_kv": 64}  # several key blocks at these small lengths
+W3 = {"compute_wgs": 3, "overlap": 1, "schedule_barrier": 0}
 L = 100  # ragged against 64 and 128, and not a multiple of 8 (q/k/v/out padded to 104 rows by XLA)
 BHLD, BLHD = (2, 2, L, 64), (2, L, 2, 64)
 CASES = [
@@ -100,6 +101,15 @@ CASES = [
                  id="causal-overlap-warpgroup-past-the-end-bf16"),
     pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, "overlap": 2, "schedule_barrier": 0},
                  id="causal-overlap-rescale-between-the-issues-bf16"),
+    # three compute warpgroups (the D64 default): a CTA of 192 queries, the turns round three, a score input's tile per
+    # warpgroup. With the overlap at 2 steps in flight the interpreter hangs on a 2-core machine (its callbacks block
+    # more of XLA's CPU threads than there are; the GPU runs it, results/attention_overlap_h200.md): 3 steps here.
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, **W3, "max_concurrent_steps": 3},
+                 id="causal-3-warpgroups-overlap-bf16"),
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, F16, {**K64, **W3, "schedule_barrier": 1, "max_concurrent_steps": 3},
+                 id="sliding-window-3-warpgroups-turns-f16"),
+    pytest.param(bias_blhd, [BLHD] * 3 + [(2, L, L)], BF16, {**K64, "compute_wgs": 3, "schedule_barrier": 0},
+                 id="bias-3-warpgroups-bf16"),
     pytest.param(causal_iota_minus_1e9, [(1, 2, 200, 64)] * 3, F16, K64, id="causal-iota-finite-fill-f16"),
     pytest.param(bias_blhd, [BLHD] * 3 + [(2, L, L)], BF16, K64, id="bias-blhd-bf16"),
     pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, K64, id="padding-mask-bf16"),
@@ -289,23 +299,38 @@ def log1p_bias(q, k, v, b):
 
 
 def test_defaults_follow_the_head_dim_and_dtype():
-    """D128 16-bit: the overlap without the schedule barrier; D64 with enough queries: 128 rows per warpgroup; float32
-    (TF32, P through SMEM): neither (both measured slower there, results/attention_overlap_h200.md)."""
-    cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64}),
-             ((1, 2, 1024, 64), BF16, {"overlap": 0, "schedule_barrier": 1, "block_q": 128}),
-             ((1, 2, 256, 64), F16, {"overlap": 0, "block_q": 64}),
-             ((1, 2, 1024, 128), F32, {"overlap": 0, "schedule_barrier": 1})]
+    """16-bit: the overlap without the schedule barrier, and at D64 with enough queries three compute warpgroups;
+    float32 (TF32, P through SMEM): neither (slower there, results/attention_overlap_h200.md)."""
+    cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 2}),
+             ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 3}),
+             ((1, 2, 256, 64), F16, {"overlap": 1, "block_q": 64, "compute_wgs": 2}),
+             ((1, 2, 1024, 128), F32, {"overlap": 0, "schedule_barrier": 1, "compute_wgs": 2})]
     for shape, dtype, want in cases:
         g, group, spec = _group(attention_bhld, [shape] * 3, dtype)
         cfg = mgpu_attention.default_config(spec)
         assert {k: cfg[k] for k in want} == want, (shape, dtype, cfg)
         mgpu_attention.check_config(spec, mgpu_attention.Config.of(cfg))
-    # the flash pair's forward keeps 64 rows per warpgroup at D64 (its causal pair measured slower at 128)
+    # the flash pair's forward at D64 stays what was measured in the pair (attention_mgpu's config)
     from autofuse.kernels.mosaic_gpu import attention_vjp as mgpu_vjp
 
     g, group, spec = _group(attention_bhld_causal, [(1, 2, 1024, 64)] * 3, BF16)
-    assert mgpu_attention.default_config(spec)["block_q"] == 128
-    assert mgpu_vjp.default_config(SimpleNamespace(attn=spec))["block_q"] == 64
+    pair = mgpu_vjp.default_config(SimpleNamespace(attn=spec))
+    assert {k: pair[k] for k in ("block_q", "compute_wgs", "overlap", "schedule_barrier")} == {
+        "block_q": 64, "compute_wgs": 2, "overlap": 0, "schedule_barrier": 1}
+
+
+def test_head_dim_64_default_lowers_for_cuda():
+    """The D64 default as measured on the GPU (three compute warpgroups, the overlap, 2 steps in flight): the real
+    Mosaic GPU lowering, causal and not, and its ranges table packs three blocks per CTA."""
+    for fn in (attention_bhld, attention_bhld_causal):
+        g, group, spec = _group(fn, [(8, 32, 2048, 64)] * 3, BF16)
+        cfg = mgpu_attention.default_config(spec)
+        assert cfg["compute_wgs"] == 3 and cfg["max_concurrent_steps"] == 2
+        exp = export_for_cuda(mgpu_attention.lower(group, spec, cfg), [S(a.shape, a.dtype) for a in group.input_avals()])
+        assert [(o.shape, o.dtype) for o in exp.out_avals] == [((8, 32, 2048, 64), np.dtype(BF16))]
+    t = mgpu_attention._ranges_table(spec, 64, 128, one_block=True, n=3)
+    assert t.shape == (-(-2048 // 192), 14)
+    assert list(t[1]) == [0, 0, 1, 2, 0, 0, 2, 3, 0, 0, 2, 3, 0, 3]  # queries 192..383 in 3 blocks: key blocks up to 1, 2, 2
 
 
 def test_overlap_ranges_give_every_warpgroup_a_block():
@@ -339,6 +364,10 @@ def test_declines_what_it_does_not_support():
         with pytest.raises(Unsupported, match=why):
             mgpu_attention.lower(group, spec, bad)
         with pytest.raises(Unsupported, match=why):
+            mgpu_attention.check_config(spec, mgpu_attention.Config.of(bad))
+    for bad in ({"compute_wgs": 4}, {"compute_wgs": 3, "block_q": 128, "overlap": 1},
+                {"compute_wgs": 3, "overlap": 0, "schedule_barrier": 1}):
+        with pytest.raises(Unsupported, match="compute_wgs|3 compute warpgroups"):
             mgpu_attention.check_config(spec, mgpu_attention.Config.of(bad))
     with pytest.raises(Unsupported, match="overlap"):  # its step needs the next K beside the previous V in the ring
         mgpu_attention.check_config(spec, mgpu_attention.Config.of({"overlap": 1, "max_concurrent_steps": 1}))

@@ -310,14 +310,15 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
 
 def default_config(spec: AttentionSpec) -> dict:
     """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages) with what measured better on an H200
-    (results/attention_overlap_h200.md): 16-bit head dims over 64 up to 128 overlap each step's two dots, without the
-    schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532); head dims up to 64 take 128 query rows
-    per compute warpgroup where the queries fill them (D64: 662 -> 631 us, causal the same). Shrunk until it fits."""
+    (results/attention_overlap_h200.md): 16-bit head dims up to 128 overlap each step's two dots, without the
+    schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532), and up to 64, where the queries fill
+    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there). Shrunk until it
+    fits."""
     cfg = dict(DEFAULTS)
-    if not tf32(spec) and 64 < max(spec.D, spec.Dv) <= 128:
+    if not tf32(spec) and max(spec.D, spec.Dv) <= 128:
         cfg.update(overlap=1, schedule_barrier=0)
-    if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
-        cfg["block_q"] = 128
+        if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
+            cfg["compute_wgs"] = 3
     if spec.Lk <= 64:
         cfg["block_kv"] = 64
     while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["block_kv"] > 64:

@@ -38,9 +38,11 @@ def default_config(spec: AttentionVJPSpec) -> dict:
     results/attention_grad_h100.md), or the Triton backward's default where the Mosaic GPU backward declines the group."""
     mosaic = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
     bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
-    # 64 query rows per warpgroup whatever the head dim: at D64 the forward alone gains from 128 (631 vs 662 us), the
-    # causal pair loses (1.912 vs 1.712 ms, results/attention_overlap_h200.md)
-    return {**forward.default_config(spec.attn), "block_q": 64, **bwd}
+    fwd = forward.default_config(spec.attn)
+    if max(spec.attn.D, spec.attn.Dv) <= 64:  # the pair measured with attention_mgpu's forward there: 1.712 ms causal
+        # against 1.912 with 128 query rows per warpgroup (results/attention_overlap_h200.md); 3 warpgroups unmeasured
+        fwd.update(block_q=64, compute_wgs=2, overlap=0, schedule_barrier=1)
+    return {**fwd, **bwd}
 
 
 def backward_runs(spec, config: dict) -> bool:
