@@ -2,17 +2,28 @@
 
 The loop structure is the forward of JAX's `pallas/ops/gpu/attention_mgpu.py`
 (FlashAttention-3 style; 653 TFLOP/s f16 on an H100 against cuDNN's 630):
-one CTA per (block of 2 * block_q queries, batch position) runs three
-warpgroups. The memory warpgroup streams [block_kv, D] tiles of K and V by TMA
-into a `max_concurrent_steps`-deep ring of swizzled SMEM buffers (and, with
+one CTA per (block of `compute_wgs` * block_q queries, batch position) runs a
+memory warpgroup and two (or three) compute warpgroups. The memory warpgroup
+streams [block_kv, D] tiles of K and V by TMA into a `max_concurrent_steps`-deep
+ring of swizzled SMEM buffers (and, with
 them, the score work's per-step inputs: a bias tile, a key-padding vector).
-Each of the two compute warpgroups owns block_q query rows: Q by TMA into SMEM,
+Each compute warpgroup owns block_q query rows: Q by TMA into SMEM,
 then per key block S = Q K^T by `wgmma` into a float32 [block_q, block_kv]
 register accumulator (WGMMA layout), the group's own score work on it, an
 online softmax (running max / sum as WGMMA row vectors, `exp2` with the scale
 folded into one FMA per score) and O += P V by `wgmma` with P taken from
 registers. A two-party "schedule barrier" makes the two compute warpgroups
 alternate, so one's softmax overlaps the other's tensor-core work.
+
+`overlap` adds FlashAttention-3's intra-warpgroup pipelining: each step issues
+the key block's S = Q K^T together with the previous block's O += P V and runs
+the softmax of the first while the second is on the tensor cores (the first
+and last steps peeled off the loop; P converted to its dtype only after the
+P V reading the previous P has completed, else ptxas serialises the wgmmas);
+with the schedule barrier the warpgroups take turns at issuing, round all of
+them. The defaults (`default_config`) are what measured fastest on an H200:
+the overlap without the schedule barrier for 16-bit head dims up to 128, and
+three compute warpgroups at head dims up to 64 (results/attention_overlap_h200.md).
 
 What differs from attention_mgpu is that nothing of the score work is
 hand-written: the equations between the two dots are the group's jaxpr,
@@ -113,7 +124,7 @@ _REGISTERS = {2: (40, 232), 3: (32, 160)}
 
 #: Config parameters and their defaults (attention_mgpu's best forward config on an H100, D=128).
 DEFAULTS = {
-    "block_q": 64,  # query rows of ONE compute warpgroup (a multiple of 64: wgmma's M); a CTA covers 2 * block_q
+    "block_q": 64,  # query rows of ONE compute warpgroup (a multiple of 64: wgmma's M); a CTA covers compute_wgs * block_q
     "block_kv": 128,  # keys per step (a multiple of 64, at most 256: wgmma's N for S, its K groups for P V)
     "max_concurrent_steps": 2,  # depth of the TMA ring of K/V buffers (clamped to the key blocks)
     "schedule_barrier": 1,  # 1: the two compute warpgroups alternate tensor-core and softmax phases
@@ -536,7 +547,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     ins = score_inputs(spec)
     ispan = {v: spec.tile.span[v] for v in ins}
     iviews = {v: _input_view(spec, v, bq if ispan[v] == ROWS else bk) for v in ins}
-    full_in = [v for v in ins if ispan[v] == FULL]  # a [2 * block_q, block_kv] tile per step (memory warpgroup)
+    full_in = [v for v in ins if ispan[v] == FULL]  # a [compute_wgs * block_q, block_kv] tile per step (memory warpgroup)
     cols_in = [v for v in ins if ispan[v] == COLS]  # a [block_kv] vector per step (memory warpgroup)
     rows_in = [v for v in ins if ispan[v] == ROWS]  # a [block_q] vector per compute warpgroup
     scalar_in = [v for v in ins if ispan[v] == NONE]
