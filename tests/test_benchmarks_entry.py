@@ -121,3 +121,15 @@ def test_gemm_clocks_reads_the_sm_clock_of_a_window_from_nvidia_smis_samples() -
     w = clock_window(lines, 1_800_000_000 + 0.5, 1_800_000_000 + 2.0)
     assert (w.samples, w.median_mhz, w.reasons) == (3, 1470, ("0x0000000000000004",))
     assert clock_window(lines, 1_800_000_010, 1_800_000_011).samples == 0
+
+
+def test_attention_short_forms_name_their_backend_and_the_mosaic_gpu_flags() -> None:
+    """`kernels attention-grad --configs`: Triton tiles, or a Mosaic GPU forward with its flags after the steps
+    (o: the overlap, n: no schedule barrier, t: three compute warpgroups)."""
+    from benchmarks.workloads import attention_config
+
+    assert attention_config("128x64w8s3") == {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+    base = {"backend": "mosaic_gpu", "block_q": 64, "block_kv": 128, "max_concurrent_steps": 2, "semantics": 0}
+    assert attention_config("mgpu64x128s2") == {**base, "schedule_barrier": 1, "overlap": 0, "compute_wgs": 2}
+    assert attention_config("mgpu64x128s2ont") == {**base, "schedule_barrier": 0, "overlap": 1, "compute_wgs": 3}
+    assert attention_config("mgpu64x128s12o")["max_concurrent_steps"] == 12
