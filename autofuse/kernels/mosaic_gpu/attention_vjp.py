@@ -33,16 +33,14 @@ class Config:
 
 
 def default_config(spec: AttentionVJPSpec) -> dict:
-    """The Mosaic GPU forward's default (at 64 query rows per warpgroup) with the Mosaic GPU backward at 64 held and
-    64 stepped rows, 2 in flight (the best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100,
-    results/attention_grad_h100.md), or the Triton backward's default where the Mosaic GPU backward declines the group."""
+    """The Mosaic GPU forward's default with the Mosaic GPU backward at 64 held and 64 stepped rows, 2 in flight (the
+    best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100, results/attention_grad_h100.md), or
+    the Triton backward's default where the Mosaic GPU backward declines the group."""
     mosaic = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
     bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
-    fwd = forward.default_config(spec.attn)
-    if max(spec.attn.D, spec.attn.Dv) <= 64:  # the pair measured with attention_mgpu's forward there: 1.712 ms causal
-        # against 1.912 with 128 query rows per warpgroup (results/attention_overlap_h200.md); 3 warpgroups unmeasured
-        fwd.update(block_q=64, compute_wgs=2, overlap=0, schedule_barrier=1)
-    return {**fwd, **bwd}
+    # the forward's own default: at D64 its three warpgroups make the pair 2.874 -> 2.803 ms, causal 1.666 -> 1.648
+    # (results/attention_overlap_h200.md)
+    return {**forward.default_config(spec.attn), **bwd}
 
 
 def backward_runs(spec, config: dict) -> bool:
