@@ -775,7 +775,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 # S = Q K^T and the previous block's O += P V together, then runs the softmax of the first while the
                 # second is on the tensor cores; O is rescaled by the new block's alpha once that P V has landed
                 # (overlap 2: at the next step, between its two issues, beside S's MMA, as FA3 does). With the
-                # schedule barrier the two warpgroups take turns at issuing (FA3's warp scheduler barrier).
+                # schedule barrier the warpgroups take turns at issuing, round all of them (FA3's warp scheduler barrier).
                 def take_turn():
                     if use_sched:
                         plgpu.barrier_wait(turn.at[wg])
