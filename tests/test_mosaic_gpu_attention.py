@@ -331,6 +331,20 @@ def test_head_dim_64_default_lowers_for_cuda():
     assert list(t[1]) == [0, 0, 1, 2, 0, 0, 2, 3, 0, 0, 2, 3, 0, 3]  # queries 192..383 in 3 blocks: key blocks up to 1, 2, 2
 
 
+def test_default_falls_back_where_the_overlap_cannot_have_two_steps(monkeypatch):
+    """Where shared memory leaves one step in flight (which the overlap cannot run), the default is the next one the
+    lowering takes: attention_mgpu's schedule."""
+    from autofuse.kernels.mosaic_gpu import gemm
+
+    g, group, spec = _group(attention_bhld, [(1, 2, 1024, 128)] * 3, BF16)
+    limit = 70 * 1024  # Q (32 KiB) and one step of K and V at 64 keys (32 KiB) fit, two steps do not
+    monkeypatch.setattr(mgpu_attention, "SMEM_LIMIT", limit)
+    monkeypatch.setattr(gemm, "SMEM_LIMIT", limit)
+    cfg = mgpu_attention.default_config(spec)
+    assert (cfg["overlap"], cfg["max_concurrent_steps"], cfg["block_kv"]) == (0, 1, 64)
+    mgpu_attention.check_config(spec, mgpu_attention.Config.of(cfg))
+
+
 def test_overlap_ranges_give_every_warpgroup_a_block():
     """The overlap peels its first and last steps off the loop, so every warpgroup visits at least one key block: a
     dead block (past the last query, or masked whole) visits its CTA's first one, all of it masked (P and l zero,

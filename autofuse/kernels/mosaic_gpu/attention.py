@@ -323,13 +323,26 @@ def default_config(spec: AttentionSpec) -> dict:
     """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages) with what measured better on an H200
     (results/attention_overlap_h200.md): 16-bit head dims up to 128 overlap each step's two dots, without the
     schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532), and up to 64, where the queries fill
-    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there). Shrunk until it
-    fits."""
-    cfg = dict(DEFAULTS)
+    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there). Each shrunk until
+    it fits; the first of these that the lowering takes (score inputs' buffers can leave the overlap one step in
+    flight, which it cannot run), else attention_mgpu's shrunk."""
+    wanted = []
     if not tf32(spec) and max(spec.D, spec.Dv) <= 128:
-        cfg.update(overlap=1, schedule_barrier=0)
         if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
-            cfg["compute_wgs"] = 3
+            wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3})
+        wanted.append({"overlap": 1, "schedule_barrier": 0})
+    for changes in wanted + [{}]:
+        cfg = _shrunk({**DEFAULTS, **changes}, spec)
+        try:
+            check_config(spec, Config.of(cfg))
+        except Unsupported:
+            continue
+        return cfg
+    return cfg
+
+
+def _shrunk(cfg: dict, spec: AttentionSpec) -> dict:
+    """`cfg` with fewer keys a step (not fewer than 64), then fewer steps in flight, until it fits shared memory."""
     if spec.Lk <= 64:
         cfg["block_kv"] = 64
     while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["block_kv"] > 64:
