@@ -197,6 +197,8 @@ LSE_CASES = [
     pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, K64, id="padding-mask-bf16"),
     pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, K64, id="gqa-repeat-bf16"),
     pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f16"),
+    pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, {**K64, "overlap": 1}, id="padding-mask-overlap-bf16"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, **W3}, id="causal-3-warpgroups-overlap-bf16"),
 ]
 
 
