@@ -1,6 +1,7 @@
 """GEMM and attention kernels at the card's two clocks: the Mosaic GPU `matmul` and `attention` lowerings (and XLA's
-cuBLAS, JAX's hand-written `hopper_matmul_mgpu`, cuDNN's fused attention) timed by CUPTI as a burst after the card idled (40 launches back to back: its boost clock) and
-again after a second of back-to-back calls (its clock under its power cap), with the SM clock sampled meanwhile.
+cuBLAS, JAX's hand-written `hopper_matmul_mgpu`, cuDNN's fused attention) timed by CUPTI as a burst after the card
+idled (40 launches back to back: its boost clock) and again after a second of back-to-back calls (its clock under its
+power cap), with the SM clock sampled meanwhile.
 
 Why two: an H200 here runs a K = 1024 GEMM at 1980 MHz in a burst and at 1425-1650 MHz after a second of them
 (nvidia-smi's clock event reason 0x4, the software power cap), its GEMMs 13-21% slower there, and a kernel that
@@ -26,14 +27,13 @@ import time
 from dataclasses import dataclass
 
 import jax
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 
 from autofuse.kernels import TEMPLATES
 from autofuse.kernels.mosaic_gpu import matmul as mosaic_matmul
 from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn
-from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group, arg_specs, attention_causal, flops_of
+from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group, arg_specs, attention_causal, cudnn_attention, flops_of
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
@@ -185,9 +185,7 @@ def main(argv=None) -> int:
                                     jax.jit(lambda x, w, c=c: [hm.matmul(x, w, None, c)])))
             runs = [(label, cfg, f, ref, avals, sets) for label, cfg, f in kernels]
             if cand.template == "attention":
-                causal = fn is attention_causal
-                runs.append(("cudnn", None, jax.jit(lambda q, k, v, c=causal: [jax.nn.dot_product_attention(
-                    q, k, v, is_causal=c, implementation="cudnn")]), jax.jit(lambda *xs, g=g: _swap(g.evaluate(_swap(xs)))),
+                runs.append(("cudnn", None, cudnn_attention(fn is attention_causal), jax.jit(lambda *xs, g=g: _swap(g.evaluate(_swap(xs)))),
                     [jax.ShapeDtypeStruct(s.shape[:1] + (s.shape[2], s.shape[1]) + s.shape[3:], s.dtype) for s in avals],
                     [_swap(xs) for xs in sets]))
             for label, cfg, f, f_ref, f_avals, f_sets in runs:

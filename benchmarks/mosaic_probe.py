@@ -193,6 +193,12 @@ def _group(fn, specs):
     return graph, Candidate(group, name, TEMPLATES[name].match(group))
 
 
+def cudnn_attention(causal: bool):
+    """cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`, jitted, on [B, L, H, D] operands
+    (a list of one output, as the kernels give)."""
+    return jax.jit(lambda q, k, v: [jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")])
+
+
 def flops_of(fn, cand: Candidate, shapes) -> float:
     """The workload's FLOPs: 2MNK a GEMM (twice for a dual one), 4BHL^2D attention (half of it causal)."""
     if cand.template in ("matmul", "matmul_reduce"):
@@ -268,7 +274,7 @@ def main(argv=None) -> int:
             measure(f"triton {json.dumps(tcfg)}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))
         if cand.template == "attention":  # cuDNN's fused attention takes [B, L, H, D]: transposed outside its timing
-            cud = jax.jit(lambda q, k, v: [jax.nn.dot_product_attention(q, k, v, is_causal=fn is attention_causal, implementation="cudnn")])
+            cud = cudnn_attention(fn is attention_causal)
             t_sets = [[jnp.swapaxes(x, 1, 2) for x in xs] for xs in sets]
             try:
                 t = time_fn(cud, t_sets, repeats=15)
