@@ -94,17 +94,17 @@ CASES = [
                  id="bhld-d128-bkv192-no-schedule-barrier"),
     # FA3's intra-warpgroup overlap (the default at D128 has it without the schedule barrier): with the barrier's
     # turns, leading and trailing flushes (a band), Lq != Lk, a CTA whose second warpgroup is past the last query
-    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, {**K64, "overlap": 1}, id="sliding-window-overlap-bf16"),
-    pytest.param(cross_causal_bottom_right, [(1, 2, 70, 64), (1, 2, 200, 64), (1, 2, 200, 64)], F16,
+    pytest.param(sliding_window, [(1, 1, 300, 64)] * 3, BF16, {**K64, "overlap": 1}, id="sliding-window-overlap-bf16"),
+    pytest.param(cross_causal_bottom_right, [(1, 1, 70, 64), (1, 1, 200, 64), (1, 1, 200, 64)], F16,
                  {**K64, "overlap": 1, "max_concurrent_steps": 3}, id="cross-causal-overlap-3-stages-f16"),
-    pytest.param(attention_bhld_causal, [(1, 2, 150, 64)] * 3, BF16, {**K64, "overlap": 1},
+    pytest.param(attention_bhld_causal, [(1, 1, 150, 64)] * 3, BF16, {**K64, "overlap": 1},
                  id="causal-overlap-warpgroup-past-the-end-bf16"),
-    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, "overlap": 2, "schedule_barrier": 0},
+    pytest.param(attention_bhld_causal, [(1, 1, 256, 64)] * 3, BF16, {**K64, "overlap": 2, "schedule_barrier": 0},
                  id="causal-overlap-rescale-between-the-issues-bf16"),
     # three compute warpgroups (the D64 default): a CTA of 192 queries, the turns round three, a score input's tile per
     # warpgroup
-    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, **W3}, id="causal-3-warpgroups-overlap-bf16"),
-    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, F16, {**K64, **W3, "schedule_barrier": 1, "max_concurrent_steps": 3},
+    pytest.param(attention_bhld_causal, [(1, 1, 256, 64)] * 3, BF16, {**K64, **W3}, id="causal-3-warpgroups-overlap-bf16"),
+    pytest.param(sliding_window, [(1, 1, 300, 64)] * 3, F16, {**K64, **W3, "schedule_barrier": 1, "max_concurrent_steps": 3},
                  id="sliding-window-3-warpgroups-turns-f16"),
     pytest.param(bias_blhd, [BLHD] * 3 + [(2, L, L)], BF16, {**K64, "compute_wgs": 3, "schedule_barrier": 0},
                  id="bias-3-warpgroups-bf16"),
