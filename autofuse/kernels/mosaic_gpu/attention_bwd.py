@@ -56,10 +56,12 @@ class Config:
     held: int  # rows a compute warpgroup holds (queries in dq, keys in dkdv): wgmma's M
     step: int  # rows streamed per step (keys in dq, queries in dkdv)
     stages: int  # depth of the TMA ring
+    fused: bool = False  # dQ in the dK/dV kernel (five products, not seven), reduced into float32 by TMA
 
     @staticmethod
     def of(config: dict) -> "Config":
-        return Config(int(config.get("bwd_held", 64)), int(config.get("bwd_step", 64)), int(config.get("bwd_stages", 2)))
+        return Config(int(config.get("bwd_held", 64)), int(config.get("bwd_step", 64)), int(config.get("bwd_stages", 2)),
+                      bool(int(config.get("bwd_fused", 0))))
 
 
 class TransposedScoreTiles(fwd.ScoreTiles):
@@ -112,7 +114,21 @@ def check_config(spec: AttentionSpec, cfg: Config) -> None:
         raise Unsupported(f"bwd_step={cfg.step}: 64 or 128 rows per step (wgmma N and K groups)")
     if not 2 <= cfg.stages <= 4:
         raise Unsupported(f"bwd_stages={cfg.stages}: 2 to 4 steps in flight")
+    if cfg.fused:
+        dq_split(spec, cfg)
     require_smem(max(smem_bytes(spec, cfg)))
+
+
+def dq_split(spec: AttentionSpec, cfg: Config) -> str:
+    """How the fused kernel's two compute warpgroups share a step's dQ += dS K ([step queries, 2 held blocks of
+    keys] x [keys, D]; wgmma's M is 64 rows): "rows" (128 stepped queries: 64 each) or "cols" (64 stepped queries,
+    D split in two halves of whole 128-byte swizzle tiles)."""
+    if cfg.step == 128:
+        return "rows"
+    if spec.D * spec.dot_dtype1.itemsize % 256 == 0:
+        return "cols"
+    raise Unsupported(f"bwd_fused with bwd_step={cfg.step} at head dim {spec.D}: 128 stepped rows, or a head dim "
+                      "of two whole 128-byte tiles")
 
 
 def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
@@ -126,7 +142,9 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
 
     dq = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, 2 * h * 4, 2 * h * 4, st * s * spec.D * i1, st * s * spec.Dv * i2]
     dkdv = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, st * s * spec.D * i1, st * s * spec.Dv * i2, st * s * 4, st * s * 4]
-    return total(dq, 2 + 4 * st), total(dkdv, 2 + 4 * st)
+    if cfg.fused:  # dS for both warpgroups, double-buffered; each warpgroup's float32 share of dQ
+        dkdv += [2 * 2 * h * s * i1, 64 * spec.D * 4 * (2 if s == 128 else 1)]
+    return total(dq, 2 + 4 * st), total(dkdv, 2 + 4 * st + 2 * cfg.fused)
 
 
 def _key_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
@@ -313,15 +331,19 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[bflat, pl.ds(q0, h)])
                 plgpu.wait_smem_to_gmem(0)
 
-    # ----- dK/dV: 2 x h keys per CTA, queries streamed st_rows at a time.
+    # ----- dK/dV (and dQ when fused): 2 x h keys per CTA, queries streamed st_rows at a time.
     nk_cta, nq_steps = cdiv(Lk, 2 * h), cdiv(Lq, st_rows)
     k_tbl = _key_ranges(spec, st_rows, h)
+    fused = cfg.fused
+    split = dq_split(spec, cfg) if fused else None
+    dq_cols = D if split == "rows" else D // 2  # each compute warpgroup's [64, dq_cols] share of a step's dQ
 
     def dkdv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        tbl_ref = rest[0] if k_tbl is not None else None
+        dq_ref = rest[0] if fused else None  # float32 [batch, rows, D], zeros on entry: every step's dQ added into it
+        tbl_ref = rest[int(fused)] if k_tbl is not None else None
         dk_ref, dv_ref = rest[-2], rest[-1]
         scratch = dict(
-            k_smem=plgpu.SMEM((2, h, D), dt1, transforms=tf_d), v_smem=plgpu.SMEM((2, h, Dv), dt2, transforms=tf_dv),
+            k_smem=plgpu.SMEM((2 * h, D), dt1, transforms=tf_d), v_smem=plgpu.SMEM((2, h, Dv), dt2, transforms=tf_dv),
             q_smem=plgpu.SMEM((stages, st_rows, D), dt1, transforms=tf_d),
             do_smem=plgpu.SMEM((stages, st_rows, Dv), dt2, transforms=tf_dv),
             lse_smem=plgpu.SMEM((stages, st_rows), jnp.float32), delta_smem=plgpu.SMEM((stages, st_rows), jnp.float32),
@@ -329,11 +351,17 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
             kv_bar=plgpu.Barrier(num_arrivals=2, num_barriers=2),
             q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages), do_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+            q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            # fused: dSᵀ of both warpgroups ([keys, 64 queries] per 64 stepped queries), double-buffered, and when both
+            # have written it; each warpgroup's float32 share of dQ on its way to the TMA reduction
+            dst_smem=plgpu.SMEM((2, st_rows // 64, 2 * h, 64), dt1, transforms=fwd._tf(64, dt1.itemsize)) if fused else None,
+            ds_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2) if fused else None,
+            dq_smem=plgpu.SMEM((2, 64, dq_cols), jnp.float32, transforms=fwd._tf(dq_cols, 4)) if fused else None,
+            dq_bar=plgpu.Barrier(num_barriers=2) if fused and via_smem else None)
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
         def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bar, do_bar, q_free,
-                   do_free):
+                   do_free, dst_smem, ds_ready, dq_smem, dq_bar):
             wg = lax.axis_index("wg")
             cta = lax.axis_index("k")
             bidx = fwd.batch_index(spec)
@@ -365,19 +393,50 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 tiles = TransposedScoreTiles(spec, st_rows, h)
                 tiles.bidx = bidx
                 k0 = cta * (2 * h) + wg * h
-                plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, h)], k_smem.at[wg], kv_bar.at[wg])
+                held_k = k_smem.at[pl.ds(pl.multiple_of(wg * h, h), h)]
+                plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, h)], held_k, kv_bar.at[wg])
                 plgpu.copy_gmem_to_smem(v_ref.at[operand_box("v", bidx, k0, h)], v_smem.at[wg], kv_bar.at[wg])
                 plgpu.barrier_wait(kv_bar.at[wg])
                 cols = layout(COLS)
                 k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                 lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
+                if fused:  # both warpgroups take every step of the CTA (their dS meet in dQ): masked outside their own
+                    lo, hi = clo, chi
+
+                def add_dq(i, ds_t):
+                    """dQ of this step's queries += dS K over the CTA's keys: this warpgroup's dSᵀ joins the other's in
+                    SMEM, then each computes its share and adds it into dq_ref by a TMA reduction."""
+                    buf = lax.rem(i - clo, 2)
+                    for c in range(st_rows // 64):
+                        dst_smem.at[buf, c, pl.ds(pl.multiple_of(wg * h, h), h)][...] = ds_t[:, c * 64:(c + 1) * 64]
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_ready.at[buf])
+                    plgpu.barrier_wait(ds_ready.at[buf])
+                    if split == "rows":
+                        a, b, r0, c0 = dst_smem.at[buf, wg].T, k_smem, i * st_rows + wg * 64, 0
+                    else:
+                        c0 = pl.multiple_of(wg * dq_cols, dq_cols)
+                        a, b, r0 = dst_smem.at[buf, 0].T, k_smem.at[:, pl.ds(c0, dq_cols)], i * st_rows
+                    part = product(a, b, (64, dq_cols))
+                    box = dq_ref.at[bflat, pl.ds(r0, 64), pl.ds(c0, dq_cols)]
+                    if via_smem:  # interpret mode has no TMA reduction: read, add, write (its CTAs run one at a time)
+                        plgpu.copy_gmem_to_smem(box, dq_smem.at[wg], dq_bar.at[wg])
+                        plgpu.barrier_wait(dq_bar.at[wg])
+                        part = part + dq_smem.at[wg][...]
+                    else:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's reduction has read it
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], box, reduction_op=None if via_smem else "add")
+                    if via_smem:
+                        plgpu.wait_smem_to_gmem(0)
 
                 def step(i, carry, masked: bool):
                     dk, dv = carry
                     slot = slot_of(i)
                     q0 = i * st_rows
                     plgpu.barrier_wait(q_bar.at[slot])
-                    s_t = product(k_smem.at[wg], q_smem.at[slot].T, (h, st_rows))
+                    s_t = product(held_k, q_smem.at[slot].T, (h, st_rows))
                     lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
                     y, pull = score_work(tiles, s_t, k0, q0, masked)
                     p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
@@ -390,8 +449,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     delta = plgpu.load(delta_smem.at[slot], layout=cols)
                     plgpu.barrier_arrive(do_free.at[slot])
                     (ds,) = pull(p * (dp - lax.broadcast_in_dim(delta, (h, st_rows), (1,))))
-                    dk = mma(dk, ds.astype(dt1), q_smem.at[slot], None if ds_smem is None else ds_smem.at[wg])
+                    ds = ds.astype(dt1)
+                    dk = mma(dk, ds, q_smem.at[slot], None if ds_smem is None else ds_smem.at[wg])
                     plgpu.barrier_arrive(q_free.at[slot])
+                    if fused:
+                        add_dq(i, ds)
                     return dk, dv
 
                 def flush(i, _):
@@ -411,10 +473,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 dk, dv = dk_dv
                 if k_tbl is not None:
                     lax.fori_loop(hi, chi, flush, None)
-                k_smem.at[wg][...] = dk.astype(dt1)
+                if fused:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(ds_ready.at[0])  # the other warpgroup's last dQ has read K: held_k is free
+                    plgpu.barrier_wait(ds_ready.at[0])
+                held_k[...] = dk.astype(dt1)
                 v_smem.at[wg][...] = dv.astype(dt2)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[bflat, pl.ds(k0, h)])
+                plgpu.copy_smem_to_gmem(held_k, dk_ref.at[bflat, pl.ds(k0, h)])
                 plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[bflat, pl.ds(k0, h)])
                 plgpu.wait_smem_to_gmem(0)
 
@@ -439,8 +505,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         do = jnp.pad(do.astype(dt2), ((0, 0), (0, pad), (0, 0)))
         lse, delta = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad))) for x in (lse, delta))
         tail = [do, lse, delta]
-        dq = dq_call(*qkv, *tail, *([jnp.asarray(q_arg)] if q_arg is not None else []))
-        dk, dv = dkdv_call(*qkv, *tail, *([jnp.asarray(k_arg)] if k_arg is not None else []))
+        k_tail = [jnp.asarray(k_arg)] if k_arg is not None else []
+        if fused:  # the kernel adds every step's dQ into a float32 buffer of zeros (a Ref: written in place)
+            dq_acc = jax.new_ref(jnp.zeros((B, rows_pad, D), jnp.float32))
+            dk, dv = dkdv_call(*qkv, *tail, dq_acc, *k_tail)
+            dq = dq_acc[...].astype(dt1)
+        else:
+            dq = dq_call(*qkv, *tail, *([jnp.asarray(q_arg)] if q_arg is not None else []))
+            dk, dv = dkdv_call(*qkv, *tail, *k_tail)
         return dq[:, :Lq], dk[:, :Lk], dv[:, :Lk]
 
     return bwd
