@@ -403,14 +403,18 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 if fused:  # both warpgroups take every step of the CTA (their dS meet in dQ): masked outside their own
                     lo, hi = clo, chi
 
-                def add_dq(i, ds_t):
-                    """dQ of this step's queries += dS K over the CTA's keys: this warpgroup's dSᵀ joins the other's in
-                    SMEM, then each computes its share and adds it into dq_ref by a TMA reduction."""
+                def share_ds(i, ds_t):
+                    """This warpgroup's dSᵀ of step i into SMEM beside the other's, for dQ."""
                     buf = lax.rem(i - clo, 2)
                     for c in range(st_rows // 64):
                         dst_smem.at[buf, c, pl.ds(pl.multiple_of(wg * h, h), h)][...] = ds_t[:, c * 64:(c + 1) * 64]
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ds_ready.at[buf])
+
+                def add_dq(i):
+                    """dQ of step i's queries += dS K over the CTA's keys once both warpgroups have shared their dSᵀ: each
+                    computes its share and adds it into dq_ref by a TMA reduction."""
+                    buf = lax.rem(i - clo, 2)
                     plgpu.barrier_wait(ds_ready.at[buf])
                     if split == "rows":
                         a, b, r0, c0 = dst_smem.at[buf, wg].T, k_smem, i * st_rows + wg * 64, 0
@@ -436,24 +440,50 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     slot = slot_of(i)
                     q0 = i * st_rows
                     plgpu.barrier_wait(q_bar.at[slot])
-                    s_t = product(held_k, q_smem.at[slot].T, (h, st_rows))
                     lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
-                    y, pull = score_work(tiles, s_t, k0, q0, masked)
-                    p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
                     ok = bounds_mask(plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=cols) + q0, k_ids, (h, st_rows), 1)
-                    if ok is not None:
-                        p = jnp.where(ok, p, 0.0)
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    dv = mma(dv, p.astype(dt2), do_smem.at[slot], None if p_smem is None else p_smem.at[wg])
-                    dp = product(v_smem.at[wg], do_smem.at[slot].T, (h, st_rows))
-                    delta = plgpu.load(delta_smem.at[slot], layout=cols)
+
+                    def probabilities(s_t):
+                        y, pull = score_work(tiles, s_t, k0, q0, masked)
+                        p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
+                        return (p if ok is None else jnp.where(ok, p, 0.0)), pull
+
+                    def score_grads(p, pull, dp):
+                        delta = plgpu.load(delta_smem.at[slot], layout=cols)
+                        (ds,) = pull(p * (dp - lax.broadcast_in_dim(delta, (h, st_rows), (1,))))
+                        return ds.astype(dt1)
+
+                    if via_smem:  # interpret mode: one product at a time, P and dS through SMEM
+                        p, pull = probabilities(product(held_k, q_smem.at[slot].T, (h, st_rows)))
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        dv = mma(dv, p.astype(dt2), do_smem.at[slot], p_smem.at[wg])
+                        ds = score_grads(p, pull, product(v_smem.at[wg], do_smem.at[slot].T, (h, st_rows)))
+                        dk = mma(dk, ds, q_smem.at[slot], ds_smem.at[wg])
+                        if fused:
+                            share_ds(i, ds)
+                    else:
+                        plgpu.barrier_wait(do_bar.at[slot])
+
+                        def scores(s_ref, dp_ref):  # Sᵀ and dPᵀ issued together, P's exp beside dPᵀ's product
+                            plgpu.wgmma(s_ref, held_k, q_smem.at[slot].T)
+                            plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].T)
+                            p, pull = probabilities(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+                            return p, score_grads(p, pull, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0))
+
+                        p, ds = pl.run_scoped(scores, plgpu.ACC((h, st_rows), jnp.float32), plgpu.ACC((h, st_rows), jnp.float32))
+                        p = p.astype(dt2)  # converted before the products reading them are issued (see the forward's keep_p)
+
+                        def grads(refs):  # dV += Pᵀ dO and dK += dSᵀ Q issued together; dSᵀ shared meanwhile
+                            plgpu.wgmma(refs[0], p, do_smem.at[slot])
+                            plgpu.wgmma(refs[1], ds, q_smem.at[slot])
+                            if fused:
+                                share_ds(i, ds)
+
+                        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
                     plgpu.barrier_arrive(do_free.at[slot])
-                    (ds,) = pull(p * (dp - lax.broadcast_in_dim(delta, (h, st_rows), (1,))))
-                    ds = ds.astype(dt1)
-                    dk = mma(dk, ds, q_smem.at[slot], None if ds_smem is None else ds_smem.at[wg])
                     plgpu.barrier_arrive(q_free.at[slot])
                     if fused:
-                        add_dq(i, ds)
+                        add_dq(i)
                     return dk, dv
 
                 def flush(i, _):
