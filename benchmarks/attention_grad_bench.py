@@ -39,13 +39,14 @@ from benchmarks.workloads import attention_bhld, attention_bhld_causal, attentio
 
 def backward_tiles(s: str) -> dict:
     """The backward kernels' config from its short form: Triton ``128x32w8s3`` (held x step, warps, stages), Mosaic GPU
-    ``mgpu64x128s2`` (held x step, steps in flight; a Mosaic GPU forward's backward only; ``f`` after it: dQ in the
-    dK/dV kernel, ``mgpu64x64s2f``)."""
-    fused = s.startswith("mgpu") and s.endswith("f")
-    c = attention_config(s.removesuffix("f") if fused else s)
-    if c.get("backend") == "mosaic_gpu":
+    ``mgpu64x128s2`` (held x step, steps in flight; a Mosaic GPU forward's backward only), its steps followed by
+    flags: ``f`` dQ in the dK/dV kernel, ``o`` products issued in pairs (``mgpu64x64s2fo``)."""
+    if s.startswith("mgpu"):
+        flags = s[len(s.rstrip("fo")):]
+        c = attention_config(s.rstrip("fo"))
         return {"bwd_mosaic": 1, "bwd_held": c["block_q"], "bwd_step": c["block_kv"], "bwd_stages": c["max_concurrent_steps"],
-                "bwd_fused": int(fused)}
+                "bwd_fused": int("f" in flags), "bwd_overlap": int("o" in flags)}
+    c = attention_config(s)
     return {"bwd_mosaic": 0, "bwd_held": c["block_q"], "bwd_step": c["block_k"], "bwd_warps": c["num_warps"], "bwd_stages": c["num_stages"]}
 
 

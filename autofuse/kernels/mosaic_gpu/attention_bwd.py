@@ -57,11 +57,12 @@ class Config:
     step: int  # rows streamed per step (keys in dq, queries in dkdv)
     stages: int  # depth of the TMA ring
     fused: bool = False  # dQ in the dK/dV kernel (five products, not seven), reduced into float32 by TMA
+    overlap: bool = False  # dK/dV: Sᵀ with dPᵀ and dV with dK issued together (more registers live)
 
     @staticmethod
     def of(config: dict) -> "Config":
         return Config(int(config.get("bwd_held", 64)), int(config.get("bwd_step", 64)), int(config.get("bwd_stages", 2)),
-                      bool(int(config.get("bwd_fused", 0))))
+                      bool(int(config.get("bwd_fused", 0))), bool(int(config.get("bwd_overlap", 0))))
 
 
 class TransposedScoreTiles(fwd.ScoreTiles):
@@ -453,12 +454,12 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                         (ds,) = pull(p * (dp - lax.broadcast_in_dim(delta, (h, st_rows), (1,))))
                         return ds.astype(dt1)
 
-                    if via_smem:  # interpret mode: one product at a time, P and dS through SMEM
+                    if via_smem or not cfg.overlap:  # one product at a time (interpret mode: P and dS through SMEM)
                         p, pull = probabilities(product(held_k, q_smem.at[slot].T, (h, st_rows)))
                         plgpu.barrier_wait(do_bar.at[slot])
-                        dv = mma(dv, p.astype(dt2), do_smem.at[slot], p_smem.at[wg])
+                        dv = mma(dv, p.astype(dt2), do_smem.at[slot], None if p_smem is None else p_smem.at[wg])
                         ds = score_grads(p, pull, product(v_smem.at[wg], do_smem.at[slot].T, (h, st_rows)))
-                        dk = mma(dk, ds, q_smem.at[slot], ds_smem.at[wg])
+                        dk = mma(dk, ds, q_smem.at[slot], None if ds_smem is None else ds_smem.at[wg])
                         if fused:
                             share_ds(i, ds)
                     else:
