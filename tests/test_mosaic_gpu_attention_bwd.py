@@ -3,8 +3,10 @@
 Numerics run under Mosaic GPU interpret mode (P and dS through SMEM, as interpret mode has no wgmma with an operand
 in registers) against the Triton backward in interpret mode, from the same forward output and logsumexp: ragged
 lengths, causal and sliding-window masks (blocks skipped, the transposed dK/dV tile's masks from iota), soft-capping
-(its derivative by jax.vjp of the group's own equations), GQA and heads split out of [B, L, H*D]. `jax.export` for
-CUDA under an abstract H100 runs the real Mosaic GPU lowering of the register path with no GPU.
+(its derivative by jax.vjp of the group's own equations), GQA and heads split out of [B, L, H*D], each as two kernels
+or with dQ fused into the dK/dV kernel (`F`: its rows or columns split between the warpgroups; interpret mode reads,
+adds and writes where the GPU reduces by TMA). `jax.export` for CUDA under an abstract H100 runs the real Mosaic GPU
+lowering of the register path (and the products issued in pairs, `O`) with no GPU.
 """
 from __future__ import annotations
 
@@ -27,15 +29,23 @@ from tests.quick import slow_except
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 S = jax.ShapeDtypeStruct
 L = 100  # ragged against 64 and 128, not a multiple of 8
+F = {"bwd_fused": 1}
+O = {"bwd_overlap": 1}
 CASES = [
-    pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 64, id="bhld-bf16-ragged"),
-    pytest.param(attention_bhld, [(1, 2, L, 64)] * 3, BF16, 128, id="bhld-bf16-ragged-step128"),
-    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F16, 64, id="causal-f16"),
-    pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 128, id="causal-d128-ragged-step128"),
-    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, 64, id="sliding-window-bf16"),
-    pytest.param(softcap_then_causal, [(1, 2, L, 64)] * 3, BF16, 64, id="softcap-then-causal-bf16"),
-    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, 64, id="gqa-repeat-bf16"),
-    pytest.param(heads_split_causal, [(1, L, 128)] * 3, BF16, 64, id="heads-split-causal-bf16"),
+    pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 64, {}, id="bhld-bf16-ragged"),
+    pytest.param(attention_bhld, [(1, 2, L, 64)] * 3, BF16, 128, {}, id="bhld-bf16-ragged-step128"),
+    pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F16, 64, {}, id="causal-f16"),
+    pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 128, {}, id="causal-d128-ragged-step128"),
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, 64, {}, id="sliding-window-bf16"),
+    pytest.param(softcap_then_causal, [(1, 2, L, 64)] * 3, BF16, 64, {}, id="softcap-then-causal-bf16"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, 64, {}, id="gqa-repeat-bf16"),
+    pytest.param(heads_split_causal, [(1, L, 128)] * 3, BF16, 64, {}, id="heads-split-causal-bf16"),
+    # dQ fused: split by rows (128 stepped queries) or by columns (head dim 128); the masked blocks a warpgroup
+    # would skip are taken by both (their dS meet in dQ), masked
+    pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 128, F, id="fused-rows-ragged"),
+    pytest.param(attention_bhld_causal, [(1, 1, 200, 128)] * 3, BF16, 64, F, id="fused-cols-causal-d128-ragged"),
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, 128, F, id="fused-rows-sliding-window"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, 128, F, id="fused-rows-gqa"),
 ]
 
 
@@ -53,11 +63,12 @@ def _residuals(group, spec, seed=0):
     return xs, out, lse, dout
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,step", slow_except(CASES, "bhld-bf16-ragged-step128"))
-def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step):
+@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "bhld-bf16-ragged-step128", "fused-cols-causal-d128-ragged"))
+def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step, extra):
     group, spec = _group(fn, shapes, dtype)
     xs, out, lse, dout = _residuals(group, spec)
-    got = mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2}, interpret=True)(xs, out, lse, dout)
+    cfg = {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2, **extra}
+    got = mgpu_backward.lower(group, spec, cfg, interpret=True)(xs, out, lse, dout)
     small = {"bwd_held": 32, "bwd_step": 32, "bwd_warps": 4, "bwd_stages": 2}
     want = triton_backward.lower(group, spec, small, interpret=True)(xs, out, lse, dout)
     for name, a, b in zip("qkv", got, want):
@@ -65,11 +76,21 @@ def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step):
         assert rel_err(a.astype(F32), b) <= 1e-2, (name, rel_err(a.astype(F32), b))
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,step", slow_except(CASES[:4] + [CASES[6]], "bhld-bf16-ragged-step128", "causal-d128-ragged-step128"))
-def test_lowers_for_cuda(fn, shapes, dtype, step):
-    """The real Mosaic GPU lowering (no GPU): wgmma with Pᵀ and dS from registers, the transposed tile's layouts."""
+EXPORTED = CASES[:4] + [CASES[6]] + [
+    pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 64, O, id="overlap-bhld-ragged"),
+    pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 128, {**F, **O}, id="fused-rows-overlap-ragged"),
+    pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 64, F, id="fused-cols-causal-d128-ragged"),
+    pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 64, {**F, **O}, id="fused-cols-overlap-causal-d128"),
+]
+
+
+@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(EXPORTED, "bhld-bf16-ragged-step128", "causal-d128-ragged-step128",
+                                                                   "fused-cols-causal-d128-ragged", "fused-rows-overlap-ragged"))
+def test_lowers_for_cuda(fn, shapes, dtype, step, extra):
+    """The real Mosaic GPU lowering (no GPU): wgmma with Pᵀ and dS from registers, the transposed tile's layouts, the
+    fused dQ's transposed dSᵀ operand, its split of K and its TMA reduction (one kernel)."""
     group, spec = _group(fn, shapes, dtype)
-    bwd = mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2})
+    bwd = mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2, **extra})
     n = len(group.inputs)
     out = group.output_avals()[0]
 
@@ -79,7 +100,7 @@ def test_lowers_for_cuda(fn, shapes, dtype, step):
     specs = [S(a.shape, a.dtype) for a in group.input_avals()] + [S(out.shape, out.dtype), S((spec.batch, spec.Lq), F32),
                                                                     S(out.shape, out.dtype)]
     exp = export_for_cuda(f, specs)
-    assert exp.mlir_module().count("custom_call @mosaic_gpu_v2") == 2
+    assert exp.mlir_module().count("custom_call @mosaic_gpu_v2") == (1 if extra.get("bwd_fused") else 2)
     assert [o.shape for o in exp.out_avals] == [(spec.batch, spec.Lq, spec.D), (spec.batch, spec.Lk, spec.D), (spec.batch, spec.Lk, spec.Dv)]
 
 
@@ -109,6 +130,21 @@ def test_declines_what_it_does_not_support():
     for cfg in (mgpu_backward.Config(32, 64, 2), mgpu_backward.Config(64, 32, 2), mgpu_backward.Config(64, 64, 1)):
         with pytest.raises(Unsupported):
             mgpu_backward.check_config(spec, cfg)
+    with pytest.raises(Unsupported, match="bwd_fused with bwd_step=64 at head dim 64"):  # 32 columns: half a swizzle tile
+        mgpu_backward.check_config(spec, mgpu_backward.Config(64, 64, 2, fused=True))
+    mgpu_backward.check_config(spec, mgpu_backward.Config(64, 128, 2, fused=True))
+
+
+def test_fused_dq_split_and_shared_memory():
+    """The fused kernel's dQ split, and its shared memory: dSᵀ of both warpgroups twice and the float32 shares of dQ
+    on top of the dK/dV kernel's."""
+    _, d128 = _group(attention_bhld_causal, [(8, 32, 2048, 128)] * 3, BF16)
+    _, d64 = _group(attention_bhld, [(8, 32, 2048, 64)] * 3, BF16)
+    assert mgpu_backward.dq_split(d128, mgpu_backward.Config(64, 64, 2, fused=True)) == "cols"
+    assert mgpu_backward.dq_split(d64, mgpu_backward.Config(64, 128, 2, fused=True)) == "rows"
+    two = mgpu_backward.smem_bytes(d128, mgpu_backward.Config(64, 64, 2))[1]
+    one = mgpu_backward.smem_bytes(d128, mgpu_backward.Config(64, 64, 2, fused=True))[1]
+    assert one - two == 2 * 128 * 64 * 2 + 64 * 128 * 4 + 16  # dSᵀ [2 buffers, 128 keys, 64 queries]; 2 x [64, 64] f32; 2 barriers
 
 
 def test_causal_key_blocks_split_into_masked_and_mask_free_query_blocks():
@@ -122,3 +158,19 @@ def test_causal_key_blocks_split_into_masked_and_mask_free_query_blocks():
     assert table.tolist() == [[0, 1, 4, 4, 1, 2, 4, 4, 0, 4], [2, 3, 4, 4, 3, 3, 3, 4, 2, 4]]
     _, spec = _group(attention_bhld, [(1, 2, 256, 64)] * 3, BF16)
     assert key_block_ranges(spec, 64, 64) is None and mgpu_backward._key_ranges(spec, 64, 64) is None
+
+
+def test_default_backward_fuses_dq_where_it_can_split_it():
+    """The flash pair's default backward (measured: results/attention_bwd_fused_h200.md): dQ fused, 64 queries a step
+    at head dim 128 and 128 at 64; the two kernels where the split does not fit (64-wide heads at 64 queries or
+    fewer); none for float32 (the Triton backward)."""
+    from autofuse.kernels.mosaic_gpu.attention_vjp import mosaic_backward_default
+
+    def pick(fn, shape, dtype=BF16):
+        cfg = mosaic_backward_default(_group(fn, [shape] * 3, dtype)[1])
+        return cfg and (cfg["bwd_step"], cfg["bwd_fused"])
+
+    assert pick(attention_bhld_causal, (8, 32, 2048, 128)) == (64, 1)
+    assert pick(attention_bhld, (8, 32, 2048, 64)) == (128, 1)
+    assert pick(attention_bhld, (1, 2, 64, 64)) == (64, 0)
+    assert pick(attention_bhld, (1, 2, 64, 64), F32) is None

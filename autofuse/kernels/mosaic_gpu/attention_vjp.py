@@ -19,7 +19,7 @@ from ..triton import attention_vjp as pair
 from . import attention as forward
 from . import attention_bwd as backward
 
-PARAMS = forward.PARAMS + ("bwd_mosaic", "bwd_held", "bwd_step", "bwd_warps", "bwd_stages")
+PARAMS = forward.PARAMS + ("bwd_mosaic", "bwd_held", "bwd_step", "bwd_warps", "bwd_stages", "bwd_fused", "bwd_overlap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,14 +33,25 @@ class Config:
 
 
 def default_config(spec: AttentionVJPSpec) -> dict:
-    """The Mosaic GPU forward's default with the Mosaic GPU backward at 64 held and 64 stepped rows, 2 in flight (the
-    best measured: fwd+bwd in 1.09x cuDNN's time at B8 H32 L2048 D128 on an H100, results/attention_grad_h100.md), or
-    the Triton backward's default where the Mosaic GPU backward declines the group."""
-    mosaic = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_step": 64, "bwd_warps": 4, "bwd_stages": 2}
-    bwd = mosaic if backward_runs(spec.attn, mosaic) else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
+    """The Mosaic GPU forward's default with the Mosaic GPU backward's (`mosaic_backward_default`), or the Triton
+    backward's default where the Mosaic GPU backward declines the group."""
+    mosaic = mosaic_backward_default(spec.attn)
+    bwd = mosaic if mosaic is not None else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
     # the forward's own default: at D64 its three warpgroups make the pair 2.874 -> 2.803 ms, causal 1.666 -> 1.648
     # (results/attention_overlap_h200.md)
     return {**forward.default_config(spec.attn), **bwd}
+
+
+def mosaic_backward_default(spec: AttentionSpec) -> dict | None:
+    """The Mosaic GPU backward's first config that runs the group (an `AttentionSpec`), or None. Measured on an H200
+    at B8 H32 L2048 bf16 (results/attention_bwd_fused_h200.md), fwd+bwd against cuDNN's: dQ fused into the dK/dV
+    kernel with one product at a time, 64 queries a step at head dim 128 (0.99x, causal 1.01x; two kernels 1.08x)
+    and 128 at 64 (0.96x, causal 0.95x; two kernels 1.08x); else the two kernels at 64 and 64."""
+    base = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_warps": 4, "bwd_stages": 2, "bwd_overlap": 0}
+    tries = [{"bwd_step": 64, "bwd_fused": 1}, {"bwd_step": 64, "bwd_fused": 0}]
+    if max(spec.D, spec.Dv) <= 64 and min(spec.Lq, spec.Lk) > 64:  # 128 queries a step: the rows split of dQ
+        tries.insert(0, {"bwd_step": 128, "bwd_fused": 1})
+    return next((c for c in ({**base, **t} for t in tries) if backward_runs(spec, c)), None)
 
 
 def backward_runs(spec, config: dict) -> bool:
@@ -77,6 +88,8 @@ def vjp_rule(group: Group, spec: AttentionSpec, config: dict, *, interpret) -> V
     """`attention`'s reverse-mode rule for a Mosaic GPU group: the flash pair with the Mosaic GPU forward emitting the
     row logsumexp, and the Mosaic GPU backward where it runs the group at the config's `bwd_` tiles (else Triton's);
     Triton's forward at its default where this forward cannot run the group or its config with the logsumexp."""
+    if not any(k.startswith("bwd_") for k in config):  # a forward-only group's config: the backward's default
+        config = {**config, **(mosaic_backward_default(spec) or {})}
     cfg = {"bwd_mosaic": 1, **config} if backward_runs(spec, config) else {**config, "bwd_mosaic": 0}
     try:
         return flash_vjp_rule(group, spec, cfg, cfg, interpret=bool(interpret), **lowerings(cfg, interpret))
