@@ -1,10 +1,9 @@
 """Mosaic GPU lowering of attention's backward (Hopper: TMA, wgmma, warp specialisation): dQ, dK and dV from the
 output's cotangent and the forward's row logsumexp, the scores re-evaluated per tile from the group's own equations.
 
-The structure is the backward of JAX's `pallas/ops/gpu/attention_mgpu.py` (whose two kernels run fwd+bwd at
-B8 H32 L2048 D128 in 1.10x cuDNN's time on an H100, against 1.38x with the Triton backward): two kernels, each a
-CTA of one memory warpgroup streaming tiles by TMA into a ring of SMEM buffers and two compute warpgroups that
-each hold `bwd_held` rows.
+The two-kernel structure is the backward of JAX's `pallas/ops/gpu/attention_mgpu.py` (fwd+bwd at B8 H32 L2048
+D128 in 1.10x cuDNN's time on an H100, against 1.38x with the Triton backward): each kernel a CTA of one memory
+warpgroup streaming tiles by TMA into a ring of SMEM buffers and two compute warpgroups that each hold `bwd_held` rows.
 
 - `dq`: a compute warpgroup holds `bwd_held` queries (Q, dO, the logsumexp and delta = rowsum(dO * O)) and steps
   through `bwd_step` keys at a time: S = Q Kᵀ, y = score work(S), P = exp(y - lse), dP = dO Vᵀ,
@@ -12,6 +11,14 @@ each hold `bwd_held` rows.
 - `dkdv`: a compute warpgroup holds `bwd_held` keys (K, V) and steps through `bwd_step` queries: the same tile
   transposed, Sᵀ = K Qᵀ (so that Pᵀ and dSᵀ are wgmma's A operand in registers, as attention_mgpu does),
   dV += Pᵀ dO, dPᵀ = V dOᵀ, dK += dSᵀ Q.
+
+`bwd_fused` (the default where it applies, as FlashAttention-2/3 do): no `dq` kernel, five products instead of
+seven. `dkdv` also computes each step's dQ = dS K: both compute warpgroups write their dSᵀ to SMEM, meet at a
+barrier, and each computes half of it (64 of 128 stepped queries, or half of a head dim of two 128-byte tiles) and
+adds it into a float32 buffer by TMA reduction. Both warpgroups then take every step of the CTA (a block one of them
+would skip is evaluated masked: its dS is zero). fwd+bwd 0.98x cuDNN's time at D128, 0.95x at D64 on an H200
+against 1.11x with two kernels (results/attention_bwd_fused_h200.md). `bwd_overlap` issues the products in pairs
+(Sᵀ with dPᵀ, dV with dK): better for two kernels, worse fused (registers spill).
 
 What differs from attention_mgpu is that nothing of the score work is hand-written: its equations are the
 group's jaxpr, evaluated on the register tiles (`attention.ScoreTiles`; `TransposedScoreTiles` on the transposed
@@ -23,7 +30,9 @@ operands' dtype), and the template maps them back to the operands (GQA's heads s
 
 Declined (`Unsupported`, the Triton backward runs instead): what the Mosaic GPU forward declines, score work
 reading an input besides Q and K (a bias, a padding mask, a scalar), tiles other than 64 held rows and 64 or 128
-stepped ones. Interpret mode (CPU) has no wgmma with A in registers: P and dS go through SMEM there.
+stepped ones. Interpret mode (CPU) has no wgmma with A in registers: P and dS go through SMEM there, one product at
+a time; nor TMA reductions: there the fused dQ is read, added and written back (its CTAs run one at a time, and the
+two warpgroups' halves do not overlap).
 """
 from __future__ import annotations
 
