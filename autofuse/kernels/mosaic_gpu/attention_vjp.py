@@ -2,8 +2,8 @@
 emitting the row logsumexp: 1.00 vs 1.28 ms for Triton's forward at B8 H32 L2048 D128 on an H100) and its backward
 on Mosaic GPU (`mosaic_gpu/attention_bwd.py`, `bwd_mosaic=1`; dQ fused into the dK/dV kernel with `bwd_fused=1`)
 or Triton (`triton/attention_bwd.py`, `bwd_mosaic=0`: score work the Mosaic GPU backward declines, e.g. a bias).
-The group's layout and stages are `triton/attention_vjp.py`'s. The config: the Mosaic GPU forward's parameters and the backward's `bwd_` keys
-(`search_spaces/attention_vjp.mosaic_gpu.toml`)."""
+The group's layout and stages are `triton/attention_vjp.py`'s. The config: the Mosaic GPU forward's parameters and
+the backward's `bwd_` keys (`search_spaces/attention_vjp.mosaic_gpu.toml`)."""
 from __future__ import annotations
 
 import dataclasses
