@@ -36,7 +36,7 @@ def default_config(spec: AttentionVJPSpec) -> dict:
     """The Mosaic GPU forward's default with the Mosaic GPU backward's (`mosaic_backward_default`), or the Triton
     backward's default where the Mosaic GPU backward declines the group."""
     mosaic = mosaic_backward_default(spec.attn)
-    bwd = mosaic if mosaic is not None else {"bwd_mosaic": 0, **backward_default_config(spec.attn)}
+    bwd = mosaic if mosaic is not None else {"bwd_mosaic": 0, "bwd_fused": 0, "bwd_overlap": 0, **backward_default_config(spec.attn)}
     # the forward's own default: at D64 its three warpgroups make the pair 2.874 -> 2.803 ms, causal 1.666 -> 1.648
     # (results/attention_overlap_h200.md)
     return {**forward.default_config(spec.attn), **bwd}
