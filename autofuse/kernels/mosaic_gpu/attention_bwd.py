@@ -141,6 +141,11 @@ def dq_split(spec: AttentionSpec, cfg: Config) -> str:
                       "of two whole 128-byte tiles")
 
 
+def dq_share_cols(spec: AttentionSpec, cfg: Config) -> int:
+    """The columns of each compute warpgroup's [64, cols] share of a step's fused dQ (`dq_split`)."""
+    return spec.D if dq_split(spec, cfg) == "rows" else spec.D // 2
+
+
 def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
     """Shared memory of (dq, dkdv) on the GPU, each buffer in whole KiB as Mosaic GPU counts it, 8 bytes per
     barrier, 2 KiB of reduction scratch (interpret mode's SMEM copies of P and dS are not counted)."""
@@ -153,7 +158,7 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
     dq = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, 2 * h * 4, 2 * h * 4, st * s * spec.D * i1, st * s * spec.Dv * i2]
     dkdv = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, st * s * spec.D * i1, st * s * spec.Dv * i2, st * s * 4, st * s * 4]
     if cfg.fused:  # dS for both warpgroups, double-buffered; each warpgroup's float32 share of dQ
-        dkdv += [2 * 2 * h * s * i1, 64 * spec.D * 4 * (2 if s == 128 else 1)]
+        dkdv += [2 * 2 * h * s * i1, 2 * 64 * dq_share_cols(spec, cfg) * 4]
     return total(dq, 2 + 4 * st), total(dkdv, 2 + 4 * st + 2 * cfg.fused)
 
 
@@ -346,7 +351,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     k_tbl = _key_ranges(spec, st_rows, h)
     fused = cfg.fused
     split = dq_split(spec, cfg) if fused else None
-    dq_cols = D if split == "rows" else D // 2  # each compute warpgroup's [64, dq_cols] share of a step's dQ
+    dq_cols = dq_share_cols(spec, cfg) if fused else None
 
     def dkdv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         dq_ref = rest[0] if fused else None  # float32 [batch, rows, D], zeros on entry: every step's dQ added into it
@@ -514,7 +519,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 if k_tbl is not None:
                     lax.fori_loop(hi, chi, flush, None)
                 if fused:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     plgpu.barrier_arrive(ds_ready.at[0])  # the other warpgroup's last dQ has read K: held_k is free
                     plgpu.barrier_wait(ds_ready.at[0])
                 held_k[...] = dk.astype(dt1)
