@@ -32,6 +32,7 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
                             "its power cap, the SM clock sampled"),
         "attention": Part("benchmarks.attention_bench", "attention forward tiles (or a tuned plan) against jax.jit, cuDNN and Pallas mha"),
         "attention-grad": Part("benchmarks.attention_grad_bench", "attention forward + backward, the flash pair, against jax.jit and cuDNN"),
+        "norm-gemm": Part("benchmarks.norm_gemm", "a layer norm feeding a GEMM, its half folded around the GEMM or not, against jax.jit"),
         "norm-grad": Part("benchmarks.norm_grad", "the layer norm's and RMS norm's backward, tuned, against jax.jit"),
         "concat-sink": Part("benchmarks.concat_sink_probe", "GPT-2's QKV backward with its concatenation read in parts "
                             "(`concat_sink`'s configs) against XLA"),

@@ -177,7 +177,9 @@ class MatmulTemplate(Template[MatmulSpec]):
 
     def candidate_groups(self, graph: Graph, fusible) -> list[tuple[Group, MatmulSpec, tuple]]:
         """Each dot with the elementwise epilogue whose value a `split` along N cuts into parts, and the split
-        (`MatmulSpec.windows`): the partitioner grows no group through a split (XLA's own copy of each part).
+        (`MatmulSpec.windows`): the partitioner grows no group through a split (XLA's own copy of each part); each
+        also with the elementwise work that makes its A operand and nothing else (a layer norm's second half, which
+        `prologue_fold` folds around the GEMM).
         And each dual GEMM: two dots of the same A with the elementwise work up to where their products meet
         (the partitioner grows a group from one dot, never two)."""
         out = []
@@ -187,10 +189,12 @@ class MatmulTemplate(Template[MatmulSpec]):
             nodes = _epilogue_chain(graph, sp.inputs[0], fusible)
             if nodes is None:
                 continue
-            group = Group.of(graph, sorted(nodes | {sp.id}))
-            spec = self.match(group)
-            if spec is not None:
-                out.append((group, spec, ()))
+            dot = next(i for i in nodes if op_class(graph.node_index[i].name) is OpClass.CONTRACTION)
+            for extra in ({sp.id}, {sp.id} | _a_prologue(graph, graph.node_index[dot], fusible)):
+                group = Group.of(graph, sorted(nodes | extra))
+                spec = self.match(group)
+                if spec is not None and all(group.node_ids != g.node_ids for g, _, _ in out):
+                    out.append((group, spec, ()))
         return out + self._dual_groups(graph, fusible)
 
     def _dual_groups(self, graph: Graph, fusible) -> list[tuple[Group, MatmulSpec, tuple]]:
@@ -294,6 +298,27 @@ def _epilogue_chain(graph: Graph, v: int, fusible, dots: int = 1) -> set[int] | 
         return None
     if dots > 1 and any(graph.producer.get(a) in keep for i in found for a in graph.node_index[i].inputs):
         return None  # one dot reads the other's work: a chain of GEMMs, not two beside each other
+    return keep
+
+
+def _a_prologue(graph: Graph, dot: Node, fusible) -> set[int]:
+    """The elementwise nodes that make `dot`'s A operand and whose values nothing else reads (walked back from the
+    operand, up to values that something outside reads: a layer norm's `x - mean` after its statistics)."""
+    keep: set[int] = set()
+    reads = {dot.id}
+    a = dot.inputs[0]
+    todo = [graph.producer[a]] if isinstance(a, int) and a in graph.producer else []
+    while todo:
+        i = max(todo)  # (ids are topological: a node after every reader of its values)
+        todo.remove(i)
+        nd = graph.node_index[i]
+        if i in keep or op_class(nd.name) is not OpClass.ELEMENTWISE or not fusible(i) or len(keep) >= MAX_CHAIN:
+            continue
+        if any(v in graph.output_values or any(c not in reads for c in graph.consumers.get(v, ())) for v in nd.outputs):
+            continue
+        keep.add(i)
+        reads.add(i)
+        todo += [graph.producer[v] for v in nd.inputs if isinstance(v, int) and v in graph.producer and graph.producer[v] not in todo]
     return keep
 
 

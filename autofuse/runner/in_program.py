@@ -1,4 +1,4 @@
-"""A group timed alone as the program runs it: its inputs made by the layout ops that make them there.
+"""A group timed alone as the program runs it: its inputs made by the layout ops (and widening conversions) that make them there.
 
 A group's input that the program produces by a transpose, broadcast or reshape is, timed alone, a materialised
 array in row-major order, which inside the program it never is: XLA folds a transpose into the GEMM that reads it
@@ -15,19 +15,33 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from ..graph import Aval, Group, Node, bind_node, read_atom
+from ..graph import Aval, Graph, Group, Node, bind_node, read_atom
 from ..ops import OpClass, op_class
 
 
-def layout_op(name: str) -> bool:
+def free_in_program(g: Graph, nd: Node) -> bool:
     """A producer that costs nothing in the program where XLA fuses it into its reader, and a copy where a kernel
-    reads it: a transpose, broadcast or reshape (a dtype conversion is not one: XLA may as well fuse it into the
-    value's producer)."""
-    return name == "transpose" or op_class(name) in (OpClass.BROADCAST, OpClass.LAYOUT)
+    reads it: a transpose, broadcast or reshape, or a conversion to a wider float (bf16 -> float32: a layer norm's
+    `x.astype(float32)`, which XLA fuses into every reader, and undoes where a kernel converts back). Any other
+    conversion is not one: XLA may as well fuse it into the value's producer."""
+    if nd.name == "transpose" or op_class(nd.name) in (OpClass.BROADCAST, OpClass.LAYOUT):
+        return True
+    return nd.name == "convert_element_type" and isinstance(nd.inputs[0], int) and widening(g.avals[nd.inputs[0]].dtype, g.avals[nd.outputs[0]].dtype)
 
 
-#: How many layout ops in a row are followed back from a group's input (transpose of a reshape of a broadcast).
+def widening(src, dst) -> bool:
+    """Whether every value of float dtype `src` is exact in float dtype `dst` (bf16 or f16 -> float32)."""
+    s, d = np.dtype(src), np.dtype(dst)
+    if not (jnp.issubdtype(s, jnp.floating) and jnp.issubdtype(d, jnp.floating)) or s == d:
+        return False
+    fs, fd = jnp.finfo(s), jnp.finfo(d)
+    return fd.nmant >= fs.nmant and fd.maxexp >= fs.maxexp and fd.minexp <= fs.minexp
+
+
+#: How many such ops in a row are followed back from a group's input (transpose of a reshape of a broadcast).
 MAX_CHAIN = 4
 
 
@@ -68,7 +82,7 @@ def in_program(group: Group) -> InProgram:
 
     def take(v: int, depth: int) -> None:
         p = g.producer.get(v)
-        if p is None or p in members or depth >= MAX_CHAIN or not layout_op(g.node_index[p].name):
+        if p is None or p in members or depth >= MAX_CHAIN or not free_in_program(g, g.node_index[p]):
             return
         nd = taken.setdefault(p, g.node_index[p])
         for a in nd.inputs:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import OrderedDict
 from typing import Callable
 
 import jax
@@ -73,7 +74,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
+from .. import prologue_fold
 from ..matmul import MatmulSpec
+from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import approximate_math, require_smem
@@ -178,6 +181,10 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     narrower tiles, then smaller epilogue pieces and shorter tiles (a training step's epilogues with several outputs
     and inputs needed 242-274 KB at the narrowest tile: their first trial was infeasible, their plan of defaults did
     not bind)."""
+    try:
+        spec = plain(spec)
+    except Unsupported:
+        pass  # (check_group says why)
     cfg = dict(DEFAULTS)
     itemsize = np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
     if spec.N <= 64:
@@ -239,14 +246,39 @@ def _shrink(cfg: dict, seg: int) -> bool:
 
 # ---------------------------------------------------------------------------
 # What is supported.
+def plain(spec: MatmulSpec) -> MatmulSpec:
+    """The spec the kernel runs: `spec` itself, or, for a group with an A prologue, the folded group's
+    (`prologue_fold`: a layer norm's elementwise half folded around the GEMM); `Unsupported` where it does not fold
+    (the Mosaic GPU lowering evaluates no prologue on operand tiles)."""
+    return _folded(spec).spec if spec.pro else spec
+
+
+_FOLDS: OrderedDict[int, tuple[MatmulSpec, prologue_fold.PrologueFold | str]] = OrderedDict()  # id(spec) -> the fold or why none
+
+
+def _folded(spec: MatmulSpec) -> prologue_fold.PrologueFold:
+    """`prologue_fold.fold(spec)`, made once per spec (the lowering's checks and `lower` each ask)."""
+    hit = _FOLDS.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        try:
+            hit = (spec, prologue_fold.fold(spec))
+        except NoMatch as e:
+            hit = (spec, f"a prologue that does not fold around the GEMM: {e}")
+        _FOLDS[id(spec)] = hit
+        while len(_FOLDS) > 64:
+            _FOLDS.popitem(last=False)
+    if isinstance(hit[1], str):
+        raise Unsupported(hit[1])
+    return hit[1]
+
+
 def check_group(spec: MatmulSpec) -> None:
     """Raise `Unsupported` if this lowering cannot implement the matched group at all (whatever the config)."""
     g = spec.group.graph
     dt = np.dtype(g.avals[spec.a].dtype)
     if spec.batch > 1:
         raise Unsupported("batched dot (spec.batch > 1): not yet in the Mosaic GPU lowering")
-    if spec.pro:
-        raise Unsupported("a prologue (elementwise work on a dot operand inside the group): not yet in the Mosaic GPU lowering")
+    spec = plain(spec)
     if spec.exact_f32:
         raise Unsupported("a float32 dot at precision=HIGHEST: wgmma runs float32 only as TF32 (the Triton lowering runs it as three-pass TF32)")
     if spec.epi.outer:
@@ -300,6 +332,7 @@ def epi_inputs(spec: MatmulSpec) -> list[int]:
 
 def check_config(spec: MatmulSpec, cfg: Config) -> None:
     """Raise `Unsupported` for a config that breaks a wgmma, TMA, layout or shared-memory rule."""
+    spec = plain(spec)
     itemsize = np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     f32 = itemsize == 4
@@ -351,6 +384,7 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
 def tile_slots(spec: MatmulSpec, cfg: Config) -> int:
     """SMEM slots per epilogue warpgroup for the [M, N] inputs of its pieces: two (the next piece's land during this
     one's math) where the warpgroup runs more than one piece and they fit, else one."""
+    spec = plain(spec)
     pieces = (cfg.block_m // cfg.epi_tile_m) * (cfg.block_n // cfg.epi_tile_n) * (2 if cfg.epilogue_wg else 1)
     return 2 if pieces > 1 and smem_bytes(spec, cfg, 2) <= SMEM_LIMIT else 1
 
@@ -358,6 +392,7 @@ def tile_slots(spec: MatmulSpec, cfg: Config) -> int:
 def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
     """Shared memory the kernel allocates (the A/B ring, the epilogue's input and output buffers, barriers), roughly;
     `slots` per [M, N] input (`tile_slots`; None: as many as the kernel will take)."""
+    spec = plain(spec)
     g = spec.group.graph
     itemsize = np.dtype(g.avals[spec.a].dtype).itemsize
     k_steps = -(-spec.K // cfg.block_k)
@@ -399,6 +434,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         raise Unsupported("the group is not a matmul")
     if approx_math is None:
         approx_math = approximate_math(group)
+    if spec.pro:  # the GEMM on the prologue's source, the prologue's factors in its epilogue
+        fold = _folded(spec)
+        return fold.around(lower(fold.spec.group, fold.spec, config, interpret=interpret, num_sms=num_sms, approx_math=approx_math))
     check_group(spec)
     cfg = Config.of(config)
     check_config(spec, cfg)
