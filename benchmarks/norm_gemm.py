@@ -19,7 +19,7 @@ from autofuse.graph import Group
 from autofuse.kernels import matmul
 from autofuse.kernels.mosaic_gpu import matmul as mosaic_matmul
 from autofuse.plan import executor, plan_from_choices
-from autofuse.runner.measure import check, random_inputs, time_pair
+from autofuse.runner.measure import check, random_inputs, time_fn, time_pair
 from autofuse.tuning.partition import enumerate_candidates, is_fusible
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
@@ -63,11 +63,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="the Markdown table")
     ap.add_argument("--small", action="store_true", help="CPU-sized shapes, interpret mode (a smoke run)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--parts", action="store_true", help="also time each plan's kernel, and the fold's preparation, alone")
     ap.add_argument("--configs", default="", help="a JSON list of Mosaic GPU configs (each over the group's default)")
     a = ap.parse_args(argv)
 
     B, S, D = (2, 40, 128) if a.small else (8, 2048, 1024)
     interpret = True if a.small else None
+    parts: list[str] = []
     lines = [header(argv), "", f"x [{B}, {S}, {D}] bf16, float32 statistics (examples.gpt2.layer_norm)", "",
              "| workload | plan | config | checked (max error) | jax.jit ms | plan ms | ratio (q1..q3) |", "|---|---|---|---|---|---|---|"]
     for name, (fn, widen) in WORKLOADS.items():
@@ -92,8 +94,30 @@ def main(argv=None) -> int:
                              f"{'ok' if res.ok else 'WRONG'} ({res.max_error:.1e}) | {xla.median_ms:.4f} | {mine.median_ms:.4f} | "
                              f"{ratio.median_ms:.3f} ({ratio.q1_ms:.3f}..{ratio.q3_ms:.3f}) |")
                 print(lines[-1], flush=True)
+                if a.parts and not extra:
+                    parts.append(_parts(name, label, group, spec, cfg, interpret))
+    if parts:
+        lines += ["", "Each part alone (random inputs of its own, medians of back-to-back calls): the plan's kernel on its inputs, and "
+                  "for the folded group what XLA prepares for it (W', the vectors) from the group's inputs.", "",
+                  "| workload | plan | kernel ms | prepare ms |", "|---|---|---|---|"] + parts
     emit(lines, a.out)
     return 0
+
+
+def _parts(name: str, label: str, group: Group, spec, cfg: dict, interpret) -> str:
+    """The plan's kernel alone and, folded, its preparation alone (random inputs; timings only)."""
+    sets = [random_inputs(group.input_avals(), 200 + k) for k in range(3)]
+    prep = ""
+    if spec.pro:
+        fold = mosaic_matmul._folded(spec)
+        prepare = jax.jit(fold.prepare)
+        kernel = jax.jit(mosaic_matmul.lower(fold.spec.group, fold.spec, cfg, interpret=interpret))
+        prep = f"{time_fn(prepare, sets).median_ms:.4f}"
+        k_sets = [prepare(*xs) for xs in sets]
+    else:
+        kernel = jax.jit(mosaic_matmul.lower(group, spec, cfg, interpret=interpret))
+        k_sets = sets
+    return f"| {name} | {label} | {time_fn(kernel, k_sets).median_ms:.4f} | {prep} |"
 
 
 if __name__ == "__main__":

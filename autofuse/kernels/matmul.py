@@ -245,7 +245,18 @@ class MatmulTemplate(Template[MatmulSpec]):
         a_bytes = spec.batch * spec.M * spec.K * np.dtype(spec.group.graph.avals[spec.a].dtype).itemsize
         b_bytes = (len(spec.products) - 1) * spec.batch * spec.N * spec.K * np.dtype(spec.group.graph.avals[spec.b].dtype).itemsize
         bytes_moved = a_bytes * tiles_n / max(1, reuse) ** 0.5 + b_bytes + sum(a.nbytes for a in spec.group.output_avals())
-        return costmodel.kernel_time_ms(bytes_moved, flops / max(eff, 0.05), model, low) * max(1.0, 132 / max(1, tiles_m * tiles_n)) ** 0.5
+        t = costmodel.kernel_time_ms(bytes_moved, flops / max(eff, 0.05), model, low) * max(1.0, 132 / max(1, tiles_m * tiles_n)) ** 0.5
+        return t + (self._fold_ms(spec, model) if spec.pro and config.get("backend") == "mosaic_gpu" else 0.0)
+
+    @staticmethod
+    def _fold_ms(spec: MatmulSpec, model: GPUModel) -> float:
+        """What folding an A prologue around the GEMM (`prologue_fold`, the Mosaic GPU lowering's) adds outside the
+        kernel: W' made from W (read and written once), and a pass of its own over x for the row statistics that the
+        prologue's XLA fusion had taken with it (a layer norm is one pass in XLA: statistics and the normalised
+        write; GPT-2's on an H200 took 17.5 us, its statistics alone two reduction passes, results/norm_gemm_h200.md)."""
+        itemsize = np.dtype(spec.group.graph.avals[spec.b].dtype).itemsize
+        return costmodel.kernel_time_ms(2.0 * spec.K * spec.N * itemsize, 0.0, model) + costmodel.kernel_time_ms(
+            spec.batch * spec.M * spec.K * itemsize, 0.0, model)
 
 
 def _windows(group: Group, split: Node) -> dict | None:

@@ -217,8 +217,8 @@ def _vectors(a: _Affine, w: Any, b_nk: bool, shape: tuple[int, ...]) -> tuple[li
     wq = w if a.qk is None else _scale_rows(w, a.qk, b_nk).astype(w.dtype)  # W' rounded, as the kernel reads it
     wq_kn = (wq.T if b_nk else wq).astype(jnp.float32)
 
-    def kdot(k, mat):
-        return mat.sum(0) if k is None else jnp.dot(k.reshape(-1), mat, precision=lax.Precision.HIGHEST)
+    def kdot(k, mat):  # (a float32 sum over K, not a dot: XLA fuses it with W''s scaling into one pass over W)
+        return mat.sum(0) if k is None else (k.reshape(-1, 1).astype(jnp.float32) * mat).sum(0)
 
     vecs, kinds, bias = [], [], None
     if a.pm is not None:
