@@ -54,7 +54,8 @@ which supports only K-major operands: A [K, M] and B [K, N] are transposed by
 XLA outside the kernel for float32.
 
 Declined (`Unsupported`, a `NotImplementedError`: the tuner counts the config
-as infeasible): batched dots, prologues (work on an operand before the dot),
+as infeasible): batched dots, prologues (work on an operand before the dot) but those
+affine in A's source (a layer norm's second half: `prologue_fold` folds them around the GEMM),
 epilogue outputs that are neither full [M, N] tiles nor sums over the rows, primitives the Mosaic GPU
 lowering lacks (log1p, expm1, pow, floor, ...: see `tiles.check_nodes`),
 configs that break a wgmma / TMA / layout rule (`check_config`).
