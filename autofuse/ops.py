@@ -65,6 +65,16 @@ def op_class(name: str) -> OpClass:
 FUSIBLE = {OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE, OpClass.CONTRACTION}
 
 
+def widening(src: Any, dst: Any) -> bool:
+    """Whether every value of float dtype `src` is exact in float dtype `dst` (bf16 or f16 -> float32): a conversion
+    that XLA may fuse into every reader and undo where a reader converts back."""
+    s, d = np.dtype(src), np.dtype(dst)
+    if not (jnp.issubdtype(s, jnp.floating) and jnp.issubdtype(d, jnp.floating)) or s == d:
+        return False
+    fs, fd = jnp.finfo(s), jnp.finfo(d)
+    return fd.nmant >= fs.nmant and fd.maxexp >= fs.maxexp and fd.minexp <= fs.minexp
+
+
 def reduction_kind(name: str) -> str:
     return _REDUCTION[name]
 

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from ..graph import Graph, Group, Node, bind_node, capture, read_atom
-from ..ops import OpClass, op_class
+from ..ops import OpClass, op_class, widening
 from .matmul import TEMPLATE, MatmulSpec
 from .tiling import NoMatch
 
@@ -97,11 +97,9 @@ def fold(spec: MatmulSpec) -> PrologueFold:
         a = env[spec.a]
         if not isinstance(a, _Affine):
             raise NoMatch("the A operand does not depend on x")
-        w = ins[spec.group.inputs.index(spec.b)]
-        vecs, kinds = _vectors(a, w, spec.b_nk, shape)
+        w_prime, vecs, kinds = _vectors(a, ins[spec.group.inputs.index(spec.b)], spec.b_nk, shape)
         layout[:] = kinds
-        return [a.x, (w if a.qk is None else _scale_rows(w, a.qk, spec.b_nk).astype(b_dtype)), *vecs,
-                *[ins[spec.group.inputs.index(v)] for v in epi_inputs]]
+        return [a.x, w_prime, *vecs, *[ins[spec.group.inputs.index(v)] for v in epi_inputs]]
 
     structs = [jax.ShapeDtypeStruct(g.avals[v].shape, g.avals[v].dtype) for v in spec.group.inputs]
     prepared = jax.eval_shape(prepare, *structs)
@@ -209,9 +207,10 @@ def _step(nd: Node, ins: list, shape: tuple[int, ...]) -> Any:
     raise NoMatch("x divides a value: the prologue is not affine in x")
 
 
-def _vectors(a: _Affine, w: Any, b_nk: bool, shape: tuple[int, ...]) -> tuple[list, list[str]]:
-    """The folded epilogue's vectors and their kinds, in order: "scale" the row scale pm ([*rows, 1]), "term" a row
-    vector and a column vector ([N]) per rank-one term, "bias" the terms constant along M, summed ([N])."""
+def _vectors(a: _Affine, w: Any, b_nk: bool, shape: tuple[int, ...]) -> tuple[Any, list, list[str]]:
+    """W' (rows of W scaled by qk, in W's dtype), the folded epilogue's vectors and their kinds, in order: "scale"
+    the row scale pm ([*rows, 1]), "term" a row vector and a column vector ([N]) per rank-one term, "bias" the terms
+    constant along M, summed ([N])."""
     rows = shape[:-1] + (1,)
     w_kn = (w.T if b_nk else w).astype(jnp.float32)
     wq = w if a.qk is None else _scale_rows(w, a.qk, b_nk).astype(w.dtype)  # W' rounded, as the kernel reads it
@@ -236,7 +235,7 @@ def _vectors(a: _Affine, w: Any, b_nk: bool, shape: tuple[int, ...]) -> tuple[li
     if bias is not None:
         vecs.append(bias)
         kinds.append("bias")
-    return vecs, kinds
+    return wq, vecs, kinds
 
 
 def _scale_rows(w: Any, qk: Any, b_nk: bool) -> Any:
@@ -308,6 +307,6 @@ def _exact_source(g: Graph, v: int, dtype: np.dtype) -> np.dtype:
     p = g.producer.get(v)
     nd = g.node_index.get(p) if p is not None else None
     if nd is not None and nd.name == "convert_element_type" and isinstance(nd.inputs[0], int) \
-            and np.dtype(g.avals[nd.inputs[0]].dtype) == dtype:
+            and np.dtype(g.avals[nd.inputs[0]].dtype) == dtype and widening(dtype, g.avals[v].dtype):
         return dtype
     raise NoMatch(f"x ({g.avals[v]}) is not exact in the dot's dtype {dtype}")

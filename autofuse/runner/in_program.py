@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from ..graph import Aval, Graph, Group, Node, bind_node, read_atom
-from ..ops import OpClass, op_class
+from ..ops import OpClass, op_class, widening
 
 
 def free_in_program(g: Graph, nd: Node) -> bool:
@@ -30,15 +28,6 @@ def free_in_program(g: Graph, nd: Node) -> bool:
     if nd.name == "transpose" or op_class(nd.name) in (OpClass.BROADCAST, OpClass.LAYOUT):
         return True
     return nd.name == "convert_element_type" and isinstance(nd.inputs[0], int) and widening(g.avals[nd.inputs[0]].dtype, g.avals[nd.outputs[0]].dtype)
-
-
-def widening(src, dst) -> bool:
-    """Whether every value of float dtype `src` is exact in float dtype `dst` (bf16 or f16 -> float32)."""
-    s, d = np.dtype(src), np.dtype(dst)
-    if not (jnp.issubdtype(s, jnp.floating) and jnp.issubdtype(d, jnp.floating)) or s == d:
-        return False
-    fs, fd = jnp.finfo(s), jnp.finfo(d)
-    return fd.nmant >= fs.nmant and fd.maxexp >= fs.maxexp and fd.minexp <= fs.minexp
 
 
 #: How many such ops in a row are followed back from a group's input (transpose of a reshape of a broadcast).
