@@ -111,6 +111,7 @@ def _trial(graph, group, config=None):
     return ev.handle(TrialRequest(group.node_ids, "matmul", cfg))
 
 
+@pytest.mark.slow  # a trial through the evaluator: the quick subset keeps the kernel's own cases
 def test_the_partitioners_layer_norm_gemm_group_folds_and_passes_its_check():
     """The group the partitioner offers (the normalisation's second half, the GEMM, bias and GELU; the statistics
     and x's float32 copy XLA's) runs on Mosaic GPU in a trial that checks it against XLA; timed alone, x's float32
@@ -125,6 +126,7 @@ def test_the_partitioners_layer_norm_gemm_group_folds_and_passes_its_check():
     assert res.status is TrialStatus.OK, res.error
 
 
+@pytest.mark.slow
 def test_a_qkv_split_with_its_layer_norm_is_offered_and_runs():
     graph = _gpt2_graph(3 * 64)
     offered = matmul.TEMPLATE.candidate_groups(graph, lambda i: is_fusible(graph, i))
