@@ -109,7 +109,7 @@ def _parts(name: str, label: str, group: Group, spec, cfg: dict, interpret) -> s
     sets = [random_inputs(group.input_avals(), 200 + k) for k in range(3)]
     prep = ""
     if spec.pro:
-        fold = mosaic_matmul._folded(spec)
+        fold = mosaic_matmul.folded(spec)
         prepare = jax.jit(fold.prepare)
         kernel = jax.jit(mosaic_matmul.lower(fold.spec.group, fold.spec, cfg, interpret=interpret))
         prep = f"{time_fn(prepare, sets).median_ms:.4f}"

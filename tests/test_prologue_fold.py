@@ -78,7 +78,7 @@ def test_layer_norm_gemm_folds_and_matches_xla(mean):
 def test_rms_norm_gemm_folds_to_a_row_scale():
     shapes, dtypes = [(M, K), (M, 1), (K,), (K, N)], [BF16, F32, F32, BF16]
     group, spec = _whole(rms_gemm, shapes, dtypes)
-    fold = mgpu_matmul._folded(spec)
+    fold = mgpu_matmul.folded(spec)
     assert [n.name for n in fold.spec.group.nodes][:2] == ["dot_general", "mul"]  # x @ (g W), then the row scale: no terms
     kernel = mgpu_matmul.lower(group, spec, {**mgpu_matmul.default_config(spec), "pingpong": 0}, interpret=True, num_sms=2)
     xs = _inputs(shapes, dtypes)

@@ -251,13 +251,13 @@ def plain(spec: MatmulSpec) -> MatmulSpec:
     """The spec the kernel runs: `spec` itself, or, for a group with an A prologue, the folded group's
     (`prologue_fold`: a layer norm's elementwise half folded around the GEMM); `Unsupported` where it does not fold
     (the Mosaic GPU lowering evaluates no prologue on operand tiles)."""
-    return _folded(spec).spec if spec.pro else spec
+    return folded(spec).spec if spec.pro else spec
 
 
 _FOLDS: OrderedDict[int, tuple[MatmulSpec, prologue_fold.PrologueFold | str]] = OrderedDict()  # id(spec) -> the fold or why none
 
 
-def _folded(spec: MatmulSpec) -> prologue_fold.PrologueFold:
+def folded(spec: MatmulSpec) -> prologue_fold.PrologueFold:
     """`prologue_fold.fold(spec)`, made once per spec (the lowering's checks and `lower` each ask)."""
     hit = _FOLDS.get(id(spec))
     if hit is None or hit[0] is not spec:
@@ -436,7 +436,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     if approx_math is None:
         approx_math = approximate_math(group)
     if spec.pro:  # the GEMM on the prologue's source, the prologue's factors in its epilogue
-        fold = _folded(spec)
+        fold = folded(spec)
         return fold.around(lower(fold.spec.group, fold.spec, config, interpret=interpret, num_sms=num_sms, approx_math=approx_math))
     check_group(spec)
     cfg = Config.of(config)
