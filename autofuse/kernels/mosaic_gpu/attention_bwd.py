@@ -58,6 +58,8 @@ from .gemm import interpret_params, require_smem
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, layout
 
 _LOG2E = math.log2(math.e)
+# setmaxnreg: (the memory warpgroup's, each compute warpgroup's); 128 threads each share the SM's 64K registers
+_REGISTERS = (40, 232)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +281,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
             @pl.when(wg == 2)
             def _memory():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(_REGISTERS[0], action="decrease")
 
                 def issue_k(j, slot):
                     k0 = j * st_rows + wg * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
@@ -293,7 +295,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
             @pl.when(wg < 2)
             def _compute():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(_REGISTERS[1], action="increase")
                 tiles = fwd.ScoreTiles(spec, h, st_rows)
                 tiles.bidx = bidx
                 q0 = cta * (2 * h) + wg * h
@@ -388,7 +390,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
             @pl.when(wg == 2)
             def _memory():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(_REGISTERS[0], action="decrease")
 
                 def issue_q(i, slot):
                     q0 = i * st_rows + wg * 0
@@ -404,7 +406,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
             @pl.when(wg < 2)
             def _compute():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(_REGISTERS[1], action="increase")
                 tiles = TransposedScoreTiles(spec, st_rows, h)
                 tiles.bidx = bidx
                 k0 = cta * (2 * h) + wg * h
