@@ -174,3 +174,22 @@ def test_default_backward_fuses_dq_where_it_can_split_it():
     assert pick(attention_bhld, (8, 32, 2048, 64)) == (128, 1)
     assert pick(attention_bhld, (1, 2, 64, 64)) == (64, 0)
     assert pick(attention_bhld, (1, 2, 64, 64), F32) is None
+
+
+def test_a_config_naming_some_backward_keys_keeps_the_default_backward_for_the_rest():
+    """`{"bwd_overlap": 1}` over a forward config is the default backward (dQ fused) with its products in pairs, not
+    the named keys' own defaults (the two kernels); keys that cannot run over the default are taken as named; a group
+    the Mosaic GPU backward declines gets Triton's (`bwd_mosaic` 0)."""
+    from autofuse.kernels.mosaic_gpu.attention_vjp import backward_config, mosaic_backward_default as mosaic_default
+
+    _, d128 = _group(attention_bhld, [(8, 32, 2048, 128)] * 3, BF16)
+    fwd = mgpu_forward.default_config(d128)
+    assert {k: v for k, v in backward_config(d128, fwd).items() if k.startswith("bwd_")} == mosaic_default(d128)
+    cfg = backward_config(d128, {**fwd, "bwd_overlap": 1})
+    assert (cfg["bwd_mosaic"], cfg["bwd_fused"], cfg["bwd_step"], cfg["bwd_overlap"]) == (1, 1, 64, 1)
+    # fused at 3 stages does not fit D128's shared memory: the two kernels at 3 stages, as named
+    two = backward_config(d128, {**fwd, "bwd_stages": 3})
+    assert (two["bwd_mosaic"], two.get("bwd_fused", 0), two["bwd_stages"]) == (1, 0, 3)
+    assert backward_config(d128, {**fwd, "bwd_held": 128})["bwd_mosaic"] == 0  # no Mosaic GPU backward holds 128 rows
+    _, f32 = _group(attention_bhld, [(1, 2, 256, 64)] * 3, F32)
+    assert backward_config(f32, {"bwd_stages": 3})["bwd_mosaic"] == 0

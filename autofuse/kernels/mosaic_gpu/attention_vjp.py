@@ -88,13 +88,22 @@ def vjp_rule(group: Group, spec: AttentionSpec, config: dict, *, interpret) -> V
     """`attention`'s reverse-mode rule for a Mosaic GPU group: the flash pair with the Mosaic GPU forward emitting the
     row logsumexp, and the Mosaic GPU backward where it runs the group at the config's `bwd_` tiles (else Triton's);
     Triton's forward at its default where this forward cannot run the group or its config with the logsumexp."""
-    if not any(k.startswith("bwd_") for k in config):  # a forward-only group's config: the backward's default
-        config = {**config, **(mosaic_backward_default(spec) or {})}
-    cfg = {"bwd_mosaic": 1, **config} if backward_runs(spec, config) else {**config, "bwd_mosaic": 0}
+    cfg = backward_config(spec, config)
     try:
         return flash_vjp_rule(group, spec, cfg, cfg, interpret=bool(interpret), **lowerings(cfg, interpret))
     except NotImplementedError:  # e.g. the logsumexp's buffer does not fit the config's shared memory
         return flash_vjp_rule(group, spec, triton_forward.default_config(spec), None, interpret=bool(interpret))
+
+
+def backward_config(spec: AttentionSpec, config: dict) -> dict:
+    """`config` with the backward it will run: the `bwd_` keys it names over the Mosaic GPU backward's default
+    (`{"bwd_overlap": 1}` is the default backward with its products in pairs, not the keys' own defaults: the two
+    kernels unfused),
+    as named where that does not run; `bwd_mosaic` 0 where the Mosaic GPU backward does not run it at all."""
+    merged = {**(mosaic_backward_default(spec) or {}), **config}
+    if backward_runs(spec, merged) or not any(k.startswith("bwd_") for k in config):
+        config = merged
+    return {"bwd_mosaic": 1, **config} if backward_runs(spec, config) else {**config, "bwd_mosaic": 0}
 
 
 def lowerings(config: dict, params) -> dict[str, Callable | None]:
