@@ -131,6 +131,15 @@ CASES = [
     pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F32, None, id="causal-f32-default-config"),
     pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], F32, K64, id="gqa-repeat-f32"),
     pytest.param(attention_bhld, [BHLD] * 3, F32, {**K64, "overlap": 1}, id="bhld-f32-overlap"),  # P through SMEM
+    # persistent: 3 CTAs in interpret mode, each walking several (batch, query block) tiles; the K/V ring running on
+    # across tiles, Q double-buffered (O through it, or its own buffer), score inputs per tile
+    pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, {**K64, "persistent": 1}, id="persistent-bhld-ragged-bf16"),
+    pytest.param(attention_blhd, [BLHD] * 3, F16, {**K64, **W3, "persistent": 1}, id="persistent-blhd-3-warpgroups-f16"),
+    pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, {**K64, "overlap": 1, "persistent": 1}, id="persistent-padding-mask-overlap-bf16"),
+    pytest.param(bias_blhd, [BLHD] * 3 + [(2, L, L)], BF16, {**K64, "persistent": 1}, id="persistent-bias-bf16"),
+    pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, {**K64, "persistent": 1}, id="persistent-gqa-repeat-bf16"),
+    pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, {**K64, "persistent": 1}, id="persistent-scalar-f32-out-f16"),
+    pytest.param(attention_bhld, [BHLD] * 3, F32, {**K64, "persistent": 1}, id="persistent-bhld-f32"),
 ]
 
 
@@ -164,7 +173,8 @@ def _inputs(group, seed=0):
     return out
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-then-softcap-f16"))  # float32: the quick
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-then-softcap-f16",
+                                                                   "persistent-padding-mask-overlap-bf16"))  # float32: the quick
 # subset has test_float32_runs_as_tf32_with_the_values_transposed_and_its_backward_on_triton
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
@@ -178,7 +188,8 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
     assert err <= TOL[np.dtype(dtype)], (cfg, err)
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "gqa-repeat-bf16"))
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "gqa-repeat-bf16",
+                                                                   "persistent-blhd-3-warpgroups-f16"))
 def test_lowers_for_cuda(fn, shapes, dtype, config):
     """The real Mosaic GPU lowering (no GPU): wgmma with P in registers, layouts, TMA tiling, shared memory;
     under both lowering semantics (Warpgroup: layouts inferred, as attention_mgpu; Lane: as the RegisterTiles give)."""
@@ -199,6 +210,7 @@ LSE_CASES = [
     pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, K64, id="scalar-temperature-f16"),
     pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, {**K64, "overlap": 1}, id="padding-mask-overlap-bf16"),
     pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, **W3}, id="causal-3-warpgroups-overlap-bf16"),
+    pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, {**K64, "overlap": 1, "persistent": 1}, id="persistent-overlap-bf16"),
 ]
 
 
@@ -260,14 +272,17 @@ def test_causal_ctas_visit_live_key_blocks_only():
     assert mgpu_attention._ranges_table(spec, 64, 128) is None  # no mask: every block, no mask arithmetic
 
 
-@pytest.mark.parametrize("overlap", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_no_races_or_barrier_misuse(overlap):
+@pytest.mark.parametrize("overlap,persistent", [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), (1, 1)])
+def test_no_races_or_barrier_misuse(overlap, persistent):
     """Interpret mode's happens-before race detector over TMA, SMEM, barriers (a band: leading and trailing flushes);
-    with the overlap, P V reads the previous block's V slot while this block's K slot is released."""
+    with the overlap, P V reads the previous block's V slot while this block's K slot is released; persistent (no
+    band: equal tiles), a tile's Q lands in the buffer the tile before stored its O from."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
-    g, group, spec = _group(sliding_window, [(1, 1, 300, 64)] * 3, BF16)
-    kernel = mgpu_attention.lower(group, spec, {**K64, "overlap": overlap}, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    fn, shape = (attention_bhld, (2, 2, 200, 64)) if persistent else (sliding_window, (1, 1, 300, 64))
+    g, group, spec = _group(fn, [shape] * 3, BF16)
+    kernel = mgpu_attention.lower(group, spec, {**K64, "overlap": overlap, "persistent": persistent},
+                                  interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(kernel(*_inputs(group)))
     assert not interpret_pallas_call.get_races().races_found
 
@@ -279,6 +294,7 @@ def test_smem_estimate_matches_mosaic(monkeypatch):
         (padding_mask, [(2, 2, 1024, 128)] * 3 + [(2, 1024)], {"block_kv": 128, "max_concurrent_steps": 4}, BF16),
         (bias_blhd, [(1, 1024, 2, 128)] * 3 + [(2, 1024, 1024)], {"block_kv": 256, "max_concurrent_steps": 2}, BF16),
         (attention_bhld, [(1, 2, 1024, 128)] * 3, {"block_kv": 128, "max_concurrent_steps": 2}, F32),  # P's own buffer
+        (attention_bhld, [(1, 2, 1024, 128)] * 3, {"block_kv": 256, "max_concurrent_steps": 2, "persistent": 1}, BF16),  # 2 Q buffers
     ]:
         g, group, spec = _group(fn, shapes, dtype)
         est = mgpu_attention.smem_bytes(spec, mgpu_attention.Config.of(cfg))
@@ -299,14 +315,16 @@ def log1p_bias(q, k, v, b):
 
 
 def test_defaults_follow_the_head_dim_and_dtype():
-    """16-bit: the overlap without the schedule barrier, and at D64 with enough queries three compute warpgroups;
-    float32 (TF32, P through SMEM): neither (slower there, results/attention_overlap_h200.md)."""
-    cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 2}),
-             ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 3}),
-             ((1, 2, 256, 64), F16, {"overlap": 1, "block_q": 64, "compute_wgs": 2}),
-             ((1, 2, 1024, 128), F32, {"overlap": 0, "schedule_barrier": 1, "compute_wgs": 2})]
-    for shape, dtype, want in cases:
-        g, group, spec = _group(attention_bhld, [shape] * 3, dtype)
+    """16-bit: the overlap without the schedule barrier, and at D64 with enough queries three compute warpgroups,
+    persistent where the tiles are equal (not causal); float32 (TF32, P through SMEM): neither (slower there,
+    results/attention_overlap_h200.md, attention_persistent_h200.md)."""
+    cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 2, "persistent": 0}),
+             ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 3, "persistent": 1}),
+             ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 0}, attention_bhld_causal),
+             ((1, 2, 256, 64), F16, {"overlap": 1, "block_q": 64, "compute_wgs": 2, "persistent": 0}),
+             ((1, 2, 1024, 128), F32, {"overlap": 0, "schedule_barrier": 1, "compute_wgs": 2, "persistent": 0})]
+    for shape, dtype, want, *fn in cases:
+        g, group, spec = _group((fn or [attention_bhld])[0], [shape] * 3, dtype)
         cfg = mgpu_attention.default_config(spec)
         assert {k: cfg[k] for k in want} == want, (shape, dtype, cfg)
         mgpu_attention.check_config(spec, mgpu_attention.Config.of(cfg))
@@ -389,6 +407,21 @@ def test_declines_what_it_does_not_support():
     mgpu_attention.check_config(spec1, mgpu_attention.Config.of({"overlap": 1, "max_concurrent_steps": 1}))
     mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 192, "max_concurrent_steps": 2}))  # 226 KiB: fits
     mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 128, "max_concurrent_steps": 3}))
+    with pytest.raises(Unsupported, match="shared memory"):  # persistent: a second Q buffer
+        mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 192, "max_concurrent_steps": 2, "persistent": 1}))
+    # persistent: tiles of equal work only (a causal CTA's key blocks depend on its query block), no row-vector input
+    for fn, shapes, what in [(attention_bhld_causal, [(1, 2, 1024, 64)] * 3, "equal work"),
+                             (query_bias, [(1, 2, 256, 64)] * 3 + [(256,)], "row-vector")]:
+        g, group, spec = _group(fn, shapes, BF16)
+        mgpu_attention.check_config(spec, mgpu_attention.Config.of({}))
+        with pytest.raises(Unsupported, match=what):
+            mgpu_attention.check_config(spec, mgpu_attention.Config.of({"persistent": 1}))
+
+
+def query_bias(q, k, v, b):
+    # a bias per query row (a row vector of the score tile, loaded with Q)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125 + b[:, None].astype(q.dtype)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
 
 
 def test_template_builds_it_as_the_mosaic_gpu_backend():

@@ -132,6 +132,8 @@ DEFAULTS = {
     "overlap": 0,  # 1: each step issues S of its key block with P V of the one before, the softmax beside the second (FA3);
     # 2: the same with O rescaled by the block before's alpha between the two issues (FA3's order), not after its wait
     "compute_wgs": 2,  # compute warpgroups per CTA, block_q query rows each (3: FA3's choice at head dim 64; 160 registers)
+    "persistent": 0,  # 1: one CTA per SM walking the (batch, query block) tiles: the K/V ring runs on from one tile into
+    # the next, the next tile's Q lands during this one (a second Q buffer), no CTA launched per tile (FA3's scheduler)
 }
 PARAMS = tuple(DEFAULTS)
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +145,7 @@ class Config:
     semantics: int
     overlap: int
     compute_wgs: int
+    persistent: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -272,6 +275,13 @@ def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) ->
         raise Unsupported("schedule_barrier and semantics must be 0 or 1, overlap 0, 1 or 2")
     if cfg.compute_wgs not in (2, 3):
         raise Unsupported(f"compute_wgs={cfg.compute_wgs}: 2 or 3 compute warpgroups")
+    if cfg.persistent not in (0, 1):
+        raise Unsupported("persistent must be 0 or 1")
+    if cfg.persistent and _ranges_table(spec, bq, bk, one_block=bool(cfg.overlap), n=cfg.compute_wgs) is not None:
+        raise Unsupported("persistent: masks known at build time (causal, windows) give each tile its own key blocks; "
+                          "the persistent CTAs walk tiles of equal work only")
+    if cfg.persistent and any(spec.tile.span[v] == ROWS for v in score_inputs(spec)):
+        raise Unsupported("persistent: a row-vector score input (loaded with Q) is not double-buffered")
     if cfg.compute_wgs == 3 and (bq != 64 or (cfg.schedule_barrier and not cfg.overlap)):
         raise Unsupported("3 compute warpgroups: 64 rows each (160 registers a thread), and the schedule barrier only "
                           "with the overlap (its turns go round; without it the barrier pairs two warpgroups)")
@@ -302,7 +312,7 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
     s = _stages(spec, cfg)
     i1, i2 = spec.dot_dtype1.itemsize, spec.dot_dtype2.itemsize
     out_dt = np.dtype(g.avals[spec.out].dtype)
-    bufs = [n * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2] + ([n * bq * 4] if emit_lse else [])
+    bufs = [(1 + cfg.persistent) * n * bq * spec.D * i1, s * bk * spec.D * i1, s * bk * spec.Dv * i2] + ([n * bq * 4] if emit_lse else [])
     if tf32(spec):
         bufs.append(n * bq * bk * i2)  # P through SMEM
     if not _o_in_q(spec):
@@ -315,7 +325,7 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
             bufs.append(s * bk * _vector_dtype(g.avals[v].dtype, bk).itemsize)
         elif sp == ROWS:
             bufs.append(n * bq * _vector_dtype(g.avals[v].dtype, bq).itemsize)
-    barriers = 4 * s + n + ((n if cfg.overlap else 1) if cfg.schedule_barrier else 0)
+    barriers = 4 * s + (1 + cfg.persistent) * n + ((n if cfg.overlap else 1) if cfg.schedule_barrier else 0)
     return sum(-(-b // 1024) * 1024 for b in bufs) + 8 * barriers + 2048
 
 
@@ -323,12 +333,14 @@ def default_config(spec: AttentionSpec) -> dict:
     """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages) with what measured better on an H200
     (results/attention_overlap_h200.md): 16-bit head dims up to 128 overlap each step's two dots, without the
     schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532), and up to 64, where the queries fill
-    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there). Each shrunk until
+    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there), persistent where
+    the tiles are equal (D64: 566 -> 554-560 us; at D128 it lost, 828 -> 840: results/attention_persistent_h200.md). Each shrunk until
     it fits; the first of these that the lowering takes (score inputs' buffers can leave the overlap one step in
     flight, which it cannot run), else attention_mgpu's shrunk."""
     wanted = []
     if not tf32(spec) and max(spec.D, spec.Dv) <= 128:
         if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
+            wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1})  # where the tiles are equal
             wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3})
         wanted.append({"overlap": 1, "schedule_barrier": 0})
     for changes in wanted + [{}]:
@@ -350,6 +362,14 @@ def _shrunk(cfg: dict, spec: AttentionSpec) -> dict:
     while smem_bytes(spec, Config.of(cfg)) > SMEM_LIMIT and cfg["max_concurrent_steps"] > 1:
         cfg["max_concurrent_steps"] -= 1
     return cfg
+
+
+def _sm_count(interp) -> int:
+    """The CTAs of a persistent grid: one per SM of the GPU (132 on an H100 or H200); 3 in interpret mode, where a
+    test's CTAs then each walk several tiles."""
+    if interp is not None:
+        return 3
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _o_in_q(spec: AttentionSpec) -> bool:
@@ -499,12 +519,12 @@ def per_cta(r: np.ndarray, *, one_block: bool = False, n: int = 2) -> np.ndarray
     return out
 
 
-def batch_index(spec: AttentionSpec) -> list:
-    """Per score axis, the CTA's index along it (its flattened batch position, grid axis "b", split over the
-    batch axes; None for the others)."""
+def batch_index(spec: AttentionSpec, flat=None) -> list:
+    """Per score axis, the CTA's index along it (its flattened batch position `flat`, by default grid axis "b", split
+    over the batch axes; None for the others)."""
     S = spec.score_shape
     bidx: list = [None] * len(S)
-    rem = lax.axis_index("b")
+    rem = lax.axis_index("b") if flat is None else flat
     for a in reversed(spec.batch_axes):
         bidx[a] = lax.rem(rem, S[a])
         rem = lax.div(rem, S[a])
@@ -545,6 +565,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     use_sched = bool(cfg.schedule_barrier)
     overlap, late_rescale = bool(cfg.overlap), cfg.overlap == 2
     row_stride = 4 * nw + 2  # of the ranges table
+    persistent = cfg.persistent
+    n_tiles = spec.batch * n_cta
+    n_grid = min(n_tiles, _sm_count(interp))
     ragged_k = Lk % bk != 0
 
     table = _ranges_table(spec, bq, bk, one_block=overlap, n=nw)
@@ -584,7 +607,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
         tbl_ref = rest[len(ins)] if table is not None else None
         out_ref, lse_ref = (rest[-2], rest[-1]) if emit_lse else (rest[-1], None)
         scratch = dict(
-            q_smem=plgpu.SMEM((nw, bq, D), dt1, transforms=q_tf),
+            q_smem=plgpu.SMEM((1 + persistent, nw, bq, D), dt1, transforms=q_tf),  # persistent: this tile's and the next's
             o_smem=None if o_in_q else plgpu.SMEM((nw, bq, Dv), out_dt, transforms=o_tf),
             k_smem=plgpu.SMEM((stages, bk, D), dt1, transforms=k_tf),
             v_smem=plgpu.SMEM((stages, Dv, bk) if tf else (stages, bk, Dv), dt2, transforms=v_tf),  # TF32: V^T
@@ -595,7 +618,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             lse_smem=plgpu.SMEM((nw, bq), jnp.float32) if emit_lse else None,
             k_bar=plgpu.Barrier(num_arrivals=1 + nw * len(full_in) + len(cols_in), num_barriers=stages),
             v_bar=plgpu.Barrier(num_barriers=stages),
-            q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=nw),
+            q_bar=plgpu.Barrier(num_arrivals=1 + len(rows_in), num_barriers=(1 + persistent) * nw),
             k_free=plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
             v_free=plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
             sched_bar=plgpu.Barrier(num_arrivals=2) if use_sched and not overlap else None,
@@ -605,22 +628,30 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
         def _scope(q_smem, o_smem, k_smem, v_smem, p_smem, full_smem, cols_smem, rows_smem, lse_smem, k_bar, v_bar,
                    q_bar, k_free, v_free, sched_bar, turn):
-            o_smem = q_smem if o_smem is None else o_smem
             full_smem, cols_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem))
             rows_smem = dict(zip(rows_in, rows_smem))
             wg = lax.axis_index("wg")
-            cta = lax.axis_index("q")
-            if table is not None:
-                cta = n_cta - 1 - cta  # the longest rows (causal) first
-            bidx = batch_index(spec)
-            q_cta0 = cta * (nw * bq)
+            if persistent:  # this CTA's tiles: sm, sm + n_grid, ... (concurrent CTAs on neighbouring tiles share K/V in L2)
+                sm = lax.axis_index("s")
+                n_mine = lax.div(n_tiles - sm + (n_grid - 1), n_grid)
+
+            def tile_of(t):
+                """(flattened batch position, query block) of this CTA's tile t (the CTA's own when not persistent)."""
+                if persistent:
+                    tile = sm + t * n_grid
+                    return lax.div(tile, n_cta), lax.rem(tile, n_cta)
+                cta = lax.axis_index("q")
+                return lax.axis_index("b"), (cta if table is None else n_cta - 1 - cta)  # causal: the longest rows first
+
             if table is None:
                 clo, chi = 0, nk
             else:
-                clo, chi = tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1]
+                cta0 = tile_of(0)[1]
+                clo, chi = tbl_ref[cta0 * row_stride + 4 * nw], tbl_ref[cta0 * row_stride + 4 * nw + 1]
 
-            def slot_of(j):
-                return lax.rem(j - clo, stages)
+            def slot_of_step(i):
+                """The ring slot of the CTA's i-th key block (counted from clo, on across its tiles when persistent)."""
+                return lax.rem(i - clo, stages)
 
             dyn = lax.axis_index("wg") * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
 
@@ -632,7 +663,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     plgpu.barrier_arrive(sched_bar)
                     plgpu.barrier_wait(sched_bar)
 
-            def in_index(v, q0, nq_rows, k0):
+            def in_index(v, bidx, q0, nq_rows, k0):
                 idx = []
                 for a in iviews[v].axes:
                     idx.append(pl.ds(q0, nq_rows) if a == spec.q_axis else pl.ds(k0, bk) if a == spec.k_axis else bidx[a])
@@ -642,329 +673,375 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             def _memory_wg():
                 plgpu.set_max_registers(_REGISTERS[nw][0], action="decrease")
 
-                def issue_k(j, slot):
+                def block(i):
+                    """(batch index, the tile's first query, key block) of the CTA's i-th key block."""
+                    if not persistent:
+                        fb, cta = tile_of(0)
+                        return batch_index(spec, fb), cta * (nw * bq), i
+                    fb, cta = tile_of(lax.div(i, nk))
+                    return batch_index(spec, fb), cta * (nw * bq), lax.rem(i, nk)
+
+                def issue_k(i, slot):
+                    bidx, q_cta0, j = block(i)
                     k0 = traced(j * bk)
                     kv = views["k"]
                     plgpu.copy_gmem_to_smem(k_ref.at[_operand_index(kv.operand, len(kv.shape), bidx, k0, bk, D)],
                                             k_smem.at[slot], k_bar.at[slot])
                     for v in full_in:
                         for w in range(nw):
-                            plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q_cta0 + w * bq, bq, k0)],
+                            plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, bidx, q_cta0 + w * bq, bq, k0)],
                                                     full_smem[v].at[slot, w], k_bar.at[slot])
                     for v in cols_in:
-                        plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, 0, 0, k0)], cols_smem[v].at[slot], k_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, bidx, 0, 0, k0)], cols_smem[v].at[slot], k_bar.at[slot])
 
-                def issue_v(j, slot):
+                def issue_v(i, slot):
+                    bidx, _, j = block(i)
                     vv = views["v"]
                     plgpu.copy_gmem_to_smem(v_ref.at[_operand_index(vv.operand, len(vv.shape), bidx, traced(j * bk), bk, Dv)],
                                             v_smem.at[slot], v_bar.at[slot])
 
-                memory_ring(clo, chi, stages, slot_of, [(k_free, issue_k), (v_free, issue_v)])
+                memory_ring(clo, n_mine * nk if persistent else chi, stages, slot_of_step, [(k_free, issue_k), (v_free, issue_v)])
 
             @pl.when(wg < nw)
             def _compute_wg():
                 plgpu.set_max_registers(_REGISTERS[nw][1], action="increase")
-                tiles = ScoreTiles(spec, bq, bk)
-                tiles.bidx = bidx
-                q0 = q_cta0 + wg * bq
                 qv = views["q"]
-                plgpu.copy_gmem_to_smem(q_ref.at[_operand_index(qv.operand, len(qv.shape), bidx, q0, bq, D)],
-                                        q_smem.at[wg], q_bar.at[wg])
-                for v in rows_in:
-                    plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, q0, bq, 0)], rows_smem[v].at[wg], q_bar.at[wg])
-                # scalars per CTA: a literal-like input, or one that varies along batch axes only (ALiBi slopes [H])
-                consts = {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
-                          for v in scalar_in}
-                plgpu.barrier_wait(q_bar.at[wg])
-                for v in rows_in:
-                    consts[v] = from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
-                if table is None:
-                    lo, flo, fhi, hi = 0, 0, nk - int(ragged_k), nk
-                else:
-                    base = cta * row_stride + wg * 4
-                    lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
 
-                def score_work(j, s, m_i, msub, masked: bool):
-                    """Key block j's score work and online softmax on its S tile (the block's score inputs read from
-                    its K slot, which is then released): (P in float32, alpha, the new running max and its log2 form,
-                    the e tile whose rows sum into l)."""
-                    slot = slot_of(j)
-                    k0 = j * bk
-                    env = dict(consts)
-                    env[spec.dot1.outputs[0]] = s
-                    for v in full_in:
-                        env[v] = from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL)), g.avals[v].dtype)
-                    for v in cols_in:
-                        env[v] = from_kernel(plgpu.load(cols_smem[v].at[slot], layout=layout(COLS)), g.avals[v].dtype)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    for nd in plan[masked]:
-                        if not masked and nd.id in masked_nodes:
-                            env[nd.outputs[0]] = env[masked_nodes[nd.id]]
-                        elif fold is not None and nd.id == fold[0]:
-                            env[nd.outputs[0]] = env[fold[1]]  # x / c: c goes into the max and the exp's FMA
-                        else:
-                            tiles.eval_node(nd, env, q0, k0)
-                    x = tiles.full(env, spec.x).astype(jnp.float32)
-                    kok = None
-                    if masked and ragged_k:
-                        cols = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=layout(COLS)) + k0
-                        kok = lax.broadcast_in_dim(cols < Lk, (bq, bk), (1,))
-                        x = jnp.where(kok, x, -jnp.inf)
-                    y = x if y_val == spec.x else tiles.full(env, y_val).astype(jnp.float32)
-                    m_new = jnp.maximum(m_i, x.max(axis=1) * scale)
-                    env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    for nd in spec.row_m:
-                        tiles.eval_node(nd, env, q0, k0)
-                    msub_new = jnp.broadcast_to(env[spec.sub_row], (bq,)).astype(jnp.float32) * _LOG2E
-                    # exp(y - m) as 2^(y*c*log2e - m*log2e): one FMA and one ex2 per score
-                    p = jnp.exp2(y * (scale * _LOG2E) - lax.broadcast_in_dim(msub_new, (bq, bk), (0,)))
-                    if kok is not None and y_val != spec.x:
-                        p = jnp.where(kok, p, 0.0)
-                    env[spec.exp_branch[1].outputs[0]] = p
-                    for nd in spec.exp_branch[2:]:
-                        tiles.eval_node(nd, env, q0, k0)
-                    alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp2(msub - msub_new))
-                    e_sum = tiles.full(env, spec.e_sum).astype(jnp.float32)
-                    return tiles.full(env, spec.e_dot).astype(jnp.float32), alpha, m_new, msub_new, e_sum
+                def load_q(t, buf):
+                    """Tile t's Q (and row-vector score inputs) for this warpgroup into Q buffer `buf`."""
+                    fb, cta = tile_of(t)
+                    bidx, q0 = batch_index(spec, fb), cta * (nw * bq) + wg * bq
+                    bar = q_bar.at[buf * nw + wg]
+                    plgpu.copy_gmem_to_smem(q_ref.at[_operand_index(qv.operand, len(qv.shape), bidx, q0, bq, D)],
+                                            q_smem.at[buf, wg], bar)
+                    for v in rows_in:
+                        plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, bidx, q0, bq, 0)], rows_smem[v].at[wg], bar)
 
-                def step(j, carry, masked: bool):
-                    acc, m_i, msub, l_i = carry
-                    slot = slot_of(j)
+                def run_tile(t, buf):
+                    """Tile t, its Q in buffer `buf` (loading or loaded): the online softmax over its key blocks, O
+                    (and the logsumexp) stored."""
+                    fb, cta = tile_of(t)
+                    bidx = batch_index(spec, fb)
+                    q0 = cta * (nw * bq) + wg * bq
+                    q_tile = q_smem.at[buf]
+                    o_tile = q_tile if o_smem is None else o_smem
 
-                    def compute_qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
-                        sched()
-                        return acc_ref[...]
+                    def slot_of(j):
+                        return slot_of_step(t * nk + j if persistent else j)
 
-                    s = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
-                    p, alpha, m_new, msub_new, e_sum = score_work(j, s, m_i, msub, masked)
-                    p16 = p.astype(dt2)
-                    acc = acc * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
+                    tiles = ScoreTiles(spec, bq, bk)
+                    tiles.bidx = bidx
 
-                    def end_softmax():
-                        if use_sched:
-                            plgpu.barrier_arrive(sched_bar)  # done with the softmax
-                        plgpu.barrier_wait(v_bar.at[slot])
-                        if use_sched:
-                            plgpu.barrier_wait(sched_bar)  # the tensor cores are free
-
-                    # attention_mgpu's order ("empirically [it] influences the performance quite significantly"):
-                    # the row sum before the barriers for head dims up to 128, after them for larger ones
-                    if Dv <= 128:
-                        l_new = l_i * alpha + e_sum.sum(axis=1)
-                        acc, l_new, m_new, msub_new, p16 = lax.optimization_barrier((acc, l_new, m_new, msub_new, p16))
-                        end_softmax()
+                    # scalars per CTA: a literal-like input, or one that varies along batch axes only (ALiBi slopes [H])
+                    consts = {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
+                              for v in scalar_in}
+                    plgpu.barrier_wait(q_bar.at[buf * nw + wg])
+                    for v in rows_in:
+                        consts[v] = from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
+                    if table is None:
+                        lo, flo, fhi, hi = 0, 0, nk - int(ragged_k), nk
                     else:
-                        end_softmax()
-                        l_new = l_i * alpha + e_sum.sum(axis=1)
+                        base = cta * row_stride + wg * 4
+                        lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
 
-                    def wait_next_k():
-                        @pl.when(j + 1 < hi)
-                        def _():
-                            plgpu.barrier_wait(k_bar.at[slot_of(j + 1)])
+                    def score_work(j, s, m_i, msub, masked: bool):
+                        """Key block j's score work and online softmax on its S tile (the block's score inputs read from
+                        its K slot, which is then released): (P in float32, alpha, the new running max and its log2 form,
+                        the e tile whose rows sum into l)."""
+                        slot = slot_of(j)
+                        k0 = j * bk
+                        env = dict(consts)
+                        env[spec.dot1.outputs[0]] = s
+                        for v in full_in:
+                            env[v] = from_kernel(plgpu.load(full_smem[v].at[slot, wg], layout=layout(FULL)), g.avals[v].dtype)
+                        for v in cols_in:
+                            env[v] = from_kernel(plgpu.load(cols_smem[v].at[slot], layout=layout(COLS)), g.avals[v].dtype)
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        for nd in plan[masked]:
+                            if not masked and nd.id in masked_nodes:
+                                env[nd.outputs[0]] = env[masked_nodes[nd.id]]
+                            elif fold is not None and nd.id == fold[0]:
+                                env[nd.outputs[0]] = env[fold[1]]  # x / c: c goes into the max and the exp's FMA
+                            else:
+                                tiles.eval_node(nd, env, q0, k0)
+                        x = tiles.full(env, spec.x).astype(jnp.float32)
+                        kok = None
+                        if masked and ragged_k:
+                            cols = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=layout(COLS)) + k0
+                            kok = lax.broadcast_in_dim(cols < Lk, (bq, bk), (1,))
+                            x = jnp.where(kok, x, -jnp.inf)
+                        y = x if y_val == spec.x else tiles.full(env, y_val).astype(jnp.float32)
+                        m_new = jnp.maximum(m_i, x.max(axis=1) * scale)
+                        env[spec.max_node.outputs[0]] = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                        for nd in spec.row_m:
+                            tiles.eval_node(nd, env, q0, k0)
+                        msub_new = jnp.broadcast_to(env[spec.sub_row], (bq,)).astype(jnp.float32) * _LOG2E
+                        # exp(y - m) as 2^(y*c*log2e - m*log2e): one FMA and one ex2 per score
+                        p = jnp.exp2(y * (scale * _LOG2E) - lax.broadcast_in_dim(msub_new, (bq, bk), (0,)))
+                        if kok is not None and y_val != spec.x:
+                            p = jnp.where(kok, p, 0.0)
+                        env[spec.exp_branch[1].outputs[0]] = p
+                        for nd in spec.exp_branch[2:]:
+                            tiles.eval_node(nd, env, q0, k0)
+                        alpha = jnp.where(m_i == -jnp.inf, 0.0, jnp.exp2(msub - msub_new))
+                        e_sum = tiles.full(env, spec.e_sum).astype(jnp.float32)
+                        return tiles.full(env, spec.e_dot).astype(jnp.float32), alpha, m_new, msub_new, e_sum
 
-                    if p_via_smem:
-                        p_smem.at[wg][...] = p16
-                        plgpu.commit_smem()
-                    p_op = p_smem.at[wg] if p_via_smem else p16
-                    v_op = v_smem.at[slot].T if tf else v_smem.at[slot]
-                    if interp is not None:  # no run_state over an ACC: P V into a fresh accumulator, added to O
-                        def compute_pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_op, v_op)
-                            wait_next_k()
+                    def step(j, carry, masked: bool):
+                        acc, m_i, msub, l_i = carry
+                        slot = slot_of(j)
+
+                        def compute_qk(acc_ref):
+                            plgpu.wgmma(acc_ref, q_tile.at[wg], k_smem.at[slot].T)
+                            sched()
                             return acc_ref[...]
 
-                        acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((bq, Dv), jnp.float32))
-                    else:  # O accumulated in place (TF32: P read from SMEM)
-                        def compute_pv(acc_ref):
-                            plgpu.wgmma(acc_ref, p_op, v_op)
-                            wait_next_k()
+                        s = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+                        p, alpha, m_new, msub_new, e_sum = score_work(j, s, m_i, msub, masked)
+                        p16 = p.astype(dt2)
+                        acc = acc * lax.broadcast_in_dim(alpha, (bq, Dv), (0,))
 
-                        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, msub_new, l_new
+                        def end_softmax():
+                            if use_sched:
+                                plgpu.barrier_arrive(sched_bar)  # done with the softmax
+                            plgpu.barrier_wait(v_bar.at[slot])
+                            if use_sched:
+                                plgpu.barrier_wait(sched_bar)  # the tensor cores are free
 
-                # FlashAttention-3's intra-warpgroup overlap (`overlap`): each step issues the next key block's
-                # S = Q K^T and the previous block's O += P V together, then runs the softmax of the first while the
-                # second is on the tensor cores; O is rescaled by the new block's alpha once that P V has landed
-                # (overlap 2: at the next step, between its two issues, beside S's MMA, as FA3 does). With the
-                # schedule barrier the warpgroups take turns at issuing, round all of them (FA3's warp scheduler barrier).
-                def take_turn():
-                    if use_sched:
-                        plgpu.barrier_wait(turn.at[wg])
+                        # attention_mgpu's order ("empirically [it] influences the performance quite significantly"):
+                        # the row sum before the barriers for head dims up to 128, after them for larger ones
+                        if Dv <= 128:
+                            l_new = l_i * alpha + e_sum.sum(axis=1)
+                            acc, l_new, m_new, msub_new, p16 = lax.optimization_barrier((acc, l_new, m_new, msub_new, p16))
+                            end_softmax()
+                        else:
+                            end_softmax()
+                            l_new = l_i * alpha + e_sum.sum(axis=1)
 
-                def give_turn():  # to the next warpgroup round the CTA's
-                    if use_sched:
-                        plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, nw)])
+                        def wait_next_k():
+                            @pl.when(j + 1 < hi)
+                            def _():
+                                plgpu.barrier_wait(k_bar.at[slot_of(j + 1)])
 
-                def pv_operands(slot, p_prev):
-                    return (p_smem.at[wg] if p_via_smem else p_prev), (v_smem.at[slot].T if tf else v_smem.at[slot])
+                        if p_via_smem:
+                            p_smem.at[wg][...] = p16
+                            plgpu.commit_smem()
+                        p_op = p_smem.at[wg] if p_via_smem else p16
+                        v_op = v_smem.at[slot].T if tf else v_smem.at[slot]
+                        if interp is not None:  # no run_state over an ACC: P V into a fresh accumulator, added to O
+                            def compute_pv(acc_ref):
+                                plgpu.wgmma(acc_ref, p_op, v_op)
+                                wait_next_k()
+                                return acc_ref[...]
 
-                def keep_p(p):
-                    """P of this block (float32) for the next step's P V, in its dtype: in registers, or through SMEM
-                    (interpret mode, TF32). Called once the P V reading the previous one has completed: the barrier
-                    keeps the conversion after that wait, else ptxas serialises the wgmmas (C7513: the registers of an
-                    in-flight wgmma's A operand redefined)."""
-                    p16 = lax.optimization_barrier(p).astype(dt2)
-                    if p_via_smem:
-                        p_smem.at[wg][...] = p16
-                        plgpu.commit_smem()
-                        return None
-                    return p16
+                            acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((bq, Dv), jnp.float32))
+                        else:  # O accumulated in place (TF32: P read from SMEM)
+                            def compute_pv(acc_ref):
+                                plgpu.wgmma(acc_ref, p_op, v_op)
+                                wait_next_k()
 
-                def with_o(acc, scale, issue, after_issue=lambda: None):
-                    """`issue(o_ref, init)` (O += P V; `init()` puts acc * scale, a row vector or None, into the
-                    accumulator: called before the wgmma), `after_issue()` meanwhile; returns (O after the dot, what
-                    after_issue returned). Interpret mode cannot initialise an accumulator from a value: there the dot
-                    goes into a fresh one that is added to acc * scale."""
-                    def scaled():
-                        return acc if scale is None else acc * lax.broadcast_in_dim(scale, (bq, Dv), (0,))
+                            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        return acc, m_new, msub_new, l_new
 
-                    def body(o_ref):
-                        def init():
-                            if interp is None:
-                                o_ref[...] = scaled()
+                    # FlashAttention-3's intra-warpgroup overlap (`overlap`): each step issues the next key block's
+                    # S = Q K^T and the previous block's O += P V together, then runs the softmax of the first while the
+                    # second is on the tensor cores; O is rescaled by the new block's alpha once that P V has landed
+                    # (overlap 2: at the next step, between its two issues, beside S's MMA, as FA3 does). With the
+                    # schedule barrier the warpgroups take turns at issuing, round all of them (FA3's warp scheduler barrier).
+                    def take_turn():
+                        if use_sched:
+                            plgpu.barrier_wait(turn.at[wg])
 
-                        issue(o_ref, init)
-                        res = after_issue()
-                        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), res
+                    def give_turn():  # to the next warpgroup round the CTA's
+                        if use_sched:
+                            plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, nw)])
 
-                    o, res = pl.run_scoped(body, plgpu.ACC((bq, Dv), jnp.float32))
-                    return (o if interp is None else scaled() + o), res
+                    def pv_operands(slot, p_prev):
+                        return (p_smem.at[wg] if p_via_smem else p_prev), (v_smem.at[slot].T if tf else v_smem.at[slot])
 
-                def first_block(j, carry):
-                    acc, m_i, msub, l_i = carry
-                    slot = slot_of(j)
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    def keep_p(p):
+                        """P of this block (float32) for the next step's P V, in its dtype: in registers, or through SMEM
+                        (interpret mode, TF32). Called once the P V reading the previous one has completed: the barrier
+                        keeps the conversion after that wait, else ptxas serialises the wgmmas (C7513: the registers of an
+                        in-flight wgmma's A operand redefined)."""
+                        p16 = lax.optimization_barrier(p).astype(dt2)
+                        if p_via_smem:
+                            p_smem.at[wg][...] = p16
+                            plgpu.commit_smem()
+                            return None
+                        return p16
 
-                    def dot(s_ref):
-                        take_turn()
-                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
-                        give_turn()
-                        # masked: the first block's kind varies by warpgroup; the masked work is right for any block
-                        return score_work(j, plgpu.wgmma_accumulator_load(s_ref, wait_n=0), m_i, msub, True)
+                    def with_o(acc, scale, issue, after_issue=lambda: None):
+                        """`issue(o_ref, init)` (O += P V; `init()` puts acc * scale, a row vector or None, into the
+                        accumulator: called before the wgmma), `after_issue()` meanwhile; returns (O after the dot, what
+                        after_issue returned). Interpret mode cannot initialise an accumulator from a value: there the dot
+                        goes into a fresh one that is added to acc * scale."""
+                        def scaled():
+                            return acc if scale is None else acc * lax.broadcast_in_dim(scale, (bq, Dv), (0,))
 
-                    p, alpha, m_new, msub_new, e_sum = pl.run_scoped(dot, plgpu.ACC((bq, bk), jnp.float32))
-                    # O is zero: any scale pending on it (overlap 2) is fine, alpha's as well
-                    return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p), alpha if late_rescale else None
+                        def body(o_ref):
+                            def init():
+                                if interp is None:
+                                    o_ref[...] = scaled()
 
-                def overlapped(j, carry, masked: bool):
-                    acc, m_i, msub, l_i, p_prev, pending = carry
-                    slot, pslot = slot_of(j), slot_of(j - 1)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.barrier_wait(v_bar.at[pslot])
+                            issue(o_ref, init)
+                            res = after_issue()
+                            return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), res
 
-                    def dots(s_ref):
-                        def issue(o_ref, init):
-                            if not late_rescale:
-                                init()
+                        o, res = pl.run_scoped(body, plgpu.ACC((bq, Dv), jnp.float32))
+                        return (o if interp is None else scaled() + o), res
+
+                    def first_block(j, carry):
+                        acc, m_i, msub, l_i = carry
+                        slot = slot_of(j)
+                        plgpu.barrier_wait(k_bar.at[slot])
+
+                        def dot(s_ref):
                             take_turn()
-                            plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
-                            if late_rescale:
-                                init()
-                            plgpu.wgmma(o_ref, *pv_operands(pslot, p_prev))
+                            plgpu.wgmma(s_ref, q_tile.at[wg], k_smem.at[slot].T)
+                            give_turn()
+                            # masked: the first block's kind varies by warpgroup; the masked work is right for any block
+                            return score_work(j, plgpu.wgmma_accumulator_load(s_ref, wait_n=0), m_i, msub, True)
+
+                        p, alpha, m_new, msub_new, e_sum = pl.run_scoped(dot, plgpu.ACC((bq, bk), jnp.float32))
+                        # O is zero: any scale pending on it (overlap 2) is fine, alpha's as well
+                        return acc, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1), keep_p(p), alpha if late_rescale else None
+
+                    def overlapped(j, carry, masked: bool):
+                        acc, m_i, msub, l_i, p_prev, pending = carry
+                        slot, pslot = slot_of(j), slot_of(j - 1)
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        plgpu.barrier_wait(v_bar.at[pslot])
+
+                        def dots(s_ref):
+                            def issue(o_ref, init):
+                                if not late_rescale:
+                                    init()
+                                take_turn()
+                                plgpu.wgmma(s_ref, q_tile.at[wg], k_smem.at[slot].T)
+                                if late_rescale:
+                                    init()
+                                plgpu.wgmma(o_ref, *pv_operands(pslot, p_prev))
+                                give_turn()
+
+                            def softmax():  # beside the P V: everything but P's conversion (see keep_p)
+                                p, alpha, m_new, msub_new, e_sum = score_work(
+                                    j, plgpu.wgmma_accumulator_load(s_ref, wait_n=1), m_i, msub, masked)
+                                return p, alpha, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1)
+
+                            return with_o(acc, pending, issue, softmax)
+
+                        o, (p, alpha, m_new, msub_new, l_new) = pl.run_scoped(dots, plgpu.ACC((bq, bk), jnp.float32))
+                        plgpu.barrier_arrive(v_free.at[pslot])
+                        if late_rescale:
+                            return o, m_new, msub_new, l_new, keep_p(p), alpha
+                        return o * lax.broadcast_in_dim(alpha, (bq, Dv), (0,)), m_new, msub_new, l_new, keep_p(p), None
+
+                    def last_block(j, carry):
+                        acc, m_i, msub, l_i, p_prev, pending = carry
+                        slot = slot_of(j)
+                        plgpu.barrier_wait(v_bar.at[slot])
+
+                        def issue(o_ref, init):
+                            init()
+                            take_turn()
+                            plgpu.wgmma(o_ref, *pv_operands(slot, p_prev))
                             give_turn()
 
-                        def softmax():  # beside the P V: everything but P's conversion (see keep_p)
-                            p, alpha, m_new, msub_new, e_sum = score_work(
-                                j, plgpu.wgmma_accumulator_load(s_ref, wait_n=1), m_i, msub, masked)
-                            return p, alpha, m_new, msub_new, l_i * alpha + e_sum.sum(axis=1)
+                        acc, _ = with_o(acc, pending, issue)
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        return acc, m_i, msub, l_i
 
-                        return with_o(acc, pending, issue, softmax)
+                    def flush(j, _):
+                        # A key block the CTA loads for the other warpgroup only: observe its loads (barrier phases are
+                        # tracked per thread, in order), release its buffers, keep the schedule barrier's count.
+                        slot = slot_of(j)
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        if overlap:
+                            take_turn()
+                            give_turn()
+                        else:
+                            sched()
+                            sched()
 
-                    o, (p, alpha, m_new, msub_new, l_new) = pl.run_scoped(dots, plgpu.ACC((bq, bk), jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[pslot])
-                    if late_rescale:
-                        return o, m_new, msub_new, l_new, keep_p(p), alpha
-                    return o * lax.broadcast_in_dim(alpha, (bq, Dv), (0,)), m_new, msub_new, l_new, keep_p(p), None
-
-                def last_block(j, carry):
-                    acc, m_i, msub, l_i, p_prev, pending = carry
-                    slot = slot_of(j)
-                    plgpu.barrier_wait(v_bar.at[slot])
-
-                    def issue(o_ref, init):
-                        init()
-                        take_turn()
-                        plgpu.wgmma(o_ref, *pv_operands(slot, p_prev))
-                        give_turn()
-
-                    acc, _ = with_o(acc, pending, issue)
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_i, msub, l_i
-
-                def flush(j, _):
-                    # A key block the CTA loads for the other warpgroup only: observe its loads (barrier phases are
-                    # tracked per thread, in order), release its buffers, keep the schedule barrier's count.
-                    slot = slot_of(j)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    row = layout(ROWS)
+                    carry = (plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), layout(FULL)),
+                             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
+                             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
+                             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
+                    if overlap and use_sched:
+                        pl.when(wg == nw - 1)(give_turn)  # warpgroup 0 issues first (before any flush takes a turn)
+                    if table is not None:
+                        lax.fori_loop(clo, lo, flush, None)
                     if overlap:
-                        take_turn()
-                        give_turn()
+                        carry = first_block(lo, carry)
+                        after = lo + 1  # the blocks after the first: [lo + 1, hi) in the table's three ranges
+                        carry = lax.fori_loop(after, lax.max(flo, after), functools.partial(_call, overlapped, masked=True), carry)
+                        carry = lax.fori_loop(lax.max(flo, after), lax.max(fhi, after),
+                                              functools.partial(_call, overlapped, masked=False), carry)
+                        carry = lax.fori_loop(lax.max(fhi, after), hi, functools.partial(_call, overlapped, masked=True), carry)
+                        carry = last_block(hi - 1, carry)
                     else:
-                        sched()
-                        sched()
+                        @pl.when(lo < hi)
+                        def _first_k():
+                            plgpu.barrier_wait(k_bar.at[slot_of(lo)])
 
-                row = layout(ROWS)
-                carry = (plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), layout(FULL)),
-                         plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
-                         plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
-                         plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
-                if overlap and use_sched:
-                    pl.when(wg == nw - 1)(give_turn)  # warpgroup 0 issues first (before any flush takes a turn)
-                if table is not None:
-                    lax.fori_loop(clo, lo, flush, None)
-                if overlap:
-                    carry = first_block(lo, carry)
-                    after = lo + 1  # the blocks after the first: [lo + 1, hi) in the table's three ranges
-                    carry = lax.fori_loop(after, lax.max(flo, after), functools.partial(_call, overlapped, masked=True), carry)
-                    carry = lax.fori_loop(lax.max(flo, after), lax.max(fhi, after),
-                                          functools.partial(_call, overlapped, masked=False), carry)
-                    carry = lax.fori_loop(lax.max(fhi, after), hi, functools.partial(_call, overlapped, masked=True), carry)
-                    carry = last_block(hi - 1, carry)
-                else:
-                    @pl.when(lo < hi)
-                    def _first_k():
-                        plgpu.barrier_wait(k_bar.at[slot_of(lo)])
-
+                        if use_sched:
+                            pl.when(wg == 1)(sched)
+                        carry = lax.fori_loop(lo, flo, functools.partial(_call, step, masked=True), carry)
+                        carry = lax.fori_loop(flo, fhi, functools.partial(_call, step, masked=False), carry)
+                        carry = lax.fori_loop(fhi, hi, functools.partial(_call, step, masked=True), carry)
+                    if table is not None:
+                        lax.fori_loop(hi, chi, flush, None)
                     if use_sched:
-                        pl.when(wg == 1)(sched)
-                    carry = lax.fori_loop(lo, flo, functools.partial(_call, step, masked=True), carry)
-                    carry = lax.fori_loop(flo, fhi, functools.partial(_call, step, masked=False), carry)
-                    carry = lax.fori_loop(fhi, hi, functools.partial(_call, step, masked=True), carry)
-                if table is not None:
-                    lax.fori_loop(hi, chi, flush, None)
-                if use_sched:
-                    pl.when(wg == 0)(take_turn if overlap else sched)
+                        pl.when(wg == 0)(take_turn if overlap else sched)
 
-                acc, _, msub, l_i = carry
-                if emit_lse:  # P = exp(y - msub) / l = exp(y - lse); msub is in log2 units here
-                    live = l_i > 0
-                    lse_smem.at[wg][...] = jnp.where(live, msub * _LN2 + jnp.log(jnp.where(live, l_i, 1.0)), jnp.inf)
-                env = {spec.sum_node.outputs[0]: l_i}
-                for nd in spec.row_l:
-                    tiles.eval_node(nd, env, q0, 0)
-                c = jnp.broadcast_to(env[spec.l_row], (bq,)).astype(jnp.float32)
-                comb = spec.combine
-                if comb.name == "div" and spec.e_first:
-                    o = acc * lax.broadcast_in_dim(1.0 / c, (bq, Dv), (0,))  # one division per row
+                    acc, _, msub, l_i = carry
+                    if emit_lse:  # P = exp(y - msub) / l = exp(y - lse); msub is in log2 units here
+                        live = l_i > 0
+                        lse_smem.at[wg][...] = jnp.where(live, msub * _LN2 + jnp.log(jnp.where(live, l_i, 1.0)), jnp.inf)
+                    env = {spec.sum_node.outputs[0]: l_i}
+                    for nd in spec.row_l:
+                        tiles.eval_node(nd, env, q0, 0)
+                    c = jnp.broadcast_to(env[spec.l_row], (bq,)).astype(jnp.float32)
+                    comb = spec.combine
+                    if comb.name == "div" and spec.e_first:
+                        o = acc * lax.broadcast_in_dim(1.0 / c, (bq, Dv), (0,))  # one division per row
+                    else:
+                        cb = lax.broadcast_in_dim(c, (bq, Dv), (0,))
+                        o = ops.eval_elementwise(comb.primitive, comb.params, jnp.float32, [acc, cb] if spec.e_first else [cb, acc])
+                    o_tile.at[wg][...] = o.astype(out_dt)
+                    plgpu.commit_smem()
+                    oidx = tuple(pl.ds(q0, bq) if r == "q" else slice(None) if r == "d" else 0 if r is None else bidx[r]
+                                 for r in roles)
+
+                    @pl.when(q0 < Lq)
+                    def _store():
+                        plgpu.copy_smem_to_gmem(o_tile.at[wg], out_ref.at[oidx])
+
+                    if emit_lse:  # whole blocks: the array is padded to them, the rows past Lq sliced off by XLA
+                        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[fb, pl.ds(q0, bq)])
+
+                if not persistent:
+                    load_q(0, 0)
+                    run_tile(0, 0)
                 else:
-                    cb = lax.broadcast_in_dim(c, (bq, Dv), (0,))
-                    o = ops.eval_elementwise(comb.primitive, comb.params, jnp.float32, [acc, cb] if spec.e_first else [cb, acc])
-                o_smem.at[wg][...] = o.astype(out_dt)
-                plgpu.commit_smem()
-                oidx = tuple(pl.ds(q0, bq) if r == "q" else slice(None) if r == "d" else 0 if r is None else bidx[r]
-                             for r in roles)
+                    load_q(0, 0)
 
-                @pl.when(q0 < Lq)
-                def _store():
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[oidx])
+                    @pl.loop(0, n_mine)
+                    def _tiles(t):
+                        buf = lax.rem(t, 2)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t-1's O and logsumexp are read from SMEM
 
-                if emit_lse:  # whole blocks: the array is padded to them, the rows past Lq sliced off by XLA
-                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[lax.axis_index("b"), pl.ds(q0, bq)])
+                        @pl.when(t + 1 < n_mine)
+                        def _prefetch():  # the next tile's Q into the other buffer (tile t-1's O was there)
+                            load_q(t + 1, 1 - buf)
+
+                        run_tile(t, buf)
                 plgpu.wait_smem_to_gmem(0)
 
     name = f"autofuse_attention_mgpu_{group.signature[:8]}"
@@ -973,7 +1050,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     if emit_lse:
         out_type = (out_type, jax.ShapeDtypeStruct((spec.batch, n_cta * nw * bq), jnp.float32))
     kernel = plgpu.kernel(
-        body, out_type=out_type, grid=(spec.batch, n_cta), grid_names=("b", "q"),
+        body, out_type=out_type, grid=(n_grid,) if persistent else (spec.batch, n_cta), grid_names=("s",) if persistent else ("b", "q"),
         num_threads=nw + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics), interpret=interp,
         kernel_name=name)
     tbl = None if table is None else np.ascontiguousarray(table.reshape(-1))  # a jax array per call (see triton/attention)
