@@ -140,6 +140,13 @@ CASES = [
     pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, {**K64, "persistent": 1}, id="persistent-gqa-repeat-bf16"),
     pytest.param(scalar_temperature_f32_out, [BHLD] * 3 + [()], F16, {**K64, "persistent": 1}, id="persistent-scalar-f32-out-f16"),
     pytest.param(attention_bhld, [BHLD] * 3, F32, {**K64, "persistent": 1}, id="persistent-bhld-f32"),
+    # persistent with masks known at build time: each tile its own key blocks (the ranges table's), the ring's slots
+    # counted on across tiles of unequal length, blocks loaded for the other warpgroup only (a band) flushed per tile
+    pytest.param(attention_bhld_causal, [(2, 2, 256, 64)] * 3, BF16, {**K64, "persistent": 1}, id="persistent-causal-bf16"),
+    pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, F16, {**K64, "overlap": 1, "schedule_barrier": 1, "persistent": 1},
+                 id="persistent-sliding-window-overlap-turns-f16"),
+    pytest.param(cross_causal_bottom_right, [(1, 2, 70, 64), (1, 2, 200, 64), (1, 2, 200, 64)], BF16,
+                 {**K64, **W3, "persistent": 1}, id="persistent-cross-causal-3-warpgroups-bf16"),
 ]
 
 
@@ -211,6 +218,7 @@ LSE_CASES = [
     pytest.param(padding_mask, [BHLD] * 3 + [(2, L)], BF16, {**K64, "overlap": 1}, id="padding-mask-overlap-bf16"),
     pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16, {**K64, **W3}, id="causal-3-warpgroups-overlap-bf16"),
     pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, {**K64, "overlap": 1, "persistent": 1}, id="persistent-overlap-bf16"),
+    pytest.param(attention_bhld_causal, [(2, 2, 256, 64)] * 3, BF16, {**K64, "persistent": 1}, id="persistent-causal-bf16"),
 ]
 
 
@@ -275,12 +283,11 @@ def test_causal_ctas_visit_live_key_blocks_only():
 @pytest.mark.parametrize("overlap,persistent", [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), (1, 1)])
 def test_no_races_or_barrier_misuse(overlap, persistent):
     """Interpret mode's happens-before race detector over TMA, SMEM, barriers (a band: leading and trailing flushes);
-    with the overlap, P V reads the previous block's V slot while this block's K slot is released; persistent (no
-    band: equal tiles), a tile's Q lands in the buffer the tile before stored its O from."""
+    with the overlap, P V reads the previous block's V slot while this block's K slot is released; persistent, a
+    tile's Q lands in the buffer the tile before stored its O from, the band's tiles of unequal length."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
-    fn, shape = (attention_bhld, (2, 2, 200, 64)) if persistent else (sliding_window, (1, 1, 300, 64))
-    g, group, spec = _group(fn, [shape] * 3, BF16)
+    g, group, spec = _group(sliding_window, [(1, 2 if persistent else 1, 300, 64)] * 3, BF16)
     kernel = mgpu_attention.lower(group, spec, {**K64, "overlap": overlap, "persistent": persistent},
                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(kernel(*_inputs(group)))
@@ -409,13 +416,11 @@ def test_declines_what_it_does_not_support():
     mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 128, "max_concurrent_steps": 3}))
     with pytest.raises(Unsupported, match="shared memory"):  # persistent: a second Q buffer
         mgpu_attention.check_config(spec, mgpu_attention.Config.of({"block_kv": 192, "max_concurrent_steps": 2, "persistent": 1}))
-    # persistent: tiles of equal work only (a causal CTA's key blocks depend on its query block), no row-vector input
-    for fn, shapes, what in [(attention_bhld_causal, [(1, 2, 1024, 64)] * 3, "equal work"),
-                             (query_bias, [(1, 2, 256, 64)] * 3 + [(256,)], "row-vector")]:
-        g, group, spec = _group(fn, shapes, BF16)
-        mgpu_attention.check_config(spec, mgpu_attention.Config.of({}))
-        with pytest.raises(Unsupported, match=what):
-            mgpu_attention.check_config(spec, mgpu_attention.Config.of({"persistent": 1}))
+    # persistent: no row-vector score input (loaded with Q, which is double-buffered; they are not)
+    g, group, spec = _group(query_bias, [(1, 2, 256, 64)] * 3 + [(256,)], BF16)
+    mgpu_attention.check_config(spec, mgpu_attention.Config.of({}))
+    with pytest.raises(Unsupported, match="row-vector"):
+        mgpu_attention.check_config(spec, mgpu_attention.Config.of({"persistent": 1}))
 
 
 def query_bias(q, k, v, b):

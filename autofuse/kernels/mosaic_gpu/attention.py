@@ -277,9 +277,6 @@ def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) ->
         raise Unsupported(f"compute_wgs={cfg.compute_wgs}: 2 or 3 compute warpgroups")
     if cfg.persistent not in (0, 1):
         raise Unsupported("persistent must be 0 or 1")
-    if cfg.persistent and _ranges_table(spec, bq, bk, one_block=bool(cfg.overlap), n=cfg.compute_wgs) is not None:
-        raise Unsupported("persistent: masks known at build time (causal, windows) give each tile its own key blocks; "
-                          "the persistent CTAs walk tiles of equal work only")
     if cfg.persistent and any(spec.tile.span[v] == ROWS for v in score_inputs(spec)):
         raise Unsupported("persistent: a row-vector score input (loaded with Q) is not double-buffered")
     if cfg.compute_wgs == 3 and (bq != 64 or (cfg.schedule_barrier and not cfg.overlap)):
@@ -340,7 +337,8 @@ def default_config(spec: AttentionSpec) -> dict:
     wanted = []
     if not tf32(spec) and max(spec.D, spec.Dv) <= 128:
         if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
-            wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1})  # where the tiles are equal
+            if block_ranges(spec, 64, 128) is None:  # persistent where the tiles are equal (measured there only)
+                wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1})
             wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3})
         wanted.append({"overlap": 1, "schedule_barrier": 0})
     for changes in wanted + [{}]:
@@ -636,22 +634,22 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 n_mine = lax.div(n_tiles - sm + (n_grid - 1), n_grid)
 
             def tile_of(t):
-                """(flattened batch position, query block) of this CTA's tile t (the CTA's own when not persistent)."""
+                """(flattened batch position, query block) of this CTA's tile t (the CTA's own when not persistent).
+                Masks known at build time (causal): the longest rows first (round the batch when persistent, so that
+                each CTA's tiles get shorter as they go)."""
                 if persistent:
                     tile = sm + t * n_grid
-                    return lax.div(tile, n_cta), lax.rem(tile, n_cta)
+                    if table is None:
+                        return lax.div(tile, n_cta), lax.rem(tile, n_cta)
+                    return lax.rem(tile, spec.batch), n_cta - 1 - lax.div(tile, spec.batch)
                 cta = lax.axis_index("q")
-                return lax.axis_index("b"), (cta if table is None else n_cta - 1 - cta)  # causal: the longest rows first
+                return lax.axis_index("b"), (cta if table is None else n_cta - 1 - cta)
 
-            if table is None:
-                clo, chi = 0, nk
-            else:
-                cta0 = tile_of(0)[1]
-                clo, chi = tbl_ref[cta0 * row_stride + 4 * nw], tbl_ref[cta0 * row_stride + 4 * nw + 1]
-
-            def slot_of_step(i):
-                """The ring slot of the CTA's i-th key block (counted from clo, on across its tiles when persistent)."""
-                return lax.rem(i - clo, stages)
+            def key_range(cta):
+                """[clo, chi): the key blocks a CTA loads for query block `cta` (every one, or the table's)."""
+                if table is None:
+                    return 0, nk
+                return tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1]
 
             dyn = lax.axis_index("wg") * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
 
@@ -673,16 +671,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             def _memory_wg():
                 plgpu.set_max_registers(_REGISTERS[nw][0], action="decrease")
 
-                def block(i):
-                    """(batch index, the tile's first query, key block) of the CTA's i-th key block."""
-                    if not persistent:
-                        fb, cta = tile_of(0)
-                        return batch_index(spec, fb), cta * (nw * bq), i
-                    fb, cta = tile_of(lax.div(i, nk))
-                    return batch_index(spec, fb), cta * (nw * bq), lax.rem(i, nk)
-
-                def issue_k(i, slot):
-                    bidx, q_cta0, j = block(i)
+                def issue_k(bidx, q_cta0, j, slot):
                     k0 = traced(j * bk)
                     kv = views["k"]
                     plgpu.copy_gmem_to_smem(k_ref.at[_operand_index(kv.operand, len(kv.shape), bidx, k0, bk, D)],
@@ -694,13 +683,42 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     for v in cols_in:
                         plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, bidx, 0, 0, k0)], cols_smem[v].at[slot], k_bar.at[slot])
 
-                def issue_v(i, slot):
-                    bidx, _, j = block(i)
+                def issue_v(bidx, q_cta0, j, slot):  # noqa: ARG001 - as issue_k
                     vv = views["v"]
                     plgpu.copy_gmem_to_smem(v_ref.at[_operand_index(vv.operand, len(vv.shape), bidx, traced(j * bk), bk, Dv)],
                                             v_smem.at[slot], v_bar.at[slot])
 
-                memory_ring(clo, n_mine * nk if persistent else chi, stages, slot_of_step, [(k_free, issue_k), (v_free, issue_v)])
+                if not persistent:
+                    fb, cta = tile_of(0)
+                    bidx, q_cta0 = batch_index(spec, fb), cta * (nw * bq)
+                    clo, chi = key_range(cta)
+                    memory_ring(clo, chi, stages, lambda j: lax.rem(j - clo, stages),
+                                [(k_free, functools.partial(issue_k, bidx, q_cta0)), (v_free, functools.partial(issue_v, bidx, q_cta0))])
+                    return
+
+                def tile_loads(t, c):
+                    """Tile t's key blocks into the ring; `c` counts the blocks this CTA loaded before (their slots)."""
+                    fb, cta = tile_of(t)
+                    bidx, q_cta0 = batch_index(spec, fb), cta * (nw * bq)
+
+                    def load(j, c):
+                        slot = lax.rem(c, stages)
+                        for free, issue in ((k_free, issue_k), (v_free, issue_v)):
+                            @pl.when(c >= stages)
+                            def _wait():  # the slot's previous block released by every compute warpgroup
+                                plgpu.barrier_wait(free.at[slot])
+
+                            issue(bidx, q_cta0, j, slot)
+                        return c + 1
+
+                    return lax.fori_loop(*key_range(cta), load, c)
+
+                total = lax.fori_loop(0, n_mine, tile_loads, jnp.int32(0))
+
+                @pl.loop(lax.max(total - stages, 0), total)
+                def _drain(c):  # the last releases observed too (barrier phases are tracked per thread, in order)
+                    for free in (k_free, v_free):
+                        plgpu.barrier_wait(free.at[lax.rem(c, stages)])
 
             @pl.when(wg < nw)
             def _compute_wg():
@@ -717,17 +735,18 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     for v in rows_in:
                         plgpu.copy_gmem_to_smem(in_refs[v].at[in_index(v, bidx, q0, bq, 0)], rows_smem[v].at[wg], bar)
 
-                def run_tile(t, buf):
-                    """Tile t, its Q in buffer `buf` (loading or loaded): the online softmax over its key blocks, O
-                    (and the logsumexp) stored."""
+                def run_tile(t, buf, ring0):
+                    """Tile t, its Q in buffer `buf` (loading or loaded), its key blocks from the ring's `ring0`-th on:
+                    the online softmax over them, O (and the logsumexp) stored. Returns the blocks it took."""
                     fb, cta = tile_of(t)
                     bidx = batch_index(spec, fb)
                     q0 = cta * (nw * bq) + wg * bq
                     q_tile = q_smem.at[buf]
                     o_tile = q_tile if o_smem is None else o_smem
+                    clo, chi = key_range(cta)
 
                     def slot_of(j):
-                        return slot_of_step(t * nk + j if persistent else j)
+                        return lax.rem(ring0 + j - clo, stages)
 
                     tiles = ScoreTiles(spec, bq, bk)
                     tiles.bidx = bidx
@@ -1025,15 +1044,13 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
 
                     if emit_lse:  # whole blocks: the array is padded to them, the rows past Lq sliced off by XLA
                         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[fb, pl.ds(q0, bq)])
+                    return chi - clo
 
+                load_q(0, 0)
                 if not persistent:
-                    load_q(0, 0)
-                    run_tile(0, 0)
+                    run_tile(0, 0, 0)
                 else:
-                    load_q(0, 0)
-
-                    @pl.loop(0, n_mine)
-                    def _tiles(t):
+                    def next_tile(t, ring0):
                         buf = lax.rem(t, 2)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t-1's O and logsumexp are read from SMEM
 
@@ -1041,7 +1058,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         def _prefetch():  # the next tile's Q into the other buffer (tile t-1's O was there)
                             load_q(t + 1, 1 - buf)
 
-                        run_tile(t, buf)
+                        return ring0 + run_tile(t, buf, ring0)
+
+                    lax.fori_loop(0, n_mine, next_tile, jnp.int32(0))
                 plgpu.wait_smem_to_gmem(0)
 
     name = f"autofuse_attention_mgpu_{group.signature[:8]}"
