@@ -330,17 +330,16 @@ def default_config(spec: AttentionSpec) -> dict:
     """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages) with what measured better on an H200
     (results/attention_overlap_h200.md): 16-bit head dims up to 128 overlap each step's two dots, without the
     schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532), and up to 64, where the queries fill
-    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there), persistent where
-    the tiles are equal (D64: 566 -> 554-560 us; at D128 it lost, 828 -> 840: results/attention_persistent_h200.md). Each shrunk until
+    them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there), persistent (D128
+    822 -> 810 us, causal 522 -> 477: results/attention_persistent_h200.md). Each shrunk until
     it fits; the first of these that the lowering takes (score inputs' buffers can leave the overlap one step in
     flight, which it cannot run), else attention_mgpu's shrunk."""
     wanted = []
     if not tf32(spec) and max(spec.D, spec.Dv) <= 128:
         if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
-            if block_ranges(spec, 64, 128) is None:  # persistent where the tiles are equal (measured there only)
-                wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1})
-            wanted.append({"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3})
-        wanted.append({"overlap": 1, "schedule_barrier": 0})
+            wanted += [{"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1},
+                       {"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3}]
+        wanted += [{"overlap": 1, "schedule_barrier": 0, "persistent": 1}, {"overlap": 1, "schedule_barrier": 0}]
     for changes in wanted + [{}]:
         cfg = _shrunk({**DEFAULTS, **changes}, spec)
         try:
@@ -629,19 +628,26 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             full_smem, cols_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem))
             rows_smem = dict(zip(rows_in, rows_smem))
             wg = lax.axis_index("wg")
-            if persistent:  # this CTA's tiles: sm, sm + n_grid, ... (concurrent CTAs on neighbouring tiles share K/V in L2)
+            if persistent:  # this CTA's t-th tile: round t's, at its place in the round (concurrent CTAs on neighbouring tiles)
                 sm = lax.axis_index("s")
-                n_mine = lax.div(n_tiles - sm + (n_grid - 1), n_grid)
+
+                def place(t):
+                    """Where the CTA takes its tile in round t: its own place, or (tiles of unequal work, longest first)
+                    snaking back on odd rounds, so that the CTAs that took the longer tiles take the shorter next."""
+                    return sm if table is None else lax.select(lax.rem(t, 2) == 0, sm, n_grid - 1 - sm)
+
+                rounds, left = divmod(n_tiles, n_grid)
+                n_mine = rounds + (place(rounds) < left).astype(jnp.int32)
 
             def tile_of(t):
                 """(flattened batch position, query block) of this CTA's tile t (the CTA's own when not persistent).
                 Masks known at build time (causal): the longest rows first (round the batch when persistent, so that
                 each CTA's tiles get shorter as they go)."""
                 if persistent:
-                    tile = sm + t * n_grid
+                    tile = t * n_grid + place(t)
                     if table is None:
                         return lax.div(tile, n_cta), lax.rem(tile, n_cta)
-                    return lax.rem(tile, spec.batch), n_cta - 1 - lax.div(tile, spec.batch)
+                    return lax.div(tile, n_cta), n_cta - 1 - lax.rem(tile, n_cta)
                 cta = lax.axis_index("q")
                 return lax.axis_index("b"), (cta if table is None else n_cta - 1 - cta)
 
