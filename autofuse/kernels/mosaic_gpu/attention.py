@@ -2,7 +2,7 @@
 
 The loop structure is the forward of JAX's `pallas/ops/gpu/attention_mgpu.py`
 (FlashAttention-3 style; 653 TFLOP/s f16 on an H100 against cuDNN's 630):
-one CTA per (block of `compute_wgs` * block_q queries, batch position) runs a
+a CTA per (block of `compute_wgs` * block_q queries, batch position) runs a
 memory warpgroup and two (or three) compute warpgroups. The memory warpgroup
 streams [block_kv, D] tiles of K and V by TMA into a `max_concurrent_steps`-deep
 ring of swizzled SMEM buffers (and, with
@@ -21,9 +21,15 @@ the softmax of the first while the second is on the tensor cores (the first
 and last steps peeled off the loop; P converted to its dtype only after the
 P V reading the previous P has completed, else ptxas serialises the wgmmas);
 with the schedule barrier the warpgroups take turns at issuing, round all of
-them. The defaults (`default_config`) are what measured fastest on an H200:
-the overlap without the schedule barrier for 16-bit head dims up to 128, and
-three compute warpgroups at head dims up to 64 (results/attention_overlap_h200.md).
+them. `persistent` launches one CTA per SM instead of one per tile: each walks
+its (batch position, query block) tiles round by round, grouped by head, the
+K/V ring running on from one tile into the next and the next tile's Q loaded
+into a second buffer meanwhile; where masks give tiles unequal work (causal),
+each takes its key range from the ranges table, longest rows first, the CTAs
+snaking back on odd rounds. The defaults (`default_config`) are what measured
+fastest on an H200: the overlap without the schedule barrier for 16-bit head
+dims up to 128, persistent, and three compute warpgroups at head dims up to 64
+(results/attention_overlap_h200.md, attention_persistent_h200.md).
 
 What differs from attention_mgpu is that nothing of the score work is
 hand-written: the equations between the two dots are the group's jaxpr,
