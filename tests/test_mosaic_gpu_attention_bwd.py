@@ -31,6 +31,7 @@ S = jax.ShapeDtypeStruct
 L = 100  # ragged against 64 and 128, not a multiple of 8
 F = {"bwd_fused": 1}
 O = {"bwd_overlap": 1}
+P = {"bwd_persistent": 1}
 CASES = [
     pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 64, {}, id="bhld-bf16-ragged"),
     pytest.param(attention_bhld, [(1, 2, L, 64)] * 3, BF16, 128, {}, id="bhld-bf16-ragged-step128"),
@@ -46,6 +47,11 @@ CASES = [
     pytest.param(attention_bhld_causal, [(1, 1, 200, 128)] * 3, BF16, 64, F, id="fused-cols-causal-d128-ragged"),
     pytest.param(sliding_window, [(1, 2, 300, 64)] * 3, BF16, 128, F, id="fused-rows-sliding-window"),
     pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], BF16, 128, F, id="fused-rows-gqa"),
+    # persistent dK/dV: 3 CTAs in interpret mode walking several (batch position, key block) tiles, the ring's slots
+    # counted on across tiles (of unequal length where masked), K and V reloaded once the tile before's dK/dV are read
+    pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, 64, P, id="persistent-bhld-ragged"),
+    pytest.param(attention_bhld_causal, [(2, 2, 256, 64)] * 3, BF16, 128, {**F, **P}, id="persistent-fused-rows-causal"),
+    pytest.param(sliding_window, [(1, 3, 300, 128)] * 3, F16, 64, {**F, **P}, id="persistent-fused-cols-sliding-window"),
 ]
 
 
@@ -63,7 +69,8 @@ def _residuals(group, spec, seed=0):
     return xs, out, lse, dout
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "bhld-bf16-ragged-step128", "fused-cols-causal-d128-ragged"))
+@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "bhld-bf16-ragged-step128", "fused-cols-causal-d128-ragged",
+                                                                   "persistent-fused-rows-causal"))
 def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step, extra):
     group, spec = _group(fn, shapes, dtype)
     xs, out, lse, dout = _residuals(group, spec)
@@ -81,11 +88,14 @@ EXPORTED = CASES[:4] + [CASES[6]] + [
     pytest.param(attention_bhld, [(2, 2, L, 64)] * 3, BF16, 128, {**F, **O}, id="fused-rows-overlap-ragged"),
     pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 64, F, id="fused-cols-causal-d128-ragged"),
     pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 64, {**F, **O}, id="fused-cols-overlap-causal-d128"),
+    pytest.param(attention_bhld_causal, [(8, 32, 2048, 128)] * 3, BF16, 64, {**F, **P}, id="persistent-fused-cols-causal-target"),
+    pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, 64, P, id="persistent-two-kernels"),
 ]
 
 
 @pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(EXPORTED, "bhld-bf16-ragged-step128", "causal-d128-ragged-step128",
-                                                                   "fused-cols-causal-d128-ragged", "fused-rows-overlap-ragged"))
+                                                                   "fused-cols-causal-d128-ragged", "fused-rows-overlap-ragged",
+                                                                   "persistent-fused-cols-causal-target"))
 def test_lowers_for_cuda(fn, shapes, dtype, step, extra):
     """The real Mosaic GPU lowering (no GPU): wgmma with Pᵀ and dS from registers, the transposed tile's layouts, the
     fused dQ's transposed dSᵀ operand, its split of K and its TMA reduction (one kernel)."""
@@ -193,3 +203,19 @@ def test_a_config_naming_some_backward_keys_keeps_the_default_backward_for_the_r
     assert backward_config(d128, {**fwd, "bwd_held": 128})["bwd_mosaic"] == 0  # no Mosaic GPU backward holds 128 rows
     _, f32 = _group(attention_bhld, [(1, 2, 256, 64)] * 3, F32)
     assert backward_config(f32, {"bwd_stages": 3})["bwd_mosaic"] == 0
+
+
+def test_persistent_backward_has_no_races_or_barrier_misuse():
+    """Interpret mode's happens-before race detector over a persistent dK/dV kernel's TMA, SMEM and barriers: a tile's
+    K and V land in the buffers the tile before stored its dK and dV from; causal tiles of unequal length. (Not the
+    fused kernel: interpret mode adds its dQ parts by a read, add and write of GMEM, which the detector reports
+    between CTAs with or without `persistent`; on the GPU they are TMA reductions.)"""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    group, spec = _group(attention_bhld_causal, [(1, 2, 256, 64)] * 3, BF16)
+    xs, out, lse, dout = _residuals(group, spec)
+    cfg = {"bwd_held": 64, "bwd_step": 128, "bwd_stages": 2, **P}
+    got = mgpu_backward.lower(group, spec, cfg, interpret=plgpu.InterpretGPUParams(detect_races=True))(xs, out, lse, dout)
+    jax.block_until_ready(got)
+    assert not interpret_pallas_call.get_races().races_found

@@ -367,7 +367,7 @@ def _shrunk(cfg: dict, spec: AttentionSpec) -> dict:
     return cfg
 
 
-def _sm_count(interp) -> int:
+def sm_count(interp) -> int:
     """The CTAs of a persistent grid: one per SM of the GPU (132 on an H100 or H200); 3 in interpret mode, where a
     test's CTAs then each walk several tiles."""
     if interp is not None:
@@ -570,7 +570,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     row_stride = 4 * nw + 2  # of the ranges table
     persistent = cfg.persistent
     n_tiles = spec.batch * n_cta
-    n_grid = min(n_tiles, _sm_count(interp))
+    n_grid = min(n_tiles, sm_count(interp))
     ragged_k = Lk % bk != 0
 
     table = _ranges_table(spec, bq, bk, one_block=overlap, n=nw)

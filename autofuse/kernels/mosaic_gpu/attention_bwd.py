@@ -71,11 +71,13 @@ class Config:
     stages: int  # depth of the TMA ring
     fused: bool = False  # dQ in the dK/dV kernel (five products, not seven), reduced into float32 by TMA
     overlap: bool = False  # dK/dV: Sᵀ with dPᵀ and dV with dK issued together (more registers live)
+    persistent: bool = False  # dK/dV: one CTA per SM walking the (batch position, key block) tiles, the ring running on
 
     @staticmethod
     def of(config: dict) -> "Config":
         return Config(int(config.get("bwd_held", 64)), int(config.get("bwd_step", 64)), int(config.get("bwd_stages", 2)),
-                      bool(int(config.get("bwd_fused", 0))), bool(int(config.get("bwd_overlap", 0))))
+                      bool(int(config.get("bwd_fused", 0))), bool(int(config.get("bwd_overlap", 0))),
+                      bool(int(config.get("bwd_persistent", 0))))
 
 
 class TransposedScoreTiles(fwd.ScoreTiles):
@@ -352,6 +354,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
 
     # ----- dK/dV (and dQ when fused): 2 x h keys per CTA, queries streamed st_rows at a time.
     nk_cta, nq_steps = cdiv(Lk, 2 * h), cdiv(Lq, st_rows)
+    persistent = cfg.persistent
+    n_tiles = B * nk_cta
+    n_grid = min(n_tiles, fwd.sm_count(interp))
     k_tbl = _key_ranges(spec, st_rows, h)
     fused = cfg.fused
     split = dq_split(spec, cfg) if fused else None
@@ -382,154 +387,221 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bar, do_bar, q_free,
                    do_free, dst_smem, ds_ready, dq_smem, dq_bar):
             wg = lax.axis_index("wg")
-            cta = lax.axis_index("k")
-            bidx = fwd.batch_index(spec)
-            bflat = lax.axis_index("b")
-            clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
+            if persistent:  # this CTA's t-th tile: round t's, at its place in the round (neighbouring key blocks of a head)
+                sm = lax.axis_index("s")
 
-            def slot_of(i):
-                return lax.rem(i - clo, stages)
+                def place(t):
+                    """Where the CTA takes its tile in round t: its own place, or (tiles of unequal work) snaking back on
+                    odd rounds, so that the CTAs that took the longer tiles take the shorter next."""
+                    return sm if k_tbl is None else lax.select(lax.rem(t, 2) == 0, sm, n_grid - 1 - sm)
+
+                rounds, left = divmod(n_tiles, n_grid)
+                n_mine = rounds + (place(rounds) < left).astype(jnp.int32)
+
+            def tile_of(t):
+                """(flattened batch position, key block of 2 x h keys) of this CTA's tile t (its own when not persistent;
+                causal: a head's first key blocks see the most queries, and go first)."""
+                if persistent:
+                    tile = t * n_grid + place(t)
+                    return lax.div(tile, nk_cta), lax.rem(tile, nk_cta)
+                return lax.axis_index("b"), lax.axis_index("k")
+
+            def query_range(cta):
+                """[clo, chi): the query blocks a CTA loads for key block `cta` (every one, or the table's)."""
+                return (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
 
             @pl.when(wg == 2)
             def _memory():
                 plgpu.set_max_registers(_REGISTERS[0], action="decrease")
 
-                def issue_q(i, slot):
+                def issue_q(bidx, bflat, i, slot):
                     q0 = i * st_rows + wg * 0
                     plgpu.copy_gmem_to_smem(q_ref.at[operand_box("q", bidx, q0, st_rows)], q_smem.at[slot], q_bar.at[slot])
                     plgpu.copy_gmem_to_smem(lse_ref.at[bflat, pl.ds(q0, st_rows)], lse_smem.at[slot], q_bar.at[slot])
 
-                def issue_do(i, slot):
+                def issue_do(bidx, bflat, i, slot):  # noqa: ARG001 - as issue_q
                     q0 = i * st_rows + wg * 0
                     plgpu.copy_gmem_to_smem(do_ref.at[bflat, pl.ds(q0, st_rows)], do_smem.at[slot], do_bar.at[slot])
                     plgpu.copy_gmem_to_smem(delta_ref.at[bflat, pl.ds(q0, st_rows)], delta_smem.at[slot], do_bar.at[slot])
 
-                fwd.memory_ring(clo, chi, stages, slot_of, [(do_free, issue_do), (q_free, issue_q)])
+                if not persistent:
+                    bflat, cta = tile_of(0)
+                    bidx = fwd.batch_index(spec, bflat)
+                    clo, chi = query_range(cta)
+                    fwd.memory_ring(clo, chi, stages, lambda i: lax.rem(i - clo, stages),
+                                    [(do_free, functools.partial(issue_do, bidx, bflat)), (q_free, functools.partial(issue_q, bidx, bflat))])
+                    return
+
+                def tile_loads(t, c):
+                    """Tile t's query blocks into the ring; `c` counts the blocks this CTA loaded before (their slots)."""
+                    bflat, cta = tile_of(t)
+                    bidx = fwd.batch_index(spec, bflat)
+
+                    def load(i, c):
+                        slot = lax.rem(c, stages)
+                        for free, issue in ((do_free, issue_do), (q_free, issue_q)):
+                            @pl.when(c >= stages)
+                            def _wait():  # the slot's previous block released by both compute warpgroups
+                                plgpu.barrier_wait(free.at[slot])
+
+                            issue(bidx, bflat, i, slot)
+                        return c + 1
+
+                    return lax.fori_loop(*query_range(cta), load, c)
+
+                total = lax.fori_loop(0, n_mine, tile_loads, jnp.int32(0))
+
+                @pl.loop(lax.max(total - stages, 0), total)
+                def _drain(c):  # the last releases observed too (barrier phases are tracked per thread, in order)
+                    for free in (do_free, q_free):
+                        plgpu.barrier_wait(free.at[lax.rem(c, stages)])
 
             @pl.when(wg < 2)
             def _compute():
                 plgpu.set_max_registers(_REGISTERS[1], action="increase")
-                tiles = TransposedScoreTiles(spec, st_rows, h)
-                tiles.bidx = bidx
-                k0 = cta * (2 * h) + wg * h
-                held_k = k_smem.at[pl.ds(pl.multiple_of(wg * h, h), h)]
-                plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, h)], held_k, kv_bar.at[wg])
-                plgpu.copy_gmem_to_smem(v_ref.at[operand_box("v", bidx, k0, h)], v_smem.at[wg], kv_bar.at[wg])
-                plgpu.barrier_wait(kv_bar.at[wg])
-                cols = layout(COLS)
-                k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
-                lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
-                if fused:  # both warpgroups take every step of the CTA (their dS meet in dQ): masked outside their own
-                    lo, hi = clo, chi
 
-                def share_ds(i, ds_t):
-                    """This warpgroup's dSᵀ of step i into SMEM beside the other's, for dQ."""
-                    buf = lax.rem(i - clo, 2)
-                    for c in range(st_rows // 64):
-                        dst_smem.at[buf, c, pl.ds(pl.multiple_of(wg * h, h), h)][...] = ds_t[:, c * 64:(c + 1) * 64]
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_ready.at[buf])
+                def run_tile(t, ring0):
+                    """Tile t, its query blocks from the ring's `ring0`-th on: K and V held, dK and dV (and dQ's parts)
+                    accumulated over the query blocks, stored. Returns the blocks it took."""
+                    bflat, cta = tile_of(t)
+                    bidx = fwd.batch_index(spec, bflat)
+                    clo, chi = query_range(cta)
 
-                def add_dq(i):
-                    """dQ of step i's queries += dS K over the CTA's keys once both warpgroups have shared their dSᵀ: each
-                    computes its share and adds it into dq_ref by a TMA reduction."""
-                    buf = lax.rem(i - clo, 2)
-                    plgpu.barrier_wait(ds_ready.at[buf])
-                    if split == "rows":
-                        a, b, r0, c0 = dst_smem.at[buf, wg].T, k_smem, i * st_rows + wg * 64, 0
-                    else:
-                        c0 = pl.multiple_of(wg * dq_cols, dq_cols)
-                        a, b, r0 = dst_smem.at[buf, 0].T, k_smem.at[:, pl.ds(c0, dq_cols)], i * st_rows
-                    part = product(a, b, (64, dq_cols))
-                    box = dq_ref.at[bflat, pl.ds(r0, 64), pl.ds(c0, dq_cols)]
-                    if via_smem:  # interpret mode has no TMA reduction: read, add, write (its CTAs run one at a time)
-                        plgpu.copy_gmem_to_smem(box, dq_smem.at[wg], dq_bar.at[wg])
-                        plgpu.barrier_wait(dq_bar.at[wg])
-                        part = part + dq_smem.at[wg][...]
-                    else:
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's reduction has read it
-                    dq_smem.at[wg][...] = part
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], box, reduction_op=None if via_smem else "add")
-                    if via_smem:
-                        plgpu.wait_smem_to_gmem(0)
+                    def slot_of(i):
+                        return lax.rem(ring0 + i - clo, stages)
 
-                def step(i, carry, masked: bool):
-                    dk, dv = carry
-                    slot = slot_of(i)
-                    q0 = i * st_rows
-                    plgpu.barrier_wait(q_bar.at[slot])
-                    lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
-                    ok = bounds_mask(plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=cols) + q0, k_ids, (h, st_rows), 1)
 
-                    def probabilities(s_t):
-                        y, pull = score_work(tiles, s_t, k0, q0, masked)
-                        p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
-                        return (p if ok is None else jnp.where(ok, p, 0.0)), pull
+                    tiles = TransposedScoreTiles(spec, st_rows, h)
+                    tiles.bidx = bidx
+                    k0 = cta * (2 * h) + wg * h
+                    held_k = k_smem.at[pl.ds(pl.multiple_of(wg * h, h), h)]
+                    plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, h)], held_k, kv_bar.at[wg])
+                    plgpu.copy_gmem_to_smem(v_ref.at[operand_box("v", bidx, k0, h)], v_smem.at[wg], kv_bar.at[wg])
+                    plgpu.barrier_wait(kv_bar.at[wg])
+                    cols = layout(COLS)
+                    k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
+                    lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
+                    if fused:  # both warpgroups take every step of the CTA (their dS meet in dQ): masked outside their own
+                        lo, hi = clo, chi
 
-                    def score_grads(p, pull, dp):
-                        delta = plgpu.load(delta_smem.at[slot], layout=cols)
-                        (ds,) = pull(p * (dp - lax.broadcast_in_dim(delta, (h, st_rows), (1,))))
-                        return ds.astype(dt1)
+                    def share_ds(i, ds_t):
+                        """This warpgroup's dSᵀ of step i into SMEM beside the other's, for dQ."""
+                        buf = lax.rem(i - clo, 2)
+                        for c in range(st_rows // 64):
+                            dst_smem.at[buf, c, pl.ds(pl.multiple_of(wg * h, h), h)][...] = ds_t[:, c * 64:(c + 1) * 64]
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(ds_ready.at[buf])
 
-                    if via_smem or not cfg.overlap:  # one product at a time (interpret mode: P and dS through SMEM)
-                        p, pull = probabilities(product(held_k, q_smem.at[slot].T, (h, st_rows)))
-                        plgpu.barrier_wait(do_bar.at[slot])
-                        dv = mma(dv, p.astype(dt2), do_smem.at[slot], None if p_smem is None else p_smem.at[wg])
-                        ds = score_grads(p, pull, product(v_smem.at[wg], do_smem.at[slot].T, (h, st_rows)))
-                        dk = mma(dk, ds, q_smem.at[slot], None if ds_smem is None else ds_smem.at[wg])
-                        if fused:
-                            share_ds(i, ds)
-                    else:
-                        plgpu.barrier_wait(do_bar.at[slot])
+                    def add_dq(i):
+                        """dQ of step i's queries += dS K over the CTA's keys once both warpgroups have shared their dSᵀ: each
+                        computes its share and adds it into dq_ref by a TMA reduction."""
+                        buf = lax.rem(i - clo, 2)
+                        plgpu.barrier_wait(ds_ready.at[buf])
+                        if split == "rows":
+                            a, b, r0, c0 = dst_smem.at[buf, wg].T, k_smem, i * st_rows + wg * 64, 0
+                        else:
+                            c0 = pl.multiple_of(wg * dq_cols, dq_cols)
+                            a, b, r0 = dst_smem.at[buf, 0].T, k_smem.at[:, pl.ds(c0, dq_cols)], i * st_rows
+                        part = product(a, b, (64, dq_cols))
+                        box = dq_ref.at[bflat, pl.ds(r0, 64), pl.ds(c0, dq_cols)]
+                        if via_smem:  # interpret mode has no TMA reduction: read, add, write (its CTAs run one at a time)
+                            plgpu.copy_gmem_to_smem(box, dq_smem.at[wg], dq_bar.at[wg])
+                            plgpu.barrier_wait(dq_bar.at[wg])
+                            part = part + dq_smem.at[wg][...]
+                        else:
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's reduction has read it
+                        dq_smem.at[wg][...] = part
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], box, reduction_op=None if via_smem else "add")
+                        if via_smem:
+                            plgpu.wait_smem_to_gmem(0)
 
-                        def scores(s_ref, dp_ref):  # Sᵀ and dPᵀ issued together, P's exp beside dPᵀ's product
-                            plgpu.wgmma(s_ref, held_k, q_smem.at[slot].T)
-                            plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].T)
-                            p, pull = probabilities(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-                            return p, score_grads(p, pull, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0))
+                    def step(i, carry, masked: bool):
+                        dk, dv = carry
+                        slot = slot_of(i)
+                        q0 = i * st_rows
+                        plgpu.barrier_wait(q_bar.at[slot])
+                        lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
+                        ok = bounds_mask(plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=cols) + q0, k_ids, (h, st_rows), 1)
 
-                        p, ds = pl.run_scoped(scores, plgpu.ACC((h, st_rows), jnp.float32), plgpu.ACC((h, st_rows), jnp.float32))
-                        p = p.astype(dt2)  # converted before the products reading them are issued (see the forward's keep_p)
+                        def probabilities(s_t):
+                            y, pull = score_work(tiles, s_t, k0, q0, masked)
+                            p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
+                            return (p if ok is None else jnp.where(ok, p, 0.0)), pull
 
-                        def grads(refs):  # dV += Pᵀ dO and dK += dSᵀ Q issued together; dSᵀ shared meanwhile
-                            plgpu.wgmma(refs[0], p, do_smem.at[slot])
-                            plgpu.wgmma(refs[1], ds, q_smem.at[slot])
+                        def score_grads(p, pull, dp):
+                            delta = plgpu.load(delta_smem.at[slot], layout=cols)
+                            (ds,) = pull(p * (dp - lax.broadcast_in_dim(delta, (h, st_rows), (1,))))
+                            return ds.astype(dt1)
+
+                        if via_smem or not cfg.overlap:  # one product at a time (interpret mode: P and dS through SMEM)
+                            p, pull = probabilities(product(held_k, q_smem.at[slot].T, (h, st_rows)))
+                            plgpu.barrier_wait(do_bar.at[slot])
+                            dv = mma(dv, p.astype(dt2), do_smem.at[slot], None if p_smem is None else p_smem.at[wg])
+                            ds = score_grads(p, pull, product(v_smem.at[wg], do_smem.at[slot].T, (h, st_rows)))
+                            dk = mma(dk, ds, q_smem.at[slot], None if ds_smem is None else ds_smem.at[wg])
                             if fused:
                                 share_ds(i, ds)
+                        else:
+                            plgpu.barrier_wait(do_bar.at[slot])
 
-                        dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-                    plgpu.barrier_arrive(do_free.at[slot])
-                    plgpu.barrier_arrive(q_free.at[slot])
+                            def scores(s_ref, dp_ref):  # Sᵀ and dPᵀ issued together, P's exp beside dPᵀ's product
+                                plgpu.wgmma(s_ref, held_k, q_smem.at[slot].T)
+                                plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].T)
+                                p, pull = probabilities(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+                                return p, score_grads(p, pull, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0))
+
+                            p, ds = pl.run_scoped(scores, plgpu.ACC((h, st_rows), jnp.float32), plgpu.ACC((h, st_rows), jnp.float32))
+                            p = p.astype(dt2)  # converted before the products reading them are issued (see the forward's keep_p)
+
+                            def grads(refs):  # dV += Pᵀ dO and dK += dSᵀ Q issued together; dSᵀ shared meanwhile
+                                plgpu.wgmma(refs[0], p, do_smem.at[slot])
+                                plgpu.wgmma(refs[1], ds, q_smem.at[slot])
+                                if fused:
+                                    share_ds(i, ds)
+
+                            dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                        plgpu.barrier_arrive(do_free.at[slot])
+                        plgpu.barrier_arrive(q_free.at[slot])
+                        if fused:
+                            add_dq(i)
+                        return dk, dv
+
+                    def flush(i, _):
+                        slot = slot_of(i)
+                        plgpu.barrier_wait(q_bar.at[slot])
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        plgpu.barrier_arrive(do_free.at[slot])
+                        plgpu.barrier_arrive(q_free.at[slot])
+
+                    full = layout(FULL)
+                    zero = (plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), full), plgpu.layout_cast(jnp.zeros((h, Dv), jnp.float32), full))
+                    if k_tbl is not None:
+                        lax.fori_loop(clo, lo, flush, None)
+                    dk_dv = zero
+                    for a, b, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
+                        dk_dv = lax.fori_loop(a, b, functools.partial(fwd._call, step, masked=masked), dk_dv)
+                    dk, dv = dk_dv
+                    if k_tbl is not None:
+                        lax.fori_loop(hi, chi, flush, None)
                     if fused:
-                        add_dq(i)
-                    return dk, dv
+                        plgpu.barrier_arrive(ds_ready.at[0])  # the other warpgroup's last dQ has read K: held_k is free
+                        plgpu.barrier_wait(ds_ready.at[0])
+                    held_k[...] = dk.astype(dt1)
+                    v_smem.at[wg][...] = dv.astype(dt2)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(held_k, dk_ref.at[bflat, pl.ds(k0, h)])
+                    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[bflat, pl.ds(k0, h)])
+                    return chi - clo
 
-                def flush(i, _):
-                    slot = slot_of(i)
-                    plgpu.barrier_wait(q_bar.at[slot])
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    plgpu.barrier_arrive(do_free.at[slot])
-                    plgpu.barrier_arrive(q_free.at[slot])
+                if not persistent:
+                    run_tile(0, 0)
+                else:
+                    def next_tile(t, ring0):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile before's dK and dV read from K and V's buffers
+                        return ring0 + run_tile(t, ring0)
 
-                full = layout(FULL)
-                zero = (plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), full), plgpu.layout_cast(jnp.zeros((h, Dv), jnp.float32), full))
-                if k_tbl is not None:
-                    lax.fori_loop(clo, lo, flush, None)
-                dk_dv = zero
-                for a, b, masked in ((lo, flo, True), (flo, fhi, False), (fhi, hi, True)):
-                    dk_dv = lax.fori_loop(a, b, functools.partial(fwd._call, step, masked=masked), dk_dv)
-                dk, dv = dk_dv
-                if k_tbl is not None:
-                    lax.fori_loop(hi, chi, flush, None)
-                if fused:
-                    plgpu.barrier_arrive(ds_ready.at[0])  # the other warpgroup's last dQ has read K: held_k is free
-                    plgpu.barrier_wait(ds_ready.at[0])
-                held_k[...] = dk.astype(dt1)
-                v_smem.at[wg][...] = dv.astype(dt2)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(held_k, dk_ref.at[bflat, pl.ds(k0, h)])
-                plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[bflat, pl.ds(k0, h)])
+                    lax.fori_loop(0, n_mine, next_tile, jnp.int32(0))
                 plgpu.wait_smem_to_gmem(0)
 
     Lq_pad, Lk_pad = nq_cta * 2 * h, nk_cta * 2 * h
@@ -539,7 +611,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                            grid_names=("b", "q"), num_threads=3, thread_name="wg", compiler_params=params, interpret=interp,
                            kernel_name=f"autofuse_attention_bwd_dq_mgpu_{name}")
     dkdv_call = plgpu.kernel(dkdv_body, out_type=(jax.ShapeDtypeStruct((B, Lk_pad, D), dt1), jax.ShapeDtypeStruct((B, Lk_pad, Dv), dt2)),
-                             grid=(B, nk_cta), grid_names=("b", "k"), num_threads=3, thread_name="wg", compiler_params=params,
+                             grid=(n_grid,) if persistent else (B, nk_cta), grid_names=("s",) if persistent else ("b", "k"), num_threads=3, thread_name="wg", compiler_params=params,
                              interpret=interp, kernel_name=f"autofuse_attention_bwd_dkdv_mgpu_{name}")
     q_arg = None if q_tbl is None else np.ascontiguousarray(q_tbl.reshape(-1))
     k_arg = None if k_tbl is None else np.ascontiguousarray(k_tbl.reshape(-1))

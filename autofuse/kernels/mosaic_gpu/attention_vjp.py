@@ -19,7 +19,8 @@ from ..triton import attention_vjp as pair
 from . import attention as forward
 from . import attention_bwd as backward
 
-PARAMS = forward.PARAMS + ("bwd_mosaic", "bwd_held", "bwd_step", "bwd_warps", "bwd_stages", "bwd_fused", "bwd_overlap")
+PARAMS = forward.PARAMS + ("bwd_mosaic", "bwd_held", "bwd_step", "bwd_warps", "bwd_stages", "bwd_fused", "bwd_overlap",
+                           "bwd_persistent")
 
 
 @dataclasses.dataclass(frozen=True)
