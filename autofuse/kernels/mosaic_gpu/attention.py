@@ -634,23 +634,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
             full_smem, cols_smem = dict(zip(full_in, full_smem)), dict(zip(cols_in, cols_smem))
             rows_smem = dict(zip(rows_in, rows_smem))
             wg = lax.axis_index("wg")
-            if persistent:  # this CTA's t-th tile: round t's, at its place in the round (concurrent CTAs on neighbouring tiles)
-                sm = lax.axis_index("s")
-
-                def place(t):
-                    """Where the CTA takes its tile in round t: its own place, or (tiles of unequal work, longest first)
-                    snaking back on odd rounds, so that the CTAs that took the longer tiles take the shorter next."""
-                    return sm if table is None else lax.select(lax.rem(t, 2) == 0, sm, n_grid - 1 - sm)
-
-                rounds, left = divmod(n_tiles, n_grid)
-                n_mine = rounds + (place(rounds) < left).astype(jnp.int32)
+            if persistent:  # concurrent CTAs on neighbouring tiles (a head's query blocks, sharing its K and V in L2)
+                n_mine, tile_at = persistent_tiles(n_tiles, n_grid, snake=table is not None)
 
             def tile_of(t):
                 """(flattened batch position, query block) of this CTA's tile t (the CTA's own when not persistent).
-                Masks known at build time (causal): the longest rows first (round the batch when persistent, so that
-                each CTA's tiles get shorter as they go)."""
+                Masks known at build time (causal): a head's longest rows first."""
                 if persistent:
-                    tile = t * n_grid + place(t)
+                    tile = tile_at(t)
                     if table is None:
                         return lax.div(tile, n_cta), lax.rem(tile, n_cta)
                     return lax.div(tile, n_cta), n_cta - 1 - lax.rem(tile, n_cta)
@@ -708,29 +699,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                                 [(k_free, functools.partial(issue_k, bidx, q_cta0)), (v_free, functools.partial(issue_v, bidx, q_cta0))])
                     return
 
-                def tile_loads(t, c):
-                    """Tile t's key blocks into the ring; `c` counts the blocks this CTA loaded before (their slots)."""
+                def blocks_of(t):
                     fb, cta = tile_of(t)
-                    bidx, q_cta0 = batch_index(spec, fb), cta * (nw * bq)
+                    return (*key_range(cta), (batch_index(spec, fb), cta * (nw * bq)))
 
-                    def load(j, c):
-                        slot = lax.rem(c, stages)
-                        for free, issue in ((k_free, issue_k), (v_free, issue_v)):
-                            @pl.when(c >= stages)
-                            def _wait():  # the slot's previous block released by every compute warpgroup
-                                plgpu.barrier_wait(free.at[slot])
-
-                            issue(bidx, q_cta0, j, slot)
-                        return c + 1
-
-                    return lax.fori_loop(*key_range(cta), load, c)
-
-                total = lax.fori_loop(0, n_mine, tile_loads, jnp.int32(0))
-
-                @pl.loop(lax.max(total - stages, 0), total)
-                def _drain(c):  # the last releases observed too (barrier phases are tracked per thread, in order)
-                    for free in (k_free, v_free):
-                        plgpu.barrier_wait(free.at[lax.rem(c, stages)])
+                persistent_ring(n_mine, blocks_of, stages, [(k_free, issue_k), (v_free, issue_v)])
 
             @pl.when(wg < nw)
             def _compute_wg():
@@ -1105,6 +1078,47 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
         return [o, lse] if emit_lse else [o]
 
     return run
+
+
+def persistent_tiles(n_tiles: int, n_grid: int, snake: bool) -> tuple:
+    """A persistent CTA's share of `n_tiles` tiles taken round by round by the `n_grid` CTAs of grid axis "s", in tile
+    order: (how many it takes, traced; `tile(t)`, the tile it takes in round t). `snake`: tiles of unequal work,
+    longest first: on odd rounds the CTAs take their places in reverse, so the one that took the longest tile of a
+    round takes the shortest of the next."""
+    sm = lax.axis_index("s")
+
+    def place(t):
+        return lax.select(lax.rem(t, 2) == 0, sm, n_grid - 1 - sm) if snake else sm
+
+    rounds, left = divmod(n_tiles, n_grid)
+    return rounds + (place(rounds) < left).astype(jnp.int32), lambda t: t * n_grid + place(t)
+
+
+def persistent_ring(n_mine, blocks_of: Callable, stages: int, buffers: list[tuple]) -> None:
+    """`memory_ring` over a persistent CTA's `n_mine` tiles: tile t's blocks [lo, hi) in order (`blocks_of(t)` gives
+    (lo, hi, ctx)), each `(free barrier, issue(*ctx, block, slot))` in order, the slots counted on across tiles (a
+    slot is issued again once the compute warpgroups freed its block before), and the last releases observed."""
+    def tile_loads(t, c):
+        lo, hi, ctx = blocks_of(t)
+
+        def load(j, c):
+            slot = lax.rem(c, stages)
+            for free, issue in buffers:
+                @pl.when(c >= stages)
+                def _wait():
+                    plgpu.barrier_wait(free.at[slot])
+
+                issue(*ctx, j, slot)
+            return c + 1
+
+        return lax.fori_loop(lo, hi, load, c)
+
+    total = lax.fori_loop(0, n_mine, tile_loads, jnp.int32(0))
+
+    @pl.loop(lax.max(total - stages, 0), total)
+    def _drain(c):
+        for free, _ in buffers:
+            plgpu.barrier_wait(free.at[lax.rem(c, stages)])
 
 
 def memory_ring(lo, hi, stages: int, slot_of: Callable, buffers: list[tuple]) -> None:

@@ -388,22 +388,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bar, do_bar, q_free,
                    do_free, dst_smem, ds_ready, dq_smem, dq_bar):
             wg = lax.axis_index("wg")
-            if persistent:  # this CTA's t-th tile: round t's, at its place in the round (neighbouring key blocks of a head)
-                sm = lax.axis_index("s")
-
-                def place(t):
-                    """Where the CTA takes its tile in round t: its own place, or (tiles of unequal work) snaking back on
-                    odd rounds, so that the CTAs that took the longer tiles take the shorter next."""
-                    return sm if k_tbl is None else lax.select(lax.rem(t, 2) == 0, sm, n_grid - 1 - sm)
-
-                rounds, left = divmod(n_tiles, n_grid)
-                n_mine = rounds + (place(rounds) < left).astype(jnp.int32)
+            if persistent:  # concurrent CTAs on neighbouring tiles (a head's key blocks)
+                n_mine, tile_at = fwd.persistent_tiles(n_tiles, n_grid, snake=k_tbl is not None)
 
             def tile_of(t):
                 """(flattened batch position, key block of 2 x h keys) of this CTA's tile t (its own when not persistent;
                 causal: a head's first key blocks see the most queries, and go first)."""
                 if persistent:
-                    tile = t * n_grid + place(t)
+                    tile = tile_at(t)
                     return lax.div(tile, nk_cta), lax.rem(tile, nk_cta)
                 return lax.axis_index("b"), lax.axis_index("k")
 
@@ -433,29 +425,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                                     [(do_free, functools.partial(issue_do, bidx, bflat)), (q_free, functools.partial(issue_q, bidx, bflat))])
                     return
 
-                def tile_loads(t, c):
-                    """Tile t's query blocks into the ring; `c` counts the blocks this CTA loaded before (their slots)."""
+                def blocks_of(t):
                     bflat, cta = tile_of(t)
-                    bidx = fwd.batch_index(spec, bflat)
+                    return (*query_range(cta), (fwd.batch_index(spec, bflat), bflat))
 
-                    def load(i, c):
-                        slot = lax.rem(c, stages)
-                        for free, issue in ((do_free, issue_do), (q_free, issue_q)):
-                            @pl.when(c >= stages)
-                            def _wait():  # the slot's previous block released by both compute warpgroups
-                                plgpu.barrier_wait(free.at[slot])
-
-                            issue(bidx, bflat, i, slot)
-                        return c + 1
-
-                    return lax.fori_loop(*query_range(cta), load, c)
-
-                total = lax.fori_loop(0, n_mine, tile_loads, jnp.int32(0))
-
-                @pl.loop(lax.max(total - stages, 0), total)
-                def _drain(c):  # the last releases observed too (barrier phases are tracked per thread, in order)
-                    for free in (do_free, q_free):
-                        plgpu.barrier_wait(free.at[lax.rem(c, stages)])
+                fwd.persistent_ring(n_mine, blocks_of, stages, [(do_free, issue_do), (q_free, issue_q)])
 
             @pl.when(wg < 2)
             def _compute():
