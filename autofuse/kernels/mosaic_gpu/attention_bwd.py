@@ -18,7 +18,9 @@ barrier, and each computes half of it (64 of 128 stepped queries, or half of a h
 adds it into a float32 buffer by TMA reduction. Both warpgroups then take every step of the CTA (a block one of them
 would skip is evaluated masked: its dS is zero). fwd+bwd 0.98x cuDNN's time at D128, 0.95x at D64 on an H200
 against 1.11x with two kernels (results/attention_bwd_fused_h200.md). `bwd_overlap` issues the products in pairs
-(Sᵀ with dPᵀ, dV with dK): better for two kernels, worse fused (registers spill).
+(Sᵀ with dPᵀ, dV with dK): better for two kernels, worse fused (registers spill). `bwd_persistent` runs the dK/dV
+kernel one CTA per SM walking its (batch position, key block) tiles, as the forward's `persistent` does (searched;
+~1% slower at D128 on an H200, so off by default: results/attention_persistent_h200.md).
 
 What differs from attention_mgpu is that nothing of the score work is hand-written: its equations are the
 group's jaxpr, evaluated on the register tiles (`attention.ScoreTiles`; `TransposedScoreTiles` on the transposed
