@@ -37,7 +37,8 @@ def default_config(spec: AttentionVJPSpec) -> dict:
     """The Mosaic GPU forward's default with the Mosaic GPU backward's (`mosaic_backward_default`), or the Triton
     backward's default where the Mosaic GPU backward declines the group."""
     mosaic = mosaic_backward_default(spec.attn)
-    bwd = mosaic if mosaic is not None else {"bwd_mosaic": 0, "bwd_fused": 0, "bwd_overlap": 0, **backward_default_config(spec.attn)}
+    bwd = mosaic if mosaic is not None else {"bwd_mosaic": 0, "bwd_fused": 0, "bwd_overlap": 0, "bwd_persistent": 0,
+                                             **backward_default_config(spec.attn)}
     # the forward's own default: at D64 its three warpgroups make the pair 2.874 -> 2.803 ms, causal 1.666 -> 1.648
     # (results/attention_overlap_h200.md)
     return {**forward.default_config(spec.attn), **bwd}
@@ -48,7 +49,7 @@ def mosaic_backward_default(spec: AttentionSpec) -> dict | None:
     at B8 H32 L2048 bf16 (results/attention_bwd_fused_h200.md), fwd+bwd against cuDNN's: dQ fused into the dK/dV
     kernel with one product at a time, 64 queries a step at head dim 128 (0.99x, causal 1.01x; two kernels 1.08x)
     and 128 at 64 (0.96x, causal 0.95x; two kernels 1.08x); else the two kernels at 64 and 64."""
-    base = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_warps": 4, "bwd_stages": 2, "bwd_overlap": 0}
+    base = {"bwd_mosaic": 1, "bwd_held": 64, "bwd_warps": 4, "bwd_stages": 2, "bwd_overlap": 0, "bwd_persistent": 0}
     tries = [{"bwd_step": 64, "bwd_fused": 1}, {"bwd_step": 64, "bwd_fused": 0}]
     if max(spec.D, spec.Dv) <= 64 and min(spec.Lq, spec.Lk) > 64:  # 128 queries a step: the rows split of dQ
         tries.insert(0, {"bwd_step": 128, "bwd_fused": 1})
