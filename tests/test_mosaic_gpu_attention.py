@@ -280,7 +280,7 @@ def test_causal_ctas_visit_live_key_blocks_only():
     assert mgpu_attention._ranges_table(spec, 64, 128) is None  # no mask: every block, no mask arithmetic
 
 
-@pytest.mark.parametrize("overlap,persistent", [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), (1, 1)])
+@pytest.mark.parametrize("overlap,persistent", [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), pytest.param(1, 1, marks=pytest.mark.slow)])
 def test_no_races_or_barrier_misuse(overlap, persistent):
     """Interpret mode's happens-before race detector over TMA, SMEM, barriers (a band: leading and trailing flushes);
     with the overlap, P V reads the previous block's V slot while this block's K slot is released; persistent, a

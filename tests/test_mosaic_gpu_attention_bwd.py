@@ -69,8 +69,7 @@ def _residuals(group, spec, seed=0):
     return xs, out, lse, dout
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "bhld-bf16-ragged-step128", "fused-cols-causal-d128-ragged",
-                                                                   "persistent-fused-rows-causal"))
+@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "bhld-bf16-ragged-step128", "fused-cols-causal-d128-ragged"))
 def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step, extra):
     group, spec = _group(fn, shapes, dtype)
     xs, out, lse, dout = _residuals(group, spec)
@@ -205,6 +204,7 @@ def test_a_config_naming_some_backward_keys_keeps_the_default_backward_for_the_r
     assert backward_config(f32, {"bwd_stages": 3})["bwd_mosaic"] == 0
 
 
+@pytest.mark.slow
 def test_persistent_backward_has_no_races_or_barrier_misuse():
     """Interpret mode's happens-before race detector over a persistent dK/dV kernel's TMA, SMEM and barriers: a tile's
     K and V land in the buffers the tile before stored its dK and dV from; causal tiles of unequal length. (Not the
