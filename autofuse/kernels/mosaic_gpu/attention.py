@@ -978,7 +978,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                              plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
                              plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
                     if overlap and use_sched:
-                        pl.when(wg == nw - 1)(give_turn)  # warpgroup 0 issues first (before any flush takes a turn)
+                        # warpgroup 0 issues first (before any flush takes a turn); a persistent CTA's turns go on round
+                        # from one tile into the next: a give per tile would let the last warpgroup give twice before
+                        # warpgroup 0 took the first (a one-arrival barrier two phases ahead of its waiter)
+                        pl.when((wg == nw - 1) & (t == 0) if persistent else wg == nw - 1)(give_turn)
                     if table is not None:
                         lax.fori_loop(clo, lo, flush, None)
                     if overlap:
@@ -1002,7 +1005,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     if table is not None:
                         lax.fori_loop(hi, chi, flush, None)
                     if use_sched:
-                        pl.when(wg == 0)(take_turn if overlap else sched)
+                        if overlap:
+                            pl.when((wg == 0) & (t == n_mine - 1) if persistent else wg == 0)(take_turn)
+                        else:
+                            pl.when(wg == 0)(sched)
 
                     acc, _, msub, l_i = carry
                     if emit_lse:  # P = exp(y - msub) / l = exp(y - lse); msub is in log2 units here
