@@ -100,8 +100,8 @@ def vjp_rule(group: Group, spec: AttentionSpec, config: dict, *, interpret) -> V
 def backward_config(spec: AttentionSpec, config: dict) -> dict:
     """`config` with the backward it will run: the `bwd_` keys it names over the Mosaic GPU backward's default
     (`{"bwd_overlap": 1}` is the default backward with its products in pairs, not the keys' own defaults: the two
-    kernels unfused),
-    as named where that does not run; `bwd_mosaic` 0 where the Mosaic GPU backward does not run it at all."""
+    kernels unfused), as named where that does not run; `bwd_mosaic` 0 where the Mosaic GPU backward does not run
+    it at all."""
     merged = {**(mosaic_backward_default(spec) or {}), **config}
     if backward_runs(spec, merged) or not any(k.startswith("bwd_") for k in config):
         config = merged
