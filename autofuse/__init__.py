@@ -9,7 +9,8 @@ preallocating most of the GPU in this process where that is still possible
 points XLA's autotune cache at one directory (`autofuse.xla_autotune`), so that
 a deployed process compiles the GEMMs a tuning job measured, and JAX's persistent
 compilation cache at another (`autofuse.compile_cache`), so that a program one
-process compiled is not compiled again by the next.
+process compiled is not compiled again by the next; and it gives XLA:CPU the scheduler that Mosaic GPU's interpret
+mode needs (`autofuse.interpret_cpu`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ _xla_autotune.DIR = _xla_autotune.configure()  # one XLA autotune cache for tuni
 from . import compile_cache as _compile_cache  # noqa: E402
 
 _compile_cache.DIR = _compile_cache.configure()  # one persistent compilation cache for a job's processes and deploys
+
+from . import interpret_cpu as _interpret_cpu  # noqa: E402
+
+_interpret_cpu.SAFE_HERE = _interpret_cpu.configure()  # XLA:CPU's plain scheduler, without which Mosaic GPU interpret mode can hang
 
 _LAZY = {
     "jit": "autofuse.api",

@@ -5,6 +5,8 @@ import os
 
 import jax
 
+from . import interpret_cpu
+
 
 def device_info() -> dict:
     """The first device: its name (GPU model, or the platform), compute capability, SM count, memory."""
@@ -56,9 +58,12 @@ def default_backends() -> tuple[str, ...]:
 
 def backend_unavailable(backend: str, measure: str) -> str | None:
     """Why a job cannot tune `backend` here, or None. A modelled job builds and checks every backend's kernels in
-    interpret mode and times them on the model of a Hopper GPU, so only measuring Mosaic GPU's needs the hardware."""
-    if backend != "mosaic_gpu" or measure == "model" or hopper():
+    interpret mode and times them on the model of a Hopper GPU, so only measuring Mosaic GPU's needs the hardware;
+    checking them in interpret mode needs XLA:CPU's plain scheduler (`interpret_cpu`)."""
+    if backend != "mosaic_gpu" or hopper():
         return None
+    if measure == "model":
+        return interpret_cpu.unsafe_reason()
     d = jax.devices()[0]
     cc = getattr(d, "compute_capability", None)
     return f"mosaic_gpu needs a Hopper GPU (compute capability 9.x) to be measured; this is {d.device_kind}" + (f" ({cc})" if cc else "")

@@ -21,3 +21,9 @@ def matmul_bias_gelu_inputs() -> tuple:
     elementwise ones (Triton only)."""
     return (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 256), jnp.bfloat16),
             jax.ShapeDtypeStruct((256,), jnp.bfloat16))
+
+
+def attention_inputs() -> tuple:
+    """attention_bhld (benchmarks.workloads) in bf16 at [1, 2, 256, 64]: one attention candidate with a Mosaic GPU
+    lowering (its two compute warpgroups block on simulated barriers in interpret mode)."""
+    return tuple(jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16) for _ in range(3))
