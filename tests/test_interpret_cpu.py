@@ -28,6 +28,16 @@ def test_configure_adds_the_flag_only_where_it_takes_effect_and_the_user_gave_no
     assert not interpret_cpu.configure(env) and env == {}
 
 
+def test_import_autofuse_sets_it_in_a_fresh_process_and_not_after_jax_started() -> None:
+    report = "import os, autofuse; print(autofuse._interpret_cpu.SAFE_HERE, os.environ.get('XLA_FLAGS', ''))"
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(interpret_cpu.FLAG))
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=flags)
+    for code, safe in [(report, True), ("import jax; jax.devices(); " + report, False)]:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[0] == str(safe) and (interpret_cpu.SAFE in out.stdout.split()) is safe
+
+
 def test_without_the_scheduler_a_modelled_job_leaves_mosaic_gpu_out_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from autofuse.tuning.job import check_backends
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from autofuse import xla_autotune
+from autofuse import interpret_cpu, xla_autotune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = ("import os, autofuse, jax.numpy as jnp; float((jnp.ones((8, 8)) @ jnp.ones((8, 8))).sum()); "
@@ -20,7 +20,8 @@ def _probe(code: str, **env: str) -> tuple[str, str | None]:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(clean, PYTHONPATH=ROOT, **env), capture_output=True, text=True,
                          check=False, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    flags, dir_ = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    return " ".join(f for f in flags.split() if f != interpret_cpu.SAFE), dir_  # the scheduler's flag: tests/test_interpret_cpu.py
 
 
 def test_import_sets_one_autotune_cache_directory_that_xla_accepts(tmp_path):
