@@ -39,7 +39,7 @@ def _args(rows=2048, seed=0):
 def tuned(tmp_path_factory):
     """One real (model-mode) tuning job whose plan fuses the layer norm."""
     url = f"sqlite:///{tmp_path_factory.mktemp('deploy')}/plans.db"
-    rep = tune(layer_norm, *_specs(), trials=6, seed=0, quiet=True, store=url, name="layer_norm")
+    rep = tune(layer_norm, *_specs(), trials=6, seed=0, quiet=True, store=url, name="layer_norm", isolate=False)
     assert not rep.plan.is_xla, rep.table()
     return url, rep
 

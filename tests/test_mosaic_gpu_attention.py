@@ -180,7 +180,7 @@ def _inputs(group, seed=0):
     return out
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "causal-then-softcap-f16",
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config",
                                                                    "persistent-padding-mask-overlap-bf16"))  # float32: the quick
 # subset has test_float32_runs_as_tf32_with_the_values_transposed_and_its_backward_on_triton
 def test_interpret_matches_xla(fn, shapes, dtype, config):
@@ -195,14 +195,15 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
     assert err <= TOL[np.dtype(dtype)], (cfg, err)
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config", "gqa-repeat-bf16",
+@pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bhld-f16-ragged-default-config",
                                                                    "persistent-blhd-3-warpgroups-f16"))
 def test_lowers_for_cuda(fn, shapes, dtype, config):
     """The real Mosaic GPU lowering (no GPU): wgmma with P in registers, layouts, TMA tiling, shared memory;
-    under both lowering semantics (Warpgroup: layouts inferred, as attention_mgpu; Lane: as the RegisterTiles give)."""
+    under both lowering semantics (Warpgroup: layouts inferred, as attention_mgpu; Lane: as the RegisterTiles give),
+    and the spec's default config (under its own semantics where the case names another config)."""
     g, group, spec = _group(fn, shapes, dtype)
-    configs = ([config] if config else []) + [mgpu_attention.default_config(spec)]
-    for cfg in [{**c, "semantics": sem} for c in configs for sem in (0, 1)]:
+    default = mgpu_attention.default_config(spec)
+    for cfg in [{**(config or default), "semantics": sem} for sem in (0, 1)] + ([default] if config else []):
         kernel = mgpu_attention.lower(group, spec, cfg)
         exp = export_for_cuda(kernel, [S(a.shape, a.dtype) for a in group.input_avals()])
         assert "mosaic_gpu" in exp.mlir_module()
@@ -489,6 +490,7 @@ def test_query_ctas_are_the_fastest_launch_axis(monkeypatch, tmp_path):
     assert [const(n) for n in m.groups()] == [512 // (2 * 64), 3, 1]  # x: query CTAs, y: batch (B * H)
 
 
+@pytest.mark.slow
 def test_inner_loop_matches_attention_mgpu(monkeypatch, tmp_path):
     """The key-block loop, op for op on tiles, as attention_mgpu's: two wgmma (P from registers: no SMEM store),
     one exp2 per score with the scale and log2(e) folded into one multiply (+ the max's subtraction: one FMA),
