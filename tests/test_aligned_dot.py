@@ -94,6 +94,7 @@ def test_the_model_prefers_it_at_gpt2s_vocabulary():
         assert padded < 0.8 * costmodel.xla_group_time_ms(c.group), (padded, costmodel.xla_group_time_ms(c.group))
 
 
+@pytest.mark.slow
 def test_xla_is_modelled_slow_where_it_reads_unaligned_rows_and_less_where_it_only_writes_them():
     """The logits `h @ w.T` read `w` itself in the program (XLA folds the transpose) and only write unaligned rows
     (1.4x on an H200); dh and dw read the logits' gradient's unaligned rows (2.5-3.3x)."""

@@ -213,7 +213,7 @@ NORMS = [
 ]
 
 
-@pytest.mark.parametrize("fn,specs,argnums", NORMS)
+@pytest.mark.parametrize("fn,specs,argnums", slow_except(NORMS, "rms_norm", "layer_norm-bf16"))
 def test_grad_through_fused_norm(fn, specs, argnums):
     plan, _ = _plan(fn, specs)
     tol = 1e-4 if specs[0].dtype == F32 else 2e-2
@@ -481,6 +481,7 @@ def test_backward_tiles_are_the_backwards_own():
 
 
 
+@pytest.mark.slow
 def test_a_sequence_of_16_differentiates_with_16_row_backward_blocks():
     """The flash backward's default tiles never run past a short sequence (SPLADE's small inputs: 16 tokens): 16-row
     blocks, within the spaces' rule, and the gradients match jax.grad."""

@@ -426,6 +426,7 @@ def test_a_space_is_explored_once_every_config_worth_timing_was_tried():
     assert space.explored(worth, "device") and space.explored(list(reversed(worth)), "device")
 
 
+@pytest.mark.slow
 def test_a_repeated_proposal_of_an_explored_space_gives_the_candidate_up_at_once():
     """TPE proposes configs done already once a small space is explored (61 of GPT-2's attention candidate's 96 trial
     steps on an H200, ~80 ms each): where every config worth timing was tried, the scheduler gives the candidate up
