@@ -3,13 +3,26 @@ where it still takes effect, honours the user's own value, and a job that cannot
 one line. The deadlock itself in a real `autofuse tune` subprocess held to one core."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+import autofuse
 from autofuse import interpret_cpu
+from autofuse.device import device_info, software
+from autofuse.graph import qualified_name
+from autofuse.kernels import TEMPLATES
+from autofuse.kernels.mosaic_gpu.gemm import interpret_params
+from autofuse.plan import plan_from_choices
+from autofuse.store import PlanStore
+from autofuse.tuning.partition import enumerate_candidates
+from benchmarks.workloads import matmul_bias_gelu
+from tests.dist_programs import matmul_bias_gelu_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +63,33 @@ def test_without_the_scheduler_a_modelled_job_leaves_mosaic_gpu_out_with_one_lin
     kept, note = check_backends(["mosaic_gpu", "triton"], "model")
     assert kept == ("triton",) and note.startswith("autofuse: backend mosaic_gpu left out (" + reason) and "\n" not in note
     assert check_backends(["triton"], "model") == (("triton",), "")  # Triton's interpret mode has no barriers to wait on
+
+
+def test_without_the_scheduler_a_mosaic_gpu_plan_is_served_by_jax_jit_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """`autofuse.jit` on a CPU runs a plan's kernels in interpret mode: a Mosaic GPU kernel that could hang there is
+    never built (one line, from the lowering), and the program runs as jax.jit with that reason logged."""
+    specs = matmul_bias_gelu_inputs()
+    graph = autofuse.capture(matmul_bias_gelu, *specs)
+    (c,) = [c for c in enumerate_candidates(graph) if c.template == "matmul"]
+    plan = plan_from_choices(graph, [(c.group, "matmul", {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "backend": "mosaic_gpu"})])
+    url = f"sqlite:///{tmp_path}/plans.db"
+    store, dev = PlanStore(url), device_info()
+    pid = store.program(graph.fingerprint, "mbg", graph.signature(), len(graph.nodes), function=qualified_name(matmul_bias_gelu),
+                        structure=graph.structure)
+    did = store.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"])
+    store.save_plan(pid, did, store.software(**software()), plan.to_dict(), measured_ms=1.0, baseline_ms=1.5, speedup=1.5,
+                    measure="model", tolerance={}, max_error=0.0)
+    args = [jax.random.normal(jax.random.key(i), s.shape, s.dtype) for i, s in enumerate(specs)]
+
+    monkeypatch.setattr(interpret_cpu, "SAFE_HERE", False)
+    with pytest.raises(RuntimeError, match="^Mosaic GPU's interpret mode can deadlock XLA:CPU"):
+        interpret_params(True)
+    assert interpret_params(False) is None  # compiled for a GPU: nothing to guard
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        out = autofuse.jit(matmul_bias_gelu, store=url)(*args)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jax.jit(matmul_bias_gelu)(*args), np.float32))
+    assert "Mosaic GPU's interpret mode can deadlock XLA:CPU" in caplog.text, caplog.text
 
 
 @pytest.mark.slow

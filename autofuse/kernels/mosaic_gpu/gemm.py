@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ... import interpret_cpu
 from ...graph import Group
 from .tiles import Unsupported
 
@@ -186,10 +187,13 @@ def num_sms_default() -> int:
 
 
 def interpret_params(interpret):
-    """`interpret=` of a lowering as `plgpu.kernel` takes it: None, or an InterpretGPUParams (True: the defaults)."""
-    if interpret is True:
-        return plgpu.InterpretGPUParams()
-    return interpret or None
+    """`interpret=` of a lowering as `plgpu.kernel` takes it: None, or an InterpretGPUParams (True: the defaults).
+    RuntimeError (one line) where this process's XLA:CPU could deadlock on the simulated warpgroups (`interpret_cpu`)."""
+    if not interpret:
+        return None
+    if (why := interpret_cpu.unsafe_reason()) is not None:
+        raise RuntimeError(why)
+    return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,7 +80,7 @@ from ..matmul import MatmulSpec
 from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
-from .gemm import approximate_math, require_smem
+from .gemm import approximate_math, interpret_params, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
 from .gemm import smem_transforms as _tf, tile_transforms as _tile_tf
@@ -967,11 +967,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
-    interp = None
-    if interpret is True:
-        interp = plgpu.InterpretGPUParams()
-    elif interpret:
-        interp = interpret  # an InterpretGPUParams (e.g. with detect_races=True)
+    interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
