@@ -4,7 +4,8 @@ of the session's own.
 Mosaic GPU interpret mode runs each warpgroup as its own XLA:CPU executable whose callbacks block on the simulated
 barriers; XLA's concurrency-optimised scheduler lets those executables' work wait for the threads of the intra-op
 pool (two, on a 2-core machine) that blocked callbacks hold: a deadlock that shows at random (a SPLADE case hung in
-5 of 6 runs, 0 of 14 with this flag). The plain scheduler only orders independent work differently. Set here,
+5 of 6 runs, 0 of 14 with this flag). The plain scheduler only orders independent work differently. `import
+autofuse` sets it too (`autofuse.interpret_cpu`), but a test module may start JAX before importing autofuse: set here,
 before any test module initialises JAX's CPU backend.
 """
 from __future__ import annotations
