@@ -2,7 +2,8 @@
 
 `cli.md` is the `autofuse` parser's own help, every command's; `results.md` lists the tables in `results/` (each
 file's first heading and the line naming its card), which are copied under `docs/results/` so the site links them.
-Both are written at build time and ignored by git.
+Both are written at build time and ignored by git. The overview's "What it gains" is the README's own section, put in
+where `index.md` says `GAINS` as the page is rendered.
 """
 from __future__ import annotations
 
@@ -12,6 +13,24 @@ import shutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
+
+
+GAINS = "<!-- the README's section: What it gains -->"
+
+
+def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:  # noqa: ARG001 - MkDocs' hook signature
+    """The overview page with the README's measured table in it: one text for both, so that they cannot drift."""
+    return markdown.replace(GAINS, readme_section("What it gains")) if page.file.src_path == "index.md" else markdown
+
+
+def readme_section(heading: str) -> str:
+    """The body of the README's `## heading` section (up to the next `## `), its links made the site's: `results/`
+    (the directory) is the results page there."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    start = text.index(f"\n## {heading}\n") + len(heading) + 5
+    end = text.find("\n## ", start)
+    return text[start:end if end >= 0 else None].strip().replace("](results/)", "](results.md)")
 
 
 def on_pre_build(config, **kwargs) -> None:  # noqa: ARG001 - MkDocs' hook signature

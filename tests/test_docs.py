@@ -34,3 +34,19 @@ def test_the_results_page_lists_and_copies_every_table(tmp_path):
     assert sorted(os.listdir(tmp_path / "results")) == tables
     page = (tmp_path / "results.md").read_text()
     assert all(f"](results/{name})" in page for name in tables)
+
+
+def test_the_overview_shows_the_readmes_own_gains(tmp_path):
+    """docs/index.md leaves its "What it gains" to the README's section, filled in as the page renders."""
+    from types import SimpleNamespace
+
+    hooks = _hooks()
+    with open(os.path.join(ROOT, "docs", "index.md")) as f:
+        index = f.read()
+    assert hooks.GAINS in index and "| program (bf16) |" not in index  # no copy of its own to drift
+    page = hooks.on_page_markdown(index, SimpleNamespace(file=SimpleNamespace(src_path="index.md")), None, None)
+    section = hooks.readme_section("What it gains")
+    assert hooks.GAINS not in page and section in page and "| GPT-2 medium, plain-`jnp` attention (B8 S2048) |" in section
+    assert "## Two commands" not in section and "](results/)" not in section  # one section; the site's link to the results page
+    other = "text " + hooks.GAINS
+    assert hooks.on_page_markdown(other, SimpleNamespace(file=SimpleNamespace(src_path="tuning.md")), None, None) == other
