@@ -570,7 +570,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     row_stride = 4 * nw + 2  # of the ranges table
     persistent = cfg.persistent
     n_tiles = spec.batch * n_cta
-    n_grid = min(n_tiles, sm_count(interp))
+    n_grid = min(n_tiles, sm_count(interp)) if persistent else 0  # the persistent grid: one CTA per SM, at most one a tile
     ragged_k = Lk % bk != 0
 
     table = _ranges_table(spec, bq, bk, one_block=overlap, n=nw)
