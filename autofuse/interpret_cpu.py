@@ -6,7 +6,7 @@ pool that the blocked callbacks hold: a deadlock, certain on one core (a modelle
 mosaic_gpu` of an attention hung in its interpret-mode check) and at random on two. The plain scheduler only orders
 independent work differently: a CPU program computes the same, and a GPU's programs are untouched. So `import
 autofuse` adds the flag to ``XLA_FLAGS`` where it still takes effect and the user gave it no value of their own;
-where it cannot (JAX's backends started first, or the user turned the scheduler on), `safe_here` says so and a job
+where it cannot (JAX's backends started first, or the user turned the scheduler on), `SAFE_HERE` says so and a job
 on a machine without a Hopper GPU leaves Mosaic GPU out with a line saying why (`device.backend_unavailable`).
 Imports nothing from JAX.
 """
