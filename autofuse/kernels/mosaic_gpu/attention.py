@@ -288,6 +288,10 @@ def check_config(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) ->
     if cfg.compute_wgs == 3 and (bq != 64 or (cfg.schedule_barrier and not cfg.overlap)):
         raise Unsupported("3 compute warpgroups: 64 rows each (160 registers a thread), and the schedule barrier only "
                           "with the overlap (its turns go round; without it the barrier pairs two warpgroups)")
+    if cfg.compute_wgs == 3 and cfg.overlap and bk > 192:
+        raise Unsupported(f"3 compute warpgroups with the overlap at block_kv={bk}: a block's 64 x {bk} float32 scores in "
+                          "flight beside the block before's P and the output do not fit 160 registers a thread (the GPU "
+                          "compile fails: 'Pass pipeline failed', H200); 192 keys a step at most")
     if cfg.overlap and _stages(spec, cfg) < 2 and cdiv(spec.Lk, bk) > 1:
         raise Unsupported("overlap needs max_concurrent_steps >= 2: a step issues its key block's K beside the block "
                           "before's V, both in the ring")
