@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import autofuse
-from autofuse.device import device_info, software
+from autofuse.device import software
 from autofuse.tuning.local import tune
 from benchmarks.workloads import layer_norm
+from tests.stored_plans import save_plan_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ((2048, 1024), (1024,), (1024,))
@@ -191,15 +192,8 @@ def test_tuned_plan_serves_another_batch_size_after_a_check(tuned):
 
 def _store_plan(url, plan_json, jax_version=None):
     store = autofuse.PlanStore(url)
-    g = autofuse.capture(layer_norm, *_specs())
-    sw = software()
-    if jax_version:
-        sw["jax"] = jax_version
-    dev = device_info()
-    pid = store.program(g.fingerprint, "layer_norm", g.signature(), len(g.nodes))
-    did = store.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"])
-    sid = store.software(**sw)
-    store.save_plan(pid, did, sid, plan_json, measured_ms=1.0, baseline_ms=1.1, speedup=1.1, measure="model", tolerance={}, max_error=0.0)
+    sw = {**software(), "jax": jax_version} if jax_version else None
+    save_plan_here(store, autofuse.capture(layer_norm, *_specs()), "layer_norm", plan_json, sw=sw, baseline_ms=1.1)
     return store
 
 

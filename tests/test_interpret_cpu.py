@@ -14,7 +14,6 @@ import pytest
 
 import autofuse
 from autofuse import interpret_cpu
-from autofuse.device import device_info, software
 from autofuse.graph import qualified_name
 from autofuse.kernels import TEMPLATES
 from autofuse.kernels.mosaic_gpu.gemm import interpret_params
@@ -23,6 +22,7 @@ from autofuse.store import PlanStore
 from autofuse.tuning.partition import enumerate_candidates
 from benchmarks.workloads import matmul_bias_gelu
 from tests.dist_programs import matmul_bias_gelu_inputs
+from tests.stored_plans import save_plan_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,12 +74,7 @@ def test_without_the_scheduler_a_mosaic_gpu_plan_is_served_by_jax_jit_with_the_r
     (c,) = [c for c in enumerate_candidates(graph) if c.template == "matmul"]
     plan = plan_from_choices(graph, [(c.group, "matmul", {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "backend": "mosaic_gpu"})])
     url = f"sqlite:///{tmp_path}/plans.db"
-    store, dev = PlanStore(url), device_info()
-    pid = store.program(graph.fingerprint, "mbg", graph.signature(), len(graph.nodes), function=qualified_name(matmul_bias_gelu),
-                        structure=graph.structure)
-    did = store.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"])
-    store.save_plan(pid, did, store.software(**software()), plan.to_dict(), measured_ms=1.0, baseline_ms=1.5, speedup=1.5,
-                    measure="model", tolerance={}, max_error=0.0)
+    save_plan_here(PlanStore(url), graph, "mbg", plan.to_dict(), function=qualified_name(matmul_bias_gelu), structure=graph.structure)
     args = [jax.random.normal(jax.random.key(i), s.shape, s.dtype) for i, s in enumerate(specs)]
 
     monkeypatch.setattr(interpret_cpu, "SAFE_HERE", False)

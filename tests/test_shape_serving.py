@@ -20,6 +20,7 @@ from autofuse.store import PlanStore
 from autofuse.tuning.partition import enumerate_candidates
 from autofuse.tuning.select import Option, select_cover
 from examples import gpt2
+from tests.stored_plans import save_plan_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = gpt2.Config(vocab=512, d_model=256, n_layers=4, max_seq=64)  # sequence below the position table's size: one structure
@@ -96,12 +97,8 @@ def _save_llama_step_plan(url: str, batch: int, seq: int) -> int:
     config = {**TEMPLATES["attention_vjp"].default_config(cands[0].spec), "block_q": 16, "block_k": 16, "bwd_held": 16, "bwd_step": 16}
     plan = plan_from_choices(graph, [(c.group, "attention_vjp", config, c.stages) for c in cands], {"measure": "model"})
     assert len(plan.groups) == llama.SMALL.n_layers
-    store, dev = PlanStore(url), device_info()
-    pid = store.program(graph.fingerprint, "llama_step", graph.signature(), len(graph.nodes), function=qualified_name(llama.grad_step),
-                        structure=graph.structure)
-    did = store.device(dev["name"], compute_capability=dev["compute_capability"], sm_count=dev["sm_count"], memory_bytes=dev["memory_bytes"])
-    return store.save_plan(pid, did, store.software(**{**software(), "jax": "0.0.1"}), plan.to_dict(), measured_ms=1.0, baseline_ms=1.5,
-                           speedup=1.5, measure="model", tolerance={}, max_error=0.0)
+    return save_plan_here(PlanStore(url), graph, "llama_step", plan.to_dict(), sw={**software(), "jax": "0.0.1"},
+                          function=qualified_name(llama.grad_step), structure=graph.structure)
 
 
 @pytest.mark.slow
