@@ -28,7 +28,8 @@ def readme_section(heading: str) -> str:
     (the directory) is the results page there."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    start = text.index(f"\n## {heading}\n") + len(heading) + 5
+    marker = f"\n## {heading}\n"
+    start = text.index(marker) + len(marker)
     end = text.find("\n## ", start)
     return text[start:end if end >= 0 else None].strip().replace("](results/)", "](results.md)")
 
