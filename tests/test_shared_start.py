@@ -486,9 +486,10 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     while study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # the model's best, queued by the first
         run_trial(study, r, space, ctx)
     rec = Recorder()
-    CompileAhead(rec, cands, spaces, "device", 4).ask([(0, 8)], lambda i: study)
+    asker = CompileAhead(rec, cands, spaces, "device", 4)
+    asker.ask([(0, 8)], lambda i: study)
     waiting = load_study(storage, run_id, r.signature, 2).get_trials(deepcopy=False, states=(TrialState.WAITING,))
-    assert len(waiting) >= 2 and all(t.user_attrs == {} for t in waiting)
+    assert len(waiting) >= 2 and all(t.user_attrs == {ahead.ASKED_BY: asker.tag} for t in waiting)
     compiled = [space.optuna_params(q.config) for b in rec.requests for q in b.items]  # those worth timing, in the queue's order
     assert [t.system_attrs["fixed_params"] for t in waiting if t.system_attrs["fixed_params"] in compiled] == compiled
     other = TrialContext(StoreLedger(pstore, run_id, "b"), _Faster(), "device", 100, "b")
@@ -498,13 +499,11 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     assert len(r.trials) == before + 1 and space.optuna_params(r.trials[-1].config) == waiting[0].system_attrs["fixed_params"]
 
 
-@pytest.mark.slow
-def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(tmp_path):
-    """Two workers of one store taking turns, each asking its part of phase 2 ahead: a config one queued is
-    measured once (by whichever comes first), the budget is spent exactly, and nothing is left running."""
+def _two_workers_taking_turns(tmp_path, indexed: bool, fn=rms_norm, inputs=rms_norm_inputs, extra: int = 24):
+    """Two workers of one store (numbered 0 and 1 where `indexed`) taking turns at trials until the budget (every
+    candidate once and `extra` more) is spent, each compiling ahead. Returns the candidates as the store has them, their
+    spaces, each worker's runner and loop, and the budget."""
     import copy
-
-    from optuna.trial import TrialState
 
     from autofuse.store.optuna_storage import optuna_storage
     from autofuse.tuning.job import create_study
@@ -513,13 +512,13 @@ def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(t
     from autofuse.tuning.scheduler import Scheduler
     from autofuse.tuning.trial import TrialContext
 
-    graph, by_sig, _, spaces = _program()
-    pstore, run_id, cands = _run_with_candidates(tmp_path)
+    graph, by_sig, _, spaces = _program(fn, inputs)
+    pstore, run_id, cands = _run_with_candidates(tmp_path, fn, inputs)
     time_xla(cands, _Faster())
     for r in cands:
         pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
         create_study(optuna_storage(pstore.url), run_id, spaces[r.signature], r.signature)
-    budget = len(cands) + 24
+    budget = len(cands) + extra
     loops, runners = [], []
     for w in range(2):
         mine = copy.deepcopy(cands)
@@ -527,7 +526,7 @@ def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(t
         scheduler = Scheduler(graph, by_sig, mine, spaces, Budget(budget), costmodel.H200)
         ctx = TrialContext(StoreLedger(pstore, run_id, f"w{w}"), rec, "device", scheduler.total, f"w{w}")
         loop = TrialLoop(mine, spaces, scheduler, ctx, optuna_storage(pstore.url), run_id, 0, worker_seed=w)
-        loop.ahead = CompileAhead(rec, mine, spaces, "device", 4, share=2, budget=scheduler.total)
+        loop.ahead = CompileAhead(rec, mine, spaces, "device", 4, share=2, budget=scheduler.total, index=w if indexed else None)
         loops.append(loop)
         runners.append(rec)
     active = [0, 1]
@@ -535,17 +534,49 @@ def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(t
         for w in list(active):
             if loops[w].step() in (None, "closed"):
                 active.remove(w)
-    ledger = StoreLedger(pstore, run_id)
-    ledger.refresh(cands)
+    StoreLedger(pstore, run_id).refresh(cands)
+    return cands, spaces, runners, loops, budget
+
+
+def _ahead(rec) -> list[tuple]:
+    return [key for b in rec.requests if isinstance(b, CompileRequest) for key in _keys(b.items)]
+
+
+@pytest.mark.slow
+def test_two_workers_asking_ahead_share_the_queues_and_measure_no_config_twice(tmp_path):
+    """Two workers of one store taking turns, each asking its part of phase 2 ahead: a config one queued is
+    measured once (by whichever comes first), the budget is spent exactly, and nothing is left running."""
+    from optuna.trial import TrialState
+
+    cands, spaces, runners, loops, budget = _two_workers_taking_turns(tmp_path, indexed=False)
     measured = [(r.signature, config_key(t.config)) for r in cands for t in r.trials if t.status is TrialStatus.OK]
     assert len(measured) == len(set(measured)) == budget
     defaults = {tuple(r.nodes): [config_key(c) for c in spaces[r.signature].defaults()] for r in cands}
     asked = {key for rec in runners for key in _keys(rec.requests)}
     for rec in runners:  # each compiled configs past the defaults ahead, as the trials (through the store) asked for them
-        ahead_ = [key for b in rec.requests if isinstance(b, CompileRequest) for key in _keys(b.items) if key[2] not in defaults[key[0]]]
+        ahead_ = [key for key in _ahead(rec) if key[2] not in defaults[key[0]]]
         assert ahead_ and sum(key in asked for key in ahead_) >= 0.8 * len(ahead_)
     studies = [loops[0].study(i) for i in range(len(cands))]
     assert not [t for s in studies for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+
+
+@pytest.mark.slow  # two workers' whole jobs in turn
+def test_the_workers_of_a_host_compile_ahead_their_own_parts_not_each_others(tmp_path):
+    """Two numbered workers of one host taking turns: each compiles ahead its part of phase 1's defaults (and its own
+    next trial's) and only the phase 2 configs it queued itself, the other's being the other's to compile (its trials
+    find them in the host's caches): no config the samplers proposed is compiled by both, and few defaults. Each compiling all the other did, two workers on 2 H200s were 1.04x one. The
+    budget is spent exactly, each config measured once."""
+    cands, spaces, runners, _, budget = _two_workers_taking_turns(tmp_path, indexed=True)
+    measured = [(r.signature, config_key(t.config)) for r in cands for t in r.trials if t.status is TrialStatus.OK]
+    assert len(measured) == len(set(measured)) == budget
+    firsts = {tuple(r.nodes): [config_key(c) for c in spaces[r.signature].defaults()] + [config_key(spaces[r.signature].model_best())]
+              for r in cands}
+    a, b = (_ahead(rec) for rec in runners)
+    both = set(a) & set(b)
+    proposed = {key for key in set(a) | set(b) if key[2] not in firsts[key[0]]}
+    assert proposed and not both & proposed  # phase 2's proposals: each compiled once
+    defaults = {key for key in set(a) | set(b) if key[2] in firsts[key[0]]}
+    assert len(both) <= len(defaults) // 4  # in step, each compiled every default of its chunk: 11 of 16 twice
 
 
 def test_the_workers_of_a_host_share_the_first_batch_between_them():
@@ -627,3 +658,4 @@ def test_a_restarted_trial_process_is_a_fresh_one_that_answers():
         runner.restart()
         assert old.poll() is not None and runner._proc is not None and runner._proc.pid != old.pid
         assert runner.call(XlaRequest(tuple(cands[0].nodes))).ok
+

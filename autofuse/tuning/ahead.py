@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -46,6 +47,7 @@ MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memo
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
 MAX_ASKED_AHEAD = 8  # phase 2: configs of one candidate asked of its sampler at once (they see none of each other's results)
 MAX_BATCH_AHEAD = 16  # phase 2: configs compiled in one batch, of several candidates
+ASKED_BY = "asked_ahead_by"  # the user attribute naming the worker that queued (and compiles) a config asked ahead
 BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
 log = logging.getLogger("autofuse")
 
@@ -128,18 +130,22 @@ class CompileAhead:
 
     `before(i)` runs before each trial of candidate i: when i has no trial yet and its first config was not
     sent ahead, the trial process compiles it together with the next untried candidates in phase 1 order, no
-    more than this worker's part of the trials left of `budget`. With `share` workers, each compiles every
-    default config (one per backend) of those candidates: the workers go through phase 1 in the same order, each
+    more than this worker's part of the trials left of `budget`. With `share` workers, every default config
+    (one per backend) of those candidates is compiled: the workers go through phase 1 in the same order, each
     taking whichever of a candidate's enqueued configs is next (on 4 H100s, GPT-2's four workers all began with
-    attention, then the same row reductions; a guess of every fourth candidate per worker missed nearly always,
-    and those trials compiled for 1-2 s each). A guess that misses costs compile time on a spare core, never a
-    result: the trial compiles what it does not find.
+    attention, then the same row reductions). Before the kernel cache, each worker compiled them all (a guess of
+    every fourth candidate per worker missed nearly always, and those trials compiled for 1-2 s each); now the
+    numbered workers of a host (`index`) each compile their part (`_ours`) and the trials find the others' kernels
+    in the host's caches. A guess that misses costs compile time on a spare core, never a result: the trial
+    compiles what it does not find.
     """
 
     def __init__(self, runner: Any, cands: list[CandidateState], spaces: dict[str, CandidateSpace], measure: str, workers: int,
                  share: int = 1, budget: int | None = None, index: int | None = None):
         self.runner, self.cands, self.spaces, self.measure = runner, cands, spaces, measure
         self.workers, self.share, self.budget, self.index = workers, max(1, share), budget, index
+        self.tag = f"{socket.gethostname()}:{os.getpid() if index is None else index}"  # this worker, on its asked configs
+        self._turns: dict[int, int] | None = None  # each candidate's worker among the host's (`_ours`)
         self.sent: set[int] = set()
         self.compiled: set[tuple[int, tuple]] = set()  # phase 2: (candidate, config) sent ahead by `ask`
         self.asked_at: dict[int, int] = {}  # phase 2: a candidate's trials that spent budget when its sampler was last asked
@@ -204,9 +210,22 @@ class CompileAhead:
     def before(self, i: int) -> None:
         if self.workers <= 1 or self.measure != "device" or self.cands[i].trials or i in self.sent:
             return
-        reqs = [q for j in self._pick(i) for q in self.first_requests(j)]
+        reqs = [q for j in self._pick(i) if j == i or self._ours(j) for q in self.first_requests(j)]
         if len(reqs) > 1:
             self._compile(reqs)
+
+    def _ours(self, j: int) -> bool:
+        """Whether candidate j's defaults are this worker's to compile ahead: the numbered workers of a host each
+        compile every `share`-th candidate of phase 1's order (the same in every worker once the XLA timings are
+        shared; the workers take its candidates in turn), besides the one of its own next trial; whichever worker's
+        trial takes a config finds it in the host's kernel and compilation caches. Each compiled every candidate of
+        its chunk, in step with the others (2 H200s, results/multi_gpu_h200x2_run25.md: each worker's loop waited
+        69-78 s on batches, one worker alone 63 s for twice the trials)."""
+        if self.index is None or self.share <= 1:
+            return True
+        if self._turns is None:  # fixed at the first call: the trial loop's, after the XLA timings
+            self._turns = {c: n % self.share for n, c in enumerate(phase1_order(self.cands, self.spaces))}
+        return self._turns.get(j, 0) == self.index % self.share
 
     def _compile(self, reqs: list) -> None:
         self.batches.append(len(reqs))
@@ -219,8 +238,8 @@ class CompileAhead:
         trial, the configs the next trials of these candidates will take are compiled in one batch (at most
         MAX_BATCH_AHEAD): for each,
         this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
-        model's best, another worker's), then new ones asked of its sampler at once and queued behind them
-        (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2
+        model's best, this worker's own; another's are left to it), then new ones asked of its sampler at once and
+        queued behind them (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2
         candidate is due 2-4 trials at a time: the batch spans candidates, so that its compiles run side by side. The
         others are looked at only when the next trial's candidate has configs to compile (a store read each).
         `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""
@@ -233,7 +252,8 @@ class CompileAhead:
             if len(todo) >= MAX_BATCH_AHEAD or (k == 1 and not todo):  # the next trial's config is compiled (or not worth it)
                 break
             r, space = self.cands[i], self.spaces[self.cands[i].signature]
-            fresh = [c for c in self._queue(i, study_of(i), min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)))
+            fresh = [c for c in self._queue(i, study_of(i), min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)),
+                                            unmarked=k == 0 or self._ours(i))
                      if (i, config_key(c)) not in self.compiled and not space.unmeasured_reason(c, self.measure)][:MAX_BATCH_AHEAD - len(todo)]
             self.compiled.update((i, config_key(c)) for c in fresh)
             todo += [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in fresh]
@@ -242,10 +262,17 @@ class CompileAhead:
             self._compile(todo)
         add_since(spent, "compile_ahead", t1)
 
-    def _queue(self, i: int, study: Any, k: int) -> list[dict]:
+    def _queue(self, i: int, study: Any, k: int, unmarked: bool = True) -> list[dict]:
         """The configs candidate i's next trials will take: those waiting in its study, topped up to `k` with new
         ones of its sampler's, queued in the study behind them (a trial takes waiting configs first, as it takes the
         defaults). A queued config is an ordinary waiting trial: another worker takes it if this one dies.
+
+        With several workers, a config queued by another (`ASKED_BY`) is theirs to compile: each worker keeps its own
+        part of the queue and compiles only that, and whichever trial takes a config finds it in the host's caches.
+        The configs no worker asked for (the defaults, the model's best, queued with the study and by its first
+        trial) are in the queue where `unmarked`: for the candidate of this worker's next trial, which takes the
+        oldest, and for its own part of the others (`_ours`). When each compiled every waiting config, two workers
+        on 2 H200s each compiled all of the job's configs (results/multi_gpu_h200x2_run25.md: 1.04x faster than one).
 
         The new ones are asked of a copy of the study in memory (its finished and running trials; `space.sampler`,
         seeded by the study and its trials): asked of the study in the store, each cost ~72 ms on an H200 (TPE
@@ -261,19 +288,25 @@ class CompileAhead:
         if worth is not None:
             k = min(k, worth - len({config_key(t.config) for t in r.trials}))
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        queue = [c for t in waiting for c in [_waiting_config(space, t.system_attrs.get("fixed_params"))] if c is not None]
+        queue, theirs = [], []  # theirs: queued by another worker of the run, which compiles them
+        for t in waiting:
+            cfg = _waiting_config(space, t.system_attrs.get("fixed_params"))
+            if cfg is not None:
+                by = t.user_attrs.get(ASKED_BY)
+                (queue if by == self.tag or (by is None and unmarked) else theirs).append(cfg)
         if k < 2 or len(queue) >= k or self.asked_at.get(i, -1) >= len(r.spent()):
             return queue
         self.asked_at[i] = len(r.spent())
-        aside = optuna.create_study(direction="minimize", sampler=sampler(zlib.crc32(f"{study.study_name}:{len(r.trials)}".encode())))
+        seed = f"{study.study_name}:{len(r.trials)}" + (f":{self.index}" if self.index else "")  # the workers' asks differ
+        aside = optuna.create_study(direction="minimize", sampler=sampler(zlib.crc32(seed.encode())))
         aside.add_trials(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
-        seen = {config_key(t.config) for t in r.trials} | {config_key(c) for c in queue}
+        seen = {config_key(t.config) for t in r.trials} | {config_key(c) for c in queue + theirs}
         for _ in range(k - len(queue)):  # one at a time: each sees the ones before as running (the constant liar)
             cfg = space.suggest(aside.ask())
             if config_key(cfg) not in seen:
                 seen.add(config_key(cfg))
                 queue.append(cfg)
-                study.enqueue_trial(space.optuna_params(cfg))
+                study.enqueue_trial(space.optuna_params(cfg), user_attrs={ASKED_BY: self.tag})
         return queue
 
 
