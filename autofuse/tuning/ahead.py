@@ -47,6 +47,7 @@ MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memo
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
 MAX_ASKED_AHEAD = 8  # phase 2: configs of one candidate asked of its sampler at once (they see none of each other's results)
 MAX_BATCH_AHEAD = 16  # phase 2: configs compiled in one batch, of several candidates
+PROPOSALS_PER_CONFIG = 8  # phase 2: proposals of a sampler looked at for each config to compile (the rest are infeasible or pruned)
 ASKED_BY = "asked_ahead_by"  # the user attribute naming the worker that queued (and compiles) a config asked ahead
 BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
 log = logging.getLogger("autofuse")
@@ -240,7 +241,8 @@ class CompileAhead:
         this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
         model's best, this worker's own; another's are left to it), then new ones asked of its sampler at once and
         queued behind them (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2
-        candidate is due 2-4 trials at a time: the batch spans candidates, so that its compiles run side by side. The
+        candidate is due 1-4 trials at a time: the batch spans candidates, so that its compiles run side by side (a
+        candidate due one trial was once left out, and its kernel built in its trial: 44 of GPT-2's 96). The
         others are looked at only when the next trial's candidate has configs to compile (a store read each).
         `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""
         if self.workers <= 1 or self.measure != "device" or not due:
@@ -279,7 +281,9 @@ class CompileAhead:
         reads the trials at every parameter) and left a failed trial behind, and an ask takes waiting trials first.
         Asked together, the constant liar keeps them apart; none sees another's result, the price of compiling them
         at once. Asked once per trial of the candidate that spent budget (asks that found nothing new are not
-        repeated), and never for more than its untried configs where the space can be counted."""
+        repeated), and never for more than its untried configs where the space can be counted. A proposal that breaks a
+        constraint or that the model prunes is not queued (its trial would measure nothing): up to
+        PROPOSALS_PER_CONFIG proposals are looked at for each config queued."""
         import optuna
         from optuna.trial import TrialState
 
@@ -294,19 +298,23 @@ class CompileAhead:
             if cfg is not None:
                 by = t.user_attrs.get(ASKED_BY)
                 (queue if by == self.tag or (by is None and unmarked) else theirs).append(cfg)
-        if k < 2 or len(queue) >= k or self.asked_at.get(i, -1) >= len(r.spent()):
+        if k < 1 or len(queue) >= k or self.asked_at.get(i, -1) >= len(r.spent()):
             return queue
         self.asked_at[i] = len(r.spent())
         seed = f"{study.study_name}:{len(r.trials)}" + (f":{self.index}" if self.index else "")  # the workers' asks differ
         aside = optuna.create_study(direction="minimize", sampler=sampler(zlib.crc32(seed.encode())))
         aside.add_trials(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
         seen = {config_key(t.config) for t in r.trials} | {config_key(c) for c in queue + theirs}
-        for _ in range(k - len(queue)):  # one at a time: each sees the ones before as running (the constant liar)
-            cfg = space.suggest(aside.ask())
-            if config_key(cfg) not in seen:
-                seen.add(config_key(cfg))
+        for _ in range(PROPOSALS_PER_CONFIG * (k - len(queue))):  # one at a time: each sees the ones before as running
+            cfg = space.suggest(aside.ask())                        # (the constant liar)
+            if config_key(cfg) in seen:
+                continue
+            seen.add(config_key(cfg))
+            if space.unmeasured_reason(cfg, self.measure) is None:  # an infeasible or pruned one would take a slot
                 queue.append(cfg)
                 study.enqueue_trial(space.optuna_params(cfg), user_attrs={ASKED_BY: self.tag})
+                if len(queue) >= k:
+                    break
         return queue
 
 
