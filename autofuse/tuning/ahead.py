@@ -100,7 +100,8 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
     first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s) and
     the whole program compile beside XLA's references instead of after them. `spent` adds up where the time went:
     seconds compiling ahead ("compile"), seconds of the timing requests ("time", with what they compiled
-    themselves), groups ("groups"), first trials' kernels compiled with them ("trials")."""
+    themselves), groups ("groups"), first trials' kernels compiled with them ("trials"), and the longest compile of
+    one item of each kind ("longest_xla", "longest_trial", "longest_program")."""
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
@@ -111,8 +112,11 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
         if extra:
             spent["trials"] = spent.get("trials", 0) + sum(isinstance(q, TrialRequest) for q in extra)
         extra = []
-        if workers > 1 and len(items) > 1 and not compile_batch(runner, items, workers):
+        longest: dict[str, float] = {}
+        if workers > 1 and len(items) > 1 and not compile_batch(runner, items, workers, longest=longest):
             workers = 1
+        for kind, secs in longest.items():  # the batch waits for its longest compile
+            spent[f"longest_{kind}"] = max(spent.get(f"longest_{kind}", 0.0), secs)
         t1 = add_since(spent, "compile", t0)
         for r in part:
             res = runner.call(XlaRequest(tuple(r.nodes)))
