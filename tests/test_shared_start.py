@@ -529,6 +529,13 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
     run_trial(load_study(storage, run_id, r.signature, 2), r, space, other)
     ledger.refresh(cands)
     assert len(r.trials) == before + 1 and space.optuna_params(r.trials[-1].config) == waiting[0].system_attrs["fixed_params"]
+    study = load_study(storage, run_id, r.signature, 3)
+    left = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    alone = CompileAhead(Recorder(), cands, spaces, "device", 4)  # the job alone, resumed in another process
+    alone.tag = "elsewhere:1"
+    assert [space.optuna_params(c) for c in alone._queue(0, study, len(left))] == left  # its own to compile
+    other = CompileAhead(Recorder(), cands, spaces, "device", 4, share=2, index=1)  # a second worker of the host
+    assert not [c for c in other._queue(0, study, len(left)) if space.optuna_params(c) in left]  # the asker's to compile
 
 
 def _two_workers_taking_turns(tmp_path, indexed: bool, fn=rms_norm, inputs=rms_norm_inputs, extra: int = 24):

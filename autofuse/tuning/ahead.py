@@ -305,7 +305,8 @@ class CompileAhead:
             cfg = _waiting_config(space, t.system_attrs.get("fixed_params"))
             if cfg is not None:
                 by = t.user_attrs.get(ASKED_BY)
-                (queue if by == self.tag or (by is None and unmarked) else theirs).append(cfg)
+                mine = self.share <= 1 or by == self.tag or (by is None and unmarked)  # alone: a resumed job's too
+                (queue if mine else theirs).append(cfg)
         if k < 1 or len(queue) >= k or self.asked_at.get(i, -1) >= len(r.spent()):
             return queue
         self.asked_at[i] = len(r.spent())
