@@ -3,6 +3,7 @@ program, seed, budget, clock and (fake) timings, run the same trials on the same
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from autofuse.runner.protocol import TrialRequest, TrialResult, XlaRequest
 from autofuse.status import TrialStatus
 from autofuse.store import PlanStore
 from autofuse.tuning.job import create_study, distinct_candidates, open_run, register_candidates, search_spaces, time_xla
-from autofuse.tuning.ledger import StoreLedger
+from autofuse.tuning.ledger import CandidateState, StoreLedger
 from autofuse.tuning.local import local_loop
 from autofuse.tuning.scheduler import Budget, Scheduler
 from autofuse.tuning.space import CandidateSpace
@@ -257,10 +258,9 @@ def test_outputs_xla_would_keep_inside_a_fusion_cost_the_group_what_writing_them
     assert space.cut_ms == costmodel.cut_outputs_ms(first_half)
 
 
-def test_phase_two_shares_follow_the_programs_time_at_stake_not_one_instances():
-    """Past phase 1, a group repeated 8 times (8 x 1.4 ms of XLA time) gets more trials than a group run once with
-    the largest time of one instance (3.0 ms): shares follow XLA's time times the instances (GPT-2's LM head, one
-    3.25 ms group, once took 19 of 40 trials from 24 QKV projections of 0.23 ms each)."""
+def _tuned_repeated_and_once(runner_of: Callable) -> tuple[CandidateState, CandidateState]:
+    """A layer norm run once and a head repeated 8 times (8 x 1.4 ms of XLA time against 3.0 ms), tuned past phase 1
+    on the fake clock with `runner_of(clock, repeated)`'s timings: the repeated candidate and the one run once."""
     def program(x, g, b, ys, c):
         return layer_norm(x, g, b), [log_relu_bias(y, c) for y in ys]
 
@@ -269,12 +269,22 @@ def test_phase_two_shares_follow_the_programs_time_at_stake_not_one_instances():
     by_sig, cands = distinct_candidates(graph)
     time_xla(cands, FakeDevice())
     spaces = search_spaces(by_sig, cands, costmodel.H200)
-    clock = FakeClock()
-    loop = local_loop(graph, by_sig, cands, spaces, Budget(3 * len(cands), None, clock), costmodel.H200, "device", Ticking(clock), None, None, 7)
-    loop.run()
     repeated = max(cands, key=lambda r: (r.instances, r.xla_ms))
     once = max((r for r in cands if r.instances == 1), key=lambda r: r.xla_ms)
-    assert repeated.instances == 8 and repeated.xla_ms < once.xla_ms
+    assert repeated.instances == 8 and repeated.xla_ms < once.xla_ms < 8 * repeated.xla_ms
+    clock = FakeClock()
+    loop = local_loop(graph, by_sig, cands, spaces, Budget(3 * len(cands), None, clock), costmodel.H200, "device",
+                      runner_of(clock, repeated), None, None, 7)
+    loop.run()
+    return repeated, once
+
+
+def test_phase_two_shares_follow_the_programs_time_at_stake_not_one_instances():
+    """Past phase 1, a group repeated 8 times (8 x 1.4 ms of XLA time) gets more trials than a group run once with
+    the largest time of one instance (3.0 ms), its configs as fast: shares follow the time at stake, one instance's
+    times the instances (GPT-2's LM head, one 3.25 ms group, once took 19 of 40 trials from 24 QKV projections of
+    0.23 ms each)."""
+    repeated, once = _tuned_repeated_and_once(lambda clock, _: Ticking(clock))
     assert len(repeated.spent()) > len(once.spent()) + 4, (len(repeated.spent()), len(once.spent()))
 
 
@@ -283,28 +293,18 @@ def test_phase_two_shares_follow_what_the_plan_still_spends_not_what_xla_spent()
     phase 1 it gets fewer trials than a group run once that its configs barely beat, though XLA spends more on the
     first (8 x 1.4 ms against 3.0 ms). Shares by XLA's time gave GPT-2's attention (24 x 2.56 ms in XLA, 0.21 ms at
     its default) 51 of 96 trials, none of which beat the default."""
-    def program(x, g, b, ys, c):
-        return layer_norm(x, g, b), [log_relu_bias(y, c) for y in ys]
-
-    args = ARGS[:3] + ([S((512, 2048), jnp.float32)] * 8, ARGS[4])
-    graph = autofuse.capture(program, *args)
-    by_sig, cands = distinct_candidates(graph)
-    time_xla(cands, FakeDevice())
-    spaces = search_spaces(by_sig, cands, costmodel.H200)
-    repeated = max(cands, key=lambda r: (r.instances, r.xla_ms))
-    once = max((r for r in cands if r.instances == 1), key=lambda r: r.xla_ms)
-    assert repeated.instances == 8 and repeated.xla_ms * 8 > once.xla_ms
-
     class SolvedAlready(Ticking):
+        def __init__(self, clock, repeated):
+            super().__init__(clock)
+            self.repeated = repeated
+
         def call(self, req):
             res = super().call(req)
-            if isinstance(req, TrialRequest) and res.ok and tuple(req.nodes) == tuple(repeated.nodes):
-                ms = repeated.xla_ms / 20 * (1 + res.median_ms / 100)
+            if isinstance(req, TrialRequest) and res.ok and tuple(req.nodes) == tuple(self.repeated.nodes):
+                ms = self.repeated.xla_ms / 20 * (1 + res.median_ms / 100)
                 return TrialResult(TrialStatus.OK, ms, ms, ms)
             return res
 
-    clock = FakeClock()
-    loop = local_loop(graph, by_sig, cands, spaces, Budget(3 * len(cands), None, clock), costmodel.H200, "device", SolvedAlready(clock), None, None, 7)
-    loop.run()
+    repeated, once = _tuned_repeated_and_once(SolvedAlready)
     assert repeated.best_ms < repeated.xla_ms / 19 and once.best_ms < once.xla_ms
     assert len(once.spent()) > len(repeated.spent()), (len(once.spent()), len(repeated.spent()))
