@@ -47,7 +47,7 @@ MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memo
 CHUNK_PER_THREAD = 2  # a chunk compiled at once: this many items per thread
 MAX_ASKED_AHEAD = 8  # phase 2: configs of one candidate asked of its sampler at once (they see none of each other's results)
 MAX_BATCH_AHEAD = 16  # phase 2: configs compiled in one batch, of several candidates
-PROPOSALS_PER_CONFIG = 8  # phase 2: proposals of a sampler looked at for each config to compile (the rest are infeasible or pruned)
+PROPOSALS_PER_CONFIG = 8  # phase 2: a sampler's proposals looked at per config queued (the rest infeasible or pruned)
 ASKED_BY = "asked_ahead_by"  # the user attribute naming the worker that queued (and compiles) a config asked ahead
 BATCH_TIMEOUT_S = 120.0  # a batch that takes longer hangs: the trial process is restarted and compiling ahead stops
 log = logging.getLogger("autofuse")
@@ -105,9 +105,10 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
-    # the first trials' kernels, then the program, first in the batch: their compiles are the longest (a cold
-    # H200: GPT-2's attention kernel 18.9 s and the program 9.7 s of a 21.5 s batch, each XLA reference <= 10.9 s);
-    # behind the references, their lowering (Python, one thread at a time) waited on all of the references'.
+    # the first trials' kernels, then the program, first in the batch: the longest compiles first (a cold H200:
+    # GPT-2's attention kernel 18.9 s and the program 9.7 s of a 21.5 s batch). It did not shorten that batch: its
+    # Python work (the lowerings) runs one thread at a time, and the kernel (3 s alone) finished with most of it
+    # wherever it started (results/tuning_h200_run26.md).
     extra = sorted(first_trials, key=lambda q: (not isinstance(q, TrialRequest), not isinstance(q, ProgramRequest))) \
         if workers > 1 else []
     for part in [cands[k:k + size] for k in range(0, len(cands), size)] or ([[]] if extra else []):
@@ -248,8 +249,8 @@ class CompileAhead:
         MAX_BATCH_AHEAD): for each,
         this worker's part of its due trials (at most MAX_ASKED_AHEAD), the configs waiting in its study first (the
         model's best, this worker's own; another's are left to it), then new ones asked of its sampler at once and
-        queued behind them (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a phase 2
-        candidate is due 1-4 trials at a time: the batch spans candidates, so that its compiles run side by side (a
+        queued behind them (`_queue`). A trial is 86-91% its kernel's build (results/tuning_one_h200_run20.md), and a
+        phase 2 candidate is due 1-4 trials at a time: the batch spans candidates, so that its compiles run side by side (a
         candidate due one trial was once left out, and its kernel built in its trial: 44 of GPT-2's 96). The
         others are looked at only when the next trial's candidate has configs to compile (a store read each).
         `spent`: seconds asking ("ask_ahead") and compiling ("compile_ahead")."""

@@ -109,8 +109,9 @@ def phase1_visits(n_cands: int, total: int) -> int:
 def time_at_stake(r: CandidateState) -> float:
     """What more trials of `r` can still save in the program, at most (ms): the time the best plan so far spends on
     it, every instance: its best config's time, or XLA's where that is faster (or no config worked yet). Phase 2's
-    shares follow it. By XLA's time alone, GPT-2's attention (24 x 2.56 ms in XLA, 0.21 ms at its default) took 51
-    of 96 trials on 2 H200s and none beat its default, while the GEMMs beside it (24 x ~0.2 ms) had a few each."""
+    shares follow it. By XLA's time alone, GPT-2's attention (24 x 2.5 ms in XLA, 0.21 ms at its default) took 33-60
+    of 96 trials and none beat its default, while the GEMMs beside it (24 x ~0.2 ms) had 4-7 each; by this, 8-10 and
+    6-9 (2 H200s, results/tuning_h200_run26.md)."""
     times = [t for t in (r.best_ms, r.xla_ms) if t is not None]
     return min(times, default=0.0) * r.instances
 
