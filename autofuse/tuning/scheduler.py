@@ -111,7 +111,7 @@ def time_at_stake(r: CandidateState) -> float:
     it, every instance: its best config's time, or XLA's where that is faster (or no config worked yet). Phase 2's
     shares follow it. By XLA's time alone, GPT-2's attention (24 x 2.5 ms in XLA, 0.21 ms at its default) took 33-60
     of 96 trials and none beat its default, while the GEMMs beside it (24 x ~0.2 ms) had 4-7 each; by this, 8-10 and
-    6-9 (2 H200s, results/tuning_h200_run26.md)."""
+    5-9 (2 H200s, results/tuning_h200_run26.md)."""
     times = [t for t in (r.best_ms, r.xla_ms) if t is not None]
     return min(times, default=0.0) * r.instances
 
