@@ -105,15 +105,10 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
-    # the first trials' kernels, then the program, first in the batch: the longest compiles first (a cold H200:
-    # GPT-2's attention kernel 18.9 s and the program 9.7 s of a 21.5 s batch). It did not shorten that batch: its
-    # Python work (the lowerings) runs one thread at a time, and the kernel (3 s alone) finished with most of it
-    # wherever it started (results/tuning_h200_run26.md).
-    extra = sorted(first_trials, key=lambda q: (not isinstance(q, TrialRequest), not isinstance(q, ProgramRequest))) \
-        if workers > 1 else []
+    extra = list(first_trials) if workers > 1 else []
     for part in [cands[k:k + size] for k in range(0, len(cands), size)] or ([[]] if extra else []):
         t0 = time.perf_counter()
-        items = extra + [XlaRequest(tuple(r.nodes)) for r in part]
+        items = [XlaRequest(tuple(r.nodes)) for r in part] + extra
         if extra:
             spent["trials"] = spent.get("trials", 0) + sum(isinstance(q, TrialRequest) for q in extra)
         extra = []
