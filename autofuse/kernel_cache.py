@@ -14,11 +14,14 @@ not kept; an entry that cannot be read is made again; past `MAX_BYTES` the least
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-from typing import Any, Callable
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import jax
 
@@ -36,23 +39,45 @@ def cache_dir(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
     return chosen_dir(environ, ENV_DIR, jaxlib_cache_dir("kernels"))
 
 
-def _platform() -> str:
-    """The `jax.export` platform of the default device ("cuda" for an NVIDIA GPU)."""
-    p = jax.devices()[0].platform
-    return "cuda" if p == "gpu" else p
+@dataclass(frozen=True)
+class Target:
+    """The device a kernel is lowered for: what its lowering reads of the device, and part of its key. A process
+    without that device (`runner.lowering_pool`'s helpers) lowers for it as an abstract device."""
+
+    kind: str  # jax's device_kind, "NVIDIA H200"
+    cores: int | None  # SMs: a persistent kernel's grid
+    platform: str = "cuda"  # jax.export's name of it
+
+    @classmethod
+    def here(cls) -> "Target":
+        """This process's first device."""
+        dev = jax.devices()[0]
+        return cls(dev.device_kind, getattr(dev, "core_count", None), "cuda" if dev.platform == "gpu" else dev.platform)
+
+    @contextlib.contextmanager
+    def lowering(self) -> Iterator[None]:
+        """Lower for this device where it is not this process's own (jax >= 0.11 reads the abstract mesh's device
+        for the compute capability; the kernels read its SM count, `mosaic_gpu.gemm.num_sms_default`)."""
+        dev = jax.sharding.AbstractDevice(device_kind=self.kind, num_cores=self.cores, platform=self.platform)
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+            yield
 
 
-def kernel_key(group: Group, template: str, backend: str, config: dict) -> str:
+def kernel_key(group: Group, template: str, backend: str, config: dict, target: Target | None = None) -> str:
     """What decides the lowered kernel: the group's computation (`Group.signature`: its equations, shapes and dtypes),
-    the template, backend and config, the device (a Mosaic GPU kernel's grid is its SM count), JAX's version and the
-    source of the kernels and of the templates registered now."""
-    dev = jax.devices()[0]
+    the template, backend and config, the device (a Mosaic GPU kernel's grid is its SM count; `target`, default this
+    process's), JAX's version and the source of the kernels and of the templates registered now."""
+    t = target or Target.here()
     what = {"group": group.signature, "template": template, "backend": backend, "config": config,
-            "platform": _platform(), "device": dev.device_kind, "cores": getattr(dev, "core_count", None), "jax": jax.__version__}
+            "platform": t.platform, "device": t.kind, "cores": t.cores, "jax": jax.__version__}
     h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode())
     h.update(digests.sources("graph.py", "ops.py", "kernels/**/*.py").encode())
     digests.templates_digest(h)
     return h.hexdigest()[:32]
+
+
+def entry_path(root: str, key: str) -> str:
+    return os.path.join(root, key[:2], f"{key}.jaxexp")
 
 
 def cached(kernel: Callable, group: Group, template: str, backend: str, config: dict, *,
@@ -63,8 +88,7 @@ def cached(kernel: Callable, group: Group, template: str, backend: str, config: 
     root = directory or cache_dir()
     if root is None:
         return kernel
-    key = kernel_key(group, template, backend, config)
-    path = os.path.join(root, key[:2], f"{key}.jaxexp")
+    path = entry_path(root, kernel_key(group, template, backend, config))
     try:
         with open(path, "rb") as f:
             exp = jax.export.deserialize(bytearray(f.read()))
@@ -74,17 +98,40 @@ def cached(kernel: Callable, group: Group, template: str, backend: str, config: 
         pass
     except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: made again below
         log.debug("autofuse: kernel cache entry %s unreadable (%s: %s); exporting again", path, type(e).__name__, e)
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()]
     try:
-        exp = jax.export.export(jax.jit(kernel), platforms=[_platform()],
-                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*structs)
-        blob = exp.serialize()
+        exp = export(kernel, group)
     except Exception as e:  # noqa: BLE001 - whatever cannot be exported runs as built (its own errors come from there)
         log.debug("autofuse: kernel of %s (%s, %s) not exported: %s: %s", group.signature, template, backend, type(e).__name__, e)
         return kernel
-    _write(path, blob)
+    _write(path, exp.serialize())
     trim(root)
     return _call(exp, kernel)
+
+
+def export(kernel: Callable, group: Group, target: Target | None = None) -> Any:
+    """`jax.export` of the kernel for `target`'s platform (default: this process's device, as itself)."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in group.input_avals()]
+    with target.lowering() if target is not None else contextlib.nullcontext():
+        return jax.export.export(jax.jit(kernel), platforms=[(target or Target.here()).platform],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*structs)
+
+
+def code(exp: Any) -> str:
+    """An export's module without its source locations (the Python call stack that lowered it): what two processes'
+    exports of one kernel for one device share (`runner.lowering_pool`'s helpers and the process on that device)."""
+    lines = [ln for ln in exp.mlir_module().splitlines() if not ln.startswith("#loc")]
+    return "\n".join(re.sub(r"\s*loc\((?:[^()]|\([^()]*\))*\)", "", ln) for ln in lines)
+
+
+def keep(kernel: Callable, group: Group, template: str, backend: str, config: dict, target: Target, directory: str) -> bool:
+    """Export `kernel` for `target` (not this process's device) into the cache at `directory`, under the key a
+    process on that device looks up; False where it is already there. Raises what the export raises."""
+    path = entry_path(directory, kernel_key(group, template, backend, config, target))
+    if os.path.exists(path):
+        return False
+    _write(path, export(kernel, group, target).serialize())
+    trim(directory)
+    return True
 
 
 def _call(exp: Any, kernel: Callable) -> Callable:

@@ -54,6 +54,8 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
         "ncu": Part("benchmarks.ncu_kernel", "one kernel of `kernels mosaic` (Mosaic GPU, Triton or JAX's hopper GEMM), run a few times for ncu to profile"),
         "xla-time": Part("benchmarks.xla_time", "jax.jit's time by kernel: what each XLA fusion computes, the bytes it moves, its bandwidth"),
         "precision": Part("benchmarks.precision_probe", "the precision of XLA's float32 dots under JAX's defaults"),
+        "lowering": Part("benchmarks.lowering_apart", "GPT-2's kernels lowered by CPU-only helper processes against this GPU "
+                         "process's own lowering: the same module, and the seconds each way"),
     }),
 }
 HELP = ("-h", "--help")

@@ -7,21 +7,24 @@ roofline model (results marked `modelled`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
 
-from .. import costmodel
+from .. import costmodel, kernel_cache
 from ..device import device_label
 from ..graph import Graph, Group
 from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..spent import add_parts, add_since
 from ..status import TrialStatus
+from . import lowering_pool
 from .in_program import InProgram, in_program
+from .lowering_pool import LoweringPool
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
 from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing,
@@ -75,6 +78,21 @@ class Evaluator:
         self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job (perhaps ahead)
         self._check: ProgramCheck | None = None  # judging plans against it, its spreads measured once per job, not per plan
         self.device = device_label()  # recorded on every result: which device of which worker ran it
+        self._apart: tuple[bytes, list[str]] | None = None  # the program's spec and search path, for lowering helpers
+        self._pool: LoweringPool | None = None
+
+    def lower_apart(self, spec_blob: bytes, sys_path: Sequence[str]) -> None:
+        """Let `compile_ahead` lower its kernels in helper processes (`lowering_pool`) that capture the program from
+        `spec_blob` (a pickled `process.ProgramSpec`): where kernels are built for a GPU and kept in the kernel cache."""
+        if self.measure == "device" and not self.interpret and jax.default_backend() == "gpu" and kernel_cache.cache_dir():
+            self._apart = (spec_blob, list(sys_path))
+
+    def _lowering_pool(self, workers: int) -> LoweringPool | None:
+        if self._pool is None and self._apart is not None:
+            n = lowering_pool.helpers(workers)
+            self._apart, self._pool = None, (LoweringPool(*self._apart, kernel_cache.Target.here(), kernel_cache.cache_dir(), n)
+                                             if n > 0 else None)
+        return self._pool
 
     def handle(self, req: Request) -> Result:
         if isinstance(req, XlaRequest):
@@ -124,8 +142,12 @@ class Evaluator:
         """Whether a kernel trial compiles for the device (else it runs in interpret mode and is modelled)."""
         return self.measure == "device" or not self.interpret
 
-    def _kernel(self, group: Group, template: str, config: dict) -> Callable:
-        """One config of a template for a group, built and (on the device) compiled."""
+    def _kernel(self, group: Group, template: str, config: dict, lowered: Future | None = None) -> Callable:
+        """One config of a template for a group, built and (on the device) compiled; once `lowered` (a lowering
+        helper's, `compile_ahead`) is done, where it reads the helper's export from the kernel cache."""
+        if lowered is not None:
+            with contextlib.suppress(Exception):
+                lowered.result(lowering_pool.LOWER_TIMEOUT_S)
         backend, params = _split(config)
         kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
         if not self._compiles() and jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
@@ -161,6 +183,8 @@ class Evaluator:
         timings. A failure is not kept: its own request compiles it again, and fails as on the serial path."""
         t0 = time.perf_counter()
         todo: list[tuple[str, Any, Callable[[], Callable]]] = []
+        helpers = self._lowering_pool(workers) if any(isinstance(it, TrialRequest) for it in items) else None
+        apart = (helpers.lowered, helpers.seconds) if helpers is not None else (0, 0.0)
         for it in items:
             if isinstance(it, (ValidateRequest, ProgramRequest)):  # a whole plan, and once the whole program's reference
                 if self._program is None and not any(kind == "program" for kind, _, _ in todo):
@@ -177,9 +201,10 @@ class Evaluator:
                              lambda f=self._xla_fn(group), v=self._view(group): f.lower(*v.structs()).compile()))
             elif isinstance(it, TrialRequest) and self._compiles() and TEMPLATES[it.template].match(group) is not None:
                 key = _trial_key(it.nodes, it.template, it.config)
-                if key not in self._ahead:
+                if key not in self._ahead and not any(kind == "trial" and k == key for kind, k, _ in todo):
                     self._view(group)  # made here, not in the compiling threads
-                    todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config): self._kernel(g, t, c)))
+                    lowered = helpers.submit(it.nodes, it.template, it.config) if helpers is not None else None
+                    todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config), f=lowered: self._kernel(g, t, c, f)))
 
         def attempt(build: Callable[[], Any]) -> tuple[Any, float]:
             t = time.perf_counter()
@@ -209,7 +234,9 @@ class Evaluator:
         if side:
             longest["inputs"] = round(longest_inputs, 3)
         failed = sum(fn is None for fn in built)
-        return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest)
+        apart = (helpers.lowered - apart[0], round(helpers.seconds - apart[1], 3)) if helpers is not None else apart
+        return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest,
+                             lowered_apart=apart[0], lowering_apart_s=apart[1])
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
         return time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=self.target_ms)

@@ -45,15 +45,20 @@ class ProgramSpec:
         except Exception:
             return False
 
+    def capture(self) -> Any:
+        """The program's `Graph`, captured here; raises where it is not the program the parent captured."""
+        from ..graph import capture
+
+        graph = capture(self.fn, *self.args, static_argnums=self.static_argnums, static_argnames=self.static_argnames, **self.kwargs)
+        if self.fingerprint and graph.fingerprint != self.fingerprint:
+            raise RuntimeError(f"captured program {graph.fingerprint} here, expected {self.fingerprint}")
+        return graph
+
 
 def _make_evaluator(spec: ProgramSpec, options: dict) -> Any:
-    from ..graph import capture
     from .evaluator import Evaluator
 
-    graph = capture(spec.fn, *spec.args, static_argnums=spec.static_argnums, static_argnames=spec.static_argnames, **spec.kwargs)
-    if spec.fingerprint and graph.fingerprint != spec.fingerprint:
-        raise RuntimeError(f"trial process captured program {graph.fingerprint}, expected {spec.fingerprint}")
-    return Evaluator(graph, **options)
+    return Evaluator(spec.capture(), **options)
 
 
 def child_main() -> None:
@@ -65,6 +70,7 @@ def child_main() -> None:
     sys.path[:] = [*boot["sys_path"], *(p for p in sys.path if p not in boot["sys_path"])]  # imports as its parent, in its order
     try:
         ev = _make_evaluator(pickle.loads(boot["spec"]), boot["options"])
+        ev.lower_apart(boot["spec"], boot["sys_path"])
         out.send("ready")
     except Exception as e:
         out.send(f"{type(e).__name__}: {e}")

@@ -57,7 +57,8 @@ class CompileRequest:
 @dataclass(frozen=True)
 class CompileResult:
     """What a `CompileRequest` did: items compiled, items that failed, the wall time, and per kind of item
-    ("program": jax.jit's whole program, "plan", "xla", "trial") the longest compilation of one, in seconds."""
+    ("program": jax.jit's whole program, "plan", "xla", "trial") the longest compilation of one, in seconds; the
+    kernels lowered by helper processes (`lowering_pool`) and their seconds lowering them."""
 
     status: TrialStatus
     compiled: int = 0
@@ -65,6 +66,8 @@ class CompileResult:
     seconds: float = 0.0
     error: str | None = None
     longest: dict = field(default_factory=dict)
+    lowered_apart: int = 0
+    lowering_apart_s: float = 0.0
 
     @property
     def ok(self) -> bool:

@@ -79,13 +79,16 @@ def compile_batch(runner: Any, items: Sequence[CompileItem], workers: int,
     request), after which the caller compiles serially: a crash that repeats would otherwise cost a restart per batch.
     `timeout_s` None: the runner's per-request limit (whole programs, which take longer than a batch of kernels).
     `longest` receives the longest compilation of one item per kind (`CompileResult.longest`); `tally` adds up the
-    items that failed to compile ("failed") and the batches that crashed or hung the trial process ("lost")."""
+    items that failed to compile ("failed"), the batches that crashed or hung the trial process ("lost") and the kernels
+    that lowering helpers lowered ("lowered_apart")."""
     res = runner.call(CompileRequest(tuple(items), workers, timeout_s=timeout_s))
     if longest is not None:
         longest.update(getattr(res, "longest", None) or {})
     if tally is not None:
         tally["failed"] = tally.get("failed", 0) + (getattr(res, "failed", 0) or 0)
         tally["lost"] = tally.get("lost", 0) + (res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT))
+        if getattr(res, "lowered_apart", 0):
+            tally["lowered_apart"] = tally.get("lowered_apart", 0) + res.lowered_apart
     if res.status in (TrialStatus.CRASHED, TrialStatus.TIMEOUT):
         log.warning("autofuse: compiling %d items ahead on %d threads: %s (%s); compiling one at a time from here",
                     len(items), workers, res.status.value, res.error)
@@ -100,8 +103,9 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
     first chunk (alone where there is none): the first trials' kernels (GPT-2's Mosaic GPU attention: 4-5 s) and
     the whole program compile beside XLA's references instead of after them. `spent` adds up where the time went:
     seconds compiling ahead ("compile"), seconds of the timing requests ("time", with what they compiled
-    themselves), groups ("groups"), first trials' kernels compiled with them ("trials"), and the longest compile of
-    one item of each kind ("longest_xla", "longest_trial", "longest_program")."""
+    themselves), groups ("groups"), first trials' kernels compiled with them ("trials"), the longest compile of
+    one item of each kind ("longest_xla", "longest_trial", "longest_program"), and `compile_batch`'s tally (items
+    that failed, batches lost, kernels lowered by helper processes)."""
     results: list[TrialResult] = []
     spent = {} if spent is None else spent
     size = chunk_size(workers)
@@ -113,7 +117,7 @@ def time_xla_concurrently(cands: Sequence[CandidateState], runner: Any, workers:
             spent["trials"] = spent.get("trials", 0) + sum(isinstance(q, TrialRequest) for q in extra)
         extra = []
         longest: dict[str, float] = {}
-        if workers > 1 and len(items) > 1 and not compile_batch(runner, items, workers, longest=longest):
+        if workers > 1 and len(items) > 1 and not compile_batch(runner, items, workers, longest=longest, tally=spent):
             workers = 1
         for kind, secs in longest.items():  # the batch waits for its longest compile
             spent[f"longest_{kind}"] = max(spent.get(f"longest_{kind}", 0.0), secs)

@@ -117,7 +117,7 @@ from ..attention_masks import block_ranges, scale_fold
 from ..attention_spec import AttentionSpec, Operand
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
-from .gemm import require_smem
+from .gemm import num_sms_default, require_smem
 from .tiles import COLS, FULL, NONE, ROWS, RegisterTiles, Unsupported, check_nodes, layout
 
 BACKEND = "mosaic_gpu"
@@ -376,7 +376,7 @@ def sm_count(interp) -> int:
     test's CTAs then each walk several tiles."""
     if interp is not None:
         return 3
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    return num_sms_default()
 
 
 def _o_in_q(spec: AttentionSpec) -> bool:

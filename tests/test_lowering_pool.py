@@ -1,0 +1,118 @@
+"""Kernels lowered in CPU-only helper processes (`runner.lowering_pool`): a helper keeps, under the key a process
+on the target GPU looks up, the very export that process would make; a helper that cannot start or fails a kernel
+leaves it to the trial process (a False future, never a hang), and no helpers means none are started."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autofuse
+from autofuse import kernel_cache
+from autofuse.graph import Group
+from autofuse.kernel_cache import Target
+from autofuse.kernels import TEMPLATES
+from autofuse.runner import lowering_pool
+from autofuse.runner.lowering_pool import LoweringPool
+from autofuse.runner.process import ProgramSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+S = jax.ShapeDtypeStruct
+H100 = Target("NVIDIA H100", 132)
+
+
+def gemm_tanh(x, w, b):
+    return jnp.tanh(x @ w + b)
+
+
+def gemm_tanh_inputs():
+    return (S((256, 128), jnp.bfloat16), S((128, 256), jnp.bfloat16), S((256,), jnp.bfloat16))
+
+
+def _program():
+    graph = autofuse.capture(gemm_tanh, *gemm_tanh_inputs())
+    group = Group.of(graph, [n.id for n in graph.nodes])
+    return graph, group, ProgramSpec(gemm_tanh, gemm_tanh_inputs(), fingerprint=graph.fingerprint)
+
+
+def _config(group, backend):
+    mod = TEMPLATES["matmul"]
+    return {"backend": backend, **mod.default_config_of(mod.match(group), backend)}
+
+
+def _exported_here(group, config, target):
+    """The export this process makes of the kernel for `target`: what a process on that GPU would make."""
+    mod = TEMPLATES["matmul"]
+    backend, params = config["backend"], {k: v for k, v in config.items() if k != "backend"}
+    with target.lowering():
+        kernel = mod.build(group, params, backend=backend, interpret=False, spec=mod.match(group))
+        return params, kernel_cache.export(kernel, group, target)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+def test_a_helper_keeps_the_export_the_target_process_would_make(tmp_path, monkeypatch, backend):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    graph, group, spec = _program()
+    config = _config(group, backend)
+    pool = LoweringPool(pickle.dumps(spec), [ROOT], H100, str(tmp_path), processes=1)
+    try:
+        fut = pool.submit(tuple(group.node_ids), "matmul", config)
+        assert fut.result(timeout=300) is True
+        assert pool.submit(tuple(group.node_ids), "matmul", dict(config)) is fut  # asked again: the same lowering
+    finally:
+        pool.close()
+    assert pool.lowered == 1 and pool.seconds > 0
+    params, here = _exported_here(group, config, H100)
+    path = kernel_cache.entry_path(str(tmp_path), kernel_cache.kernel_key(group, "matmul", backend, params, H100))
+    with open(path, "rb") as f:
+        kept = jax.export.deserialize(bytearray(f.read()))
+    assert kernel_cache.code(kept) == kernel_cache.code(here) and "custom_call" in kernel_cache.code(here)
+    assert kept.platforms == ("cuda",)
+    other = kernel_cache.kernel_key(group, "matmul", backend, params, Target("NVIDIA H100", 114))
+    assert other != kernel_cache.kernel_key(group, "matmul", backend, params, H100)  # the SM count is part of the key
+
+
+def test_the_target_decides_a_persistent_kernels_grid():
+    """A Mosaic GPU GEMM's persistent grid is the target's SM count, not this process's device's."""
+    _, group, _ = _program()
+    config = _config(group, "mosaic_gpu")
+    _, on_132 = _exported_here(group, config, H100)
+    _, on_114 = _exported_here(group, config, Target("NVIDIA H100", 114))
+    assert kernel_cache.code(on_132) != kernel_cache.code(on_114)
+
+
+def test_a_helper_that_cannot_start_leaves_the_kernels_to_the_trial_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    _, group, spec = _program()
+    spec.fingerprint = "not-this-program"
+    pool = LoweringPool(pickle.dumps(spec), [ROOT], H100, str(tmp_path), processes=2)
+    futures = [pool.submit(tuple(group.node_ids), "matmul", _config(group, b)) for b in ("triton", "mosaic_gpu")]
+    assert [f.result(timeout=300) for f in futures] == [False, False]
+    assert pool.broken and pool.submit(tuple(group.node_ids), "matmul", {"backend": "triton", "block_m": 64}) is None
+    assert not any(tmp_path.rglob("*.jaxexp"))
+
+
+def test_a_kernel_that_fails_to_lower_is_false_and_the_helper_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    _, group, spec = _program()
+    pool = LoweringPool(pickle.dumps(spec), [ROOT], H100, str(tmp_path), processes=1)
+    try:
+        bad = pool.submit(tuple(group.node_ids), "row_reduce", {"backend": "triton"})  # a template that does not match
+        good = pool.submit(tuple(group.node_ids), "matmul", _config(group, "triton"))
+        assert bad.result(timeout=300) is False and good.result(timeout=300) is True
+    finally:
+        pool.close()
+    assert pool.lowered == 1 and len(list(tmp_path.rglob("*.jaxexp"))) == 1
+
+
+def test_how_many_helpers(monkeypatch):
+    monkeypatch.delenv(lowering_pool.ENV_VAR, raising=False)
+    assert [lowering_pool.helpers(n) for n in (1, 3, 4, 8, 16, 64)] == [0, 0, 1, 2, 4, 4]
+    assert lowering_pool.helpers(16, {lowering_pool.ENV_VAR: "0"}) == 0
+    assert lowering_pool.helpers(2, {lowering_pool.ENV_VAR: "3"}) == 3
+    with pytest.raises(ValueError, match="AUTOFUSE_LOWERING_HELPERS"):
+        lowering_pool.helpers(16, {lowering_pool.ENV_VAR: "many"})
+    assert LoweringPool(b"", [], H100, "/nonexistent", processes=0).submit((0,), "matmul", {}) is None
