@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks profile lowering", description=__doc__)
     ap.add_argument("--helpers", type=int, default=4, help="helper processes (default 4)")
     ap.add_argument("--out", help="also write the table to this Markdown file")
+    ap.add_argument("--dump", help="a folder for the first kernel whose modules differ: both modules, as text")
     ap.add_argument("--commit", help="the commit measured (else $AUTOFUSE_COMMIT or git's HEAD)")
     args = ap.parse_args(argv)
 
@@ -71,8 +72,16 @@ def main(argv: list[str] | None = None) -> int:
             path = kernel_cache.entry_path(apart_dir, kernel_cache.kernel_key(c.group, c.template, backend, cfg, target))
             with open(path, "rb") as f:
                 kept = jax.export.deserialize(bytearray(f.read()))
-            verdict = "same" if kernel_cache.code(kept) == kernel_cache.code(here) else "DIFFERENT"
-            same += verdict == "same"
+            a, b = kernel_cache.code(kept), kernel_cache.code(here)
+            verdict = "same" if a == b else f"DIFFERENT ({len(a)} and {len(b)} characters)"
+            same += a == b
+            if a != b and args.dump and not os.path.exists(os.path.join(args.dump, "apart.mlir")):
+                os.makedirs(args.dump, exist_ok=True)
+                for name, exp in (("apart", kept), ("here", here)):
+                    with open(os.path.join(args.dump, f"{name}.mlir"), "w") as f:
+                        f.write(exp.mlir_module())
+                    with open(os.path.join(args.dump, f"{name}.jaxexp"), "wb") as f:
+                        f.write(exp.serialize())
         rows.append(f"| {c.template} | {backend} | {len(c.group.node_ids)} | {ok} | {verdict} |")
     text = "\n".join([
         header(argv, args.commit), "",
