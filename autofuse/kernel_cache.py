@@ -117,10 +117,14 @@ def export(kernel: Callable, group: Group, target: Target | None = None) -> Any:
 
 
 def code(exp: Any) -> str:
-    """An export's module without its source locations (the Python call stack that lowered it): what two processes'
-    exports of one kernel for one device share (`runner.lowering_pool`'s helpers and the process on that device)."""
+    """An export's module as two processes' exports of one kernel for one device share it (`runner.lowering_pool`'s
+    helpers and the process on that device): without its source locations (the Python call stack that lowered it),
+    and without the number Mosaic GPU appends to a kernel's dump name (how many kernels of that name this process
+    lowered before: it names a dump file only) or the kernel hash that covers it."""
     lines = [ln for ln in exp.mlir_module().splitlines() if not ln.startswith("#loc")]
-    return "\n".join(re.sub(r"\s*loc\((?:[^()]|\([^()]*\))*\)", "", ln) for ln in lines)
+    text = "\n".join(re.sub(r"\s*loc\((?:[^()]|\([^()]*\))*\)", "", ln) for ln in lines)
+    text = re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', 'kernel_hash = ""', text)
+    return re.sub(r"(dump_basename\\00[A-Za-z0-9_]*?)_[0-9]+\\00", r"\1\\00", text)
 
 
 def keep(kernel: Callable, group: Group, template: str, backend: str, config: dict, target: Target, directory: str) -> bool:

@@ -32,8 +32,8 @@ def gemm_tanh_inputs():
     return (S((256, 128), jnp.bfloat16), S((128, 256), jnp.bfloat16), S((256,), jnp.bfloat16))
 
 
-def _program():
-    graph = autofuse.capture(gemm_tanh, *gemm_tanh_inputs())
+def _program(inputs=None):
+    graph = autofuse.capture(gemm_tanh, *(inputs or gemm_tanh_inputs()))
     group = Group.of(graph, [n.id for n in graph.nodes])
     return graph, group, ProgramSpec(gemm_tanh, gemm_tanh_inputs(), fingerprint=graph.fingerprint)
 
@@ -76,12 +76,23 @@ def test_a_helper_keeps_the_export_the_target_process_would_make(tmp_path, monke
 
 
 def test_the_target_decides_a_persistent_kernels_grid():
-    """A Mosaic GPU GEMM's persistent grid is the target's SM count, not this process's device's."""
-    _, group, _ = _program()
+    """A Mosaic GPU GEMM's persistent grid is the target's SM count, not this process's device's (more tiles than
+    SMs: 32 x 16 of 128 x 128)."""
+    _, group, _ = _program((S((4096, 256), jnp.bfloat16), S((256, 2048), jnp.bfloat16), S((2048,), jnp.bfloat16)))
     config = _config(group, "mosaic_gpu")
     _, on_132 = _exported_here(group, config, H100)
     _, on_114 = _exported_here(group, config, Target("NVIDIA H100", 114))
     assert kernel_cache.code(on_132) != kernel_cache.code(on_114)
+
+
+def test_the_same_kernel_lowered_twice_in_one_process_is_the_same_code():
+    """Mosaic GPU numbers a kernel's dump name by how many of that name the process lowered before (and hashes the
+    module with it): the one difference between a helper's export and the trial process's, which `code` leaves out."""
+    _, group, _ = _program()
+    config = _config(group, "mosaic_gpu")
+    (_, first), (_, second) = _exported_here(group, config, H100), _exported_here(group, config, H100)
+    assert first.mlir_module_serialized != second.mlir_module_serialized
+    assert kernel_cache.code(first) == kernel_cache.code(second)
 
 
 def test_a_helper_that_cannot_start_leaves_the_kernels_to_the_trial_process(tmp_path, monkeypatch):
