@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +58,11 @@ def test_a_helper_keeps_the_export_the_target_process_would_make(tmp_path, monke
     monkeypatch.setenv("PYTHONPATH", ROOT)
     graph, group, spec = _program()
     config = _config(group, backend)
-    pool = LoweringPool(pickle.dumps(spec), [ROOT], H100, str(tmp_path), processes=1)
+    pool = LoweringPool(pickle.dumps(spec), [ROOT], str(tmp_path), processes=1)
     try:
-        fut = pool.submit(tuple(group.node_ids), "matmul", config)
+        fut = pool.submit(tuple(group.node_ids), "matmul", config, H100)
         assert fut.result(timeout=300) is True
-        assert pool.submit(tuple(group.node_ids), "matmul", dict(config)) is fut  # asked again: the same lowering
+        assert pool.submit(tuple(group.node_ids), "matmul", dict(config), H100) is fut  # asked again: the same lowering
     finally:
         pool.close()
     assert pool.lowered == 1 and pool.seconds > 0
@@ -99,20 +100,20 @@ def test_a_helper_that_cannot_start_leaves_the_kernels_to_the_trial_process(tmp_
     monkeypatch.setenv("PYTHONPATH", ROOT)
     _, group, spec = _program()
     spec.fingerprint = "not-this-program"
-    pool = LoweringPool(pickle.dumps(spec), [ROOT], H100, str(tmp_path), processes=2)
-    futures = [pool.submit(tuple(group.node_ids), "matmul", _config(group, b)) for b in ("triton", "mosaic_gpu")]
+    pool = LoweringPool(pickle.dumps(spec), [ROOT], str(tmp_path), processes=2)
+    futures = [pool.submit(tuple(group.node_ids), "matmul", _config(group, b), H100) for b in ("triton", "mosaic_gpu")]
     assert [f.result(timeout=300) for f in futures] == [False, False]
-    assert pool.broken and pool.submit(tuple(group.node_ids), "matmul", {"backend": "triton", "block_m": 64}) is None
+    assert pool.broken and pool.submit(tuple(group.node_ids), "matmul", {"backend": "triton", "block_m": 64}, H100) is None
     assert not any(tmp_path.rglob("*.jaxexp"))
 
 
 def test_a_kernel_that_fails_to_lower_is_false_and_the_helper_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     _, group, spec = _program()
-    pool = LoweringPool(pickle.dumps(spec), [ROOT], H100, str(tmp_path), processes=1)
+    pool = LoweringPool(pickle.dumps(spec), [ROOT], str(tmp_path), processes=1)
     try:
-        bad = pool.submit(tuple(group.node_ids), "row_reduce", {"backend": "triton"})  # a template that does not match
-        good = pool.submit(tuple(group.node_ids), "matmul", _config(group, "triton"))
+        bad = pool.submit(tuple(group.node_ids), "row_reduce", {"backend": "triton"}, H100)  # a template that does not match
+        good = pool.submit(tuple(group.node_ids), "matmul", _config(group, "triton"), H100)
         assert bad.result(timeout=300) is False and good.result(timeout=300) is True
     finally:
         pool.close()
@@ -126,4 +127,47 @@ def test_how_many_helpers(monkeypatch):
     assert lowering_pool.helpers(2, {lowering_pool.ENV_VAR: "3"}) == 3
     with pytest.raises(ValueError, match="AUTOFUSE_LOWERING_HELPERS"):
         lowering_pool.helpers(16, {lowering_pool.ENV_VAR: "many"})
-    assert LoweringPool(b"", [], H100, "/nonexistent", processes=0).submit((0,), "matmul", {}) is None
+    assert LoweringPool(b"", [], "/nonexistent", processes=0).submit((0,), "matmul", {}, H100) is None
+    assert lowering_pool.helpers_for("device", 16) == 0  # no GPU here: nothing is lowered for a device
+    assert lowering_pool.helpers_for("model", 16) == 0
+
+
+def test_a_trial_process_starts_the_helpers_its_options_ask_for_and_stops_them_off_the_gpu(tmp_path, monkeypatch):
+    """The helpers start with the trial process (before it captures the program); one that builds no kernels for a
+    GPU (this CPU) stops them, and the process answers as without them."""
+    from autofuse.runner.process import HELPERS, ProcessRunner
+    from autofuse.runner.protocol import XlaRequest
+
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    monkeypatch.setenv("AUTOFUSE_KERNEL_CACHE_DIR", str(tmp_path))
+    _, group, spec = _program()
+    with ProcessRunner(spec, {"measure": "device", HELPERS: 2, "repeats": 2, "n_input_sets": 1}, timeout_s=120) as runner:
+        assert runner.call(XlaRequest(tuple(group.node_ids))).ok
+        kids = _children(runner._proc.pid)
+        assert len(kids) == 2 and all("autofuse.runner.lowering_pool" in cmd for cmd in kids.values())
+        deadline = time.time() + 120
+        while _children(runner._proc.pid) and time.time() < deadline:  # told to stop: they exit once started
+            time.sleep(0.2)
+        assert not _children(runner._proc.pid)
+    with ProcessRunner(spec, {"measure": "model", HELPERS: 2}, timeout_s=120) as runner:
+        assert runner.call(XlaRequest(tuple(group.node_ids))).ok
+        assert not _children(runner._proc.pid)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of `pid` and their command lines (from /proc)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out[int(d)] = cmd
+    return out

@@ -11,7 +11,8 @@ otherwise without a GPU) or dies (a lowering that crashes) leaves its kernels to
 them itself, as without helpers.
 
 How many: ``$AUTOFUSE_LOWERING_HELPERS`` (0: none), else one per `THREADS_PER_HELPER` compile threads, at most
-`MAX_HELPERS` (a 16-core host with one GPU: 4).
+`MAX_HELPERS` (a 16-core host with one GPU: 4); the job tells its trial process (`process.HELPERS`), which starts them
+as it starts.
 """
 from __future__ import annotations
 
@@ -49,11 +50,20 @@ def helpers(compile_threads: int, environ: dict[str, str] | os._Environ = os.env
     return min(MAX_HELPERS, compile_threads // THREADS_PER_HELPER)
 
 
-class LoweringPool:
-    """Up to `processes` helpers, started at the first `submit`, each serving the kernels queued in turn."""
+def helpers_for(measure: str, compile_threads: int) -> int:
+    """`helpers` where a job's trials build kernels for a GPU of this host, else 0 (nothing is lowered for a device
+    there: modelled, or interpret mode on the CPU)."""
+    import jax
 
-    def __init__(self, spec_blob: bytes, sys_path: Sequence[str], target: Target, directory: str, processes: int):
-        self.spec_blob, self.sys_path, self.target, self.directory = spec_blob, list(sys_path), target, directory
+    return helpers(compile_threads) if measure == "device" and jax.default_backend() == "gpu" else 0
+
+
+class LoweringPool:
+    """`processes` helpers, each serving the kernels queued in turn. `start` them early: a helper takes seconds to
+    import JAX and capture the program, best spent while the trial process does the same (it starts with it)."""
+
+    def __init__(self, spec_blob: bytes, sys_path: Sequence[str], directory: str, processes: int):
+        self.spec_blob, self.sys_path, self.directory = spec_blob, list(sys_path), directory
         self.processes = processes
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[tuple, Future] = {}
@@ -64,19 +74,25 @@ class LoweringPool:
         self.lowered = 0  # kernels a helper exported
         self.seconds = 0.0  # the helpers' seconds lowering them
 
-    def submit(self, nodes: Sequence[int], template: str, config: dict) -> Future | None:
-        """A future that is True once a helper has kept this kernel's export (False: it did not; the trial process
-        lowers it); None where there are no helpers (none asked for, or all of them failed)."""
-        key = (tuple(nodes), template, tuple(sorted(config.items())))
+    def start(self) -> "LoweringPool":
+        """Start the helpers now (else at the first `submit`)."""
+        with self._lock:
+            if not self._started and not self.broken:
+                self._started, self._alive = True, self.processes
+                for i in range(self.processes):
+                    threading.Thread(target=self._serve, name=f"autofuse-lowering-{i}", daemon=True).start()
+        return self
+
+    def submit(self, nodes: Sequence[int], template: str, config: dict, target: Target) -> Future | None:
+        """A future that is True once a helper has kept this kernel's export for `target` (False: it did not; the
+        trial process lowers it); None where there are no helpers (none asked for, or all of them failed)."""
+        key = (tuple(nodes), template, tuple(sorted(config.items())), target)
+        self.start()
         with self._lock:
             if self.broken:
                 return None
             if key in self._futures:
                 return self._futures[key]
-            if not self._started:
-                self._started, self._alive = True, self.processes
-                for i in range(self.processes):
-                    threading.Thread(target=self._serve, name=f"autofuse-lowering-{i}", daemon=True).start()
             fut: Future = Future()
             self._futures[key] = fut
         self._queue.put((key, fut))
@@ -91,7 +107,7 @@ class LoweringPool:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             to = Connection(os.dup(proc.stdin.fileno()), readable=False)
             src = Connection(os.dup(proc.stdout.fileno()), writable=False)
-            to.send({"sys_path": self.sys_path, "spec": self.spec_blob, "target": self.target, "directory": self.directory})
+            to.send({"sys_path": self.sys_path, "spec": self.spec_blob, "directory": self.directory})
             hello = src.recv() if src.poll(START_TIMEOUT_S) else "no answer"
             if hello != "ready":
                 log.debug("autofuse: lowering helper did not start: %s", hello)
@@ -147,7 +163,7 @@ class LoweringPool:
 
 
 def helper_main() -> None:
-    """A helper (`python -m autofuse.runner.lowering_pool`): kernels (nodes, template, config) on stdin, one
+    """A helper (`python -m autofuse.runner.lowering_pool`): kernels (nodes, template, config, target) on stdin, one
     ("ok" | "error", seconds) per kernel on a private descriptor."""
     out = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # anything a library prints goes to stderr, not into the protocol
@@ -167,12 +183,12 @@ def helper_main() -> None:
         return
     while True:
         try:
-            nodes, template, config = inp.recv()
+            nodes, template, config, target = inp.recv()
         except EOFError:
             os._exit(0)
         t = time.perf_counter()
         try:
-            lower(graph, nodes, template, dict(config), boot["target"], boot["directory"])
+            lower(graph, nodes, template, dict(config), target, boot["directory"])
             out.send(("ok", time.perf_counter() - t))
         except Exception as e:  # noqa: BLE001 - the trial process lowers it and meets the error itself
             log.debug("autofuse: lowering helper: %s: %s", type(e).__name__, e)

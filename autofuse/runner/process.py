@@ -55,10 +55,25 @@ class ProgramSpec:
         return graph
 
 
+HELPERS = "lowering_helpers"  # an option of the trial process, not of its evaluator: helpers lowering its kernels
+
+
 def _make_evaluator(spec: ProgramSpec, options: dict) -> Any:
     from .evaluator import Evaluator
 
-    return Evaluator(spec.capture(), **options)
+    return Evaluator(spec.capture(), **{k: v for k, v in options.items() if k != HELPERS})
+
+
+def _start_helpers(boot: dict) -> Any:
+    """The lowering helpers the options ask for (`lowering_pool`), started before this process captures the program
+    and starts its GPU client, so that they are ready as early as it is; None where none are asked for."""
+    from .. import kernel_cache
+    from .lowering_pool import LoweringPool
+
+    n, directory = boot["options"].get(HELPERS, 0), kernel_cache.cache_dir()
+    if n < 1 or boot["options"].get("measure", "device") != "device" or directory is None:
+        return None
+    return LoweringPool(boot["spec"], boot["sys_path"], directory, n).start()
 
 
 def child_main() -> None:
@@ -69,8 +84,10 @@ def child_main() -> None:
     boot = inp.recv()
     sys.path[:] = [*boot["sys_path"], *(p for p in sys.path if p not in boot["sys_path"])]  # imports as its parent, in its order
     try:
+        helpers = _start_helpers(boot)
         ev = _make_evaluator(pickle.loads(boot["spec"]), boot["options"])
-        ev.lower_apart(boot["spec"], boot["sys_path"])
+        if helpers is not None:
+            ev.lower_apart(helpers)
         out.send("ready")
     except Exception as e:
         out.send(f"{type(e).__name__}: {e}")

@@ -20,7 +20,8 @@ import jax
 
 from .. import costmodel
 from ..graph import capture, qualified_name
-from ..runner.process import ProcessRunner, ProgramSpec, make_runner
+from ..runner import lowering_pool
+from ..runner.process import HELPERS, ProcessRunner, ProgramSpec, make_runner
 from ..status import TrialStatus
 from .ahead import CompileAhead, prefetch_model_bests
 from .ahead import compile_workers as compile_workers_for
@@ -114,7 +115,8 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
     spec = ProgramSpec(fn, jax.tree_util.tree_map(spec_of, args), jax.tree_util.tree_map(spec_of, kwargs), static_argnums, static_argnames,
                        graph.fingerprint)
     examples = save_example_inputs(graph, fn, args, kwargs, static_argnums, static_argnames)
-    runner = make_runner(spec, {"measure": measure, "model": o.model, **({"example_inputs": examples} if examples else {})},
+    runner = make_runner(spec, {"measure": measure, "model": o.model, HELPERS: lowering_pool.helpers_for(measure, threads),
+                                **({"example_inputs": examples} if examples else {})},
                          isolate=o.isolate, timeout_s=o.trial_timeout_s)
     if isinstance(runner, ProcessRunner):
         runner.start()  # the trial process imports jax and captures the program while this one enumerates and opens the run

@@ -59,7 +59,8 @@ from ..plan import Plan
 from ..processes import pid_alive
 from ..codec import decode_call, encode_call
 from ..refs import python_command, reference, resolve
-from ..runner.process import ProcessRunner, ProgramSpec, make_runner
+from ..runner import lowering_pool
+from ..runner.process import HELPERS, ProcessRunner, ProgramSpec, make_runner
 from ..runner.protocol import ValidationResult
 from ..spent import add_since
 from ..status import UNCOUNTED, TrialStatus
@@ -318,7 +319,9 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
     o = JobOptions.from_wire(job)
     statics = (o.static_argnums, o.static_argnames)
     spec = ProgramSpec(fn, args, kwargs, *statics, run["fingerprint"])
-    runner = make_runner(spec, {"measure": measure, "model": o.model}, isolate=o.isolate, timeout_s=o.trial_timeout_s)
+    threads = compile_workers(o.compile_workers)
+    runner = make_runner(spec, {"measure": measure, "model": o.model, HELPERS: lowering_pool.helpers_for(measure, threads)}, isolate=o.isolate,
+                         timeout_s=o.trial_timeout_s)
     if isinstance(runner, ProcessRunner):
         runner.start()  # the trial process imports jax and captures the program while this one enumerates its candidates
     graph = capture(fn, *args, static_argnums=statics[0], static_argnames=statics[1], **kwargs)
@@ -344,7 +347,6 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
         + (f", GPU {os.environ.get('CUDA_VISIBLE_DEVICES')}" if lock else "") + ")")
     try:
         with runner:
-            threads = compile_workers(o.compile_workers)
             order = timed_first(cands, spaces, scheduler.total)
             if measure == "device":  # while the XLA timings keep this process waiting (model mode has no such wait)
                 prefetch = prefetch_model_bests(cands, spaces, order)
