@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(path, "rb") as f:
                 kept = jax.export.deserialize(bytearray(f.read()))
             a, b = kernel_cache.code(kept), kernel_cache.code(here)
-            verdict = "same" if a == b else f"DIFFERENT ({len(a)} and {len(b)} characters)"
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            verdict = "same" if a == b else f"DIFFERENT at {at}: `{a[max(0, at - 60):at + 20]!r}` / `{b[max(0, at - 60):at + 20]!r}`"
             same += a == b
             if a != b and args.dump and not os.path.exists(os.path.join(args.dump, "apart.mlir")):
                 os.makedirs(args.dump, exist_ok=True)
