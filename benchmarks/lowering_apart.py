@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     apart_dir = tempfile.mkdtemp(prefix="autofuse-lowered-")
     target = Target.here()
-    pool = LoweringPool(pickle.dumps(ProgramSpec(gpt2.forward, shapes, fingerprint=graph.fingerprint)), sys.path, target,
-                        apart_dir, args.helpers)
+    pool = LoweringPool(pickle.dumps(ProgramSpec(gpt2.forward, shapes, fingerprint=graph.fingerprint)), sys.path, apart_dir,
+                        args.helpers)
     t0 = time.perf_counter()
-    futures = [pool.submit(c.group.node_ids, c.template, {"backend": b, **cfg}) for c, b, cfg in kernels]
+    futures = [pool.submit(c.group.node_ids, c.template, {"backend": b, **cfg}, target) for c, b, cfg in kernels]
     done = [f.result(600) if f is not None else False for f in futures]
     apart_s = time.perf_counter() - t0
     pool.close()

@@ -183,11 +183,15 @@ def test_the_whole_program_compiles_beside_the_xla_timings_and_the_first_validat
     from autofuse.runner.protocol import ProgramRequest, ValidateRequest
     from autofuse.tuning.select import default_plan
 
+    from autofuse.runner import evaluator
+
     graph, _, cands, spaces = _program()
     ev = Evaluator(graph, measure="device", repeats=2, n_input_sets=1)
-    compiled = []
+    compiled, checks = [], []
     real = ev._compile_program
     monkeypatch.setattr(ev, "_compile_program", lambda: compiled.append(1) or real())
+    builders = evaluator.check_program_builders
+    monkeypatch.setattr(evaluator, "check_program_builders", lambda *a: checks.append(1) or builders(*a))
     runner = _InProcess(ev)
     ca = CompileAhead(runner, cands, spaces, "device", workers)
     first = ca.first_compiles() if asked else ca.first_batch()
@@ -196,9 +200,35 @@ def test_the_whole_program_compiles_beside_the_xla_timings_and_the_first_validat
     batches = [q for q in runner.requests if isinstance(q, CompileRequest)]
     assert sum(isinstance(it, ProgramRequest) for q in batches for it in q.items) == int(ahead)
     assert (ev._program is not None, len(compiled)) == (ahead, int(ahead)) and all(r.xla_ms for r in cands)
-    res = ev.handle(ValidateRequest(default_plan(graph).to_json()))
+    assert not checks  # a check's small programs compile with the first plan, not beside the XLA references
+    plan = default_plan(graph).to_json()
+    assert ev.compile_ahead([ValidateRequest(plan)], 2).ok and checks == [1]
+    res = ev.handle(ValidateRequest(plan))
     assert res.ok and len(compiled) == 1, res.error
     assert CompileAhead(runner, cands, spaces, "model", 2).first_compiles() == []  # model mode validates in interpret mode
+
+
+def test_the_selections_lone_dots_compile_with_the_first_batch_of_the_trial_loop():
+    """XLA's references of the dots a cover may leave alone (`select.lone_contractions`, timed by the selection)
+    ride with the trial loop's next batch, once: compiled on an idle CPU, not on the first plan's critical path."""
+    from autofuse.tuning.select import lone_contractions
+    from benchmarks.workloads import matmul_bias_gelu
+    from tests.dist_programs import matmul_bias_gelu_inputs
+
+    graph, _, cands, spaces = _program(matmul_bias_gelu, matmul_bias_gelu_inputs)
+    lone = lone_contractions(graph)
+    assert lone
+    runner = Recorder()
+    ca = CompileAhead(runner, cands, spaces, "device", 4)
+    ca.selection_references(graph)
+    ca._compile([TrialRequest((0,), "t", {})])
+    ca._compile([TrialRequest((1,), "t", {})])
+    first, second = [q.items for q in runner.requests if isinstance(q, CompileRequest)]
+    assert [it.nodes for it in first if isinstance(it, XlaRequest)] == [(n,) for n in lone]
+    assert not any(isinstance(it, XlaRequest) for it in second)
+    ca.along, ca.workers = [], 1  # one compile thread: no batches, nothing rides along
+    ca.selection_references(graph)
+    assert ca.along == []
 
 
 def _hlo(compiled) -> str:

@@ -160,6 +160,7 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         if o.warm_start is not None:
             loop.seeds = o.warm_start(by_sig, cands, spaces)
         loop.ahead = ahead
+        ahead.selection_references(graph)
         loop.verbose = verbose and not quiet
         selected = ids is not None and ids.selected  # a run killed in its selection phase (a store's run only)
         if job.resume is not None:

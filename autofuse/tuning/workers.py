@@ -367,6 +367,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
                         TrialContext(StoreLedger(pstore, run_id, me), runner, measure, scheduler.total, me),
                         run["seed"], os.getpid() if index is None else index, o.heartbeat_s)
             w.loop.ahead = ahead
+            ahead.selection_references(graph)
             w.loop.verbose = not quiet  # a line per trial
             marks("loop", worker=me)  # the trial loop is ready (its storage connected): the first trial comes next
             w.work()
