@@ -77,6 +77,7 @@ def kernel_key(group: Group, template: str, backend: str, config: dict, target: 
 
 
 def entry_path(root: str, key: str) -> str:
+    """Where the cache at `root` keeps the kernel of `key` (a folder per two first hex digits)."""
     return os.path.join(root, key[:2], f"{key}.jaxexp")
 
 

@@ -19,6 +19,7 @@ from autofuse.kernels import TEMPLATES
 from autofuse.runner import lowering_pool
 from autofuse.runner.lowering_pool import LoweringPool
 from autofuse.runner.process import ProgramSpec
+from tests.quick import slow_except
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = jax.ShapeDtypeStruct
@@ -53,7 +54,7 @@ def _exported_here(group, config, target):
         return params, kernel_cache.export(kernel, group, target)
 
 
-@pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
+@pytest.mark.parametrize("backend", slow_except(["mosaic_gpu", "triton"], "mosaic_gpu"))
 def test_a_helper_keeps_the_export_the_target_process_would_make(tmp_path, monkeypatch, backend):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     graph, group, spec = _program()
@@ -107,6 +108,7 @@ def test_a_helper_that_cannot_start_leaves_the_kernels_to_the_trial_process(tmp_
     assert not any(tmp_path.rglob("*.jaxexp"))
 
 
+@pytest.mark.slow
 def test_a_kernel_that_fails_to_lower_is_false_and_the_helper_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     _, group, spec = _program()
@@ -132,6 +134,7 @@ def test_how_many_helpers(monkeypatch):
     assert lowering_pool.helpers_for("model", 16) == 0
 
 
+@pytest.mark.slow
 def test_a_trial_process_starts_the_helpers_its_options_ask_for_and_stops_them_off_the_gpu(tmp_path, monkeypatch):
     """The helpers start with the trial process (before it captures the program); one that builds no kernels for a
     GPU (this CPU) stops them, and the process answers as without them."""
