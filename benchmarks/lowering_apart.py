@@ -17,7 +17,9 @@ from benchmarks.provenance import ROOT, header
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks profile lowering", description=__doc__)
-    ap.add_argument("--helpers", type=int, default=4, help="helper processes (default 4)")
+    ap.add_argument("--helpers", type=int, default=4,
+                    help="helper processes (default 4); 1 lowers in this process's order, so that Mosaic GPU's dump-name "
+                         "counters (how many kernels of a name a process lowered before) agree and every module can match")
     ap.add_argument("--out", help="also write the table to this Markdown file")
     ap.add_argument("--dump", help="a folder for the first kernel whose modules differ: both modules, as text")
     ap.add_argument("--commit", help="the commit measured (else $AUTOFUSE_COMMIT or git's HEAD)")
