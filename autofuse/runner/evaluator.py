@@ -22,9 +22,8 @@ from ..kernels import TEMPLATES
 from ..plan import Plan, build_group, default_interpret, executor
 from ..spent import add_parts, add_since
 from ..status import TrialStatus
-from . import lowering_pool
 from .in_program import InProgram, in_program
-from .lowering_pool import LoweringPool
+from .lowering_pool import LOWER_TIMEOUT_S, LoweringPool
 from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
 from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing,
@@ -143,7 +142,7 @@ class Evaluator:
         helper's, `compile_ahead`) is done, where it reads the helper's export from the kernel cache."""
         if lowered is not None:
             with contextlib.suppress(Exception):
-                lowered.result(lowering_pool.LOWER_TIMEOUT_S)
+                lowered.result(LOWER_TIMEOUT_S)
         backend, params = _split(config)
         kernel = build_group(group, template, params, backend=backend, interpret=self.interpret)
         if not self._compiles() and jax.default_backend() == "cpu":  # the real GPU lowering of the same kernel, with no GPU
@@ -180,7 +179,7 @@ class Evaluator:
         t0 = time.perf_counter()
         todo: list[tuple[str, Any, Callable[[], Callable]]] = []
         helpers = self._pool
-        apart = (helpers.lowered, helpers.seconds) if helpers is not None else (0, 0.0)
+        lowered_before = helpers.lowered if helpers is not None else 0
         for it in items:
             if isinstance(it, (ValidateRequest, ProgramRequest)):  # a whole plan, and once the whole program's reference
                 if self._program is None and not any(kind == "program" for kind, _, _ in todo):
@@ -237,9 +236,8 @@ class Evaluator:
         if side:
             longest["inputs"] = round(longest_inputs, 3)
         failed = sum(fn is None for fn in built)
-        apart = (helpers.lowered - apart[0], round(helpers.seconds - apart[1], 3)) if helpers is not None else apart
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest,
-                             lowered_apart=apart[0], lowering_apart_s=apart[1])
+                             lowered_apart=helpers.lowered - lowered_before if helpers is not None else 0)
 
     def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
         return time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=self.target_ms)

@@ -58,7 +58,7 @@ class CompileRequest:
 class CompileResult:
     """What a `CompileRequest` did: items compiled, items that failed, the wall time, and per kind of item
     ("program": jax.jit's whole program, "plan", "xla", "trial") the longest compilation of one, in seconds; the
-    kernels lowered by helper processes (`lowering_pool`) and their seconds lowering them."""
+    kernels lowered by helper processes (`lowering_pool`)."""
 
     status: TrialStatus
     compiled: int = 0
@@ -67,7 +67,6 @@ class CompileResult:
     error: str | None = None
     longest: dict = field(default_factory=dict)
     lowered_apart: int = 0
-    lowering_apart_s: float = 0.0
 
     @property
     def ok(self) -> bool:
