@@ -74,7 +74,7 @@ def test_a_plans_check_programs_compile_ahead_and_the_check_then_compiles_none(c
     outs = [jax.ShapeDtypeStruct((48, 40), jnp.bfloat16), jax.ShapeDtypeStruct((7,), jnp.float32)]
     measure._viewer.cache_clear()
     program_check._nudged.clear_cache()
-    measure._float_stats.clear_cache()
+    measure._STATS.clear()
     # two bf16 input shapes (view, sign, nudge each), one float32 (its view); two output comparisons
     builders = program_check.check_program_builders(avals, outs)
     assert [b() for b in builders] == [3, 3, 1, 1, 1]  # one per distinct shape, each its own compile thread's work
@@ -85,3 +85,30 @@ def test_a_plans_check_programs_compile_ahead_and_the_check_then_compiles_none(c
     assert len(sens) == 2 and sens[0] > 0 and res.ok
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
     assert compiled and all(m.startswith("Compiling jit(<lambda>)") for m in compiled), compiled
+
+
+def test_the_views_and_comparisons_beside_a_batch_compile_once_and_the_timing_and_check_then_compile_none(caplog):
+    """`measure.compile_beside`: one builder per distinct input shape's random view (not for a shape made by the
+    generator) and per output's comparison, none for what this process compiled before (`done`); once they ran,
+    making the inputs and comparing the outputs compile nothing; a plan's check programs leave out the views done."""
+    import logging
+
+    from autofuse.runner import measure, program_check
+
+    x, w, y = (jax.ShapeDtypeStruct(s, d) for s, d in (((24, 40), jnp.bfloat16), ((40,), jnp.float32), ((24, 40), jnp.float32)))
+    measure._viewer.cache_clear()
+    measure._STATS.clear()
+    done: set = set()
+    builders = measure.compile_beside([x, w, x], [y, x, y], done)
+    assert [b() for b in builders] == [1, 1, 1, 1]  # two views, two comparisons (float32 and bf16 outputs)
+    assert measure.compile_beside([w, x], [y], done) == []  # each once per process
+    fn = jax.jit(lambda a, b: (a.astype(jnp.float32) * b, a))
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        args = measure.random_inputs([x, w], 3)
+        res = measure.check(fn, fn, [x, w], (1, 2))
+    assert res.ok
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert compiled and all(m.startswith("Compiling jit(<lambda>)") for m in compiled), compiled  # the function alone
+    assert len(args) == 2
+    # a plan's check: the bf16 input's view is done, its nudge's sign and nudge are not; the float32 one is done
+    assert [b() for b in program_check.check_program_builders([x, w], [y], done)] == [2]

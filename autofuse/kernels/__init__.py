@@ -16,7 +16,7 @@ from ..graph import Group
 from . import aligned_dot, attention, attention_vjp, concat_sink, elementwise, matmul, matmul_reduce, matmul_reduce_vjp, reduce_vjp, row_reduce
 from .template import Template
 
-__all__ = ["TEMPLATES", "Template", "match_template", "register_template"]
+__all__ = ["TEMPLATES", "Template", "match_template", "preload_lowerings", "register_template"]
 
 TEMPLATES: dict[str, Template] = {t.name: t for t in (attention.TEMPLATE, attention_vjp.TEMPLATE, row_reduce.TEMPLATE, elementwise.TEMPLATE,
                                                       matmul_reduce.TEMPLATE, matmul.TEMPLATE, matmul_reduce_vjp.TEMPLATE,
@@ -34,6 +34,18 @@ def register_template(template: Template, *, first: bool = False) -> None:
         TEMPLATES.update(items)
     else:
         TEMPLATES[template.name] = template
+
+
+def preload_lowerings() -> None:
+    """Import every registered template's lowering modules now, where each would be imported by its first kernel:
+    importing holds the GIL, and in a trial process's first batch of compiles on a busy host every thread waits
+    for it."""
+    for template in list(TEMPLATES.values()):
+        for backend in template.backends:
+            try:
+                template.lowering_module(backend)
+            except ImportError:  # a backend this host cannot import: its kernels fail where they are built
+                pass
 
 
 def match_template(group: Group) -> tuple[str, object] | None:

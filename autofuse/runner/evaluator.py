@@ -18,13 +18,13 @@ import jax
 from .. import costmodel, kernel_cache
 from ..device import device_label
 from ..graph import Graph, Group
-from ..kernels import TEMPLATES
-from ..plan import Plan, build_group, default_interpret, executor
+from ..kernels import TEMPLATES, preload_lowerings
+from ..plan import Plan, build_group, default_interpret, executor, preload_pallas_lowerings
 from ..spent import add_parts, add_since
 from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .lowering_pool import LOWER_TIMEOUT_S, LoweringPool
-from .measure import check, check_as_accurate, cone_tolerances, random_inputs, time_fn, time_pair, widened
+from .measure import check, check_as_accurate, compile_beside, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
 from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing,
                        TrialRequest, TrialResult, ValidateRequest, ValidationResult, XlaRequest)
@@ -80,6 +80,13 @@ class Evaluator:
         self.device = device_label()  # recorded on every result: which device of which worker ran it
         self._pool: LoweringPool | None = None  # helper processes lowering `compile_ahead`'s kernels (`lower_apart`)
         self._target: kernel_cache.Target | None = None
+        self._beside: set[tuple] = set()  # the random inputs' views and comparisons compiled ahead (`measure.compile_beside`)
+        if self._compiles() and not self.interpret:
+            # now, on one thread, not by the first batch's compile threads: importing Mosaic GPU (its MLIR dialects'
+            # generated modules) and the templates' lowerings holds the GIL, and on a host busy compiling it stalled
+            # every thread of GPT-2's first batch (and the lowering helpers' traffic) for 2.3-2.8 s
+            preload_pallas_lowerings(interpret=False)
+            preload_lowerings()
 
     def lower_apart(self, pool: LoweringPool) -> None:
         """Have `pool`'s helpers lower the kernels `compile_ahead` builds, where kernels are built for a GPU and
@@ -180,6 +187,8 @@ class Evaluator:
         todo: list[tuple[str, Any, Callable[[], Callable]]] = []
         helpers = self._pool
         lowered_before = helpers.lowered if helpers is not None else 0
+        timed: list[Group] = []  # the groups the requests after this batch will time (XLA's and kernels) and check (kernels)
+        checked: list[Group] = []
         for it in items:
             if isinstance(it, (ValidateRequest, ProgramRequest)):  # a whole plan, and once the whole program's reference
                 if self._program is None and not any(kind == "program" for kind, _, _ in todo):
@@ -194,12 +203,15 @@ class Evaluator:
                     and not any(kind == "xla" and key == tuple(group.node_ids) for kind, key, _ in todo):
                 todo.append(("xla", tuple(group.node_ids),
                              lambda f=self._xla_fn(group), v=self._view(group): f.lower(*v.structs()).compile()))
+                timed.append(group)
             elif isinstance(it, TrialRequest) and self._compiles() and TEMPLATES[it.template].match(group) is not None:
                 key = _trial_key(it.nodes, it.template, it.config)
                 if key not in self._ahead and not any(kind == "trial" and k == key for kind, k, _ in todo):
                     self._view(group)  # made here, not in the compiling threads
                     lowered = helpers.submit(it.nodes, it.template, it.config, self._target) if helpers is not None else None
                     todo.append(("trial", key, lambda g=group, t=it.template, c=dict(it.config), f=lowered: self._kernel(g, t, c, f)))
+                    timed.append(group)
+                    checked.append(group)
 
         def attempt(build: Callable[[], Any]) -> tuple[Any, float]:
             t = time.perf_counter()
@@ -211,8 +223,11 @@ class Evaluator:
         # with a whole plan: the small programs its check will run (inputs, nudges, comparisons), not a result. Not with
         # the program alone, in a job's first batch: 11 programs of GPT-2's, 3-8 s each beside 24 references, 12
         # kernels and the program on a saturated CPU, where the first validation compiles them beside its plan
-        side = check_program_builders([self.graph.avals[v] for v in self.graph.inputs], [self.graph.aval(a) for a in self.graph.outputs]) \
-            if self.measure == "device" and self._check is None and any(kind == "plan" for kind, _, _ in todo) else []
+        side = check_program_builders([self.graph.avals[v] for v in self.graph.inputs], [self.graph.aval(a) for a in self.graph.outputs],
+                                      self._beside) if self.measure == "device" and self._check is None and any(kind == "plan" for kind, _, _ in todo) else []
+        if self.measure == "device":  # and the random inputs and comparisons of what the batch's requests will time and check
+            side += compile_beside([a for g in timed for a in self._view(g).input_avals()],
+                                   [self.graph.avals[v] for g in checked for v in g.outputs], self._beside)
         # the longest first: the whole program (GPT-2 medium's forward: 7.6 s among 45 items on 16 threads, where it
         # waited 9.5 s for a thread behind the references); then the kernels, whose threads mostly wait for their
         # helpers (and so come as threads beside `workers`)

@@ -119,6 +119,26 @@ def compile_view(shape: tuple[int, ...], dtype: Any, kind: str = "value") -> Non
     _viewer(tuple(shape), _dtype_name(dtype), kind).lower(normal, uniform, jnp.int32(1), jnp.int32(0)).compile()
 
 
+def compile_beside(inputs: Sequence[Aval], outputs: Sequence[Aval], done: set[tuple]) -> list[Callable[[], int]]:
+    """What compiles, without running them, the small programs that timing and checking groups run besides the
+    groups themselves: the random view (`pool_view`) of each input shape and the comparison (`compare`) of each
+    output shape, those not in `done` (added to it: each once per process). Each returns how many it compiled. One
+    by one between the GPU's timings they were ~2.5 s of GPT-2 medium's cold start on an H200 (13 views in its XLA
+    timings, 7 comparisons of 0.3 s in its first trials' checks); on the compile threads of a batch they cost it
+    nothing. The pool they view is made here, once, not by each thread."""
+    out: list[Callable[[], int]] = []
+    views = [k for k in dict.fromkeys(("view", tuple(a.shape), np.dtype(a.dtype)) for a in inputs) if viewed(k[1]) and k not in done]
+    compares = [k for k in dict.fromkeys(("compare", tuple(a.shape), np.dtype(a.dtype)) for a in outputs) if k not in done]
+    if views:
+        _pools(jax.devices()[0])
+    for _, sh, d in views:
+        out.append(lambda sh=sh, d=d: compile_view(sh, d) or 1)
+    for _, sh, d in compares:
+        out.append(lambda sh=sh, d=d: compile_compare(sh, d))
+    done.update(views + compares)
+    return out
+
+
 def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).str if np.dtype(dtype) != np.dtype(jnp.bfloat16) else "bfloat16"
 
@@ -184,14 +204,28 @@ def _float_stats(o: jax.Array, r: jax.Array) -> tuple:
     return nan_bad, inf_bad, jnp.sqrt(jnp.sum(jnp.square(d / scale))) * scale, jnp.sqrt(jnp.sum(jnp.square(rr / scale))) * scale
 
 
+#: `_float_stats` compiled per (shape, dtype of the output, dtype of the reference), run as an executable: a jitted call
+#: compiles once per placement of its arguments (a kernel's output is committed to its device, jax.jit's compiled
+#: program's is not), so the comparisons compiled ahead (`compile_compare`) were compiled again by the checks.
+_STATS: dict[tuple, Any] = {}
+
+
+def _stats_of(shape: tuple[int, ...], out_dtype: Any, ref_dtype: Any) -> Any:
+    key = (tuple(shape), np.dtype(out_dtype), np.dtype(ref_dtype))
+    if key not in _STATS:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        _STATS[key] = _float_stats.lower(jax.ShapeDtypeStruct(key[0], key[1], sharding=dev),
+                                         jax.ShapeDtypeStruct(key[0], key[2], sharding=dev)).compile()
+    return _STATS[key]
+
+
 def compile_compare(shape: tuple[int, ...], dtype: Any) -> int:
     """Compile, without running it, what `compare` runs on the device for two floating outputs of this shape and
     dtype (none for others); returns how many were compiled."""
     d = np.dtype(dtype)
     if not (np.issubdtype(d, np.floating) or d == np.dtype(jnp.bfloat16)):
         return 0
-    arg = jax.ShapeDtypeStruct(tuple(shape), d, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    _float_stats.lower(arg, arg).compile()
+    _stats_of(tuple(shape), d, d)
     return 1
 
 
@@ -204,7 +238,11 @@ def compare(out: Any, ref: Any, tol: float | None = None) -> tuple[bool, float, 
     if not (np.issubdtype(dt, np.floating) or dt == np.dtype(jnp.bfloat16)):
         bad = int(jnp.sum(o != r))
         return bad == 0, float(bad > 0), f"{bad} integer/boolean elements differ" if bad else ""
-    nan_bad, inf_bad, diff, scale = (float(x) for x in _float_stats(o, r))
+    try:
+        stats = _stats_of(o.shape, o.dtype, r.dtype)(o, r)
+    except ValueError:  # arrays on another device than the executable's
+        stats = _float_stats(o, r)
+    nan_bad, inf_bad, diff, scale = (float(x) for x in stats)
     if nan_bad:
         return False, float("inf"), "NaN positions differ"
     if inf_bad:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from .measure import CheckResult, check, compare, compile_compare, compile_view, cone_tolerances, pool_view, random_inputs, viewed
+from .measure import CheckResult, check, compare, compile_beside, compile_view, cone_tolerances, pool_view, random_inputs, viewed
 from .protocol import InputsCheck
 
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
@@ -216,25 +216,34 @@ def rounding_spread(ref: Callable, avals: Sequence[Any], seeds: Sequence[int], a
     return [max(e) for e in zip(*per_seed, strict=True)]
 
 
-def check_program_builders(inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Callable[[], int]]:
+def check_program_builders(inputs: Sequence[Any], outputs: Sequence[Any], done: set[tuple] | None = None) -> list[Callable[[], int]]:
     """What compiles, without running them, the small programs that checking a whole plan runs for a program with
     these input and output shapes, one function per distinct shape (each returns how many it compiled): the random
     inputs' view, the nudge's sign and the nudge of `rounding_sensitivity` per input shape and dtype, and the
     comparison of each output (`measure.compile_compare`). One by one they were ~3 s of GPT-2 medium's first
     validation on an H100 (about 15 shapes, three programs each); on the compile threads beside the plan (XLA
-    compiles without the GIL), they cost it nothing."""
+    compiles without the GIL), they cost it nothing. `done`: the views and comparisons this process compiled
+    already (`measure.compile_beside`), left out, and those made here added."""
+    done = set() if done is None else done
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    narrow = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-    def made(shape: tuple[int, ...], dtype: np.dtype) -> int:
-        compile_view(shape, dtype)
-        if dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-            return 1
+    def made(shape: tuple[int, ...], dtype: np.dtype, view: bool) -> int:
+        if view:
+            compile_view(shape, dtype)
+        if dtype not in narrow:
+            return int(view)
         compile_view(shape, dtype, "sign")
         _nudged.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=device), jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)).compile()
-        return 3
+        return int(view) + 2
 
-    ins = [lambda sh=sh, d=d: made(sh, d) for sh, d in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in inputs) if viewed(sh)]
-    return ins + [lambda sh=sh, d=d: compile_compare(sh, d) for sh, d in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in outputs)]
+    ins = []
+    for sh, d in dict.fromkeys((tuple(a.shape), np.dtype(a.dtype)) for a in inputs):
+        view = ("view", sh, d) not in done
+        if viewed(sh) and (view or d in narrow):
+            ins.append(lambda sh=sh, d=d, view=view: made(sh, d, view))
+            done.add(("view", sh, d))
+    return ins + compile_beside([], outputs, done)
 
 
 @jax.jit
