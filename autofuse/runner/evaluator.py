@@ -39,7 +39,7 @@ VALIDATION_TIMING_MS = 3000.0
 #: Two validated plans timed against each other (`CompareRequest`): at least this many pairs, about this long.
 COMPARE_PAIRS, COMPARE_TIMING_MS = 16, 12000.0
 HELD_PLANS = 3  # validated plans kept compiled for a comparison (their code only: no buffers are held)
-FIRST = {"program": 0, "plan": 0, "trial": 1}  # the order `compile_ahead` starts its items in, by kind (then XLA's)
+FIRST = {"program": 0, "plan": 0, "inputs": 1, "trial": 2}  # the order `compile_ahead` starts its items in, by kind (then XLA's)
 
 
 def classify_compile_error(e: BaseException) -> TrialStatus:
@@ -81,12 +81,12 @@ class Evaluator:
         self._pool: LoweringPool | None = None  # helper processes lowering `compile_ahead`'s kernels (`lower_apart`)
         self._target: kernel_cache.Target | None = None
         self._beside: set[tuple] = set()  # the random inputs' views and comparisons compiled ahead (`measure.compile_beside`)
-        if self._compiles() and not self.interpret:
-            # now, on one thread, not by the first batch's compile threads: importing Mosaic GPU (its MLIR dialects'
-            # generated modules) and the templates' lowerings holds the GIL, and on a host busy compiling it stalled
-            # every thread of GPT-2's first batch (and the lowering helpers' traffic) for 2.3-2.8 s
-            preload_pallas_lowerings(interpret=False)
-            preload_lowerings()
+        # The lowerings the kernels need, imported now, not by the first batch's compile threads: importing holds the
+        # GIL (Mosaic GPU's MLIR dialects' generated modules: on a GPU host busy compiling, every thread of GPT-2's
+        # first batch, and the lowering helpers' traffic, stalled 2.3-2.8 s), and a Pallas module that defines a JAX
+        # option makes every jitted function traced before it miss its cache (the views and comparisons compiled ahead)
+        preload_pallas_lowerings(self.interpret)
+        preload_lowerings()
 
     def lower_apart(self, pool: LoweringPool) -> None:
         """Have `pool`'s helpers lower the kernels `compile_ahead` builds, where kernels are built for a GPU and
@@ -228,29 +228,27 @@ class Evaluator:
         if self.measure == "device":  # and the random inputs and comparisons of what the batch's requests will time and check
             side += compile_beside([a for g in timed for a in self._view(g).input_avals()],
                                    [self.graph.avals[v] for g in checked for v in g.outputs], self._beside)
+        todo += [("inputs", None, b) for b in side]
         # the longest first: the whole program (GPT-2 medium's forward: 7.6 s among 45 items on 16 threads, where it
-        # waited 9.5 s for a thread behind the references); then the kernels, whose threads mostly wait for their
+        # waited 9.5 s for a thread behind the references); then the small programs (started last, they made GPT-2's
+        # first batch 3.7-4.6 s longer than its longest item); then the kernels, whose threads mostly wait for their
         # helpers (and so come as threads beside `workers`)
         todo.sort(key=lambda item: FIRST.get(item[0], len(FIRST)))
         waiting = sum(1 for kind, key, _ in todo if kind == "trial" and helpers is not None)
-        with ThreadPoolExecutor(max(1, min(workers + waiting, len(todo) + len(side) or 1)), thread_name_prefix="autofuse-compile") as pool:
-            done = list(pool.map(attempt, [b for _, _, b in todo] + side))
-        if side:
-            longest_inputs, done = max(secs for _, secs in done[len(todo):]), done[:len(todo)]
-        built = [fn for fn, _ in done]
+        with ThreadPoolExecutor(max(1, min(workers + waiting, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
+            done = list(pool.map(attempt, [b for _, _, b in todo]))
         longest: dict[str, float] = {}
         for (kind, _, _), (_, secs) in zip(todo, done):
             longest[kind] = round(max(longest.get(kind, 0.0), secs), 3)
-        for (kind, key, _), fn in zip(todo, built):
+        built = [(kind, key, fn) for (kind, key, _), (fn, _) in zip(todo, done) if kind != "inputs"]  # what requests take
+        for kind, key, fn in built:
             if fn is None:
                 continue
             if kind == "program":
                 self._program = fn
             else:
                 {"xla": self._refs, "trial": self._ahead, "plan": self._plans}[kind][key] = fn
-        if side:
-            longest["inputs"] = round(longest_inputs, 3)
-        failed = sum(fn is None for fn in built)
+        failed = sum(fn is None for _, _, fn in built)
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest,
                              lowered_apart=helpers.lowered - lowered_before if helpers is not None else 0)
 
