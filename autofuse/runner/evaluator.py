@@ -39,7 +39,8 @@ VALIDATION_TIMING_MS = 3000.0
 #: Two validated plans timed against each other (`CompareRequest`): at least this many pairs, about this long.
 COMPARE_PAIRS, COMPARE_TIMING_MS = 16, 12000.0
 HELD_PLANS = 3  # validated plans kept compiled for a comparison (their code only: no buffers are held)
-FIRST = {"program": 0, "plan": 0, "inputs": 1, "trial": 2}  # the order `compile_ahead` starts its items in, by kind (then XLA's)
+FIRST = {"program": 0, "plan": 0, "trial": 1}  # the order `compile_ahead` starts its items in, by kind (then XLA's)
+SMALL_THREADS = 2  # threads of a batch for the small programs beside its items (`measure.compile_beside`, a plan's check)
 
 
 def classify_compile_error(e: BaseException) -> TrialStatus:
@@ -228,19 +229,22 @@ class Evaluator:
         if self.measure == "device":  # and the random inputs and comparisons of what the batch's requests will time and check
             side += compile_beside([a for g in timed for a in self._view(g).input_avals()],
                                    [self.graph.avals[v] for g in checked for v in g.outputs], self._beside)
-        todo += [("inputs", None, b) for b in side]
         # the longest first: the whole program (GPT-2 medium's forward: 7.6 s among 45 items on 16 threads, where it
-        # waited 9.5 s for a thread behind the references); then the small programs (started last, they made GPT-2's
-        # first batch 3.7-4.6 s longer than its longest item); then the kernels, whose threads mostly wait for their
-        # helpers (and so come as threads beside `workers`)
+        # waited 9.5 s for a thread behind the references); then the kernels, whose threads mostly wait for their
+        # helpers (and so come as threads beside `workers`). The small programs compile on threads of their own: after
+        # the rest they made GPT-2's cold first batch 3.7-4.6 s longer than its longest item, and before them 3.8-5.9
+        # s (mostly Python, each held its thread 8-10 s on a host busy compiling)
         todo.sort(key=lambda item: FIRST.get(item[0], len(FIRST)))
         waiting = sum(1 for kind, key, _ in todo if kind == "trial" and helpers is not None)
-        with ThreadPoolExecutor(max(1, min(workers + waiting, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
+        with ThreadPoolExecutor(SMALL_THREADS, thread_name_prefix="autofuse-compile-small") as small, \
+                ThreadPoolExecutor(max(1, min(workers + waiting, len(todo) or 1)), thread_name_prefix="autofuse-compile") as pool:
+            beside = small.map(attempt, side)
             done = list(pool.map(attempt, [b for _, _, b in todo]))
-        longest: dict[str, float] = {}
+            small_secs = [secs for _, secs in beside]
+        longest: dict[str, float] = {"inputs": round(max(small_secs), 3)} if small_secs else {}
         for (kind, _, _), (_, secs) in zip(todo, done):
             longest[kind] = round(max(longest.get(kind, 0.0), secs), 3)
-        built = [(kind, key, fn) for (kind, key, _), (fn, _) in zip(todo, done) if kind != "inputs"]  # what requests take
+        built = [(kind, key, fn) for (kind, key, _), (fn, _) in zip(todo, done)]
         for kind, key, fn in built:
             if fn is None:
                 continue
