@@ -145,9 +145,14 @@ def test_a_trial_process_starts_the_helpers_its_options_ask_for_and_stops_them_o
     monkeypatch.setenv("AUTOFUSE_KERNEL_CACHE_DIR", str(tmp_path))
     _, group, spec = _program()
     with ProcessRunner(spec, {"measure": "device", HELPERS: 2, "repeats": 2, "n_input_sets": 1}, timeout_s=120) as runner:
-        assert runner.call(XlaRequest(tuple(group.node_ids))).ok
-        kids = _children(runner._proc.pid)
+        runner.start()
+        kids: dict[int, str] = {}
+        deadline = time.time() + 120
+        while len(kids) < 2 and time.time() < deadline:  # seen while they run: they may have stopped by the first answer
+            kids.update(_children(runner._proc.pid))
+            time.sleep(0.02)
         assert len(kids) == 2 and all("autofuse.runner.lowering_pool" in cmd for cmd in kids.values())
+        assert runner.call(XlaRequest(tuple(group.node_ids))).ok
         deadline = time.time() + 120
         while _children(runner._proc.pid) and time.time() < deadline:  # told to stop: they exit once started
             time.sleep(0.2)
