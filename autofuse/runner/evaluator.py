@@ -82,12 +82,13 @@ class Evaluator:
         self._pool: LoweringPool | None = None  # helper processes lowering `compile_ahead`'s kernels (`lower_apart`)
         self._target: kernel_cache.Target | None = None
         self._beside: set[tuple] = set()  # the random inputs' views and comparisons compiled ahead (`measure.compile_beside`)
-        # The lowerings the kernels need, imported now, not by the first batch's compile threads: importing holds the
-        # GIL (Mosaic GPU's MLIR dialects' generated modules: on a GPU host busy compiling, every thread of GPT-2's
-        # first batch, and the lowering helpers' traffic, stalled 2.3-2.8 s), and a Pallas module that defines a JAX
-        # option makes every jitted function traced before it miss its cache (the views and comparisons compiled ahead)
-        preload_pallas_lowerings(self.interpret)
-        preload_lowerings()
+        if measure == "device":
+            # The lowerings the kernels need, imported now, not by a batch's compile threads: importing holds the GIL
+            # (Mosaic GPU's MLIR dialects' generated modules: on a GPU host busy compiling, every thread of GPT-2's
+            # first batch, and the lowering helpers' traffic, stalled 2.3-2.8 s), and a Pallas module that defines a
+            # JAX option makes every function jitted before it miss its cache (the views compiled ahead)
+            preload_pallas_lowerings(self.interpret)
+            preload_lowerings()
 
     def lower_apart(self, pool: LoweringPool) -> None:
         """Have `pool`'s helpers lower the kernels `compile_ahead` builds, where kernels are built for a GPU and
