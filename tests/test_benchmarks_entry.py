@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from benchmarks.__main__ import SUITES
-from tests.quick import slow_except
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,10 +34,39 @@ def test_a_suite_lists_its_parts_and_their_modules(suite: str) -> None:
         assert os.path.exists(os.path.join(ROOT, *part.module.split(".")) + ".py")
 
 
-@pytest.mark.parametrize(("suite", "part"), slow_except([(s, p) for s, (_, parts) in SUITES.items() for p in parts], "kernels-mosaic",
-                                                        "profile-composition"))  # each a process importing jax: one or two suffice quick
-def test_every_part_answers_help_under_the_entrys_name(suite: str, part: str) -> None:
-    assert _help(suite, part).startswith(f"usage: python -m benchmarks {suite} {part} ")
+#: Every part's --help, asked in one process as `python -m benchmarks SUITE PART --help` would (one process per part
+#: imported jax 20 times: 38 s of the suite on the 2-core machine); a JSON {"suite part": [exit code, stdout]} on stdout.
+_ALL_HELPS = """
+import contextlib, io, json, sys
+from benchmarks.__main__ import SUITES, main
+out = {}
+for suite, (_, parts) in SUITES.items():
+    for part in parts:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            try:
+                code = main([suite, part, "--help"])
+            except SystemExit as e:
+                code = e.code
+        out[f"{suite} {part}"] = [code, buf.getvalue()]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def part_helps() -> dict:
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _ALL_HELPS], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), check=False)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(("suite", "part"), [(s, p) for s, (_, parts) in SUITES.items() for p in parts])
+def test_every_part_answers_help_under_the_entrys_name(part_helps: dict, suite: str, part: str) -> None:
+    code, text = part_helps[f"{suite} {part}"]
+    assert code in (0, None) and text.startswith(f"usage: python -m benchmarks {suite} {part} "), text[:500]
 
 
 def test_an_unknown_suite_is_an_error_that_lists_the_suites() -> None:
