@@ -123,9 +123,9 @@ def compile_beside(inputs: Sequence[Aval], outputs: Sequence[Aval], done: set[tu
     """What compiles, without running them, the small programs that timing and checking groups run besides the
     groups themselves: the random view (`pool_view`) of each input shape and the comparison (`compare`) of each
     output shape, those not in `done` (added to it: each once per process). Each returns how many it compiled. One
-    by one between the GPU's timings they were ~2.5 s of GPT-2 medium's cold start on an H200 (13 views in its XLA
-    timings, 7 comparisons of 0.3 s in its first trials' checks); on the compile threads of a batch they cost it
-    nothing. The pool they view is made here, once, not by each thread."""
+    by one between the GPU's timings they were 4-5 s of GPT-2 medium's cold job on an H200 (views in its XLA timings,
+    comparisons of 0.1-0.35 s in its first trials' checks); beside a batch they made its cold first batch ~2 s longer
+    (results/tuning_h200_run28.md). The pool they view is made here, once, not by each thread."""
     out: list[Callable[[], int]] = []
     views = [k for k in dict.fromkeys(("view", tuple(a.shape), np.dtype(a.dtype)) for a in inputs) if viewed(k[1]) and k not in done]
     compares = [k for k in dict.fromkeys(("compare", tuple(a.shape), np.dtype(a.dtype)) for a in outputs) if k not in done]
