@@ -94,6 +94,10 @@ WORKLOADS = {
     # GPT-2's and Llama 3.2 1B's head dim (issue 31 asks the same of D64)
     "attention-B8H32L2048D64": (attention, [(8, 32, 2048, 64)] * 3),
     "attention-causal-B8H32L2048D64": (attention_causal, [(8, 32, 2048, 64)] * 3),
+    # FlashAttention-3's paper's shapes (B x L = 16k tokens, H x D = 2048): its 8% over cuDNN at D128 is at L = 16k
+    "attention-B2H16L8192D128": (attention, [(2, 16, 8192, 128)] * 3),
+    "attention-B1H16L16384D128": (attention, [(1, 16, 16384, 128)] * 3),
+    "attention-causal-B1H16L16384D128": (attention_causal, [(1, 16, 16384, 128)] * 3),
     "gemm-8192^3": (plain, [(8192, 8192), (8192, 8192)]),
     "gemm-1024x8192x8192": (plain, [(1024, 8192), (8192, 8192)]),
     "bias-gelu-8192x4096x8192": (bias_gelu, [(8192, 4096), (4096, 8192), (8192,)]),
