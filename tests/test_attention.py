@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autofuse
@@ -88,6 +89,46 @@ def test_causal_masks_skip_key_blocks():
         assert lo == 0 and hi == last_q // 32 + 1, "visit key blocks up to the diagonal only"
         assert fhi == (16 * i + 1) // 32 or fhi == 16 * i // 32, "blocks wholly below the diagonal skip the mask"
     assert attention.live_fraction(spec, 16, 32) < 0.7
+
+
+def _ranges_of(live: np.ndarray, bq: int, bk: int) -> list[list[int]]:
+    """Key block ranges [lo, full_lo, full_hi, hi) per query block, straight from a dense [Lq, Lk] live mask."""
+    Lq, Lk = live.shape
+    nk, out = -(-Lk // bk), []
+    for i in range(-(-Lq // bq)):
+        rows = live[i * bq:(i + 1) * bq]
+        some = [rows[:, j * bk:(j + 1) * bk].any() for j in range(nk)]
+        every = [rows[:, j * bk:(j + 1) * bk].all() and (j + 1) * bk <= Lk for j in range(nk)]
+        idx = [j for j in range(nk) if some[j]]
+        lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
+        full = [j for j in range(lo, hi) if every[j]]
+        out.append([lo, *((full[0], full[-1] + 1) if full and all(every[full[0]:full[-1] + 1]) else (lo, lo)), hi])
+    return out
+
+
+@pytest.mark.parametrize("strip", [1 << 22, 32 * 300], ids=["one-strip", "ten-strips"])
+def test_band_ranges_match_the_dense_mask_in_strips_of_rows(monkeypatch, strip):
+    """The mask is evaluated on the host in strips of rows and kept per 16 x 16 block (`LiveBlocks`): the key block
+    ranges of every tiling are the dense mask's (a band of 24 keys over 300 positions: ragged against every tile; ten
+    strips of 32 rows, the last of 12)."""
+    monkeypatch.setattr(attention_masks, "_STRIP", strip)
+    g = autofuse.capture(sliding_window, *[S((1, 2, 300, 32), F32)] * 3)
+    spec = _attention_candidate(g).spec
+    i, j = np.arange(300)[:, None], np.arange(300)[None, :]
+    live = (i >= j) & (i - j < 24)
+    for bq, bk in [(16, 16), (16, 32), (64, 64), (128, 64), (64, 192)]:
+        assert attention.block_ranges(spec, bq, bk).tolist() == _ranges_of(live, bq, bk), (bq, bk)
+
+
+@pytest.mark.slow
+def test_a_causal_mask_past_8k_positions_still_skips_key_blocks():
+    """At 9000 positions (81M scores: more than the host analysis took before, whose dense grid stopped at 64M) the
+    causal mask is still known, so the kernels visit key blocks up to the diagonal only (at 16k, an H200 ran the
+    Mosaic GPU kernel 2.1x slower than cuDNN without this, results/attention_long_h200.md)."""
+    g = autofuse.capture(attention_bhld_causal, *[S((1, 1, 9000, 32), BF16)] * 3)
+    spec = _attention_candidate(g).spec
+    i, j = np.arange(9000)[:, None], np.arange(9000)[None, :]
+    assert attention.block_ranges(spec, 128, 128).tolist() == _ranges_of(i >= j, 128, 128)
 
 
 def test_split_heads_are_read_in_place_and_the_causal_mask_skips():

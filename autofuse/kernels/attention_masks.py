@@ -1,5 +1,5 @@
 """Masks of an `attention` group known at build time: what depends on `iota` alone is evaluated on the host over the
-whole [q, k] grid, so a kernel skips the key blocks masked out for a whole query block (`block_ranges`,
+whole [q, k] grid (in strips of rows, kept per 16 x 16 block: `LiveBlocks`), so a kernel skips the key blocks masked out for a whole query block (`block_ranges`,
 `key_block_ranges`) and the mask arithmetic where no position is masked; and a scale the scores can fold
 (`scale_fold`). Apart from matching: it runs on a matched spec, once per tiling."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from ..graph import Lit
 from ..ops import OpClass, op_class
-from .attention_spec import _MAX_GRID, _NEG, AttentionEval, AttentionSpec
+from .attention_spec import _MAX_GRID, _NEG, GRAIN, AttentionEval, AttentionSpec, LiveBlocks
 from .tiling import cdiv, needed
 
 # ---------------------------------------------------------------------------
@@ -33,16 +33,24 @@ def _iota_only(spec: AttentionSpec) -> set[int]:
     return out - batchy
 
 
-def _host_values(spec: AttentionSpec, want: set[int]) -> dict[int, np.ndarray]:
-    """Evaluate iota-only values over the whole [Lq, Lk] grid on the host."""
-    nodes = needed(spec.pre, want, set())
-    body = AttentionEval(spec, spec.Lq, spec.Lk)
+_STRIP = 1 << 22  # score positions evaluated at once on the host (a float32 value of a strip: 16 MB)
+
+
+def _host_values(spec: AttentionSpec, want: set[int], body: AttentionEval, nodes: list, q0: int, n: int) -> dict[int, np.ndarray]:
+    """Evaluate iota-only values on the host over the grid's rows [q0, q0 + n) (`body`'s tile: [rows, Lk], n <= rows)."""
     env: dict = {}
     with jax.ensure_compile_time_eval():
-        body.set_program([0] * len(spec.score_shape), 0, 0)
+        body.set_program([0] * len(spec.score_shape), q0, 0)
         for nd in nodes:
             body.eval_node(nd, env, 0, 0)
-        return {v: np.asarray(jnp.broadcast_to(env[v], (spec.Lq, spec.Lk))) for v in want}
+        return {v: np.asarray(jnp.broadcast_to(env[v], (body.bm, spec.Lk)))[:n] for v in want}
+
+
+def _block_summary(live: np.ndarray, pad_value: bool, reduce) -> np.ndarray:
+    """`reduce` (np.any / np.all) over each GRAIN x GRAIN block of the [n, Lk] strip `live`, its edges padded."""
+    n, lk = live.shape
+    padded = np.pad(live, ((0, cdiv(n, GRAIN) * GRAIN - n), (0, cdiv(lk, GRAIN) * GRAIN - lk)), constant_values=pad_value)
+    return reduce(padded.reshape(padded.shape[0] // GRAIN, GRAIN, -1, GRAIN), axis=(1, 3))
 
 
 def _analyze_masks(spec: AttentionSpec) -> None:
@@ -91,32 +99,41 @@ def _analyze_masks(spec: AttentionSpec) -> None:
     if not any(k in ("select", "add") for k, *_ in steps):
         return
     want = {st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
-    host = _host_values(spec, want)
-    dead = np.zeros((spec.Lq, spec.Lk), bool)
-    selects, adds = {}, {}
+    rows = max(GRAIN, _STRIP // spec.Lk // GRAIN * GRAIN)  # a strip of rows at a time (a multiple of GRAIN)
+    body, nodes = AttentionEval(spec, rows, spec.Lk), needed(spec.pre, want, set())
+    nq, nk = cdiv(spec.Lq, GRAIN), cdiv(spec.Lk, GRAIN)
+    any_live, all_live = np.zeros((nq, nk), bool), np.ones((nq, nk), bool)
+    selects: dict[int, int] = {}
+    adds = {nd.id: mv for kind, nd, mv, *_ in steps if kind == "add"}  # each one a 0 / fill mask until a strip says not
+    for q0 in range(0, spec.Lq, rows):
+        n = min(rows, spec.Lq - q0)
+        host = _host_values(spec, want, body, nodes, q0, n)
+        dead = np.zeros((n, spec.Lk), bool)
 
-    def fill_of(other) -> np.ndarray:
-        return np.broadcast_to(np.float32(other.value) if isinstance(other, Lit) else host[other].astype(np.float32), dead.shape)
+        def fill_of(other) -> np.ndarray:
+            return np.broadcast_to(np.float32(other.value) if isinstance(other, Lit) else host[other].astype(np.float32), dead.shape)
 
-    for kind, nd, mv, a, other in steps:
-        if kind == "fill":  # a runtime predicate: only a very negative fill keeps masked scores masked
-            if not np.all(fill_of(other) <= _NEG):
-                return
-        elif kind == "select":  # select_n(pred, c0, c1): True picks c1
-            pred = host[a].astype(bool)
-            picks_fill = ~pred if nd.inputs[2] == mv else pred
-            fill = fill_of(other)
-            if np.any(picks_fill & (fill > _NEG)):
-                return  # a select that is not a mask
-            dead |= picks_fill
-            selects[nd.id] = mv
-        else:
-            bias = host[a].astype(np.float32)
-            d = bias <= _NEG
-            if np.all(bias[~d] == 0):
-                adds[nd.id] = mv
-            dead |= d
-    spec.dead, spec.mask_selects, spec.mask_adds = dead, selects, adds
+        for kind, nd, mv, a, other in steps:
+            if kind == "fill":  # a runtime predicate: only a very negative fill keeps masked scores masked
+                if not np.all(fill_of(other) <= _NEG):
+                    return
+            elif kind == "select":  # select_n(pred, c0, c1): True picks c1
+                pred = host[a].astype(bool)
+                picks_fill = ~pred if nd.inputs[2] == mv else pred
+                if np.any(picks_fill & (fill_of(other) > _NEG)):
+                    return  # a select that is not a mask
+                dead |= picks_fill
+                selects[nd.id] = mv
+            else:
+                bias = host[a].astype(np.float32)
+                d = bias <= _NEG
+                if not np.all(bias[~d] == 0):
+                    adds.pop(nd.id, None)
+                dead |= d
+        r = slice(q0 // GRAIN, q0 // GRAIN + cdiv(n, GRAIN))
+        any_live[r] = _block_summary(~dead, False, np.any)
+        all_live[r] = _block_summary(~dead, True, np.all)
+    spec.live, spec.mask_selects, spec.mask_adds = LiveBlocks(any_live, all_live), selects, adds
 
 
 def _const(g, a, members: set[int]) -> float | None:
@@ -205,18 +222,18 @@ def key_block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None
 
 def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
     _analyze_masks(spec)
-    if spec.dead is None:
+    if spec.live is None:
         return None
+    assert bq % GRAIN == 0 and bk % GRAIN == 0, (bq, bk)
     nq, nk = cdiv(spec.Lq, bq), cdiv(spec.Lk, bk)
-    dead = np.ones((nq * bq, nk * bk), bool)
-    dead[: spec.Lq, : spec.Lk] = spec.dead
-    ragged = np.zeros_like(dead)
-    ragged[spec.Lq:, :] = True
-    blk = dead.reshape(nq, bq, nk, bk)
-    live_pos = ~blk
-    any_live = live_pos.any(axis=(1, 3))
-    real_rows = (np.arange(nq * bq) < spec.Lq).reshape(nq, bq)[:, :, None, None]
-    all_live = (live_pos | ~real_rows).all(axis=(1, 3)) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
+    fq, fk = bq // GRAIN, bk // GRAIN
+
+    def blocks(fine: np.ndarray, pad_value: bool, reduce) -> np.ndarray:
+        padded = np.pad(fine, ((0, nq * fq - fine.shape[0]), (0, nk * fk - fine.shape[1])), constant_values=pad_value)
+        return reduce(padded.reshape(nq, fq, nk, fk), axis=(1, 3))
+
+    any_live = blocks(spec.live.any, False, np.any)
+    all_live = blocks(spec.live.all, True, np.all) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
     out = np.zeros((nq, 4), np.int32)
     for i in range(nq):
         idx = np.nonzero(any_live[i])[0]

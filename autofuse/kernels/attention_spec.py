@@ -16,7 +16,19 @@ from .tile_eval import TileEval
 from .tiling import TileSpec
 
 _NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
-_MAX_GRID = 1 << 26  # host-side mask analysis only for [q, k] grids up to this many positions
+_MAX_GRID = 1 << 28  # host-side mask analysis only for [q, k] grids up to this many positions (16k x 16k: 3-5 s on a
+# 2-core host, once per spec and process; 32k x 32k would take 14 s)
+GRAIN = 16  # masks known at build time are kept per GRAIN x GRAIN block: every tile's sides are multiples of it
+
+
+@dataclass(frozen=True)
+class LiveBlocks:
+    """A mask known at build time, per `GRAIN` x `GRAIN` block of the [Lq, Lk] score grid ([cdiv(Lq, GRAIN),
+    cdiv(Lk, GRAIN)] each): `any`, some real position is live (unmasked); `all`, every real position is (those past
+    Lq or Lk do not count). Enough for the key block ranges of any tiling, and small at any length where the whole
+    grid is not (16k x 16k positions: 2 MB against 256 MB)."""
+    any: np.ndarray
+    all: np.ndarray
 
 
 @dataclass
@@ -64,7 +76,7 @@ class AttentionSpec:
     dot_dtype2: np.dtype
     mask_selects: dict[int, int] = field(default_factory=dict)  # select node id -> value it takes where unmasked
     mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
-    dead: np.ndarray | None = None  # [Lq, Lk] positions masked out regardless of runtime inputs
+    live: LiveBlocks | None = field(default=None, repr=False, compare=False)  # where a mask known at build time leaves scores
     masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
     ranges: dict[tuple[int, int], np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)  # `block_ranges` by tiles
 
