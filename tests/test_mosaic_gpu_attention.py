@@ -324,14 +324,18 @@ def log1p_bias(q, k, v, b):
 
 def test_defaults_follow_the_head_dim_and_dtype():
     """16-bit: the overlap without the schedule barrier, and at D64 with enough queries three compute warpgroups,
-    persistent where it runs (not with a row-vector input); float32 (TF32, P through SMEM): none of them (slower
+    persistent where it runs (not with a row-vector input) and a query block walks at most 64 key blocks; float32 (TF32, P through SMEM): none of them (slower
     there, results/attention_overlap_h200.md, attention_persistent_h200.md)."""
     cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 2, "persistent": 1}),
              ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 3, "persistent": 1}),
              ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1}, attention_bhld_causal),
              ((1, 2, 256, 64), F16, {"overlap": 1, "block_q": 64, "compute_wgs": 2, "persistent": 1}),
              ((1, 2, 1024, 128), F32, {"overlap": 0, "schedule_barrier": 1, "compute_wgs": 2, "persistent": 0}),
-             ((1, 2, 256, 64), BF16, {"overlap": 1, "persistent": 0}, query_bias)]  # a row-vector input: not persistent
+             ((1, 2, 256, 64), BF16, {"overlap": 1, "persistent": 0}, query_bias),  # a row-vector input: not persistent
+             # persistent up to 64 key blocks a query block (8192 keys at 128 a step), not past it
+             ((1, 1, 8192, 128), BF16, {"overlap": 1, "block_kv": 128, "persistent": 1}),
+             ((1, 1, 8320, 128), BF16, {"overlap": 1, "block_kv": 128, "persistent": 0}),
+             ((1, 1, 16384, 64), BF16, {"overlap": 1, "compute_wgs": 3, "persistent": 0})]
     for shape, dtype, want, *fn in cases:
         shapes = [shape] * 3 + ([shape[2:3]] if fn == [query_bias] else [])
         g, group, spec = _group((fn or [attention_bhld])[0], shapes, dtype)

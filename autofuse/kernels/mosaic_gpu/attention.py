@@ -336,20 +336,26 @@ def smem_bytes(spec: AttentionSpec, cfg: Config, *, emit_lse: bool = False) -> i
     return sum(-(-b // 1024) * 1024 for b in bufs) + 8 * barriers + 2048
 
 
+# The persistent grid's static walk of the tiles gains up to 64 key blocks a query block (causal, H200: 4k 0.93x the
+# CTA-per-tile grid's time, 8k 0.97x) and loses past it (16k: 1.51x at D128, 1.19x at D64; 1.05x without a mask)
+PERSISTENT_MAX_STEPS = 64
+
+
 def default_config(spec: AttentionSpec) -> dict:
     """attention_mgpu's best forward config (block_q 64, block_kv 128, 2 stages) with what measured better on an H200
     (results/attention_overlap_h200.md): 16-bit head dims up to 128 overlap each step's two dots, without the
     schedule barrier (B8 H32 L2048 D128: 890 -> 830 us, causal 541 -> 532), and up to 64, where the queries fill
     them, with three compute warpgroups (D64: 662 -> 566 us, causal 408 -> 358; FA3's choice there), persistent (D128
-    822 -> 810 us, causal 522 -> 477: results/attention_persistent_h200.md). Each shrunk until
-    it fits; the first of these that the lowering takes (score inputs' buffers can leave the overlap one step in
-    flight, which it cannot run), else attention_mgpu's shrunk."""
+    822 -> 810 us, causal 522 -> 477: results/attention_persistent_h200.md) where a query block walks at most
+    `PERSISTENT_MAX_STEPS` key blocks (results/attention_long_h200.md). Each shrunk until it fits; the first of these
+    that the lowering takes (score inputs' buffers can leave the overlap one step in flight, which it cannot run),
+    else attention_mgpu's shrunk."""
     wanted = []
     if not tf32(spec) and max(spec.D, spec.Dv) <= 128:
+        persistent = [1, 0] if cdiv(spec.Lk, DEFAULTS["block_kv"]) <= PERSISTENT_MAX_STEPS else [0]
         if max(spec.D, spec.Dv) <= 64 and spec.Lq >= 512:
-            wanted += [{"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1},
-                       {"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3}]
-        wanted += [{"overlap": 1, "schedule_barrier": 0, "persistent": 1}, {"overlap": 1, "schedule_barrier": 0}]
+            wanted += [{"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": p} for p in persistent]
+        wanted += [{"overlap": 1, "schedule_barrier": 0, "persistent": p} for p in persistent]
     for changes in wanted + [{}]:
         cfg = _shrunk({**DEFAULTS, **changes}, spec)
         try:
