@@ -113,6 +113,10 @@ def queue(fn: Any, fingerprint: str, inputs: list[str], args: Sequence[Any], kwa
         env.update(AUTOFUSE_DB=store_url, **{NO_BACKGROUND_ENV: "1"})
         with open(log, "w") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:  # lowered here, before the caller goes on (the job lowering its own left its first moments at the caller's)
+            os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + budget.nice))
+        except OSError:  # it already ended
+            pass
         with open(lock, "w") as f:
             f.write(str(proc.pid))
     except BaseException:

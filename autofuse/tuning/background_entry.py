@@ -1,7 +1,7 @@
 """The process a background tuning job runs: ``python -P -m autofuse.tuning.background_entry MODULE:FUNCTION JOBFILE``.
 
-It lives on the tuning side so that the deploy side (`autofuse.deploy.background`, which writes the job file and
-starts this process) never imports the tuner. It lowers its priority, imports the function its command line names
+It lives on the tuning side so that the deploy side (`autofuse.deploy.background`, which writes the job file, starts
+this process and lowers its priority) never imports the tuner. It imports the function its command line names
 (and refuses a job file that names another), tunes it with `autofuse.tuning.local.tune` into the store (its URL
 reaches it through ``$AUTOFUSE_DB``, never on a command line) and removes its job file and lock, and its log when it
 succeeded (the plan is in the store; a failed job's log stays, for the caller's warning to point at). A later trace
@@ -35,10 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"autofuse: the job file {path} tunes {job['function']}, not {function}: refused", file=sys.stderr)
             return 2
         budget = BackgroundTune(**job["budget"])
-        os.nice(budget.nice)
         fn = resolve(function)
         fn = getattr(fn, "fn", fn)  # an autofuse.jit of the function: tune the function itself
-        from .local import tune  # the tuner's imports, once the job is accepted and at the job's lowered priority
+        from .local import tune  # the tuner's imports, once the job is accepted and at the priority the caller lowered
         from .options import JobOptions
 
         args, kwargs = decode_call(job["args"], job["kwargs"])
