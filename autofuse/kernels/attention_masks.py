@@ -46,11 +46,11 @@ def _host_values(spec: AttentionSpec, want: set[int], body: AttentionEval, nodes
         return {v: np.asarray(jnp.broadcast_to(env[v], (body.bm, spec.Lk)))[:n] for v in want}
 
 
-def _block_summary(live: np.ndarray, pad_value: bool, reduce) -> np.ndarray:
-    """`reduce` (np.any / np.all) over each GRAIN x GRAIN block of the [n, Lk] strip `live`, its edges padded."""
-    n, lk = live.shape
-    padded = np.pad(live, ((0, cdiv(n, GRAIN) * GRAIN - n), (0, cdiv(lk, GRAIN) * GRAIN - lk)), constant_values=pad_value)
-    return reduce(padded.reshape(padded.shape[0] // GRAIN, GRAIN, -1, GRAIN), axis=(1, 3))
+def _per_block(a: np.ndarray, rows: int, cols: int, pad_value: bool, reduce) -> np.ndarray:
+    """`reduce` (np.any / np.all) over each [rows, cols] block of the 2-d `a`, its edges padded with `pad_value`."""
+    n, m = a.shape
+    padded = np.pad(a, ((0, cdiv(n, rows) * rows - n), (0, cdiv(m, cols) * cols - m)), constant_values=pad_value)
+    return reduce(padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols), axis=(1, 3))
 
 
 def _analyze_masks(spec: AttentionSpec) -> None:
@@ -131,8 +131,8 @@ def _analyze_masks(spec: AttentionSpec) -> None:
                     adds.pop(nd.id, None)
                 dead |= d
         r = slice(q0 // GRAIN, q0 // GRAIN + cdiv(n, GRAIN))
-        any_live[r] = _block_summary(~dead, False, np.any)
-        all_live[r] = _block_summary(~dead, True, np.all)
+        any_live[r] = _per_block(~dead, GRAIN, GRAIN, False, np.any)
+        all_live[r] = _per_block(~dead, GRAIN, GRAIN, True, np.all)
     spec.live, spec.mask_selects, spec.mask_adds = LiveBlocks(any_live, all_live), selects, adds
 
 
@@ -226,14 +226,8 @@ def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
         return None
     assert bq % GRAIN == 0 and bk % GRAIN == 0, (bq, bk)
     nq, nk = cdiv(spec.Lq, bq), cdiv(spec.Lk, bk)
-    fq, fk = bq // GRAIN, bk // GRAIN
-
-    def blocks(fine: np.ndarray, pad_value: bool, reduce) -> np.ndarray:
-        padded = np.pad(fine, ((0, nq * fq - fine.shape[0]), (0, nk * fk - fine.shape[1])), constant_values=pad_value)
-        return reduce(padded.reshape(nq, fq, nk, fk), axis=(1, 3))
-
-    any_live = blocks(spec.live.any, False, np.any)
-    all_live = blocks(spec.live.all, True, np.all) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
+    any_live = _per_block(spec.live.any, bq // GRAIN, bk // GRAIN, False, np.any)
+    all_live = _per_block(spec.live.all, bq // GRAIN, bk // GRAIN, True, np.all) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
     out = np.zeros((nq, 4), np.int32)
     for i in range(nq):
         idx = np.nonzero(any_live[i])[0]
