@@ -324,8 +324,9 @@ def log1p_bias(q, k, v, b):
 
 def test_defaults_follow_the_head_dim_and_dtype():
     """16-bit: the overlap without the schedule barrier, and at D64 with enough queries three compute warpgroups,
-    persistent where it runs (not with a row-vector input) and a query block walks at most 64 key blocks; float32 (TF32, P through SMEM): none of them (slower
-    there, results/attention_overlap_h200.md, attention_persistent_h200.md)."""
+    persistent where it runs (not with a row-vector input) and a query block walks at most 64 key blocks; float32
+    (TF32, P through SMEM): none of them (slower there, results/attention_overlap_h200.md, attention_persistent_h200.md,
+    attention_long_h200.md)."""
     cases = [((1, 2, 1024, 128), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 2, "persistent": 1}),
              ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "block_q": 64, "compute_wgs": 3, "persistent": 1}),
              ((1, 2, 1024, 64), BF16, {"overlap": 1, "schedule_barrier": 0, "compute_wgs": 3, "persistent": 1}, attention_bhld_causal),

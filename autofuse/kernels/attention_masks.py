@@ -1,7 +1,7 @@
 """Masks of an `attention` group known at build time: what depends on `iota` alone is evaluated on the host over the
-whole [q, k] grid (in strips of rows, kept per 16 x 16 block: `LiveBlocks`), so a kernel skips the key blocks masked out for a whole query block (`block_ranges`,
-`key_block_ranges`) and the mask arithmetic where no position is masked; and a scale the scores can fold
-(`scale_fold`). Apart from matching: it runs on a matched spec, once per tiling."""
+whole [q, k] grid (in strips of rows, kept per 16 x 16 block: `LiveBlocks`), so a kernel skips the key blocks masked
+out for a whole query block (`block_ranges`, `key_block_ranges`) and the mask arithmetic where no position is
+masked; and a scale the scores can fold (`scale_fold`). Apart from matching: it runs on a matched spec, once per tiling."""
 from __future__ import annotations
 
 import jax
@@ -133,7 +133,7 @@ def _analyze_masks(spec: AttentionSpec) -> None:
         r = slice(q0 // GRAIN, q0 // GRAIN + cdiv(n, GRAIN))
         any_live[r] = _per_block(~dead, GRAIN, GRAIN, False, np.any)
         all_live[r] = _per_block(~dead, GRAIN, GRAIN, True, np.all)
-    spec.live, spec.mask_selects, spec.mask_adds = LiveBlocks(any_live, all_live), selects, adds
+    spec.live, spec.mask_selects, spec.mask_adds = LiveBlocks(some=any_live, every=all_live), selects, adds
 
 
 def _const(g, a, members: set[int]) -> float | None:
@@ -226,8 +226,8 @@ def _block_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
         return None
     assert bq % GRAIN == 0 and bk % GRAIN == 0, (bq, bk)
     nq, nk = cdiv(spec.Lq, bq), cdiv(spec.Lk, bk)
-    any_live = _per_block(spec.live.any, bq // GRAIN, bk // GRAIN, False, np.any)
-    all_live = _per_block(spec.live.all, bq // GRAIN, bk // GRAIN, True, np.all) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
+    any_live = _per_block(spec.live.some, bq // GRAIN, bk // GRAIN, False, np.any)
+    all_live = _per_block(spec.live.every, bq // GRAIN, bk // GRAIN, True, np.all) & (np.arange(nk) * bk + bk <= spec.Lk)[None, :]
     out = np.zeros((nq, 4), np.int32)
     for i in range(nq):
         idx = np.nonzero(any_live[i])[0]

@@ -24,11 +24,11 @@ GRAIN = 16  # masks known at build time are kept per GRAIN x GRAIN block: every 
 @dataclass(frozen=True)
 class LiveBlocks:
     """A mask known at build time, per `GRAIN` x `GRAIN` block of the [Lq, Lk] score grid ([cdiv(Lq, GRAIN),
-    cdiv(Lk, GRAIN)] each): `any`, some real position is live (unmasked); `all`, every real position is (those past
-    Lq or Lk do not count). Enough for the key block ranges of any tiling, and small at any length where the whole
-    grid is not (16k x 16k positions: 2 MB against 256 MB)."""
-    any: np.ndarray
-    all: np.ndarray
+    cdiv(Lk, GRAIN)] each): `some`, some real position is live (unmasked); `every`, every real position is (those
+    past Lq or Lk do not count). Enough for the key block ranges of any tiling, and small at any length where the
+    whole grid is not (16k x 16k positions: 2 MB against 256 MB)."""
+    some: np.ndarray
+    every: np.ndarray
 
 
 @dataclass
