@@ -175,15 +175,16 @@ def specs(w: Workload, dtype) -> list[jax.ShapeDtypeStruct]:
 def attention_config(s: str) -> dict:
     """A Triton attention tile config from its short form ``128x64w8s3`` (block_q x block_k, warps, stages), or a
     Mosaic GPU one from ``mgpu64x128s2`` (block_q rows per compute warpgroup x block_kv, max_concurrent_steps;
-    the config names its backend; schedule barrier on, Lane semantics, no overlap), its steps followed by flags:
-    ``o`` FA3's intra-warpgroup overlap, ``n`` no schedule barrier, ``t`` three compute warpgroups (``mgpu64x128s2on``)."""
+    the config names its backend; schedule barrier on, Lane semantics, no overlap, a CTA per tile), its steps followed
+    by flags: ``o`` FA3's intra-warpgroup overlap, ``n`` no schedule barrier, ``t`` three compute warpgroups, ``p``
+    persistent (``mgpu64x128s2onp``)."""
     if s.startswith("mgpu"):
         bq, rest = s[4:].split("x")
         bk, st = rest.split("s")
         flags = st.lstrip("0123456789")
         return {"backend": "mosaic_gpu", "block_q": int(bq), "block_kv": int(bk), "max_concurrent_steps": int(st[:len(st) - len(flags)]),
                 "schedule_barrier": int("n" not in flags), "semantics": 0, "overlap": int("o" in flags),
-                "compute_wgs": 3 if "t" in flags else 2}
+                "compute_wgs": 3 if "t" in flags else 2, "persistent": int("p" in flags)}
     bq, rest = s.split("x")
     bk, rest = rest.split("w")
     w, st = rest.split("s")

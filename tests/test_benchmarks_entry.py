@@ -153,11 +153,15 @@ def test_gemm_clocks_reads_the_sm_clock_of_a_window_from_nvidia_smis_samples() -
 
 def test_attention_short_forms_name_their_backend_and_the_mosaic_gpu_flags() -> None:
     """`kernels attention-grad --configs`: Triton tiles, or a Mosaic GPU forward with its flags after the steps
-    (o: the overlap, n: no schedule barrier, t: three compute warpgroups)."""
+    (o: the overlap, n: no schedule barrier, t: three compute warpgroups, p: persistent): every key of the lowering's
+    config, so that a plan of it builds."""
+    from autofuse.kernels.mosaic_gpu.attention import PARAMS
     from benchmarks.workloads import attention_config
 
     assert attention_config("128x64w8s3") == {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
     base = {"backend": "mosaic_gpu", "block_q": 64, "block_kv": 128, "max_concurrent_steps": 2, "semantics": 0}
-    assert attention_config("mgpu64x128s2") == {**base, "schedule_barrier": 1, "overlap": 0, "compute_wgs": 2}
-    assert attention_config("mgpu64x128s2ont") == {**base, "schedule_barrier": 0, "overlap": 1, "compute_wgs": 3}
+    assert attention_config("mgpu64x128s2") == {**base, "schedule_barrier": 1, "overlap": 0, "compute_wgs": 2, "persistent": 0}
+    assert attention_config("mgpu64x128s2ont") == {**base, "schedule_barrier": 0, "overlap": 1, "compute_wgs": 3, "persistent": 0}
+    assert attention_config("mgpu64x128s2onp") == {**base, "schedule_barrier": 0, "overlap": 1, "compute_wgs": 2, "persistent": 1}
+    assert set(attention_config("mgpu64x128s2")) - {"backend"} == set(PARAMS)
     assert attention_config("mgpu64x128s12o")["max_concurrent_steps"] == 12
