@@ -139,6 +139,7 @@ WORKLOADS = [
     Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
 ]
 
+
 def long_attention_shapes() -> tuple:
     """FlashAttention-3's paper's longest attention (B x L = 16k tokens, H x D = 2048), bf16, as shapes:
     `autofuse tune benchmarks.workloads:attention_bhld_causal --inputs benchmarks.workloads:long_attention_shapes`."""
