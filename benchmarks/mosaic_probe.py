@@ -74,6 +74,10 @@ def swiglu(h, w_gate, w_up):  # Llama's MLP before its down-projection: two GEMM
     return jax.nn.silu(h @ w_gate) * (h @ w_up)
 
 
+def lm_head(x, w):  # GPT-2's logits, `x @ wte.T`, with wte read as stored ([N, K])
+    return jnp.einsum("mk,nk->mn", x, w)
+
+
 def attention(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
@@ -115,6 +119,9 @@ WORKLOADS = {
     "highest-f32-bias-gelu-4096^3": (highest_bias_gelu, [(4096, 4096), (4096, 4096), (4096,)]),
     "groupnorm-16384x2048x4096-G32": (matmul_bias_swish_groupnorm, [(16384, 2048), (2048, 4096), (4096,), (4096,), (4096,)]),
     "ce-16384x1024x50257": (cross_entropy_rows, [(16384, 1024), (50257, 1024), (16384,)]),
+    # GPT-2's LM head at its vocabulary (rows of 100514 bytes: no TMA descriptor of [M, N]) and padded to 50304
+    "lm-head-16384x1024x50257": (lm_head, [(16384, 1024), (50257, 1024)]),
+    "lm-head-16384x1024x50304": (lm_head, [(16384, 1024), (50304, 1024)]),
     "dgrad-gelu-16384x1024x4096": (dgrad_gelu, [(16384, 1024), (4096, 1024), (16384, 4096)]),
     "dgrad-gelu-dbias-16384x1024x4096": (dgrad_gelu_dbias, [(16384, 1024), (4096, 1024), (16384, 4096)]),
     "swiglu-8192x2048x8192": (swiglu, [(8192, 2048), (2048, 8192), (2048, 8192)]),  # Llama 3.2 1B, B4 S2048

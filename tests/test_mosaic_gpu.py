@@ -107,6 +107,13 @@ CASES = [
     # the ping-pong default's 192-column tiles (three 64-column epilogue pieces), the last one ragged (400 = 2 x 192 + 16)
     pytest.param(bias_gelu, [(M, K), (K, 400), (400,)], BF16, {**SMALL, "pingpong": 1, "block_n": 192, "block_k": 64,
                                                                 "max_concurrent_steps": 3, "epi_tile_n": 64}, id="pingpong-192-bias-gelu-bf16-ragged"),
+    # products whose rows are not 16-byte multiples apart (an LM head's vocabulary: 50257 columns), written row by row
+    # into the [M / 8, 8 N] view with the last column of tiles moved back to end at N (`row_stored`): 301 columns in
+    # 3 tiles of 128 and 5 of 64; B stored [N, K] as `x @ wte.T` reads it; two outputs, one of them row-stored
+    pytest.param(bt_rowscale_residual, [(M, K), (301, K), (M, 1), (M, 301)], BF16, SMALL, id="rows-Bt-rowscale-residual-bf16-unaligned"),
+    pytest.param(bias_gelu, [(M, K), (K, 301), (301,)], BF16, {**SMALL, "pingpong": 1}, id="rows-pingpong-bias-gelu-bf16-unaligned"),
+    pytest.param(swish_two_outputs, [(M, K), (K, 301)], F16, {**SMALL, "epilogue_wg": 1, "wg_dimension": 0},
+                 id="rows-epilogue-wg-swish-two-outputs-f16-unaligned"),
 ]
 
 

@@ -79,7 +79,7 @@ from .. import prologue_fold
 from ..matmul import MatmulSpec
 from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
-from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
+from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, TMA_ALIGN as _TMA_ALIGN, check_operand_tiles
 from .gemm import approximate_math, interpret_params, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
@@ -326,6 +326,21 @@ def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
     return spec.windows.get(v) or ((v, 0, spec.N),)
 
 
+def row_stored(spec: MatmulSpec, cfg: Config) -> frozenset[int]:
+    """The written values whose rows are not 16-byte multiples apart (GPT-2's logits: 50257 bf16 columns), which no
+    TMA descriptor of their [M, N] shape can describe. Rather than written padded and sliced by XLA (a copy of the whole
+    product: GPT-2's LM head lost to XLA by it), each is written as the same bytes seen as [M / 8, 8 N], whose rows
+    are 8 N elements apart (16-byte multiples), a TMA store per row of a piece; the last column of tiles is moved
+    back to end at N, so that no row's store runs into the next row. Where M is not a multiple of 8, N is narrower
+    than a CTA tile, the value is split or the group sums over the rows (which an overlapping tile would count
+    twice): none (padded as before)."""
+    g = spec.group.graph
+    if spec.M % 8 or spec.N < cfg.cta_n or spec.epi.col_sums:
+        return frozenset()
+    return frozenset(v for v in full_outputs(spec) if v not in spec.windows
+                     and (spec.N * _kernel_dtype(g.avals[v].dtype).itemsize) % _TMA_ALIGN)
+
+
 def epi_inputs(spec: MatmulSpec) -> list[int]:
     """The epilogue's inputs from outside the group, in first-use order (the dots' outputs excluded)."""
     return [v for v in spec.epi.group.inputs if v not in spec.products] if spec.epi_nodes else []
@@ -467,6 +482,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
     sums = [v for v in group.outputs if v in spec.epi.col_sums]  # written as float32 partials, one row per piece
     n_stores = len(outs) + len(sums)  # TMA stores per piece
+    by_rows = row_stored(spec, cfg)
 
     # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
     # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
@@ -492,6 +508,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         if cfg.cluster:
             cta = lax.axis_index("cluster")
             m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
+        if by_rows:  # the last column of tiles ends at N (overlapping the one before it: the same values written twice)
+            return m_idx * cta_m, jnp.minimum(n_idx * cta_n, N - cta_n)
         return m_idx * cta_m, n_idx * cta_n
 
     def wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols) -> None:
@@ -535,14 +553,20 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.commit_smem()
         if fetch_next is not None:
             fetch_next()
-        for sm, dests in zip(out_slots_at, out_gmem):
-            store_piece(sm, dests, r0, c0)
+        for v, sm, dests in zip(outs, out_slots_at, out_gmem):
+            store_piece(sm, dests, r0, c0, v in by_rows)
         for sm, o in zip(sum_slots_at, sum_gmem):
             plgpu.copy_smem_to_gmem(sm, o.at[r0 // em, pl.ds(c0, en)])
 
-    def store_piece(sm, dests: list, r0, c0) -> None:
+    def store_piece(sm, dests: list, r0, c0, rows: bool = False) -> None:
         """TMA one [em, en] piece from SMEM to its array: the one split part whose columns hold it (the last part
-        takes what lies past the edge, which TMA drops), else the whole value's."""
+        takes what lies past the edge, which TMA drops), else the whole value's. `rows`: the array is `row_stored`,
+        seen as [M / 8, 8 N]: each of the piece's rows is a TMA of its own, the piece's one bulk group."""
+        if rows:
+            view = dests[0][0]
+            for i in range(em):  # (r0 is a multiple of 8: rows r0 + i of the array are row r0 // 8 + i // 8 of the view)
+                plgpu.copy_smem_to_gmem(sm.at[i], view.at[r0 // 8 + i // 8, pl.ds((i % 8) * N + c0, en)], commit_group=i == em - 1)
+            return
         if len(dests) == 1:
             plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
             return
@@ -964,7 +988,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
-    out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
+    out_type = [jax.ShapeDtypeStruct((M // 8, 8 * N) if v in by_rows else (M, _pad_to(cols, d.itemsize)), d)
+                for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
@@ -1001,7 +1026,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         res = call(*args)
         res = res if isinstance(res, (list, tuple)) else [res]
         parts = [(p, cols) for v in outs for p, _, cols in targets(spec, v)]
-        done = {p: jnp.reshape(r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
+        done = {p: jnp.reshape(r if p in by_rows else r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
         done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[n_refs:])})
         return [done[v] for v in group.outputs]
 
