@@ -57,10 +57,6 @@ def swish_two_outputs(x, w):
     return h, h * jax.nn.sigmoid(h)
 
 
-def rowscale_tanh(x, w, s):
-    return jnp.tanh((x @ w) * s)
-
-
 def scalar_scale_tanh_f32(x, w, s):
     return jnp.tanh((x @ w) * s).astype(jnp.float32)
 
@@ -111,16 +107,6 @@ CASES = [
     # the ping-pong default's 192-column tiles (three 64-column epilogue pieces), the last one ragged (400 = 2 x 192 + 16)
     pytest.param(bias_gelu, [(M, K), (K, 400), (400,)], BF16, {**SMALL, "pingpong": 1, "block_n": 192, "block_k": 64,
                                                                 "max_concurrent_steps": 3, "epi_tile_n": 64}, id="pingpong-192-bias-gelu-bf16-ragged"),
-    # products whose rows are not 16-byte multiples apart (an LM head's vocabulary: 50257 columns), written into the
-    # [M / 8, 8 N] view with A's rows permuted and the last column of tiles moved back to end at N (`row_stored`):
-    # 301 columns in 3 tiles of 128 and 5 of 64, M = 200 in 2 tiles of 128 (the second ragged); a row vector permuted
-    # with A; A stored [K, M]; two outputs; B stored [N, K] as `x @ wte.T` reads it (with an [M, N] input: padded)
-    pytest.param(rowscale_tanh, [(M, K), (K, 301), (M, 1)], BF16, {**SMALL, "wg_dimension": 0}, id="rows-rowscale-tanh-bf16-unaligned"),
-    pytest.param(bias_gelu, [(M, K), (K, 301), (301,)], BF16, {**SMALL, "pingpong": 1}, id="rows-pingpong-bias-gelu-bf16-unaligned"),
-    pytest.param(at_bias_gelu, [(K, 256), (K, 301), (301,)], BF16, {**WIDE, "block_n": 64}, id="rows-At-bias-gelu-bf16-unaligned"),
-    pytest.param(swish_two_outputs, [(M, K), (K, 301)], F16, {**SMALL, "epilogue_wg": 1, "wg_dimension": 0},
-                 id="rows-epilogue-wg-swish-two-outputs-f16-unaligned"),
-    pytest.param(bt_rowscale_residual, [(M, K), (301, K), (M, 1), (M, 301)], BF16, SMALL, id="Bt-rowscale-residual-bf16-unaligned-padded"),
 ]
 
 
@@ -263,25 +249,3 @@ def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
 
     _, cand = probe_group(dgrad_gelu_dbias, [S((4096, 1024), BF16), S((4096, 1024), BF16), S((4096, 4096), BF16)])
     assert cand.spec.epi.col_sums and mgpu_matmul.default_config(cand.spec)["pingpong"] == 0
-
-
-def test_unaligned_products_go_through_the_row_view():
-    """A product whose rows are not 16-byte multiples apart is written through its [M / 8, 8 N] view (no pad, no slice
-    after the kernel) where `row_stored` allows it, and padded where it does not (M not a multiple of 8, an [M, N]
-    epilogue input, N narrower than a tile)."""
-    def kernel_outputs(jaxpr) -> list[tuple]:  # (interpret mode wraps the pallas_call in a custom_vmap_call)
-        return next([tuple(v.aval.shape) for v in e.outvars] for e in jaxpr.eqns if e.primitive.name in ("pallas_call", "custom_vmap_call"))
-
-    def uses_view(fn, shapes, cfg):
-        g, group, spec = _group(fn, shapes, BF16)
-        cfg = {**mgpu_matmul.default_config(spec), **cfg}
-        closed = jax.make_jaxpr(mgpu_matmul.lower(group, spec, cfg, interpret=True, num_sms=2))(*_inputs(group))
-        m, n, view = spec.M, spec.N, mgpu_matmul.row_stored(spec, mgpu_matmul.Config.of(cfg))
-        assert kernel_outputs(closed.jaxpr) == [(m // 8, 8 * n) if view else (m, -(-n // 8) * 8)]
-        return view
-
-    assert uses_view(bias_gelu, [(M, K), (K, 301), (301,)], {})
-    assert not uses_view(bias_gelu, [(M - 4, K), (K, 301), (301,)], {})  # M not a multiple of 8
-    assert not uses_view(rowscale_residual, [(M, K), (K, 301), (M, 1), (M, 301)], {})  # an [M, N] input
-    assert not uses_view(bias_gelu, [(M, K), (K, 90), (90,)], {"pingpong": 0, "wg_dimension": 1, "block_n": 64})  # N < 128
-    assert not uses_view(bias_gelu, [(M, K), (K, 304), (304,)], {})  # aligned: TMA as it is

@@ -79,7 +79,7 @@ from .. import prologue_fold
 from ..matmul import MatmulSpec
 from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
-from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, TMA_ALIGN as _TMA_ALIGN, check_operand_tiles
+from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import approximate_math, interpret_params, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
@@ -326,38 +326,6 @@ def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
     return spec.windows.get(v) or ((v, 0, spec.N),)
 
 
-def row_stored(spec: MatmulSpec, cfg: Config) -> bool:
-    """Whether the products are written through the [M / 8, 8 N] view of their bytes: where one of them has rows that
-    are not 16-byte multiples apart (GPT-2's logits: 50257 bf16 columns), which no TMA descriptor of an [M, N] array
-    can describe. Written padded instead, XLA slices them: a copy of the whole product (GPT-2's LM head lost to XLA
-    by it). The view's rows, 8 of the array's, are 8 N elements apart; rows r, r + 8, r + 16, ... with the same
-    r mod 8 form a box of it at column (r mod 8) N + c. So A's rows are permuted outside the kernel (a copy of A,
-    K columns, against the product's N) so that each such set of a CTA tile is contiguous in the accumulator
-    (`rows_permuted`), and each epilogue piece goes out as em / (cta_m / 8) TMA boxes; the last column of tiles is
-    moved back to end at N, so that no box runs into the next row (the overlap written twice, the same values).
-    Not where M is not a multiple of 8, N is narrower than a CTA tile, a product is split, the group sums over the
-    rows (an overlapping tile would count twice), or the epilogue reads [M, N] inputs or row positions (they would
-    need the permutation too)."""
-    g = spec.group.graph
-    outs = full_outputs(spec)
-    if not any((spec.N * _kernel_dtype(g.avals[v].dtype).itemsize) % _TMA_ALIGN for v in outs):
-        return False
-    if spec.M % 8 or spec.N < cfg.cta_n or cfg.cta_m % 8 or cfg.epi_tile_m % (cfg.cta_m // 8) or spec.epi.col_sums or spec.windows:
-        return False
-    return not any(spec.epi.span[v] == FULL for v in epi_inputs(spec)) and not any(n.name == "iota" for n in spec.epi_nodes)
-
-
-def rows_permuted(x, cta_m: int, axis: int):
-    """x with its rows (along `axis`, M of them, padded to whole CTA tiles) in the order `row_stored` wants: within each
-    tile of cta_m rows, the rows r with r mod 8 = 0 first, then those with 1, ... (row k * cta_m / 8 + j of a tile is
-    its row 8 j + k)."""
-    x = jnp.moveaxis(x, axis, 0)
-    m = x.shape[0]
-    x = _pad(x, (-(-m // cta_m) * cta_m, *x.shape[1:]))
-    t = x.reshape(-1, cta_m // 8, 8, *x.shape[1:])
-    return jnp.moveaxis(jnp.swapaxes(t, 1, 2).reshape(-1, *x.shape[1:]), 0, axis)
-
-
 def epi_inputs(spec: MatmulSpec) -> list[int]:
     """The epilogue's inputs from outside the group, in first-use order (the dots' outputs excluded)."""
     return [v for v in spec.epi.group.inputs if v not in spec.products] if spec.epi_nodes else []
@@ -499,7 +467,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
     sums = [v for v in group.outputs if v in spec.epi.col_sums]  # written as float32 partials, one row per piece
     n_stores = len(outs) + len(sums)  # TMA stores per piece
-    by_rows = row_stored(spec, cfg)
 
     # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
     # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
@@ -525,8 +492,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         if cfg.cluster:
             cta = lax.axis_index("cluster")
             m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
-        if by_rows:  # the last column of tiles ends at N (overlapping the one before it: the same values written twice)
-            return m_idx * cta_m, jnp.minimum(n_idx * cta_n, N - cta_n)
         return m_idx * cta_m, n_idx * cta_n
 
     def wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols) -> None:
@@ -571,21 +536,13 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         if fetch_next is not None:
             fetch_next()
         for sm, dests in zip(out_slots_at, out_gmem):
-            store_piece(sm, dests, r0, c0, by_rows)
+            store_piece(sm, dests, r0, c0)
         for sm, o in zip(sum_slots_at, sum_gmem):
             plgpu.copy_smem_to_gmem(sm, o.at[r0 // em, pl.ds(c0, en)])
 
-    def store_piece(sm, dests: list, r0, c0, rows: bool = False) -> None:
+    def store_piece(sm, dests: list, r0, c0) -> None:
         """TMA one [em, en] piece from SMEM to its array: the one split part whose columns hold it (the last part
-        takes what lies past the edge, which TMA drops), else the whole value's. `rows`: the array is seen as
-        [M / 8, 8 N] and the rows are permuted (`row_stored`): a box per h = cta_m / 8 rows, one bulk group."""
-        if rows:  # the piece's rows r0.. of the CTA tile's permuted rows: k0 = (r0 mod cta_m) / h onwards, h rows each
-            view, h = dests[0][0], cta_m // 8
-            tile_r0, k0 = r0 // cta_m * cta_m, r0 % cta_m // h
-            for i in range(em // h):
-                plgpu.copy_smem_to_gmem(sm.at[pl.ds(i * h, h)], view.at[pl.ds(tile_r0 // 8, h), pl.ds((k0 + i) * N + c0, en)],
-                                        commit_group=i == em // h - 1)
-            return
+        takes what lies past the edge, which TMA drops), else the whole value's."""
         if len(dests) == 1:
             plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
             return
@@ -1007,8 +964,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
-    out_type = [jax.ShapeDtypeStruct((M // 8, 8 * N) if by_rows else (M, _pad_to(cols, d.itemsize)), d)
-                for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
+    out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
@@ -1019,9 +975,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         a = jnp.reshape(a, (K, M) if spec.a_km else (M, K))
         if spec.a_km and not a_km:
             a = a.T
-        if by_rows:  # (M rows padded to whole tiles)
-            a = rows_permuted(a, cta_m, 1 if a_km else 0)
-        args = [_pad(a, tuple(max(s, t) for s, t in zip(a.shape, a_pad)))]
+        args = [_pad(a, a_pad)]
         for bv in (spec.b, spec.b2)[:1 + dual]:
             b = jnp.reshape(env[bv], (N, K) if spec.b_nk else (K, N))
             if b_nk and not spec.b_nk:
@@ -1033,8 +987,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 x = x.astype(jnp.int8)
             sp = espan[v]
             x = jnp.reshape(x, (M, N) if sp == FULL else (M,) if sp == ROWS else (N,) if sp.cols else (1,))
-            if by_rows and sp == ROWS:
-                x = rows_permuted(x, cta_m, 0)
             args.append(_pad(x, (M, in_cols[v])) if sp == FULL else x)
         sms = num_sms if num_sms is not None else _num_sms_default()
         csize = cfg.cluster_m * cfg.cluster_n
@@ -1049,7 +1001,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         res = call(*args)
         res = res if isinstance(res, (list, tuple)) else [res]
         parts = [(p, cols) for v in outs for p, _, cols in targets(spec, v)]
-        done = {p: jnp.reshape(r if by_rows else r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
+        done = {p: jnp.reshape(r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
         done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[n_refs:])})
         return [done[v] for v in group.outputs]
 

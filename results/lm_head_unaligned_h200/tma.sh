@@ -1,0 +1,1 @@
+for v in "2408 0 16 0" "2408 8 16 0" "2408 301 16 0" "2408 301 16 1" "2408 1 16 1" "2408 8 16 1" "2408 304 1 1" "2408 301 8 1"; do timeout 60 python results/lm_head_unaligned_h200/tma.py $v 2>&1 | grep RESULT; done
