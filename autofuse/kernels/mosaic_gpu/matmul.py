@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
@@ -79,7 +80,7 @@ from .. import prologue_fold
 from ..matmul import MatmulSpec
 from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
-from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
+from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, TMA_ALIGN as _TMA_ALIGN, check_operand_tiles
 from .gemm import approximate_math, interpret_params, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
@@ -326,6 +327,28 @@ def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
     return spec.windows.get(v) or ((v, 0, spec.N),)
 
 
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+def _store_by_threads(ctx, smem, gmem) -> None:
+    """An SMEM piece copied into a GMEM window of the same shape by the warpgroup's threads, one element per store:
+    consecutive threads take consecutive elements of a row (a warp writes 64 contiguous bytes), and no store needs
+    more than the element's own alignment (Pallas' `ref[...] = x` on GMEM wants vector-aligned rows)."""
+    del ctx
+    mgpu.FragmentedArray.load_strided(smem, vec_size=1).store_untiled(gmem)
+
+
+def stored_directly(spec: MatmulSpec, cfg: Config) -> frozenset[int]:
+    """The written values whose rows are not 16-byte multiples apart (GPT-2's logits: 50257 bf16 columns), which no TMA
+    descriptor can describe (and a TMA store at a column off a 16-byte boundary faults: results/lm_head_unaligned_h200.md).
+    Written padded, XLA slices them: a copy of the whole product, which made GPT-2's LM head lose to XLA. These are
+    stored by the threads instead (`store_piece`), and the last row and column of tiles are moved back to end at M and
+    N, so that no store falls outside the array. None where the product is smaller than a CTA tile, is split, or the
+    group sums over the rows (an overlapping tile would count twice)."""
+    g = spec.group.graph
+    if spec.M < cfg.cta_m or spec.N < cfg.cta_n or spec.epi.col_sums or spec.windows:
+        return frozenset()
+    return frozenset(v for v in full_outputs(spec) if (spec.N * _kernel_dtype(g.avals[v].dtype).itemsize) % _TMA_ALIGN)
+
+
 def epi_inputs(spec: MatmulSpec) -> list[int]:
     """The epilogue's inputs from outside the group, in first-use order (the dots' outputs excluded)."""
     return [v for v in spec.epi.group.inputs if v not in spec.products] if spec.epi_nodes else []
@@ -466,7 +489,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     outs = full_outputs(spec)
     out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
     sums = [v for v in group.outputs if v in spec.epi.col_sums]  # written as float32 partials, one row per piece
-    n_stores = len(outs) + len(sums)  # TMA stores per piece
+    direct = stored_directly(spec, cfg)
+    n_stores = len(outs) - len(direct) + len(sums)  # TMA stores (bulk groups) per piece
 
     # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
     # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
@@ -492,6 +516,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         if cfg.cluster:
             cta = lax.axis_index("cluster")
             m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
+        if direct:  # the last row and column of tiles end at M and N (overlapping the ones before: the same values twice)
+            return jnp.minimum(m_idx * cta_m, M - cta_m), jnp.minimum(n_idx * cta_n, N - cta_n)
         return m_idx * cta_m, n_idx * cta_n
 
     def wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols) -> None:
@@ -535,14 +561,22 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.commit_smem()
         if fetch_next is not None:
             fetch_next()
-        for sm, dests in zip(out_slots_at, out_gmem):
-            store_piece(sm, dests, r0, c0)
+        for v, sm, dests in zip(outs, out_slots_at, out_gmem):
+            store_piece(sm, dests, r0, c0, v in direct)
         for sm, o in zip(sum_slots_at, sum_gmem):
             plgpu.copy_smem_to_gmem(sm, o.at[r0 // em, pl.ds(c0, en)])
 
-    def store_piece(sm, dests: list, r0, c0) -> None:
+    def store_piece(sm, dests: list, r0, c0, by_threads: bool = False) -> None:
         """TMA one [em, en] piece from SMEM to its array: the one split part whose columns hold it (the last part
-        takes what lies past the edge, which TMA drops), else the whole value's."""
+        takes what lies past the edge, which TMA drops), else the whole value's. `by_threads` (`stored_directly`):
+        read back from SMEM a row's consecutive elements per warp and stored by the threads, element by element."""
+        if by_threads:
+            dst = dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)]
+            if interpret:
+                dst[...] = sm[...]
+            else:
+                _store_by_threads(sm, dst)
+            return
         if len(dests) == 1:
             plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
             return
@@ -964,7 +998,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
-    out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
+    out_type = [jax.ShapeDtypeStruct((M, cols if v in direct else _pad_to(cols, d.itemsize)), d)
+                for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
