@@ -72,6 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, scf, vector
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -327,26 +329,36 @@ def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
     return spec.windows.get(v) or ((v, 0, spec.N),)
 
 
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-def _store_by_threads(ctx, smem, gmem) -> None:
-    """An SMEM piece copied into a GMEM window of the same shape by the warpgroup's threads, one element per store:
-    consecutive threads take consecutive elements of a row (a warp writes 64 contiguous bytes), and no store needs
-    more than the element's own alignment (Pallas' `ref[...] = x` on GMEM wants vector-aligned rows)."""
+_SCALAR = plgpu.Layout.WG_SPLAT(())
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SCALAR, _SCALAR))
+def _store_by_threads(ctx, smem, gmem, rows, cols) -> None:
+    """An SMEM piece copied by the warpgroup's threads into a GMEM window of its shape, of which the first `rows` x
+    `cols` lie inside the array: one element per store (consecutive threads take consecutive elements of a row, so a
+    warp writes 64 contiguous bytes), each store needing only its element's alignment (Pallas' `ref[...] = x` on GMEM
+    wants vector-aligned rows) and skipped outside the array (TMA would clip, but a TMA box must start on a 16-byte
+    boundary)."""
     del ctx
-    mgpu.FragmentedArray.load_strided(smem, vec_size=1).store_untiled(gmem)
+    index = ir.IndexType.get()
+    rows, cols = (arith.index_cast(index, x.registers.flat[0]) for x in (rows, cols))
+    piece = mgpu.FragmentedArray.load_strided(smem, vec_size=1)
+    for get, _, ref, (i, j) in piece.transfer_strided(gmem, 1):
+        inside = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, i, rows), arith.cmpi(arith.CmpIPredicate.ult, j, cols))
+        branch = scf.IfOp(inside)
+        with ir.InsertionPoint(branch.then_block):
+            vector.store(get(piece.registers), ref, [i, j])
+            scf.yield_([])
 
 
-def stored_directly(spec: MatmulSpec, cfg: Config) -> frozenset[int]:
+def stored_directly(spec: MatmulSpec) -> frozenset[int]:
     """The written values whose rows are not 16-byte multiples apart (GPT-2's logits: 50257 bf16 columns), which no TMA
     descriptor can describe (and a TMA store at a column off a 16-byte boundary faults: results/lm_head_unaligned_h200.md).
     Written padded, XLA slices them: a copy of the whole product, which made GPT-2's LM head lose to XLA. These are
-    stored by the threads instead (`store_piece`), and the last row and column of tiles are moved back to end at M and
-    N, so that no store falls outside the array. None where the product is smaller than a CTA tile, is split, or the
-    group sums over the rows (an overlapping tile would count twice)."""
+    stored by the threads instead (`_store_by_threads`). Not a split product's parts (padded as before)."""
     g = spec.group.graph
-    if spec.M < cfg.cta_m or spec.N < cfg.cta_n or spec.epi.col_sums or spec.windows:
-        return frozenset()
-    return frozenset(v for v in full_outputs(spec) if (spec.N * _kernel_dtype(g.avals[v].dtype).itemsize) % _TMA_ALIGN)
+    return frozenset(v for v in full_outputs(spec) if v not in spec.windows
+                     and (spec.N * _kernel_dtype(g.avals[v].dtype).itemsize) % _TMA_ALIGN)
 
 
 def epi_inputs(spec: MatmulSpec) -> list[int]:
@@ -489,7 +501,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     outs = full_outputs(spec)
     out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
     sums = [v for v in group.outputs if v in spec.epi.col_sums]  # written as float32 partials, one row per piece
-    direct = stored_directly(spec, cfg)
+    direct = stored_directly(spec)
     n_stores = len(outs) - len(direct) + len(sums)  # TMA stores (bulk groups) per piece
 
     # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
@@ -516,8 +528,6 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         if cfg.cluster:
             cta = lax.axis_index("cluster")
             m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
-        if direct:  # the last row and column of tiles end at M and N (overlapping the ones before: the same values twice)
-            return jnp.minimum(m_idx * cta_m, M - cta_m), jnp.minimum(n_idx * cta_n, N - cta_n)
         return m_idx * cta_m, n_idx * cta_n
 
     def wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols) -> None:
@@ -572,10 +582,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         read back from SMEM a row's consecutive elements per warp and stored by the threads, element by element."""
         if by_threads:
             dst = dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)]
-            if interpret:
-                dst[...] = sm[...]
+            if interpret:  # (interpret mode has no TMA alignment rule: a clipped TMA store does what the threads do)
+                plgpu.copy_smem_to_gmem(sm, dst)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             else:
-                _store_by_threads(sm, dst)
+                _store_by_threads(sm, dst, jnp.minimum(M - r0, em), jnp.minimum(N - c0, en))
             return
         if len(dests) == 1:
             plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
