@@ -107,16 +107,6 @@ CASES = [
     # the ping-pong default's 192-column tiles (three 64-column epilogue pieces), the last one ragged (400 = 2 x 192 + 16)
     pytest.param(bias_gelu, [(M, K), (K, 400), (400,)], BF16, {**SMALL, "pingpong": 1, "block_n": 192, "block_k": 64,
                                                                 "max_concurrent_steps": 3, "epi_tile_n": 64}, id="pingpong-192-bias-gelu-bf16-ragged"),
-    # products whose rows are not 16-byte multiples apart (an LM head's vocabulary: 50257 columns), stored by the
-    # threads (`stored_directly`; interpret mode: a clipped TMA store, which has no alignment rule there): 301 columns
-    # in 3 tiles of 128 and 5 of 64; B stored [N, K] as `x @ wte.T` reads it, with a row vector and an [M, N] input, in
-    # a 2-CTA cluster; A stored [K, M]; two outputs, both unaligned
-    pytest.param(bias_gelu, [(M, K), (K, 301), (301,)], BF16, {**SMALL, "pingpong": 1}, id="unaligned-pingpong-bias-gelu-bf16"),
-    pytest.param(bt_rowscale_residual, [(M, K), (301, K), (M, 1), (M, 301)], BF16, {**SMALL, "cluster": 1},
-                 id="unaligned-cluster-m-Bt-rowscale-residual-bf16"),
-    pytest.param(at_bias_gelu, [(K, 256), (K, 301), (301,)], BF16, {**WIDE, "block_n": 64}, id="unaligned-At-bias-gelu-bf16"),
-    pytest.param(swish_two_outputs, [(M, K), (K, 301)], F16, {**SMALL, "epilogue_wg": 1, "wg_dimension": 0},
-                 id="unaligned-epilogue-wg-swish-two-outputs-f16"),
 ]
 
 
@@ -259,19 +249,3 @@ def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
 
     _, cand = probe_group(dgrad_gelu_dbias, [S((4096, 1024), BF16), S((4096, 1024), BF16), S((4096, 4096), BF16)])
     assert cand.spec.epi.col_sums and mgpu_matmul.default_config(cand.spec)["pingpong"] == 0
-
-
-def test_unaligned_products_are_stored_by_the_threads():
-    """A product whose rows are not 16-byte multiples apart comes out of the kernel as it is (no padded product for
-    XLA to slice), whatever the tiles; an aligned one goes by TMA as before."""
-    def kernel_out(fn, shapes, cfg):  # (interpret mode wraps the pallas_call in a custom_vmap_call)
-        g, group, spec = _group(fn, shapes, BF16)
-        cfg = {**mgpu_matmul.default_config(spec), **cfg}
-        jaxpr = jax.make_jaxpr(mgpu_matmul.lower(group, spec, cfg, interpret=True, num_sms=2))(*_inputs(group)).jaxpr
-        shapes = next([tuple(v.aval.shape) for v in e.outvars] for e in jaxpr.eqns if e.primitive.name in ("pallas_call", "custom_vmap_call"))
-        return shapes, bool(mgpu_matmul.stored_directly(spec))
-
-    assert kernel_out(bias_gelu, [(M, K), (K, 301), (301,)], {}) == ([(M, 301)], True)
-    assert kernel_out(bias_gelu, [(M, K), (K, 90), (90,)], {"pingpong": 0, "wg_dimension": 1, "block_n": 64}) == ([(M, 90)], True)
-    assert kernel_out(swish_two_outputs, [(M, K), (K, 301)], {}) == ([(M, 301), (M, 301)], True)
-    assert kernel_out(bias_gelu, [(M, K), (K, 304), (304,)], {}) == ([(M, 304)], False)

@@ -72,9 +72,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, scf, vector
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
@@ -82,7 +79,7 @@ from .. import prologue_fold
 from ..matmul import MatmulSpec
 from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
-from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, TMA_ALIGN as _TMA_ALIGN, check_operand_tiles
+from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import approximate_math, interpret_params, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
 from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
@@ -329,38 +326,6 @@ def targets(spec: MatmulSpec, v: int) -> tuple[tuple[int, int, int], ...]:
     return spec.windows.get(v) or ((v, 0, spec.N),)
 
 
-_SCALAR = plgpu.Layout.WG_SPLAT(())
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SCALAR, _SCALAR))
-def _store_by_threads(ctx, smem, gmem, rows, cols) -> None:
-    """An SMEM piece copied by the warpgroup's threads into a GMEM window of its shape, of which the first `rows` x
-    `cols` lie inside the array: one element per store (consecutive threads take consecutive elements of a row, so a
-    warp writes 64 contiguous bytes), each store needing only its element's alignment (Pallas' `ref[...] = x` on GMEM
-    wants vector-aligned rows) and skipped outside the array (TMA would clip, but a TMA box must start on a 16-byte
-    boundary)."""
-    del ctx
-    index = ir.IndexType.get()
-    rows, cols = (arith.index_cast(index, x.registers.flat[0]) for x in (rows, cols))
-    piece = mgpu.FragmentedArray.load_strided(smem, vec_size=1)
-    for get, _, ref, (i, j) in piece.transfer_strided(gmem, 1):
-        inside = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, i, rows), arith.cmpi(arith.CmpIPredicate.ult, j, cols))
-        branch = scf.IfOp(inside)
-        with ir.InsertionPoint(branch.then_block):
-            vector.store(get(piece.registers), ref, [i, j])
-            scf.yield_([])
-
-
-def stored_directly(spec: MatmulSpec) -> frozenset[int]:
-    """The written values whose rows are not 16-byte multiples apart (GPT-2's logits: 50257 bf16 columns), which no TMA
-    descriptor can describe (and a TMA store at a column off a 16-byte boundary faults: results/lm_head_unaligned_h200.md).
-    Written padded, XLA slices them: a copy of the whole product, which made GPT-2's LM head lose to XLA. These are
-    stored by the threads instead (`_store_by_threads`). Not a split product's parts (padded as before)."""
-    g = spec.group.graph
-    return frozenset(v for v in full_outputs(spec) if v not in spec.windows
-                     and (spec.N * _kernel_dtype(g.avals[v].dtype).itemsize) % _TMA_ALIGN)
-
-
 def epi_inputs(spec: MatmulSpec) -> list[int]:
     """The epilogue's inputs from outside the group, in first-use order (the dots' outputs excluded)."""
     return [v for v in spec.epi.group.inputs if v not in spec.products] if spec.epi_nodes else []
@@ -501,8 +466,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     outs = full_outputs(spec)
     out_dt = [np.dtype(g.avals[v].dtype) for v in outs]
     sums = [v for v in group.outputs if v in spec.epi.col_sums]  # written as float32 partials, one row per piece
-    direct = stored_directly(spec)
-    n_stores = len(outs) - len(direct) + len(sums)  # TMA stores (bulk groups) per piece
+    n_stores = len(outs) + len(sums)  # TMA stores per piece
 
     # How each array meets TMA: operands swizzled (wgmma requires it, one swizzle for both), epilogue tiles swizzled
     # where the array's shape allows, else plain SMEM; padded outside only where a TMA rule leaves no choice.
@@ -571,23 +535,14 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         plgpu.commit_smem()
         if fetch_next is not None:
             fetch_next()
-        for v, sm, dests in zip(outs, out_slots_at, out_gmem):
-            store_piece(sm, dests, r0, c0, v in direct)
+        for sm, dests in zip(out_slots_at, out_gmem):
+            store_piece(sm, dests, r0, c0)
         for sm, o in zip(sum_slots_at, sum_gmem):
             plgpu.copy_smem_to_gmem(sm, o.at[r0 // em, pl.ds(c0, en)])
 
-    def store_piece(sm, dests: list, r0, c0, by_threads: bool = False) -> None:
+    def store_piece(sm, dests: list, r0, c0) -> None:
         """TMA one [em, en] piece from SMEM to its array: the one split part whose columns hold it (the last part
-        takes what lies past the edge, which TMA drops), else the whole value's. `by_threads` (`stored_directly`):
-        read back from SMEM a row's consecutive elements per warp and stored by the threads, element by element."""
-        if by_threads:
-            dst = dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)]
-            if interpret:  # (interpret mode has no TMA alignment rule: a clipped TMA store does what the threads do)
-                plgpu.copy_smem_to_gmem(sm, dst)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            else:
-                _store_by_threads(sm, dst, jnp.minimum(M - r0, em), jnp.minimum(N - c0, en))
-            return
+        takes what lies past the edge, which TMA drops), else the whole value's."""
         if len(dests) == 1:
             plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
             return
@@ -1009,8 +964,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
-    out_type = [jax.ShapeDtypeStruct((M, cols if v in direct else _pad_to(cols, d.itemsize)), d)
-                for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
+    out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
