@@ -32,7 +32,7 @@ import numpy as np
 
 from autofuse.kernels import TEMPLATES
 from autofuse.kernels.mosaic_gpu import matmul as mosaic_matmul
-from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn
+from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_fn, time_pair
 from benchmarks.mosaic_probe import DTYPES, WORKLOADS, _group, arg_specs, attention_causal, cudnn_attention, flops_of
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
@@ -143,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated workload name prefixes (of `kernels mosaic`'s workloads)")
     ap.add_argument("--configs", default="", help='JSON {workload: [config, ...]} instead of the built-in list (each over the default)')
     ap.add_argument("--hopper", action="store_true", help="plain GEMMs also run hopper_matmul_mgpu over its own tuning space")
+    ap.add_argument("--pairs", type=int, default=0, metavar="N",
+                    help="also time each Mosaic GPU kernel against the library's (cuDNN for attention, XLA otherwise) in N "
+                         "alternating pairs of ~25 ms batches: the ratio's median and quartiles, each pair at one clock")
     ap.add_argument("--out", default="", help="the Markdown table")
     a = ap.parse_args(argv)
     plan = json.loads(a.configs) if a.configs else CONFIGS
@@ -188,6 +191,7 @@ def main(argv=None) -> int:
                 runs.append(("cudnn", None, cudnn_attention(fn is attention_causal), jax.jit(lambda *xs, g=g: _swap(g.evaluate(_swap(xs)))),
                     [jax.ShapeDtypeStruct(s.shape[:1] + (s.shape[2], s.shape[1]) + s.shape[3:], s.dtype) for s in avals],
                     [_swap(xs) for xs in sets]))
+            done = []
             for label, cfg, f, f_ref, f_avals, f_sets in runs:
                 try:
                     r = measure(f, f_ref, f_avals, f_sets, tol, clocks)
@@ -195,9 +199,29 @@ def main(argv=None) -> int:
                     r = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 r.update(workload=name, kernel=label, config=cfg, flops=flops)
                 rows.append(r)
+                done.append((r, f, f_sets))
                 print(line_of(r), flush=True)
+            if a.pairs:
+                paired(done, "cudnn" if cand.template == "attention" else "xla", a.pairs)
     emit(table(rows, argv), a.out)
     return 0
+
+
+def paired(done: list[tuple[dict, object, list]], library: str, pairs: int) -> None:
+    """Each Mosaic GPU row's time against the library kernel's, timed in alternation (`time_pair`: each pair of ~25 ms
+    batches sees one clock, so the ratio's spread is the comparison's noise, whatever the power cap does): `r["pair"]`,
+    the ratio mosaic / library's median and quartiles. The two take their own input sets (cuDNN's in [B, L, H, D])."""
+    lib = next(((f, sets) for r, f, sets in done if r["kernel"] == library and r["status"] == "ok"), None)
+    if lib is None:
+        return
+    for r, f, sets in done:
+        if r["kernel"] != "mosaic" or r["status"] != "ok":
+            continue
+        _, _, ratio = time_pair(lambda i: lib[0](*lib[1][i]), lambda i, f=f, sets=sets: f(*sets[i]), [(i,) for i in range(len(sets))],
+                                repeats=pairs, warmup=2)
+        r["pair"] = (library, ratio.median_ms, ratio.q1_ms, ratio.q3_ms, ratio.repeats)
+        print(f"{r['workload']:30} mosaic {json.dumps(r['config'])}: {ratio.median_ms:.3f}x {library} in {ratio.repeats} alternating pairs "
+              f"(quartiles {ratio.q1_ms:.3f}..{ratio.q3_ms:.3f})", flush=True)
 
 
 def line_of(r: dict) -> str:
@@ -212,19 +236,28 @@ def table(rows: list[dict], argv: list[str] | None) -> list[str]:
     """The rows as a results/ table: per workload and kernel, burst and power-capped times, their rates, the clock."""
     lines = [header(argv), "", f"CUPTI kernel time, median of {BURST} launches back to back: a burst after 0.5 s idle, and again after "
              "`time_fn`'s ~1 s of back-to-back calls (the card under its power cap); the SM clock's median over that second and "
-             "nvidia-smi's clock event reasons (0x4: software power cap). TFLOP/s count 2MNK (attention 4BHL^2D, causal half).", "",
-             "| workload | kernel | config | burst us | TFLOP/s | capped us | TFLOP/s | SM MHz (capped) | reasons | time_fn us | max error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "nvidia-smi's clock event reasons (0x4: software power cap). TFLOP/s count 2MNK (attention 4BHL^2D, causal half). "
+             "`x library, alternating`: with `--pairs`, the Mosaic GPU kernel's time over the library's (cuDNN for attention, "
+             "XLA otherwise) in alternating pairs of ~25 ms batches, median (quartiles).", "",
+             "| workload | kernel | config | burst us | TFLOP/s | capped us | TFLOP/s | SM MHz (capped) | reasons | time_fn us | max error | x library, alternating |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = json.dumps(r.get("config") or {})
         if r["status"] != "ok":
-            lines.append(f"| {r['workload']} | {r['kernel']} | {cfg} | {r['status']}: {r['error'][:160].replace('|', '/')} | | | | | | | |")
+            lines.append(f"| {r['workload']} | {r['kernel']} | {cfg} | {r['status']}: {r['error'][:160].replace('|', '/')} | | | | | | | | |")
             continue
         tf = lambda us: r["flops"] / us / 1e6  # noqa: E731
         lines.append(f"| {r['workload']} | {r['kernel']} | {cfg} | {r['burst_us']:.1f} | {tf(r['burst_us']):.0f} | {r['capped_us']:.1f} | "
                      f"{tf(r['capped_us']):.0f} | {r['clock'].median_mhz} | {' '.join(r['clock'].reasons)} | {r['time_fn_us']:.1f} | "
-                     f"{r['max_error']:.1e} |")
+                     f"{r['max_error']:.1e} | {_pair_cell(r)} |")
     return lines
+
+
+def _pair_cell(r: dict) -> str:
+    if "pair" not in r:
+        return ""
+    library, med, q1, q3, n = r["pair"]
+    return f"{med:.3f} ({q1:.3f}..{q3:.3f}) x {library}, {n} pairs"
 
 
 if __name__ == "__main__":

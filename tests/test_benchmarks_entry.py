@@ -151,6 +151,34 @@ def test_gemm_clocks_reads_the_sm_clock_of_a_window_from_nvidia_smis_samples() -
     assert clock_window(lines, 1_800_000_010, 1_800_000_011).samples == 0
 
 
+def test_gemm_clocks_pairs_each_mosaic_kernel_with_the_library_on_their_own_inputs() -> None:
+    """`kernels gemm-clocks --pairs N`: every Mosaic GPU row that ran gets the ratio of its time over the library
+    kernel's in N alternating pairs, each function called on its own input sets (cuDNN's are transposed), and the
+    table shows it; the library's row and a failed row get none."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.gemm_clocks import _pair_cell, paired
+
+    seen = []
+    lib = jax.jit(lambda x: x * 2.0)
+    slow = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x).T)
+
+    def mosaic(x):
+        seen.append(x.shape)
+        return slow(x)
+    lib_sets, sets = [(jnp.ones((8, 8)),)] * 3, [(jnp.ones((64, 64)),)] * 3
+    rows = [({"kernel": "cudnn", "status": "ok", "workload": "w", "config": None}, lib, lib_sets),
+            ({"kernel": "mosaic", "status": "ok", "workload": "w", "config": {}}, mosaic, sets),
+            ({"kernel": "mosaic", "status": "wrong", "workload": "w", "config": {"x": 1}}, mosaic, sets)]
+    paired(rows, "cudnn", 3)
+    library, med, q1, q3, n = rows[1][0]["pair"]
+    assert (library, n) == ("cudnn", 3) and q1 <= med <= q3 and med > 0
+    assert set(seen) == {(64, 64)}  # the Mosaic GPU kernel only ever saw its own inputs
+    assert "pair" not in rows[0][0] and "pair" not in rows[2][0] and _pair_cell(rows[2][0]) == ""
+    assert _pair_cell(rows[1][0]).endswith("x cudnn, 3 pairs")
+
+
 def test_attention_short_forms_name_their_backend_and_the_mosaic_gpu_flags() -> None:
     """`kernels attention-grad --configs`: Triton tiles, or a Mosaic GPU forward with its flags after the steps
     (o: the overlap, n: no schedule barrier, t: three compute warpgroups, p: persistent): every key of the lowering's
