@@ -14,6 +14,10 @@ can: float16 only and not causal in jax 0.11.2.
 
     python -m benchmarks kernels attention-grad --out results/attention_grad_h100.md
     python -m benchmarks kernels attention-grad --configs 128x128w8s3 --bwd-configs 64x64w4s2,64x128w8s2,128x64w8s2
+
+`--pairs N` also times each autofuse pair against cuDNN's in N alternating pairs of ~25 ms batches (`time_pair`): the
+ratio's median and quartiles, each pair at one clock (the medians above come from separate stretches of calls, between
+which cuDNN's own time moved by up to 3%).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
-from autofuse.runner.measure import compare, random_inputs, time_fn  # noqa: E402
+from autofuse.runner.measure import compare, random_inputs, time_fn, time_pair  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
 from benchmarks.provenance import header  # noqa: E402
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_config, attention_table, emit  # noqa: E402
@@ -72,6 +76,16 @@ def fwd_bwd(f):
     return jax.jit(step)
 
 
+def paired(cudnn_call: tuple | None, step, sets: list, pairs: int) -> str:
+    """`step`'s time over cuDNN's (`cudnn_call`: its step and input sets) in `pairs` alternating pairs, or ""."""
+    if not pairs or cudnn_call is None:
+        return ""
+    ref, ref_sets = cudnn_call
+    _, _, ratio = time_pair(lambda i: ref(*ref_sets[i]), lambda i: step(*sets[i]), [(i,) for i in range(len(sets))],
+                            repeats=pairs, warmup=2)
+    return f"{ratio.median_ms:.3f}x cuDNN in {ratio.repeats} alternating pairs ({ratio.q1_ms:.3f}..{ratio.q3_ms:.3f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8,32,2048,128", help="B,H,L,D")
@@ -82,6 +96,8 @@ def main() -> None:
                     "time; Mosaic GPU's mgpuHELDxSTEPsSTAGES after a Mosaic GPU forward (default: the flash pair's own)")
     ap.add_argument("--variants", default="bhld,bhld_causal")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--pairs", type=int, default=0, metavar="N", help="also each autofuse pair's time over cuDNN's in N "
+                    "alternating pairs of ~25 ms batches (median and quartiles)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     B, H, L, D = (int(x) for x in a.shape.split(","))
@@ -105,7 +121,7 @@ def main() -> None:
             print(rows[-1], flush=True)
 
         row("jax.jit (XLA)", t_ref)
-        t_cudnn = None
+        t_cudnn = cudnn_call = None
         try:
             cud = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=causal, implementation="cudnn")
             blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
@@ -113,6 +129,7 @@ def main() -> None:
             t = time_fn(step, blhd, repeats=a.repeats)
             row("cuDNN dot_product_attention fwd+bwd", t, [jnp.swapaxes(x, 1, 2) for x in step(*blhd[0])])
             t_cudnn = t.median_ms
+            cudnn_call = (step, blhd)
         except Exception as e:  # noqa: BLE001 - report and go on
             print("cuDNN failed:", type(e).__name__, str(e)[:300])
         if not causal:
@@ -139,7 +156,9 @@ def main() -> None:
                     got = step(*sets[0])
                     assert fused.last_status.startswith("plan:"), fused.last_status
                     t = time_fn(step, sets, repeats=a.repeats)
-                    row(label, t, got, "" if t_cudnn is None else f"{t.median_ms / t_cudnn:.2f}x cuDNN's time")
+                    row(label, t, got, "; ".join(filter(None, (
+                        "" if t_cudnn is None else f"{t.median_ms / t_cudnn:.2f}x cuDNN's time",
+                        paired(cudnn_call, step, sets, a.pairs)))))
                 except Exception as e:  # noqa: BLE001
                     print(label, "failed:", type(e).__name__, str(e)[:300], flush=True)
     lines = [

@@ -193,3 +193,20 @@ def test_attention_short_forms_name_their_backend_and_the_mosaic_gpu_flags() -> 
     assert attention_config("mgpu64x128s2onp") == {**base, "schedule_barrier": 0, "overlap": 1, "compute_wgs": 2, "persistent": 1}
     assert set(attention_config("mgpu64x128s2")) - {"backend"} == set(PARAMS)
     assert attention_config("mgpu64x128s12o")["max_concurrent_steps"] == 12
+
+
+def test_attention_grad_pairs_time_each_pair_against_cudnn_in_alternation() -> None:
+    """`kernels attention-grad --pairs N`: a pair's time over cuDNN's step in N alternating pairs (here two CPU programs,
+    one doing twice the other's work), nothing without pairs or without a cuDNN step."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.attention_grad_bench import paired
+
+    once = jax.jit(lambda x: jnp.tanh(x @ x))
+    twice = jax.jit(lambda x: jnp.tanh(jnp.tanh(x @ x) @ x))
+    sets = [[jnp.full((256, 256), 0.01 * (i + 1), jnp.float32)] for i in range(2)]
+    cell = paired((once, sets), twice, sets, 3)
+    ratio = float(cell.split("x cuDNN")[0])
+    assert cell.endswith(")") and " in 3 alternating pairs (" in cell and ratio > 1.2
+    assert paired((once, sets), twice, sets, 0) == "" and paired(None, twice, sets, 3) == ""

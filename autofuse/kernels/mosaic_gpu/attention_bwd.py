@@ -15,8 +15,8 @@ warpgroup streaming tiles by TMA into a ring of SMEM buffers and two compute war
 `bwd_fused` (the default where it applies, as FlashAttention-2/3 do): no `dq` kernel, five products instead of
 seven. `dkdv` also computes each step's dQ = dS K: both compute warpgroups write their dSᵀ to SMEM, meet at a
 barrier, and each computes half of it (64 of 128 stepped queries, or half of a head dim of two 128-byte tiles) and
-adds it into a float32 buffer by TMA reduction. Both warpgroups then take every step of the CTA (a block one of them
-would skip is evaluated masked: its dS is zero). fwd+bwd 0.98x cuDNN's time at D128, 0.95x at D64 on an H200
+adds it into a float32 buffer by TMA reduction. Both warpgroups then take every step of the CTA (in a block one of them
+would skip, a causal CTA's first, it shares a dS of zeros without computing it). fwd+bwd 0.98x cuDNN's time at D128, 0.95x at D64 on an H200
 against 1.11x with two kernels (results/attention_bwd_fused_h200.md). `bwd_overlap` issues the products in pairs
 (Sᵀ with dPᵀ, dV with dK): better for two kernels, worse fused (registers spill). `bwd_persistent` runs the dK/dV
 kernel one CTA per SM walking its (batch position, key block) tiles, as the forward's `persistent` does (searched;
@@ -458,8 +458,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     cols = layout(COLS)
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                     lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
-                    if fused:  # both warpgroups take every step of the CTA (their dS meet in dQ): masked outside their own
-                        lo, hi = clo, chi
 
                     def share_ds(i, ds_t):
                         """This warpgroup's dSᵀ of step i into SMEM beside the other's, for dQ."""
@@ -545,11 +543,18 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                         return dk, dv
 
                     def flush(i, _):
+                        """A query block loaded for the other warpgroup only. Fused, both warpgroups take every step of
+                        the CTA (their dS meet in dQ): here this one's dSᵀ is zero (every position masked), shared
+                        without its four products, and it computes its share of the step's dQ from the other's."""
                         slot = slot_of(i)
                         plgpu.barrier_wait(q_bar.at[slot])
                         plgpu.barrier_wait(do_bar.at[slot])
+                        if fused:
+                            share_ds(i, plgpu.layout_cast(jnp.zeros((h, st_rows), dt1), layout(FULL)))
                         plgpu.barrier_arrive(do_free.at[slot])
                         plgpu.barrier_arrive(q_free.at[slot])
+                        if fused:
+                            add_dq(i)
 
                     full = layout(FULL)
                     zero = (plgpu.layout_cast(jnp.zeros((h, D), jnp.float32), full), plgpu.layout_cast(jnp.zeros((h, Dv), jnp.float32), full))
