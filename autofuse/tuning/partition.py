@@ -167,7 +167,6 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
                 emit_absorbed(c, mask)
             if TEMPLATES[c.template].offers_row_sums:
                 emit_sibling_sums(c, mask)
-            emit_unwidened(mask)
 
     def emit_sibling_sums(c: Candidate, mask: int) -> None:
         # A norm's backward with its sums over the rows: dβ = Σ dy and dγ = Σ dy·x̂ read only values the group
@@ -208,23 +207,6 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
                     grown = trial
         if grown != mask:
             emit(cache[grown])
-
-    def emit_unwidened(mask: int) -> None:
-        # A group whose run ended on a widening convert that only readers outside it take (a residual sum converted
-        # to float32 for the next layer norm's statistics) writes its result twice, once twice as wide, where XLA
-        # would fold the convert into those readers for free; a run emits only its longest group, so the group
-        # without such converts is offered too.
-        trailing = 0
-        for i in _bits(mask):
-            nd = graph.node_index[i]
-            if nd.name == "convert_element_type" and consumers[i] & mask == 0 and producers[i] & mask \
-                    and graph.aval(nd.outputs[0]).dtype.itemsize > graph.aval(nd.inputs[0]).dtype.itemsize:
-                trailing |= 1 << i
-        rest = mask & ~trailing
-        if trailing and rest and reach.closure(rest) == rest:
-            if rest not in cache:
-                cache[rest] = _candidate(graph, rest, matched)
-            emit(cache[rest])
 
     def emit_absorbed(c: Candidate, mask: int) -> None:
         # A dot's group with the side inputs of its epilogue made inside it (a bool mask's convert and
