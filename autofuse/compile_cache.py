@@ -4,9 +4,13 @@ A tuning job compiles the same programs in several processes: each worker's tria
 reference of the whole program (GPT-2 medium's forward: 6 s on an H100, its training step 18 s), the selection
 compiles it again with each plan, and a deploy compiles the plan once more. `import autofuse` therefore points
 JAX's persistent compilation cache at one directory where the user chose none: ``$AUTOFUSE_COMPILE_CACHE_DIR``
-(``off`` for none), else ``~/.cache/autofuse/jax-compile/jaxlib-<version>``, capped at `MAX_BYTES` (JAX evicts
-the least recently used entries). JAX caches only compilations that took at least a second (its default); where
-kernels are built on a GPU, `keep_short_compiles` keeps those of 0.1 s too. Where JAX is already imported it is configured through
+(``off`` for none), else ``~/.cache/autofuse/jax-compile/jaxlib-<version>``, trimmed to `MAX_BYTES` (the least
+recently used entries first) by `import autofuse` at most once every `TRIM_EVERY_S`. Not by JAX: its eviction
+(`jax_compilation_cache_max_size`) takes one lock file for every read and write of the cache and scans the whole
+directory at each write, and a job's 16 compiling threads and processes then waited out its 10 s timeout and
+compiled again (five times in one GPT-2 training-step job on an H200, results/models_cudnn_h200.md §14). JAX caches
+only compilations that took at least a second (its default); where kernels are built on a GPU,
+`keep_short_compiles` keeps those of 0.1 s too. Where JAX is already imported it is configured through
 `jax.config`; else through the environment variables JAX reads at import. Imports nothing from JAX itself, but for
 `keep_short_compiles` (called on a GPU, where kernels are built).
 """
@@ -14,13 +18,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
-from .xla_autotune import chosen_dir, jaxlib_cache_dir
+from .xla_autotune import chosen_dir, jaxlib_cache_dir, trim_least_recent
 
 ENV_DIR = "AUTOFUSE_COMPILE_CACHE_DIR"
 JAX_DIR = "JAX_COMPILATION_CACHE_DIR"
-JAX_MAX = "JAX_COMPILATION_CACHE_MAX_SIZE"
 MAX_BYTES = 8 * 2**30  # a whole model's executables are tens of MB each: thousands of them
+TRIM_EVERY_S = 3600.0  # `trim` scans the directory: once an hour is enough for what a job adds
+TRIMMED = ".autofuse-trimmed"  # its modification time: when the directory was last trimmed
 
 
 def default_dir(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
@@ -44,12 +50,44 @@ def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
         return None
     if jax is not None:
         jax.config.update("jax_compilation_cache_dir", path)
-        if jax.config.jax_compilation_cache_max_size in (-1, None):
-            jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     else:
         environ[JAX_DIR] = path
-        environ.setdefault(JAX_MAX, str(MAX_BYTES))
+    trim_now_and_then(path)
     return path
+
+
+def trim_now_and_then(path: str, every_s: float = TRIM_EVERY_S, max_bytes: int = MAX_BYTES) -> bool:
+    """`trim` the cache at `path` unless it was trimmed less than `every_s` ago; whether it was trimmed now."""
+    marker = os.path.join(path, TRIMMED)
+    try:
+        if time.time() - os.stat(marker).st_mtime < every_s:
+            return False
+    except OSError:
+        pass
+    try:
+        with open(marker, "a"):
+            os.utime(marker)
+    except OSError:  # a directory this process cannot write: nothing to trim either
+        return False
+    trim(path, max_bytes)
+    return True
+
+
+def trim(path: str, max_bytes: int = MAX_BYTES) -> None:
+    """Delete JAX's least recently used cache entries (``<key>-cache`` files, with their ``<key>-atime`` files where
+    JAX's own eviction wrote them) until the rest hold at most `max_bytes`."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    trim_least_recent([os.path.join(path, n) for n in names if n.endswith("-cache")], max_bytes)
+    kept = {n[:-len("-cache")] for n in os.listdir(path) if n.endswith("-cache")}
+    for n in names:
+        if n.endswith("-atime") and n[:-len("-atime")] not in kept:
+            try:
+                os.unlink(os.path.join(path, n))
+            except OSError:
+                pass
 
 
 DIR: str | None = None  # set by `import autofuse`

@@ -27,7 +27,7 @@ import jax
 
 from . import digests
 from .graph import Group
-from .xla_autotune import chosen_dir, jaxlib_cache_dir
+from .xla_autotune import chosen_dir, jaxlib_cache_dir, trim_least_recent
 
 ENV_DIR = "AUTOFUSE_KERNEL_CACHE_DIR"
 MAX_BYTES = 2 * 2**30  # an entry is tens of KB: tens of thousands of kernels; the least recently used go first
@@ -173,16 +173,7 @@ def _write(path: str, blob: bytes) -> None:
 def trim(root: str, max_bytes: int = MAX_BYTES) -> None:
     """Delete the least recently used entries until the cache holds at most `max_bytes`."""
     try:
-        entries = [(e.stat().st_mtime, e.stat().st_size, e.path) for d in os.scandir(root) if d.is_dir()
-                   for e in os.scandir(d.path) if e.name.endswith(".jaxexp")]
+        files = [e.path for d in os.scandir(root) if d.is_dir() for e in os.scandir(d.path) if e.name.endswith(".jaxexp")]
     except OSError:
         return
-    total = sum(size for _, size, _ in entries)
-    for _, size, path in sorted(entries):
-        if total <= max_bytes:
-            return
-        try:
-            os.unlink(path)
-            total -= size
-        except OSError:
-            pass
+    trim_least_recent(files, max_bytes)

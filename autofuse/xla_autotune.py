@@ -53,6 +53,27 @@ def jaxlib_cache_dir(kind: str) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "autofuse", kind, f"jaxlib-{version}")
 
 
+def trim_least_recent(files: list[str], max_bytes: int) -> None:
+    """Delete the least recently used of `files` (the later of each one's access and modification time) until the rest
+    hold at most `max_bytes`; a file another process deleted or is writing is skipped."""
+    entries = []
+    for path in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        entries.append((max(st.st_atime, st.st_mtime), st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= max_bytes:
+            return
+        try:
+            os.unlink(path)
+            total -= size
+        except OSError:
+            pass
+
+
 def configure(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
     """Add the autotune cache flag to ``XLA_FLAGS`` where it still takes effect and the user set none; the
     directory XLA's autotuning results go to (the user's own where they set the flag), or None."""

@@ -16,7 +16,7 @@ from jax import monitoring
 hits = []
 monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
 jax.jit(lambda x: jnp.tanh(x) @ x.T).lower(jnp.ones((256, 256))).compile()
-print(jax.config.jax_compilation_cache_dir, len(hits))
+print(jax.config.jax_compilation_cache_dir, len(hits), jax.config.jax_compilation_cache_max_size)
 """
 
 
@@ -31,9 +31,11 @@ def _run(env: dict[str, str]) -> list[str]:
 def test_a_program_compiled_in_one_process_is_loaded_by_the_next(tmp_path):
     cache = str(tmp_path / "cache")
     first = _run({compile_cache.ENV_DIR: cache})
-    assert first == [cache, "0"] and os.listdir(cache)  # compiled and written
+    assert first == [cache, "0", "-1"] and os.listdir(cache)  # compiled and written
     again = _run({compile_cache.ENV_DIR: cache})
     assert again[0] == cache and int(again[1]) >= 1  # loaded, not compiled (the program and the small ones making its input)
+    # JAX's own eviction stays off: it would take one lock file for every read and write of the cache
+    assert ".lockfile" not in os.listdir(cache) and compile_cache.TRIMMED in os.listdir(cache)
 
 
 def test_the_users_own_cache_and_off_are_honoured(tmp_path):
@@ -75,3 +77,38 @@ def test_short_compiles_are_kept_only_in_the_cache_autofuse_chose(tmp_path, monk
         assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_S
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def _entry(path, name: str, size: int, used: float) -> str:
+    f = path / name
+    f.write_bytes(b"x" * size)
+    os.utime(f, (used, used))
+    return name
+
+
+def test_trim_deletes_the_least_recently_used_entries_and_their_atime_files(tmp_path):
+    """`trim` keeps the most recently used `<key>-cache` entries that fit, deletes the `<key>-atime` files JAX's own
+    eviction left beside the entries it deleted, and leaves other files alone."""
+    old = _entry(tmp_path, "a-cache", 400, 1_000)
+    _entry(tmp_path, "a-atime", 8, 5_000)  # an atime file is no entry: its own time does not count
+    mid = _entry(tmp_path, "b-cache", 400, 2_000)
+    new = _entry(tmp_path, "c-cache", 400, 3_000)
+    _entry(tmp_path, compile_cache.TRIMMED, 0, 10)
+    compile_cache.trim(str(tmp_path), max_bytes=900)
+    assert sorted(os.listdir(tmp_path)) == sorted([mid, new, compile_cache.TRIMMED])
+    assert old not in os.listdir(tmp_path)
+    compile_cache.trim(str(tmp_path), max_bytes=0)
+    assert os.listdir(tmp_path) == [compile_cache.TRIMMED]
+
+
+def test_the_cache_is_trimmed_at_most_once_in_a_while(tmp_path):
+    """Importing autofuse trims its cache (`trim_now_and_then`), but a directory trimmed less than `every_s` ago is not
+    scanned again: every process of a job imports autofuse."""
+    _entry(tmp_path, "a-cache", 100, 1_000)
+    assert compile_cache.trim_now_and_then(str(tmp_path), every_s=3600, max_bytes=50)
+    assert os.listdir(tmp_path) == [compile_cache.TRIMMED]
+    _entry(tmp_path, "b-cache", 100, 2_000)
+    assert not compile_cache.trim_now_and_then(str(tmp_path), every_s=3600, max_bytes=50)
+    assert "b-cache" in os.listdir(tmp_path)
+    assert compile_cache.trim_now_and_then(str(tmp_path), every_s=0, max_bytes=50)
+    assert os.listdir(tmp_path) == [compile_cache.TRIMMED]
