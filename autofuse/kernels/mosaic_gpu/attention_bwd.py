@@ -15,9 +15,10 @@ warpgroup streaming tiles by TMA into a ring of SMEM buffers and two compute war
 `bwd_fused` (the default where it applies, as FlashAttention-2/3 do): no `dq` kernel, five products instead of
 seven. `dkdv` also computes each step's dQ = dS K: both compute warpgroups write their dSᵀ to SMEM, meet at a
 barrier, and each computes half of it (64 of 128 stepped queries, or half of a head dim of two 128-byte tiles) and
-adds it into a float32 buffer by TMA reduction. Both warpgroups then take every step of the CTA (in a block one of them
-would skip, a causal CTA's first, it shares a dS of zeros without computing it). fwd+bwd 0.98x cuDNN's time at D128, 0.95x at D64 on an H200
-against 1.11x with two kernels (results/attention_bwd_fused_h200.md). `bwd_overlap` issues the products in pairs
+adds it into a float32 buffer by TMA reduction. Both warpgroups then take every step of the CTA (in a block one of
+them would skip, a causal CTA's first, it shares a dS of zeros without computing it). fwd+bwd 0.98x cuDNN's time at
+D128, 0.95x at D64 on an H200 against 1.11x with two kernels (results/attention_bwd_fused_h200.md; in alternating
+pairs 1.015-1.021x at D128, 0.93-0.95x at D64: results/attention_grad_pairs_h200.md). `bwd_overlap` issues the products in pairs
 (Sᵀ with dPᵀ, dV with dK): better for two kernels, worse fused (registers spill). `bwd_persistent` runs the dK/dV
 kernel one CTA per SM walking its (batch position, key block) tiles, as the forward's `persistent` does (searched;
 ~1% slower at D128 on an H200, so off by default: results/attention_persistent_h200.md).
