@@ -148,12 +148,19 @@ def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]
     return prim.bind(*ops, **params)
 
 
-def dot_precision(dot: Any) -> str:
-    """The precision the program asks of a dot: "default" (none given, or DEFAULT), "highest" (HIGHEST, or an
-    exact float32 algorithm), "high" (HIGH) or "other" (any other algorithm preset)."""
+# Algorithm presets that read operands of their own dtype as they are and accumulate in float32: what a dot of those
+# operands does at default precision (`jax.nn.dot_product_attention`'s XLA path asks BF16_BF16_F32 of its scores).
+_NATIVE_PRESETS = {"BF16_BF16_F32": "bfloat16", "F16_F16_F32": "float16"}
+
+
+def dot_precision(dot: Any, operand_dtype: Any = None) -> str:
+    """The precision the program asks of a dot: "default" (none given, DEFAULT, or an algorithm that takes
+    `operand_dtype` operands as they are and accumulates in float32), "highest" (HIGHEST, or an exact float32
+    algorithm), "high" (HIGH) or "other" (any other algorithm preset)."""
     prec = dot.params.get("precision")
     parts = [str(p) for p in (prec if isinstance(prec, tuple) else (prec,)) if p is not None]
-    if not parts or all("DEFAULT" in p for p in parts):
+    native = _NATIVE_PRESETS.get(parts[0].rsplit(".", 1)[-1]) if len(parts) == 1 and operand_dtype is not None else None
+    if not parts or all("DEFAULT" in p for p in parts) or (native is not None and native == np.dtype(operand_dtype).name):
         return "default"
     if any("HIGHEST" in p or p.endswith("F32_F32_F32") for p in parts):
         return "highest"

@@ -60,7 +60,7 @@ def _match(group: Group) -> AttentionSpec:
     mx, sm = maxes[0], sums[0]
     if not (mx.id in dep[d1.id] and sm.id in dep[mx.id] and d2.id in dep[sm.id]):
         raise NoMatch("not a softmax between the dots")
-    if not (default_precision(d1) and default_precision(d2)):
+    if not all(default_precision(d, g.aval(d.inputs[0]).dtype) for d in (d1, d2)):
         raise NoMatch("non-default precision")
 
     # score space: the shape the softmax reduces (dot1's output up to unit axes)

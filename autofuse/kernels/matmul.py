@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -144,7 +145,7 @@ class MatmulTemplate(Template[MatmulSpec]):
             return None
         if av.dtype != bv.dtype or np.dtype(av.dtype) not in DOT_DTYPES:
             return None
-        prec = dot_precision(dot)
+        prec = dot_precision(dot, av.dtype)
         if prec in ("high", "other"):
             return None  # precision=HIGH (bf16_3x in XLA) or another algorithm: left to XLA
         exact_f32 = prec == "highest" and np.dtype(av.dtype) == np.dtype(jnp.float32)
@@ -359,9 +360,10 @@ def _prologue(group: Group, dot: Node, operand: int) -> tuple[list[Node], TileSp
     return nodes, analyze(sub, shape, len(shape) - 1)
 
 
-def default_precision(dot: Node) -> bool:
-    """Whether the dot runs at default precision (what a Triton dot does: TF32 for float32, as XLA's own)."""
-    return dot_precision(dot) == "default"
+def default_precision(dot: Node, operand_dtype: Any = None) -> bool:
+    """Whether the dot runs at default precision (what a Triton dot does: TF32 for float32, as XLA's own), or at an
+    algorithm that takes its `operand_dtype` operands as they are and accumulates in float32 (`ops.dot_precision`)."""
+    return dot_precision(dot, operand_dtype) == "default"
 
 
 def _epilogue_spec(group: Group, dots: list[Node], rest: list[int], S: tuple[int, ...]) -> TileSpec:

@@ -92,7 +92,7 @@ class MatmulReduceTemplate(Template[MatmulReduceSpec]):
             return None
         (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
         av, bv = g.avals[a], g.avals[b]
-        if lb or rb or len(bv.shape) != 2 or len(lc) != 1 or len(rc) != 1 or not default_precision(dot):
+        if lb or rb or len(bv.shape) != 2 or len(lc) != 1 or len(rc) != 1 or not default_precision(dot, av.dtype):
             return None
         if av.dtype != bv.dtype or np.dtype(av.dtype) not in DOT_DTYPES:
             return None
