@@ -298,7 +298,8 @@ class _Builder:
                 outs = self._inline(inner, ins, eqn)
             else:
                 outs = [self.new_value(v.aval) for v in eqn.outvars]
-                self.nodes.append(Node(len(self.nodes), eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs)))
+                prim, params = _as_reshape(eqn) or (eqn.primitive, dict(eqn.params))
+                self.nodes.append(Node(len(self.nodes), prim, params, tuple(ins), tuple(outs)))
             for var, a in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = a
@@ -312,6 +313,19 @@ class _Builder:
         if eqn.primitive.name == "custom_jvp_call":
             ins = ins[: len(inner.invars)] if len(ins) > len(inner.invars) else ins
         return self.walk(inner, ins, sub_env)
+
+
+def _as_reshape(eqn: Any) -> tuple[Any, dict] | None:
+    """A transpose that moves only unit axes (`jax.nn.dot_product_attention`'s XLA path moves its grouped-query axis
+    of size 1 so) as the reshape it is, primitive and params: the templates tile reshapes, not transposes."""
+    if eqn.primitive.name != "transpose":
+        return None
+    shape = eqn.invars[0].aval.shape
+    moved = [p for p in eqn.params["permutation"] if shape[p] != 1]
+    if moved != sorted(moved):
+        return None
+    out = tuple(int(d) for d in eqn.outvars[0].aval.shape)
+    return jax.lax.reshape_p, {"new_sizes": out, "dimensions": None, "sharding": None}
 
 
 def _split_static(fn: Callable, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]):

@@ -80,3 +80,14 @@ def sliding_window(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125
     s = jnp.where((i >= j) & (i - j < 24), s, -jnp.inf)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def library_xla(q, k, v):
+    # attention as a careful user writes it, on JAX's own XLA path ([B, L, H, D]; what the call runs where cuDNN is
+    # not chosen: float32, another GPU, a CPU): scores in float32 by an algorithm preset, a unit grouped-query axis
+    # moved by transposes
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def library_xla_causal(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")

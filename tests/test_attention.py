@@ -16,7 +16,8 @@ from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import plan_from_choices
 from autofuse.tuning.select import default_plan
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
-from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window)
+from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window,
+                                     library_xla, library_xla_causal)
 from tests.quick import slow_except
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -38,6 +39,8 @@ CASES = [
     pytest.param(heads_split_causal, ((2, 50, 64),) * 3, BF16, id="heads-split-from-BL(HD)-causal-bf16"),
     pytest.param(softcap_then_causal, (BHLD,) * 3, BF16, id="softcap-causal-bf16"),
     pytest.param(attention_bhld_causal, ((1, 2, 50, 48),) * 3, BF16, id="causal-head-dim-48-padded"),
+    pytest.param(library_xla_causal, (BLHD,) * 3, BF16, id="jax-nn-dot-product-attention-xla-causal-bf16"),
+    pytest.param(library_xla, (BLHD,) * 3, F32, id="jax-nn-dot-product-attention-xla-f32"),
 ]
 
 
@@ -63,7 +66,7 @@ def _matches_xla(fn, graph, plan):
 def test_attention_matches_xla_and_lowers(fn, shapes, dtype):
     g = autofuse.capture(fn, *_specs(shapes, dtype))
     cand = _attention_candidate(g)
-    assert {g.node_index[i].name for i in set(range(len(g.nodes))) - cand.nodes} <= {"transpose"}, "one group: all but layout transposes"
+    assert {g.node_index[i].name for i in set(range(len(g.nodes))) - cand.nodes} <= {"transpose", "reshape"}, "one group: all but layout ops"
     fused = _matches_xla(fn, g, plan_from_choices(g, [(cand.group, "attention", SMALL)]))  # many blocks, ragged edges
     assert fused.last_status.startswith("plan:")
     for cfg in (attention.default_config(cand.spec), SMALL):

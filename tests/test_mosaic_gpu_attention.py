@@ -34,6 +34,8 @@ from tests.attention_programs import (
     gqa_broadcast,
     gqa_repeat,
     heads_split_causal,
+    library_xla,
+    library_xla_causal,
     padding_mask,
     sliding_window,
     softcap_then_causal,
@@ -130,6 +132,9 @@ CASES = [
     pytest.param(attention_blhd, [BLHD] * 3, F32, K64, id="blhd-f32-out-transposed"),
     pytest.param(attention_bhld_causal, [(1, 2, 256, 64)] * 3, F32, None, id="causal-f32-default-config"),
     pytest.param(gqa_repeat, [(1, L, 4, 64), (1, L, 2, 64), (1, L, 2, 64)], F32, K64, id="gqa-repeat-f32"),
+    # jax.nn.dot_product_attention's XLA path: a unit grouped-query axis, the output written [B, L, H, D] through transposes
+    pytest.param(library_xla_causal, [BLHD] * 3, BF16, K64, id="jax-nn-dot-product-attention-xla-causal-bf16"),
+    pytest.param(library_xla, [BLHD] * 3, F32, K64, id="jax-nn-dot-product-attention-xla-f32"),
     pytest.param(attention_bhld, [BHLD] * 3, F32, {**K64, "overlap": 1}, id="bhld-f32-overlap"),  # P through SMEM
     # persistent: 3 CTAs in interpret mode, each walking several (batch, query block) tiles; the K/V ring running on
     # across tiles, Q double-buffered (O through it, or its own buffer), score inputs per tile

@@ -68,7 +68,10 @@ def _match(group: Group) -> AttentionSpec:
     S = tuple(g.avals[x].shape)
     n = len(S)
     (red_axis,) = mx.params["axes"]
-    if tuple(sm.params["axes"]) != (red_axis,) or g.aval(sm.inputs[0]).shape != S:
+    S2 = tuple(g.aval(sm.inputs[0]).shape)
+    (red2,) = sm.params["axes"] if len(sm.params["axes"]) == 1 else (None,)
+    nu = lambda sh, ax: ([s for s in sh if s != 1], sum(1 for s in sh[:ax] if s != 1))  # noqa: E731 - up to unit axes
+    if red2 is None or S[red_axis] == 1 or nu(S, red_axis) != nu(S2, red2):
         raise NoMatch("max and sum must reduce the scores over one axis")
     k_axis = red_axis
     d1_out = d1.outputs[0]
@@ -81,20 +84,26 @@ def _match(group: Group) -> AttentionSpec:
         seed[do] = ds
     (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
     a_sh, b_sh = g.aval(d1.inputs[0]).shape, g.aval(d1.inputs[1]).shape
-    if len(lc) != 1 or len(a_sh) - len(lb) - 1 != 1 or len(b_sh) - len(rb) - 1 != 1:
+    # each side's free axes: one of the sequence and unit axes besides (`jax.nn.dot_product_attention`'s XLA path
+    # writes q as [B, T, N, 1, H], the unit axis its grouped-query heads per key head)
+    free_l = [d for d in range(len(a_sh)) if d not in lb and d not in lc]
+    free_r = [d for d in range(len(b_sh)) if d not in rb and d not in rc]
+    seq_l, seq_r = ([d for d in f if sh[d] != 1] for f, sh in ((free_l, a_sh), (free_r, b_sh)))
+    if len(lc) != 1 or len(seq_l) > 1 or len(seq_r) > 1 or not (free_l and free_r):
         raise NoMatch("dot1 is not [.., q, d] x [.., k, d]")
+    lhs_free = seq_l[0] if seq_l else free_l[0]
+    rhs_free = seq_r[0] if seq_r else free_r[0]
     nb1 = len(lb)
-    if seed[nb1 + 1] == k_axis:
-        q_is_lhs, q_axis = True, seed[nb1]
-    elif seed[nb1] == k_axis:
-        q_is_lhs, q_axis = False, seed[nb1 + 1]
+    at_l, at_r = nb1 + free_l.index(lhs_free), nb1 + len(free_l) + free_r.index(rhs_free)  # in dot1's output
+    if seed[at_r] == k_axis:
+        q_is_lhs, q_axis = True, seed[at_l]
+    elif seed[at_l] == k_axis:
+        q_is_lhs, q_axis = False, seed[at_r]
     else:
         raise NoMatch("softmax axis is not the key axis of dot1")
     if q_axis is None:
         raise NoMatch("a single query")
     batch_axes = tuple(d for d in range(n) if d not in (q_axis, k_axis))
-    lhs_free = next(d for d in range(len(a_sh)) if d not in lb and d not in lc)
-    rhs_free = next(d for d in range(len(b_sh)) if d not in rb and d not in rc)
     op_l = _operand(group, d1.inputs[0], {lb[i]: seed[i] for i in range(nb1)}, lhs_free, lc[0])
     op_r = _operand(group, d1.inputs[1], {rb[i]: seed[i] for i in range(nb1)}, rhs_free, rc[0])
     qo, ko = (op_l, op_r) if q_is_lhs else (op_r, op_l)
@@ -114,8 +123,8 @@ def _match(group: Group) -> AttentionSpec:
     while out not in group.outputs:
         cons = [c for c in g.consumers.get(out, ()) if c in members]
         nd = g.node_index[cons[0]] if len(cons) == 1 else None
-        if nd is None or nd.name not in ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
-            raise NoMatch("work after dot2 other than converts and unit axes")
+        if nd is None or nd.name not in ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"):
+            raise NoMatch("work after dot2 other than converts, transposes and unit axes")
         post.append(nd)
         out = nd.outputs[0]
     skip = {d1.id, d2.id} | {nd.id for nd in post}
@@ -124,18 +133,23 @@ def _match(group: Group) -> AttentionSpec:
     score_nodes = [nd for nd in group.nodes if nd.id not in skip]
     axes = _place(group, score_nodes, S, d1_out, tuple(seed))
     p_axes = axes[p_val]
-    p_free = [d for d in range(len(p_axes)) if d not in pb and d != pc]
+    p_sh = g.avals[p_val].shape
+    p_free = [d for d in range(len(p_axes)) if d not in pb and d != pc and p_sh[d] != 1]
     if p_axes[pc] != k_axis or len(p_free) != 1 or p_axes[p_free[0]] != q_axis:
         raise NoMatch("dot2 contracts the wrong axis of the probabilities")
     v_sh = g.aval(v_atom).shape
-    v_free = [d for d in range(len(v_sh)) if d not in vb and d != vc]
+    v_free_all = [d for d in range(len(v_sh)) if d not in vb and d != vc]
+    v_free = [d for d in v_free_all if v_sh[d] != 1] or v_free_all[:1]
     if len(v_free) != 1:
         raise NoMatch("values are not [.., k, d]")
     vo = _operand(group, v_atom, {vb[i]: p_axes[pb[i]] for i in range(len(vb))}, vc, v_free[0])
     Dv = v_sh[v_free[0]]
     if min(D, Dv) < 16 or D > 256 or Dv > 256:
         raise NoMatch("head dims outside 16..256")
-    roles: list = [p_axes[d] for d in pb] + (["q", "d"] if p_idx == 0 else ["d", "q"])
+    # dot2's output axes: the batch axes, then each side's free axes (the unit ones without a role)
+    p_roles = ["q" if d == p_free[0] else None for d in range(len(p_axes)) if d not in pb and d != pc]
+    v_roles = ["d" if d == v_free[0] else None for d in v_free_all]
+    roles: list = [p_axes[d] for d in pb] + (p_roles + v_roles if p_idx == 0 else v_roles + p_roles)
     for nd in post:
         roles = _carry_roles(nd, roles, g)
     dm, dl = dep[mx.id], dep[sm.id]
@@ -338,9 +352,11 @@ def _reshape_terms(cur: list, ish: tuple, osh: tuple) -> list:
 
 
 def _carry_roles(nd: Node, roles: list, g) -> list:
-    """Output-axis roles through a convert or a unit-axis layout op."""
+    """Output-axis roles through a convert, a transpose or a unit-axis layout op."""
     if nd.name == "convert_element_type":
         return roles
+    if nd.name == "transpose":
+        return [roles[i] for i in nd.params["permutation"]]
     ish, osh = g.aval(nd.inputs[0]).shape, g.avals[nd.outputs[0]].shape
     if [s for s in ish if s != 1] != [s for s in osh if s != 1]:
         raise NoMatch(f"{nd.name} after dot2 moves data")
