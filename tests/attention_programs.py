@@ -91,3 +91,9 @@ def library_xla(q, k, v):
 
 def library_xla_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def library_xla_gqa(q, k, v):
+    # grouped-query heads: the XLA path writes q as [B, T, N_kv, G, H] and transposes the scores between the dots
+    # (G moves): not fused, and right
+    return library_xla(q, k, v)

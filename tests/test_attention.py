@@ -17,7 +17,7 @@ from autofuse.plan import plan_from_choices
 from autofuse.tuning.select import default_plan
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
 from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window,
-                                     library_xla, library_xla_causal)
+                                     library_xla, library_xla_causal, library_xla_gqa)
 from tests.quick import slow_except
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -188,9 +188,9 @@ def gqa_query_reshape(q, k, v):
 
 
 @pytest.mark.parametrize("fn", slow_except([pytest.param(f, id=f.__name__) for f in (softmax_over_queries, probabilities_returned, highest_precision,
-                                                                            gqa_query_reshape)], "gqa_query_reshape"))
+                                                                            gqa_query_reshape, library_xla_gqa)], "gqa_query_reshape"))
 def test_unsupported_variants_stay_in_xla_and_stay_right(fn):
-    shapes = [(1, 40, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32)] if fn is gqa_query_reshape else [(1, 2, 40, 32)] * 3
+    shapes = [(1, 40, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32)] if fn in (gqa_query_reshape, library_xla_gqa) else [(1, 2, 40, 32)] * 3
     g = autofuse.capture(fn, *[S(s, F32) for s in shapes])
     assert not [c for c in enumerate_candidates(g) if c.template == "attention"]
     _matches_xla(fn, g, default_plan(g))

@@ -86,27 +86,30 @@ def _match(group: Group) -> AttentionSpec:
     a_sh, b_sh = g.aval(d1.inputs[0]).shape, g.aval(d1.inputs[1]).shape
     # each side's free axes: one of the sequence and unit axes besides (`jax.nn.dot_product_attention`'s XLA path
     # writes q as [B, T, N, 1, H], the unit axis its grouped-query heads per key head)
-    free_l = [d for d in range(len(a_sh)) if d not in lb and d not in lc]
-    free_r = [d for d in range(len(b_sh)) if d not in rb and d not in rc]
-    seq_l, seq_r = ([d for d in f if sh[d] != 1] for f, sh in ((free_l, a_sh), (free_r, b_sh)))
-    if len(lc) != 1 or len(seq_l) > 1 or len(seq_r) > 1 or not (free_l and free_r):
-        raise NoMatch("dot1 is not [.., q, d] x [.., k, d]")
-    lhs_free = seq_l[0] if seq_l else free_l[0]
-    rhs_free = seq_r[0] if seq_r else free_r[0]
+    # each side's free axes: one key or query axis, and unit axes (`jax.nn.dot_product_attention`'s XLA path writes
+    # queries [B, T, N_kv, G, H], G the query heads per key head: 1 without grouped-query heads; with them its
+    # transposes of the scores between the dots are data moves the tiling does not take)
+    free = [[d for d in range(len(sh)) if d not in b and d not in c] for sh, b, c in ((a_sh, lb, lc), (b_sh, rb, rc))]
     nb1 = len(lb)
-    at_l, at_r = nb1 + free_l.index(lhs_free), nb1 + len(free_l) + free_r.index(rhs_free)  # in dot1's output
-    if seed[at_r] == k_axis:
-        q_is_lhs, q_axis = True, seed[at_l]
-    elif seed[at_l] == k_axis:
-        q_is_lhs, q_axis = False, seed[at_r]
-    else:
-        raise NoMatch("softmax axis is not the key axis of dot1")
+    at = [{d: nb1 + i for i, d in enumerate(free[0])}, {d: nb1 + len(free[0]) + i for i, d in enumerate(free[1])}]  # in dot1's output
+    k_side = next((side for side in (1, 0) for d in free[side] if seed[at[side][d]] == k_axis), None)
+    if len(lc) != 1 or k_side is None or not free[1 - k_side]:
+        raise NoMatch("dot1 is not [.., q, d] x [.., k, d]")
+    shapes = (a_sh, b_sh)
+    q_side = 1 - k_side
+    k_free = [d for d in free[k_side] if shapes[k_side][d] != 1]
+    q_free = [d for d in free[q_side] if shapes[q_side][d] != 1] or free[q_side][:1]
+    if len(k_free) != 1 or len(q_free) != 1 or seed[at[k_side][k_free[0]]] != k_axis:
+        raise NoMatch("dot1 is not [.., q, d] x [.., k, d]")
+    q_dim = q_free[0]
+    q_axis = seed[at[q_side][q_dim]]
     if q_axis is None:
         raise NoMatch("a single query")
     batch_axes = tuple(d for d in range(n) if d not in (q_axis, k_axis))
-    op_l = _operand(group, d1.inputs[0], {lb[i]: seed[i] for i in range(nb1)}, lhs_free, lc[0])
-    op_r = _operand(group, d1.inputs[1], {rb[i]: seed[i] for i in range(nb1)}, rhs_free, rc[0])
-    qo, ko = (op_l, op_r) if q_is_lhs else (op_r, op_l)
+    bdims, cdims = (lb, rb), (lc[0], rc[0])
+    batch_of = [{bdims[side][i]: seed[i] for i in range(nb1)} for side in (0, 1)]
+    qo = _operand(group, d1.inputs[q_side], batch_of[q_side], q_dim, cdims[q_side])
+    ko = _operand(group, d1.inputs[k_side], batch_of[k_side], k_free[0], cdims[k_side])
     D = a_sh[lc[0]]
 
     # dot2: P (derived from the scores) with V; then the output tail
@@ -134,7 +137,8 @@ def _match(group: Group) -> AttentionSpec:
     axes = _place(group, score_nodes, S, d1_out, tuple(seed))
     p_axes = axes[p_val]
     p_sh = g.avals[p_val].shape
-    p_free = [d for d in range(len(p_axes)) if d not in pb and d != pc and p_sh[d] != 1]
+    p_free_all = [d for d in range(len(p_axes)) if d not in pb and d != pc]
+    p_free = [d for d in p_free_all if p_sh[d] != 1]  # the others: unit axes
     if p_axes[pc] != k_axis or len(p_free) != 1 or p_axes[p_free[0]] != q_axis:
         raise NoMatch("dot2 contracts the wrong axis of the probabilities")
     v_sh = g.aval(v_atom).shape
@@ -147,7 +151,7 @@ def _match(group: Group) -> AttentionSpec:
     if min(D, Dv) < 16 or D > 256 or Dv > 256:
         raise NoMatch("head dims outside 16..256")
     # dot2's output axes: the batch axes, then each side's free axes (the unit ones without a role)
-    p_roles = ["q" if d == p_free[0] else None for d in range(len(p_axes)) if d not in pb and d != pc]
+    p_roles = ["q" if d == p_free[0] else None for d in p_free_all]
     v_roles = ["d" if d == v_free[0] else None for d in v_free_all]
     roles: list = [p_axes[d] for d in pb] + (p_roles + v_roles if p_idx == 0 else v_roles + p_roles)
     for nd in post:
