@@ -114,6 +114,12 @@ def attention_blhd(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
 
+def attention_library_causal(q, k, v):
+    """Attention as a careful user writes it, [B, L, H, D]: `jax.nn.dot_product_attention`, which runs cuDNN where it
+    takes the call (bf16 on a GPU) and JAX's XLA path elsewhere (float32)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -137,6 +143,7 @@ WORKLOADS = [
     Workload("cross_entropy_grad", cross_entropy_grad, ((16384, 1024), (1024, 50257), (16384,)), (None, None, "int32")),  # GPT-2's head
     Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
     Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
+    Workload("attention_library_causal", attention_library_causal, ((8, 2048, 32, 128),) * 3),
 ]
 
 
@@ -161,6 +168,7 @@ SMALL = {
     "cross_entropy_grad": ((64, 64), (64, 300), (64,)),
     "attention": ((2, 2, 100, 64),) * 3,
     "attention_causal": ((2, 2, 100, 64),) * 3,
+    "attention_library_causal": ((2, 100, 2, 64),) * 3,
 }
 
 
