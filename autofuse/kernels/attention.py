@@ -84,8 +84,6 @@ def _match(group: Group) -> AttentionSpec:
         seed[do] = ds
     (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
     a_sh, b_sh = g.aval(d1.inputs[0]).shape, g.aval(d1.inputs[1]).shape
-    # each side's free axes: one of the sequence and unit axes besides (`jax.nn.dot_product_attention`'s XLA path
-    # writes q as [B, T, N, 1, H], the unit axis its grouped-query heads per key head)
     # each side's free axes: one key or query axis, and unit axes (`jax.nn.dot_product_attention`'s XLA path writes
     # queries [B, T, N_kv, G, H], G the query heads per key head: 1 without grouped-query heads; with them its
     # transposes of the scores between the dots are data moves the tiling does not take)
