@@ -29,9 +29,10 @@ import numpy as np
 from .. import costmodel
 from ..costmodel import H200, GPUModel
 from ..differentiate import VJPRule
-from ..graph import Group, Node
+from ..graph import Graph, Group, Node
 from ..ops import OpClass, op_class
 from ..spaces import DEFAULT_BACKEND
+from .attention_library import library_group, library_kernel
 from .attention_masks import block_ranges
 from .attention_spec import AttentionSpec, Operand
 from .matmul import DOT_DTYPES, default_precision
@@ -394,11 +395,28 @@ class AttentionTemplate(Template[AttentionSpec]):
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> AttentionSpec | None:
-        """The attention structure of `group`, or None."""
+        """The attention structure of `group`, or None. A cuDNN attention call alone is read as what it computes
+        (`attention_library`: the spec of a captured graph of its own)."""
+        if len(group.node_ids) == 1:
+            found = library_group(group.graph, group.nodes[0], _match)
+            return None if found is None else found[1]
         try:
             return _match(group)
         except NoMatch:
             return None
+
+    def candidate_groups(self, graph: Graph, fusible) -> list[tuple[Group, AttentionSpec, tuple]]:
+        """Each cuDNN attention call the template can run, as a group of its own (the growth by neighbours never
+        takes an opaque node)."""
+        found = (library_group(graph, nd, _match) for nd in graph.nodes if nd.name == "custom_vjp_call")
+        return [(grp, spec, ()) for grp, spec in filter(None, found)]
+
+    def build(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
+              spec: AttentionSpec | None = None):
+        spec = spec if spec is not None else self.match(group)
+        if spec is not None and spec.group.graph is not group.graph:  # a cuDNN call: the kernel of what it computes
+            return library_kernel(group, spec, super().build(spec.group, config, backend=backend, interpret=interpret, spec=spec))
+        return super().build(group, config, backend=backend, interpret=interpret, spec=spec)
 
     def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
         """The flash pair where `flash_backward_unsupported` allows it, else None (recompute in XLA): `backend`'s
@@ -406,8 +424,8 @@ class AttentionTemplate(Template[AttentionSpec]):
         and config, emitting the row logsumexp. The config's `bwd_` keys, if any, tile the backward (their
         defaults otherwise)."""
         spec = self.match(group)
-        if spec is None or flash_backward_unsupported(spec) is not None:
-            return None
+        if spec is None or flash_backward_unsupported(spec) is not None or spec.group.graph is not group.graph:
+            return None  # (a cuDNN call: differentiated as JAX does, by cuDNN's own backward)
         pair = self.lowering_module(backend, "attention_vjp")
         return pair.vjp_rule(group, spec, {**self.defaults, **config}, interpret=interpret)
 

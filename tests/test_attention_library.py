@@ -1,0 +1,88 @@
+"""A cuDNN attention call (`jax.nn.dot_product_attention(..., implementation="cudnn")`) is one opaque node: the
+`attention` template reads it as the attention it computes and offers the flash kernel for it, checked here in
+interpret mode against JAX's own XLA path (cuDNN cannot run on a CPU; capturing the call needs JAX's cuDNN checks
+patched) and lowered for CUDA."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autofuse
+from autofuse.kernels import TEMPLATES
+from autofuse.kernels.attention_library import cudnn_call
+from autofuse.plan import plan_from_choices
+from autofuse.runner.evaluator import lowering_guard
+from autofuse.tuning.partition import enumerate_candidates
+
+S = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+
+
+@pytest.fixture
+def cudnn_traceable(monkeypatch):
+    """JAX's cuDNN version and compute-capability checks passed, so that the call traces on a CPU (it cannot run)."""
+    import jax._src.cudnn.fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90500)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
+
+
+def cudnn_causal(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def cudnn_scaled(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, scale=0.3, implementation="cudnn")
+
+
+def cudnn_windowed(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(16, 0), implementation="cudnn")
+
+
+
+
+REFERENCES = {
+    cudnn_causal: lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+    cudnn_scaled: lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.3, implementation="xla"),
+}
+
+
+@pytest.mark.parametrize("fn,backend,config", [
+    pytest.param(cudnn_causal, "triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="causal-triton"),
+    pytest.param(cudnn_scaled, "mosaic_gpu", None, id="scaled-mosaic-gpu-default-config"),
+])
+def test_a_cudnn_call_is_an_attention_group_whose_kernel_computes_it(cudnn_traceable, fn, backend, config):
+    shape = (2, 100, 2, 64)
+    g = autofuse.capture(fn, *[S(shape, BF16)] * 3)
+    (node,) = [n for n in g.nodes if n.name == "custom_vjp_call"]
+    assert cudnn_call(node) is not None
+    cands = [c for c in enumerate_candidates(g) if c.template == "attention"]
+    assert [sorted(c.nodes) for c in cands] == [[node.id]]
+    tmpl, cand = TEMPLATES["attention"], cands[0]
+    cfg = config or tmpl.default_config_of(cand.spec, backend)
+    kernel = tmpl.build(cand.group, cfg, backend=backend, interpret=True, spec=cand.spec)
+    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i in range(3)]
+    by_position = dict(zip(g.inputs, ins))
+    (out,) = kernel(*[by_position.get(v, jnp.zeros(g.aval(v).shape, g.aval(v).dtype)) for v in cand.group.inputs])
+    want = jax.jit(REFERENCES[fn])(*ins)
+    err = float(jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+    assert out.shape == want.shape and out.dtype == want.dtype and err < 2e-2, err
+    # the whole program with the call replaced: nothing of cuDNN is left to run
+    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", {**cfg, "backend": backend})]), on_miss="error")
+    got = fused(*ins)
+    assert fused.last_status.startswith("plan:") and float(jnp.max(jnp.abs((got - out).astype(jnp.float32)))) == 0.0
+    lowering_guard(tmpl.build(cand.group, cfg, backend=backend, interpret=False, spec=cand.spec),
+                   [S(a.shape, a.dtype) for a in cand.group.input_avals()])
+
+
+def test_calls_that_are_not_plain_softmax_attention_stay_cudnns(cudnn_traceable):
+    """A sliding window (and a bias, dropout, padding) is no plain attention the captured XLA path would equal: no
+    candidate; and a program without a cuDNN call gets none of these groups."""
+    g = autofuse.capture(cudnn_windowed, *[S((1, 64, 2, 64), BF16)] * 3)
+    (node,) = [n for n in g.nodes if n.name == "custom_vjp_call"]
+    assert cudnn_call(node) is None
+    assert not [c for c in enumerate_candidates(g) if c.template == "attention"]
+    plain = autofuse.capture(lambda x: jnp.tanh(x) * 2, S((8, 8), np.float32))
+    assert TEMPLATES["attention"].candidate_groups(plain, lambda i: True) == []
