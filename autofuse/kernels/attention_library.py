@@ -49,7 +49,7 @@ def library_group(graph: Graph, node: Node, match: Callable[[Group], Any]) -> tu
     if call is None:
         return None
     q, k, v = (graph.aval(a) for a in node.inputs[:3])
-    if any(x is None or len(x.shape) != 4 for x in (q, k, v)) or any(graph.aval(a).size for a in node.inputs[3:]):
+    if any(len(x.shape) != 4 for x in (q, k, v)) or any(graph.aval(a).size for a in node.inputs[3:]):
         return None
     spec = _spec(tuple((x.shape, np.dtype(x.dtype).name) for x in (q, k, v)), call["scale"], call["causal"], match)
     return (Group.of(graph, [node.id]), spec) if spec is not None else None
