@@ -84,3 +84,76 @@ def test_calls_that_are_not_plain_softmax_attention_stay_cudnns(cudnn_traceable)
     assert not [c for c in enumerate_candidates(g) if c.template == "attention"]
     plain = autofuse.capture(lambda x: jnp.tanh(x) * 2, S((8, 8), np.float32))
     assert TEMPLATES["attention"].candidate_groups(plain, lambda i: True) == []
+
+
+def cudnn_loss(q, k, v):
+    """A loss not linear in the attention output: its cotangent depends on the output, so the pair is not convex."""
+    return jnp.sum(jnp.sin(cudnn_causal(q, k, v)).astype(jnp.float32) ** 2)
+
+
+def xla_loss(q, k, v):
+    return jnp.sum(jnp.sin(REFERENCES[cudnn_causal](q, k, v)).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_a_training_steps_cudnn_pair_runs_as_the_flash_pair(cudnn_traceable, backend, config):
+    """In `jax.grad` cuDNN attention is two primitives, the forward and the backward reading its softmax statistics:
+    one `attention_vjp` candidate in two stages (the forward where it is, the backward where it is), whose flash pair
+    gives the gradients of JAX's XLA path; a plan of it leaves nothing of cuDNN to run (so it runs on a CPU)."""
+    shape = (2, 100, 2, 64)
+    step = jax.grad(cudnn_loss, argnums=(0, 1, 2))
+    g = autofuse.capture(step, *[S(shape, BF16)] * 3)
+    fwd, bwd = ([n.id for n in g.nodes if n.name == f"dot_product_attention_{d}_wrapper"] for d in ("fwd", "bwd"))
+    (cand,) = [c for c in enumerate_candidates(g) if c.template == "attention_vjp"]
+    assert sorted(cand.nodes) == fwd + bwd and [sorted(st) for st in cand.stages] == [fwd, bwd]
+    tmpl = TEMPLATES["attention_vjp"]
+    cfg = {**(config or tmpl.default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i in range(3)]
+    got = fused(*ins)
+    assert fused.last_status.startswith("plan:")
+    for a, b in zip(got, jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2)))(*ins)):
+        err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+        assert a.shape == b.shape and a.dtype == b.dtype and err < 3e-2, err
+    for st in tmpl.build_stages(cand.group, cand.stages, cfg, backend=backend, interpret=False, spec=cand.spec):
+        assert callable(st)
+
+
+def test_the_model_prices_cudnn_by_the_flash_kernels_measured_ratio(cudnn_traceable):
+    """XLA's option of a cuDNN call (or pair) is the flash kernel's modelled default over cuDNN's measured ratio to it:
+    ahead of the kernel at head dim 64, so that a short budget reaches it (at its memory floor, it never was),
+    behind it for the pair at 128, where our backward trails cuDNN's."""
+    from autofuse.kernels.attention_library import CUDNN_FORWARD_FACTOR, pair_factor
+    from autofuse.tuning.space import CandidateSpace
+
+    for d, ahead in ((64, True), (128, False)):
+        shape = (2, 256, 2, d)
+        (call,) = [c for c in enumerate_candidates(autofuse.capture(cudnn_causal, *[S(shape, BF16)] * 3)) if c.template == "attention"]
+        sp = CandidateSpace.of("attention", call.group, call.spec, backends=("mosaic_gpu", "triton"))
+        assert sp.xla_model_ms == pytest.approx(CUDNN_FORWARD_FACTOR * TEMPLATES["attention"].default_model_ms(call.spec))
+        assert sp.xla_model_ms > sp.default_ms()
+        g = autofuse.capture(jax.grad(cudnn_loss, argnums=(0, 1, 2)), *[S(shape, BF16)] * 3)
+        (pair,) = [c for c in enumerate_candidates(g) if c.template == "attention_vjp"]
+        sp = CandidateSpace.of("attention_vjp", pair.group, pair.spec, backends=("mosaic_gpu", "triton"))
+        assert sp.xla_model_ms == pytest.approx(pair_factor(d) * TEMPLATES["attention_vjp"].default_model_ms(pair.spec))
+        assert (sp.xla_model_ms > sp.default_ms()) is ahead
+
+
+def test_the_xla_paths_gradient_runs_as_the_flash_pair():
+    """`jax.grad` through `jax.nn.dot_product_attention` on JAX's XLA path (float32, or where cuDNN declines): one
+    two-stage `attention_vjp` candidate, its flash pair's gradients those of `jax.jit` (the key's sequence axis sits
+    past the query's unit axis in the score dot's output: once read as a unit axis, its gradient was summed away)."""
+    shape = (2, 100, 2, 64)
+    step = jax.grad(xla_loss, argnums=(0, 1, 2))
+    g = autofuse.capture(step, *[S(shape, np.float32)] * 3)
+    (cand,) = [c for c in enumerate_candidates(g) if c.template in ("attention", "attention_vjp")]
+    assert cand.template == "attention_vjp" and len(cand.stages) == 2
+    cfg = {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "backend": "triton"}
+    fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), shape, np.float32) for i in range(3)]
+    for a, b in zip(fused(*ins), jax.jit(step)(*ins)):
+        assert a.shape == b.shape and float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) < 1e-4
+    assert fused.last_status.startswith("plan:")

@@ -32,7 +32,7 @@ from ..differentiate import VJPRule
 from ..graph import Graph, Group, Node
 from ..ops import OpClass, op_class
 from ..spaces import DEFAULT_BACKEND
-from .attention_library import library_group, library_kernel
+from .attention_library import CUDNN_FORWARD_FACTOR, library_group, library_kernel
 from .attention_masks import block_ranges
 from .attention_spec import AttentionSpec, Operand
 from .matmul import DOT_DTYPES, default_precision
@@ -418,6 +418,13 @@ class AttentionTemplate(Template[AttentionSpec]):
             return library_kernel(group, spec, super().build(spec.group, config, backend=backend, interpret=interpret, spec=spec))
         return super().build(group, config, backend=backend, interpret=interpret, spec=spec)
 
+    def xla_model_ms(self, group: Group, spec: AttentionSpec, model: GPUModel = H200) -> float:
+        """A cuDNN call's: the flash kernel's modelled default over the ratio measured between them
+        (`attention_library.CUDNN_FORWARD_FACTOR`); XLA's fusion's for any other group."""
+        if spec is None or spec.group.graph is group.graph:
+            return super().xla_model_ms(group, spec, model)
+        return CUDNN_FORWARD_FACTOR * self.default_model_ms(spec, model)
+
     def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
         """The flash pair where `flash_backward_unsupported` allows it, else None (recompute in XLA): `backend`'s
         `vjp_rule` in its `attention_vjp` lowering (the pair's), which runs the forward on the group's own backend
@@ -502,17 +509,23 @@ def _dot_roles(spec: AttentionSpec) -> dict[int, list]:
     (lc, rc), (lb, rb) = spec.dot1.params["dimension_numbers"]
     nb1 = len(lb)
 
-    def roles(shape, batch, contract, free_seed) -> list:
+    def free_axes(shape, batch, contract) -> list[int]:
+        return [d for d in range(len(shape)) if d not in batch and d not in contract]
+
+    def roles(shape, batch, contract, first_out: int) -> list:
+        """`first_out`: where the operand's free axes start among the dot's output axes (each free axis is the
+        sequence, or a unit axis: JAX's XLA path adds one to the query for the heads' group)."""
         out: list = [None] * len(shape)
         for i, d in enumerate(batch):
             out[d] = seed[i]
         out[contract[0]] = "d"
-        free = next(d for d in range(len(shape)) if d not in batch and d not in contract)
-        out[free] = "s" if free_seed is not None else None
+        for j, free in enumerate(free_axes(shape, batch, contract)):
+            out[free] = "s" if seed[first_out + j] is not None else None
         return out
 
-    lhs = roles(g.aval(spec.dot1.inputs[0]).shape, lb, lc, seed[nb1])
-    rhs = roles(g.aval(spec.dot1.inputs[1]).shape, rb, rc, seed[nb1 + 1])
+    lhs_shape, rhs_shape = g.aval(spec.dot1.inputs[0]).shape, g.aval(spec.dot1.inputs[1]).shape
+    lhs = roles(lhs_shape, lb, lc, nb1)
+    rhs = roles(rhs_shape, rb, rc, nb1 + len(free_axes(lhs_shape, lb, lc)))
     q_is_lhs = seed[nb1] == spec.q_axis
     (lc2, rc2), (lb2, rb2) = spec.dot2.params["dimension_numbers"]
     p_idx = 0 if spec.dot2.inputs[0] in spec.tile.axes else 1

@@ -10,6 +10,11 @@ not the node's). The node's own group then has two options like every other: XLA
 and the generated flash kernel, built from the captured group and fed the node's query, key and value
 (`library_kernel`). Which is faster is the tuner's to measure on the GPU. Nothing here runs cuDNN: capturing the
 program on a CPU needs JAX's cuDNN checks to pass, which is the caller's affair (the tests patch them).
+
+In a gradient program (`jax.grad`) the call is two primitives instead: the forward (`FWD`, emitting its softmax
+statistics) and the backward (`BWD`) reading them (`cudnn_pair`); `attention_vjp` runs the two as the flash pair, in
+two stages where they are. The model prices XLA's option of either as the generated kernels' own modelled time over
+the ratio measured between them (`CUDNN_FORWARD_FACTOR`, `CUDNN_PAIR_FACTOR`).
 """
 from __future__ import annotations
 
@@ -24,6 +29,23 @@ from ..graph import Graph, Group, Node, capture
 from .template import NoMatch
 
 FWD = "dot_product_attention_fwd_wrapper"
+BWD = "dot_product_attention_bwd_wrapper"
+# cuDNN's time against the generated flash kernels' at their default configs, measured in alternating pairs of
+# sustained calls on an H200 at B8 H32 L2048 bf16 (results/kernels_pairs_h200.md, results/attention_grad_pairs_h200.md):
+# the forward 0.89-0.94x cuDNN's, forward + backward 0.93-0.95x at head dim 64 and 1.02x at 128. The model prices
+# XLA's option of a cuDNN call as the kernel's own modelled time over those ratios, so that a tie at stake is timed
+# (priced at its memory floor, the call was a modelled loss that a short budget never reached).
+CUDNN_FORWARD_FACTOR = 1.08
+CUDNN_PAIR_FACTOR = {64: 1.06, 128: 0.98}  # by head dim, the nearest at or above it
+
+
+def _plain(params: dict) -> dict | None:
+    """{"scale", "causal"} of a cuDNN attention primitive's `params` that compute plain softmax attention (no
+    bias, dropout, padding, sliding window or paged keys; no mask or a causal one), else None."""
+    mask = getattr(params.get("mask_type"), "name", None)
+    plain = (params.get("dropout_rate") == 0 and params.get("sliding_window_length") is None and int(params.get("layout", -1)) == 0
+             and not any(params.get("variadic_args", (True,))) and mask in ("NO_MASK", "CAUSAL"))
+    return {"scale": float(params["scale"]), "causal": mask == "CAUSAL"} if plain else None
 
 
 def cudnn_call(node: Node) -> dict | None:
@@ -35,24 +57,57 @@ def cudnn_call(node: Node) -> dict | None:
     eqns = getattr(getattr(inner, "jaxpr", inner), "eqns", ())
     if len(eqns) != 1 or eqns[0].primitive.name != FWD:
         return None
-    p = eqns[0].params
-    mask = getattr(p.get("mask_type"), "name", None)
-    plain = (p.get("dropout_rate") == 0 and p.get("sliding_window_length") is None and int(p.get("layout", -1)) == 0
-             and not any(p.get("variadic_args", (True,))) and mask in ("NO_MASK", "CAUSAL"))
-    return {"scale": float(p["scale"]), "causal": mask == "CAUSAL"} if plain else None
+    return _plain(eqns[0].params)
 
 
-def library_group(graph: Graph, node: Node, match: Callable[[Group], Any]) -> tuple[Group, Any] | None:
-    """The group of the cuDNN attention `node` alone and its `AttentionSpec` (`match`, the `attention` template's
-    matcher, on the captured XLA-path graph), or None where the node is no such call or `match` raises NoMatch."""
-    call = cudnn_call(node)
+def cudnn_pair(graph: Graph, node: Node) -> tuple[Node, Node] | None:
+    """A gradient program's cuDNN attention as its two primitives: `node`, the forward (`FWD`, its output and its
+    softmax statistics), and the one backward (`BWD`) that reads those statistics, the same query, key, value and
+    parameters, and the forward's output; None where `node` is no such plain forward."""
+    call = _plain(node.params) if node.name == FWD else None
+    if call is None or len(node.outputs) != 2:
+        return None
+    out, stats = node.outputs
+    readers = [graph.node_index[c] for c in graph.consumers.get(stats, ())]
+    if len(readers) != 1 or readers[0].name != BWD:
+        return None
+    bwd = readers[0]
+    if (list(bwd.inputs[:3]) != list(node.inputs[:3]) or list(bwd.inputs[-3:-1]) != [stats, out] or _plain(bwd.params) != call
+            or len(bwd.outputs) != 3 or any(graph.aval(a).size for a in (*node.inputs[3:], *bwd.inputs[3:-3]))):
+        return None
+    return node, bwd
+
+
+def library_spec(graph: Graph, node: Node, match: Callable[[Group], Any]) -> Any:
+    """The `AttentionSpec` (`match`, the `attention` template's matcher) of what the cuDNN attention `node` (a call or
+    a gradient program's forward primitive) computes, read on its captured XLA path; None where it is no plain
+    softmax attention of [B, T, N, H] operands or `match` raises NoMatch."""
+    call = cudnn_call(node) if node.name == "custom_vjp_call" else _plain(node.params) if node.name == FWD else None
     if call is None:
         return None
     q, k, v = (graph.aval(a) for a in node.inputs[:3])
     if any(len(x.shape) != 4 for x in (q, k, v)) or any(graph.aval(a).size for a in node.inputs[3:]):
         return None
-    spec = _spec(tuple((x.shape, np.dtype(x.dtype).name) for x in (q, k, v)), call["scale"], call["causal"], match)
+    return _spec(tuple((x.shape, np.dtype(x.dtype).name) for x in (q, k, v)), call["scale"], call["causal"], match)
+
+
+def library_group(graph: Graph, node: Node, match: Callable[[Group], Any]) -> tuple[Group, Any] | None:
+    """The group of the cuDNN attention call `node` alone and its `AttentionSpec` (`library_spec`), or None."""
+    if node.name != "custom_vjp_call":
+        return None
+    spec = library_spec(graph, node, match)
     return (Group.of(graph, [node.id]), spec) if spec is not None else None
+
+
+def feeds(node: Node, spec: Any) -> dict[int, int]:
+    """Each input of the captured graph (`spec.group`'s) -> the value of `node`'s program that it stands for: the
+    node's query, key and value."""
+    return dict(zip(spec.group.graph.inputs, node.inputs[:3]))
+
+
+def pair_factor(head_dim: int) -> float:
+    """`CUDNN_PAIR_FACTOR` at `head_dim`: the nearest measured head dim at or above it (the widest past them)."""
+    return next((f for d, f in sorted(CUDNN_PAIR_FACTOR.items()) if head_dim <= d), CUDNN_PAIR_FACTOR[max(CUDNN_PAIR_FACTOR)])
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,10 +125,8 @@ def _spec(qkv: tuple, scale: float, causal: bool, match: Callable[[Group], Any])
 def library_kernel(group: Group, spec: Any, inner: Callable) -> Callable:
     """`inner` (a kernel of `spec.group`, the captured graph's group) as a function of the cuDNN node's group's inputs:
     the node's query, key and value go to the captured graph's inputs they stand for."""
-    node = group.nodes[0]
-    sub = spec.group.graph
-    position = {v: i for i, v in enumerate(sub.inputs)}
-    picks = [node.inputs[position[v]] for v in spec.group.inputs]
+    fed = feeds(group.nodes[0], spec)
+    picks = [fed[v] for v in spec.group.inputs]
     at = {v: i for i, v in enumerate(group.inputs)}
 
     def kernel(*ins):

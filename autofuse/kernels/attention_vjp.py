@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
@@ -40,6 +40,7 @@ from ..differentiate import is_differentiable
 from ..graph import Graph, Group, Lit, Node, bind_node, capture, convex, node_text
 from ..ops import OpClass, op_class
 from . import attention
+from .attention_library import FWD, cudnn_pair, feeds, library_spec, pair_factor
 from .template import NoMatch, Template
 from .tiling import next_pow2
 
@@ -53,8 +54,20 @@ class AttentionVJPSpec:
     forward: Group  # the forward chain, its output the only output
     attn: attention.AttentionSpec  # the forward chain as the `attention` template reads it
     dout: int  # the group input that is the output's cotangent
-    grads: dict[int, int]  # group output -> the forward input whose cotangent it is
+    grads: dict[int, int]  # group output -> the position in `forward.inputs` of the input whose cotangent it is
     out: int  # the forward output (a group output when something else reads it)
+    # a cuDNN pair's (`library_match`): each input of `forward`, the captured XLA path's graph, -> the program's value
+    feeds: dict[int, int] = field(default_factory=dict)
+
+    def forward_values(self) -> list[int]:
+        """The group's values that feed the forward's inputs, in their order."""
+        return [self.feeds.get(v, v) for v in self.forward.inputs]
+
+    def first_stage(self) -> frozenset[int]:
+        """The group's nodes that compute the forward: the chain, or a cuDNN pair's forward primitive."""
+        if self.feeds:
+            return frozenset(n.id for n in self.group.nodes if n.name == FWD)
+        return frozenset(self.forward.node_ids)
 
 
 _LIT = re.compile(r"lit\([^()]*\)")
@@ -217,6 +230,36 @@ def _match(group: Group) -> AttentionVJPSpec:
     raise NoMatch("no attention forward chain")
 
 
+def library_match(group: Group) -> AttentionVJPSpec | None:
+    """A gradient program's cuDNN attention as its two primitives (`attention_library.cudnn_pair`: the forward and
+    the backward reading its statistics), read as the attention it computes on JAX's XLA path, whose flash pair
+    replaces both; None for any other group (or a call the flash backward does not run)."""
+    g = group.graph
+    fwd = next((n for n in group.nodes if n.name == FWD), None)
+    pair = cudnn_pair(g, fwd) if fwd is not None else None
+    if pair is None or set(group.node_ids) != {pair[0].id, pair[1].id}:
+        return None
+    attn = library_spec(g, fwd, attention._match)
+    if attn is None or attention.flash_backward_unsupported(attn) is not None:
+        return None
+    bwd, captured = pair[1], attn.group.graph.inputs
+    # dQ, dK, dV by the position of their captured operand among the forward's inputs (q may be k's very value)
+    grads = {d: attn.group.inputs.index(captured[i]) for i, d in enumerate(bwd.outputs) if captured[i] in attn.group.inputs}
+    return AttentionVJPSpec(group, attn.group, attn, bwd.inputs[-1], grads, fwd.outputs[0], feeds(fwd, attn))
+
+
+def library_groups(graph: Graph) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
+    """Each cuDNN attention pair of a gradient program that the flash pair can run, with its stages (one unit where
+    the pair is convex: a loss linear in the attention's output)."""
+    out = []
+    for nd in graph.nodes:
+        pair = cudnn_pair(graph, nd) if nd.name == FWD else None
+        spec = library_match(Group.of(graph, [pair[0].id, pair[1].id])) if pair is not None else None
+        if spec is not None:
+            out.append((spec.group, spec, () if convex(graph, set(spec.group.node_ids)) else TEMPLATE.stage_split(spec)))
+    return out
+
+
 def forward_chains(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[set[int], Group, attention.AttentionSpec]]:
     """Every attention forward chain of `graph` the flash pair can differentiate: (its nodes, the chain as a group
     with its output as the only output, the `attention` template's reading of it)."""
@@ -336,20 +379,30 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
     backends = ("triton", "mosaic_gpu")  # the forward's backend; the backward kernels are Triton's
 
     def match(self, group: Group) -> AttentionVJPSpec | None:
-        """The forward chain, its cotangent input and the cotangents the group returns, or None."""
+        """The forward chain, its cotangent input and the cotangents the group returns, or None. A cuDNN pair (two
+        nodes) is read as the attention it computes (`library_match`)."""
+        if len(group.node_ids) == 2:
+            return library_match(group)
         try:
             return _match(group)
         except NoMatch:
             return None
 
     def candidate_groups(self, graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
-        return candidate_groups(graph, fusible)
+        return candidate_groups(graph, fusible) + library_groups(graph)
 
     def stage_split(self, spec: AttentionVJPSpec) -> tuple[frozenset[int], ...]:
         """Stage 1: the forward chain (the flash forward: O and the row logsumexp); stage 2: the backward nodes
         (the backward kernels: dQ, dK, dV from the saved inputs, O, the logsumexp and dO)."""
-        fwd = frozenset(spec.forward.node_ids)
+        fwd = spec.first_stage()
         return fwd, frozenset(spec.group.node_ids) - fwd
+
+    def xla_model_ms(self, group: Group, spec: AttentionVJPSpec, model: GPUModel = H200) -> float:
+        """A cuDNN pair's: the flash pair's modelled default over the ratio measured between them
+        (`attention_library.CUDNN_PAIR_FACTOR`, by head dim); XLA's fusion's for any other group."""
+        if spec is None or not spec.feeds:
+            return super().xla_model_ms(group, spec, model)
+        return pair_factor(spec.attn.D) * self.default_model_ms(spec, model)
 
     def facts(self, group: Group, spec: AttentionVJPSpec) -> dict:
         """The forward's facts (search_spaces/attention_vjp[.<backend>].toml tunes the forward's parameters and the

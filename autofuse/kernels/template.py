@@ -13,7 +13,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from ..costmodel import H200, GPUModel
+from ..costmodel import H200, GPUModel, xla_group_time_ms
 from ..differentiate import VJPRule
 from ..graph import Graph, Group
 from ..spaces import DEFAULT_BACKEND, space_key
@@ -65,6 +65,11 @@ class Template(ABC, Generic[Spec]):
     @abstractmethod
     def model_time_ms(self, spec: Spec, config: dict, model: GPUModel = H200) -> float:
         """Modelled time of the kernel with `config` on `model` (orders and prunes configs before any is timed)."""
+
+    def xla_model_ms(self, group: Group, spec: Spec, model: GPUModel = H200) -> float:
+        """Modelled time of XLA's option for `group` (phase 1's order until XLA's is measured): its own fusion of the
+        group's ops. A template whose group is a library call overrides it (`attention`: cuDNN)."""
+        return xla_group_time_ms(group, model)
 
     def build(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
               spec: Spec | None = None) -> Callable:
@@ -139,6 +144,11 @@ class Template(ABC, Generic[Spec]):
         per param, "default": config, "facts": what constraints read, "space": Space}."""
         spec = spec if spec is not None else self.match(group)
         return template_space(space_key(self.name, backend), self.default_config_of(spec, backend), self.facts(group, spec))
+
+    def default_model_ms(self, spec: Spec, model: GPUModel = H200) -> float:
+        """The model's time of the fastest backend default that runs the group."""
+        return min(self.model_time_ms(spec, {**self.default_config_of(spec, b), "backend": b}, model)
+                   for b in self.backends if self.unsupported(spec, b) is None)
 
     def unsupported(self, spec: Spec, backend: str, config: dict | None = None) -> str | None:
         """Why `backend`'s lowering cannot run this group (or this config of it), found without compiling; None if it can."""

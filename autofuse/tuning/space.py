@@ -140,7 +140,7 @@ class CandidateSpace:
     parameters, so Optuna samples a conditional space (the backend first, then its parameters)."""
 
     spaces: dict[str, SearchSpace]  # by backend, the preferred first
-    xla_model_ms: float = 0.0  # the model's time of XLA's own fusion of the group: phase 1's order until XLA's is measured
+    xla_model_ms: float = 0.0  # the model's time of XLA's option (`Template.xla_model_ms`): phase 1's order until XLA's is measured
     cut_ms: float = 0.0  # what fusing the group costs its neighbours in the program (`costmodel.cut_outputs_ms`)
     _worth: dict = field(default_factory=dict, repr=False, compare=False)  # `worth_timing`'s counts, by measure
 
@@ -152,8 +152,8 @@ class CandidateSpace:
         usable = usable_backends(template, spec, backends)
         if not usable:
             raise ValueError(f"no backend of {', '.join(backends)} can run this {template} group")
-        return CandidateSpace({b: SearchSpace.of(template, group, spec, model, b) for b in usable}, costmodel.xla_group_time_ms(group, model),
-                              costmodel.cut_outputs_ms(group, model))
+        return CandidateSpace({b: SearchSpace.of(template, group, spec, model, b) for b in usable},
+                              TEMPLATES[template].xla_model_ms(group, spec, model), costmodel.cut_outputs_ms(group, model))
 
     def __getitem__(self, config: dict) -> SearchSpace:
         return self.spaces[config.get("backend", DEFAULT_BACKEND)]

@@ -38,7 +38,7 @@ def lower(group: Group, spec: AttentionVJPSpec, config: dict, *, interpret, fwd_
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
-        ins = [env[v] for v in fwd.inputs]
+        ins = [env[v] for v in spec.forward_values()]
         out, lse = forward(ins)
         grads = backward(ins, out, lse, env[spec.dout])
         res = []
@@ -65,7 +65,7 @@ def lower_stages(group: Group, spec: AttentionVJPSpec, stages, config: dict, *, 
 
     def stage1(xs, _):
         env = dict(zip(first.inputs, xs))
-        ins = [env[v] for v in fwd.inputs]
+        ins = [env[v] for v in spec.forward_values()]
         out, lse = forward(ins)
         return [out.astype(g.avals[v].dtype).reshape(g.avals[v].shape) for v in first.outputs], (ins, out, lse)
 
