@@ -157,3 +157,23 @@ def test_the_xla_paths_gradient_runs_as_the_flash_pair():
     for a, b in zip(fused(*ins), jax.jit(step)(*ins)):
         assert a.shape == b.shape and float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) < 1e-4
     assert fused.last_status.startswith("plan:")
+
+
+@pytest.mark.parametrize("program", ["call", "pair"])
+def test_the_cover_takes_the_flash_kernel_where_it_beat_cudnn_alone(cudnn_traceable, program):
+    """Left alone, a cuDNN call (or a step's forward and backward) runs as its group's XLA option: the cover prices it
+    so (not at the model's memory floor, where leaving it alone looked free), and takes the kernel exactly where the
+    kernel measured faster than cuDNN."""
+    from autofuse.tuning.job import distinct_candidates
+    from autofuse.tuning.select import best_cover
+    from autofuse import costmodel
+
+    fn = cudnn_causal if program == "call" else jax.grad(cudnn_loss, argnums=(0, 1, 2))
+    g = autofuse.capture(fn, *[S((2, 256, 2, 64), BF16)] * 3)
+    by_sig, cands = distinct_candidates(g)
+    (r,) = [c for c in cands if c.template.startswith("attention")]
+    for fused_ms, taken in ((0.21, True), (0.23, False)):
+        r.xla_ms, r.best_ms, r.best_config = 0.22, fused_ms, {"backend": "triton"}
+        cover = best_cover(g, by_sig, cands, costmodel.H200, "device")
+        assert any(grp.signature == r.signature for grp in cover.plan.groups) is taken
+        assert cover.tuned_ms == pytest.approx(cover.baseline_ms - (0.01 if taken else 0.0))

@@ -87,6 +87,21 @@ def single_node_costs(graph: Graph, model: costmodel.GPUModel, covered: Collecti
     return {n.id: costmodel.node_time_ms(graph, n.id, model) if is_fusible(graph, n.id) or n.id in covered else 0.0 for n in graph.nodes}
 
 
+def library_calls_alone(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState]) -> dict[int, float]:
+    """Cost of the opaque nodes of a group that holds nothing else (a cuDNN attention call; a training step's cuDNN
+    forward and backward): left alone they run just as the group's XLA option does, so together they cost its time
+    (shared evenly). At the model's memory floor, leaving GPT-2's cuDNN calls alone looked free beside their flash
+    kernel, 1.06x faster alone, and no cover took it."""
+    out: dict[int, float] = {}
+    for r in cands:
+        if r.xla_ms is None:
+            continue
+        for c in by_sig[r.signature]:
+            if not any(is_fusible(graph, n) for n in c.nodes):
+                out.update((n, r.xla_ms / len(c.nodes)) for n in c.nodes)
+    return out
+
+
 def model_cost_ms(cand: Candidate, model: costmodel.GPUModel = costmodel.H200, config: dict | None = None) -> float:
     tmpl = TEMPLATES[cand.template]
     return tmpl.model_time_ms(cand.spec, config or tmpl.default_config(cand.spec), model)
@@ -205,7 +220,7 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
             if r.best_ms is not None:
                 options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config), c.stages))
     takeable = {n for group in by_sig.values() for c in group for n in c.nodes}  # nodes some candidate's group holds
-    singles = {**single_node_costs(graph, model, takeable), **(measured_singles or {})}
+    singles = {**single_node_costs(graph, model, takeable), **library_calls_alone(graph, by_sig, cands), **(measured_singles or {})}
 
     def cost(chosen: list[Option]) -> float:
         covered = {i for o in chosen for i in o.nodes}
