@@ -115,9 +115,16 @@ def attention_blhd(q, k, v):
 
 
 def attention_library_causal(q, k, v):
-    """Attention as a careful user writes it, [B, L, H, D]: `jax.nn.dot_product_attention`, which runs cuDNN where it
-    takes the call (bf16 on a GPU) and JAX's XLA path elsewhere (float32)."""
+    """Attention as a careful user writes it, [B, L, H, D]: `jax.nn.dot_product_attention` at its default
+    implementation, which in jax 0.11.2 is JAX's own XLA path on every device and dtype (cuDNN only when asked for)."""
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_library_causal_grad(q, k, v, dout):
+    """Its forward and backward (the cotangents of q, k, v for the output's cotangent `dout`), as a training step
+    differentiates it."""
+    _, pull = jax.vjp(attention_library_causal, q, k, v)
+    return pull(dout)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,7 @@ WORKLOADS = [
     Workload("attention", attention_bhld, ((8, 32, 2048, 128),) * 3),
     Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
     Workload("attention_library_causal", attention_library_causal, ((8, 2048, 32, 128),) * 3),
+    Workload("attention_library_causal_grad", attention_library_causal_grad, ((8, 2048, 32, 128),) * 4),
 ]
 
 
@@ -169,6 +177,7 @@ SMALL = {
     "attention": ((2, 2, 100, 64),) * 3,
     "attention_causal": ((2, 2, 100, 64),) * 3,
     "attention_library_causal": ((2, 100, 2, 64),) * 3,
+    "attention_library_causal_grad": ((2, 100, 2, 64),) * 4,
 }
 
 
