@@ -47,13 +47,17 @@ REFERENCES = {  # each call on JAX's own XLA path
 }
 
 
-@pytest.mark.parametrize("fn,backend,config", [
-    pytest.param(cudnn_causal, "triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="causal-triton"),
-    pytest.param(cudnn_scaled, "mosaic_gpu", None, id="scaled-mosaic-gpu-default-config"),
+GQA = [(2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64)]  # four query heads per key head
+
+
+@pytest.mark.parametrize("fn,backend,config,shapes", [
+    pytest.param(cudnn_causal, "triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, [(2, 100, 2, 64)] * 3, id="causal-triton"),
+    pytest.param(cudnn_scaled, "mosaic_gpu", None, [(2, 100, 2, 64)] * 3, id="scaled-mosaic-gpu-default-config"),
+    pytest.param(cudnn_causal, "mosaic_gpu", None, GQA, id="grouped-query-causal-mosaic-gpu-default-config"),
 ])
-def test_a_cudnn_call_is_an_attention_group_whose_kernel_computes_it(cudnn_traceable, fn, backend, config):
-    shape = (2, 100, 2, 64)
-    g = autofuse.capture(fn, *[S(shape, BF16)] * 3)
+def test_a_cudnn_call_is_an_attention_group_whose_kernel_computes_it(cudnn_traceable, fn, backend, config, shapes):
+    """Grouped-query heads too: read as the same attention in plain jnp with the key and value heads repeated."""
+    g = autofuse.capture(fn, *[S(shape, BF16) for shape in shapes])
     (node,) = [n for n in g.nodes if n.name == "custom_vjp_call"]
     assert cudnn_call(node) is not None
     cands = [c for c in enumerate_candidates(g) if c.template == "attention"]
@@ -61,7 +65,7 @@ def test_a_cudnn_call_is_an_attention_group_whose_kernel_computes_it(cudnn_trace
     tmpl, cand = TEMPLATES["attention"], cands[0]
     cfg = config or tmpl.default_config_of(cand.spec, backend)
     kernel = tmpl.build(cand.group, cfg, backend=backend, interpret=True, spec=cand.spec)
-    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i in range(3)]
+    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i, shape in enumerate(shapes)]
     by_position = dict(zip(g.inputs, ins))
     (out,) = kernel(*[by_position.get(v, jnp.zeros(g.aval(v).shape, g.aval(v).dtype)) for v in cand.group.inputs])
     want = jax.jit(REFERENCES[fn])(*ins)
@@ -95,24 +99,24 @@ def xla_loss(q, k, v):
     return jnp.sum(jnp.sin(REFERENCES[cudnn_causal](q, k, v)).astype(jnp.float32) ** 2)
 
 
-@pytest.mark.parametrize("backend,config", [
-    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
-    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+@pytest.mark.parametrize("backend,config,shapes", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, [(2, 100, 2, 64)] * 3, id="triton"),
+    pytest.param("mosaic_gpu", None, [(2, 100, 2, 64)] * 3, id="mosaic-gpu-default-config"),
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, GQA, id="grouped-query-triton"),
 ])
-def test_a_training_steps_cudnn_pair_runs_as_the_flash_pair(cudnn_traceable, backend, config):
+def test_a_training_steps_cudnn_pair_runs_as_the_flash_pair(cudnn_traceable, backend, config, shapes):
     """In `jax.grad` cuDNN attention is two primitives, the forward and the backward reading its softmax statistics:
     one `attention_vjp` candidate in two stages (the forward where it is, the backward where it is), whose flash pair
     gives the gradients of JAX's XLA path; a plan of it leaves nothing of cuDNN to run (so it runs on a CPU)."""
-    shape = (2, 100, 2, 64)
     step = jax.grad(cudnn_loss, argnums=(0, 1, 2))
-    g = autofuse.capture(step, *[S(shape, BF16)] * 3)
+    g = autofuse.capture(step, *[S(shape, BF16) for shape in shapes])
     fwd, bwd = ([n.id for n in g.nodes if n.name == f"dot_product_attention_{d}_wrapper"] for d in ("fwd", "bwd"))
     (cand,) = [c for c in enumerate_candidates(g) if c.template == "attention_vjp"]
     assert sorted(cand.nodes) == fwd + bwd and [sorted(st) for st in cand.stages] == [fwd, bwd]
     tmpl = TEMPLATES["attention_vjp"]
     cfg = {**(config or tmpl.default_config_of(cand.spec, backend)), "backend": backend}
     fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
-    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i in range(3)]
+    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i, shape in enumerate(shapes)]
     got = fused(*ins)
     assert fused.last_status.startswith("plan:")
     for a, b in zip(got, jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2)))(*ins)):

@@ -3,9 +3,9 @@
 In a traced program the call is one opaque node: a `custom_vjp_call` whose primal is a single
 `dot_product_attention_fwd_wrapper` (JAX's cuDNN fused attention), its scale, causal mask and [B, T, N, H] layout in
 the node's parameters. `library_spec` recognises the cases that equal plain softmax attention (no bias, dropout,
-padding, sliding window or paged keys; no mask or a causal one; as many key as query heads) and captures what the call
-computes, `jax.nn.dot_product_attention` on JAX's own XLA path at the node's shapes and parameters, as a graph of its
-own, whose group the `attention` template matches like any other (`AttentionSpec.group` is then that graph's group,
+padding, sliding window or paged keys; no mask or a causal one) and captures what the call computes,
+`jax.nn.dot_product_attention` on JAX's own XLA path at the node's shapes and parameters (with grouped-query heads
+the same in plain jnp, the key and value heads repeated: `repeated_heads`), as a graph of its own, whose group the `attention` template matches like any other (`AttentionSpec.group` is then that graph's group,
 not the node's). The node's own group then has two options like every other: XLA's, which is the cuDNN call itself,
 and the generated flash kernel, built from the captured group and fed the node's query, key and value
 (`library_kernel`). Which is faster is the tuner's to measure on the GPU. Nothing here runs cuDNN: capturing the
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph, Group, Node, capture
@@ -115,11 +116,27 @@ def _spec(qkv: tuple, scale: float, causal: bool, match: Callable[[Group], Any])
     def reference(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
 
-    sub = capture(reference, *(jax.ShapeDtypeStruct(s, d) for s, d in qkv))
+    grouped = qkv[0][0][2] != qkv[1][0][2]
+    sub = capture(functools.partial(repeated_heads, scale=scale, causal=causal) if grouped else reference,
+                  *(jax.ShapeDtypeStruct(s, d) for s, d in qkv))
     try:
         return match(Group.of(sub, [n.id for n in sub.nodes]))
     except NoMatch:
         return None
+
+
+def repeated_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool) -> jax.Array:
+    """What `jax.nn.dot_product_attention` computes for [B, T, N, H] operands, written in plain jnp with the key and
+    value heads repeated for grouped-query heads (JAX's own XLA path transposes the scores between its two products
+    there, which the tiling does not take): scores in float32, the causal mask top-left aligned, the probabilities
+    in the values' dtype."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def library_kernel(group: Group, spec: Any, inner: Callable) -> Callable:
