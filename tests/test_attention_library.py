@@ -181,3 +181,54 @@ def test_the_cover_takes_the_flash_kernel_where_it_beat_cudnn_alone(cudnn_tracea
         cover = best_cover(g, by_sig, cands, costmodel.H200, "device")
         assert any(grp.signature == r.signature for grp in cover.plan.groups) is taken
         assert cover.tuned_ms == pytest.approx(cover.baseline_ms - (0.01 if taken else 0.0))
+
+
+def projected_gqa(x, wq, wk, wv):
+    """Grouped-query attention at `jax.nn.dot_product_attention`'s default (JAX's XLA path), its operands made by
+    projections (which the partitioner's growth wanders into before it reaches the second product)."""
+    B, T, _ = x.shape
+    q, k, v = jnp.tanh(x @ wq).reshape(B, T, 8, 64), (x @ wk).reshape(B, T, 2, 64), (x @ wv).reshape(B, T, 2, 64)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, 512) * 2
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_grouped_query_attention_on_jaxs_xla_path_is_one_attention_group(backend, config):
+    """JAX's XLA path transposes grouped-query scores between its two products; the call's equations are recognised
+    as `jax.nn.dot_product_attention` by what they compute and run as the flash kernel (of the same attention with
+    the key and value heads repeated), matching `jax.jit`; a masked or unscaled variant of the path is not it."""
+    shapes = [(2, 100, 128), (128, 512), (128, 128), (128, 128)]
+    g = autofuse.capture(projected_gqa, *[S(s, BF16) for s in shapes])
+    (cand,) = [c for c in enumerate_candidates(g) if c.template == "attention"]
+    names = [g.node_index[i].name for i in sorted(cand.nodes)]
+    assert names[0] == "reshape" and names.count("dot_general") == 2 and names[-1] == "reshape"
+    cfg = {**(config or TEMPLATES["attention"].default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(projected_gqa, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), s, jnp.float32).astype(BF16) * 0.3 for i, s in enumerate(shapes)]
+    got, want = fused(*ins), jax.jit(projected_gqa)(*ins)
+    err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+    assert fused.last_status.startswith("plan:") and err < 2e-2, err
+    lowering_guard(TEMPLATES["attention"].build(cand.group, cfg, backend=backend, interpret=False, spec=cand.spec),
+                   [S(a.shape, a.dtype) for a in cand.group.input_avals()])
+
+
+def test_only_jaxs_own_attention_is_read_as_it():
+    """The same equations with the scale changed after the fact, or a bias added to the scores, compute something
+    else: no group is read as the library's attention."""
+    from autofuse.kernels.attention_library import xla_path_groups
+    from autofuse.kernels.attention import _match
+
+    def biased(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, bias=jnp.ones((1, 8, 100, 100), BF16), is_causal=True)
+
+    def rescaled(q, k, v):
+        return jax.nn.dot_product_attention(q * 2, k, v, is_causal=True)
+
+    for fn, n in ((biased, 0), (rescaled, 1)):
+        g = autofuse.capture(fn, *[S(s, BF16) for s in GQA])
+        found = xla_path_groups(g, _match)
+        assert len(found) == n
+        for grp, spec in found:  # the rescaling is outside the group: the group's own q is the scaled one
+            assert spec.feeds[spec.group.graph.inputs[0]] in grp.inputs and g.producer.get(spec.feeds[spec.group.graph.inputs[0]]) is not None

@@ -32,7 +32,7 @@ from ..differentiate import VJPRule
 from ..graph import Graph, Group, Node
 from ..ops import OpClass, op_class
 from ..spaces import DEFAULT_BACKEND
-from .attention_library import CUDNN_FORWARD_FACTOR, library_group, library_kernel
+from .attention_library import CUDNN_FORWARD_FACTOR, is_cudnn, library_group, library_kernel, xla_path_groups, xla_path_spec
 from .attention_masks import block_ranges
 from .attention_spec import AttentionSpec, Operand
 from .matmul import DOT_DTYPES, default_precision
@@ -395,21 +395,23 @@ class AttentionTemplate(Template[AttentionSpec]):
     backends = ("triton", "mosaic_gpu")
 
     def match(self, group: Group) -> AttentionSpec | None:
-        """The attention structure of `group`, or None. A cuDNN attention call alone is read as what it computes
-        (`attention_library`: the spec of a captured graph of its own)."""
+        """The attention structure of `group`, or None. A cuDNN attention call alone, and JAX's own XLA path of
+        `jax.nn.dot_product_attention` with grouped-query heads, are read as what they compute (`attention_library`:
+        the spec of a captured graph of its own)."""
         if len(group.node_ids) == 1:
             found = library_group(group.graph, group.nodes[0], _match)
             return None if found is None else found[1]
         try:
             return _match(group)
         except NoMatch:
-            return None
+            return xla_path_spec(group, _match)
 
     def candidate_groups(self, graph: Graph, fusible) -> list[tuple[Group, AttentionSpec, tuple]]:
         """Each cuDNN attention call the template can run, as a group of its own (the growth by neighbours never
-        takes an opaque node)."""
+        takes an opaque node), and each grouped-query `jax.nn.dot_product_attention` on JAX's XLA path
+        (`attention_library.xla_path_groups`)."""
         found = (library_group(graph, nd, _match) for nd in graph.nodes if nd.name == "custom_vjp_call")
-        return [(grp, spec, ()) for grp, spec in filter(None, found)]
+        return [(grp, spec, ()) for grp, spec in [*filter(None, found), *xla_path_groups(graph, _match)]]
 
     def build(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
               spec: AttentionSpec | None = None):
@@ -421,7 +423,7 @@ class AttentionTemplate(Template[AttentionSpec]):
     def xla_model_ms(self, group: Group, spec: AttentionSpec, model: GPUModel = H200) -> float:
         """A cuDNN call's: the flash kernel's modelled default over the ratio measured between them
         (`attention_library.CUDNN_FORWARD_FACTOR`); XLA's fusion's for any other group."""
-        if spec is None or spec.group.graph is group.graph:
+        if spec is None or not is_cudnn(group):
             return super().xla_model_ms(group, spec, model)
         return CUDNN_FORWARD_FACTOR * self.default_model_ms(spec, model)
 

@@ -18,6 +18,7 @@ the ratio measured between them (`CUDNN_FORWARD_FACTOR`, `CUDNN_PAIR_FACTOR`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..graph import Graph, Group, Node, capture
+from ..graph import Graph, Group, Lit, Node, capture
+from .computation import value_hashes
 from .template import NoMatch
 
 FWD = "dot_product_attention_fwd_wrapper"
@@ -89,7 +91,98 @@ def library_spec(graph: Graph, node: Node, match: Callable[[Group], Any]) -> Any
     q, k, v = (graph.aval(a) for a in node.inputs[:3])
     if any(len(x.shape) != 4 for x in (q, k, v)) or any(graph.aval(a).size for a in node.inputs[3:]):
         return None
-    return _spec(tuple((x.shape, np.dtype(x.dtype).name) for x in (q, k, v)), call["scale"], call["causal"], match)
+    return _fed(_spec(_avals(graph, node.inputs[:3]), call["scale"], call["causal"], match), node.inputs[:3])
+
+
+def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
+    """The `AttentionSpec` of a group that is, node for node, `jax.nn.dot_product_attention` on JAX's own XLA path
+    (its default implementation) with no bias or padding and no mask or a causal one, read as `library_spec` reads a
+    cuDNN call: with grouped-query heads that path transposes the scores between its two products, which the
+    `attention` template's tiling does not take. Recognised by computation (`computation.value_hashes`): the group's
+    output, from its three inputs, hashes as the output of the function captured at their shapes, at a scale among
+    the group's literals, masked or not; None for any other group."""
+    g = group.graph
+    names = [n.name for n in group.nodes]
+    if len(group.inputs) != 3 or len(group.outputs) != 1 or names.count("dot_general") != 2 or names.count("reduce_max") != 1:
+        return None
+    q, k, v = group.inputs
+    if any(len(g.aval(a).shape) != 4 for a in (q, k, v)) or g.aval(q).shape[2] == g.aval(k).shape[2]:
+        return None  # (equal heads: the template reads JAX's path itself)
+    scales = {float(a.value) for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()
+              and np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
+    for ops in ((q, k, v), (q, v, k)):
+        (out,) = group.outputs
+        have = value_hashes(g, {a: f"in{i}" for i, a in enumerate(ops)}, group.nodes).get(out)
+        for scale in sorted(scales):
+            for causal in (True, False):
+                if have is not None and have == _xla_path_hash(_avals(g, ops), scale, causal):
+                    return _fed(_spec(_avals(g, ops), scale, causal, match), ops)
+    return None
+
+
+def xla_path_groups(graph: Graph, match: Callable[[Group], Any]) -> list[tuple[Group, Any]]:
+    """Each `jax.nn.dot_product_attention` on JAX's XLA path with grouped-query heads in `graph`, as its group and spec
+    (`xla_path_spec`): the equations of one call lie together in the traced program, from the query's reshape into
+    key-head groups to the output's reshape back, so each softmax's max finds them (growth by neighbours, the lowest
+    first, wanders into the projections that make the operands before it reaches the second product)."""
+    out = []
+    for m in graph.nodes:
+        d1 = _dot_near(graph, m, forward=False) if m.name == "reduce_max" else None
+        d2 = _dot_near(graph, m, forward=True) if d1 is not None else None
+        start = graph.node_index.get(graph.producer.get(d1.inputs[0], -1)) if d2 is not None else None
+        if start is None or start.name != "reshape" or len(graph.aval(start.inputs[0]).shape) != 4:
+            continue
+        v, end = d2.outputs[0], None
+        while end is None:
+            readers = graph.consumers.get(v, ())
+            nd = graph.node_index[readers[0]] if len(readers) == 1 else None
+            if nd is None or nd.name not in ("transpose", "reshape"):
+                break
+            v = nd.outputs[0]
+            end = nd if graph.avals[v].shape == graph.aval(start.inputs[0]).shape else None
+        if end is not None:
+            group = Group.of(graph, [n.id for n in graph.nodes if start.id <= n.id <= end.id])
+            spec = xla_path_spec(group, match)
+            if spec is not None:
+                out.append((group, spec))
+    return out
+
+
+def _dot_near(graph: Graph, node: Node, *, forward: bool) -> Node | None:
+    """The nearest dot_general before `node` (through its operands' producers) or after it (through its readers)."""
+    seen, todo = set(), [node.id]
+    while todo:
+        nd = graph.node_index[todo.pop(0)]
+        if nd.id != node.id and nd.name == "dot_general":
+            return nd
+        nxt = ([c for v in nd.outputs for c in graph.consumers.get(v, ())] if forward
+               else [graph.producer[a] for a in nd.inputs if isinstance(a, int) and a in graph.producer])
+        todo += [i for i in nxt if i not in seen]
+        seen.update(nxt)
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _xla_path_hash(qkv: tuple, scale: float, causal: bool) -> str:
+    def reference(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
+
+    sub = capture(reference, *(jax.ShapeDtypeStruct(s, d) for s, d in qkv))
+    return value_hashes(sub, {a: f"in{i}" for i, a in enumerate(sub.inputs)})[sub.outputs[0]]
+
+
+def _avals(graph: Graph, values) -> tuple:
+    return tuple((graph.aval(a).shape, np.dtype(graph.aval(a).dtype).name) for a in values)
+
+
+def _fed(spec: Any, values) -> Any:
+    """`spec` (of a captured graph) with the program's values that its query, key and value stand for."""
+    return None if spec is None else dataclasses.replace(spec, feeds=dict(zip(spec.group.graph.inputs, values)))
+
+
+def is_cudnn(group: Group) -> bool:
+    """Whether `group` is a cuDNN attention call alone (XLA's option: the call, not a fusion of XLA's)."""
+    return len(group.node_ids) == 1 and cudnn_call(group.nodes[0]) is not None
 
 
 def library_group(graph: Graph, node: Node, match: Callable[[Group], Any]) -> tuple[Group, Any] | None:
@@ -98,12 +191,6 @@ def library_group(graph: Graph, node: Node, match: Callable[[Group], Any]) -> tu
         return None
     spec = library_spec(graph, node, match)
     return (Group.of(graph, [node.id]), spec) if spec is not None else None
-
-
-def feeds(node: Node, spec: Any) -> dict[int, int]:
-    """Each input of the captured graph (`spec.group`'s) -> the value of `node`'s program that it stands for: the
-    node's query, key and value."""
-    return dict(zip(spec.group.graph.inputs, node.inputs[:3]))
 
 
 def pair_factor(head_dim: int) -> float:
@@ -140,10 +227,9 @@ def repeated_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, ca
 
 
 def library_kernel(group: Group, spec: Any, inner: Callable) -> Callable:
-    """`inner` (a kernel of `spec.group`, the captured graph's group) as a function of the cuDNN node's group's inputs:
-    the node's query, key and value go to the captured graph's inputs they stand for."""
-    fed = feeds(group.nodes[0], spec)
-    picks = [fed[v] for v in spec.group.inputs]
+    """`inner` (a kernel of `spec.group`, the captured graph's group) as a function of `group`'s inputs: the query,
+    key and value go to the captured graph's inputs they stand for (`spec.feeds`)."""
+    picks = [spec.feeds[v] for v in spec.group.inputs]
     at = {v: i for i, v in enumerate(group.inputs)}
 
     def kernel(*ins):

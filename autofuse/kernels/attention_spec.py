@@ -78,6 +78,8 @@ class AttentionSpec:
     mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
     live: LiveBlocks | None = field(default=None, repr=False, compare=False)  # where a mask known at build time leaves scores
     masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
+    # read as a library attention (`attention_library`): each input of `group`'s own graph -> the program's value it stands for
+    feeds: dict[int, int] = field(default_factory=dict, compare=False)
     ranges: dict[tuple[int, int], np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)  # `block_ranges` by tiles
 
     @property

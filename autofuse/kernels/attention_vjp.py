@@ -27,20 +27,18 @@ in the program), so measuring, caching and the store need nothing new.
 """
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
-import numpy as np
 
 from ..costmodel import H200, GPUModel
 from ..differentiate import is_differentiable
-from ..graph import Graph, Group, Lit, Node, bind_node, capture, convex, node_text
+from ..graph import Graph, Group, Node, capture, convex
 from ..ops import OpClass, op_class
 from . import attention
-from .attention_library import FWD, cudnn_pair, feeds, library_spec, pair_factor
+from .computation import value_hashes
+from .attention_library import FWD, cudnn_pair, library_spec, pair_factor
 from .template import NoMatch, Template
 from .tiling import next_pow2
 
@@ -68,40 +66,6 @@ class AttentionVJPSpec:
         if self.feeds:
             return frozenset(n.id for n in self.group.nodes if n.name == FWD)
         return frozenset(self.forward.node_ids)
-
-
-_LIT = re.compile(r"lit\([^()]*\)")
-
-
-def value_hashes(graph: Graph, leaves: dict[int, str], nodes=None) -> dict[int, str]:
-    """Hash of each value computable from `leaves` (value -> name) through `nodes` (default: all): its whole
-    computation (primitives, params, shapes, literals), whatever the value ids. A scalar computed from literals
-    alone hashes as the literal it is (tracing folds `convert(-inf)` in one program and not in another)."""
-    h = dict(leaves)
-    for n in graph.nodes if nodes is None else nodes:
-        if any(v in h for v in n.outputs) or not all(isinstance(a, Lit) or a in h for a in n.inputs):
-            continue
-        kids = [_lit_text(a.value, a.aval) if isinstance(a, Lit) else h[a] for a in n.inputs]
-        if all(k.startswith("lit(") for k in kids) and len(n.outputs) == 1 and graph.avals[n.outputs[0]].shape == () \
-                and n.inputs:
-            with jax.ensure_compile_time_eval():
-                (val,) = bind_node(n, [np.asarray(a.value) if isinstance(a, Lit) else _LIT_VALUES[k] for a, k in zip(n.inputs, kids)])
-            h[n.outputs[0]] = _lit_text(np.asarray(val), graph.avals[n.outputs[0]])
-            continue
-        text = _LIT.sub("%0", node_text(n, graph.avals, {a: 0 for a in (*n.inputs, *n.outputs) if isinstance(a, int)}))
-        for i, v in enumerate(n.outputs):
-            h[v] = hashlib.sha256(f"{text}|{','.join(kids)}|{i}".encode()).hexdigest()[:20]
-    return h
-
-
-_LIT_VALUES: dict[str, np.ndarray] = {}
-
-
-def _lit_text(value, aval) -> str:
-    arr = np.asarray(value, dtype=aval.dtype)
-    text = f"lit({arr.item()!r}:{aval})"
-    _LIT_VALUES[text] = arr
-    return text
 
 
 def _derivation(forward: Group, dout_aval) -> tuple[set[str], dict[str, int]]:
@@ -245,7 +209,7 @@ def library_match(group: Group) -> AttentionVJPSpec | None:
     bwd, captured = pair[1], attn.group.graph.inputs
     # dQ, dK, dV by the position of their captured operand among the forward's inputs (q may be k's very value)
     grads = {d: attn.group.inputs.index(captured[i]) for i, d in enumerate(bwd.outputs) if captured[i] in attn.group.inputs}
-    return AttentionVJPSpec(group, attn.group, attn, bwd.inputs[-1], grads, fwd.outputs[0], feeds(fwd, attn))
+    return AttentionVJPSpec(group, attn.group, attn, bwd.inputs[-1], grads, fwd.outputs[0], attn.feeds)
 
 
 def library_groups(graph: Graph) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
