@@ -232,3 +232,29 @@ def test_only_jaxs_own_attention_is_read_as_it():
         assert len(found) == n
         for grp, spec in found:  # the rescaling is outside the group: the group's own q is the scaled one
             assert spec.feeds[spec.group.graph.inputs[0]] in grp.inputs and g.producer.get(spec.feeds[spec.group.graph.inputs[0]]) is not None
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_a_training_step_through_grouped_query_attention_on_jaxs_xla_path_runs_the_flash_pair(backend, config):
+    """`jax.grad` through it: its forward chain (read past the layout ops that move the output back) and every node
+    of its derivative are one two-stage `attention_vjp` candidate; the flash pair's gradients match `jax.jit`'s."""
+    def loss(x, wq, wk, wv):
+        return jnp.sum(jnp.sin(projected_gqa(x, wq, wk, wv)).astype(jnp.float32) ** 2)
+
+    shapes = [(2, 100, 128), (128, 512), (128, 128), (128, 128)]
+    step = jax.grad(loss, argnums=(0, 1, 2, 3))
+    g = autofuse.capture(step, *[S(s, BF16) for s in shapes])
+    (cand,) = [c for c in enumerate_candidates(g) if c.template in ("attention", "attention_vjp")]
+    assert cand.template == "attention_vjp" and len(cand.stages) == 2
+    tmpl = TEMPLATES["attention_vjp"]
+    cfg = {**(config or tmpl.default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), s, jnp.float32).astype(BF16) * 0.3 for i, s in enumerate(shapes)]
+    got = fused(*ins)
+    assert fused.last_status.startswith("plan:")
+    for a, b in zip(got, jax.jit(step)(*ins)):
+        err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+        assert a.shape == b.shape and err < 3e-2, err

@@ -132,20 +132,26 @@ def xla_path_groups(graph: Graph, match: Callable[[Group], Any]) -> list[tuple[G
         start = graph.node_index.get(graph.producer.get(d1.inputs[0], -1)) if d2 is not None else None
         if start is None or start.name != "reshape" or len(graph.aval(start.inputs[0]).shape) != 4:
             continue
-        v, end = d2.outputs[0], None
-        while end is None:
-            readers = graph.consumers.get(v, ())
-            nd = graph.node_index[readers[0]] if len(readers) == 1 else None
-            if nd is None or nd.name not in ("transpose", "reshape"):
-                break
-            v = nd.outputs[0]
-            end = nd if graph.avals[v].shape == graph.aval(start.inputs[0]).shape else None
-        if end is not None:
-            group = Group.of(graph, [n.id for n in graph.nodes if start.id <= n.id <= end.id])
+        tail = [nd for nd in layout_tail(graph, d2) if len(graph.avals[nd.outputs[0]].shape) == 4]
+        if tail and graph.avals[tail[0].outputs[0]].shape == graph.aval(start.inputs[0]).shape:
+            group = Group.of(graph, [n.id for n in graph.nodes if start.id <= n.id <= tail[0].id])
             spec = xla_path_spec(group, match)
             if spec is not None:
                 out.append((group, spec))
     return out
+
+
+def layout_tail(graph: Graph, d2: Node, ok: Callable[[int], bool] = lambda i: True) -> list[Node]:
+    """The transposes and reshapes after the second product `d2`, each the only reader of the one before (and `ok`):
+    JAX's XLA path moves its grouped-query output back to [B, T, N, H] through them."""
+    out, v = [], d2.outputs[0]
+    while True:
+        readers = graph.consumers.get(v, ())
+        nd = graph.node_index[readers[0]] if len(readers) == 1 and ok(readers[0]) else None
+        if nd is None or nd.name not in ("transpose", "reshape"):
+            return out
+        out.append(nd)
+        v = nd.outputs[0]
 
 
 def _dot_near(graph: Graph, node: Node, *, forward: bool) -> Node | None:

@@ -38,7 +38,7 @@ from ..graph import Graph, Group, Node, capture, convex
 from ..ops import OpClass, op_class
 from . import attention
 from .computation import value_hashes
-from .attention_library import FWD, cudnn_pair, library_spec, pair_factor
+from .attention_library import FWD, cudnn_pair, layout_tail, library_spec, pair_factor, xla_path_spec
 from .template import NoMatch, Template
 from .tiling import next_pow2
 
@@ -54,18 +54,19 @@ class AttentionVJPSpec:
     dout: int  # the group input that is the output's cotangent
     grads: dict[int, int]  # group output -> the position in `forward.inputs` of the input whose cotangent it is
     out: int  # the forward output (a group output when something else reads it)
-    # a cuDNN pair's (`library_match`): each input of `forward`, the captured XLA path's graph, -> the program's value
+    # read as a library attention (a cuDNN pair: `library_match`; JAX's XLA path with grouped-query heads): `forward`
+    # is then a captured graph's group, each of its inputs fed the program's value `feeds` names, and `first` holds
+    # the group's own nodes that compute the forward
     feeds: dict[int, int] = field(default_factory=dict)
+    first: frozenset[int] = frozenset()
 
     def forward_values(self) -> list[int]:
         """The group's values that feed the forward's inputs, in their order."""
         return [self.feeds.get(v, v) for v in self.forward.inputs]
 
     def first_stage(self) -> frozenset[int]:
-        """The group's nodes that compute the forward: the chain, or a cuDNN pair's forward primitive."""
-        if self.feeds:
-            return frozenset(n.id for n in self.group.nodes if n.name == FWD)
-        return frozenset(self.forward.node_ids)
+        """The group's nodes that compute the forward."""
+        return self.first or frozenset(self.forward.node_ids)
 
 
 def _derivation(forward: Group, dout_aval) -> tuple[set[str], dict[str, int]]:
@@ -174,7 +175,8 @@ def _match(group: Group) -> AttentionVJPSpec:
         if why is not None:
             raise NoMatch(why)
         extra = [v for v in group.inputs if v not in fwd.inputs]
-        out_aval = g.avals[attn.out]
+        out = fwd.outputs[0]
+        out_aval = g.avals[out]
         if len(extra) != 1 or g.avals[extra[0]] != out_aval:
             raise NoMatch("the backward reads more than the forward's inputs and one cotangent")
         derived, by_hash = _derivation(fwd, out_aval)
@@ -183,14 +185,18 @@ def _match(group: Group) -> AttentionVJPSpec:
             raise NoMatch("a node is not part of the chain's derivative")
         grads = {}
         for v in group.outputs:
-            if v == attn.out:
+            if v == out:
                 continue
             if h[v] not in by_hash:
                 raise NoMatch("an output is neither the attention output nor a cotangent of its inputs")
             grads[v] = by_hash[h[v]]
         if not grads:
             raise NoMatch("no cotangent computed")
-        return AttentionVJPSpec(group, fwd, attn, extra[0], grads, attn.out)
+        if attn.feeds:  # read as the library's attention: the pair runs the captured graph, fed the program's values
+            captured = {p: c for c, p in attn.feeds.items()}
+            grads = {v: attn.group.inputs.index(captured[fwd.inputs[i]]) for v, i in grads.items()}
+            return AttentionVJPSpec(group, attn.group, attn, extra[0], grads, out, attn.feeds, frozenset(fwd.node_ids))
+        return AttentionVJPSpec(group, fwd, attn, extra[0], grads, out)
     raise NoMatch("no attention forward chain")
 
 
@@ -209,7 +215,7 @@ def library_match(group: Group) -> AttentionVJPSpec | None:
     bwd, captured = pair[1], attn.group.graph.inputs
     # dQ, dK, dV by the position of their captured operand among the forward's inputs (q may be k's very value)
     grads = {d: attn.group.inputs.index(captured[i]) for i, d in enumerate(bwd.outputs) if captured[i] in attn.group.inputs}
-    return AttentionVJPSpec(group, attn.group, attn, bwd.inputs[-1], grads, fwd.outputs[0], attn.feeds)
+    return AttentionVJPSpec(group, attn.group, attn, bwd.inputs[-1], grads, fwd.outputs[0], attn.feeds, frozenset({fwd.id}))
 
 
 def library_groups(graph: Graph) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
@@ -243,13 +249,32 @@ def _attention_chain(graph: Graph, d: Node, members: set[int] | None = None, *,
     chain as a group with its output as the only output, and the `attention` template's reading of it; None where
     there is no chain or the template does not read it as attention."""
     ids = forward_chain(graph, d.id, members, fusible)
-    if ids is None:
+    if ids is not None:
+        fwd = _forward_group(graph, ids, d.outputs[0])
+        try:
+            return ids, fwd, attention._match(fwd)
+        except NoMatch:
+            pass
+    # grouped-query `jax.nn.dot_product_attention` on JAX's XLA path: its scores transposed between the products (no
+    # fusible op: the library's attention is read as a whole), its output past the layout ops after `d`
+    if members is not None:
+        ok = members.__contains__
+    else:
+        ok = lambda i: (fusible or (lambda _: True))(i) or graph.node_index[i].name == "transpose"  # noqa: E731
+    ids = forward_chain(graph, d.id, members, None if members is not None else ok)
+    d1 = next((graph.node_index[i] for i in ids or () if i != d.id and graph.node_index[i].name == "dot_general"), None)
+    start = graph.producer.get(d1.inputs[0]) if d1 is not None and isinstance(d1.inputs[0], int) else None
+    if start is None:
         return None
-    fwd = _forward_group(graph, ids, d.outputs[0])
-    try:
-        return ids, fwd, attention._match(fwd)
-    except NoMatch:
-        return None
+    ids = {i for i in ids if i >= start}  # the call's own equations, from the query's reshape on: not an operand's
+    tail = layout_tail(graph, d, ok)
+    for k, nd in enumerate(tail):
+        if len(graph.avals[nd.outputs[0]].shape) == 4:
+            longer = ids | {t.id for t in tail[:k + 1]}
+            fwd = _forward_group(graph, longer, nd.outputs[0])
+            attn = xla_path_spec(fwd, attention._match)
+            return (longer, fwd, attn) if attn is not None else None
+    return None
 
 
 def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[Group, AttentionVJPSpec, tuple[frozenset[int], ...]]]:
@@ -279,16 +304,20 @@ def candidate_groups(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple
 
 def cotangent_candidates(graph: Graph, ids: set[int], fwd: Group, attn: attention.AttentionSpec) -> list[int]:
     """Values that could be the output's cotangent: of its aval, read beside the chain's values or inputs."""
-    inside = {v for i in ids for v in graph.node_index[i].outputs} - {attn.out}
+    out = fwd.outputs[0]
+    inside = {v for i in ids for v in graph.node_index[i].outputs} - {out}
     readers = {c for v in inside | set(fwd.inputs) for c in graph.consumers.get(v, ()) if c not in ids}
-    return sorted({a for c in readers for a in graph.node_index[c].inputs if isinstance(a, int)
-                   and graph.producer.get(a) not in ids and a not in fwd.inputs and graph.avals[a] == graph.avals[attn.out]})
+    read = {a for c in readers for a in graph.node_index[c].inputs if isinstance(a, int)}
+    for _ in range(4):  # and what those read through layout ops (JAX's XLA path moves dO as it moved O)
+        up = [graph.node_index[graph.producer[a]] for a in read if a in graph.producer]
+        read |= {nd.inputs[0] for nd in up if nd.name in ("transpose", "reshape") and isinstance(nd.inputs[0], int)}
+    return sorted(a for a in read if graph.producer.get(a) not in ids and a not in fwd.inputs and graph.avals[a] == graph.avals[out])
 
 
 def backward_of(graph: Graph, ids: set[int], fwd: Group, attn: attention.AttentionSpec, dout: int) -> tuple[set[int], bool]:
     """The forward chain with every node computing a value of its derivative (`dout` the cotangent), and whether
     that set is convex."""
-    derived, _ = _derivation(fwd, graph.avals[attn.out])
+    derived, _ = _derivation(fwd, graph.avals[fwd.outputs[0]])
     leaves = {**{v: f"in{i}" for i, v in enumerate(fwd.inputs)}, dout: f"in{len(fwd.inputs)}"}
     members = set(ids)
     known = set(leaves) | {v for i in ids for v in graph.node_index[i].outputs}
