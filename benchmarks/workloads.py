@@ -120,6 +120,17 @@ def attention_library_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def attention_library_gqa_causal(q, k, v):
+    """The same with grouped-query heads (fewer key/value heads than query heads, as Llama's): JAX's XLA path
+    transposes the scores between its two products."""
+    return attention_library_causal(q, k, v)
+
+
+def attention_library_gqa_causal_grad(q, k, v, dout):
+    """Its forward and backward."""
+    return attention_library_causal_grad(q, k, v, dout)
+
+
 def attention_library_causal_grad(q, k, v, dout):
     """Its forward and backward (the cotangents of q, k, v for the output's cotangent `dout`), as a training step
     differentiates it."""
@@ -152,6 +163,9 @@ WORKLOADS = [
     Workload("attention_causal", attention_bhld_causal, ((8, 32, 2048, 128),) * 3),
     Workload("attention_library_causal", attention_library_causal, ((8, 2048, 32, 128),) * 3),
     Workload("attention_library_causal_grad", attention_library_causal_grad, ((8, 2048, 32, 128),) * 4),
+    Workload("attention_library_gqa_causal", attention_library_gqa_causal, ((4, 2048, 32, 64), (4, 2048, 8, 64), (4, 2048, 8, 64))),  # Llama-3.2-1B's heads
+    Workload("attention_library_gqa_causal_grad", attention_library_gqa_causal_grad,
+             ((4, 2048, 32, 64), (4, 2048, 8, 64), (4, 2048, 8, 64), (4, 2048, 32, 64))),
 ]
 
 
@@ -178,6 +192,8 @@ SMALL = {
     "attention_causal": ((2, 2, 100, 64),) * 3,
     "attention_library_causal": ((2, 100, 2, 64),) * 3,
     "attention_library_causal_grad": ((2, 100, 2, 64),) * 4,
+    "attention_library_gqa_causal": ((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64)),
+    "attention_library_gqa_causal_grad": ((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64), (2, 100, 8, 64)),
 }
 
 

@@ -105,12 +105,16 @@ def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
     names = [n.name for n in group.nodes]
     if len(group.inputs) != 3 or len(group.outputs) != 1 or names.count("dot_general") != 2 or names.count("reduce_max") != 1:
         return None
-    q, k, v = group.inputs
-    if any(len(g.aval(a).shape) != 4 for a in (q, k, v)) or g.aval(q).shape[2] == g.aval(k).shape[2]:
+    if any(len(g.aval(a).shape) != 4 or g.aval(a).dtype != g.aval(group.inputs[0]).dtype for a in group.inputs):
+        return None
+    q, k, v = sorted(group.inputs, key=lambda a: -g.aval(a).shape[2])  # the query: the most heads
+    (B, _, N, H), (Bk, _, K, Hk) = g.aval(q).shape, g.aval(k).shape
+    if (B, H) != (Bk, Hk) or g.aval(v).shape[:3] != g.aval(k).shape[:3] or K == N or N % K:
         return None  # (equal heads: the template reads JAX's path itself)
     scales = {float(a.value) for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()
               and np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
-    for ops in ((q, k, v), (q, v, k)):
+    orders = [(q, k, v)] + ([(q, v, k)] if g.aval(v).shape == g.aval(k).shape else [])  # which of the two is the key
+    for ops in orders:
         (out,) = group.outputs
         have = value_hashes(g, {a: f"in{i}" for i, a in enumerate(ops)}, group.nodes).get(out)
         for scale in sorted(scales):
