@@ -24,6 +24,12 @@ one to the other privately by the executor. The partitioner offers it as one can
 convex; the cover (`tuning/select.py`) orders the stages as two units of one option. The group's trials and its
 XLA reference run it as one function of the forward's inputs and dO (well defined even though dO depends on O
 in the program), so measuring, caching and the store need nothing new.
+
+Library attention is read as the attention it computes (`attention_library`): a cuDNN call's two primitives in a
+gradient program (`library_match`), and the forward chain of `jax.nn.dot_product_attention` on JAX's XLA path with
+grouped-query heads, whose scores it transposes between its products (`_attention_chain`). The spec's `forward` is
+then a captured graph's group, fed the program's values (`AttentionVJPSpec.feeds`), and the pair replaces the
+program's own nodes.
 """
 from __future__ import annotations
 
