@@ -95,5 +95,5 @@ def library_xla_causal(q, k, v):
 
 def library_xla_gqa(q, k, v):
     # grouped-query heads: the XLA path writes q as [B, T, N_kv, G, H] and transposes the scores between the dots
-    # (G moves): not fused, and right
+    # (G moves): read as the library's attention by what it computes (`attention_library.xla_path_spec`)
     return library_xla(q, k, v)

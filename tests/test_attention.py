@@ -41,6 +41,7 @@ CASES = [
     pytest.param(attention_bhld_causal, ((1, 2, 50, 48),) * 3, BF16, id="causal-head-dim-48-padded"),
     pytest.param(library_xla_causal, (BLHD,) * 3, BF16, id="jax-nn-dot-product-attention-xla-causal-bf16"),
     pytest.param(library_xla, (BLHD,) * 3, F32, id="jax-nn-dot-product-attention-xla-f32"),
+    pytest.param(library_xla_gqa, ((1, 40, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32)), F32, id="jax-nn-dot-product-attention-xla-gqa-f32"),
 ]
 
 
@@ -188,9 +189,9 @@ def gqa_query_reshape(q, k, v):
 
 
 @pytest.mark.parametrize("fn", slow_except([pytest.param(f, id=f.__name__) for f in (softmax_over_queries, probabilities_returned, highest_precision,
-                                                                            gqa_query_reshape, library_xla_gqa)], "gqa_query_reshape"))
+                                                                            gqa_query_reshape)], "gqa_query_reshape"))
 def test_unsupported_variants_stay_in_xla_and_stay_right(fn):
-    shapes = [(1, 40, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32)] if fn in (gqa_query_reshape, library_xla_gqa) else [(1, 2, 40, 32)] * 3
+    shapes = [(1, 40, 4, 32), (1, 40, 2, 32), (1, 40, 2, 32)] if fn is gqa_query_reshape else [(1, 2, 40, 32)] * 3
     g = autofuse.capture(fn, *[S(s, F32) for s in shapes])
     assert not [c for c in enumerate_candidates(g) if c.template == "attention"]
     _matches_xla(fn, g, default_plan(g))

@@ -3,8 +3,11 @@ on the target GPU looks up, the very export that process would make; a helper th
 leaves it to the trial process (a False future, never a hang), and no helpers means none are started."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import jax
@@ -45,6 +48,21 @@ def _config(group, backend):
     return {"backend": backend, **mod.default_config_of(mod.match(group), backend)}
 
 
+def _codes_in_a_fresh_process(config: dict, target: Target, times: int = 1) -> list[str]:
+    """`kernel_cache.code` of `_program`'s kernel exported `times` times by a new process: Mosaic GPU numbers a kernel's
+    dump name by how many of that name its process lowered, and past nine lowerings the module's bytes move beyond
+    what `code` leaves out, so an export is compared with one from a process that lowered as few (a test process has
+    lowered any number)."""
+    script = ("import json, sys\nfrom autofuse import kernel_cache\nfrom autofuse.kernel_cache import Target\n"
+              "from tests.test_lowering_pool import _exported_here, _program\n"
+              "config, kind, cores, times = json.loads(sys.argv[1])\n_, group, _ = _program()\n"
+              "print(json.dumps([kernel_cache.code(_exported_here(group, config, Target(kind, cores))[1]) for _ in range(times)]))\n")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps([config, target.kind, target.cores, times])], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def _exported_here(group, config, target):
     """The export this process makes of the kernel for `target`: what a process on that GPU would make."""
     mod = TEMPLATES["matmul"]
@@ -67,11 +85,12 @@ def test_a_helper_keeps_the_export_the_target_process_would_make(tmp_path, monke
     finally:
         pool.close()
     assert pool.lowered == 1 and pool.seconds > 0
-    params, here = _exported_here(group, config, H100)
+    params = {k: v for k, v in config.items() if k != "backend"}
+    (here,) = _codes_in_a_fresh_process(config, H100)
     path = kernel_cache.entry_path(str(tmp_path), kernel_cache.kernel_key(group, "matmul", backend, params, H100))
     with open(path, "rb") as f:
         kept = jax.export.deserialize(bytearray(f.read()))
-    assert kernel_cache.code(kept) == kernel_cache.code(here) and "custom_call" in kernel_cache.code(here)
+    assert kernel_cache.code(kept) == here and "custom_call" in here
     assert kept.platforms == ("cuda",)
     other = kernel_cache.kernel_key(group, "matmul", backend, params, Target("NVIDIA H100", 114))
     assert other != kernel_cache.kernel_key(group, "matmul", backend, params, H100)  # the SM count is part of the key
@@ -94,7 +113,8 @@ def test_the_same_kernel_lowered_twice_in_one_process_is_the_same_code():
     config = _config(group, "mosaic_gpu")
     (_, first), (_, second) = _exported_here(group, config, H100), _exported_here(group, config, H100)
     assert first.mlir_module_serialized != second.mlir_module_serialized
-    assert kernel_cache.code(first) == kernel_cache.code(second)
+    codes = _codes_in_a_fresh_process(config, H100, times=2)
+    assert codes[0] == codes[1]
 
 
 def test_a_helper_that_cannot_start_leaves_the_kernels_to_the_trial_process(tmp_path, monkeypatch):
