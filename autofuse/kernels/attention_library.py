@@ -1,15 +1,22 @@
-"""A cuDNN attention call (`jax.nn.dot_product_attention(..., implementation="cudnn")`) read as the attention it computes.
+"""Library attention (`jax.nn.dot_product_attention`: a cuDNN call, or JAX's XLA path with grouped-query heads) read as
+the attention it computes.
 
-In a traced program the call is one opaque node: a `custom_vjp_call` whose primal is a single
+In a traced program a cuDNN call is one opaque node: a `custom_vjp_call` whose primal is a single
 `dot_product_attention_fwd_wrapper` (JAX's cuDNN fused attention), its scale, causal mask and [B, T, N, H] layout in
 the node's parameters. `library_spec` recognises the cases that equal plain softmax attention (no bias, dropout,
 padding, sliding window or paged keys; no mask or a causal one) and captures what the call computes,
 `jax.nn.dot_product_attention` on JAX's own XLA path at the node's shapes and parameters (with grouped-query heads
-the same in plain jnp, the key and value heads repeated: `repeated_heads`), as a graph of its own, whose group the `attention` template matches like any other (`AttentionSpec.group` is then that graph's group,
-not the node's). The node's own group then has two options like every other: XLA's, which is the cuDNN call itself,
+the same in plain jnp, the key and value heads repeated: `repeated_heads`), as a graph of its own, whose group the
+`attention` template matches like any other (`AttentionSpec.group` is then that graph's group, not the node's, and
+`AttentionSpec.feeds` names the program's values its inputs stand for). The node's own group then has two options like every other: XLA's, which is the cuDNN call itself,
 and the generated flash kernel, built from the captured group and fed the node's query, key and value
 (`library_kernel`). Which is faster is the tuner's to measure on the GPU. Nothing here runs cuDNN: capturing the
 program on a CPU needs JAX's cuDNN checks to pass, which is the caller's affair (the tests patch them).
+
+JAX's own XLA path of the function (its default implementation) is ordinary equations in the program, which the
+`attention` template reads itself, except with grouped-query heads: there it transposes the scores between its two
+products, which the tiling does not take. Such a group is recognised by what it computes (`xla_path_spec`: its
+value hashes against the function captured at its shapes) and read like a cuDNN call (`xla_path_groups` finds them).
 
 In a gradient program (`jax.grad`) the call is two primitives instead: the forward (`FWD`, emitting its softmax
 statistics) and the backward (`BWD`) reading them (`cudnn_pair`); `attention_vjp` runs the two as the flash pair, in
@@ -165,8 +172,7 @@ def _dot_near(graph: Graph, node: Node, *, forward: bool) -> Node | None:
         nd = graph.node_index[todo.pop(0)]
         if nd.id != node.id and nd.name == "dot_general":
             return nd
-        nxt = ([c for v in nd.outputs for c in graph.consumers.get(v, ())] if forward
-               else [graph.producer[a] for a in nd.inputs if isinstance(a, int) and a in graph.producer])
+        nxt = graph.succs(nd.id) if forward else graph.preds(nd.id)
         todo += [i for i in nxt if i not in seen]
         seen.update(nxt)
     return None
