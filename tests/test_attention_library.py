@@ -130,6 +130,7 @@ def test_the_model_prices_cudnn_by_the_flash_kernels_measured_ratio(cudnn_tracea
     """XLA's option of a cuDNN call (or pair) is the flash kernel's modelled default over cuDNN's measured ratio to it:
     ahead of the kernel at head dim 64, so that a short budget reaches it (at its memory floor, it never was),
     behind it for the pair at 128, where our backward trails cuDNN's."""
+    from autofuse import costmodel
     from autofuse.kernels.attention_library import CUDNN_FORWARD_FACTOR, pair_factor
     from autofuse.tuning.space import CandidateSpace
 
@@ -144,6 +145,12 @@ def test_the_model_prices_cudnn_by_the_flash_kernels_measured_ratio(cudnn_tracea
         sp = CandidateSpace.of("attention_vjp", pair.group, pair.spec, backends=("mosaic_gpu", "triton"))
         assert sp.xla_model_ms == pytest.approx(pair_factor(d) * TEMPLATES["attention_vjp"].default_model_ms(pair.spec))
         assert (sp.xla_model_ms > sp.default_ms()) is ahead
+    # JAX's XLA path read as the library's attention is no cuDNN: XLA's option is its own fusions, as for any group
+    g = autofuse.capture(jax.grad(lambda *a: jnp.sum(projected_gqa(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3)),
+                         *[S(s, BF16) for s in ((2, 100, 128), (128, 512), (128, 128), (128, 128))])
+    (pair,) = [c for c in enumerate_candidates(g) if c.template == "attention_vjp"]
+    sp = CandidateSpace.of("attention_vjp", pair.group, pair.spec, backends=("mosaic_gpu", "triton"))
+    assert pair.spec.feeds and sp.xla_model_ms == pytest.approx(costmodel.xla_group_time_ms(pair.group))
 
 
 def test_the_xla_paths_gradient_runs_as_the_flash_pair():

@@ -416,7 +416,7 @@ class AttentionTemplate(Template[AttentionSpec]):
     def build(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False,
               spec: AttentionSpec | None = None):
         spec = spec if spec is not None else self.match(group)
-        if spec is not None and spec.group.graph is not group.graph:  # a cuDNN call: the kernel of what it computes
+        if spec is not None and spec.group.graph is not group.graph:  # library attention: the kernel of what it computes
             return library_kernel(group, spec, super().build(spec.group, config, backend=backend, interpret=interpret, spec=spec))
         return super().build(group, config, backend=backend, interpret=interpret, spec=spec)
 
@@ -434,7 +434,7 @@ class AttentionTemplate(Template[AttentionSpec]):
         defaults otherwise)."""
         spec = self.match(group)
         if spec is None or flash_backward_unsupported(spec) is not None or spec.group.graph is not group.graph:
-            return None  # (a cuDNN call: differentiated as JAX does, by cuDNN's own backward)
+            return None  # (library attention: differentiated as JAX does it, by cuDNN's backward or the XLA path's)
         pair = self.lowering_module(backend, "attention_vjp")
         return pair.vjp_rule(group, spec, {**self.defaults, **config}, interpret=interpret)
 

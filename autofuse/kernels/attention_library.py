@@ -197,8 +197,13 @@ def _fed(spec: Any, values) -> Any:
 
 
 def is_cudnn(group: Group) -> bool:
-    """Whether `group` is a cuDNN attention call alone (XLA's option: the call, not a fusion of XLA's)."""
-    return len(group.node_ids) == 1 and cudnn_call(group.nodes[0]) is not None
+    """Whether `group` is a cuDNN attention call alone or a gradient program's cuDNN pair (XLA's option: cuDNN's
+    kernels, not a fusion of XLA's)."""
+    nodes = group.nodes
+    if len(nodes) == 1:
+        return cudnn_call(nodes[0]) is not None
+    pair = cudnn_pair(group.graph, nodes[0]) if len(nodes) == 2 else None
+    return pair is not None and pair[1].id == nodes[1].id
 
 
 def library_group(graph: Graph, node: Node, match: Callable[[Group], Any]) -> tuple[Group, Any] | None:

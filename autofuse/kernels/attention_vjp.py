@@ -44,7 +44,7 @@ from ..graph import Graph, Group, Node, capture, convex
 from ..ops import OpClass, op_class
 from . import attention
 from .computation import value_hashes
-from .attention_library import FWD, cudnn_pair, layout_tail, library_spec, pair_factor, xla_path_spec
+from .attention_library import FWD, cudnn_pair, is_cudnn, layout_tail, library_spec, pair_factor, xla_path_spec
 from .template import NoMatch, Template
 from .tiling import next_pow2
 
@@ -261,12 +261,19 @@ def _attention_chain(graph: Graph, d: Node, members: set[int] | None = None, *,
             return ids, fwd, attention._match(fwd)
         except NoMatch:
             pass
-    # grouped-query `jax.nn.dot_product_attention` on JAX's XLA path: its scores transposed between the products (no
-    # fusible op: the library's attention is read as a whole), its output past the layout ops after `d`
+    return _xla_path_chain(graph, d, members, fusible)
+
+
+def _xla_path_chain(graph: Graph, d: Node, members: set[int] | None,
+                    fusible: Callable[[int], bool] | None) -> tuple[set[int], Group, attention.AttentionSpec] | None:
+    """`_attention_chain` of grouped-query `jax.nn.dot_product_attention` on JAX's XLA path, read as the library's
+    attention (`attention_library.xla_path_spec`): its scores are transposed between the products (a transpose is no
+    fusible op, taken here because the call is read as a whole) and its output lies past the layout ops after `d`."""
     if members is not None:
         ok = members.__contains__
     else:
-        ok = lambda i: (fusible or (lambda _: True))(i) or graph.node_index[i].name == "transpose"  # noqa: E731
+        fusible = fusible or (lambda _: True)
+        ok = lambda i: fusible(i) or graph.node_index[i].name == "transpose"  # noqa: E731
     ids = forward_chain(graph, d.id, members, None if members is not None else ok)
     d1 = next((graph.node_index[i] for i in ids or () if i != d.id and graph.node_index[i].name == "dot_general"), None)
     start = graph.producer.get(d1.inputs[0]) if d1 is not None and isinstance(d1.inputs[0], int) else None
@@ -398,8 +405,9 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
 
     def xla_model_ms(self, group: Group, spec: AttentionVJPSpec, model: GPUModel = H200) -> float:
         """A cuDNN pair's: the flash pair's modelled default over the ratio measured between them
-        (`attention_library.CUDNN_PAIR_FACTOR`, by head dim); XLA's fusion's for any other group."""
-        if spec is None or not spec.feeds:
+        (`attention_library.CUDNN_PAIR_FACTOR`, by head dim); XLA's fusion's for any other group (JAX's XLA path with
+        grouped-query heads, read as the library's attention, too)."""
+        if spec is None or not is_cudnn(group):
             return super().xla_model_ms(group, spec, model)
         return pair_factor(spec.attn.D) * self.default_model_ms(spec, model)
 
