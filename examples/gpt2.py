@@ -18,10 +18,13 @@ Each entry point has a `_cudnn` twin (`forward_cudnn`, `loss_cudnn`,
 `grad_step_cudnn`) written as a careful JAX user writes attention: the same
 fused QKV projection, then `jax.nn.dot_product_attention(is_causal=True)`,
 cuDNN's fused kernels on a GPU (XLA's attention elsewhere). What autofuse gains
-there is what it gains beyond attention.
+there is what it gains beyond attention. The `_library` twins (`forward_library`,
+`loss_library`, `grad_step_library`) call the same function at its default
+implementation, which in jax 0.11 is JAX's XLA path on every device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,11 +101,12 @@ def causal_attention(x: jax.Array, p: dict) -> jax.Array:
     return out @ p["w_out"] + p["b_out"]
 
 
-def library_causal_attention(x: jax.Array, p: dict) -> jax.Array:
-    """Attention as a careful user writes it: `jax.nn.dot_product_attention` (cuDNN on a GPU)."""
+def library_causal_attention(x: jax.Array, p: dict, implementation: str | None = None) -> jax.Array:
+    """Attention as a careful user writes it: `jax.nn.dot_product_attention` at `implementation` (None: JAX's
+    default, its XLA path on every device in jax 0.11)."""
     B, S, D = x.shape
     q, k, v = _qkv(x, p)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=library_attention())
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return out.reshape(B, S, D) @ p["w_out"] + p["b_out"]
 
 
@@ -117,7 +121,12 @@ def forward(params: dict, batch: dict) -> jax.Array:
 
 
 def forward_cudnn(params: dict, batch: dict) -> jax.Array:
-    """`forward` with library attention (`library_causal_attention`)."""
+    """`forward` with library attention asking for cuDNN (`library_causal_attention`; XLA's path off a GPU)."""
+    return _forward(params, batch, functools.partial(library_causal_attention, implementation=library_attention()))
+
+
+def forward_library(params: dict, batch: dict) -> jax.Array:
+    """`forward` with library attention at JAX's default implementation."""
     return _forward(params, batch, library_causal_attention)
 
 
@@ -146,6 +155,10 @@ def loss_cudnn(params: dict, batch: dict) -> jax.Array:
     return cross_entropy(forward_cudnn(params, batch), batch["targets"])
 
 
+def loss_library(params: dict, batch: dict) -> jax.Array:
+    return cross_entropy(forward_library(params, batch), batch["targets"])
+
+
 def grad_step(params: dict, batch: dict) -> dict:
     """The differentiated program: gradients of the loss for every parameter."""
     return jax.grad(loss)(params, batch)
@@ -153,6 +166,10 @@ def grad_step(params: dict, batch: dict) -> dict:
 
 def grad_step_cudnn(params: dict, batch: dict) -> dict:
     return jax.grad(loss_cudnn)(params, batch)
+
+
+def grad_step_library(params: dict, batch: dict) -> dict:
+    return jax.grad(loss_library)(params, batch)
 
 
 def make_inputs(cfg: Config, batch: int, seq: int, dtype=jnp.bfloat16, seed: int = 0) -> tuple[dict, dict]:

@@ -16,10 +16,13 @@ of its 16 blocks, batch 4, sequence 2048, bf16.
 `forward_cudnn`, `loss_cudnn` and `grad_step_cudnn` write the attention as a
 careful JAX user does: `jax.nn.dot_product_attention(is_causal=True)` on the
 grouped key/value heads as they are (no repeat), cuDNN's fused kernels on a GPU
-(XLA's attention elsewhere).
+(XLA's attention elsewhere). The `_library` twins (`forward_library`,
+`loss_library`, `grad_step_library`) call it at its default implementation,
+which in jax 0.11 is JAX's XLA path on every device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -102,11 +105,12 @@ def attention(x: jax.Array, p: dict) -> jax.Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, D) @ p["wo"]
 
 
-def library_attention_gqa(x: jax.Array, p: dict) -> jax.Array:
-    """Grouped-query attention as a careful user writes it: `jax.nn.dot_product_attention` (cuDNN on a GPU)."""
+def library_attention_gqa(x: jax.Array, p: dict, implementation: str | None = None) -> jax.Array:
+    """Grouped-query attention as a careful user writes it: `jax.nn.dot_product_attention` at `implementation`
+    (None: JAX's default, its XLA path on every device in jax 0.11)."""
     B, S, D = x.shape
     q, k, v = _qkv(x, p)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=library_attention())
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return out.reshape(B, S, D) @ p["wo"]
 
 
@@ -122,7 +126,12 @@ def forward(params: dict, batch: dict) -> jax.Array:
 
 
 def forward_cudnn(params: dict, batch: dict) -> jax.Array:
-    """`forward` with library attention (`library_attention_gqa`)."""
+    """`forward` with library attention asking for cuDNN (`library_attention_gqa`; XLA's path off a GPU)."""
+    return _forward(params, batch, functools.partial(library_attention_gqa, implementation=library_attention()))
+
+
+def forward_library(params: dict, batch: dict) -> jax.Array:
+    """`forward` with library attention at JAX's default implementation."""
     return _forward(params, batch, library_attention_gqa)
 
 
@@ -141,6 +150,10 @@ def loss_cudnn(params: dict, batch: dict) -> jax.Array:
     return _regression(forward_cudnn(params, batch), batch)
 
 
+def loss_library(params: dict, batch: dict) -> jax.Array:
+    return _regression(forward_library(params, batch), batch)
+
+
 def _regression(out: jax.Array, batch: dict) -> jax.Array:
     return jnp.mean((out.astype(jnp.float32) - batch["y"].astype(jnp.float32)) ** 2)
 
@@ -152,6 +165,10 @@ def grad_step(params: dict, batch: dict) -> dict:
 
 def grad_step_cudnn(params: dict, batch: dict) -> dict:
     return jax.grad(loss_cudnn)(params, batch)
+
+
+def grad_step_library(params: dict, batch: dict) -> dict:
+    return jax.grad(loss_library)(params, batch)
 
 
 def make_inputs(cfg: Config, batch: int, seq: int, dtype=jnp.bfloat16, seed: int = 0) -> tuple[dict, dict]:

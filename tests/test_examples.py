@@ -84,6 +84,22 @@ def test_published_shapes_attention_found_once_per_layer_and_shared(model, layer
         assert len(cands) > 10 * len({c.group.signature for c in cands})
 
 
+@pytest.mark.parametrize("model,entry,template", slow_except(
+    [(m, e, t) for m in ("gpt2", "llama") for e, t in (("forward_library", "attention"), ("grad_step_library", "attention_vjp"))],
+    "llama-forward_library-attention", "llama-grad_step_library-attention_vjp"))
+def test_library_attention_at_its_default_is_fused_in_every_layer(model, entry, template):
+    """At example_inputs() shapes: `jax.nn.dot_product_attention` at its default implementation (JAX's XLA path;
+    Llama's grouped key/value heads unrepeated) is recognised in every layer, the forward as an `attention`
+    candidate, the training step as an `attention_vjp` pair, so the whole models written that way can be tuned."""
+    mod = importlib.import_module(f"examples.{model}")
+    layers = len(jax.eval_shape(mod.example_inputs)[0]["blocks"])
+    cands = [c for c in enumerate_candidates(capture(getattr(mod, entry), *jax.eval_shape(mod.example_inputs)))
+             if c.template == template]
+    assert len({c.group.signature for c in cands}) == 1  # one distinct candidate, shared by the layers
+    assert len(cands) == layers
+    assert len(set().union(*(c.nodes for c in cands))) == sum(len(c.nodes) for c in cands)  # disjoint: one a layer
+
+
 @pytest.mark.slow
 def test_a_failed_check_is_made_again_with_every_seeds_spread(monkeypatch):
     """The whole-plan check first holds each output to jax.jit's move under the first seed's nudge; a plan that
