@@ -48,6 +48,8 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
     "deploy": ("fresh-process deploys: autofuse.jit serving stored plans against jax.jit", {
         "check": Part("benchmarks.deploy_check", "every stored suite plan in a new process: lookup, correctness, speedup, call overhead"),
         "shapes": Part("benchmarks.shape_serving", "a plan tuned at one shape serving other shapes, against plans tuned there"),
+        "versus": Part("benchmarks.versus", "a stored plan of one program against jax.jit of another computing the same "
+                       "(library attention at its default, tuned, against cuDNN's under jax.jit)"),
     }),
     "profile": ("profiling aids that results/ tables cite", {
         "composition": Part("benchmarks.composition", "a plan's savings per group alone against the whole program's, and its kernels"),

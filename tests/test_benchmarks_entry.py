@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import autofuse
 from benchmarks.__main__ import SUITES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,3 +211,27 @@ def test_attention_grad_pairs_time_each_pair_against_cudnn_in_alternation() -> N
     ratio = float(cell.split("x cuDNN")[0])
     assert cell.endswith(")") and " in 3 alternating pairs (" in cell and ratio > 1.2
     assert paired((once, sets), twice, sets, 0) == "" and paired(None, twice, sets, 3) == ""
+
+
+@pytest.mark.slow  # a benchmark's smoke run, not the quick subset's
+def test_versus_serves_the_stored_plan_beside_both_jits_and_names_a_miss(tmp_path, capsys) -> None:
+    """`deploy versus` at the CPU-sized GPT-2: the library-default forward, tuned into a store, through autofuse.jit
+    with its plan, compared and timed against jax.jit of itself and of the cuDNN-asking forward (XLA's attention on a
+    CPU, so the same numbers); a store without the plan is a one-line error, never jax.jit timed as a plan."""
+    from benchmarks import versus
+    from examples import gpt2
+
+    db = str(tmp_path / "v.db")
+    autofuse.tune(gpt2.forward_library, *gpt2.small_inputs(), trials=2, measure="model", quiet=True, store=db,
+                  name="examples.gpt2:forward_library")
+    args = ["--program", "examples.gpt2:forward_library", "--against", "examples.gpt2:forward_cudnn",
+            "--inputs", "examples.gpt2:small_inputs", "--budget-s", "0.2"]
+    versus.main(["--db", db, *args])
+    out = capsys.readouterr().out
+    assert "through autofuse.jit (plan: " in out
+    rows = [line for line in out.splitlines() if line.startswith("| jax.jit `") or line.startswith("| autofuse.jit `")]
+    assert len(rows) == 3
+    assert all(float(r.rstrip(" |").rsplit("| ", 1)[1].split()[0]) < 1e-3 for r in rows)  # each output's error
+    assert all(re.search(r"\| \d+\.\d\dx \(\d+\.\d\d\.\.\d+\.\d\d\) \|", r) for r in rows[:2])
+    with pytest.raises(SystemExit, match="has no plan to serve here"):
+        versus.main(["--db", str(tmp_path / "empty.db"), *args])
