@@ -16,10 +16,13 @@ avoids; `example_inputs(layers=12)` is the full encoder.
 
 `forward_cudnn`, `loss_cudnn` and `grad_step_cudnn` write the attention as a
 careful JAX user does: `jax.nn.dot_product_attention` with the padding given as
-key lengths (cuDNN's fused kernels on a GPU, XLA's attention elsewhere).
+key lengths (cuDNN's fused kernels on a GPU, XLA's attention elsewhere). The
+`_library` twins call it at its default implementation, which in jax 0.11 is
+JAX's XLA path on every device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -94,12 +97,13 @@ def self_attention(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
     return dense(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, D), p["o"])
 
 
-def library_self_attention(x: jax.Array, p: dict, mask: jax.Array) -> jax.Array:
-    """`self_attention` through `jax.nn.dot_product_attention`, the padding (a prefix of each row) as key lengths."""
+def library_self_attention(x: jax.Array, p: dict, mask: jax.Array, implementation: str | None = None) -> jax.Array:
+    """`self_attention` through `jax.nn.dot_product_attention` at `implementation` (None: JAX's default, its XLA
+    path in jax 0.11), the padding (a prefix of each row) as key lengths."""
     B, S, D = x.shape
     q, k, v = (dense(x, p[n]).reshape(B, S, D // HEAD_DIM, HEAD_DIM) for n in ("q", "k", "v"))
     lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-    out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation=library_attention())
+    out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation=implementation)
     return dense(out.reshape(B, S, D), p["o"])
 
 
@@ -122,7 +126,12 @@ def forward(params: dict, batch: dict) -> jax.Array:
 
 
 def forward_cudnn(params: dict, batch: dict) -> jax.Array:
-    """`forward` with library attention (`library_self_attention`)."""
+    """`forward` with library attention asking for cuDNN (`library_self_attention`; XLA's path off a GPU)."""
+    return _forward(params, batch, functools.partial(library_self_attention, implementation=library_attention()))
+
+
+def forward_library(params: dict, batch: dict) -> jax.Array:
+    """`forward` with library attention at JAX's default implementation."""
     return _forward(params, batch, library_self_attention)
 
 
@@ -148,6 +157,10 @@ def loss_cudnn(params: dict, batch: dict) -> jax.Array:
     return _loss(params, batch, forward_cudnn)
 
 
+def loss_library(params: dict, batch: dict) -> jax.Array:
+    return _loss(params, batch, forward_library)
+
+
 def _loss(params: dict, batch: dict, forward) -> jax.Array:
     q = forward(params, batch)
     d = forward(params, batch["docs"])
@@ -164,6 +177,10 @@ def grad_step(params: dict, batch: dict) -> dict:
 
 def grad_step_cudnn(params: dict, batch: dict) -> dict:
     return jax.grad(loss_cudnn)(params, batch)
+
+
+def grad_step_library(params: dict, batch: dict) -> dict:
+    return jax.grad(loss_library)(params, batch)
 
 
 def _text(key: jax.Array, cfg: Config, batch: int, seq: int) -> dict:

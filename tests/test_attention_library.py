@@ -12,8 +12,8 @@ import pytest
 import autofuse
 from autofuse.kernels import TEMPLATES
 from autofuse.kernels.attention_library import cudnn_call
-from autofuse.plan import plan_from_choices
-from autofuse.runner.evaluator import lowering_guard
+from autofuse.plan import executor, plan_from_choices
+from autofuse.runner.evaluator import export_for_cuda, lowering_guard
 from autofuse.tuning.partition import enumerate_candidates
 
 S = jax.ShapeDtypeStruct
@@ -265,3 +265,41 @@ def test_a_training_step_through_grouped_query_attention_on_jaxs_xla_path_runs_t
     for a, b in zip(got, jax.jit(step)(*ins)):
         err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
         assert a.shape == b.shape and err < 3e-2, err
+
+
+def lengths_loss(q, k, v, mask):
+    """`jax.nn.dot_product_attention` at its default with the padding given as key lengths summed from a mask in the
+    program, as BERT-style encoders write it (examples/splade.py)."""
+    lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)) ** 2)
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_a_training_step_through_key_lengths_on_jaxs_xla_path_runs_the_flash_pair(backend, config):
+    """The lengths' sum over the mask is an operand of the attention, not part of its chain (the forward chain once
+    took it in, found two sums and no attention): one two-stage `attention_vjp` candidate whose gradients match
+    jax.jit's, padded keys masked per batch row."""
+    shape = (2, 100, 2, 64)
+    step = jax.grad(lengths_loss, argnums=(0, 1, 2))
+    g = autofuse.capture(step, *[S(shape, BF16)] * 3, S((2, 100), jnp.int32))
+    (cand,) = [c for c in enumerate_candidates(g) if c.template in ("attention", "attention_vjp")]
+    assert cand.template == "attention_vjp" and len(cand.stages) == 2
+    cfg = {**(config or TEMPLATES["attention_vjp"].default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i in range(3)]
+    mask = (jnp.arange(100)[None, :] < jnp.array([[100], [37]])).astype(jnp.int32)
+    got = fused(*ins, mask)
+    assert fused.last_status.startswith("plan:")
+    for a, b in zip(got, jax.jit(step)(*ins, mask)):
+        err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+        assert a.shape == b.shape and err < 3e-2, err
+    assert float(jnp.max(jnp.abs(got[1][1, 37:]))) == 0.0  # keys past a row's length get no gradient
+    if backend == "mosaic_gpu":  # the pair lowers for CUDA for real: the Mosaic GPU forward, and the backward on
+        # Triton (the Mosaic GPU backward declines score work reading an input besides q and k, here the lengths)
+        run = executor(g, plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), interpret=False)
+        module = export_for_cuda(lambda *a: run(list(a)), [S(shape, BF16)] * 3 + [S((2, 100), jnp.int32)]).mlir_module()
+        assert module.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" in module

@@ -29,7 +29,7 @@ from tests.kernel_checks import assert_plan_matches_jit
 from tests.quick import slow_except
 
 TOL = 1e-4  # relative error norm; small_inputs() are float32, fused kernels accumulate in float32
-CASES = [(m, f) for m in ("gpt2", "splade", "llama") for f in ("forward", "grad_step")]
+CASES = [(m, f) for m in ("gpt2", "splade", "llama") for f in ("forward", "grad_step")] + [("splade", "grad_step_library"), ("llama", "grad_step_library")]
 
 
 def fuse_all(graph, configs: dict[str, dict], candidates=None) -> Plan:

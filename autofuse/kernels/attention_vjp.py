@@ -133,6 +133,9 @@ def forward_chain(graph: Graph, dot2: int, members: set[int] | None = None, fusi
             if op_class(nd.name) is OpClass.CONTRACTION:
                 dots.append(pid)
                 continue
+            if op_class(nd.name) is OpClass.REDUCTION and not _reads_a_product(graph, nd, ok):
+                seen.discard(pid)  # a side input's reduction (key lengths summed from a padding mask): an operand
+                continue
             has_max |= nd.name == "reduce_max"
             stack.extend(x for x in nd.inputs if isinstance(x, int))
         if has_max:
@@ -148,6 +151,22 @@ def forward_chain(graph: Graph, dot2: int, members: set[int] | None = None, fusi
     for a in graph.node_index[dot1].inputs:
         chain(a)
     return out
+
+
+def _reads_a_product(graph: Graph, nd: Node, ok: Callable[[int], bool]) -> bool:
+    """Whether `nd` reads, through nodes `ok` admits, the result of a contraction: a softmax's reductions do (the
+    scores), a reduction computing a mask's side input from the program's inputs does not."""
+    stack, seen = [a for a in nd.inputs if isinstance(a, int)], set()
+    while stack:
+        pid = graph.producer.get(stack.pop())
+        if pid is None or pid in seen or not ok(pid):
+            continue
+        seen.add(pid)
+        up = graph.node_index[pid]
+        if op_class(up.name) is OpClass.CONTRACTION:
+            return True
+        stack.extend(a for a in up.inputs if isinstance(a, int))
+    return False
 
 
 def _derived(hv: str | None, derived: set[str]) -> bool:
