@@ -267,12 +267,41 @@ def test_a_training_step_through_grouped_query_attention_on_jaxs_xla_path_runs_t
         assert a.shape == b.shape and err < 3e-2, err
 
 
-def lengths_loss(q, k, v, mask):
+def with_lengths(q, k, v, mask):
     """`jax.nn.dot_product_attention` at its default with the padding given as key lengths summed from a mask in the
     program, as BERT-style encoders write it (examples/splade.py)."""
-    lengths = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-    out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
-    return jnp.sum(jnp.sin(out.astype(jnp.float32)) ** 2)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32))
+
+
+def lengths_loss(q, k, v, mask):
+    return jnp.sum(jnp.sin(with_lengths(q, k, v, mask).astype(jnp.float32)) ** 2)
+
+
+LENGTHS_SHAPE = (2, 100, 2, 64)
+#: the second row has no key at all: XLA weighs its masked keys alike (exp(fill - max) = 1); the kernels once
+#: overflowed the fill times log2(e) there (NaN), and read the fill itself from memory (a [B, H, L, L] input)
+LENGTHS_MASK = (jnp.arange(100)[None, :] < jnp.array([[37], [0]])).astype(jnp.int32)
+
+
+def _lengths_inputs():
+    return [jax.random.normal(jax.random.key(i), LENGTHS_SHAPE, jnp.float32).astype(BF16) for i in range(3)] + [LENGTHS_MASK]
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_key_lengths_on_jaxs_xla_path_are_one_attention_group_with_its_mask_made_inside(backend, config):
+    """The forward: the mask's fill is made in the kernel (the widest candidate reads q, k, v and the lengths: no
+    [B, H, L, L] array), and a row without keys gets XLA's numbers, not NaN."""
+    g = autofuse.capture(with_lengths, *[S(LENGTHS_SHAPE, BF16)] * 3, S((2, 100), jnp.int32))
+    cand = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
+    assert all(len(g.avals[v].shape) < 5 for v in cand.group.inputs) and len(cand.group.inputs) == 4
+    cfg = {**(config or TEMPLATES["attention"].default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(with_lengths, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]), on_miss="error")
+    got, want = fused(*_lengths_inputs()), jax.jit(with_lengths)(*_lengths_inputs())
+    assert fused.last_status.startswith("plan:") and not bool(jnp.any(jnp.isnan(got)))
+    assert float(jnp.max(jnp.abs((got - want).astype(jnp.float32)))) < 2e-2
 
 
 @pytest.mark.parametrize("backend,config", [
@@ -282,24 +311,22 @@ def lengths_loss(q, k, v, mask):
 def test_a_training_step_through_key_lengths_on_jaxs_xla_path_runs_the_flash_pair(backend, config):
     """The lengths' sum over the mask is an operand of the attention, not part of its chain (the forward chain once
     took it in, found two sums and no attention): one two-stage `attention_vjp` candidate whose gradients match
-    jax.jit's, padded keys masked per batch row."""
-    shape = (2, 100, 2, 64)
+    jax.jit's, padded keys masked per batch row, a row without keys weighing them alike (its row logsumexp keeps
+    log(keys) beside the fill: at float32's lowest it was lost, and each key weighed 1)."""
     step = jax.grad(lengths_loss, argnums=(0, 1, 2))
-    g = autofuse.capture(step, *[S(shape, BF16)] * 3, S((2, 100), jnp.int32))
+    g = autofuse.capture(step, *[S(LENGTHS_SHAPE, BF16)] * 3, S((2, 100), jnp.int32))
     (cand,) = [c for c in enumerate_candidates(g) if c.template in ("attention", "attention_vjp")]
     assert cand.template == "attention_vjp" and len(cand.stages) == 2
     cfg = {**(config or TEMPLATES["attention_vjp"].default_config_of(cand.spec, backend)), "backend": backend}
     fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
-    ins = [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(BF16) for i in range(3)]
-    mask = (jnp.arange(100)[None, :] < jnp.array([[100], [37]])).astype(jnp.int32)
-    got = fused(*ins, mask)
+    got = fused(*_lengths_inputs())
     assert fused.last_status.startswith("plan:")
-    for a, b in zip(got, jax.jit(step)(*ins, mask)):
+    for a, b in zip(got, jax.jit(step)(*_lengths_inputs())):
         err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
         assert a.shape == b.shape and err < 3e-2, err
-    assert float(jnp.max(jnp.abs(got[1][1, 37:]))) == 0.0  # keys past a row's length get no gradient
+    assert float(jnp.max(jnp.abs(got[1][0, 37:]))) == 0.0  # keys past a row's length get no gradient
     if backend == "mosaic_gpu":  # the pair lowers for CUDA for real: the Mosaic GPU forward, and the backward on
         # Triton (the Mosaic GPU backward declines score work reading an input besides q and k, here the lengths)
         run = executor(g, plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), interpret=False)
-        module = export_for_cuda(lambda *a: run(list(a)), [S(shape, BF16)] * 3 + [S((2, 100), jnp.int32)]).mlir_module()
+        module = export_for_cuda(lambda *a: run(list(a)), [S(LENGTHS_SHAPE, BF16)] * 3 + [S((2, 100), jnp.int32)]).mlir_module()
         assert module.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" in module

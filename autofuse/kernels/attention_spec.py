@@ -11,13 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import ops
-from ..graph import Group, Node
+from ..graph import Group, Lit, Node
 from .tile_eval import TileEval
 from .tiling import TileSpec
 
 _NEG = -1e4  # a fill at or below this contributes exp(fill - max) == 0 in float32 next to real scores
 _MAX_GRID = 1 << 28  # host-side mask analysis only for [q, k] grids up to this many positions (16k x 16k: 3-5 s on a
 # 2-core host, once per spec and process; 32k x 32k would take 14 s)
+#: A finite literal of the score work below this is raised to it. A mask's fill (JAX's XLA path writes float32's
+#: lowest x 0.7, plain code its lowest) times log2(e) for the kernels' exp2 overflows float32, so a row whose every key
+#: is masked computed -inf - -inf = NaN, where XLA's exp(fill - max) = 1 weighs its keys alike; and the row logsumexp
+#: the backward reads (fill + log(keys)) must keep log(keys) beside the fill. At _NEG the first is exact and the second
+#: within 5e-4 (float32's spacing there), while exp(fill - max) stays 0 next to any real score, as XLA's does.
+FILL_LIMIT = _NEG
 GRAIN = 16  # masks known at build time are kept per GRAIN x GRAIN block: every tile's sides are multiples of it
 
 
@@ -97,6 +103,14 @@ class AttentionSpec:
 
 # ---------------------------------------------------------------------------
 # Tile evaluation.
+def score_literal(a: Lit) -> jax.Array:
+    """A literal of the score work as the kernels compute with it: a finite fill below `FILL_LIMIT` raised to it."""
+    x = np.array(a.value, ops.compute_dtype(a.aval.dtype))
+    if np.issubdtype(x.dtype, np.floating) and np.all(np.isfinite(x)):
+        x = np.maximum(x, FILL_LIMIT).astype(x.dtype)
+    return jnp.asarray(x)
+
+
 class AttentionEval(TileEval):
     """The tile evaluator with attention coordinates: iota gives global q/k positions and batch indices."""
 
@@ -105,6 +119,9 @@ class AttentionEval(TileEval):
         self.aspec = spec
         self.bidx: list = []
         self.q0 = self.k0 = 0
+
+    def atom(self, env: dict, a) -> jax.Array:
+        return score_literal(a) if isinstance(a, Lit) else env[a]
 
     def eval_node(self, nd: Node, env: dict, r0, c0, colmask=None) -> None:
         # Float-to-float converts keep float32 (excess precision, as XLA allows): rounding every

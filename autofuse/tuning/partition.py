@@ -219,7 +219,8 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             for i in _bits(grown):
                 own |= producers[i]
             own &= fusible & ~grown & ~feeds_dot
-            add = [nb for nb in _bits(own) if consumers[nb] & ~grown == 0]
+            add = [nb for nb in _bits(own) if consumers[nb] & ~grown == 0  # (not a side input's own reduction:
+                   and ops.op_class(graph.node_index[nb].name) is not OpClass.REDUCTION]  # key lengths summed from a mask)
             if not add:
                 break
             grown |= sum(1 << nb for nb in add)

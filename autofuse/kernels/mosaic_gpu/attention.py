@@ -114,7 +114,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ... import ops
 from ...graph import Group, Lit, Node
 from ..attention_masks import block_ranges, scale_fold
-from ..attention_spec import AttentionSpec, Operand
+from ..attention_spec import AttentionSpec, Operand, score_literal
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
 from .gemm import num_sms_default, require_smem
@@ -175,6 +175,9 @@ class ScoreTiles(RegisterTiles):
         self.aspec = spec
         self.bidx: list = []
         self.members = {nd.id for nd in spec.tile.group.nodes}
+
+    def atom(self, env: dict, a) -> jax.Array:
+        return score_literal(a) if isinstance(a, Lit) else env[a]
 
     def eval_node(self, nd: Node, env: dict, r0=0, c0=0) -> None:
         out = nd.outputs[0]
