@@ -330,3 +330,26 @@ def test_a_training_step_through_key_lengths_on_jaxs_xla_path_runs_the_flash_pai
         run = executor(g, plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), interpret=False)
         module = export_for_cuda(lambda *a: run(list(a)), [S(LENGTHS_SHAPE, BF16)] * 3 + [S((2, 100), jnp.int32)]).mlir_module()
         assert module.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" in module
+
+
+def with_bias(q, k, v, bias):
+    return jax.nn.dot_product_attention(q, k, v, bias=bias)
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_a_bias_on_jaxs_xla_path_is_read_along_the_heads_when_they_number_the_batch(backend, config):
+    """A bias [1, H, L, L] on JAX's XLA path reaches the scores [G, B, K, L, L] through a reshape to [1, H, 1, L, L]:
+    with as many heads as batch rows its sizes match the scores' dim by dim, and the bias was once placed along the
+    batch (every row but the first read another row's heads: relative error 0.8). It is placed from the scores."""
+    shape = (2, 100, 2, 64)  # B == H
+    g = autofuse.capture(with_bias, *[S(shape, BF16)] * 3, S((1, 2, 100, 100), BF16))
+    cand = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
+    cfg = {**(config or TEMPLATES["attention"].default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(with_bias, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), s, jnp.float32).astype(BF16) for i, s in enumerate([shape] * 3 + [(1, 2, 100, 100)])]
+    got, want = fused(*ins), jax.jit(with_bias)(*ins)
+    err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+    assert fused.last_status.startswith("plan:") and err < 1e-2, err

@@ -332,8 +332,19 @@ def place_axes(g: Any, nodes: Sequence[Node], values: Sequence[int], S: tuple, *
             raise NoMatch(f"value %{v} maps to S-axes {old} and {ax}")
         return False
 
+    def propagate() -> None:
+        changed = True
+        while changed:
+            changed = False
+            for nd in nodes:
+                changed |= _propagate(nd, g.avals, axes, put)
+
+    if not strict and seed:  # what the seed reaches first: a transposed value whose sizes happen to match S's
+        propagate()          # (a bias [1, H, 1, L, L] beside scores [1, B, H, L, L], B == H) must not align dim by dim
     for v in values:
         av = g.avals[v]
+        if v in axes and not strict:
+            continue
         if av.size == 1:
             put(v, (None,) * len(av.shape))
         elif len(av.shape) == n:
@@ -341,11 +352,7 @@ def place_axes(g: Any, nodes: Sequence[Node], values: Sequence[int], S: tuple, *
                 put(v, tuple(d if s != 1 else None for d, s in enumerate(av.shape)))
             elif strict:
                 raise NoMatch(f"value %{v} of shape {av.shape} does not align with {S}")
-    changed = True
-    while changed:
-        changed = False
-        for nd in nodes:
-            changed |= _propagate(nd, g.avals, axes, put)
+    propagate()
     return axes
 
 
