@@ -353,3 +353,30 @@ def test_a_bias_on_jaxs_xla_path_is_read_along_the_heads_when_they_number_the_ba
     got, want = fused(*ins), jax.jit(with_bias)(*ins)
     err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
     assert fused.last_status.startswith("plan:") and err < 1e-2, err
+
+
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_a_training_step_through_a_constant_bias_runs_the_flash_pair_and_a_learned_one_does_not(backend, config):
+    """The flash backward generates no bias gradient: a step that differentiates q, k and v only (a fixed bias: ALiBi,
+    relative positions) runs the pair, with jax.jit's gradients; one that also reads the bias's gradient keeps XLA's."""
+    shape, bshape = (2, 100, 2, 64), (1, 2, 100, 100)
+
+    def loss(q, k, v, bias):
+        return jnp.sum(jnp.sin(with_bias(q, k, v, bias).astype(jnp.float32)) ** 2)
+
+    learned = autofuse.capture(jax.grad(loss, argnums=(0, 1, 2, 3)), *[S(shape, BF16)] * 3, S(bshape, BF16))
+    assert not [c for c in enumerate_candidates(learned) if c.template == "attention_vjp"]
+    step = jax.grad(loss, argnums=(0, 1, 2))
+    g = autofuse.capture(step, *[S(shape, BF16)] * 3, S(bshape, BF16))
+    (cand,) = [c for c in enumerate_candidates(g) if c.template == "attention_vjp"]
+    cfg = {**(config or TEMPLATES["attention_vjp"].default_config_of(cand.spec, backend)), "backend": backend}
+    fused = autofuse.jit(step, plan=plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), on_miss="error")
+    ins = [jax.random.normal(jax.random.key(i), s, jnp.float32).astype(BF16) for i, s in enumerate([shape] * 3 + [bshape])]
+    got = fused(*ins)
+    assert fused.last_status.startswith("plan:")
+    for a, b in zip(got, jax.jit(step)(*ins)):
+        err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+        assert a.shape == b.shape and err < 3e-2, err

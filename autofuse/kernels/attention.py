@@ -481,22 +481,28 @@ match, default_config, space, model_time_ms, build = (TEMPLATE.match, TEMPLATE.d
 
 # ---------------------------------------------------------------------------
 # Reverse mode: the flash pair (forward emitting the row logsumexp, backward kernels re-evaluating the scores).
-def flash_backward_unsupported(spec: AttentionSpec) -> str | None:
+def flash_backward_unsupported(spec: AttentionSpec, side_gradients: bool = True) -> str | None:
     """Why the flash backward cannot differentiate this group (None: it can).
 
     It needs the softmax itself (`exp(y - max) / sum`, the division directly by the sum, which the identity
-    rowsum(dP * P) = rowsum(dO * O) rests on) and no floating-point side input: a bias's gradient is not
-    generated, so such groups keep the recompute rule (XLA)."""
-    g = spec.group.graph
+    rowsum(dP * P) = rowsum(dO * O) rests on) and, where a floating-point side input's gradient may be read
+    (`side_gradients`: a custom VJP must return one), no such input: a bias's gradient is not generated, so such
+    groups keep the recompute rule (XLA). A gradient program's pair knows which cotangents it computes."""
     if spec.combine.name != "div" or not spec.e_first:
         return "the normalisation is not a division by the row sum"
     if any(op_class(nd.name) not in (OpClass.BROADCAST, OpClass.LAYOUT) and nd.name != "convert_element_type" for nd in spec.row_l):
         return "work on the row sum before the division"
-    qkv = {spec.q.value, spec.k.value, spec.v.value}
-    for v in spec.tile.group.inputs:
-        if v not in qkv and v != spec.dot1.outputs[0] and jnp.issubdtype(g.avals[v].dtype, jnp.inexact):
-            return "a floating-point side input (its gradient is not generated)"
+    if side_gradients and float_side_inputs(spec):
+        return "a floating-point side input (its gradient is not generated)"
     return None
+
+
+def float_side_inputs(spec: AttentionSpec) -> list[int]:
+    """The score work's floating-point inputs besides q, k and v (a bias): the flash backward generates no gradient
+    for them."""
+    g, qkv = spec.group.graph, {spec.q.value, spec.k.value, spec.v.value}
+    return [v for v in spec.tile.group.inputs
+            if v not in qkv and v != spec.dot1.outputs[0] and jnp.issubdtype(g.avals[v].dtype, jnp.inexact)]
 
 
 def _dot_roles(spec: AttentionSpec) -> dict[int, list]:

@@ -196,7 +196,7 @@ def _match(group: Group) -> AttentionVJPSpec:
         if chain is None:
             continue
         _, fwd, attn = chain
-        why = attention.flash_backward_unsupported(attn)
+        why = attention.flash_backward_unsupported(attn, side_gradients=False)
         if why is not None:
             raise NoMatch(why)
         extra = [v for v in group.inputs if v not in fwd.inputs]
@@ -217,6 +217,9 @@ def _match(group: Group) -> AttentionVJPSpec:
             grads[v] = by_hash[h[v]]
         if not grads:
             raise NoMatch("no cotangent computed")
+        side = {fwd.inputs.index(v) for v in attention.float_side_inputs(attn) if v in fwd.inputs}
+        if side & set(grads.values()):
+            raise NoMatch("a floating-point side input's gradient is read (the flash backward does not generate it)")
         if attn.feeds:  # read as the library's attention: the pair runs the captured graph, fed the program's values
             captured = {p: c for c, p in attn.feeds.items()}
             grads = {v: attn.group.inputs.index(captured[fwd.inputs[i]]) for v, i in grads.items()}
@@ -263,7 +266,7 @@ def forward_chains(graph: Graph, fusible: Callable[[int], bool]) -> list[tuple[s
         if op_class(d.name) is not OpClass.CONTRACTION or not fusible(d.id):
             continue
         chain = _attention_chain(graph, d, fusible=fusible)
-        if chain is not None and attention.flash_backward_unsupported(chain[2]) is None:
+        if chain is not None and attention.flash_backward_unsupported(chain[2], side_gradients=False) is None:
             out.append(chain)
     return out
 
