@@ -142,3 +142,22 @@ def test_bf16_model_plan_is_validated_against_its_own_rounding_spread():
             assert spread > 0.02 and res.max_error > 0.005, (spread, res.max_error)
         else:
             assert spread == 0.0 and res.max_error < 1e-4, res.max_error
+
+
+def test_splades_library_attention_makes_its_key_length_mask_inside_the_kernel():
+    """SPLADE with `key_value_seq_lengths` (JAX's XLA path): the widest attention candidate reads q, k, v and the
+    lengths, not the [B, H, L, L] mask and fill XLA would materialise. Absorbing the mask's making once stopped at the
+    lengths' sum over the mask, and then took the query projection's bias add (an operand's producer through reshapes),
+    which no attention kernel computes. Its plan matches jax.jit on the model's own small inputs."""
+    mod = importlib.import_module("examples.splade")
+    graph = capture(mod.forward_library, *jax.eval_shape(mod.example_inputs))
+    widest = max((c for c in enumerate_candidates(graph) if c.template == "attention"), key=lambda c: len(c.nodes))
+    assert not [v for v in widest.group.inputs if len(graph.avals[v].shape) >= 4 and graph.avals[v].shape[-2:] == (256, 256)]
+    assert any(graph.avals[v].dtype == jnp.int32 for v in widest.group.inputs)
+
+    _, small, args = example_graphs.program("splade", "forward_library")
+    cands = [c for c in example_graphs.candidates("splade", "forward_library") if c.template == "attention"]
+    widest = max(cands, key=lambda c: len(c.nodes))
+    plan = fuse_all(small, {widest.group.signature: {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 1}}, cands)
+    assert plan.groups and all(len(g.nodes) == len(widest.nodes) for g in plan.groups)
+    assert_matches_jit(mod.forward_library, plan, args)

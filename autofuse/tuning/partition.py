@@ -145,10 +145,12 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
     producers = [sum(1 << o for o in graph.preds(nd.id)) for nd in graph.nodes]
     consumers = [sum(1 << o for o in graph.succs(nd.id)) for nd in graph.nodes]
     neighbours = [p | c for p, c in zip(producers, consumers)]
-    dots = feeds_dot = 0
-    for nd in graph.nodes:
+    dots = feeds_dot = 0  # feeds_dot: what makes a dot's operand, through layout ops and conversions
+    for nd in reversed(graph.nodes):
         if ops.op_class(nd.name) is OpClass.CONTRACTION:
             dots |= 1 << nd.id
+            feeds_dot |= producers[nd.id]
+        elif feeds_dot >> nd.id & 1 and (ops.op_class(nd.name) is OpClass.LAYOUT or nd.name == "convert_element_type"):
             feeds_dot |= producers[nd.id]
     cache: dict[int, Candidate | None] = {}
     matched: dict[tuple, tuple[str, int] | None] = {}
@@ -219,8 +221,9 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
             for i in _bits(grown):
                 own |= producers[i]
             own &= fusible & ~grown & ~feeds_dot
-            add = [nb for nb in _bits(own) if consumers[nb] & ~grown == 0  # (not a side input's own reduction:
-                   and ops.op_class(graph.node_index[nb].name) is not OpClass.REDUCTION]  # key lengths summed from a mask)
+            add = [nb for nb in _bits(own) if consumers[nb] & ~grown == 0  # not a reduction or a product making one
+                   and ops.op_class(graph.node_index[nb].name) not in (OpClass.REDUCTION, OpClass.CONTRACTION)]  # (key
+            # lengths summed from a mask; the projection whose bias add the group starts at)
             if not add:
                 break
             grown |= sum(1 << nb for nb in add)
