@@ -222,8 +222,8 @@ def test_grouped_query_attention_on_jaxs_xla_path_is_one_attention_group(backend
 
 
 def test_only_jaxs_own_attention_is_read_as_it():
-    """The same equations with the scale changed after the fact, or a bias added to the scores, compute something
-    else: no group is read as the library's attention."""
+    """A query scaled before the call is read as the call's own query (the scaled value), and a bias passed to it as
+    its bias (an input of the group, fed to the kernel): each group is read as what it computes."""
     from autofuse.kernels.attention_library import xla_path_groups
     from autofuse.kernels.attention import _match
 
@@ -233,12 +233,12 @@ def test_only_jaxs_own_attention_is_read_as_it():
     def rescaled(q, k, v):
         return jax.nn.dot_product_attention(q * 2, k, v, is_causal=True)
 
-    for fn, n in ((biased, 0), (rescaled, 1)):
+    for fn, n_in in ((biased, 4), (rescaled, 3)):
         g = autofuse.capture(fn, *[S(s, BF16) for s in GQA])
-        found = xla_path_groups(g, _match)
-        assert len(found) == n
-        for grp, spec in found:  # the rescaling is outside the group: the group's own q is the scaled one
-            assert spec.feeds[spec.group.graph.inputs[0]] in grp.inputs and g.producer.get(spec.feeds[spec.group.graph.inputs[0]]) is not None
+        ((grp, spec),) = xla_path_groups(g, _match)
+        assert len(spec.feeds) == len(grp.inputs) == n_in and set(spec.feeds.values()) == set(grp.inputs)
+        # the rescaling is outside the group: the group's own q is the scaled one (the biased call's, the program's)
+        assert (g.producer.get(spec.feeds[spec.group.graph.inputs[0]]) is not None) == (fn is rescaled)
 
 
 @pytest.mark.parametrize("backend,config", [
@@ -380,3 +380,40 @@ def test_a_training_step_through_a_constant_bias_runs_the_flash_pair_and_a_learn
     for a, b in zip(got, jax.jit(step)(*ins)):
         err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
         assert a.shape == b.shape and err < 3e-2, err
+
+
+GQA_EXTRAS = {  # grouped-query heads on JAX's XLA path with another argument: its inputs past q, k, v, and their values
+    "key-lengths": (lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
+                    [S((2,), jnp.int32)], lambda: [jnp.array([37, 0], jnp.int32)]),
+    "bias": (lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
+             [S((1, 4, 100, 100), BF16)], lambda: [jax.random.normal(jax.random.key(7), (1, 4, 100, 100)).astype(BF16)]),
+}
+
+
+@pytest.mark.parametrize("kind", list(GQA_EXTRAS))
+@pytest.mark.parametrize("backend,config", [
+    pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
+    pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
+])
+def test_grouped_query_attention_with_lengths_or_a_bias_on_jaxs_xla_path_runs_the_flash_kernels(kind, backend, config):
+    """Grouped-query heads on JAX's XLA path are recognised by what they compute: with key lengths (a row without keys
+    among them) or a bias too, the call is read with them (`attention_library.XlaCall`) and runs as the flash kernel,
+    its training step (q, k, v differentiated) as the flash pair; both match jax.jit."""
+    fn, extra_specs, extras = GQA_EXTRAS[kind]
+    specs = [S((2, 100, 4, 64), BF16), S((2, 100, 2, 64), BF16), S((2, 100, 2, 64), BF16), *extra_specs]
+    ins = [jax.random.normal(jax.random.key(i), s.shape, jnp.float32).astype(BF16) for i, s in enumerate(specs[:3])] + extras()
+
+    def loss(*a):
+        return jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)) ** 2)
+
+    for program, template in ((fn, "attention"), (jax.grad(loss, argnums=(0, 1, 2)), "attention_vjp")):
+        g = autofuse.capture(program, *specs)
+        (cand,) = [c for c in enumerate_candidates(g) if c.template in ("attention", "attention_vjp")]
+        assert cand.template == template and cand.spec.feeds
+        cfg = {**(config or TEMPLATES[template].default_config_of(cand.spec, backend)), "backend": backend}
+        fused = autofuse.jit(program, plan=plan_from_choices(g, [(cand.group, template, cfg, cand.stages)]), on_miss="error")
+        got, want = fused(*ins), jax.jit(program)(*ins)
+        assert fused.last_status.startswith("plan:")
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+            assert a.shape == b.shape and err < 3e-2, (template, err)

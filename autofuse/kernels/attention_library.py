@@ -16,7 +16,9 @@ program on a CPU needs JAX's cuDNN checks to pass, which is the caller's affair 
 JAX's own XLA path of the function (its default implementation) is ordinary equations in the program, which the
 `attention` template reads itself, except with grouped-query heads: there it transposes the scores between its two
 products, which the tiling does not take. Such a group is recognised by what it computes (`xla_path_spec`: its
-value hashes against the function captured at its shapes) and read like a cuDNN call (`xla_path_groups` finds them).
+value hashes against the function captured at its shapes, with a bias or query / key lengths where it reads them:
+`XlaCall`) and read like a cuDNN call (`xla_path_groups` finds them). A sliding window is not read there (its
+positions are constants of the trace, not inputs).
 
 In a gradient program (`jax.grad`) the call is two primitives instead: the forward (`FWD`, emitting its softmax
 statistics) and the backward (`BWD`) reading them (`cudnn_pair`); `attention_vjp` runs the two as the flash pair, in
@@ -98,36 +100,73 @@ def library_spec(graph: Graph, node: Node, match: Callable[[Group], Any]) -> Any
     q, k, v = (graph.aval(a) for a in node.inputs[:3])
     if any(len(x.shape) != 4 for x in (q, k, v)) or any(graph.aval(a).size for a in node.inputs[3:]):
         return None
-    return _fed(_spec(_avals(graph, node.inputs[:3]), call["scale"], call["causal"], match), node.inputs[:3])
+    return _fed(_spec(_avals(graph, node.inputs[:3]), XlaCall(call["scale"], call["causal"]), match), node.inputs[:3])
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCall:
+    """A `jax.nn.dot_product_attention` call on JAX's XLA path as read off its equations: its scale and causal mask,
+    and what its inputs after the query, key and value are (`extras`, in order: "bias", "key_lengths",
+    "query_lengths", or "lengths" for one array passed as both)."""
+    scale: float
+    causal: bool
+    extras: tuple[str, ...] = ()
+
+    def __call__(self, q, k, v, *xs):
+        kw = {name: x for name, x in zip(self.extras, xs)}
+        both = kw.get("lengths")
+        return jax.nn.dot_product_attention(q, k, v, bias=kw.get("bias"), scale=self.scale, is_causal=self.causal,
+                                            query_seq_lengths=kw.get("query_lengths", both),
+                                            key_value_seq_lengths=kw.get("key_lengths", both), implementation="xla")
+
+
+#: what an input after the query, key and value may be, by its kind (a floating-point array: a bias; an int [B]: lengths)
+_EXTRAS = {"float": (("bias",),), "int": (("key_lengths",), ("lengths",), ("query_lengths",)),
+           "int,int": (("key_lengths", "query_lengths"), ("query_lengths", "key_lengths"))}
 
 
 def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
     """The `AttentionSpec` of a group that is, node for node, `jax.nn.dot_product_attention` on JAX's own XLA path
-    (its default implementation) with no bias or padding and no mask or a causal one, read as `library_spec` reads a
-    cuDNN call: with grouped-query heads that path transposes the scores between its two products, which the
-    `attention` template's tiling does not take. Recognised by computation (`computation.value_hashes`): the group's
-    output, from its three inputs, hashes as the output of the function captured at their shapes, at a scale among
-    the group's literals, masked or not; None for any other group."""
+    (its default implementation) with grouped-query heads, no mask or a causal one, and optionally a bias and query
+    or key lengths, read as `library_spec` reads a cuDNN call: with grouped-query heads that path transposes the
+    scores between its two products, which the `attention` template's tiling does not take. Recognised by
+    computation (`computation.value_hashes`): the group's output, from its inputs, hashes as the output of the
+    function captured at their shapes, at a scale among the group's literals, masked or not; None for any other group
+    (a sliding window among them: its positions are constants of the trace, not inputs)."""
     g = group.graph
     names = [n.name for n in group.nodes]
-    if len(group.inputs) != 3 or len(group.outputs) != 1 or names.count("dot_general") != 2 or names.count("reduce_max") != 1:
+    if len(group.outputs) != 1 or names.count("dot_general") != 2 or names.count("reduce_max") != 1:
         return None
-    if any(len(g.aval(a).shape) != 4 or g.aval(a).dtype != g.aval(group.inputs[0]).dtype for a in group.inputs):
+    heads = [a for a in group.inputs if len(g.aval(a).shape) == 4 and g.aval(a).dtype == g.aval(group.inputs[0]).dtype]
+    rest = [a for a in group.inputs if a not in heads]
+    if len(heads) == 4:  # a bias besides q, k, v: the one whose last dim (a sequence) is not their head dim
+        odd = [a for a in heads if sum(g.aval(b).shape[-1] == g.aval(a).shape[-1] for b in heads) == 1]
+        if len(odd) != 1:
+            return None
+        rest, heads = odd + rest, [a for a in heads if a != odd[0]]
+    if len(heads) != 3 or len(rest) > 2:
         return None
-    q, k, v = sorted(group.inputs, key=lambda a: -g.aval(a).shape[2])  # the query: the most heads
+    q, k, v = sorted(heads, key=lambda a: -g.aval(a).shape[2])  # the query: the most heads
     (B, _, N, H), (Bk, _, K, Hk) = g.aval(q).shape, g.aval(k).shape
     if (B, H) != (Bk, Hk) or g.aval(v).shape[:3] != g.aval(k).shape[:3] or K == N or N % K:
         return None  # (equal heads: the template reads JAX's path itself)
+    floats = [jnp.issubdtype(g.aval(a).dtype, jnp.floating) for a in rest]  # (np.issubdtype misses bfloat16)
+    kinds = ",".join("float" if f else "int" for f in floats)
+    if rest and (kinds not in _EXTRAS or any(g.aval(a).shape != (B,) for a, f in zip(rest, floats) if not f)):
+        return None  # (int arrays of another shape: a sliding window's positions, constants of the trace)
     scales = {float(a.value) for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()
               and np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
     orders = [(q, k, v)] + ([(q, v, k)] if g.aval(v).shape == g.aval(k).shape else [])  # which of the two is the key
-    for ops in orders:
-        (out,) = group.outputs
-        have = value_hashes(g, {a: f"in{i}" for i, a in enumerate(ops)}, group.nodes).get(out)
-        for scale in sorted(scales):
-            for causal in (True, False):
-                if have is not None and have == _xla_path_hash(_avals(g, ops), scale, causal):
-                    return _fed(_spec(_avals(g, ops), scale, causal, match), ops)
+    for extras in (_EXTRAS[kinds] if rest else ((),)):
+        for ops in orders:
+            ins = (*ops, *rest)
+            (out,) = group.outputs
+            have = value_hashes(g, {a: f"in{i}" for i, a in enumerate(ins)}, group.nodes).get(out)
+            for scale in sorted(scales):
+                for causal in (True, False):
+                    call = XlaCall(scale, causal, extras)
+                    if have is not None and have == _xla_path_hash(_avals(g, ins), call):
+                        return _fed(_spec(_avals(g, ins), call, match), ins)
     return None
 
 
@@ -179,11 +218,8 @@ def _dot_near(graph: Graph, node: Node, *, forward: bool) -> Node | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _xla_path_hash(qkv: tuple, scale: float, causal: bool) -> str:
-    def reference(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
-
-    sub = capture(reference, *(jax.ShapeDtypeStruct(s, d) for s, d in qkv))
+def _xla_path_hash(avals: tuple, call: XlaCall) -> str:
+    sub = capture(call, *(jax.ShapeDtypeStruct(s, d) for s, d in avals))
     return value_hashes(sub, {a: f"in{i}" for i, a in enumerate(sub.inputs)})[sub.outputs[0]]
 
 
@@ -192,7 +228,8 @@ def _avals(graph: Graph, values) -> tuple:
 
 
 def _fed(spec: Any, values) -> Any:
-    """`spec` (of a captured graph) with the program's values that its query, key and value stand for."""
+    """`spec` (of a captured graph) with the program's values that its inputs (query, key, value, and any bias or
+    lengths) stand for."""
     return None if spec is None else dataclasses.replace(spec, feeds=dict(zip(spec.group.graph.inputs, values)))
 
 
@@ -220,13 +257,18 @@ def pair_factor(head_dim: int) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _spec(qkv: tuple, scale: float, causal: bool, match: Callable[[Group], Any]) -> Any:
-    def reference(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
+def _spec(avals: tuple, call: XlaCall, match: Callable[[Group], Any]) -> Any:
+    """`match` of what `call` computes at `avals`, captured: with grouped-query heads the key and value heads
+    repeated (`repeated_heads`; with a bias or lengths, the library itself on the repeated heads, whose XLA path the
+    template reads where the heads are equal)."""
+    def repeated(q, k, v, *xs):
+        group = q.shape[2] // k.shape[2]
+        return call(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), *xs)
 
-    grouped = qkv[0][0][2] != qkv[1][0][2]
-    sub = capture(functools.partial(repeated_heads, scale=scale, causal=causal) if grouped else reference,
-                  *(jax.ShapeDtypeStruct(s, d) for s, d in qkv))
+    grouped = avals[0][0][2] != avals[1][0][2]
+    fn = (call if not grouped else repeated if call.extras
+          else functools.partial(repeated_heads, scale=call.scale, causal=call.causal))
+    sub = capture(fn, *(jax.ShapeDtypeStruct(s, d) for s, d in avals))
     try:
         return match(Group.of(sub, [n.id for n in sub.nodes]))
     except NoMatch:

@@ -217,7 +217,8 @@ def _match(group: Group) -> AttentionVJPSpec:
             grads[v] = by_hash[h[v]]
         if not grads:
             raise NoMatch("no cotangent computed")
-        side = {fwd.inputs.index(v) for v in attention.float_side_inputs(attn) if v in fwd.inputs}
+        fed = [attn.feeds.get(v, v) for v in attention.float_side_inputs(attn)]  # (library attention: the program's)
+        side = {fwd.inputs.index(v) for v in fed if v in fwd.inputs}
         if side & set(grads.values()):
             raise NoMatch("a floating-point side input's gradient is read (the flash backward does not generate it)")
         if attn.feeds:  # read as the library's attention: the pair runs the captured graph, fed the program's values
