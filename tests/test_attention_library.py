@@ -387,6 +387,10 @@ GQA_EXTRAS = {  # grouped-query heads on JAX's XLA path with another argument: i
                     [S((2,), jnp.int32)], lambda: [jnp.array([37, 0], jnp.int32)]),
     "bias": (lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
              [S((1, 4, 100, 100), BF16)], lambda: [jax.random.normal(jax.random.key(7), (1, 4, 100, 100)).astype(BF16)]),
+    # Mistral's and Gemma's local layers: the window's positions are constants of the trace, matched by their contents
+    # (the window once matched and then ran unwindowed: the captured kernel must carry it too)
+    "sliding-window": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(16, 0)),
+                       [], lambda: []),
 }
 
 
@@ -395,10 +399,10 @@ GQA_EXTRAS = {  # grouped-query heads on JAX's XLA path with another argument: i
     pytest.param("triton", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}, id="triton"),
     pytest.param("mosaic_gpu", None, id="mosaic-gpu-default-config"),
 ])
-def test_grouped_query_attention_with_lengths_or_a_bias_on_jaxs_xla_path_runs_the_flash_kernels(kind, backend, config):
+def test_grouped_query_attention_with_lengths_a_bias_or_a_window_on_jaxs_xla_path_runs_the_flash_kernels(kind, backend, config):
     """Grouped-query heads on JAX's XLA path are recognised by what they compute: with key lengths (a row without keys
-    among them) or a bias too, the call is read with them (`attention_library.XlaCall`) and runs as the flash kernel,
-    its training step (q, k, v differentiated) as the flash pair; both match jax.jit."""
+    among them), a bias or a sliding window too, the call is read with them (`attention_library.XlaCall`) and runs as
+    the flash kernel, its training step (q, k, v differentiated) as the flash pair; both match jax.jit."""
     fn, extra_specs, extras = GQA_EXTRAS[kind]
     specs = [S((2, 100, 4, 64), BF16), S((2, 100, 2, 64), BF16), S((2, 100, 2, 64), BF16), *extra_specs]
     ins = [jax.random.normal(jax.random.key(i), s.shape, jnp.float32).astype(BF16) for i, s in enumerate(specs[:3])] + extras()

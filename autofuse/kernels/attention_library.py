@@ -17,8 +17,8 @@ JAX's own XLA path of the function (its default implementation) is ordinary equa
 `attention` template reads itself, except with grouped-query heads: there it transposes the scores between its two
 products, which the tiling does not take. Such a group is recognised by what it computes (`xla_path_spec`: its
 value hashes against the function captured at its shapes, with a bias or query / key lengths where it reads them:
-`XlaCall`) and read like a cuDNN call (`xla_path_groups` finds them). A sliding window is not read there (its
-positions are constants of the trace, not inputs).
+`XlaCall`; a sliding window's positions, constants of the trace, by their contents) and read like a cuDNN call
+(`xla_path_groups` finds them).
 
 In a gradient program (`jax.grad`) the call is two primitives instead: the forward (`FWD`, emitting its softmax
 statistics) and the backward (`BWD`) reading them (`cudnn_pair`); `attention_vjp` runs the two as the flash pair, in
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -105,19 +106,21 @@ def library_spec(graph: Graph, node: Node, match: Callable[[Group], Any]) -> Any
 
 @dataclasses.dataclass(frozen=True)
 class XlaCall:
-    """A `jax.nn.dot_product_attention` call on JAX's XLA path as read off its equations: its scale and causal mask,
-    and what its inputs after the query, key and value are (`extras`, in order: "bias", "key_lengths",
-    "query_lengths", or "lengths" for one array passed as both)."""
+    """A `jax.nn.dot_product_attention` call on JAX's XLA path as read off its equations: its scale, causal mask and
+    sliding window, and what its inputs after the query, key and value are (`extras`, in order: "bias",
+    "key_lengths", "query_lengths", or "lengths" for one array passed as both)."""
     scale: float
     causal: bool
     extras: tuple[str, ...] = ()
+    window: tuple[int, int] | None = None  # `local_window_size`
 
     def __call__(self, q, k, v, *xs):
-        kw = {name: x for name, x in zip(self.extras, xs)}
+        kw = dict(zip(self.extras, xs))
         both = kw.get("lengths")
         return jax.nn.dot_product_attention(q, k, v, bias=kw.get("bias"), scale=self.scale, is_causal=self.causal,
                                             query_seq_lengths=kw.get("query_lengths", both),
-                                            key_value_seq_lengths=kw.get("key_lengths", both), implementation="xla")
+                                            key_value_seq_lengths=kw.get("key_lengths", both),
+                                            local_window_size=self.window, implementation="xla")
 
 
 #: what an input after the query, key and value may be, by its kind (a floating-point array: a bias; an int [B]: lengths)
@@ -127,18 +130,21 @@ _EXTRAS = {"float": (("bias",),), "int": (("key_lengths",), ("lengths",), ("quer
 
 def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
     """The `AttentionSpec` of a group that is, node for node, `jax.nn.dot_product_attention` on JAX's own XLA path
-    (its default implementation) with grouped-query heads, no mask or a causal one, and optionally a bias and query
-    or key lengths, read as `library_spec` reads a cuDNN call: with grouped-query heads that path transposes the
-    scores between its two products, which the `attention` template's tiling does not take. Recognised by
-    computation (`computation.value_hashes`): the group's output, from its inputs, hashes as the output of the
-    function captured at their shapes, at a scale among the group's literals, masked or not; None for any other group
-    (a sliding window among them: its positions are constants of the trace, not inputs)."""
+    (its default implementation) with grouped-query heads, no mask or a causal one, and optionally a bias, query or
+    key lengths and a sliding window, read as `library_spec` reads a cuDNN call: with grouped-query heads that path
+    transposes the scores between its two products, which the `attention` template's tiling does not take.
+    Recognised by computation (`computation.value_hashes`): the group's output, from its inputs (constants of the
+    trace, a window's positions, by their contents), hashes as the output of the function captured at their shapes,
+    at a scale among the group's literals, masked or not, at a window among its integer literals; None for any other
+    group."""
     g = group.graph
     names = [n.name for n in group.nodes]
     if len(group.outputs) != 1 or names.count("dot_general") != 2 or names.count("reduce_max") != 1:
         return None
-    heads = [a for a in group.inputs if len(g.aval(a).shape) == 4 and g.aval(a).dtype == g.aval(group.inputs[0]).dtype]
-    rest = [a for a in group.inputs if a not in heads]
+    consts = {a: _const_text(g.consts[a]) for a in group.inputs if a in g.consts}
+    args = [a for a in group.inputs if a not in consts]
+    heads = [a for a in args if len(g.aval(a).shape) == 4 and g.aval(a).dtype == g.aval(args[0]).dtype]
+    rest = [a for a in args if a not in heads]
     if len(heads) == 4:  # a bias besides q, k, v: the one whose last dim (a sequence) is not their head dim
         odd = [a for a in heads if sum(g.aval(b).shape[-1] == g.aval(a).shape[-1] for b in heads) == 1]
         if len(odd) != 1:
@@ -153,20 +159,23 @@ def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
     floats = [jnp.issubdtype(g.aval(a).dtype, jnp.floating) for a in rest]  # (np.issubdtype misses bfloat16)
     kinds = ",".join("float" if f else "int" for f in floats)
     if rest and (kinds not in _EXTRAS or any(g.aval(a).shape != (B,) for a, f in zip(rest, floats) if not f)):
-        return None  # (int arrays of another shape: a sliding window's positions, constants of the trace)
-    scales = {float(a.value) for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()
-              and np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
+        return None
+    literals = [a for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()]
+    scales = {float(a.value) for a in literals if np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
+    sides = sorted({int(a.value) for a in literals if np.issubdtype(a.aval.dtype, np.integer) and int(a.value) >= 0})
+    windows = [(left, right) for left in sides for right in sides] if consts else [None]  # (a window's positions: constants)
     orders = [(q, k, v)] + ([(q, v, k)] if g.aval(v).shape == g.aval(k).shape else [])  # which of the two is the key
     for extras in (_EXTRAS[kinds] if rest else ((),)):
         for ops in orders:
             ins = (*ops, *rest)
             (out,) = group.outputs
-            have = value_hashes(g, {a: f"in{i}" for i, a in enumerate(ins)}, group.nodes).get(out)
+            have = value_hashes(g, {**consts, **{a: f"in{i}" for i, a in enumerate(ins)}}, group.nodes).get(out)
             for scale in sorted(scales):
                 for causal in (True, False):
-                    call = XlaCall(scale, causal, extras)
-                    if have is not None and have == _xla_path_hash(_avals(g, ins), call):
-                        return _fed(_spec(_avals(g, ins), call, match), ins)
+                    for window in windows:
+                        call = XlaCall(scale, causal, extras, window)
+                        if have is not None and have == _xla_path_hash(_avals(g, ins), call):
+                            return _fed(_spec(_avals(g, ins), call, match), ins, {t: a for a, t in consts.items()})
     return None
 
 
@@ -220,17 +229,35 @@ def _dot_near(graph: Graph, node: Node, *, forward: bool) -> Node | None:
 @functools.lru_cache(maxsize=64)
 def _xla_path_hash(avals: tuple, call: XlaCall) -> str:
     sub = capture(call, *(jax.ShapeDtypeStruct(s, d) for s, d in avals))
-    return value_hashes(sub, {a: f"in{i}" for i, a in enumerate(sub.inputs)})[sub.outputs[0]]
+    leaves = {**{c: _const_text(x) for c, x in sub.consts.items()}, **{a: f"in{i}" for i, a in enumerate(sub.inputs)}}
+    return value_hashes(sub, leaves).get(sub.outputs[0], "")
+
+
+def _const_text(x: np.ndarray) -> str:
+    """A constant of a trace named by its contents (a window's positions: the same in the program and the capture)."""
+    x = np.ascontiguousarray(x)
+    return f"const({x.dtype}{list(x.shape)}:{hashlib.sha256(x.tobytes()).hexdigest()[:16]})"
 
 
 def _avals(graph: Graph, values) -> tuple:
     return tuple((graph.aval(a).shape, np.dtype(graph.aval(a).dtype).name) for a in values)
 
 
-def _fed(spec: Any, values) -> Any:
+def _fed(spec: Any, values, consts: dict[str, int] | None = None) -> Any:
     """`spec` (of a captured graph) with the program's values that its inputs (query, key, value, and any bias or
-    lengths) stand for."""
-    return None if spec is None else dataclasses.replace(spec, feeds=dict(zip(spec.group.graph.inputs, values)))
+    lengths) stand for, and its constants (`consts`: the program's constant values by their contents); None where
+    the captured group reads a constant the program's group does not have."""
+    if spec is None:
+        return None
+    feeds = dict(zip(spec.group.graph.inputs, values))
+    sub = spec.group.graph
+    for c in spec.group.inputs:
+        if c in sub.consts:
+            program = (consts or {}).get(_const_text(sub.consts[c]))
+            if program is None:
+                return None
+            feeds[c] = program
+    return dataclasses.replace(spec, feeds=feeds)
 
 
 def is_cudnn(group: Group) -> bool:
@@ -259,14 +286,14 @@ def pair_factor(head_dim: int) -> float:
 @functools.lru_cache(maxsize=64)
 def _spec(avals: tuple, call: XlaCall, match: Callable[[Group], Any]) -> Any:
     """`match` of what `call` computes at `avals`, captured: with grouped-query heads the key and value heads
-    repeated (`repeated_heads`; with a bias or lengths, the library itself on the repeated heads, whose XLA path the
-    template reads where the heads are equal)."""
+    repeated (`repeated_heads`; with a bias, lengths or a window, the library itself on the repeated heads, whose XLA
+    path the template reads where the heads are equal)."""
     def repeated(q, k, v, *xs):
         group = q.shape[2] // k.shape[2]
         return call(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), *xs)
 
     grouped = avals[0][0][2] != avals[1][0][2]
-    fn = (call if not grouped else repeated if call.extras
+    fn = (call if not grouped else repeated if call.extras or call.window
           else functools.partial(repeated_heads, scale=call.scale, causal=call.causal))
     sub = capture(fn, *(jax.ShapeDtypeStruct(s, d) for s, d in avals))
     try:
