@@ -131,6 +131,19 @@ def attention_library_gqa_causal_grad(q, k, v, dout):
     return attention_library_causal_grad(q, k, v, dout)
 
 
+def attention_library_gqa_window(q, k, v):
+    """Grouped-query heads with a causal sliding window of a quarter of the sequence (Mistral's; Gemma's local layers:
+    Mistral 7B's 4096 keys at 16k tokens): `local_window_size`, whose positions JAX's XLA path makes as constants of
+    the trace."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(q.shape[1] // 4, 0))
+
+
+def attention_library_gqa_window_grad(q, k, v, dout):
+    """Its forward and backward."""
+    _, pull = jax.vjp(attention_library_gqa_window, q, k, v)
+    return pull(dout)
+
+
 def attention_library_causal_grad(q, k, v, dout):
     """Its forward and backward (the cotangents of q, k, v for the output's cotangent `dout`), as a training step
     differentiates it."""
@@ -166,6 +179,10 @@ WORKLOADS = [
     Workload("attention_library_gqa_causal", attention_library_gqa_causal, ((4, 2048, 32, 64), (4, 2048, 8, 64), (4, 2048, 8, 64))),  # Llama-3.2-1B's heads
     Workload("attention_library_gqa_causal_grad", attention_library_gqa_causal_grad,
              ((4, 2048, 32, 64), (4, 2048, 8, 64), (4, 2048, 8, 64), (4, 2048, 32, 64))),
+    Workload("attention_library_gqa_window", attention_library_gqa_window,  # Mistral 7B's heads: 32 q / 8 kv, D128
+             ((2, 4096, 32, 128), (2, 4096, 8, 128), (2, 4096, 8, 128))),
+    Workload("attention_library_gqa_window_grad", attention_library_gqa_window_grad,
+             ((2, 4096, 32, 128), (2, 4096, 8, 128), (2, 4096, 8, 128), (2, 4096, 32, 128))),
 ]
 
 
@@ -194,6 +211,8 @@ SMALL = {
     "attention_library_causal_grad": ((2, 100, 2, 64),) * 4,
     "attention_library_gqa_causal": ((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64)),
     "attention_library_gqa_causal_grad": ((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64), (2, 100, 8, 64)),
+    "attention_library_gqa_window": ((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64)),
+    "attention_library_gqa_window_grad": ((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 64), (2, 100, 8, 64)),
 }
 
 
