@@ -13,6 +13,7 @@ from autofuse.runner.evaluator import Evaluator
 from autofuse.runner.in_program import in_program
 from autofuse.runner.protocol import TrialRequest, XlaRequest
 from autofuse.status import TrialStatus
+from autofuse.tuning.partition import enumerate_candidates
 
 
 def head(x, w, b):
@@ -129,3 +130,21 @@ def test_gpt2s_lm_head_dots_are_timed_on_the_embedding_itself():
         view = in_program(Group.of(graph, [nd.id]))
         assert [n.name for n in view.prologue] == ["transpose"]
         assert wte in [tuple(a.shape) for a in view.input_avals()]
+
+
+def test_the_programs_constants_are_read_at_their_values_never_random():
+    """A group reading the program's constants (JAX's XLA path makes a sliding window's positions as constants of the
+    trace) is checked and timed with them at their values: a kernel may rely on them (the grouped-query library
+    attention's captured kernel knows its window's blocks), and random positions, which the program never has, once
+    failed its every trial on the GPU (relative error 1.06)."""
+    from benchmarks.workloads import SMALL, attention_library_gqa_window
+
+    graph = autofuse.capture(attention_library_gqa_window,
+                             *[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in SMALL["attention_library_gqa_window"]])
+    (cand,) = [c for c in enumerate_candidates(graph) if c.template == "attention"]
+    view = in_program(cand.group)
+    assert view.consts and set(view.consts) <= set(graph.consts) and not set(view.inputs) & set(graph.consts)
+    ev = Evaluator(graph, measure="device", interpret=True, n_input_sets=1, repeats=2, target_ms=1.0)
+    cfg = {"backend": "triton", "block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    res = ev.handle(TrialRequest(cand.group.node_ids, "attention", cfg))
+    assert res.status is TrialStatus.OK, res.error

@@ -11,7 +11,7 @@ fusions as in the program, and a kernel pays for the copy its call needs, as in 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -36,11 +36,13 @@ MAX_CHAIN = 4
 
 @dataclass(frozen=True)
 class InProgram:
-    """A group with the layout ops in front of it (`prologue`, in program order), as a function of `inputs`."""
+    """A group with the layout ops in front of it (`prologue`, in program order), as a function of `inputs`; the
+    program's constants it reads (`consts`: a sliding window's positions) at their values, never random inputs."""
 
     group: Group
     prologue: tuple[Node, ...]
     inputs: tuple[int, ...]
+    consts: dict[int, Any] = field(default_factory=dict)
 
     def input_avals(self) -> list[Aval]:
         return [self.group.graph.avals[v] for v in self.inputs]
@@ -50,12 +52,13 @@ class InProgram:
         return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.input_avals()]
 
     def around(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` of the group's inputs as a function of `inputs`: the prologue first (nothing where there is none)."""
-        if not self.prologue:
+        """`fn` of the group's inputs as a function of `inputs`: the constants and the prologue first (nothing where
+        there are none)."""
+        if not self.prologue and not self.consts:
             return fn
 
         def run(*xs: Any) -> Any:
-            env: dict[int, Any] = dict(zip(self.inputs, xs))
+            env: dict[int, Any] = {**self.consts, **dict(zip(self.inputs, xs))}
             for nd in self.prologue:
                 env.update(zip(nd.outputs, bind_node(nd, [read_atom(env, a) for a in nd.inputs])))
             return fn(*[env[v] for v in self.group.inputs])
@@ -80,19 +83,20 @@ def in_program(group: Group) -> InProgram:
 
     for v in group.inputs:
         take(v, 0)
-    if not taken:
-        return InProgram(group, (), group.inputs)
     made = {v for nd in taken.values() for v in nd.outputs}
     inputs: list[int] = []
+    consts: dict[int, Any] = {}
 
     def roots(v: int) -> None:
         if v in made:
             for a in g.node_index[g.producer[v]].inputs:
                 if isinstance(a, int):
                     roots(a)
+        elif v in g.consts:
+            consts[v] = g.consts[v]
         elif v not in inputs:
             inputs.append(v)
 
     for v in group.inputs:
         roots(v)
-    return InProgram(group, tuple(sorted(taken.values(), key=lambda n: n.id)), tuple(inputs))  # a node's id is its place
+    return InProgram(group, tuple(sorted(taken.values(), key=lambda n: n.id)), tuple(inputs), consts)  # a node's id is its place
