@@ -421,3 +421,20 @@ def test_grouped_query_attention_with_lengths_a_bias_or_a_window_on_jaxs_xla_pat
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
             assert a.shape == b.shape and err < 3e-2, (template, err)
+
+
+def test_a_sliding_windows_positions_are_known_at_build_time_so_its_dead_blocks_are_skipped():
+    """JAX's XLA path makes a window's positions as constants of the trace: the mask analysis reads them as it reads
+    an iota, so the kernels know the window's blocks at build time and visit only those (a quarter of a causal grid's
+    keys here, a quarter of its blocks) instead of every block below the diagonal."""
+    from autofuse.kernels import attention_masks
+    from benchmarks.workloads import attention_library_gqa_window
+
+    g = autofuse.capture(attention_library_gqa_window, S((1, 512, 8, 64), BF16), S((1, 512, 2, 64), BF16), S((1, 512, 2, 64), BF16))
+    (cand,) = [c for c in enumerate_candidates(g) if c.template == "attention"]
+    assert attention_masks._known_consts(cand.spec)
+    attention_masks._analyze_masks(cand.spec)
+    live = cand.spec.live.some.mean()
+    assert cand.spec.mask_selects and 0.1 < live < 0.35, live  # causal alone: over a half
+    ranges = attention_masks.block_ranges(cand.spec, 64, 64)
+    assert ranges is not None and max(int(hi - lo) for lo, _, _, hi in ranges) == 3  # window 128 + the diagonal: 3 of 8

@@ -15,9 +15,21 @@ from .tiling import cdiv, needed
 
 # ---------------------------------------------------------------------------
 # Masks known at build time.
+def _known_consts(spec: AttentionSpec) -> dict[int, np.ndarray]:
+    """The group's inputs that are the program's constants along one of the query and key axes (JAX's XLA path makes
+    a sliding window's positions so): known at build time as an iota is."""
+    g, out = spec.group.graph, {}
+    for v in spec.tile.group.inputs:
+        placed = [a for a in spec.tile.axes.get(v, ()) if a is not None]
+        if v in g.consts and len(placed) == 1 and placed[0] in (spec.q_axis, spec.k_axis):
+            out[v] = np.asarray(g.consts[v]).reshape(-1)
+    return out
+
+
 def _iota_only(spec: AttentionSpec) -> set[int]:
-    """Score-space values computed from iota and literals alone, constant over the batch axes."""
-    out: set[int] = set()
+    """Score-space values computed from iota, literals and the program's constants (`_known_consts`) alone,
+    constant over the batch axes."""
+    out: set[int] = set(_known_consts(spec))
     batchy: set[int] = set()
     for nd in spec.pre:
         ins = [a for a in nd.inputs if isinstance(a, int)]
@@ -40,6 +52,11 @@ def _host_values(spec: AttentionSpec, want: set[int], body: AttentionEval, nodes
     """Evaluate iota-only values on the host over the grid's rows [q0, q0 + n) (`body`'s tile: [rows, Lk], n <= rows)."""
     env: dict = {}
     with jax.ensure_compile_time_eval():
+        for v, x in _known_consts(spec).items():  # a query-axis constant as the strip's rows, a key-axis one whole
+            if spec.q_axis in spec.tile.axes[v]:
+                env[v] = jnp.asarray(np.pad(x[q0:q0 + body.bm], (0, max(0, q0 + body.bm - len(x)))).reshape(body.bm, 1))
+            else:
+                env[v] = jnp.asarray(x.reshape(1, -1))
         body.set_program([0] * len(spec.score_shape), q0, 0)
         for nd in nodes:
             body.eval_node(nd, env, 0, 0)
