@@ -11,7 +11,8 @@ XLA path, which autofuse replaces by its flash kernels) against the same step as
 programs also run under jax.jit. Every output is compared on the model's own inputs (the two programs round
 differently: the table gives each one's relative error against jax.jit of `--program`), then the three are timed
 on three rotating sets of random inputs, each pair in alternation (`runner.measure.time_pair`: the ratio's median
-and quartiles).
+and quartiles). A program whose jax.jit needs most of the card beside the others (GPT-2's library step: ~90 GiB)
+runs with `XLA_PYTHON_CLIENT_MEM_FRACTION=0.95` (JAX preallocates 75% by default).
 """
 from __future__ import annotations
 

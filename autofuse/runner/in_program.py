@@ -42,7 +42,7 @@ class InProgram:
     group: Group
     prologue: tuple[Node, ...]
     inputs: tuple[int, ...]
-    consts: dict[int, Any] = field(default_factory=dict)
+    consts: dict[int, Any] = field(default_factory=dict, compare=False)  # (arrays: no equality of their own)
 
     def input_avals(self) -> list[Aval]:
         return [self.group.graph.avals[v] for v in self.inputs]
