@@ -289,8 +289,7 @@ def _spec(avals: tuple, call: XlaCall, match: Callable[[Group], Any]) -> Any:
     repeated (`repeated_heads`; with a bias, lengths or a window, the library itself on the repeated heads, whose XLA
     path the template reads where the heads are equal)."""
     def repeated(q, k, v, *xs):
-        group = q.shape[2] // k.shape[2]
-        return call(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), *xs)
+        return call(q, *_repeat_kv(q, k, v), *xs)
 
     grouped = avals[0][0][2] != avals[1][0][2]
     fn = (call if not grouped else repeated if call.extras or call.window
@@ -307,13 +306,18 @@ def repeated_heads(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, ca
     value heads repeated for grouped-query heads (JAX's own XLA path transposes the scores between its two products
     there, which the tiling does not take): scores in float32, the causal mask top-left aligned, the probabilities
     in the values' dtype."""
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    k, v = _repeat_kv(q, k, v)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if causal:
         s = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _repeat_kv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The key and value heads of [B, T, N, H] operands repeated to the query's (each key/value head for its group)."""
+    group = q.shape[2] // k.shape[2]
+    return jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
 
 
 def library_kernel(group: Group, spec: Any, inner: Callable) -> Callable:
