@@ -387,6 +387,9 @@ GQA_EXTRAS = {  # grouped-query heads on JAX's XLA path with another argument: i
                     [S((2,), jnp.int32)], lambda: [jnp.array([37, 0], jnp.int32)]),
     "bias": (lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
              [S((1, 4, 100, 100), BF16)], lambda: [jax.random.normal(jax.random.key(7), (1, 4, 100, 100)).astype(BF16)]),
+    "bias-and-key-lengths": (lambda q, k, v, b, n: jax.nn.dot_product_attention(q, k, v, bias=b, key_value_seq_lengths=n),
+                             [S((1, 4, 100, 100), BF16), S((2,), jnp.int32)],
+                             lambda: [jax.random.normal(jax.random.key(7), (1, 4, 100, 100)).astype(BF16), jnp.array([37, 0], jnp.int32)]),
     # Mistral's and Gemma's local layers: the window's positions are constants of the trace, matched by their contents
     # (the window once matched and then ran unwindowed: the captured kernel must carry it too)
     "sliding-window": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(16, 0)),

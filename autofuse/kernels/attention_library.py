@@ -123,9 +123,11 @@ class XlaCall:
                                             local_window_size=self.window, implementation="xla")
 
 
-#: what an input after the query, key and value may be, by its kind (a floating-point array: a bias; an int [B]: lengths)
-_EXTRAS = {"float": (("bias",),), "int": (("key_lengths",), ("lengths",), ("query_lengths",)),
-           "int,int": (("key_lengths", "query_lengths"), ("query_lengths", "key_lengths"))}
+#: the inputs after the query, key and value, by their kinds: a floating-point array is a bias (first), an int [B]
+#: array lengths
+_LENGTHS = {"": ((),), "int": (("key_lengths",), ("lengths",), ("query_lengths",)),
+            "int,int": (("key_lengths", "query_lengths"), ("query_lengths", "key_lengths"))}
+_EXTRAS = {**_LENGTHS, **{",".join(filter(None, ("float", k))): tuple(("bias", *e) for e in v) for k, v in _LENGTHS.items()}}
 
 
 def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
@@ -150,22 +152,23 @@ def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
         if len(odd) != 1:
             return None
         rest, heads = odd + rest, [a for a in heads if a != odd[0]]
-    if len(heads) != 3 or len(rest) > 2:
+    if len(heads) != 3 or len(rest) > 3:
         return None
     q, k, v = sorted(heads, key=lambda a: -g.aval(a).shape[2])  # the query: the most heads
     (B, _, N, H), (Bk, _, K, Hk) = g.aval(q).shape, g.aval(k).shape
     if (B, H) != (Bk, Hk) or g.aval(v).shape[:3] != g.aval(k).shape[:3] or K == N or N % K:
         return None  # (equal heads: the template reads JAX's path itself)
+    rest.sort(key=lambda a: not jnp.issubdtype(g.aval(a).dtype, jnp.floating))  # a bias first, as `XlaCall` takes it
     floats = [jnp.issubdtype(g.aval(a).dtype, jnp.floating) for a in rest]  # (np.issubdtype misses bfloat16)
     kinds = ",".join("float" if f else "int" for f in floats)
-    if rest and (kinds not in _EXTRAS or any(g.aval(a).shape != (B,) for a, f in zip(rest, floats) if not f)):
+    if kinds not in _EXTRAS or any(g.aval(a).shape != (B,) for a, f in zip(rest, floats) if not f):
         return None
     literals = [a for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()]
     scales = {float(a.value) for a in literals if np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
     sides = sorted({int(a.value) for a in literals if np.issubdtype(a.aval.dtype, np.integer) and int(a.value) >= 0})
     windows = [(left, right) for left in sides for right in sides] if consts else [None]  # (a window's positions: constants)
     orders = [(q, k, v)] + ([(q, v, k)] if g.aval(v).shape == g.aval(k).shape else [])  # which of the two is the key
-    for extras in (_EXTRAS[kinds] if rest else ((),)):
+    for extras in _EXTRAS[kinds]:
         for ops in orders:
             ins = (*ops, *rest)
             (out,) = group.outputs
