@@ -158,10 +158,10 @@ def xla_path_spec(group: Group, match: Callable[[Group], Any]) -> Any:
     (B, _, N, H), (Bk, _, K, Hk) = g.aval(q).shape, g.aval(k).shape
     if (B, H) != (Bk, Hk) or g.aval(v).shape[:3] != g.aval(k).shape[:3] or K == N or N % K:
         return None  # (equal heads: the template reads JAX's path itself)
-    rest.sort(key=lambda a: not jnp.issubdtype(g.aval(a).dtype, jnp.floating))  # a bias first, as `XlaCall` takes it
-    floats = [jnp.issubdtype(g.aval(a).dtype, jnp.floating) for a in rest]  # (np.issubdtype misses bfloat16)
-    kinds = ",".join("float" if f else "int" for f in floats)
-    if kinds not in _EXTRAS or any(g.aval(a).shape != (B,) for a, f in zip(rest, floats) if not f):
+    is_float = {a: jnp.issubdtype(g.aval(a).dtype, jnp.floating) for a in rest}  # (np.issubdtype misses bfloat16)
+    rest.sort(key=lambda a: not is_float[a])  # a bias first, as `XlaCall` takes it
+    kinds = ",".join("float" if is_float[a] else "int" for a in rest)
+    if kinds not in _EXTRAS or any(g.aval(a).shape != (B,) for a in rest if not is_float[a]):
         return None
     literals = [a for n in group.nodes for a in n.inputs if isinstance(a, Lit) and a.aval.shape == ()]
     scales = {float(a.value) for a in literals if np.issubdtype(a.aval.dtype, np.floating) and 0 < float(a.value) < np.inf}
