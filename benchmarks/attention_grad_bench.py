@@ -67,10 +67,20 @@ def jax_attention_mgpu(causal: bool, compute_wgs_bwd: int):
     return f
 
 
+def key_lengths(q, k, v, lengths):
+    """[B, H, L, D] attention over padded keys as a careful user writes it: the library call with each batch row's key
+    lengths ([B] int32), at its default implementation (JAX's XLA path in jax 0.11.2)."""
+    def t(x):
+        return jnp.swapaxes(x, 1, 2)
+
+    return t(jax.nn.dot_product_attention(t(q), t(k), t(v), key_value_seq_lengths=lengths))
+
+
 def fwd_bwd(f):
-    """(q, k, v, dO) -> (dq, dk, dv): the forward and its pullback, jitted."""
-    def step(q, k, v, do):
-        _, pull = jax.vjp(f, q, k, v)
+    """(q, k, v, dO, *fixed) -> (dq, dk, dv): the forward and its pullback, jitted (`fixed`: inputs not differentiated,
+    the key lengths)."""
+    def step(q, k, v, do, *fixed):
+        _, pull = jax.vjp(lambda q, k, v: f(q, k, v, *fixed), q, k, v)
         return pull(do)
 
     return jax.jit(step)
@@ -94,7 +104,8 @@ def main() -> None:
     ap.add_argument("--bwd-configs", default="", help="backward tiles HELDxSTEPwWARPSsSTAGES, e.g. 128x32w8s3: each "
                     "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
                     "time; Mosaic GPU's mgpuHELDxSTEPsSTAGES after a Mosaic GPU forward (default: the flash pair's own)")
-    ap.add_argument("--variants", default="bhld,bhld_causal")
+    ap.add_argument("--variants", default="bhld,bhld_causal", help="bhld, bhld_causal, key_lengths (padded keys: "
+                    "lengths drawn in [L/2, L] per batch row)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=0, metavar="N", help="also each autofuse pair's time over cuDNN's in N "
                     "alternating pairs of ~25 ms batches (median and quartiles)")
@@ -102,14 +113,16 @@ def main() -> None:
     a = ap.parse_args()
     B, H, L, D = (int(x) for x in a.shape.split(","))
     scale = 1.0 / math.sqrt(D)
-    fns = {"bhld": attention_bhld, "bhld_causal": attention_bhld_causal}
+    fns = {"bhld": attention_bhld, "bhld_causal": attention_bhld_causal, "key_lengths": key_lengths}
     rows = []
     for name in a.variants.split(","):
-        fn, causal = fns[name], name.endswith("causal")
+        fn, causal, padded = fns[name], name.endswith("causal"), name == "key_lengths"
         shape = (B, H, L, D)
-        specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3
-        sets = [random_inputs([autofuse.graph.Aval(shape, jnp.dtype(jnp.bfloat16))] * 4, 100 + i) for i in range(3)]
-        flops = 3.5 * 4.0 * B * H * L * L * D * (0.5 if causal else 1.0)  # fwd 2 matmuls, bwd 5 (FlashAttention-2's count)
+        specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((B,), jnp.int32)] * padded
+        sets = [random_inputs([autofuse.graph.Aval(shape, jnp.dtype(jnp.bfloat16))] * 4, 100 + i)
+                + [jax.random.randint(jax.random.key(200 + i), (B,), L // 2, L + 1, jnp.int32)] * padded for i in range(3)]
+        # fwd 2 matmuls, bwd 5 (FlashAttention-2's count), over the positions computed (padded keys: the dense count)
+        flops = 3.5 * 4.0 * B * H * L * L * D * (0.5 if causal else 1.0)
         ref = fwd_bwd(fn)
         t_ref = time_fn(ref, sets, repeats=a.repeats)
         want = ref(*sets[0])
@@ -123,8 +136,11 @@ def main() -> None:
         row("jax.jit (XLA)", t_ref)
         t_cudnn = cudnn_call = None
         try:
-            cud = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=causal, implementation="cudnn")
-            blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
+            def cud(q, k, v, *lengths):
+                return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn",
+                                                    key_value_seq_lengths=lengths[0] if lengths else None)
+
+            blhd = [[jnp.swapaxes(x, 1, 2) for x in s[:4]] + s[4:] for s in sets]
             step = fwd_bwd(cud)
             t = time_fn(step, blhd, repeats=a.repeats)
             row("cuDNN dot_product_attention fwd+bwd", t, [jnp.swapaxes(x, 1, 2) for x in step(*blhd[0])])
@@ -132,7 +148,7 @@ def main() -> None:
             cudnn_call = (step, blhd)
         except Exception as e:  # noqa: BLE001 - report and go on
             print("cuDNN failed:", type(e).__name__, str(e)[:300])
-        if not causal:
+        if not causal and not padded:
             for wgs in (1, 2):
                 try:
                     step = fwd_bwd(jax_attention_mgpu(causal, wgs))

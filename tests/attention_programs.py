@@ -82,6 +82,27 @@ def sliding_window(q, k, v):
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
 
 
+def alibi_causal(q, k, v, slopes):
+    # ALiBi: a slope per head [H] (a scalar per score batch position) times the keys' distance, causal
+    L = q.shape[2]
+    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None, :]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * 0.125 - slopes[None, :, None, None] * (i - j)
+    s = jnp.where(i >= j, s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def query_temperature(q, k, v, temp):
+    # a float32 factor per query [B, Lq] on the scores (a vector along the queries)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) * temp[:, None, :, None]
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def library_xla_lengths(q, k, v, q_lengths, kv_lengths):
+    # padding given as lengths [B] (int32), queries and keys: per-batch scalars compared with positions in the kernel
+    return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+                                        implementation="xla")
+
+
 def library_xla(q, k, v):
     # attention as a careful user writes it, on JAX's own XLA path ([B, L, H, D]; what the call runs where cuDNN is
     # not chosen: float32, another GPU, a CPU): scores in float32 by an algorithm preset, a unit grouped-query axis

@@ -325,11 +325,11 @@ def test_a_training_step_through_key_lengths_on_jaxs_xla_path_runs_the_flash_pai
         err = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
         assert a.shape == b.shape and err < 3e-2, err
     assert float(jnp.max(jnp.abs(got[1][0, 37:]))) == 0.0  # keys past a row's length get no gradient
-    if backend == "mosaic_gpu":  # the pair lowers for CUDA for real: the Mosaic GPU forward, and the backward on
-        # Triton (the Mosaic GPU backward declines score work reading an input besides q and k, here the lengths)
+    if backend == "mosaic_gpu":  # the pair lowers for CUDA for real: the Mosaic GPU forward and backward (the lengths
+        # read per CTA in both), no Triton kernel
         run = executor(g, plan_from_choices(g, [(cand.group, "attention_vjp", cfg, cand.stages)]), interpret=False)
         module = export_for_cuda(lambda *a: run(list(a)), [S(LENGTHS_SHAPE, BF16)] * 3 + [S((2, 100), jnp.int32)]).mlir_module()
-        assert module.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" in module
+        assert module.count("custom_call @mosaic_gpu_v2") >= 2 and "__gpu$xla.gpu.triton" not in module
 
 
 def with_bias(q, k, v, bias):

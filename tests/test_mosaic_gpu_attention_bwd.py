@@ -22,7 +22,8 @@ from autofuse.kernels.triton import attention_bwd as triton_backward
 from autofuse.runner.evaluator import export_for_cuda
 from autofuse.tuning.partition import enumerate_candidates
 from benchmarks.workloads import attention_bhld, attention_bhld_causal
-from tests.attention_programs import bias_blhd, gqa_repeat, heads_split_causal, padding_mask, sliding_window, softcap_then_causal
+from tests.attention_programs import (alibi_causal, bias_blhd, gqa_repeat, heads_split_causal, library_xla_lengths,
+                                     padding_mask, query_temperature, sliding_window, softcap_then_causal)
 from tests.kernel_checks import rel_err
 from tests.quick import slow_except
 
@@ -52,24 +53,44 @@ CASES = [
     pytest.param(attention_bhld, [(2, 1, 130, 64)] * 3, BF16, 64, P, id="persistent-bhld-ragged"),
     pytest.param(attention_bhld_causal, [(2, 1, 256, 64)] * 3, BF16, 128, {**F, **P}, id="persistent-fused-rows-causal"),
     pytest.param(sliding_window, [(1, 2, 200, 128)] * 3, F16, 64, {**F, **P}, id="persistent-fused-cols-sliding-window"),
+    # score work reading other inputs: a key padding mask (bool, widened to int32 for 128-byte copies), per-batch
+    # lengths of queries and keys (scalars per CTA), a slope per head (a scalar), a float32 vector along the queries;
+    # vectors along the keys streamed in dq and held in dK/dV, along the queries the other way round
+    pytest.param(padding_mask, [(2, 2, L, 64)] * 3 + [S((2, L), jnp.bool_)], BF16, 64, {}, id="padding-mask"),
+    pytest.param(padding_mask, [(2, 2, L, 64)] * 3 + [S((2, L), jnp.bool_)], BF16, 128, F, id="fused-rows-padding-mask"),
+    pytest.param(library_xla_lengths, [(2, L, 2, 128)] * 3 + [S((2,), jnp.int32)] * 2, BF16, 64, F,
+                 id="fused-cols-query-and-key-lengths"),
+    pytest.param(alibi_causal, [(1, 2, 200, 64)] * 3 + [S((2,), F32)], BF16, 64, {}, id="alibi-causal"),
+    pytest.param(query_temperature, [(2, 1, L, 64)] * 3 + [S((2, L), F32)], BF16, 64, {}, id="query-vector"),
+    pytest.param(query_temperature, [(2, 1, L, 64)] * 3 + [S((2, L), F32)], BF16, 128, F, id="fused-rows-query-vector"),
 ]
 
 
 def _group(fn, shapes, dtype):
-    g = autofuse.capture(fn, *[S(s, dtype) for s in shapes])
+    g = autofuse.capture(fn, *[s if isinstance(s, S) else S(s, dtype) for s in shapes])
     c = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes))
     return c.group, c.spec
 
 
+def _input(key, aval, length: int):
+    """A random input: masks mostly True, lengths in [1, length], floats normal."""
+    if aval.dtype == jnp.bool_:
+        return jax.random.bernoulli(key, 0.8, aval.shape)
+    if jnp.issubdtype(aval.dtype, jnp.integer):
+        return jax.random.randint(key, aval.shape, 1, length + 1, aval.dtype)
+    return jax.random.normal(key, aval.shape, jnp.float32).astype(aval.dtype)
+
+
 def _residuals(group, spec, seed=0):
     keys = jax.random.split(jax.random.key(seed), len(group.inputs) + 1)
-    xs = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, group.input_avals())]
+    xs = [_input(k, a, spec.Lk) for k, a in zip(keys, group.input_avals())]
     out, lse = mgpu_forward.lower(group, spec, {"block_kv": 64}, interpret=True, emit_lse=True)(*xs)
     dout = jax.random.normal(keys[-1], out.shape, jnp.float32).astype(out.dtype)
     return xs, out, lse, dout
 
 
-@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "fused-cols-causal-d128-ragged"))
+@pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(CASES, "fused-cols-causal-d128-ragged",
+                                                                   "fused-rows-padding-mask"))
 def test_interpret_matches_the_triton_backward(fn, shapes, dtype, step, extra):
     group, spec = _group(fn, shapes, dtype)
     xs, out, lse, dout = _residuals(group, spec)
@@ -89,11 +110,14 @@ EXPORTED = CASES[:4] + [CASES[6]] + [
     pytest.param(attention_bhld_causal, [(1, 1, 300, 128)] * 3, BF16, 64, {**F, **O}, id="fused-cols-overlap-causal-d128"),
     pytest.param(attention_bhld_causal, [(8, 32, 2048, 128)] * 3, BF16, 64, {**F, **P}, id="persistent-fused-cols-causal-target"),
     pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, 64, P, id="persistent-two-kernels"),
+    *[c for c in CASES if c.id in ("padding-mask", "fused-rows-padding-mask", "fused-cols-query-and-key-lengths",
+                                   "alibi-causal", "fused-rows-query-vector")],
 ]
 
 
 @pytest.mark.parametrize("fn,shapes,dtype,step,extra", slow_except(EXPORTED, "fused-cols-causal-d128-ragged",
-                                                                   "persistent-fused-cols-causal-target"))
+                                                                   "persistent-fused-cols-causal-target",
+                                                                   "fused-cols-query-and-key-lengths"))
 def test_lowers_for_cuda(fn, shapes, dtype, step, extra):
     """The real Mosaic GPU lowering (no GPU): wgmma with Pᵀ and dS from registers, the transposed tile's layouts, the
     fused dQ's transposed dSᵀ operand, its split of K and its TMA reduction (one kernel)."""
@@ -121,19 +145,17 @@ def test_issue_target_shape_lowers_and_fits():
 
 
 def test_declines_what_it_does_not_support():
-    """Score work reading a side input (a bias, a padding mask) and float32 attention stay with the Triton backward;
-    tiles other than 64 held rows and 64 or 128 stepped ones are refused."""
-    cases = [(bias_blhd, [(1, 64, 2, 64)] * 3 + [(2, 64, 64)], BF16, "besides q and k"),
-             (padding_mask, [(2, 2, 64, 64)] * 3, BF16, "besides q and k"),
+    """Score work reading a [queries, keys] input (a bias) and float32 attention stay with the Triton backward (a
+    padding mask, a vector, does not); tiles other than 64 held rows and 64 or 128 stepped ones are refused."""
+    cases = [(bias_blhd, [(1, 64, 2, 64)] * 3 + [(2, 64, 64)], BF16, "queries, keys"),
              (attention_bhld, [(1, 2, 64, 64)] * 3, F32, "float32 attention")]
     for fn, shapes, dtype, why in cases:
-        specs = [S(s, dtype) for s in shapes]
-        if fn is padding_mask:
-            specs.append(S((2, 64), jnp.bool_))
-        g = autofuse.capture(fn, *specs)
+        g = autofuse.capture(fn, *[S(s, dtype) for s in shapes])
         spec = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes)).spec
         with pytest.raises(Unsupported, match=why):
             mgpu_backward.check_group(spec)
+    _, spec = _group(padding_mask, [(2, 2, 64, 64)] * 3 + [S((2, 64), jnp.bool_)], BF16)
+    mgpu_backward.check_group(spec)
     _, spec = _group(attention_bhld, [(1, 2, 64, 64)] * 3, BF16)
     for cfg in (mgpu_backward.Config(32, 64, 2), mgpu_backward.Config(64, 32, 2), mgpu_backward.Config(64, 64, 1)):
         with pytest.raises(Unsupported):

@@ -31,9 +31,13 @@ blocks they kill (`attention.block_ranges`, as the forward). GQA and heads split
 forward's TMA index arithmetic; the kernels write dQ, dK, dV per score batch position ([batch, L, D] in the
 operands' dtype), and the template maps them back to the operands (GQA's heads summed there, by XLA).
 
+Score work may read other inputs, as the forward's: a vector along the keys (a padding mask) is held with K in
+`dkdv` and streamed with K in `dq`, one along the queries the other way round (each TMA'd beside the operand it
+travels with, on its barrier), a scalar (lengths per batch, a slope per head) read per CTA.
+
 Declined (`Unsupported`, the Triton backward runs instead): what the Mosaic GPU forward declines, score work
-reading an input besides Q and K (a bias, a padding mask, a scalar), tiles other than 64 held rows and 64 or 128
-stepped ones. Interpret mode (CPU) has no wgmma with A in registers: P and dS go through SMEM there, one product at
+reading a [queries, keys] input (a bias: its tile would need a transposed copy for `dkdv`), float32 attention,
+tiles other than 64 held rows and 64 or 128 stepped ones. Interpret mode (CPU) has no wgmma with A in registers: P and dS go through SMEM there, one product at
 a time; nor TMA reductions: there the fused dQ is read, added and written back (its CTAs run one at a time, and the
 two warpgroups' halves do not overlap).
 """
@@ -57,7 +61,7 @@ from ..attention_masks import block_ranges, key_block_ranges
 from ..attention_spec import AttentionSpec
 from ..tiling import cdiv, needed
 from . import attention as fwd
-from .gemm import interpret_params, require_smem
+from .gemm import from_kernel, interpret_params, require_smem
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, layout
 
 _LOG2E = math.log2(math.e)
@@ -123,8 +127,8 @@ def check_group(spec: AttentionSpec) -> None:
     fwd.check_group(spec)
     if fwd.tf32(spec):
         raise Unsupported("float32 attention (TF32): the Triton backward")
-    if fwd.score_inputs(spec):
-        raise Unsupported("score work reading an input besides q and k (a bias, a mask, a scalar): the Triton backward")
+    if any(spec.tile.span[v] == FULL for v in fwd.score_inputs(spec)):
+        raise Unsupported("score work reading a [queries, keys] input (a bias, a mask tile): the Triton backward")
 
 
 def check_config(spec: AttentionSpec, cfg: Config) -> None:
@@ -167,9 +171,20 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
 
     dq = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, 2 * h * 4, 2 * h * 4, st * s * spec.D * i1, st * s * spec.Dv * i2]
     dkdv = [2 * h * spec.D * i1, 2 * h * spec.Dv * i2, st * s * spec.D * i1, st * s * spec.Dv * i2, st * s * 4, st * s * 4]
+    for v, view in vector_views(spec).items():  # held beside Q (dq) or K (dkdv), streamed with K (dq) or Q (dkdv)
+        held, streamed = 2 * h * view.dtype.itemsize, st * s * view.dtype.itemsize
+        along_q = spec.tile.span[v] == ROWS
+        dq.append(held if along_q else streamed)
+        dkdv.append(streamed if along_q else held)
     if cfg.fused:  # dS for both warpgroups, double-buffered; each warpgroup's float32 share of dQ
         dkdv += [2 * 2 * h * s * i1, 2 * 64 * dq_share_cols(spec, cfg) * 4]
     return total(dq, 2 + 4 * st), total(dkdv, 2 + 4 * st + 2 * cfg.fused)
+
+
+def vector_views(spec: AttentionSpec) -> dict:
+    """The score work's vector inputs (along the queries or the keys: a padding mask, positions), as the kernels read
+    them: widened where 64 of them would not make a 128-byte TMA copy (every tile here is a multiple of 64 rows)."""
+    return {v: fwd._input_view(spec, v, 64) for v in fwd.score_inputs(spec) if spec.tile.span[v] in (ROWS, COLS)}
 
 
 def _key_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
@@ -202,14 +217,34 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     tf_d, tf_dv = fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize)  # q/k and v/dO tiles, held or streamed
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
 
+    # the score work's other inputs: vectors along the queries (held with Q in dq, streamed with Q in dkdv) or the keys
+    # (streamed with K in dq, held with K in dkdv), and scalars (read per CTA)
+    side = fwd.score_inputs(spec)
+    in_views = {v: fwd._input_view(spec, v, 64) for v in side}
+    q_vecs = [v for v in side if spec.tile.span[v] == ROWS]
+    k_vecs = [v for v in side if spec.tile.span[v] == COLS]
+    scalars = [v for v in side if spec.tile.span[v] == NONE]
+
     def operand_box(r: str, bidx, s0, n: int):
         v = views[r]
         return fwd._operand_index(v.operand, len(v.shape), bidx, s0, n, D if r != "v" else Dv)
 
-    def score_work(tiles, s, r0, c0, masked: bool):
-        """y (float32, the exp's input) of the score tile `s`, and its VJP (`masked`: evaluate the masks)."""
+    def vector_box(v: int, bidx, s0, n: int) -> tuple:
+        """Vector input v's TMA box: n positions from s0 along its query or key axis, at the CTA's batch index."""
+        return tuple(pl.ds(s0, n) if a in (spec.q_axis, spec.k_axis) else bidx[a] for a in in_views[v].axes)
+
+    def scalar_env(in_refs: dict, bidx) -> dict:
+        return {v: from_kernel(in_refs[v][tuple(bidx[a] for a in in_views[v].axes) or (0,)], g.avals[v].dtype)
+                for v in scalars}
+
+    def vector(ref, v: int, span) -> jax.Array:
+        return from_kernel(plgpu.load(ref, layout=layout(span)), g.avals[v].dtype)
+
+    def score_work(tiles, s, r0, c0, masked: bool, inputs: dict):
+        """y (float32, the exp's input) of the score tile `s`, and its VJP (`masked`: evaluate the masks; `inputs`:
+        the score inputs' values on this tile)."""
         def f(x):
-            env = {scores: x}
+            env = {**inputs, scores: x}
             for nd in score_nodes[masked]:
                 if not masked and nd.id in masked_nodes:
                     env[nd.outputs[0]] = env[masked_nodes[nd.id]]
@@ -262,6 +297,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     q_tbl = fwd._ranges_table(spec, h, st_rows)
 
     def dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        in_refs, rest = dict(zip(side, rest[:len(side)])), rest[len(side):]
         tbl_ref = rest[0] if q_tbl is not None else None
         dq_ref = rest[-1]
         scratch = dict(
@@ -270,12 +306,16 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             k_smem=plgpu.SMEM((stages, st_rows, D), dt1, transforms=tf_d),
             v_smem=plgpu.SMEM((stages, st_rows, Dv), dt2, transforms=tf_dv),
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
-            q_bar=plgpu.Barrier(num_arrivals=4, num_barriers=2),
-            k_bar=plgpu.Barrier(num_barriers=stages), v_bar=plgpu.Barrier(num_barriers=stages),
+            qvec_smem=[plgpu.SMEM((2, h), in_views[v].dtype) for v in q_vecs],
+            kvec_smem=[plgpu.SMEM((stages, st_rows), in_views[v].dtype) for v in k_vecs],
+            q_bar=plgpu.Barrier(num_arrivals=4 + len(q_vecs), num_barriers=2),
+            k_bar=plgpu.Barrier(num_arrivals=1 + len(k_vecs), num_barriers=stages), v_bar=plgpu.Barrier(num_barriers=stages),
             k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, q_bar, k_bar, v_bar, k_free, v_free):
+        def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, qvec_smem, kvec_smem, q_bar, k_bar,
+                   v_bar, k_free, v_free):
+            qvec_smem, kvec_smem = dict(zip(q_vecs, qvec_smem)), dict(zip(k_vecs, kvec_smem))
             wg = lax.axis_index("wg")
             cta = lax.axis_index("q")
             if q_tbl is not None:
@@ -294,6 +334,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 def issue_k(j, slot):
                     k0 = j * st_rows + wg * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
                     plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, st_rows)], k_smem.at[slot], k_bar.at[slot])
+                    for v in k_vecs:
+                        plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, k0, st_rows)], kvec_smem[v].at[slot],
+                                                k_bar.at[slot])
 
                 def issue_v(j, slot):
                     k0 = j * st_rows + wg * 0
@@ -311,7 +354,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 plgpu.copy_gmem_to_smem(do_ref.at[bflat, pl.ds(q0, h)], do_smem.at[wg], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(lse_ref.at[bflat, pl.ds(q0, h)], lse_smem.at[wg], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(delta_ref.at[bflat, pl.ds(q0, h)], delta_smem.at[wg], q_bar.at[wg])
+                for v in q_vecs:
+                    plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, q0, h)], qvec_smem[v].at[wg], q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
+                held_inputs = scalar_env(in_refs, bidx) | {v: vector(qvec_smem[v].at[wg], v, ROWS) for v in q_vecs}
                 rows = layout(ROWS)
                 lse = plgpu.load(lse_smem.at[wg], layout=rows) * _LOG2E
                 delta = plgpu.load(delta_smem.at[wg], layout=rows)
@@ -323,7 +369,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     k0 = j * st_rows
                     plgpu.barrier_wait(k_bar.at[slot])
                     s = product(q_smem.at[wg], k_smem.at[slot].T, (h, st_rows))
-                    y, pull = score_work(tiles, s, q0, k0, masked)
+                    inputs = held_inputs | {v: vector(kvec_smem[v].at[slot], v, COLS) for v in k_vecs}
+                    y, pull = score_work(tiles, s, q0, k0, masked, inputs)
                     p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (0,)))
                     ok = bounds_mask(q_ids, plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=layout(COLS)) + k0,
                                      (h, st_rows), 0)
@@ -367,6 +414,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     dq_cols = dq_share_cols(spec, cfg) if fused else None
 
     def dkdv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        in_refs, rest = dict(zip(side, rest[:len(side)])), rest[len(side):]
         dq_ref = rest[0] if fused else None  # float32 [batch, rows, D], zeros on entry: every step's dQ added into it
         tbl_ref = rest[int(fused)] if k_tbl is not None else None
         dk_ref, dv_ref = rest[-2], rest[-1]
@@ -377,8 +425,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             lse_smem=plgpu.SMEM((stages, st_rows), jnp.float32), delta_smem=plgpu.SMEM((stages, st_rows), jnp.float32),
             p_smem=plgpu.SMEM((2, h, st_rows), dt2, transforms=fwd._tf(st_rows, dt2.itemsize)) if via_smem else None,
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
-            kv_bar=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-            q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages), do_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            kvec_smem=[plgpu.SMEM((2, h), in_views[v].dtype) for v in k_vecs],
+            qvec_smem=[plgpu.SMEM((stages, st_rows), in_views[v].dtype) for v in q_vecs],
+            kv_bar=plgpu.Barrier(num_arrivals=2 + len(k_vecs), num_barriers=2),
+            q_bar=plgpu.Barrier(num_arrivals=2 + len(q_vecs), num_barriers=stages), do_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             # fused: dSᵀ of both warpgroups ([keys, 64 queries] per 64 stepped queries), double-buffered, and when both
             # have written it; each warpgroup's float32 share of dQ on its way to the TMA reduction
@@ -388,8 +438,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             dq_bar=plgpu.Barrier(num_barriers=2) if fused and via_smem else None)
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bar, do_bar, q_free,
-                   do_free, dst_smem, ds_ready, dq_smem, dq_bar):
+        def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kvec_smem, qvec_smem, kv_bar,
+                   q_bar, do_bar, q_free, do_free, dst_smem, ds_ready, dq_smem, dq_bar):
+            qvec_smem, kvec_smem = dict(zip(q_vecs, qvec_smem)), dict(zip(k_vecs, kvec_smem))
             wg = lax.axis_index("wg")
             if persistent:  # concurrent CTAs on neighbouring tiles (a head's key blocks)
                 n_mine, tile_at = fwd.persistent_tiles(n_tiles, n_grid, snake=k_tbl is not None)
@@ -414,6 +465,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     q0 = i * st_rows + wg * 0
                     plgpu.copy_gmem_to_smem(q_ref.at[operand_box("q", bidx, q0, st_rows)], q_smem.at[slot], q_bar.at[slot])
                     plgpu.copy_gmem_to_smem(lse_ref.at[bflat, pl.ds(q0, st_rows)], lse_smem.at[slot], q_bar.at[slot])
+                    for v in q_vecs:
+                        plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, q0, st_rows)], qvec_smem[v].at[slot],
+                                                q_bar.at[slot])
 
                 def issue_do(bidx, bflat, i, slot):  # noqa: ARG001 - as issue_q
                     q0 = i * st_rows + wg * 0
@@ -455,7 +509,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     held_k = k_smem.at[pl.ds(pl.multiple_of(wg * h, h), h)]
                     plgpu.copy_gmem_to_smem(k_ref.at[operand_box("k", bidx, k0, h)], held_k, kv_bar.at[wg])
                     plgpu.copy_gmem_to_smem(v_ref.at[operand_box("v", bidx, k0, h)], v_smem.at[wg], kv_bar.at[wg])
+                    for v in k_vecs:
+                        plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, k0, h)], kvec_smem[v].at[wg], kv_bar.at[wg])
                     plgpu.barrier_wait(kv_bar.at[wg])
+                    # keys are the transposed tile's rows
+                    held_inputs = scalar_env(in_refs, bidx) | {v: vector(kvec_smem[v].at[wg], v, ROWS) for v in k_vecs}
                     cols = layout(COLS)
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                     lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
@@ -498,10 +556,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                         q0 = i * st_rows
                         plgpu.barrier_wait(q_bar.at[slot])
                         lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
+                        inputs = held_inputs | {v: vector(qvec_smem[v].at[slot], v, COLS) for v in q_vecs}
                         ok = bounds_mask(plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=cols) + q0, k_ids, (h, st_rows), 1)
 
                         def probabilities(s_t):
-                            y, pull = score_work(tiles, s_t, k0, q0, masked)
+                            y, pull = score_work(tiles, s_t, k0, q0, masked, inputs)
                             p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (1,)))
                             return (p if ok is None else jnp.where(ok, p, 0.0)), pull
 
@@ -607,7 +666,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         pad = rows_pad - Lq
         do = jnp.pad(do.astype(dt2), ((0, 0), (0, pad), (0, 0)))
         lse, delta = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad))) for x in (lse, delta))
-        tail = [do, lse, delta]
+        tail = [do, lse, delta] + [in_views[v].prepare(env[v]) for v in side]
         k_tail = [jnp.asarray(k_arg)] if k_arg is not None else []
         if fused:  # the kernel adds every step's dQ into a float32 buffer of zeros (a Ref: written in place)
             dq_acc = jax.new_ref(jnp.zeros((B, rows_pad, D), jnp.float32))

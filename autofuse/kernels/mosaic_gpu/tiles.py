@@ -148,7 +148,10 @@ class RegisterTiles:
         out = nd.outputs[0]
         want = self.piece(self.spec.span[out])
         if cls in (OpClass.BROADCAST, OpClass.LAYOUT):
-            env[out] = self.atom(env, nd.inputs[0])  # the span (what it varies along) is unchanged: no code
+            # no code where the span (what it varies along) is unchanged; a vector broadcast over the tile (a padding
+            # mask's [B, 1, 1, Lk] to the scores' shape) is widened here, so that every value's shape follows its span
+            # (left as a vector, numpy's broadcasting would align it with the last axis: wrong on a transposed tile)
+            env[out] = self.widen(self.atom(env, nd.inputs[0]), self.span_of(nd.inputs[0]), want)
         elif cls is OpClass.REDUCTION and self.spec.seg and self.bn == self.spec.seg:
             # over one segment = over this piece's columns: a row reduction that stays within each warp
             kind = ops.reduction_kind(nd.name)
