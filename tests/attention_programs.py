@@ -118,3 +118,21 @@ def library_xla_gqa(q, k, v):
     # grouped-query heads: the XLA path writes q as [B, T, N_kv, G, H] and transposes the scores between the dots
     # (G moves): read as the library's attention by what it computes (`attention_library.xla_path_spec`)
     return library_xla(q, k, v)
+
+
+def key_lengths_blhd(q, k, v, kv_lengths):
+    # padding given as key lengths [B] (int32), as the library takes it: keys from a row's length on are masked
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="xla")
+
+
+def key_lengths_causal_blhd(q, k, v, kv_lengths):
+    # causal and key lengths, joined in one predicate by JAX's XLA path (the causal part known at build time)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, is_causal=True, implementation="xla")
+
+
+def nan_past_lengths(x, lengths, block: int):
+    """x [B, L, ...] with NaN at the key positions from each row's length rounded up to `block` on: what a kernel that
+    visits only the key blocks holding a live key never reads (a visit would make the output NaN: 0 * NaN)."""
+    ends = -(-lengths // block) * block
+    dead = jnp.arange(x.shape[1])[None, :] >= ends[:, None]
+    return jnp.where(dead.reshape(dead.shape + (1,) * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)

@@ -21,7 +21,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import autofuse
-from autofuse.kernels import attention
+from autofuse.kernels import attention, attention_masks
 from autofuse.kernels.mosaic_gpu import attention as mgpu_attention
 from autofuse.kernels.mosaic_gpu.tiles import Unsupported
 from autofuse.runner.evaluator import export_for_cuda
@@ -35,7 +35,10 @@ from tests.attention_programs import (
     gqa_repeat,
     heads_split_causal,
     library_xla,
+    key_lengths_blhd,
+    key_lengths_causal_blhd,
     library_xla_causal,
+    nan_past_lengths,
     padding_mask,
     sliding_window,
     softcap_then_causal,
@@ -161,6 +164,8 @@ def _specs(fn, shapes, dtype):
             return jnp.bool_
         if (fn is scalar_temperature_f32_out and s == ()) or (fn is alibi_causal and len(s) == 1):
             return F32
+        if fn in (key_lengths_blhd, key_lengths_causal_blhd) and len(s) == 1:
+            return jnp.int32
         return dtype
     return [S(s, dt(s)) for s in shapes]
 
@@ -284,6 +289,47 @@ def test_causal_ctas_visit_live_key_blocks_only():
         assert list(row) == [0, 0, c, c + 1, 0, 0, c, c + 1, 0, c + 1]
     g, group, spec = _group(attention_bhld, [(1, 1, 2048, 128)] * 3, BF16)
     assert mgpu_attention._ranges_table(spec, 64, 128) is None  # no mask: every block, no mask arithmetic
+
+
+def key_lengths_inputs(group, spec, lengths: list[int], block: int, seed=0) -> list:
+    """Inputs of a key-lengths group (`key_lengths_blhd`): the lengths, q, k and v random, with NaN planted in k and v
+    past each row's live key blocks (`nan_past_lengths`) where `block`; and the same with zeros there (the reference)."""
+    n = jnp.asarray(lengths, jnp.int32)
+    keys = iter(jax.random.split(jax.random.key(seed), 3))
+    planted, zeros = [], []
+    for v, a in zip(group.inputs, group.input_avals()):
+        if a.dtype == jnp.int32:
+            planted.append(n), zeros.append(n)
+            continue
+        x = jax.random.normal(next(keys), a.shape, jnp.float32).astype(a.dtype)
+        if v != spec.q.value and block:
+            x = nan_past_lengths(x, n, block)
+        planted.append(x), zeros.append(jnp.nan_to_num(x, nan=0.0))
+    return planted, zeros
+
+
+@pytest.mark.parametrize("fn,config", slow_except([
+    pytest.param(key_lengths_blhd, K64, id="key-lengths"),
+    pytest.param(key_lengths_causal_blhd, {**K64, "overlap": 1}, id="key-lengths-causal-overlap"),
+    pytest.param(key_lengths_blhd, {**K64, **W3, "persistent": 1}, id="key-lengths-persistent-3-warpgroups"),
+], "key-lengths-causal-overlap"))
+def test_key_lengths_visit_the_live_key_blocks_only(fn, config):
+    """Keys from a row's length on (`jax.nn.dot_product_attention(key_value_seq_lengths=...)`) are masked for every
+    query: each CTA reads its row's length and visits the key blocks up to the last live one (NaN planted past them
+    stays out of the output), matching XLA; causal joined with the lengths keeps its blocks known at build time. A row
+    of length 0 (every key masked) visits every block, where XLA weighs every key alike."""
+    g, group, spec = _group(fn, [(4, 256, 2, 64)] * 3 + [(4,)], BF16)
+    assert attention_masks.key_bound(spec) is not None
+    assert (mgpu_attention._ranges_table(spec, 64, 64) is not None) == (fn is key_lengths_causal_blhd)
+    kernel = mgpu_attention.lower(group, spec, config, interpret=True)
+    ref = jax.jit(lambda *a: group.evaluate(a))
+    planted, zeros = key_lengths_inputs(group, spec, [37, 128, 256, 200], 192 if config.get("compute_wgs") == 3 else 128)
+    (out,) = kernel(*planted)
+    assert not jnp.isnan(out).any() and rel_err(out, ref(*zeros)[0]) <= TOL[np.dtype(BF16)]
+    planted, zeros = key_lengths_inputs(group, spec, [0, 1, 255, 64], 0)
+    assert rel_err(kernel(*planted)[0], ref(*zeros)[0]) <= TOL[np.dtype(BF16)]
+    exp = export_for_cuda(mgpu_attention.lower(group, spec, config), [S(a.shape, a.dtype) for a in group.input_avals()])
+    assert "mosaic_gpu" in exp.mlir_module()
 
 
 @pytest.mark.parametrize("overlap,persistent", [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), pytest.param(1, 1, marks=pytest.mark.slow)])

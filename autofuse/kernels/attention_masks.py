@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..graph import Lit
+from ..graph import Lit, Node
 from ..ops import OpClass, op_class
-from .attention_spec import _MAX_GRID, _NEG, GRAIN, AttentionEval, AttentionSpec, LiveBlocks
+from .attention_spec import _MAX_GRID, _NEG, GRAIN, AttentionEval, AttentionSpec, KeyBound, LiveBlocks
 from .tiling import cdiv, needed
 
 # ---------------------------------------------------------------------------
@@ -70,22 +70,10 @@ def _per_block(a: np.ndarray, rows: int, cols: int, pad_value: bool, reduce) -> 
     return reduce(padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols), axis=(1, 3))
 
 
-def _analyze_masks(spec: AttentionSpec) -> None:
-    """Positions masked out (for any runtime input) on the path from the scores to the max, and the mask ops.
-
-    A mask is a `select_n` with an iota-only predicate choosing a fill <= -1e4, or
-    the addition of an iota-only value that is <= -1e4 where masked. Being masked
-    survives converts, scaling by a positive literal, adding any other value (a bias is
-    assumed far smaller than the fill), and further selects whose other case is such a fill;
-    anything else after a mask (e.g. tanh soft-capping) could revive a masked score, so
-    only masks after the last such op count.
-    """
-    if spec.masks_known:
-        return
-    spec.masks_known = True
-    if spec.Lq * spec.Lk > _MAX_GRID:
-        return
-    iota = _iota_only(spec)
+def _mask_steps(spec: AttentionSpec, iota: set[int]) -> list[tuple]:
+    """The masks on the path from the scores to the max after the last op that could revive a masked score:
+    (kind, node, score operand, predicate or added value, other case) with kind "select" (an iota-only predicate),
+    "fill" (a runtime predicate) or "add" (an iota-only value added)."""
     y = spec.exp_branch[0].inputs[0]
     path = needed(spec.pre, {spec.x, y}, set())
     main = {spec.dot1.outputs[0]}
@@ -113,14 +101,44 @@ def _analyze_masks(spec: AttentionSpec) -> None:
               or nd.name == "mul" and len(m) == 1 and isinstance(ins[0], Lit) and float(ins[0].value) > 0)
         if not ok:
             steps.clear()  # this op can revive what earlier masks masked; later masks still count
-    if not any(k in ("select", "add") for k, *_ in steps):
+    return steps
+
+
+def _analyze_masks(spec: AttentionSpec) -> None:
+    """Positions masked out (for any runtime input) on the path from the scores to the max, the mask ops, and the
+    bound on the live keys that runtime masks give (`key_bound`).
+
+    A mask is a `select_n` with an iota-only predicate choosing a fill <= -1e4, or
+    the addition of an iota-only value that is <= -1e4 where masked. Being masked
+    survives converts, scaling by a positive literal, adding any other value (a bias is
+    assumed far smaller than the fill), and further selects whose other case is such a fill;
+    anything else after a mask (e.g. tanh soft-capping) could revive a masked score, so
+    only masks after the last such op count.
+    """
+    if spec.masks_known:
         return
-    want = {st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
+    spec.masks_known = True
+    iota = _iota_only(spec)
+    steps = _mask_steps(spec, iota)
+    bound = _key_bound(spec, steps, iota)
+    members = {nd.id for nd in spec.pre}
+    # a runtime predicate's terms known at build time (JAX's XLA path joins causal and key lengths in one `and`)
+    known_terms = {nd.id: [t for t in _terms(spec.group.graph, pred, "and" if _live_if_true(nd, mv) else "or", members)
+                           if isinstance(t, int) and t in iota]
+                   for kind, nd, mv, pred, _ in steps if kind == "fill"}
+    if not any(k in ("select", "add") for k, *_ in steps) and not any(known_terms.values()):
+        spec.key_bound = bound
+        return
+    if spec.Lq * spec.Lk > _MAX_GRID:
+        return
+    want = ({st[3] for st in steps if st[0] != "fill"} | {st[4] for st in steps if isinstance(st[4], int)}
+            | {t for ts in known_terms.values() for t in ts})
     rows = max(GRAIN, _STRIP // spec.Lk // GRAIN * GRAIN)  # a strip of rows at a time (a multiple of GRAIN)
     body, nodes = AttentionEval(spec, rows, spec.Lk), needed(spec.pre, want, set())
     nq, nk = cdiv(spec.Lq, GRAIN), cdiv(spec.Lk, GRAIN)
     any_live, all_live = np.zeros((nq, nk), bool), np.ones((nq, nk), bool)
     selects: dict[int, int] = {}
+    first_key_dead = False  # some query has its first key masked by a mask known at build time
     adds = {nd.id: mv for kind, nd, mv, *_ in steps if kind == "add"}  # each one a 0 / fill mask until a strip says not
     for q0 in range(0, spec.Lq, rows):
         n = min(rows, spec.Lq - q0)
@@ -134,6 +152,9 @@ def _analyze_masks(spec: AttentionSpec) -> None:
             if kind == "fill":  # a runtime predicate: only a very negative fill keeps masked scores masked
                 if not np.all(fill_of(other) <= _NEG):
                     return
+                for t in known_terms[nd.id]:  # one of an `and` that says live, or of an `or` that says masked
+                    term = host[t].astype(bool)
+                    dead |= ~term if _live_if_true(nd, mv) else term
             elif kind == "select":  # select_n(pred, c0, c1): True picks c1
                 pred = host[a].astype(bool)
                 picks_fill = ~pred if nd.inputs[2] == mv else pred
@@ -147,10 +168,111 @@ def _analyze_masks(spec: AttentionSpec) -> None:
                 if not np.all(bias[~d] == 0):
                     adds.pop(nd.id, None)
                 dead |= d
+        first_key_dead |= bool(dead[:, 0].any())
         r = slice(q0 // GRAIN, q0 // GRAIN + cdiv(n, GRAIN))
         any_live[r] = _per_block(~dead, GRAIN, GRAIN, False, np.any)
         all_live[r] = _per_block(~dead, GRAIN, GRAIN, True, np.all)
     spec.live, spec.mask_selects, spec.mask_adds = LiveBlocks(some=any_live, every=all_live), selects, adds
+    spec.key_bound = None if first_key_dead else bound
+
+
+# ---------------------------------------------------------------------------
+# Masks known at run time: a bound on the live keys.
+_FLIP = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le"}
+
+
+def _live_if_true(select: Node, score: int) -> bool:
+    """Whether a masking `select_n(p, a, b)` keeps the score where p is True (b is the score; else it is a)."""
+    return select.inputs[2] == score
+
+
+def _key_bound(spec: AttentionSpec, steps: list[tuple], iota: set[int]) -> KeyBound | None:
+    """The live keys' bound when every runtime mask (a "fill" step) masks exactly the keys from a per-CTA scalar on
+    (`key < n`, `key <= n`, or masked where `key >= n`, joined by `and` / `or` with masks known at build time), else
+    None. Keys past it are masked for
+    every query, so a kernel need not visit them; that changes nothing only where every query keeps a live key, which
+    the kernels make sure of (n >= 1 here; the masks known at build time leave every query its first key: checked by
+    the caller), as a row with no live key weighs every key alike under XLA."""
+    g = spec.group.graph
+    members = {nd.id for nd in spec.pre}
+    limits: list[tuple[int, bool]] = []
+    for kind, nd, mv, pred, other in steps:
+        if kind != "fill":
+            continue
+        fill = _const(g, other, members)
+        if fill is None or fill > _NEG:
+            return None
+        live_if_true = _live_if_true(nd, mv)
+        for term in _terms(g, pred, "and" if live_if_true else "or", members):
+            if isinstance(term, int) and term in iota:
+                continue  # known at build time (`_analyze_masks`)
+            limit = _key_limit(spec, term, live_if_true, members)
+            if limit is None:
+                return None
+            limits.append(limit)
+    return KeyBound(tuple(limits)) if limits else None
+
+
+def _terms(g, v, joiner: str, members: set[int]) -> list:
+    """The operands whose `joiner` ("and" / "or") is the boolean v, through broadcasts, reshapes and converts; the
+    joiner's identity (a literal True for "and", False for "or") left out."""
+    if isinstance(v, Lit):
+        return [] if bool(np.asarray(v.value)) == (joiner == "and") else [v]
+    nid = g.producer.get(v)
+    nd = g.node_index[nid] if nid in members else None
+    if nd is not None and (nd.name in ("broadcast_in_dim", "reshape", "convert_element_type") and len(nd.inputs) == 1
+                           and g.aval(nd.inputs[0]).dtype == np.dtype(bool)):
+        return _terms(g, nd.inputs[0], joiner, members)
+    if nd is not None and nd.name == joiner:
+        return [t for a in nd.inputs for t in _terms(g, a, joiner, members)]
+    return [v]
+
+
+def _key_limit(spec: AttentionSpec, term, live_if_true: bool, members: set[int]) -> tuple[int, bool] | None:
+    """(n, inclusive) when `term` compares the key position with a per-CTA integer scalar n so that the live keys
+    are those < n (<= n where inclusive), else None."""
+    g = spec.group.graph
+    nid = g.producer.get(term) if isinstance(term, int) else None
+    nd = g.node_index[nid] if nid in members else None
+    if nd is None or nd.name not in _FLIP or not all(isinstance(a, int) for a in nd.inputs):
+        return None
+    (a, b), op = nd.inputs, nd.name
+    if not _is_key_position(spec, a, members):
+        (b, a), op = (a, b), _FLIP[op]
+    span = spec.tile.span.get(b)
+    if not _is_key_position(spec, a, members) or span is None or span.rows or span.cols \
+            or not jnp.issubdtype(g.aval(b).dtype, jnp.integer):
+        return None
+    limit = {"lt": False, "le": True} if live_if_true else {"ge": False, "gt": True}  # key op n: live, or masked
+    return (b, limit[op]) if op in limit else None
+
+
+def _is_key_position(spec: AttentionSpec, v: int, members: set[int]) -> bool:
+    """Whether v is each key's position: an iota along the key axis, through broadcasts, reshapes, integer converts
+    and adding a literal 0."""
+    g = spec.group.graph
+    while True:
+        nid = g.producer.get(v)
+        if nid not in members:
+            return False
+        nd = g.node_index[nid]
+        if nd.name == "iota":
+            return spec.tile.axes[v][nd.params["dimension"]] == spec.k_axis
+        if nd.name in ("broadcast_in_dim", "reshape") or (nd.name == "convert_element_type"
+                                                         and jnp.issubdtype(g.avals[v].dtype, jnp.integer)):
+            v = nd.inputs[0]
+        elif nd.name == "add" and any(isinstance(a, Lit) and float(np.asarray(a.value)) == 0 for a in nd.inputs):
+            v = next(a for a in nd.inputs if not isinstance(a, Lit))
+        else:
+            return False
+        if not isinstance(v, int):
+            return False
+
+
+def key_bound(spec: AttentionSpec) -> KeyBound | None:
+    """The runtime masks' bound on the live keys (`_key_bound`), or None."""
+    _analyze_masks(spec)
+    return spec.key_bound
 
 
 def _const(g, a, members: set[int]) -> float | None:

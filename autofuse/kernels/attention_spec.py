@@ -28,6 +28,15 @@ GRAIN = 16  # masks known at build time are kept per GRAIN x GRAIN block: every 
 
 
 @dataclass(frozen=True)
+class KeyBound:
+    """Keys from a per-CTA scalar of the score work on are masked for every query (padding given as key lengths, as
+    `jax.nn.dot_product_attention(key_value_seq_lengths=...)` writes it): a kernel visits the key blocks up to it only.
+    Read from the group by `attention_masks`, evaluated in the kernel: the live keys are positions < min over `limits`
+    of value (+ 1 where inclusive)."""
+    limits: tuple[tuple[int, bool], ...]  # (a score-work value constant along the query and key axes, inclusive)
+
+
+@dataclass(frozen=True)
 class LiveBlocks:
     """A mask known at build time, per `GRAIN` x `GRAIN` block of the [Lq, Lk] score grid ([cdiv(Lq, GRAIN),
     cdiv(Lk, GRAIN)] each): `some`, some real position is live (unmasked); `every`, every real position is (those
@@ -84,6 +93,7 @@ class AttentionSpec:
     mask_adds: dict[int, int] = field(default_factory=dict)  # add node id -> its score operand (the mask is 0 where unmasked)
     live: LiveBlocks | None = field(default=None, repr=False, compare=False)  # where a mask known at build time leaves scores
     masks_known: bool = False  # the mask analysis ran (lazily: matching stays cheap for the partitioner)
+    key_bound: KeyBound | None = field(default=None, repr=False, compare=False)  # runtime masks bounding the live keys
     # read as a library attention (`attention_library`): each input of `group`'s own graph -> the program's value it stands for
     feeds: dict[int, int] = field(default_factory=dict, compare=False)
     ranges: dict[tuple[int, int], np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)  # `block_ranges` by tiles

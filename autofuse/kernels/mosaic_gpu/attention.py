@@ -113,8 +113,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group, Lit, Node
-from ..attention_masks import block_ranges, scale_fold
-from ..attention_spec import AttentionSpec, Operand, score_literal
+from ..attention_masks import block_ranges, key_bound, scale_fold
+from ..attention_spec import AttentionSpec, KeyBound, Operand, score_literal
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
 from .gemm import num_sms_default, require_smem
@@ -535,6 +535,29 @@ def per_cta(r: np.ndarray, *, one_block: bool = False, n: int = 2) -> np.ndarray
     return out
 
 
+def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: list, block: int, n_blocks: int):
+    """(How many of the key blocks, `block` keys each, hold a live key under the runtime masks' bound at batch position
+    `bidx`, whether none does) given the score work's scalar inputs there (`key_bound`). Where none does, every row
+    weighs every key alike under XLA: a kernel visits every block then, masks known at build time or not
+    (`clip_ranges`)."""
+    env, tiles = dict(scalars), ScoreTiles(spec, 64, block)
+    tiles.bidx = bidx
+    limits = []
+    for value, inclusive in bound.limits:
+        for nd in needed(spec.pre, {value}, set(env)):
+            if nd.outputs[0] not in env:
+                tiles.eval_node(nd, env)
+        limits.append(jnp.asarray(env[value], jnp.int32) + int(inclusive))
+    n = functools.reduce(jnp.minimum, limits)
+    return jnp.minimum(lax.div(jnp.maximum(n, 1) + (block - 1), block), n_blocks), n < 1
+
+
+def clip_ranges(ranges: tuple, live, none_live, every: tuple) -> tuple:
+    """Block ranges (`[lo, ..., hi)` bounds) clipped to the first `live` blocks, or `every` (each block visited, masks
+    evaluated on all) where `none_live` (`live_key_blocks`)."""
+    return tuple(jnp.where(none_live, e, jnp.minimum(r, live)) for r, e in zip(ranges, every))
+
+
 def batch_index(spec: AttentionSpec, flat=None) -> list:
     """Per score axis, the CTA's index along it (its flattened batch position `flat`, by default grid axis "b", split
     over the batch axes; None for the others)."""
@@ -587,6 +610,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     ragged_k = Lk % bk != 0
 
     table = _ranges_table(spec, bq, bk, one_block=overlap, n=nw)
+    bound = key_bound(spec)
     fold = scale_fold(spec)
     scale = 1.0 if fold is None else fold[2]
     masked_nodes = {**spec.mask_selects, **spec.mask_adds} if table is not None else {}
@@ -661,11 +685,19 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 cta = lax.axis_index("q")
                 return lax.axis_index("b"), (cta if table is None else n_cta - 1 - cta)
 
-            def key_range(cta):
-                """[clo, chi): the key blocks a CTA loads for query block `cta` (every one, or the table's)."""
-                if table is None:
-                    return 0, nk
-                return tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1]
+            def scalars(bidx) -> dict:
+                """The score work's scalar inputs at batch position bidx: a literal-like input, or one that varies
+                along batch axes only (ALiBi slopes [H], key lengths [B])."""
+                return {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
+                        for v in scalar_in}
+
+            def key_range(cta, bidx):
+                """[clo, chi): the key blocks a CTA loads for query block `cta` (every one, or the table's), up to the
+                last live one at batch position bidx (`key_bound`)."""
+                clo, chi = (0, nk) if table is None else (tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1])
+                if bound is None:
+                    return clo, chi
+                return clip_ranges((clo, chi), *live_key_blocks(spec, bound, scalars(bidx), bidx, bk, nk), (0, nk))
 
             dyn = lax.axis_index("wg") * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
 
@@ -707,14 +739,15 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 if not persistent:
                     fb, cta = tile_of(0)
                     bidx, q_cta0 = batch_index(spec, fb), cta * (nw * bq)
-                    clo, chi = key_range(cta)
+                    clo, chi = key_range(cta, bidx)
                     memory_ring(clo, chi, stages, lambda j: lax.rem(j - clo, stages),
                                 [(k_free, functools.partial(issue_k, bidx, q_cta0)), (v_free, functools.partial(issue_v, bidx, q_cta0))])
                     return
 
                 def blocks_of(t):
                     fb, cta = tile_of(t)
-                    return (*key_range(cta), (batch_index(spec, fb), cta * (nw * bq)))
+                    bidx = batch_index(spec, fb)
+                    return (*key_range(cta, bidx), (bidx, cta * (nw * bq)))
 
                 persistent_ring(n_mine, blocks_of, stages, [(k_free, issue_k), (v_free, issue_v)])
 
@@ -741,7 +774,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     q0 = cta * (nw * bq) + wg * bq
                     q_tile = q_smem.at[buf]
                     o_tile = q_tile if o_smem is None else o_smem
-                    clo, chi = key_range(cta)
+                    clo, chi = key_range(cta, bidx)
 
                     def slot_of(j):
                         return lax.rem(ring0 + j - clo, stages)
@@ -749,9 +782,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     tiles = ScoreTiles(spec, bq, bk)
                     tiles.bidx = bidx
 
-                    # scalars per CTA: a literal-like input, or one that varies along batch axes only (ALiBi slopes [H])
-                    consts = {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
-                              for v in scalar_in}
+                    consts = scalars(bidx)
                     plgpu.barrier_wait(q_bar.at[buf * nw + wg])
                     for v in rows_in:
                         consts[v] = from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
@@ -760,6 +791,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     else:
                         base = cta * row_stride + wg * 4
                         lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
+                    if bound is not None:  # up to the last live key block, or every block masked where none is live
+                        every = (0, 0, nk - int(ragged_k), nk) if table is None else (0, 0, 0, nk)
+                        lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), *live_key_blocks(spec, bound, consts, bidx, bk, nk), every)
 
                     def score_work(j, s, m_i, msub, masked: bool):
                         """Key block j's score work and online softmax on its S tile (the block's score inputs read from
