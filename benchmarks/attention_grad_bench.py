@@ -67,13 +67,17 @@ def jax_attention_mgpu(causal: bool, compute_wgs_bwd: int):
     return f
 
 
-def key_lengths(q, k, v, lengths):
+def key_lengths(q, k, v, lengths, *, is_causal=False):
     """[B, H, L, D] attention over padded keys as a careful user writes it: the library call with each batch row's key
     lengths ([B] int32), at its default implementation (JAX's XLA path in jax 0.11.2)."""
     def t(x):
         return jnp.swapaxes(x, 1, 2)
 
-    return t(jax.nn.dot_product_attention(t(q), t(k), t(v), key_value_seq_lengths=lengths))
+    return t(jax.nn.dot_product_attention(t(q), t(k), t(v), key_value_seq_lengths=lengths, is_causal=is_causal))
+
+
+def key_lengths_causal(q, k, v, lengths):
+    return key_lengths(q, k, v, lengths, is_causal=True)
 
 
 def fwd_bwd(f):
@@ -104,8 +108,8 @@ def main() -> None:
     ap.add_argument("--bwd-configs", default="", help="backward tiles HELDxSTEPwWARPSsSTAGES, e.g. 128x32w8s3: each "
                     "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
                     "time; Mosaic GPU's mgpuHELDxSTEPsSTAGES after a Mosaic GPU forward (default: the flash pair's own)")
-    ap.add_argument("--variants", default="bhld,bhld_causal", help="bhld, bhld_causal, key_lengths (padded keys: "
-                    "lengths drawn in [L/2, L] per batch row)")
+    ap.add_argument("--variants", default="bhld,bhld_causal", help="bhld, bhld_causal, key_lengths, key_lengths_causal "
+                    "(padded keys: lengths drawn in [L/2, L] per batch row)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=0, metavar="N", help="also each autofuse pair's time over cuDNN's in N "
                     "alternating pairs of ~25 ms batches (median and quartiles)")
@@ -113,10 +117,11 @@ def main() -> None:
     a = ap.parse_args()
     B, H, L, D = (int(x) for x in a.shape.split(","))
     scale = 1.0 / math.sqrt(D)
-    fns = {"bhld": attention_bhld, "bhld_causal": attention_bhld_causal, "key_lengths": key_lengths}
+    fns = {"bhld": attention_bhld, "bhld_causal": attention_bhld_causal, "key_lengths": key_lengths,
+           "key_lengths_causal": key_lengths_causal}
     rows = []
     for name in a.variants.split(","):
-        fn, causal, padded = fns[name], name.endswith("causal"), name == "key_lengths"
+        fn, causal, padded = fns[name], name.endswith("causal"), name.startswith("key_lengths")
         shape = (B, H, L, D)
         specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((B,), jnp.int32)] * padded
         sets = [random_inputs([autofuse.graph.Aval(shape, jnp.dtype(jnp.bfloat16))] * 4, 100 + i)

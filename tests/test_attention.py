@@ -16,6 +16,7 @@ from autofuse.tuning.partition import enumerate_candidates
 from autofuse.plan import plan_from_choices
 from autofuse.tuning.select import default_plan
 from benchmarks.workloads import attention_bhld, attention_bhld_causal, attention_blhd
+from tests.attention_programs import key_lengths_blhd, key_lengths_causal_blhd
 from tests.attention_programs import (causal_iota_minus_1e9, bias_blhd, padding_mask, gqa_repeat, gqa_broadcast, heads_split_causal, softcap_then_causal, causal_then_softcap, sliding_window,
                                      library_xla, library_xla_causal, library_xla_gqa)
 from tests.quick import slow_except
@@ -211,3 +212,40 @@ def test_positive_scale_folds_into_the_exp_only_when_it_commutes():
     assert fold is not None and fold[2] == pytest.approx(32 ** -0.5, rel=1e-2)  # through the mask select and the convert
     g = autofuse.capture(bias_blhd, *_specs((BLHD, BLHD, BLHD, (2, 50, 50)), BF16))
     assert attention_masks.scale_fold(_attention_candidate(g).spec) is None  # (c * s + bias) is not c * (s + bias)
+
+
+@pytest.mark.parametrize("fn", slow_except([pytest.param(key_lengths_blhd, id="key-lengths"),
+                                            pytest.param(key_lengths_causal_blhd, id="key-lengths-causal")], "key-lengths-causal"))
+def test_key_lengths_bound_the_key_blocks_the_triton_pair_visits(fn):
+    """The Triton forward, dK/dV and dQ kernels read each row's key length (`attention_masks.key_bound`) and stop at its
+    last live key block (NaN planted past them stays out of the output and the gradients); causal joined with the
+    lengths keeps its blocks known at build time; where no key is live every block is visited, as XLA weighs every
+    key alike there. Values and gradients against XLA's on zeros in place of the NaN."""
+    from autofuse.kernels.triton.attention_bwd import flash_pair
+    from tests.test_mosaic_gpu_attention import key_lengths_inputs
+
+    g = autofuse.capture(fn, *[S((4, 256, 2, 32), BF16)] * 3, S((4,), jnp.int32))
+    cand = _attention_candidate(g)
+    group, spec = cand.group, cand.spec
+    assert attention_masks.key_bound(spec) is not None
+    assert (attention.block_ranges(spec, 32, 64) is not None) == (fn is key_lengths_causal_blhd)
+    forward, backward = flash_pair(group, spec, {"block_q": 32, "block_k": 64, "num_warps": 4, "num_stages": 2},
+                                   {"bwd_held": 64, "bwd_step": 32, "bwd_warps": 4, "bwd_stages": 2}, interpret=True)
+    floats = [i for i, a in enumerate(group.input_avals()) if a.dtype == BF16]
+    for lengths, block in (([37, 128, 256, 200], 64), ([0, 1, 255, 64], 0)):
+        planted, zeros = key_lengths_inputs(group, spec, lengths, block)
+
+        def ref(*xs):
+            args = list(zeros)
+            for i, x in zip(floats, xs):
+                args[i] = x
+            return group.evaluate(args)[0]
+
+        want, pull = jax.vjp(ref, *[zeros[i] for i in floats])
+        out, lse = forward(planted)
+        dout = jax.random.normal(jax.random.key(1), out.shape, F32).astype(out.dtype)
+        grads = backward(planted, out, lse, dout)
+        for name, a, b in [("out", out, want)] + list(zip(("dq", "dk", "dv"), [grads[i] for i in floats], pull(dout))):
+            a, b = a.astype(F32), b.astype(F32)
+            err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+            assert not jnp.isnan(a).any() and err < 2e-2, (lengths, name, err)

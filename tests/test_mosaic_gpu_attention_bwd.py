@@ -22,8 +22,10 @@ from autofuse.kernels.triton import attention_bwd as triton_backward
 from autofuse.runner.evaluator import export_for_cuda
 from autofuse.tuning.partition import enumerate_candidates
 from benchmarks.workloads import attention_bhld, attention_bhld_causal
-from tests.attention_programs import (alibi_causal, bias_blhd, gqa_repeat, heads_split_causal, library_xla_lengths,
-                                     padding_mask, query_temperature, sliding_window, softcap_then_causal)
+from tests.attention_programs import (alibi_causal, bias_blhd, gqa_repeat, heads_split_causal, key_lengths_blhd,
+                                     key_lengths_causal_blhd, library_xla_lengths, padding_mask, query_temperature,
+                                     sliding_window, softcap_then_causal)
+from tests.test_mosaic_gpu_attention import key_lengths_inputs
 from tests.kernel_checks import rel_err
 from tests.quick import slow_except
 
@@ -134,6 +136,32 @@ def test_lowers_for_cuda(fn, shapes, dtype, step, extra):
     exp = export_for_cuda(f, specs)
     assert exp.mlir_module().count("custom_call @mosaic_gpu_v2") == (1 if extra.get("bwd_fused") else 2)
     assert [o.shape for o in exp.out_avals] == [(spec.batch, spec.Lq, spec.D), (spec.batch, spec.Lk, spec.D), (spec.batch, spec.Lk, spec.Dv)]
+
+
+@pytest.mark.parametrize("fn,step,extra", slow_except([
+    pytest.param(key_lengths_blhd, 64, {}, id="key-lengths-two-kernels"),
+    pytest.param(key_lengths_causal_blhd, 128, F, id="key-lengths-causal-fused-rows"),
+    pytest.param(key_lengths_blhd, 64, P, id="key-lengths-persistent"),
+], "key-lengths-causal-fused-rows"))
+def test_key_lengths_visit_the_live_key_blocks_only(fn, step, extra):
+    """With key lengths, `dq` stops at a row's last live key block and a `dkdv` CTA whose keys are all past it loads
+    no query (its dK, dV zero): NaN planted past the live blocks stays out of the gradients, which match the Triton
+    backward's on zeros there; where no key is live, every block is visited, as the forward does."""
+    group, spec = _group(fn, [(4, 256, 2, 64)] * 3 + [S((4,), jnp.int32)], BF16)
+    bwd = mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2, **extra}, interpret=True)
+    small = {"bwd_held": 32, "bwd_step": 32, "bwd_warps": 4, "bwd_stages": 2}
+    for lengths, block in (([37, 128, 256, 200], 128), ([0, 1, 255, 64], 0)):
+        planted, zeros = key_lengths_inputs(group, spec, lengths, block)
+        out, lse = mgpu_forward.lower(group, spec, {"block_kv": 64}, interpret=True, emit_lse=True)(*zeros)
+        dout = jax.random.normal(jax.random.key(1), out.shape, jnp.float32).astype(out.dtype)
+        got = bwd(planted, out, lse, dout)
+        want = triton_backward.lower(group, spec, small, interpret=True)(zeros, out, lse, dout)
+        for name, a, b in zip("qkv", got, want):
+            assert not jnp.isnan(a).any() and rel_err(a.astype(F32), b) <= 1e-2, (lengths, name, rel_err(a.astype(F32), b))
+    exp = export_for_cuda(lambda *a: mgpu_backward.lower(group, spec, {"bwd_held": 64, "bwd_step": step, "bwd_stages": 2, **extra})(
+        list(a[:4]), a[4], a[5], a[6]), [S(a.shape, a.dtype) for a in group.input_avals()]
+        + [S(out.shape, out.dtype), S(lse.shape, F32), S(out.shape, out.dtype)])
+    assert "mosaic_gpu" in exp.mlir_module()
 
 
 def test_issue_target_shape_lowers_and_fits():

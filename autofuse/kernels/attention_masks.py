@@ -4,9 +4,12 @@ out for a whole query block (`block_ranges`, `key_block_ranges`) and the mask ar
 masked; and a scale the scores can fold (`scale_fold`). Apart from matching: it runs on a matched spec, once per tiling."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..graph import Lit, Node
 from ..ops import OpClass, op_class
@@ -273,6 +276,20 @@ def key_bound(spec: AttentionSpec) -> KeyBound | None:
     """The runtime masks' bound on the live keys (`_key_bound`), or None."""
     _analyze_masks(spec)
     return spec.key_bound
+
+
+def live_blocks(limits: list, block: int, n_blocks: int) -> tuple:
+    """(how many key blocks of `block` keys hold a live key, whether none does) from a kernel's values of the bound's
+    limits (int32 scalars, each already + 1 where inclusive). Where no key is live, every row weighs every key alike
+    under XLA: a kernel visits every block then, masks known at build time or not (`clip_ranges`)."""
+    n = functools.reduce(jnp.minimum, limits)
+    return jnp.minimum(lax.div(jnp.maximum(n, 1) + (block - 1), block), n_blocks), n < 1
+
+
+def clip_ranges(ranges: tuple, live, none_live, every: tuple) -> tuple:
+    """Block ranges (`[lo, ..., hi)` bounds) clipped to the first `live` blocks, or `every` (each block visited, masks
+    evaluated on all) where `none_live` (`live_blocks`)."""
+    return tuple(jnp.where(none_live, e, jnp.minimum(r, live)) for r, e in zip(ranges, every))
 
 
 def _const(g, a, members: set[int]) -> float | None:

@@ -113,7 +113,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group, Lit, Node
-from ..attention_masks import block_ranges, key_bound, scale_fold
+from ..attention_masks import block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
 from ..attention_spec import AttentionSpec, KeyBound, Operand, score_literal
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
@@ -535,11 +535,9 @@ def per_cta(r: np.ndarray, *, one_block: bool = False, n: int = 2) -> np.ndarray
     return out
 
 
-def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: list, block: int, n_blocks: int):
-    """(How many of the key blocks, `block` keys each, hold a live key under the runtime masks' bound at batch position
-    `bidx`, whether none does) given the score work's scalar inputs there (`key_bound`). Where none does, every row
-    weighs every key alike under XLA: a kernel visits every block then, masks known at build time or not
-    (`clip_ranges`)."""
+def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: list, block: int, n_blocks: int) -> tuple:
+    """`attention_masks.live_blocks` of the runtime masks' bound (`key_bound`) at batch position `bidx`, evaluated from
+    the score work's scalar inputs there."""
     env, tiles = dict(scalars), ScoreTiles(spec, 64, block)
     tiles.bidx = bidx
     limits = []
@@ -548,14 +546,7 @@ def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: l
             if nd.outputs[0] not in env:
                 tiles.eval_node(nd, env)
         limits.append(jnp.asarray(env[value], jnp.int32) + int(inclusive))
-    n = functools.reduce(jnp.minimum, limits)
-    return jnp.minimum(lax.div(jnp.maximum(n, 1) + (block - 1), block), n_blocks), n < 1
-
-
-def clip_ranges(ranges: tuple, live, none_live, every: tuple) -> tuple:
-    """Block ranges (`[lo, ..., hi)` bounds) clipped to the first `live` blocks, or `every` (each block visited, masks
-    evaluated on all) where `none_live` (`live_key_blocks`)."""
-    return tuple(jnp.where(none_live, e, jnp.minimum(r, live)) for r, e in zip(ranges, every))
+    return live_blocks(limits, block, n_blocks)
 
 
 def batch_index(spec: AttentionSpec, flat=None) -> list:

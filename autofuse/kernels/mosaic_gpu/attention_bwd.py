@@ -57,7 +57,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group
-from ..attention_masks import block_ranges, key_block_ranges
+from ..attention_masks import block_ranges, clip_ranges, key_block_ranges, key_bound
 from ..attention_spec import AttentionSpec
 from ..tiling import cdiv, needed
 from . import attention as fwd
@@ -257,6 +257,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         return jax.vjp(f, s)
 
     whole = math.lcm(h, st_rows)
+    bound = key_bound(spec)
 
     def bounds_mask(q_ids, k_ids, shape, q_dim):
         """Positions past Lq / Lk (TMA zero-fills them; their p must be 0), or None."""
@@ -323,6 +324,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             bidx = fwd.batch_index(spec)
             bflat = lax.axis_index("b")
             clo, chi = (0, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
+            if bound is not None:  # up to the last live key block; every one where none is live (`fwd.live_key_blocks`)
+                live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, st_rows, nk_steps)
+                clo, chi = clip_ranges((clo, chi), *live, (0, nk_steps))
 
             def slot_of(j):
                 return lax.rem(j - clo, stages)
@@ -363,6 +367,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 delta = plgpu.load(delta_smem.at[wg], layout=rows)
                 q_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=rows) + q0
                 lo, flo, fhi, hi = (0, 0, nk_steps, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
+                if bound is not None:
+                    every = (0, 0, nk_steps, nk_steps) if q_tbl is None else (0, 0, 0, nk_steps)
+                    lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), *live, every)
 
                 def step(j, dq, masked: bool):
                     slot = slot_of(j)
@@ -453,9 +460,19 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     return lax.div(tile, nk_cta), lax.rem(tile, nk_cta)
                 return lax.axis_index("b"), lax.axis_index("k")
 
-            def query_range(cta):
-                """[clo, chi): the query blocks a CTA loads for key block `cta` (every one, or the table's)."""
-                return (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
+            def keys_dead(cta, bidx):
+                """(the CTA's keys are all past the last live one at batch position bidx, no key is live there) under
+                the runtime masks' bound (`fwd.live_key_blocks`): its query ranges are empty, or every block masked."""
+                live, none_live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, 2 * h, nk_cta)
+                return (cta >= live) & ~none_live, none_live
+
+            def query_range(cta, bidx):
+                """[clo, chi): the query blocks a CTA loads for key block `cta` (every one, or the table's; `keys_dead`)."""
+                clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
+                if bound is None:
+                    return clo, chi
+                dead, none_live = keys_dead(cta, bidx)
+                return jnp.where(none_live, 0, clo), jnp.where(none_live, nq_steps, jnp.where(dead, clo, chi))
 
             @pl.when(wg == 2)
             def _memory():
@@ -477,14 +494,15 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 if not persistent:
                     bflat, cta = tile_of(0)
                     bidx = fwd.batch_index(spec, bflat)
-                    clo, chi = query_range(cta)
+                    clo, chi = query_range(cta, bidx)
                     fwd.memory_ring(clo, chi, stages, lambda i: lax.rem(i - clo, stages),
                                     [(do_free, functools.partial(issue_do, bidx, bflat)), (q_free, functools.partial(issue_q, bidx, bflat))])
                     return
 
                 def blocks_of(t):
                     bflat, cta = tile_of(t)
-                    return (*query_range(cta), (fwd.batch_index(spec, bflat), bflat))
+                    bidx = fwd.batch_index(spec, bflat)
+                    return (*query_range(cta, bidx), (bidx, bflat))
 
                 fwd.persistent_ring(n_mine, blocks_of, stages, [(do_free, issue_do), (q_free, issue_q)])
 
@@ -497,7 +515,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     accumulated over the query blocks, stored. Returns the blocks it took."""
                     bflat, cta = tile_of(t)
                     bidx = fwd.batch_index(spec, bflat)
-                    clo, chi = query_range(cta)
+                    clo, chi = query_range(cta, bidx)
 
                     def slot_of(i):
                         return lax.rem(ring0 + i - clo, stages)
@@ -517,6 +535,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     cols = layout(COLS)
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                     lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
+                    if bound is not None:
+                        dead, none_live = keys_dead(cta, bidx)
+                        every = (0, 0, nq_steps, nq_steps) if k_tbl is None else (0, 0, 0, nq_steps)
+                        lo, flo, fhi, hi = (jnp.where(none_live, e, jnp.where(dead, clo, x))
+                                            for x, e in zip((lo, flo, fhi, hi), every))
 
                     def share_ds(i, ds_t):
                         """This warpgroup's dSᵀ of step i into SMEM beside the other's, for dQ."""

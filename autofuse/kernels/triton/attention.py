@@ -15,8 +15,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ... import ops
 from ...graph import Group, Node
-from ..attention_masks import block_ranges, scale_fold
-from ..attention_spec import AttentionEval, AttentionSpec, Operand
+from ..attention_masks import block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
+from ..attention_spec import AttentionEval, AttentionSpec, KeyBound, Operand
 from ..tile_eval import edge_mask
 from ..tiling import cdiv, needed, next_pow2
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
@@ -60,6 +60,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool, e
     S = spec.score_shape
     bsizes = [S[a] for a in spec.batch_axes]
     ranges = block_ranges(spec, bq, bk)
+    bound = key_bound(spec)
     qkv = {spec.q.value, spec.k.value, spec.v.value}
     body_in = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]  # bias, masks
     in_order = [spec.q.value, spec.k.value, spec.v.value] + body_in
@@ -139,10 +140,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool, e
 
         carry = (jnp.zeros((bq, Dvp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
                  jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, 1), jnp.float32))
+        live = None if bound is None else live_key_blocks(spec, bound, {v: ins[v] for v in body_in}, body, bidx, bk, nk)
         if ranges is None:
-            carry = jax.lax.fori_loop(0, nk, lambda j, c: step(j, c, False), carry)
+            hi = nk if live is None else clip_ranges((nk,), *live, (nk,))[0]
+            carry = jax.lax.fori_loop(0, hi, lambda j, c: step(j, c, False), carry)
         else:
             lo, flo, fhi, hi = (tbl[qi * 4 + t] for t in range(4))
+            if live is not None:
+                lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), *live, (0, 0, 0, nk))
             carry = jax.lax.fori_loop(lo, flo, lambda j, c: step(j, c, False), carry)
             carry = jax.lax.fori_loop(flo, fhi, lambda j, c: step(j, c, True), carry)
             carry = jax.lax.fori_loop(fhi, hi, lambda j, c: step(j, c, False), carry)
@@ -200,6 +205,22 @@ def _load_operand(ref, op: Operand, bidx: list, s0, bs: int, L: int, Dp: int, D:
     dok = jax.lax.broadcasted_iota(jnp.int32, dshape, 1 if seq_before else 0) < D if Dp != D else None
     t = load_tile(ref.at[tuple(idx)], edge_mask((bs, Dp) if seq_before else (Dp, bs), sok, dok))
     return t if seq_before == seq_first else t.T
+
+
+def live_key_blocks(spec: AttentionSpec, bound: KeyBound, refs: dict, body: AttentionEval, bidx: list, block: int,
+                    n_blocks: int) -> tuple:
+    """`attention_masks.live_blocks` of the runtime masks' bound (`key_bound`) at batch position `bidx`, evaluated from
+    the score work's scalar inputs there (`refs`: each score input -> its kernel ref), loaded as [1, 1] tiles."""
+    body.set_program(bidx, 0, 0)
+    env = {v: _load_extra(refs[v], spec, v, bidx, 0, 0, 1, 1) for v in refs
+           if v in spec.tile.span and not spec.tile.span[v].rows and not spec.tile.span[v].cols}
+    limits = []
+    for value, inclusive in bound.limits:
+        for nd in needed(spec.pre, {value}, set(env)):
+            if nd.outputs[0] not in env:
+                body.eval_node(nd, env, 0, 0)
+        limits.append(jnp.min(env[value]).astype(jnp.int32) + int(inclusive))
+    return live_blocks(limits, block, n_blocks)
 
 
 def _load_extra(ref, spec: AttentionSpec, v: int, bidx: list, q0, k0, bq: int, bk: int):

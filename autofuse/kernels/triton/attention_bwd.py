@@ -30,12 +30,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...graph import Group
 from ..attention import _dot_roles, _through_chain, _to_operand
-from ..attention_masks import block_ranges, key_block_ranges
+from ..attention_masks import block_ranges, clip_ranges, key_block_ranges, key_bound
 from ..attention_spec import AttentionEval, AttentionSpec
 from ..attention_vjp import backward_config
 from ..tiling import cdiv, needed, next_pow2
 from . import attention as fwd_lowering
-from .attention import _load_extra, _load_operand
+from .attention import _load_extra, _load_operand, live_key_blocks
 from .tiles import bool_as_int8, kernel_name, load_tile, pallas_call
 
 
@@ -115,6 +115,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
         plgpu.store(ref.at[bflat, pl.ds(s0, bs), pl.ds(0, Dpad)], x, mask=in_bounds(s0, bs, L, Dpad, Dreal))
 
     n_in = len(in_order)
+    bound = key_bound(spec)
 
     bq, bk = step_rows, held  # dK/dV: a block of keys held, the queries stepped through
     nq_steps, nk = cdiv(Lq, bq), cdiv(Lk, bk)
@@ -144,6 +145,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
             return dk, dv
 
         lo, hi = (0, nq_steps) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
+        if bound is not None:  # no query where the held keys are past the last live one; every one where none is live
+            live, none_live = live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, bk, nk)
+            lo, hi = (jnp.where(none_live, e, jnp.where(kj >= live, lo, x)) for x, e in zip((lo, hi), (0, nq_steps)))
         dk, dv = jax.lax.fori_loop(lo, hi, step, (jnp.zeros((bk, Dp), jnp.float32), jnp.zeros((bk, Dvp), jnp.float32)))
         store(dk_ref, bflat, k0, bk, Lk, Dp, D, dk)
         store(dv_ref, bflat, k0, bk, Lk, Dvp, Dv, dv)
@@ -173,6 +177,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
             return dq + jnp.dot(ds.astype(dt1), k, preferred_element_type=jnp.float32)
 
         lo, hi = (0, nk_steps) if tbl is None else (tbl[qi * 4], tbl[qi * 4 + 3])
+        if bound is not None:  # up to the last live key block; every one where none is live
+            lo, hi = clip_ranges((lo, hi), *live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, kb, nk_steps),
+                                 (0, nk_steps))
         dq = jax.lax.fori_loop(lo, hi, step, jnp.zeros((qb, Dp), jnp.float32))
         store(dq_ref, bflat, q0, qb, Lq, Dp, D, dq)
 
