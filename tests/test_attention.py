@@ -258,3 +258,32 @@ def test_key_lengths_bound_the_key_blocks_the_triton_pair_visits(fn):
         return out, backward(list(xs), out, lse, out)
 
     lowering_guard(pair, [S(a.shape, a.dtype) for a in group.input_avals()])
+
+
+def test_key_bound_is_read_only_where_skipping_keys_changes_nothing():
+    """`key_bound` reads key lengths (alone, or joined with causal in one predicate, whose causal part is then known at
+    build time), and nothing where a visit could matter: query lengths beside them (a row of a short query has no
+    live key), a sliding window (a late row's window can lie wholly past the length), a boolean padding mask. Its
+    blocks: the live ones, the wholly live ones (mask-free), every block where no key is live."""
+    from tests.attention_programs import library_xla_lengths, padding_mask as bool_mask
+
+    def lengths_window(q, k, v, n):
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n, is_causal=True, local_window_size=(16, 0))
+
+    shapes = [S((2, 128, 2, 32), BF16)] * 3
+    cases = [(key_lengths_blhd, [S((2,), jnp.int32)], True, False), (key_lengths_causal_blhd, [S((2,), jnp.int32)], True, True),
+             (library_xla_lengths, [S((2,), jnp.int32)] * 2, False, False), (lengths_window, [S((2,), jnp.int32)], False, True),
+             (bool_mask, [S((2, 128), jnp.bool_)], False, False)]
+    for fn, extra, bounded, known in cases:
+        ins = [S((2, 2, 128, 32), BF16)] * 3 + extra if fn is bool_mask else shapes + extra
+        spec = _attention_candidate(autofuse.capture(fn, *ins)).spec
+        assert (attention_masks.key_bound(spec) is not None) == bounded, fn
+        assert (attention.block_ranges(spec, 32, 32) is not None) == known, fn
+    live = attention_masks.live_blocks([jnp.int32(200), jnp.int32(250)], 64, 4)
+    assert (int(live.some), int(live.every), bool(live.none)) == (4, 3, False)
+    assert [int(x) for x in attention_masks.clip_ranges((0, 0, 4, 4), live, (0, 0, 0, 4))] == [0, 0, 3, 4]
+    live = attention_masks.live_blocks([jnp.int32(37)], 64, 4)
+    assert [int(x) for x in attention_masks.clip_ranges((0, 0, 4, 4), live, (0, 0, 0, 4))] == [0, 0, 0, 1]
+    assert [int(x) for x in attention_masks.clip_ranges((0, 4), live, (0, 4))] == [0, 1]
+    live = attention_masks.live_blocks([jnp.int32(0)], 64, 4)
+    assert bool(live.none) and [int(x) for x in attention_masks.clip_ranges((0, 1, 2, 3), live, (0, 0, 0, 4))] == [0, 0, 0, 4]

@@ -5,6 +5,7 @@ masked; and a scale the scores can fold (`scale_fold`). Apart from matching: it 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -199,9 +200,11 @@ def _key_bound(spec: AttentionSpec, steps: list[tuple], iota: set[int]) -> KeyBo
     g = spec.group.graph
     members = {nd.id for nd in spec.pre}
     limits: list[tuple[int, bool]] = []
+    selects: dict[int, int] = {}
     for kind, nd, mv, pred, other in steps:
         if kind != "fill":
             continue
+        selects[nd.id] = mv
         fill = _const(g, other, members)
         if fill is None or fill > _NEG:
             return None
@@ -213,7 +216,7 @@ def _key_bound(spec: AttentionSpec, steps: list[tuple], iota: set[int]) -> KeyBo
             if limit is None:
                 return None
             limits.append(limit)
-    return KeyBound(tuple(limits)) if limits else None
+    return KeyBound(tuple(limits), selects) if limits else None
 
 
 def _terms(g, v, joiner: str, members: set[int]) -> list:
@@ -278,18 +281,32 @@ def key_bound(spec: AttentionSpec) -> KeyBound | None:
     return spec.key_bound
 
 
-def live_blocks(limits: list, block: int, n_blocks: int) -> tuple:
-    """(how many key blocks of `block` keys hold a live key, whether none does) from a kernel's values of the bound's
-    limits (int32 scalars, each already + 1 where inclusive). Where no key is live, every row weighs every key alike
-    under XLA: a kernel visits every block then, masks known at build time or not (`clip_ranges`)."""
+class LiveKeys(NamedTuple):
+    """The runtime masks' bound in a kernel, in key blocks (int32 scalars; `live_blocks`)."""
+    some: Any  # blocks holding a live key: [0, some)
+    every: Any  # blocks whose keys are all live under the bound: [0, every)
+    none: Any  # no key is live: every block is visited, masked (a row with no live key weighs every key alike in XLA)
+
+
+def live_blocks(limits: list, block: int, n_blocks: int) -> LiveKeys:
+    """The bound in blocks of `block` keys from a kernel's values of its limits (int32 scalars, each already + 1 where
+    inclusive)."""
     n = functools.reduce(jnp.minimum, limits)
-    return jnp.minimum(lax.div(jnp.maximum(n, 1) + (block - 1), block), n_blocks), n < 1
+    return LiveKeys(jnp.minimum(lax.div(jnp.maximum(n, 1) + (block - 1), block), n_blocks),
+                    jnp.minimum(lax.div(jnp.maximum(n, 0), block), n_blocks), n < 1)
 
 
-def clip_ranges(ranges: tuple, live, none_live, every: tuple) -> tuple:
-    """Block ranges (`[lo, ..., hi)` bounds) clipped to the first `live` blocks, or `every` (each block visited, masks
-    evaluated on all) where `none_live` (`live_blocks`)."""
-    return tuple(jnp.where(none_live, e, jnp.minimum(r, live)) for r, e in zip(ranges, every))
+def clip_ranges(ranges: tuple, live: LiveKeys, every: tuple) -> tuple:
+    """Key block ranges clipped to the live blocks: `(lo, hi)` to [0, live.some); `(lo, full_lo, full_hi, hi)` so,
+    with the mask-free middle (the bound's selects skipped, `KeyBound.selects`) ending where the keys stop being all
+    live; `every` (each block visited, masks evaluated) where no key is live."""
+    if len(ranges) == 2:
+        clipped = tuple(jnp.minimum(r, live.some) for r in ranges)
+    else:
+        lo, flo, fhi, hi = ranges
+        flo = jnp.minimum(flo, live.some)
+        clipped = (jnp.minimum(lo, live.some), flo, jnp.maximum(jnp.minimum(fhi, live.every), flo), jnp.minimum(hi, live.some))
+    return tuple(jnp.where(live.none, e, r) for r, e in zip(clipped, every))
 
 
 def _const(g, a, members: set[int]) -> float | None:

@@ -34,6 +34,9 @@ class KeyBound:
     Read from the group by `attention_masks`, evaluated in the kernel: the live keys are positions < min over `limits`
     of value (+ 1 where inclusive)."""
     limits: tuple[tuple[int, bool], ...]  # (a score-work value constant along the query and key axes, inclusive)
+    # the masking selects it reads from (select node id -> its score operand): where every key of a block is live and
+    # the masks known at build time leave the block whole, the select passes the score through
+    selects: dict[int, int] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

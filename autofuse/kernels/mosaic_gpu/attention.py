@@ -113,7 +113,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group, Lit, Node
-from ..attention_masks import block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
+from ..attention_masks import LiveKeys, block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
 from ..attention_spec import AttentionSpec, KeyBound, Operand, score_literal
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
@@ -535,7 +535,7 @@ def per_cta(r: np.ndarray, *, one_block: bool = False, n: int = 2) -> np.ndarray
     return out
 
 
-def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: list, block: int, n_blocks: int) -> tuple:
+def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: list, block: int, n_blocks: int) -> LiveKeys:
     """`attention_masks.live_blocks` of the runtime masks' bound (`key_bound`) at batch position `bidx`, evaluated from
     the score work's scalar inputs there."""
     env, tiles = dict(scalars), ScoreTiles(spec, 64, block)
@@ -604,7 +604,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
     bound = key_bound(spec)
     fold = scale_fold(spec)
     scale = 1.0 if fold is None else fold[2]
-    masked_nodes = {**spec.mask_selects, **spec.mask_adds} if table is not None else {}
+    masked_nodes = ({**spec.mask_selects, **spec.mask_adds} if table is not None else {}) | (bound.selects if bound else {})
     y_val = spec.exp_branch[0].inputs[0]
     targets = {spec.x, y_val}
     plan = {m: needed(spec.pre, targets, set(), None if m else masked_nodes) for m in (True, False)}
@@ -688,7 +688,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 clo, chi = (0, nk) if table is None else (tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1])
                 if bound is None:
                     return clo, chi
-                return clip_ranges((clo, chi), *live_key_blocks(spec, bound, scalars(bidx), bidx, bk, nk), (0, nk))
+                return clip_ranges((clo, chi), live_key_blocks(spec, bound, scalars(bidx), bidx, bk, nk), (0, nk))
 
             dyn = lax.axis_index("wg") * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
 
@@ -783,8 +783,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                         base = cta * row_stride + wg * 4
                         lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
                     if bound is not None:  # up to the last live key block, or every block masked where none is live
-                        every = (0, 0, nk - int(ragged_k), nk) if table is None else (0, 0, 0, nk)
-                        lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), *live_key_blocks(spec, bound, consts, bidx, bk, nk), every)
+                        lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), live_key_blocks(spec, bound, consts, bidx, bk, nk),
+                                                       (0, 0, 0, nk))
 
                     def score_work(j, s, m_i, msub, masked: bool):
                         """Key block j's score work and online softmax on its S tile (the block's score inputs read from

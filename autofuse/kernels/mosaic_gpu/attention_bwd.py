@@ -210,8 +210,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     Lq, Lk, D, Dv, B = spec.Lq, spec.Lk, spec.D, spec.Dv, spec.batch
     dt1, dt2 = spec.dot_dtype1, spec.dot_dtype2
     scores, y_val = spec.dot1.outputs[0], spec.exp_branch[0].inputs[0]
-    # bypassed in the blocks no position of which is masked (known only where the masks were analysed on the host)
-    masked_nodes = {**spec.mask_selects, **spec.mask_adds} if block_ranges(spec, h, st_rows) is not None else {}
+    # bypassed in the blocks no position of which is masked (known only where the masks were analysed on the host,
+    # or below the runtime masks' bound on the keys)
+    bound = key_bound(spec)
+    masked_nodes = (({**spec.mask_selects, **spec.mask_adds} if block_ranges(spec, h, st_rows) is not None else {})
+                    | (bound.selects if bound else {}))
     score_nodes = {m: needed(spec.pre, {y_val}, set(), None if m else masked_nodes) for m in (True, False)}
     views = {r: fwd._operand_view(g, getattr(spec, r)) for r in ("q", "k", "v")}
     tf_d, tf_dv = fwd._tf(D, dt1.itemsize), fwd._tf(Dv, dt2.itemsize)  # q/k and v/dO tiles, held or streamed
@@ -257,7 +260,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         return jax.vjp(f, s)
 
     whole = math.lcm(h, st_rows)
-    bound = key_bound(spec)
 
     def bounds_mask(q_ids, k_ids, shape, q_dim):
         """Positions past Lq / Lk (TMA zero-fills them; their p must be 0), or None."""
@@ -326,7 +328,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             clo, chi = (0, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
             if bound is not None:  # up to the last live key block; every one where none is live (`fwd.live_key_blocks`)
                 live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, st_rows, nk_steps)
-                clo, chi = clip_ranges((clo, chi), *live, (0, nk_steps))
+                clo, chi = clip_ranges((clo, chi), live, (0, nk_steps))
 
             def slot_of(j):
                 return lax.rem(j - clo, stages)
@@ -368,8 +370,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 q_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=rows) + q0
                 lo, flo, fhi, hi = (0, 0, nk_steps, nk_steps) if q_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
                 if bound is not None:
-                    every = (0, 0, nk_steps, nk_steps) if q_tbl is None else (0, 0, 0, nk_steps)
-                    lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), *live, every)
+                    lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), live, (0, 0, 0, nk_steps))
 
                 def step(j, dq, masked: bool):
                     slot = slot_of(j)
@@ -460,18 +461,19 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     return lax.div(tile, nk_cta), lax.rem(tile, nk_cta)
                 return lax.axis_index("b"), lax.axis_index("k")
 
-            def keys_dead(cta, bidx):
-                """(the CTA's keys are all past the last live one at batch position bidx, no key is live there) under
-                the runtime masks' bound (`fwd.live_key_blocks`): its query ranges are empty, or every block masked."""
-                live, none_live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, 2 * h, nk_cta)
-                return (cta >= live) & ~none_live, none_live
+            def keys_live(cta, bidx):
+                """(the CTA's keys are all past the last live one at batch position bidx, all before it, no key is live
+                there) under the runtime masks' bound (`fwd.live_key_blocks`): its query ranges are empty, mask-free in
+                their middle, or every block masked."""
+                live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, 2 * h, nk_cta)
+                return (cta >= live.some) & ~live.none, cta < live.every, live.none
 
             def query_range(cta, bidx):
                 """[clo, chi): the query blocks a CTA loads for key block `cta` (every one, or the table's; `keys_dead`)."""
                 clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
                 if bound is None:
                     return clo, chi
-                dead, none_live = keys_dead(cta, bidx)
+                dead, _, none_live = keys_live(cta, bidx)
                 return jnp.where(none_live, 0, clo), jnp.where(none_live, nq_steps, jnp.where(dead, clo, chi))
 
             @pl.when(wg == 2)
@@ -535,11 +537,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     cols = layout(COLS)
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                     lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
-                    if bound is not None:
-                        dead, none_live = keys_dead(cta, bidx)
-                        every = (0, 0, nq_steps, nq_steps) if k_tbl is None else (0, 0, 0, nq_steps)
+                    if bound is not None:  # a CTA holding the last live key evaluates the masks on every block
+                        dead, whole, none_live = keys_live(cta, bidx)
                         lo, flo, fhi, hi = (jnp.where(none_live, e, jnp.where(dead, clo, x))
-                                            for x, e in zip((lo, flo, fhi, hi), every))
+                                            for x, e in zip((lo, flo, fhi, hi), (0, 0, 0, nq_steps)))
+                        flo, fhi = jnp.where(whole, flo, lo), jnp.where(whole, fhi, lo)
 
                     def share_ds(i, ds_t):
                         """This warpgroup's dSᵀ of step i into SMEM beside the other's, for dQ."""

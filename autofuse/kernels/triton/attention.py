@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ... import ops
 from ...graph import Group, Node
-from ..attention_masks import block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
+from ..attention_masks import LiveKeys, block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
 from ..attention_spec import AttentionEval, AttentionSpec, KeyBound, Operand
 from ..tile_eval import edge_mask
 from ..tiling import cdiv, needed, next_pow2
@@ -64,7 +64,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool, e
     qkv = {spec.q.value, spec.k.value, spec.v.value}
     body_in = [v for v in spec.tile.group.inputs if v not in qkv and v != spec.dot1.outputs[0]]  # bias, masks
     in_order = [spec.q.value, spec.k.value, spec.v.value] + body_in
-    masked_nodes = {**spec.mask_selects, **spec.mask_adds}
+    masked_nodes = {**spec.mask_selects, **spec.mask_adds} | (bound.selects if bound else {})
 
     def plan_nodes(nodes: list[Node], targets: set[int], unmasked: bool) -> list[Node]:
         # where nothing is masked, a mask op passes its score operand through
@@ -140,14 +140,13 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret: bool, e
 
         carry = (jnp.zeros((bq, Dvp), jnp.float32), jnp.full((bq, 1), -jnp.inf, jnp.float32),
                  jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, 1), jnp.float32))
-        live = None if bound is None else live_key_blocks(spec, bound, {v: ins[v] for v in body_in}, body, bidx, bk, nk)
-        if ranges is None:
-            hi = nk if live is None else clip_ranges((nk,), *live, (nk,))[0]
-            carry = jax.lax.fori_loop(0, hi, lambda j, c: step(j, c, False), carry)
-        else:
-            lo, flo, fhi, hi = (tbl[qi * 4 + t] for t in range(4))
-            if live is not None:
-                lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), *live, (0, 0, 0, nk))
+        if ranges is None and bound is None:
+            carry = jax.lax.fori_loop(0, nk, lambda j, c: step(j, c, False), carry)
+        else:  # the masks' mask-free middle: known at build time, or below the runtime bound on the keys
+            lo, flo, fhi, hi = (0, 0, nk - int(ragged_k), nk) if ranges is None else (tbl[qi * 4 + t] for t in range(4))
+            if bound is not None:
+                live = live_key_blocks(spec, bound, {v: ins[v] for v in body_in}, body, bidx, bk, nk)
+                lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), live, (0, 0, 0, nk))
             carry = jax.lax.fori_loop(lo, flo, lambda j, c: step(j, c, False), carry)
             carry = jax.lax.fori_loop(flo, fhi, lambda j, c: step(j, c, True), carry)
             carry = jax.lax.fori_loop(fhi, hi, lambda j, c: step(j, c, False), carry)
@@ -208,7 +207,7 @@ def _load_operand(ref, op: Operand, bidx: list, s0, bs: int, L: int, Dp: int, D:
 
 
 def live_key_blocks(spec: AttentionSpec, bound: KeyBound, refs: dict, body: AttentionEval, bidx: list, block: int,
-                    n_blocks: int) -> tuple:
+                    n_blocks: int) -> LiveKeys:
     """`attention_masks.live_blocks` of the runtime masks' bound (`key_bound`) at batch position `bidx`, evaluated from
     the score work's scalar inputs there (`refs`: each score input -> its kernel ref), loaded as [1, 1] tiles."""
     body.set_program(bidx, 0, 0)

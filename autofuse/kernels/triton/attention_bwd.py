@@ -146,10 +146,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
 
         lo, hi = (0, nq_steps) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
         if bound is not None:  # no query where the held keys are past the last live one; every one where none is live
-            live, none_live = live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, bk, nk)
-            hi = jnp.where(none_live, nq_steps, jnp.where(kj >= live, lo, hi))
+            live = live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, bk, nk)
+            hi = jnp.where(live.none, nq_steps, jnp.where(kj >= live.some, lo, hi))
             if tbl is not None:  # (a start of 0 rewritten by a select fails Triton's lowering of the loop: i1 x i32)
-                lo = jnp.where(none_live, 0, lo)
+                lo = jnp.where(live.none, 0, lo)
         dk, dv = jax.lax.fori_loop(lo, hi, step, (jnp.zeros((bk, Dp), jnp.float32), jnp.zeros((bk, Dvp), jnp.float32)))
         store(dk_ref, bflat, k0, bk, Lk, Dp, D, dk)
         store(dv_ref, bflat, k0, bk, Lk, Dvp, Dv, dv)
@@ -180,7 +180,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
 
         lo, hi = (0, nk_steps) if tbl is None else (tbl[qi * 4], tbl[qi * 4 + 3])
         if bound is not None:  # up to the last live key block; every one where none is live
-            lo, hi = clip_ranges((lo, hi), *live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, kb, nk_steps),
+            lo, hi = clip_ranges((lo, hi), live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, kb, nk_steps),
                                  (0, nk_steps))
         dq = jax.lax.fori_loop(lo, hi, step, jnp.zeros((qb, Dp), jnp.float32))
         store(dq_ref, bflat, q0, qb, Lq, Dp, D, dq)
