@@ -300,6 +300,9 @@ def clip_ranges(ranges: tuple, live: LiveKeys, every: tuple) -> tuple:
     """Key block ranges clipped to the live blocks: `(lo, hi)` to [0, live.some); `(lo, full_lo, full_hi, hi)` so,
     with the mask-free middle (the bound's selects skipped, `KeyBound.selects`) ending where the keys stop being all
     live; `every` (each block visited, masks evaluated) where no key is live."""
+    # int32 throughout: Pallas' Triton lowering makes a select of Python ints a select of i1 (the loop bounds' types
+    # then disagree)
+    ranges, every = tuple(jnp.asarray(r, jnp.int32) for r in ranges), tuple(jnp.asarray(e, jnp.int32) for e in every)
     if len(ranges) == 2:
         clipped = tuple(jnp.minimum(r, live.some) for r in ranges)
     else:

@@ -451,8 +451,32 @@ def _trial_key(nodes: Sequence[int], template: str, config: dict) -> tuple:
 
 
 def lowering_guard(kernel: Callable, structs: Sequence[Any]) -> None:
-    """Run the real Triton lowering for CUDA without a GPU (GPU_NOTES.md); raises on unsupported kernels."""
-    export_for_cuda(lambda *a: kernel(*a), structs)
+    """Run the real Triton lowering for CUDA without a GPU (GPU_NOTES.md) and verify each Triton module as XLA will
+    parse it; raises on unsupported kernels."""
+    verify_triton_modules(export_for_cuda(lambda *a: kernel(*a), structs).mlir_module())
+
+
+def verify_triton_modules(text: str) -> None:
+    """Parse and verify every Triton kernel in an exported module (StableHLO text), as XLA does before compiling it:
+    Pallas' Triton lowering itself does not verify, so a module it emits can still be refused on the GPU ("'scf.for'
+    op failed to verify": loop bounds of different types). Raises `MLIRError` on the first that fails."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    ctx = mlir.make_ir_context()
+    tt_dialect.register_dialect(ctx)
+    ctx.load_all_available_dialects()
+    with ctx:
+        module = ir.Module.parse(text)
+        calls = []
+        module.operation.walk(lambda op: calls.append(op) or ir.WalkResult.ADVANCE
+                              if op.name == "stablehlo.custom_call" else ir.WalkResult.ADVANCE)
+        for op in calls:
+            if ir.StringAttr(op.attributes["call_target_name"]).value != "__gpu$xla.gpu.triton":
+                continue
+            config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+            ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.verify()
 
 
 def export_for_cuda(fn: Callable, structs: Sequence[Any]) -> Any:

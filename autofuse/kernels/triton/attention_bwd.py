@@ -147,9 +147,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret: 
         lo, hi = (0, nq_steps) if tbl is None else (tbl[kj * 2], tbl[kj * 2 + 1])
         if bound is not None:  # no query where the held keys are past the last live one; every one where none is live
             live = live_key_blocks(spec, bound, {v: ins[v] for v in extras}, body, bidx, bk, nk)
-            hi = jnp.where(live.none, nq_steps, jnp.where(kj >= live.some, lo, hi))
-            if tbl is not None:  # (a start of 0 rewritten by a select fails Triton's lowering of the loop: i1 x i32)
-                lo = jnp.where(live.none, 0, lo)
+            # int32 operands: Pallas' Triton lowering makes a select of Python ints a select of i1
+            lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+            hi = jnp.where(live.none, jnp.int32(nq_steps), jnp.where(kj >= live.some, lo, hi))
+            if tbl is not None:  # (without a table it is 0 already)
+                lo = jnp.where(live.none, jnp.int32(0), lo)
         dk, dv = jax.lax.fori_loop(lo, hi, step, (jnp.zeros((bk, Dp), jnp.float32), jnp.zeros((bk, Dvp), jnp.float32)))
         store(dk_ref, bflat, k0, bk, Lk, Dp, D, dk)
         store(dv_ref, bflat, k0, bk, Lk, Dvp, Dv, dv)
