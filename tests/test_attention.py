@@ -288,3 +288,32 @@ def test_key_bound_is_read_only_where_skipping_keys_changes_nothing():
     assert [int(x) for x in attention_masks.clip_ranges((0, 4), live, (0, 4))] == [0, 1]
     live = attention_masks.live_blocks([jnp.int32(0)], 64, 4)
     assert bool(live.none) and [int(x) for x in attention_masks.clip_ranges((0, 1, 2, 3), live, (0, 0, 0, 4))] == [0, 0, 0, 4]
+
+
+def test_a_key_lengths_group_is_timed_at_full_length(monkeypatch):
+    """Kernels that stop at each row's key length are timed alone with every key live (`timing_inputs`): random
+    small lengths would stop them after a block and flatter them against XLA, whose work does not depend on them.
+    Checked, the lengths stay random (the masks exercised); a group without a bound keeps every input random."""
+    from autofuse.kernels import TEMPLATES
+    from autofuse.runner import evaluator
+    from autofuse.runner.evaluator import Evaluator
+    from autofuse.runner.protocol import TrialRequest, TrialStatus
+
+    g = autofuse.capture(key_lengths_blhd, *[S((2, 64, 2, 32), BF16)] * 3, S((2,), jnp.int32))
+    cand = _attention_candidate(g)
+    lengths = next(v for v in cand.group.inputs if g.avals[v].dtype == jnp.int32)
+    assert TEMPLATES["attention"].timing_inputs(cand.group, cand.spec) == {lengths: 64}
+    timed = []
+
+    def fake_time_fn(fn, sets, **kw):
+        timed.append(sets)
+        return evaluator.Timing(1.0, 1.0, 1.0, 1.0, 1.0)
+
+    monkeypatch.setattr(evaluator, "time_fn", fake_time_fn)
+    ev = Evaluator(g, measure="device", interpret=True, n_input_sets=2, repeats=1, target_ms=1.0)
+    res = ev.handle(TrialRequest(cand.group.node_ids, "attention", {**SMALL, "backend": "triton"}))
+    assert res.status is TrialStatus.OK, res.error
+    pos = ev._view(cand.group).inputs.index(lengths)
+    assert [np.asarray(s[pos]).tolist() for s in timed[-1]] == [[64, 64]] * 2
+    plain = _attention_candidate(autofuse.capture(attention_bhld, *[S((1, 2, 64, 32), BF16)] * 3))
+    assert TEMPLATES["attention"].timing_inputs(plain.group, plain.spec) == {}

@@ -148,3 +148,23 @@ def test_the_programs_constants_are_read_at_their_values_never_random():
     cfg = {"backend": "triton", "block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}
     res = ev.handle(TrialRequest(cand.group.node_ids, "attention", cfg))
     assert res.status is TrialStatus.OK, res.error
+
+
+def test_whole_programs_are_timed_on_the_callers_integer_and_boolean_inputs(tmp_path):
+    """A plan and jax.jit are timed on random floats but the caller's own integers and booleans (lengths, masks, token
+    ids decide how much a data-dependent kernel does); without the caller's inputs, all random."""
+    import pickle
+
+    def prog(x, n, keep):
+        return jnp.where(keep, x * n[:, None], 0.0)
+
+    x, n, keep = jnp.ones((4, 8), jnp.float32), jnp.arange(4, dtype=jnp.int32) + 100, jnp.eye(4, 8, dtype=bool)
+    graph = autofuse.capture(prog, x, n, keep)
+    path = tmp_path / "examples.pkl"
+    path.write_bytes(pickle.dumps([np.asarray(x), np.asarray(n), np.asarray(keep)]))
+    ev = Evaluator(graph, measure="device", interpret=True, n_input_sets=2, example_inputs=str(path))
+    sets = ev._program_sets()
+    assert len(sets) == 2 and all(np.array_equal(s[1], n) and np.array_equal(s[2], keep) for s in sets)
+    assert not np.array_equal(sets[0][0], sets[1][0]) and not np.array_equal(sets[0][0], x)  # floats: random, rotated
+    plain = Evaluator(graph, measure="device", interpret=True, n_input_sets=2)._program_sets()
+    assert not np.array_equal(plain[0][1], n)

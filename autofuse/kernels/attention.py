@@ -33,7 +33,7 @@ from ..graph import Graph, Group, Node
 from ..ops import OpClass, op_class
 from ..spaces import DEFAULT_BACKEND
 from .attention_library import CUDNN_FORWARD_FACTOR, is_cudnn, library_group, library_kernel, xla_path_groups, xla_path_spec
-from .attention_masks import block_ranges
+from .attention_masks import block_ranges, bound_inputs
 from .attention_spec import AttentionSpec, Operand
 from .matmul import DOT_DTYPES, default_precision
 from .template import NoMatch, Template
@@ -390,6 +390,11 @@ def _place(group: Group, nodes: list[Node], S: tuple, scores: int, seed: tuple) 
 
 # ---------------------------------------------------------------------------
 # The template: matching, search space, model.
+def timing_inputs(spec: AttentionSpec) -> dict[int, int]:
+    """`bound_inputs` as the group's own inputs (a library call read from a graph of its own: through `spec.feeds`)."""
+    return {spec.feeds.get(v, v): n for v, n in bound_inputs(spec).items()}
+
+
 class AttentionTemplate(Template[AttentionSpec]):
     name = "attention"
     backends = ("triton", "mosaic_gpu")
@@ -437,6 +442,10 @@ class AttentionTemplate(Template[AttentionSpec]):
             return None  # (library attention: differentiated as JAX does it, by cuDNN's backward or the XLA path's)
         pair = self.lowering_module(backend, "attention_vjp")
         return pair.vjp_rule(group, spec, {**self.defaults, **config}, interpret=interpret)
+
+    def timing_inputs(self, group: Group, spec: AttentionSpec) -> dict[int, int]:
+        """Key lengths at the full length (`attention_masks.bound_inputs`), as the program's values they stand for."""
+        return timing_inputs(spec)
 
     def facts(self, group: Group, spec: AttentionSpec) -> dict:
         """What search_spaces/attention[.<backend>].toml's constraints read."""

@@ -281,6 +281,29 @@ def key_bound(spec: AttentionSpec) -> KeyBound | None:
     return spec.key_bound
 
 
+def bound_inputs(spec: AttentionSpec) -> dict[int, int]:
+    """The group's inputs that the runtime masks' bound reads as they are (through broadcasts, reshapes and integer
+    converts: key lengths), each with the value at which every key is live: what a kernel visits with no padding.
+    A group timed alone runs at these values (`Template.timing_inputs`): random small integers would stop it after a
+    block or two and flatter it against XLA, whose work does not depend on them."""
+    bound = key_bound(spec)
+    if bound is None:
+        return {}
+    g, members, out = spec.group.graph, {nd.id for nd in spec.pre}, {}
+    inputs = set(spec.tile.group.inputs)
+    for v, inclusive in bound.limits:
+        while v not in inputs:
+            nd = g.node_index.get(g.producer.get(v))
+            if nd is None or nd.id not in members or not (nd.name in ("broadcast_in_dim", "reshape", "convert_element_type")
+                                                          and isinstance(nd.inputs[0], int)
+                                                          and jnp.issubdtype(g.aval(nd.inputs[0]).dtype, jnp.integer)):
+                break
+            v = nd.inputs[0]
+        if v in inputs:
+            out[v] = spec.Lk - int(inclusive)
+    return out
+
+
 class LiveKeys(NamedTuple):
     """The runtime masks' bound in a kernel, in key blocks (int32 scalars; `live_blocks`)."""
     some: Any  # blocks holding a live key: [0, some)

@@ -434,6 +434,9 @@ class AttentionVJPTemplate(Template[AttentionVJPSpec]):
             return super().xla_model_ms(group, spec, model)
         return pair_factor(spec.attn.D) * self.default_model_ms(spec, model)
 
+    def timing_inputs(self, group: Group, spec: AttentionVJPSpec) -> dict[int, int]:
+        return attention.timing_inputs(spec.attn)
+
     def facts(self, group: Group, spec: AttentionVJPSpec) -> dict:
         """The forward's facts (search_spaces/attention_vjp[.<backend>].toml tunes the forward's parameters and the
         backward's: in a training step the backward is most of the pair's time, and its best tiles are not the

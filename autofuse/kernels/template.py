@@ -90,6 +90,13 @@ class Template(ABC, Generic[Spec]):
             return None
         return lower(group, spec, {**self.defaults, **config}, interpret=interpret)
 
+    def timing_inputs(self, group: Group, spec: Spec) -> dict[int, int]:
+        """Group inputs held at one value (input value id -> the value every element takes) when a kernel of the group
+        is timed alone; checked, they stay random. Where a kernel's work depends on an input's values (attention
+        stopping at each row's key length), random values could flatter it: the template names the values of the
+        unreduced work. None by default."""
+        return {}
+
     def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
         """The template's own reverse-mode rule for `group` (cheaper residuals, a generated backward kernel), or
         None: the plan then saves the group's inputs and differentiates its sub-jaxpr in XLA

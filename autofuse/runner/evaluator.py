@@ -14,6 +14,8 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from .. import costmodel, kernel_cache
 from ..device import device_label
@@ -69,6 +71,7 @@ class Evaluator:
         self.interpret = default_interpret() if interpret is None else interpret
         self.n_input_sets, self.repeats, self.target_ms = n_input_sets, repeats, target_ms
         self.example_inputs = example_inputs  # a pickle of the user's own input leaves (graph input order), if given
+        self._example_leaves: list | None = None
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
         self._views: dict[tuple, InProgram] = {}
@@ -123,6 +126,20 @@ class Evaluator:
         if key not in self._sets:
             self._sets = {key: [random_inputs(avals, 1000 + k) for k in range(self.n_input_sets)]}  # keep one program's sets only
         return self._sets[key]
+
+    def _program_sets(self) -> list[list]:
+        """The whole program's timing inputs: random, with its integer and boolean inputs at the caller's example values
+        where the job has them. Those are what a program's work can depend on (key lengths, padding masks, token
+        ids: attention stops at each row's last live key), and random small integers would flatter such kernels
+        against XLA, whose work does not; floats stay random, as everywhere."""
+        avals = [self.graph.avals[v] for v in self.graph.inputs]
+        sets = self._input_sets(avals)
+        examples = self._examples()
+        if examples is None:
+            return sets
+        discrete = {i: jnp.asarray(examples[i], a.dtype) for i, a in enumerate(avals)
+                    if a.dtype == np.dtype(bool) or np.issubdtype(a.dtype, np.integer)}
+        return [[discrete.get(i, x) for i, x in enumerate(s)] for s in sets]
 
     def _view(self, group: Group) -> InProgram:
         """The group as it is timed and checked alone: with the layout ops that make its inputs in the program."""
@@ -257,11 +274,16 @@ class Evaluator:
         return CompileResult(TrialStatus.OK, len(built) - failed, failed, time.perf_counter() - t0, longest=longest,
                              lowered_apart=helpers.lowered - lowered_before if helpers is not None else 0)
 
-    def _time(self, fn: Callable, avals: Sequence[Any]) -> Timing:
-        return time_fn(fn, self._input_sets(avals), repeats=self.repeats, target_ms=self.target_ms)
+    def _time(self, fn: Callable, avals: Sequence[Any], fixed: dict[int, int] | None = None) -> Timing:
+        """`fn` timed on the input sets; `fixed`: inputs (by position) held at one value (`Template.timing_inputs`)."""
+        sets = self._input_sets(avals)
+        if fixed:
+            sets = [[jnp.full(a.shape, fixed[i], a.dtype) if i in fixed else x for i, (x, a) in enumerate(zip(s, avals))]
+                    for s in sets]
+        return time_fn(fn, sets, repeats=self.repeats, target_ms=self.target_ms)
 
-    def _timed(self, fn: Callable, avals: Sequence[Any], **extra: Any) -> TrialResult:
-        t = self._time(fn, avals)
+    def _timed(self, fn: Callable, avals: Sequence[Any], fixed: dict[int, int] | None = None, **extra: Any) -> TrialResult:
+        t = self._time(fn, avals, fixed)
         return TrialResult(TrialStatus.OK, t.median_ms, t.min_ms, t.max_ms, **extra)
 
     # requests ----------------------------------------------------------------
@@ -310,7 +332,8 @@ class Evaluator:
         try:
             timed = self._alone(group, template, config) or fn
             t = add_since(secs, "alone", t)
-            res = self._timed(timed, avals, max_error=max_error)
+            fixed = {view.inputs.index(v): x for v, x in tmpl.timing_inputs(group, spec).items() if v in view.inputs}
+            res = self._timed(timed, avals, fixed, max_error=max_error)
             add_since(secs, "time", t)
             return replace(res, seconds=secs)
         except Exception as e:
@@ -330,16 +353,19 @@ class Evaluator:
         """jax.jit of the whole program, compiled once per job with its rounding spreads (every plan validated, the
         chosen one and its fallbacks, is held to the same reference), and the caller's inputs where the job has them."""
         if self._check is None:
-            examples = None
-            if self.example_inputs:
-                import pickle
-
-                with open(self.example_inputs, "rb") as f:
-                    examples = pickle.load(f)
             if self._program is None:
                 self._program = self._compile_program()
-            self._check = ProgramCheck(self.graph, self._program, self.seeds, examples)
+            self._check = ProgramCheck(self.graph, self._program, self.seeds, self._examples())
         return self._check
+
+    def _examples(self) -> list | None:
+        """The caller's input leaves (graph input order) where the job has them."""
+        if self.example_inputs and self._example_leaves is None:
+            import pickle
+
+            with open(self.example_inputs, "rb") as f:
+                self._example_leaves = pickle.load(f)
+        return self._example_leaves
 
     def validate(self, plan: Plan, key: str | None = None) -> ValidationResult:
         """The whole plan against jax.jit of the whole program: correctness (`ProgramCheck`), then both timed. `key`:
@@ -377,7 +403,7 @@ class Evaluator:
         if status is not TrialStatus.OK or self.measure == "model":
             return out
         t4 = time.perf_counter()
-        base, plan_t, ratio = time_pair(judge.ref, fused, self._input_sets(judge.avals), repeats=2 * self.repeats,
+        base, plan_t, ratio = time_pair(judge.ref, fused, self._program_sets(), repeats=2 * self.repeats,
                                         budget_ms=VALIDATION_TIMING_MS)
         secs["time"] = time.perf_counter() - t4
         self._hold(key or plan.to_json(), fused)
@@ -409,8 +435,7 @@ class Evaluator:
         secs["compile"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         self._sets.clear()
-        avals = [self.graph.avals[v] for v in self.graph.inputs]
-        first, second, ratio = time_pair(fns[0], fns[1], self._input_sets(avals), repeats=3 * COMPARE_PAIRS, min_repeats=COMPARE_PAIRS,
+        first, second, ratio = time_pair(fns[0], fns[1], self._program_sets(), repeats=3 * COMPARE_PAIRS, min_repeats=COMPARE_PAIRS,
                                          budget_ms=COMPARE_TIMING_MS)
         secs["time"] = time.perf_counter() - t1
         return ComparisonResult(TrialStatus.OK, first, second, ratio, seconds=secs)
