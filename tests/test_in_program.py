@@ -163,8 +163,24 @@ def test_whole_programs_are_timed_on_the_callers_integer_and_boolean_inputs(tmp_
     path = tmp_path / "examples.pkl"
     path.write_bytes(pickle.dumps([np.asarray(x), np.asarray(n), np.asarray(keep)]))
     ev = Evaluator(graph, measure="device", interpret=True, n_input_sets=2, example_inputs=str(path))
-    sets = ev._program_sets()
+    sets = ev._program_sets([])
     assert len(sets) == 2 and all(np.array_equal(s[1], n) and np.array_equal(s[2], keep) for s in sets)
     assert not np.array_equal(sets[0][0], sets[1][0]) and not np.array_equal(sets[0][0], x)  # floats: random, rotated
-    plain = Evaluator(graph, measure="device", interpret=True, n_input_sets=2)._program_sets()
+    plain = Evaluator(graph, measure="device", interpret=True, n_input_sets=2)._program_sets([])
     assert not np.array_equal(plain[0][1], n)
+
+
+def test_without_the_callers_inputs_key_lengths_are_timed_at_full_length():
+    """A plan whose attention stops at each row's key length, timed on random inputs: the program's lengths input is
+    held at the full length (as the group was timed alone), not random small integers."""
+    from autofuse.plan import plan_from_choices
+    from autofuse.tuning.partition import enumerate_candidates
+    from tests.attention_programs import key_lengths_blhd
+
+    S = jax.ShapeDtypeStruct
+    graph = autofuse.capture(key_lengths_blhd, *[S((2, 64, 2, 32), jnp.bfloat16)] * 3, S((2,), jnp.int32))
+    cand = max((c for c in enumerate_candidates(graph) if c.template == "attention"), key=lambda c: len(c.nodes))
+    plan = plan_from_choices(graph, [(cand.group, "attention", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2})])
+    ev = Evaluator(graph, measure="device", interpret=True, n_input_sets=2)
+    assert [np.asarray(s[3]).tolist() for s in ev._program_sets([plan])] == [[64, 64]] * 2
+    assert not all(np.asarray(s[3]).tolist() == [64, 64] for s in ev._program_sets([]))

@@ -127,19 +127,33 @@ class Evaluator:
             self._sets = {key: [random_inputs(avals, 1000 + k) for k in range(self.n_input_sets)]}  # keep one program's sets only
         return self._sets[key]
 
-    def _program_sets(self) -> list[list]:
+    def _program_sets(self, plans: Sequence[Plan]) -> list[list]:
         """The whole program's timing inputs: random, with its integer and boolean inputs at the caller's example values
         where the job has them. Those are what a program's work can depend on (key lengths, padding masks, token
         ids: attention stops at each row's last live key), and random small integers would flatter such kernels
-        against XLA, whose work does not; floats stay random, as everywhere."""
+        against XLA, whose work does not; floats stay random, as everywhere. Without the caller's inputs, a program
+        input that a group of `plans` holds at one value when timed alone (`Template.timing_inputs`) takes it."""
         avals = [self.graph.avals[v] for v in self.graph.inputs]
         sets = self._input_sets(avals)
         examples = self._examples()
-        if examples is None:
-            return sets
-        discrete = {i: jnp.asarray(examples[i], a.dtype) for i, a in enumerate(avals)
-                    if a.dtype == np.dtype(bool) or np.issubdtype(a.dtype, np.integer)}
-        return [[discrete.get(i, x) for i, x in enumerate(s)] for s in sets]
+        if examples is not None:
+            fixed = {i: jnp.asarray(examples[i], a.dtype) for i, a in enumerate(avals)
+                     if a.dtype == np.dtype(bool) or np.issubdtype(a.dtype, np.integer)}
+        else:
+            fixed = {self.graph.inputs.index(v): jnp.full(self.graph.avals[v].shape, x, self.graph.avals[v].dtype)
+                     for v, x in self._timing_inputs(plans).items() if v in self.graph.inputs}
+        return [[fixed.get(i, x) for i, x in enumerate(s)] for s in sets] if fixed else sets
+
+    def _timing_inputs(self, plans: Sequence[Plan]) -> dict[int, int]:
+        """The values the plans' groups are timed alone at (`Template.timing_inputs`), by program value."""
+        out: dict[int, int] = {}
+        for plan in plans:
+            for fg in plan.groups:
+                group = Group.of(self.graph, fg.nodes)
+                spec = TEMPLATES[fg.template].match(group)
+                if spec is not None:
+                    out.update(TEMPLATES[fg.template].timing_inputs(group, spec))
+        return out
 
     def _view(self, group: Group) -> InProgram:
         """The group as it is timed and checked alone: with the layout ops that make its inputs in the program."""
@@ -403,7 +417,7 @@ class Evaluator:
         if status is not TrialStatus.OK or self.measure == "model":
             return out
         t4 = time.perf_counter()
-        base, plan_t, ratio = time_pair(judge.ref, fused, self._program_sets(), repeats=2 * self.repeats,
+        base, plan_t, ratio = time_pair(judge.ref, fused, self._program_sets([plan]), repeats=2 * self.repeats,
                                         budget_ms=VALIDATION_TIMING_MS)
         secs["time"] = time.perf_counter() - t4
         self._hold(key or plan.to_json(), fused)
@@ -435,7 +449,8 @@ class Evaluator:
         secs["compile"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         self._sets.clear()
-        first, second, ratio = time_pair(fns[0], fns[1], self._program_sets(), repeats=3 * COMPARE_PAIRS, min_repeats=COMPARE_PAIRS,
+        plans = [Plan.from_json(first_json), Plan.from_json(second_json)]
+        first, second, ratio = time_pair(fns[0], fns[1], self._program_sets(plans), repeats=3 * COMPARE_PAIRS, min_repeats=COMPARE_PAIRS,
                                          budget_ms=COMPARE_TIMING_MS)
         secs["time"] = time.perf_counter() - t1
         return ComparisonResult(TrialStatus.OK, first, second, ratio, seconds=secs)
