@@ -186,6 +186,24 @@ WORKLOADS = [
 ]
 
 
+def attention_key_lengths_grad(q, k, v, lengths, dout):
+    """Padding as key lengths, as a careful user writes it (`key_value_seq_lengths`: each row's keys past its length
+    masked, BERT-style), forward and backward: `autofuse tune benchmarks.workloads:attention_key_lengths_grad --inputs
+    benchmarks.workloads:key_lengths_inputs` (the lengths are the caller's, so the plan is timed on them)."""
+    _, pull = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths), q, k, v)
+    return pull(dout)
+
+
+def key_lengths_inputs(batch: int = 8, length: int = 2048, heads: int = 16, head_dim: int = 128) -> tuple:
+    """Arrays for `attention_key_lengths_grad`: q, k, v and the output's cotangent normal in bf16 ([B, L, H, D]), the
+    lengths drawn uniformly in [L/2, L] (a quarter of the keys padding on average)."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    qkv = [jax.random.normal(k, (batch, length, heads, head_dim), jnp.float32).astype(jnp.bfloat16) for k in keys[:3]]
+    lengths = jax.random.randint(keys[3], (batch,), length // 2, length + 1, jnp.int32)
+    dout = jax.random.normal(keys[4], (batch, length, heads, head_dim), jnp.float32).astype(jnp.bfloat16)
+    return (*qkv, lengths, dout)
+
+
 def long_attention_shapes() -> tuple:
     """FlashAttention-3's paper's longest attention (B x L = 16k tokens, H x D = 2048), bf16, as shapes:
     `autofuse tune benchmarks.workloads:attention_bhld_causal --inputs benchmarks.workloads:long_attention_shapes`."""
