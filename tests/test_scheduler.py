@@ -308,3 +308,32 @@ def test_phase_two_shares_follow_what_the_plan_still_spends_not_what_xla_spent()
     repeated, once = _tuned_repeated_and_once(SolvedAlready)
     assert repeated.best_ms < repeated.xla_ms / 19 and once.best_ms < once.xla_ms
     assert len(once.spent()) > len(repeated.spent()), (len(once.spent()), len(repeated.spent()))
+
+
+def test_phase_one_measures_one_candidate_per_region_before_its_variants():
+    """Phase 1's order (`phase1_order`): the candidates modelled to save, each region of the program once (pairwise
+    disjoint nodes) before any variant of a region already placed, which follow in the same order; the modelled
+    losses last. A short budget then reaches every part of the program before a second variant of one."""
+    from autofuse.tuning.scheduler import modelled_saving, phase1_order
+
+    def prog(x, w, y, z):  # three regions: a GEMM with an epilogue, a softmax, a small elementwise chain
+        h = jnp.tanh((x @ w).astype(jnp.float32)) * 2.0 + 1.0
+        return h.astype(jnp.bfloat16), jax.nn.softmax(y.astype(jnp.float32), axis=-1), jnp.exp(z) * 3.0 + 1.0
+
+    graph = autofuse.capture(prog, S((2048, 1024), jnp.bfloat16), S((1024, 2048), jnp.bfloat16), S((512, 1000), jnp.bfloat16),
+                             S((64, 64), jnp.float32))
+    by_sig, cands = distinct_candidates(graph)
+    time_xla(cands, FakeDevice())
+    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    order = phase1_order(cands, spaces)
+    gains = [i for i in order if modelled_saving(cands[i], spaces[cands[i].signature]) > 0]
+    assert order[:len(gains)] == gains and sorted(order) == list(range(len(cands)))
+    placed, regions = set(), 0
+    for i in gains:
+        nodes = set(cands[i].nodes)
+        if nodes & placed:
+            break
+        placed |= nodes
+        regions += 1
+    assert regions == 3 < len(gains), (regions, len(gains))  # each region once, then the variants
+    assert all(set(cands[i].nodes) & placed for i in gains[regions:])
