@@ -682,13 +682,15 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 return {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
                         for v in scalar_in}
 
-            def key_range(cta, bidx):
+            def live_of(bidx, consts: dict) -> LiveKeys | None:
+                """The runtime masks' bound at batch position bidx (`key_bound`), from its scalar inputs, or None."""
+                return None if bound is None else live_key_blocks(spec, bound, consts, bidx, bk, nk)
+
+            def key_range(cta, live: LiveKeys | None):
                 """[clo, chi): the key blocks a CTA loads for query block `cta` (every one, or the table's), up to the
-                last live one at batch position bidx (`key_bound`)."""
+                last live one (`live_of`)."""
                 clo, chi = (0, nk) if table is None else (tbl_ref[cta * row_stride + 4 * nw], tbl_ref[cta * row_stride + 4 * nw + 1])
-                if bound is None:
-                    return clo, chi
-                return clip_ranges((clo, chi), live_key_blocks(spec, bound, scalars(bidx), bidx, bk, nk), (0, nk))
+                return (clo, chi) if live is None else clip_ranges((clo, chi), live, (0, nk))
 
             dyn = lax.axis_index("wg") * 0  # a traced 0: box starts past an array's end are legal for TMA, not statically
 
@@ -730,7 +732,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 if not persistent:
                     fb, cta = tile_of(0)
                     bidx, q_cta0 = batch_index(spec, fb), cta * (nw * bq)
-                    clo, chi = key_range(cta, bidx)
+                    clo, chi = key_range(cta, live_of(bidx, scalars(bidx)))
                     memory_ring(clo, chi, stages, lambda j: lax.rem(j - clo, stages),
                                 [(k_free, functools.partial(issue_k, bidx, q_cta0)), (v_free, functools.partial(issue_v, bidx, q_cta0))])
                     return
@@ -738,7 +740,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 def blocks_of(t):
                     fb, cta = tile_of(t)
                     bidx = batch_index(spec, fb)
-                    return (*key_range(cta, bidx), (bidx, cta * (nw * bq)))
+                    return (*key_range(cta, live_of(bidx, scalars(bidx))), (bidx, cta * (nw * bq)))
 
                 persistent_ring(n_mine, blocks_of, stages, [(k_free, issue_k), (v_free, issue_v)])
 
@@ -765,7 +767,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     q0 = cta * (nw * bq) + wg * bq
                     q_tile = q_smem.at[buf]
                     o_tile = q_tile if o_smem is None else o_smem
-                    clo, chi = key_range(cta, bidx)
+                    consts = scalars(bidx)
+                    live = live_of(bidx, consts)
+                    clo, chi = key_range(cta, live)
 
                     def slot_of(j):
                         return lax.rem(ring0 + j - clo, stages)
@@ -773,7 +777,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     tiles = ScoreTiles(spec, bq, bk)
                     tiles.bidx = bidx
 
-                    consts = scalars(bidx)
                     plgpu.barrier_wait(q_bar.at[buf * nw + wg])
                     for v in rows_in:
                         consts[v] = from_kernel(plgpu.load(rows_smem[v].at[wg], layout=layout(ROWS)), g.avals[v].dtype)
@@ -782,9 +785,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                     else:
                         base = cta * row_stride + wg * 4
                         lo, flo, fhi, hi = (tbl_ref[base + t] for t in range(4))
-                    if bound is not None:  # up to the last live key block, or every block masked where none is live
-                        lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), live_key_blocks(spec, bound, consts, bidx, bk, nk),
-                                                       (0, 0, 0, nk))
+                    if live is not None:  # up to the last live key block, or every block masked where none is live
+                        lo, flo, fhi, hi = clip_ranges((lo, flo, fhi, hi), live, (0, 0, 0, nk))
 
                     def score_work(j, s, m_i, msub, masked: bool):
                         """Key block j's score work and online softmax on its S tile (the block's score inputs read from

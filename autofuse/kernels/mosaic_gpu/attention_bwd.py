@@ -468,12 +468,13 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, 2 * h, nk_cta)
                 return (cta >= live.some) & ~live.none, cta < live.every, live.none
 
-            def query_range(cta, bidx):
-                """[clo, chi): the query blocks a CTA loads for key block `cta` (every one, or the table's; `keys_dead`)."""
+            def query_range(cta, state):
+                """[clo, chi): the query blocks a CTA loads for key block `cta` (every one, or the table's; `state`:
+                `keys_live`'s, None without a bound)."""
                 clo, chi = (0, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 8], tbl_ref[cta * 10 + 9])
-                if bound is None:
+                if state is None:
                     return clo, chi
-                dead, _, none_live = keys_live(cta, bidx)
+                dead, _, none_live = state
                 return jnp.where(none_live, 0, clo), jnp.where(none_live, nq_steps, jnp.where(dead, clo, chi))
 
             @pl.when(wg == 2)
@@ -496,7 +497,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 if not persistent:
                     bflat, cta = tile_of(0)
                     bidx = fwd.batch_index(spec, bflat)
-                    clo, chi = query_range(cta, bidx)
+                    clo, chi = query_range(cta, None if bound is None else keys_live(cta, bidx))
                     fwd.memory_ring(clo, chi, stages, lambda i: lax.rem(i - clo, stages),
                                     [(do_free, functools.partial(issue_do, bidx, bflat)), (q_free, functools.partial(issue_q, bidx, bflat))])
                     return
@@ -504,7 +505,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 def blocks_of(t):
                     bflat, cta = tile_of(t)
                     bidx = fwd.batch_index(spec, bflat)
-                    return (*query_range(cta, bidx), (bidx, bflat))
+                    return (*query_range(cta, None if bound is None else keys_live(cta, bidx)), (bidx, bflat))
 
                 fwd.persistent_ring(n_mine, blocks_of, stages, [(do_free, issue_do), (q_free, issue_q)])
 
@@ -517,7 +518,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     accumulated over the query blocks, stored. Returns the blocks it took."""
                     bflat, cta = tile_of(t)
                     bidx = fwd.batch_index(spec, bflat)
-                    clo, chi = query_range(cta, bidx)
+                    state = None if bound is None else keys_live(cta, bidx)
+                    clo, chi = query_range(cta, state)
 
                     def slot_of(i):
                         return lax.rem(ring0 + i - clo, stages)
@@ -537,8 +539,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     cols = layout(COLS)
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                     lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
-                    if bound is not None:  # a CTA holding the last live key evaluates the masks on every block
-                        dead, whole, none_live = keys_live(cta, bidx)
+                    if state is not None:  # a CTA holding the last live key evaluates the masks on every block
+                        dead, whole, none_live = state
                         lo, flo, fhi, hi = (jnp.where(none_live, e, jnp.where(dead, clo, x))
                                             for x, e in zip((lo, flo, fhi, hi), (0, 0, 0, nq_steps)))
                         flo, fhi = jnp.where(whole, flo, lo), jnp.where(whole, fhi, lo)
