@@ -65,6 +65,10 @@ CASES = [
     pytest.param(alibi_causal, [(1, 2, 200, 64)] * 3 + [S((2,), F32)], BF16, 64, {}, id="alibi-causal"),
     pytest.param(query_temperature, [(2, 1, L, 64)] * 3 + [S((2, L), F32)], BF16, 64, {}, id="query-vector"),
     pytest.param(query_temperature, [(2, 1, L, 64)] * 3 + [S((2, L), F32)], BF16, 128, F, id="fused-rows-query-vector"),
+    # a [queries, keys] input (a bias [H, Lq, Lk]): a tile of it per step, in dK/dV from a keys-first copy (two
+    # kernels: with dQ fused the tiles do not fit beside its buffers)
+    pytest.param(bias_blhd, [(1, L, 2, 64)] * 3 + [S((2, L, L), F32)], BF16, 64, {}, id="bias-two-kernels"),
+    pytest.param(bias_blhd, [(1, L, 2, 64)] * 3 + [S((2, L, L), BF16)], BF16, 128, {}, id="bias-bf16-step128"),
 ]
 
 
@@ -113,7 +117,7 @@ EXPORTED = CASES[:4] + [CASES[6]] + [
     pytest.param(attention_bhld_causal, [(8, 32, 2048, 128)] * 3, BF16, 64, {**F, **P}, id="persistent-fused-cols-causal-target"),
     pytest.param(attention_bhld, [(2, 2, 200, 64)] * 3, BF16, 64, P, id="persistent-two-kernels"),
     *[c for c in CASES if c.id in ("padding-mask", "fused-rows-padding-mask", "fused-cols-query-and-key-lengths",
-                                   "alibi-causal", "fused-rows-query-vector")],
+                                   "alibi-causal", "fused-rows-query-vector", "bias-two-kernels", "bias-bf16-step128")],
 ]
 
 
@@ -173,10 +177,9 @@ def test_issue_target_shape_lowers_and_fits():
 
 
 def test_declines_what_it_does_not_support():
-    """Score work reading a [queries, keys] input (a bias) and float32 attention stay with the Triton backward (a
-    padding mask, a vector, does not); tiles other than 64 held rows and 64 or 128 stepped ones are refused."""
-    cases = [(bias_blhd, [(1, 64, 2, 64)] * 3 + [(2, 64, 64)], BF16, "queries, keys"),
-             (attention_bhld, [(1, 2, 64, 64)] * 3, F32, "float32 attention")]
+    """Float32 attention stays with the Triton backward (a padding mask, a vector, does not); tiles other than 64 held
+    rows and 64 or 128 stepped ones are refused."""
+    cases = [(attention_bhld, [(1, 2, 64, 64)] * 3, F32, "float32 attention")]
     for fn, shapes, dtype, why in cases:
         g = autofuse.capture(fn, *[S(s, dtype) for s in shapes])
         spec = max((c for c in enumerate_candidates(g) if c.template == "attention"), key=lambda c: len(c.nodes)).spec

@@ -461,11 +461,12 @@ def _operand_view(g, op: Operand, *, seq_minor: bool = False) -> _View:
     return _View(perm, shape, np.dtype(aval.dtype), pad, op2)
 
 
-def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
+def _input_view(spec: AttentionSpec, v: int, n: int, *, keys_first: bool = False) -> _View:
     """A score input as [batch dims (in order)..., q?, k?] (unit dims dropped), bool as int8, vectors widened to
     whole 128-byte copies, the minor dim padded to 16 bytes; a [.., Lq, Lk] tile input padded to whole swizzled
     SMEM tiles (8 rows, a multiple of its swizzle's width), as the swizzled TMA copy views it. `n`: block_kv for
-    column vectors and tiles, block_q for row vectors."""
+    column vectors and tiles, block_q for row vectors. `keys_first`: a tile input as [.., Lk, Lq] (the backward's
+    transposed dK/dV tile; `n` then its queries)."""
     g = spec.group.graph
     aval = g.avals[v]
     ax = spec.tile.axes[v]
@@ -474,6 +475,8 @@ def _input_view(spec: AttentionSpec, v: int, n: int) -> _View:
         return _View(None, (1,), kernel_dtype(aval.dtype), None, axes=())
     batch = [d for d in dims if ax[d] not in (spec.q_axis, spec.k_axis)]
     qk = [d for d in dims if ax[d] == spec.q_axis] + [d for d in dims if ax[d] == spec.k_axis]
+    if keys_first:
+        qk = qk[::-1]
     order = batch + qk
     rest = [d for d in range(len(ax)) if d not in order]  # unit dims
     perm = tuple(rest + order)

@@ -61,7 +61,7 @@ from ..attention_masks import block_ranges, clip_ranges, key_block_ranges, key_b
 from ..attention_spec import AttentionSpec
 from ..tiling import cdiv, needed
 from . import attention as fwd
-from .gemm import from_kernel, interpret_params, require_smem
+from .gemm import from_kernel, interpret_params, kernel_dtype, require_smem, smem_transforms
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, layout
 
 _LOG2E = math.log2(math.e)
@@ -127,8 +127,6 @@ def check_group(spec: AttentionSpec) -> None:
     fwd.check_group(spec)
     if fwd.tf32(spec):
         raise Unsupported("float32 attention (TF32): the Triton backward")
-    if any(spec.tile.span[v] == FULL for v in fwd.score_inputs(spec)):
-        raise Unsupported("score work reading a [queries, keys] input (a bias, a mask tile): the Triton backward")
 
 
 def check_config(spec: AttentionSpec, cfg: Config) -> None:
@@ -176,6 +174,10 @@ def smem_bytes(spec: AttentionSpec, cfg: Config) -> tuple[int, int]:
         along_q = spec.tile.span[v] == ROWS
         dq.append(held if along_q else streamed)
         dkdv.append(streamed if along_q else held)
+    for v in tile_inputs(spec):  # both warpgroups' [held, step] tiles of a bias, streamed
+        tile = st * 2 * h * s * kernel_dtype(spec.group.graph.avals[v].dtype).itemsize
+        dq.append(tile)
+        dkdv.append(tile)
     if cfg.fused:  # dS for both warpgroups, double-buffered; each warpgroup's float32 share of dQ
         dkdv += [2 * 2 * h * s * i1, 2 * 64 * dq_share_cols(spec, cfg) * 4]
     return total(dq, 2 + 4 * st), total(dkdv, 2 + 4 * st + 2 * cfg.fused)
@@ -185,6 +187,12 @@ def vector_views(spec: AttentionSpec) -> dict:
     """The score work's vector inputs (along the queries or the keys: a padding mask, positions), as the kernels read
     them: widened where 64 of them would not make a 128-byte TMA copy (every tile here is a multiple of 64 rows)."""
     return {v: fwd._input_view(spec, v, 64) for v in fwd.score_inputs(spec) if spec.tile.span[v] in (ROWS, COLS)}
+
+
+def tile_inputs(spec: AttentionSpec) -> list[int]:
+    """The score work's [queries, keys] inputs (a bias): a tile of each per step, in `dkdv` from a copy with the keys
+    first (XLA transposes it outside), so that it lands as the transposed tile's rows."""
+    return [v for v in fwd.score_inputs(spec) if spec.tile.span[v] == FULL]
 
 
 def _key_ranges(spec: AttentionSpec, bq: int, bk: int) -> np.ndarray | None:
@@ -223,7 +231,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     # the score work's other inputs: vectors along the queries (held with Q in dq, streamed with Q in dkdv) or the keys
     # (streamed with K in dq, held with K in dkdv), and scalars (read per CTA)
     side = fwd.score_inputs(spec)
-    in_views = {v: fwd._input_view(spec, v, 64) for v in side}
+    tiles_in = tile_inputs(spec)  # [queries, keys] (dq) and [keys, queries] (dkdv) tiles of st_rows columns
+    in_views = {v: fwd._input_view(spec, v, st_rows if v in tiles_in else 64) for v in side}
+    t_views = {v: fwd._input_view(spec, v, st_rows, keys_first=True) for v in tiles_in}
+    tile_tf = {v: smem_transforms(fwd._tile_swizzle(st_rows, in_views[v].dtype.itemsize), in_views[v].dtype.itemsize)
+               for v in tiles_in}
     q_vecs = [v for v in side if spec.tile.span[v] == ROWS]
     k_vecs = [v for v in side if spec.tile.span[v] == COLS]
     scalars = [v for v in side if spec.tile.span[v] == NONE]
@@ -235,6 +247,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
     def vector_box(v: int, bidx, s0, n: int) -> tuple:
         """Vector input v's TMA box: n positions from s0 along its query or key axis, at the CTA's batch index."""
         return tuple(pl.ds(s0, n) if a in (spec.q_axis, spec.k_axis) else bidx[a] for a in in_views[v].axes)
+
+    def tile_box(view, bidx, q0, nq: int, k0, nk: int) -> tuple:
+        """A tile input's TMA box in `view` (either order): queries [q0, q0 + nq), keys [k0, k0 + nk)."""
+        return tuple(pl.ds(q0, nq) if a == spec.q_axis else pl.ds(k0, nk) if a == spec.k_axis else bidx[a]
+                     for a in view.axes)
+
+    def tile_value(ref, v: int) -> jax.Array:
+        return from_kernel(plgpu.load(ref, layout=layout(FULL)), g.avals[v].dtype)
 
     def scalar_env(in_refs: dict, bidx) -> dict:
         return {v: from_kernel(in_refs[v][tuple(bidx[a] for a in in_views[v].axes) or (0,)], g.avals[v].dtype)
@@ -311,14 +331,17 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
             qvec_smem=[plgpu.SMEM((2, h), in_views[v].dtype) for v in q_vecs],
             kvec_smem=[plgpu.SMEM((stages, st_rows), in_views[v].dtype) for v in k_vecs],
+            ktile_smem=[plgpu.SMEM((stages, 2, h, st_rows), in_views[v].dtype, transforms=tile_tf[v]) for v in tiles_in],
             q_bar=plgpu.Barrier(num_arrivals=4 + len(q_vecs), num_barriers=2),
-            k_bar=plgpu.Barrier(num_arrivals=1 + len(k_vecs), num_barriers=stages), v_bar=plgpu.Barrier(num_barriers=stages),
+            k_bar=plgpu.Barrier(num_arrivals=1 + len(k_vecs) + 2 * len(tiles_in), num_barriers=stages),
+            v_bar=plgpu.Barrier(num_barriers=stages),
             k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, qvec_smem, kvec_smem, q_bar, k_bar,
-                   v_bar, k_free, v_free):
+        def _scope(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, qvec_smem, kvec_smem, ktile_smem, q_bar,
+                   k_bar, v_bar, k_free, v_free):
             qvec_smem, kvec_smem = dict(zip(q_vecs, qvec_smem)), dict(zip(k_vecs, kvec_smem))
+            ktile_smem = dict(zip(tiles_in, ktile_smem))
             wg = lax.axis_index("wg")
             cta = lax.axis_index("q")
             if q_tbl is not None:
@@ -343,6 +366,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     for v in k_vecs:
                         plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, k0, st_rows)], kvec_smem[v].at[slot],
                                                 k_bar.at[slot])
+                    for v in tiles_in:  # each compute warpgroup's [h queries, st_rows keys] tile
+                        for w in range(2):
+                            box = tile_box(in_views[v], bidx, cta * (2 * h) + w * h, h, k0, st_rows)
+                            plgpu.copy_gmem_to_smem(in_refs[v].at[box], ktile_smem[v].at[slot, w], k_bar.at[slot])
 
                 def issue_v(j, slot):
                     k0 = j * st_rows + wg * 0
@@ -377,7 +404,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     k0 = j * st_rows
                     plgpu.barrier_wait(k_bar.at[slot])
                     s = product(q_smem.at[wg], k_smem.at[slot].T, (h, st_rows))
-                    inputs = held_inputs | {v: vector(kvec_smem[v].at[slot], v, COLS) for v in k_vecs}
+                    inputs = (held_inputs | {v: vector(kvec_smem[v].at[slot], v, COLS) for v in k_vecs}
+                              | {v: tile_value(ktile_smem[v].at[slot, wg], v) for v in tiles_in})
                     y, pull = score_work(tiles, s, q0, k0, masked, inputs)
                     p = jnp.exp2(y * _LOG2E - lax.broadcast_in_dim(lse, (h, st_rows), (0,)))
                     ok = bounds_mask(q_ids, plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=layout(COLS)) + k0,
@@ -435,8 +463,9 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             ds_smem=plgpu.SMEM((2, h, st_rows), dt1, transforms=fwd._tf(st_rows, dt1.itemsize)) if via_smem else None,
             kvec_smem=[plgpu.SMEM((2, h), in_views[v].dtype) for v in k_vecs],
             qvec_smem=[plgpu.SMEM((stages, st_rows), in_views[v].dtype) for v in q_vecs],
+            qtile_smem=[plgpu.SMEM((stages, 2, h, st_rows), t_views[v].dtype, transforms=tile_tf[v]) for v in tiles_in],
             kv_bar=plgpu.Barrier(num_arrivals=2 + len(k_vecs), num_barriers=2),
-            q_bar=plgpu.Barrier(num_arrivals=2 + len(q_vecs), num_barriers=stages), do_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            q_bar=plgpu.Barrier(num_arrivals=2 + len(q_vecs) + 2 * len(tiles_in), num_barriers=stages), do_bar=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             q_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages), do_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             # fused: dSᵀ of both warpgroups ([keys, 64 queries] per 64 stepped queries), double-buffered, and when both
             # have written it; each warpgroup's float32 share of dQ on its way to the TMA reduction
@@ -446,9 +475,10 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             dq_bar=plgpu.Barrier(num_barriers=2) if fused and via_smem else None)
 
         @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kvec_smem, qvec_smem, kv_bar,
-                   q_bar, do_bar, q_free, do_free, dst_smem, ds_ready, dq_smem, dq_bar):
+        def _scope(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kvec_smem, qvec_smem, qtile_smem,
+                   kv_bar, q_bar, do_bar, q_free, do_free, dst_smem, ds_ready, dq_smem, dq_bar):
             qvec_smem, kvec_smem = dict(zip(q_vecs, qvec_smem)), dict(zip(k_vecs, kvec_smem))
+            qtile_smem = dict(zip(tiles_in, qtile_smem))
             wg = lax.axis_index("wg")
             if persistent:  # concurrent CTAs on neighbouring tiles (a head's key blocks)
                 n_mine, tile_at = fwd.persistent_tiles(n_tiles, n_grid, snake=k_tbl is not None)
@@ -481,15 +511,19 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             def _memory():
                 plgpu.set_max_registers(_REGISTERS[0], action="decrease")
 
-                def issue_q(bidx, bflat, i, slot):
+                def issue_q(bidx, bflat, cta, i, slot):
                     q0 = i * st_rows + wg * 0
                     plgpu.copy_gmem_to_smem(q_ref.at[operand_box("q", bidx, q0, st_rows)], q_smem.at[slot], q_bar.at[slot])
                     plgpu.copy_gmem_to_smem(lse_ref.at[bflat, pl.ds(q0, st_rows)], lse_smem.at[slot], q_bar.at[slot])
                     for v in q_vecs:
                         plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, q0, st_rows)], qvec_smem[v].at[slot],
                                                 q_bar.at[slot])
+                    for v in tiles_in:  # each compute warpgroup's [h keys, st_rows queries] tile, from the keys-first copy
+                        for w in range(2):
+                            box = tile_box(t_views[v], bidx, q0, st_rows, cta * (2 * h) + w * h, h)
+                            plgpu.copy_gmem_to_smem(in_refs[v].at[box], qtile_smem[v].at[slot, w], q_bar.at[slot])
 
-                def issue_do(bidx, bflat, i, slot):  # noqa: ARG001 - as issue_q
+                def issue_do(bidx, bflat, cta, i, slot):  # noqa: ARG001 - as issue_q
                     q0 = i * st_rows + wg * 0
                     plgpu.copy_gmem_to_smem(do_ref.at[bflat, pl.ds(q0, st_rows)], do_smem.at[slot], do_bar.at[slot])
                     plgpu.copy_gmem_to_smem(delta_ref.at[bflat, pl.ds(q0, st_rows)], delta_smem.at[slot], do_bar.at[slot])
@@ -499,13 +533,14 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     bidx = fwd.batch_index(spec, bflat)
                     clo, chi = query_range(cta, None if bound is None else keys_live(cta, bidx))
                     fwd.memory_ring(clo, chi, stages, lambda i: lax.rem(i - clo, stages),
-                                    [(do_free, functools.partial(issue_do, bidx, bflat)), (q_free, functools.partial(issue_q, bidx, bflat))])
+                                    [(do_free, functools.partial(issue_do, bidx, bflat, cta)),
+                                     (q_free, functools.partial(issue_q, bidx, bflat, cta))])
                     return
 
                 def blocks_of(t):
                     bflat, cta = tile_of(t)
                     bidx = fwd.batch_index(spec, bflat)
-                    return (*query_range(cta, None if bound is None else keys_live(cta, bidx)), (bidx, bflat))
+                    return (*query_range(cta, None if bound is None else keys_live(cta, bidx)), (bidx, bflat, cta))
 
                 fwd.persistent_ring(n_mine, blocks_of, stages, [(do_free, issue_do), (q_free, issue_q)])
 
@@ -583,7 +618,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                         q0 = i * st_rows
                         plgpu.barrier_wait(q_bar.at[slot])
                         lse = plgpu.load(lse_smem.at[slot], layout=cols) * _LOG2E
-                        inputs = held_inputs | {v: vector(qvec_smem[v].at[slot], v, COLS) for v in q_vecs}
+                        inputs = (held_inputs | {v: vector(qvec_smem[v].at[slot], v, COLS) for v in q_vecs}
+                                  | {v: tile_value(qtile_smem[v].at[slot, wg], v) for v in tiles_in})
                         ok = bounds_mask(plgpu.broadcasted_iota(jnp.int32, (st_rows,), 0, layout=cols) + q0, k_ids, (h, st_rows), 1)
 
                         def probabilities(s_t):
@@ -693,15 +729,17 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         pad = rows_pad - Lq
         do = jnp.pad(do.astype(dt2), ((0, 0), (0, pad), (0, 0)))
         lse, delta = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad))) for x in (lse, delta))
-        tail = [do, lse, delta] + [in_views[v].prepare(env[v]) for v in side]
+        tail = [do, lse, delta]
+        dq_side = [in_views[v].prepare(env[v]) for v in side]
+        dkdv_side = [(t_views if v in tiles_in else in_views)[v].prepare(env[v]) for v in side]
         k_tail = [jnp.asarray(k_arg)] if k_arg is not None else []
         if fused:  # the kernel adds every step's dQ into a float32 buffer of zeros (a Ref: written in place)
             dq_acc = jax.new_ref(jnp.zeros((B, rows_pad, D), jnp.float32))
-            dk, dv = dkdv_call(*qkv, *tail, dq_acc, *k_tail)
+            dk, dv = dkdv_call(*qkv, *tail, *dkdv_side, dq_acc, *k_tail)
             dq = dq_acc[...].astype(dt1)
         else:
-            dq = dq_call(*qkv, *tail, *([jnp.asarray(q_arg)] if q_arg is not None else []))
-            dk, dv = dkdv_call(*qkv, *tail, *k_tail)
+            dq = dq_call(*qkv, *tail, *dq_side, *([jnp.asarray(q_arg)] if q_arg is not None else []))
+            dk, dv = dkdv_call(*qkv, *tail, *dkdv_side, *k_tail)
         return dq[:, :Lq], dk[:, :Lk], dv[:, :Lk]
 
     return bwd
