@@ -22,7 +22,6 @@ which cuDNN's own time moved by up to 3%).
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -34,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autofuse  # noqa: E402
+from autofuse.kernels import TEMPLATES  # noqa: E402
 from autofuse.plan import plan_from_choices  # noqa: E402
 from autofuse.runner.measure import compare, random_inputs, time_fn, time_pair  # noqa: E402
 from autofuse.tuning.partition import enumerate_candidates  # noqa: E402
@@ -80,14 +80,40 @@ def key_lengths_causal(q, k, v, lengths):
     return key_lengths(q, k, v, lengths, is_causal=True)
 
 
-def fwd_bwd(f):
+def fixed_bias(q, k, v, bias):
+    """[B, H, L, D] attention with a fixed additive bias [1, H, L, L] (ALiBi's or relative positions' as a tensor, not
+    learned: the step differentiates q, k, v only), the library call at its default."""
+    def t(x):
+        return jnp.swapaxes(x, 1, 2)
+
+    return t(jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias))
+
+
+def fwd_bwd(f, *, jit: bool = True):
     """(q, k, v, dO, *fixed) -> (dq, dk, dv): the forward and its pullback, jitted (`fixed`: inputs not differentiated,
-    the key lengths)."""
+    the key lengths, a bias)."""
     def step(q, k, v, do, *fixed):
         _, pull = jax.vjp(lambda q, k, v: f(q, k, v, *fixed), q, k, v)
         return pull(do)
 
-    return jax.jit(step)
+    return jax.jit(step) if jit else step
+
+
+def pair_step(fn, specs: list, g, cand, cfg: dict):
+    """The step with the flash pair at `cfg`: the attention group's own reverse-mode rule (`fn` captured as `g`, `cand`
+    its attention candidate); with a bias, whose group keeps XLA's rule there, the step itself captured and its
+    attention_vjp candidate planned (the pair a tuning job of the step runs: a fixed bias reads no gradient)."""
+    if not any(s.dtype == jnp.bfloat16 and len(s.shape) == 4 and s.shape[2] == s.shape[3] for s in specs[3:]):
+        fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]), on_miss="error")
+        return fused, fwd_bwd(fused)
+    step = fwd_bwd(fn, jit=False)
+    out = jax.eval_shape(fn, *specs)
+    step_specs = [*specs[:3], jax.ShapeDtypeStruct(out.shape, out.dtype), *specs[3:]]
+    gs = autofuse.capture(step, *step_specs)
+    vc = max((c for c in enumerate_candidates(gs) if c.template == "attention_vjp"), key=lambda c: len(c.nodes))
+    cfg = {**TEMPLATES["attention_vjp"].default_config_of(vc.spec, cfg.get("backend", "triton")), **cfg}
+    fused = autofuse.jit(step, plan=plan_from_choices(gs, [(vc.group, "attention_vjp", cfg, vc.stages)]), on_miss="error")
+    return fused, jax.jit(fused)
 
 
 def paired(cudnn_call: tuple | None, step, sets: list, pairs: int) -> str:
@@ -109,7 +135,7 @@ def main() -> None:
                     "program holds HELD keys (dK/dV) or queries (dQ) and steps through the other side STEP rows at a "
                     "time; Mosaic GPU's mgpuHELDxSTEPsSTAGES after a Mosaic GPU forward (default: the flash pair's own)")
     ap.add_argument("--variants", default="bhld,bhld_causal", help="bhld, bhld_causal, key_lengths, key_lengths_causal "
-                    "(padded keys: lengths drawn in [L/2, L] per batch row)")
+                    "(padded keys: lengths drawn in [L/2, L] per batch row), fixed_bias (a bf16 bias [1, H, L, L])")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=0, metavar="N", help="also each autofuse pair's time over cuDNN's in N "
                     "alternating pairs of ~25 ms batches (median and quartiles)")
@@ -118,14 +144,21 @@ def main() -> None:
     B, H, L, D = (int(x) for x in a.shape.split(","))
     scale = 1.0 / math.sqrt(D)
     fns = {"bhld": attention_bhld, "bhld_causal": attention_bhld_causal, "key_lengths": key_lengths,
-           "key_lengths_causal": key_lengths_causal}
+           "key_lengths_causal": key_lengths_causal, "fixed_bias": fixed_bias}
     rows = []
     for name in a.variants.split(","):
-        fn, causal, padded = fns[name], name.endswith("causal"), name.startswith("key_lengths")
+        fn, causal = fns[name], name.endswith("causal")
         shape = (B, H, L, D)
-        specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct((B,), jnp.int32)] * padded
-        sets = [random_inputs([autofuse.graph.Aval(shape, jnp.dtype(jnp.bfloat16))] * 4, 100 + i)
-                + [jax.random.randint(jax.random.key(200 + i), (B,), L // 2, L + 1, jnp.int32)] * padded for i in range(3)]
+        fixed = {"key_lengths": [((B,), jnp.int32)], "fixed_bias": [((1, H, L, L), jnp.bfloat16)]}.get(name.removesuffix("_causal"), [])
+        specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [jax.ShapeDtypeStruct(s, d) for s, d in fixed]
+
+        def fixed_inputs(i: int) -> list:
+            """The inputs not differentiated: key lengths drawn in [L/2, L], a bias normal."""
+            if name.startswith("key_lengths"):
+                return [jax.random.randint(jax.random.key(200 + i), (B,), L // 2, L + 1, jnp.int32)]
+            return [jax.random.normal(jax.random.key(200 + i), s, jnp.float32).astype(d) for s, d in fixed]
+
+        sets = [random_inputs([autofuse.graph.Aval(shape, jnp.dtype(jnp.bfloat16))] * 4, 100 + i) + fixed_inputs(i) for i in range(3)]
         # fwd 2 matmuls, bwd 5 (FlashAttention-2's count), over the positions computed (padded keys: the dense count)
         flops = 3.5 * 4.0 * B * H * L * L * D * (0.5 if causal else 1.0)
         ref = fwd_bwd(fn)
@@ -141,9 +174,9 @@ def main() -> None:
         row("jax.jit (XLA)", t_ref)
         t_cudnn = cudnn_call = None
         try:
-            def cud(q, k, v, *lengths):
-                return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn",
-                                                    key_value_seq_lengths=lengths[0] if lengths else None)
+            def cud(q, k, v, *extra):
+                kw = {"bias": extra[0]} if name == "fixed_bias" else {"key_value_seq_lengths": extra[0]} if extra else {}
+                return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn", **kw)
 
             blhd = [[jnp.swapaxes(x, 1, 2) for x in s[:4]] + s[4:] for s in sets]
             step = fwd_bwd(cud)
@@ -153,7 +186,7 @@ def main() -> None:
             cudnn_call = (step, blhd)
         except Exception as e:  # noqa: BLE001 - report and go on
             print("cuDNN failed:", type(e).__name__, str(e)[:300])
-        if not causal and not padded:
+        if not causal and not fixed:
             for wgs in (1, 2):
                 try:
                     step = fwd_bwd(jax_attention_mgpu(causal, wgs))
@@ -172,8 +205,7 @@ def main() -> None:
                 label = f"autofuse flash pair fwd {cs} bwd {bs or 'default'}"
                 try:  # the flash pair reads the backward's tiles from the group's config (`bwd_` keys)
                     cfg = {**attention_config(cs), **(backward_tiles(bs) if bs else {})}
-                    fused = autofuse.jit(fn, plan=plan_from_choices(g, [(cand.group, "attention", cfg)]), on_miss="error")
-                    step = fwd_bwd(fused)
+                    fused, step = pair_step(fn, specs, g, cand, cfg)
                     got = step(*sets[0])
                     assert fused.last_status.startswith("plan:"), fused.last_status
                     t = time_fn(step, sets, repeats=a.repeats)
