@@ -3,7 +3,8 @@
 Numerics run under Mosaic GPU interpret mode (P and dS through SMEM, as interpret mode has no wgmma with an operand
 in registers) against the Triton backward in interpret mode, from the same forward output and logsumexp: ragged
 lengths, causal and sliding-window masks (blocks skipped, the transposed dK/dV tile's masks from iota), soft-capping
-(its derivative by jax.vjp of the group's own equations), GQA and heads split out of [B, L, H*D], each as two kernels
+(its derivative by jax.vjp of the group's own equations), GQA and heads split out of [B, L, H*D], score work reading
+other inputs (padding masks, lengths, slopes, a fixed bias) and key lengths bounding the blocks, each as two kernels
 or with dQ fused into the dK/dV kernel (`F`: its rows or columns split between the warpgroups; interpret mode reads,
 adds and writes where the GPU reduces by TMA). `jax.export` for CUDA under an abstract H100 runs the real Mosaic GPU
 lowering of the register path (and the products issued in pairs, `O`) with no GPU.

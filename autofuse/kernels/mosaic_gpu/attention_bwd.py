@@ -33,10 +33,12 @@ operands' dtype), and the template maps them back to the operands (GQA's heads s
 
 Score work may read other inputs, as the forward's: a vector along the keys (a padding mask) is held with K in
 `dkdv` and streamed with K in `dq`, one along the queries the other way round (each TMA'd beside the operand it
-travels with, on its barrier), a scalar (lengths per batch, a slope per head) read per CTA.
+travels with, on its barrier), a scalar (lengths per batch, a slope per head) read per CTA, a [queries, keys] tile
+(a fixed bias) streamed per step, in `dkdv` from a keys-first copy (with dQ fused its tiles do not fit). Key lengths
+bound the blocks visited (`attention_masks.key_bound`): `dq` stops at the last live key block, a `dkdv` CTA past it
+loads no query.
 
-Declined (`Unsupported`, the Triton backward runs instead): what the Mosaic GPU forward declines, score work
-reading a [queries, keys] input (a bias: its tile would need a transposed copy for `dkdv`), float32 attention,
+Declined (`Unsupported`, the Triton backward runs instead): what the Mosaic GPU forward declines, float32 attention,
 tiles other than 64 held rows and 64 or 128 stepped ones. Interpret mode (CPU) has no wgmma with A in registers: P and dS go through SMEM there, one product at
 a time; nor TMA reductions: there the fused dQ is read, added and written back (its CTAs run one at a time, and the
 two warpgroups' halves do not overlap).
