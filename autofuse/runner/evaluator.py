@@ -20,7 +20,7 @@ import numpy as np
 from .. import costmodel, kernel_cache
 from ..device import device_label
 from ..graph import Graph, Group
-from ..kernels import TEMPLATES, preload_lowerings
+from ..kernels import TEMPLATES, Template, preload_lowerings
 from ..plan import Plan, build_group, default_interpret, executor, preload_pallas_lowerings
 from ..spent import add_parts, add_since
 from ..status import TrialStatus
@@ -72,6 +72,7 @@ class Evaluator:
         self.n_input_sets, self.repeats, self.target_ms = n_input_sets, repeats, target_ms
         self.example_inputs = example_inputs  # a pickle of the user's own input leaves (graph input order), if given
         self._example_leaves: list | None = None
+        self._held_at: dict[tuple, dict[int, int]] = {}  # (template, nodes) -> its `timing_inputs`
         self._sets: dict[tuple, list] = {}
         self._refs: dict[tuple, Callable] = {}
         self._views: dict[tuple, InProgram] = {}
@@ -145,14 +146,19 @@ class Evaluator:
         return [[fixed.get(i, x) for i, x in enumerate(s)] for s in sets] if fixed else sets
 
     def _timing_inputs(self, plans: Sequence[Plan]) -> dict[int, int]:
-        """The values the plans' groups are timed alone at (`Template.timing_inputs`), by program value."""
+        """The values the plans' groups are timed alone at (`Template.timing_inputs`), by program value: matched once
+        per group and only for the templates that hold any (attention's), not for every group of every validation."""
         out: dict[int, int] = {}
-        for plan in plans:
-            for fg in plan.groups:
+        for fg in (fg for plan in plans for fg in plan.groups):
+            tmpl = TEMPLATES[fg.template]
+            if type(tmpl).timing_inputs is Template.timing_inputs:
+                continue
+            key = (fg.template, tuple(fg.nodes))
+            if key not in self._held_at:
                 group = Group.of(self.graph, fg.nodes)
-                spec = TEMPLATES[fg.template].match(group)
-                if spec is not None:
-                    out.update(TEMPLATES[fg.template].timing_inputs(group, spec))
+                spec = tmpl.match(group)
+                self._held_at[key] = {} if spec is None else tmpl.timing_inputs(group, spec)
+            out.update(self._held_at[key])
         return out
 
     def _view(self, group: Group) -> InProgram:
