@@ -126,10 +126,13 @@ def _analyze_masks(spec: AttentionSpec) -> None:
     steps = _mask_steps(spec, iota)
     bound = _key_bound(spec, steps, iota)
     members = {nd.id for nd in spec.pre}
-    # a runtime predicate's terms known at build time (JAX's XLA path joins causal and key lengths in one `and`)
+    # a runtime predicate's terms known at build time (JAX's XLA path joins causal and key lengths in one `and`), read
+    # only beside a bound on the keys: the kernels then visit every block where no key is live, as XLA weighs such a
+    # row's keys alike; beside any other runtime mask (a boolean padding mask, left-padded: a causal row with no live
+    # key) the blocks a known mask kills must still be visited
     known_terms = {nd.id: [t for t in _terms(spec.group.graph, pred, "and" if _live_if_true(nd, mv) else "or", members)
                            if isinstance(t, int) and t in iota]
-                   for kind, nd, mv, pred, _ in steps if kind == "fill"}
+                   for kind, nd, mv, pred, _ in steps if kind == "fill"} if bound is not None else {}
     if not any(k in ("select", "add") for k, *_ in steps) and not any(known_terms.values()):
         spec.key_bound = bound
         return
