@@ -5,7 +5,7 @@ masked; and a scale the scores can fold (`scale_fold`). Apart from matching: it 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -312,6 +312,19 @@ class LiveKeys(NamedTuple):
     some: Any  # blocks holding a live key: [0, some)
     every: Any  # blocks whose keys are all live under the bound: [0, every)
     none: Any  # no key is live: every block is visited, masked (a row with no live key weighs every key alike in XLA)
+
+
+def bound_blocks(spec: AttentionSpec, bound: KeyBound, env: dict, eval_node: Callable, scalar: Callable, block: int,
+                 n_blocks: int) -> LiveKeys:
+    """`live_blocks` of the bound in a kernel: its limits evaluated by the backend's tile evaluator (`eval_node(nd,
+    env)`) from the score work's scalar inputs' values there (`env`), each made an int32 scalar by `scalar`."""
+    env, limits = dict(env), []
+    for value, inclusive in bound.limits:
+        for nd in needed(spec.pre, {value}, set(env)):
+            if nd.outputs[0] not in env:
+                eval_node(nd, env)
+        limits.append(scalar(env[value]) + int(inclusive))
+    return live_blocks(limits, block, n_blocks)
 
 
 def live_blocks(limits: list, block: int, n_blocks: int) -> LiveKeys:

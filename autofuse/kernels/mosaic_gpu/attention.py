@@ -113,7 +113,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import ops
 from ...graph import Group, Lit, Node
-from ..attention_masks import LiveKeys, block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
+from ..attention_masks import LiveKeys, block_ranges, bound_blocks, clip_ranges, key_bound, scale_fold
 from ..attention_spec import AttentionSpec, KeyBound, Operand, score_literal
 from ..tiling import cdiv, needed
 from .gemm import LOW, SMEM_LIMIT, from_kernel, interpret_params, kernel_dtype, pad_to, smem_transforms, swizzle
@@ -541,15 +541,15 @@ def per_cta(r: np.ndarray, *, one_block: bool = False, n: int = 2) -> np.ndarray
 def live_key_blocks(spec: AttentionSpec, bound: KeyBound, scalars: dict, bidx: list, block: int, n_blocks: int) -> LiveKeys:
     """`attention_masks.live_blocks` of the runtime masks' bound (`key_bound`) at batch position `bidx`, evaluated from
     the score work's scalar inputs there."""
-    env, tiles = dict(scalars), ScoreTiles(spec, 64, block)
+    tiles = ScoreTiles(spec, 64, block)
     tiles.bidx = bidx
-    limits = []
-    for value, inclusive in bound.limits:
-        for nd in needed(spec.pre, {value}, set(env)):
-            if nd.outputs[0] not in env:
-                tiles.eval_node(nd, env)
-        limits.append(jnp.asarray(env[value], jnp.int32) + int(inclusive))
-    return live_blocks(limits, block, n_blocks)
+    return bound_blocks(spec, bound, scalars, tiles.eval_node, lambda x: jnp.asarray(x, jnp.int32), block, n_blocks)
+
+
+def read_scalars(g, refs: dict, views: dict, values, bidx: list) -> dict:
+    """The score work's scalar inputs `values` at batch position bidx, read from their kernel refs: a literal-like
+    input, or one that varies along batch axes only (ALiBi slopes [H], key lengths [B])."""
+    return {v: from_kernel(refs[v][tuple(bidx[a] for a in views[v].axes) or (0,)], g.avals[v].dtype) for v in values}
 
 
 def batch_index(spec: AttentionSpec, flat=None) -> list:
@@ -680,10 +680,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict, *, interpret=False, e
                 return lax.axis_index("b"), (cta if table is None else n_cta - 1 - cta)
 
             def scalars(bidx) -> dict:
-                """The score work's scalar inputs at batch position bidx: a literal-like input, or one that varies
-                along batch axes only (ALiBi slopes [H], key lengths [B])."""
-                return {v: from_kernel(in_refs[v][tuple(bidx[a] for a in iviews[v].axes) or (0,)], g.avals[v].dtype)
-                        for v in scalar_in}
+                return read_scalars(g, in_refs, iviews, scalar_in, bidx)
 
             def live_of(bidx, consts: dict) -> LiveKeys | None:
                 """The runtime masks' bound at batch position bidx (`key_bound`), from its scalar inputs, or None."""

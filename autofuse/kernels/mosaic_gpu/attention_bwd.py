@@ -259,8 +259,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         return from_kernel(plgpu.load(ref, layout=layout(FULL)), g.avals[v].dtype)
 
     def scalar_env(in_refs: dict, bidx) -> dict:
-        return {v: from_kernel(in_refs[v][tuple(bidx[a] for a in in_views[v].axes) or (0,)], g.avals[v].dtype)
-                for v in scalars}
+        return fwd.read_scalars(g, in_refs, in_views, scalars, bidx)
 
     def vector(ref, v: int, span) -> jax.Array:
         return from_kernel(plgpu.load(ref, layout=layout(span)), g.avals[v].dtype)
@@ -493,11 +492,11 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     return lax.div(tile, nk_cta), lax.rem(tile, nk_cta)
                 return lax.axis_index("b"), lax.axis_index("k")
 
-            def keys_live(cta, bidx):
+            def keys_live(cta, bidx, consts: dict):
                 """(the CTA's keys are all past the last live one at batch position bidx, all before it, no key is live
-                there) under the runtime masks' bound (`fwd.live_key_blocks`): its query ranges are empty, mask-free in
-                their middle, or every block masked."""
-                live = fwd.live_key_blocks(spec, bound, scalar_env(in_refs, bidx), bidx, 2 * h, nk_cta)
+                there) under the runtime masks' bound (`fwd.live_key_blocks`, from the scalar inputs `consts`): its
+                query ranges are empty, mask-free in their middle, or every block masked."""
+                live = fwd.live_key_blocks(spec, bound, consts, bidx, 2 * h, nk_cta)
                 return (cta >= live.some) & ~live.none, cta < live.every, live.none
 
             def query_range(cta, state):
@@ -533,7 +532,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 if not persistent:
                     bflat, cta = tile_of(0)
                     bidx = fwd.batch_index(spec, bflat)
-                    clo, chi = query_range(cta, None if bound is None else keys_live(cta, bidx))
+                    clo, chi = query_range(cta, None if bound is None else keys_live(cta, bidx, scalar_env(in_refs, bidx)))
                     fwd.memory_ring(clo, chi, stages, lambda i: lax.rem(i - clo, stages),
                                     [(do_free, functools.partial(issue_do, bidx, bflat, cta)),
                                      (q_free, functools.partial(issue_q, bidx, bflat, cta))])
@@ -542,7 +541,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                 def blocks_of(t):
                     bflat, cta = tile_of(t)
                     bidx = fwd.batch_index(spec, bflat)
-                    return (*query_range(cta, None if bound is None else keys_live(cta, bidx)), (bidx, bflat, cta))
+                    state = None if bound is None else keys_live(cta, bidx, scalar_env(in_refs, bidx))
+                    return (*query_range(cta, state), (bidx, bflat, cta))
 
                 fwd.persistent_ring(n_mine, blocks_of, stages, [(do_free, issue_do), (q_free, issue_q)])
 
@@ -555,7 +555,8 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                     accumulated over the query blocks, stored. Returns the blocks it took."""
                     bflat, cta = tile_of(t)
                     bidx = fwd.batch_index(spec, bflat)
-                    state = None if bound is None else keys_live(cta, bidx)
+                    consts = scalar_env(in_refs, bidx)
+                    state = None if bound is None else keys_live(cta, bidx, consts)
                     clo, chi = query_range(cta, state)
 
                     def slot_of(i):
@@ -572,7 +573,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
                         plgpu.copy_gmem_to_smem(in_refs[v].at[vector_box(v, bidx, k0, h)], kvec_smem[v].at[wg], kv_bar.at[wg])
                     plgpu.barrier_wait(kv_bar.at[wg])
                     # keys are the transposed tile's rows
-                    held_inputs = scalar_env(in_refs, bidx) | {v: vector(kvec_smem[v].at[wg], v, ROWS) for v in k_vecs}
+                    held_inputs = consts | {v: vector(kvec_smem[v].at[wg], v, ROWS) for v in k_vecs}
                     cols = layout(COLS)
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (h,), 0, layout=layout(ROWS)) + k0
                     lo, flo, fhi, hi = (0, 0, nq_steps, nq_steps) if k_tbl is None else (tbl_ref[cta * 10 + 4 * wg + t] for t in range(4))
@@ -732,7 +733,6 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
         do = jnp.pad(do.astype(dt2), ((0, 0), (0, pad), (0, 0)))
         lse, delta = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad))) for x in (lse, delta))
         tail = [do, lse, delta]
-        dq_side = [in_views[v].prepare(env[v]) for v in side]
         dkdv_side = [(t_views if v in tiles_in else in_views)[v].prepare(env[v]) for v in side]
         k_tail = [jnp.asarray(k_arg)] if k_arg is not None else []
         if fused:  # the kernel adds every step's dQ into a float32 buffer of zeros (a Ref: written in place)
@@ -740,6 +740,7 @@ def lower(group: Group, spec: AttentionSpec, config: dict | None, *, interpret=F
             dk, dv = dkdv_call(*qkv, *tail, *dkdv_side, dq_acc, *k_tail)
             dq = dq_acc[...].astype(dt1)
         else:
+            dq_side = [in_views[v].prepare(env[v]) for v in side]
             dq = dq_call(*qkv, *tail, *dq_side, *([jnp.asarray(q_arg)] if q_arg is not None else []))
             dk, dv = dkdv_call(*qkv, *tail, *dkdv_side, *k_tail)
         return dq[:, :Lq], dk[:, :Lk], dv[:, :Lk]

@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ... import ops
 from ...graph import Group, Node
-from ..attention_masks import LiveKeys, block_ranges, clip_ranges, key_bound, live_blocks, scale_fold
+from ..attention_masks import LiveKeys, block_ranges, bound_blocks, clip_ranges, key_bound, scale_fold
 from ..attention_spec import AttentionEval, AttentionSpec, KeyBound, Operand
 from ..tile_eval import edge_mask
 from ..tiling import cdiv, needed, next_pow2
@@ -213,13 +213,8 @@ def live_key_blocks(spec: AttentionSpec, bound: KeyBound, refs: dict, body: Atte
     body.set_program(bidx, 0, 0)
     env = {v: _load_extra(refs[v], spec, v, bidx, 0, 0, 1, 1) for v in refs
            if v in spec.tile.span and not spec.tile.span[v].rows and not spec.tile.span[v].cols}
-    limits = []
-    for value, inclusive in bound.limits:
-        for nd in needed(spec.pre, {value}, set(env)):
-            if nd.outputs[0] not in env:
-                body.eval_node(nd, env, 0, 0)
-        limits.append(jnp.min(env[value]).astype(jnp.int32) + int(inclusive))
-    return live_blocks(limits, block, n_blocks)
+    return bound_blocks(spec, bound, env, lambda nd, e: body.eval_node(nd, e, 0, 0),
+                        lambda x: jnp.min(x).astype(jnp.int32), block, n_blocks)
 
 
 def _load_extra(ref, spec: AttentionSpec, v: int, bidx: list, q0, k0, bq: int, bk: int):
