@@ -264,13 +264,15 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
     composition = ((run.get("phases") or {}).get("selection") or {}).get("composition") or []
     if composition:
         lines += ["", "## Savings alone and in the program", "",
-                  "Each plan the job validated on the whole program: what its groups saved when each was timed alone, and what "
+                  "Each plan the job validated on the whole program: what its groups saved when each was timed alone, what a "
+                  "profile of jax.jit's program expected them to save there (XLA's kernels they remove, less their time), and what "
                   "the plan saved against jax.jit in the program (the first is the cover's choice; then each distinct group on "
                   "its own; last, the groups that saved time in the program together).", ""]
         lines.append(format_table([{**r, "plan": i + 1} for i, r in enumerate(composition)], [
             Column("plan"), Column("validated as", "what", lambda v: v or "–"), Column("groups"),
             Column("distinct", of_row=lambda r: len(r["signatures"])),
-            Column("status"), Column("alone ms", "alone_ms", _ms), Column("in the program ms", "realised_ms", _ms),
+            Column("status"), Column("alone ms", "alone_ms", _ms), Column("expected ms (profile)", "expected_ms", _ms),
+            Column("in the program ms", "realised_ms", _ms),
             Column("share", of_row=lambda r: f"{r['realised_ms'] / r['alone_ms']:.0%}" if r.get("realised_ms") is not None and r.get("alone_ms") else "–"),
             Column("noise", fmt=lambda v: f"±{v:.1%}"), Column("why it failed", "error", lambda v: v or "")], markdown=True))
     lines += ["", "## Plans saved by this run", ""]

@@ -138,6 +138,12 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
         parts = [f"{k} {sel[k]:.2f}" for k in ("check", "singles", "cover", "compile_ahead", "validate") if isinstance(sel.get(k), (int, float))]
         compiled = [", ".join(f"{k} {v:.2f}" for k, v in batch.items()) for batch in sel.get("compiled") or [] if isinstance(batch, dict) and batch]
         lines.append("selection: " + ", ".join(parts) + (f" (longest compile of one: {'; then '.join(compiled)})" if compiled else ""))
+        prof = sel.get("profile")
+        if isinstance(prof, dict):
+            lines.append("  jax.jit's program profiled: " + (f"failed ({prof['error']}), groups priced by their times alone" if prof.get("error") else
+                         f"{prof.get('kernels')} kernels, {prof.get('total_ms', 0):.3f} ms a call, {prof.get('attributed_ms', 0):.3f} ms of them "
+                         "computing the program's nodes (the prices of the cover)")
+                         + (f", in {prof['profile']:.2f} s" if isinstance(prof.get("profile"), (int, float)) else ""))
         saved = sel.get("composition") or []
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))
@@ -148,7 +154,8 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
                          + (f"; why: {p['error']}" if p.get("error") else "") + (f"; on GPU {p['gpu']}" if p.get("gpu") else ""))
         skipped = sel.get("not_judged")
         if isinstance(skipped, dict) and skipped.get("groups"):
-            lines.append(f"  not judged alone in the program (each saved less alone than {skipped.get('floor_ms', 0):.3f} ms, half the "
+            basis = "was expected to save less in the program" if skipped.get("profiled") else "saved less alone"
+            lines.append(f"  not judged alone in the program (each {basis} than {skipped.get('floor_ms', 0):.3f} ms, half the "
                          "noise of a whole-program timing): " + ", ".join(f"{g.get('alone_ms', 0):.3f} ms ({plural(g.get('instances') or 0, 'instance')})"
                                                                           for g in skipped["groups"] if isinstance(g, dict)))
         for c in sel.get("comparisons") or []:
@@ -162,11 +169,15 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
 
 def savings_text(record: dict[str, Any]) -> str:
     """What a validated plan's groups saved alone and in the program (`composition.Measured.record`): ``saved 1.469 ms
-    alone, 0.916 ms in the program (62%)``."""
-    alone, real = record.get("alone_ms"), record.get("realised_ms")
+    alone, 0.916 ms in the program (62%)``; where the job profiled jax.jit's program, what that profile expected of
+    them there too: ``saved 1.469 ms alone (0.950 expected in the program), 0.916 ms in the program (62%; 96% of
+    expected)``."""
+    alone, real, expected = record.get("alone_ms"), record.get("realised_ms"), record.get("expected_ms")
     if not isinstance(alone, (int, float)):
         return ""
+    profiled = isinstance(expected, (int, float))
+    said = f"saved {alone:.3f} ms alone" + (f" ({expected:.3f} expected in the program)" if profiled else "")
     if not isinstance(real, (int, float)):
-        return f"saved {alone:.3f} ms alone, not timed in the program"
-    share = f" ({real / alone:.0%})" if alone > 0 else ""
-    return f"saved {alone:.3f} ms alone, {real:.3f} ms in the program{share}"
+        return f"{said}, not timed in the program"
+    shares = ([f"{real / alone:.0%}"] if alone > 0 else []) + ([f"{real / expected:.0%} of expected"] if profiled and expected > 0 else [])
+    return f"{said}, {real:.3f} ms in the program" + (f" ({'; '.join(shares)})" if shares else "")

@@ -7,13 +7,10 @@ runs (a kernel's share of the step, before guessing where the next gain is).
 """
 from __future__ import annotations
 
-import glob
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-import jax
+from autofuse.runner.profile import kernel_events
 
 
 @dataclass(frozen=True)
@@ -64,40 +61,6 @@ def timeline(fn: Callable, args: tuple, *, calls: int = 3, top: int = 8) -> Time
     span = span_end - events[0][1]
     worst = sorted(((a, b, ns / calls / 1e6, n / calls) for (a, b), (ns, n) in gaps.items()), key=lambda g: -g[2])[:top]
     return Timeline(busy / calls / 1e6, span / calls / 1e6, worst)
-
-
-@dataclass(frozen=True)
-class KernelEvent:
-    """One kernel launch of a traced call: its name, start and duration, and the profiler's stats on it (XLA's
-    `hlo_op`, the HLO instruction that launched it, where the trace has it)."""
-
-    name: str
-    start_ns: float
-    duration_ns: float
-    stats: dict
-
-
-def kernel_events(fn: Callable, args: tuple, calls: int) -> list[KernelEvent]:
-    """Every kernel `calls` back-to-back calls of `fn(*args)` launch (empty without a device plane: the CPU)."""
-    jax.block_until_ready(fn(*args))  # compiled and warm before the trace
-    out = []
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls - 1):
-                fn(*args)
-            jax.block_until_ready(fn(*args))
-        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return []
-        data = jax.profiler.ProfileData.from_file(paths[0])
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
-                    continue
-                out.extend(KernelEvent(ev.name, ev.start_ns, ev.duration_ns, dict(ev.stats)) for ev in line.events)
-    return out
 
 
 def kernel_table(rows: list[KernelTime], *, top: int = 20, title: str = "") -> list[str]:

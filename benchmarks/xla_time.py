@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
-from benchmarks.kernel_profile import kernel_events
+from autofuse.runner.profile import kernel_events
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
 

@@ -349,7 +349,7 @@ def test_rivals_are_judged_only_where_the_chosen_plan_lost_its_savings_in_the_pr
     from autofuse.tuning.select import Cover
 
     plan = _four_group_plan()
-    monkeypatch.setattr(V, "plan_alone_ms", lambda p, alone: 5.0)
+    monkeypatch.setattr(V, "plan_saving_ms", lambda p, saving: 5.0)
     monkeypatch.setattr(V, "group_plans", lambda p, alt, alone: [])
 
     class Savings:

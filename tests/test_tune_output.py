@@ -388,15 +388,16 @@ def test_worker_summary_is_one_line_on_the_run() -> None:
 @pytest.mark.slow
 def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in_the_program(tmp_path: Path) -> None:
     """A job on the GPU records, for every plan it validated on the whole program, what its groups saved timed alone
-    and what the plan saved against jax.jit (`composition.Measured.record`); `autofuse show run` and the report say both."""
+    and what the plan saved against jax.jit (`composition.Measured.record`), and what a profile of jax.jit's program expected
+    of them there; `autofuse show run` and the report say each."""
     from autofuse.report import write_report
 
     db = f"sqlite:///{tmp_path}/c.db"
     ok(cli("tune", *RMS, "--trials", "2", "--db", db, "--quiet"))
     store = PlanStore(db)
     (run,) = store.runs()
-    records = [{"what": "one group in context", "groups": 24, "signatures": ["a"], "alone_ms": 1.469, "realised_ms": 0.916,
-                "noise": 0.006, "status": "ok"},
+    records = [{"what": "one group in context", "groups": 24, "signatures": ["a"], "alone_ms": 1.469, "expected_ms": 0.95,
+                "realised_ms": 0.916, "noise": 0.006, "status": "ok"},
                {"groups": 47, "signatures": ["b", "c"], "alone_ms": 1.854, "realised_ms": None, "noise": 1.0, "status": "wrong_result",
                 "error": "output 3: relative error 0.31 > tolerance 0.02"}]
     sel = dict((store.get_run(run["id"]).get("phases") or {}).get("selection") or {})
@@ -404,13 +405,14 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
                                            {"groups": 47, "status": "wrong_result", "seconds": 3.0, "error": "output 3: relative error 0.31 > tolerance 0.02"}])
     store.mark_phase(run["id"], "selection", value=sel, keep_first=False)
     shown = ok(cli("show", "run", str(run["id"]), "--db", db)).stdout
-    assert "plan 1 (one group in context: 24 groups, ok): 6.10; saved 1.469 ms alone, 0.916 ms in the program (62%)" in shown
+    assert ("plan 1 (one group in context: 24 groups, ok): 6.10; saved 1.469 ms alone (0.950 expected in the program), "
+            "0.916 ms in the program (62%; 96% of expected)") in shown
     assert ("plan 2 (47 groups, wrong_result): 3.00; saved 1.854 ms alone, not timed in the program; "
             "why: output 3: relative error 0.31 > tolerance 0.02") in shown
     text = write_report(store, run["id"], tmp_path / "report").read_text()
     section = text.split("## Savings alone and in the program")[1].split("##")[0]
-    assert "| 1 | one group in context | 24 | 1 | ok | 1.469 | 0.916 | 62% |" in section  # an older run's record says no "what":
-    assert "| 2 | – | 47 | 2 | wrong_result | 1.854 |" in section
+    assert "| 1 | one group in context | 24 | 1 | ok | 1.469 | 0.95 | 0.916 | 62% |" in section  # an older run's record says no "what":
+    assert "| 2 | – | 47 | 2 | wrong_result | 1.854 | – |" in section  # nor what a profile expected
     assert "output 3: relative error 0.31 > tolerance 0.02 |" in section
 
 

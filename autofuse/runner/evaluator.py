@@ -28,8 +28,10 @@ from .in_program import InProgram, in_program
 from .lowering_pool import LOWER_TIMEOUT_S, LoweringPool
 from .measure import check, check_as_accurate, compile_beside, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
-from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProgramRequest, Request, Result, Timing,
-                       TrialRequest, TrialResult, ValidateRequest, ValidationResult, XlaRequest)
+from .profile import profile_program
+from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProfileRequest, ProfileResult,
+                       ProgramRequest, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
+                       XlaRequest)
 
 #: How long one timed batch of a candidate's calls lasts (XLA's group or a kernel config; the median of `repeats`
 #: batches is its time). 10 ms is tens of calls of a typical group, enough for a stable median, and keeps a
@@ -119,6 +121,8 @@ class Evaluator:
                 return ValidationResult(TrialStatus.RESOURCE_EXHAUSTED, error=_short(e))
         if isinstance(req, CompareRequest):
             return self.compare(req.first_json, req.second_json)
+        if isinstance(req, ProfileRequest):
+            return self.profile()
         raise TypeError(f"unknown request {req!r}")
 
     # helpers ---------------------------------------------------------------
@@ -358,6 +362,19 @@ class Evaluator:
             return replace(res, seconds=secs)
         except Exception as e:
             return TrialResult(TrialStatus.ERROR, error=_short(e), seconds=secs)
+
+    def profile(self) -> ProfileResult:
+        """XLA's kernels in jax.jit's whole program with the nodes each computes (`profile.profile_program`), on the
+        program's timing inputs; none in model mode or without a GPU's trace."""
+        if self.measure == "model":
+            return ProfileResult(TrialStatus.OK)
+        t0 = time.perf_counter()
+        self._sets.clear()  # the trials' input sets make room for the program's, as a validation does
+        try:
+            kernels = profile_program(self.graph, self._program_sets([])[0])
+        except Exception as e:  # noqa: BLE001 - a profile that cannot be taken leaves the selection to the times alone
+            return ProfileResult(TrialStatus.ERROR, error=_short(e), seconds={"profile": time.perf_counter() - t0})
+        return ProfileResult(TrialStatus.OK, tuple(kernels), seconds={"profile": time.perf_counter() - t0})
 
     def _compile_program(self) -> Callable:
         """The whole program under jax.jit, compiled for its input shapes."""

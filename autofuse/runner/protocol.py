@@ -90,7 +90,13 @@ class CompareRequest:
     second_json: str
 
 
-Request = Union[XlaRequest, TrialRequest, CompileRequest, ValidateRequest, CompareRequest]
+@dataclass(frozen=True)
+class ProfileRequest:
+    """Trace jax.jit's whole program and return XLA's kernels with the nodes each computes (`profile.py`): what
+    fusing a group removes from the program, which its time alone does not say."""
+
+
+Request = Union[XlaRequest, TrialRequest, CompileRequest, ValidateRequest, CompareRequest, ProfileRequest]
 #: What a `CompileRequest` compiles ahead: what later requests time (a `ProgramRequest` only here).
 CompileItem = Union[XlaRequest, TrialRequest, ValidateRequest, ProgramRequest]
 
@@ -191,7 +197,31 @@ class ComparisonResult:
         return self.ok and self.ratio is not None and self.ratio.q3_ms < 1.0
 
 
-Result = Union[TrialResult, CompileResult, ValidationResult, ComparisonResult]
+@dataclass(frozen=True)
+class XlaKernel:
+    """One of XLA's kernels in the whole program: the HLO instruction that launched it, its device time per call of
+    the program (every launch), and the program's nodes it computes (empty: none known, a memset)."""
+
+    instruction: str
+    ms: float
+    nodes: frozenset[int]
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """XLA's kernels in the whole program (`ProfileRequest`), longest first; none without a device trace."""
+
+    status: TrialStatus
+    kernels: tuple[XlaKernel, ...] = ()
+    error: str | None = None
+    seconds: dict = field(default_factory=dict)  # compile, trace
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TrialStatus.OK
+
+
+Result = Union[TrialResult, CompileResult, ValidationResult, ComparisonResult, ProfileResult]
 
 
 class Runner(Protocol):
@@ -216,4 +246,6 @@ def failed(request: Request, status: TrialStatus, error: str) -> Result:
         return ComparisonResult(status, error=error)
     if isinstance(request, CompileRequest):
         return CompileResult(status, failed=len(request.items), error=error)
+    if isinstance(request, ProfileRequest):
+        return ProfileResult(status, error=error)
     return TrialResult(status, error=error)

@@ -28,12 +28,19 @@ MEASURABLE = 0.5  # of a whole-program timing's noise (ms): a group saving less 
 @dataclass
 class Measured:
     """A plan validated on the GPU: its result, its saving in the program (jax.jit - plan, ms) and the noise of that
-    comparison (a fraction of jax.jit's time), and the saving its groups showed alone."""
+    comparison (a fraction of jax.jit's time), the saving its groups showed alone, and where the job profiled
+    jax.jit's program, the saving that profile expected of them there (`program_costs`)."""
 
     plan: Plan
     validation: ValidationResult
     alone_ms: float
     what: str = ""  # why it was validated: "the chosen plan", "one group in context", ... (the run's record says it)
+    expected_ms: float | None = None
+
+    @property
+    def predicted_ms(self) -> float:
+        """What the plan was expected to save in the program: by the profile where there was one, else alone."""
+        return self.alone_ms if self.expected_ms is None else self.expected_ms
 
     @property
     def passed(self) -> bool:
@@ -65,7 +72,8 @@ class Measured:
     def record(self) -> dict:
         """What the plan's provenance and the run keep of it (`composition`), with why it failed where it did."""
         return {"what": self.what, "groups": len(self.plan.groups), "signatures": sorted({g.signature for g in self.plan.groups}),
-                "alone_ms": round(self.alone_ms, 4), "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
+                "alone_ms": round(self.alone_ms, 4), **({} if self.expected_ms is None else {"expected_ms": round(self.expected_ms, 4)}),
+                "realised_ms": None if self.saving_ms is None else round(self.saving_ms, 4),
                 "noise": round(self.noise, 4), "status": self.validation.status.value, **failure(self.validation)}
 
 
@@ -80,7 +88,7 @@ def comparison_record(earlier: Plan, later: Plan, c: ComparisonResult) -> dict:
 
 
 def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[..., Measured], measured: list[Measured],
-          alone: dict[str, float]) -> list[Plan]:
+          saving: dict[str, float]) -> list[Plan]:
     """The chosen plan lost much of its groups' savings in the program: each distinct group (`singles`) in context on
     its own, then those that saved time there together (`compose`). A group whose instances saved less alone than
     `measurable_ms` of the chosen plan's timing is not judged (its saving in the program would be the noise's: GPT-2's
@@ -91,7 +99,7 @@ def probe(plan: Plan, chosen: Measured, singles: list[Plan], judge: Callable[...
     for single in singles:
         if same_groups(single, plan):  # the chosen plan of one distinct group: measured already
             by_sig[single.groups[0].signature] = chosen
-        elif 0 < plan_alone_ms(single, alone) < floor:
+        elif 0 < plan_saving_ms(single, saving) < floor:
             small.append(single)
         else:
             todo.append(single)
@@ -128,7 +136,7 @@ def extend(plan: Plan, extras: list[Plan], judge: Callable[..., Measured]) -> No
 MAX_REPLACEMENTS = 3  # groups tried in context in place of those that lost there (`replace_losers`)
 
 
-def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[frozenset[str]], Plan], alone: dict[str, float],
+def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[frozenset[str]], Plan], saving: dict[str, float],
                    judge: Callable[..., Measured]) -> None:
     """Groups that lost time in the program give way: the plan of the largest savings alone without them (`replan`)
     may hold other fusions of their nodes, and those of its groups that share nodes with them and were not judged
@@ -141,7 +149,7 @@ def replace_losers(plan: Plan, measured: list[Measured], replan: Callable[[froze
     if not losers:
         return
     lost_nodes = {n for sig in losers for g in singles[sig].plan.groups for n in g.nodes}
-    todo = [p for p in distinct_groups([replan(losers)], alone) if p.groups[0].signature not in singles
+    todo = [p for p in distinct_groups([replan(losers)], saving) if p.groups[0].signature not in singles
             and any(n in lost_nodes for g in p.groups for n in g.nodes)][:MAX_REPLACEMENTS]
     total = len(todo) + 1
     for k, single in enumerate(todo):
@@ -199,21 +207,22 @@ def failure(v: ValidationResult) -> dict:
     return {"error": lines[0] if len(lines[0]) <= ERROR_CHARS else lines[0][: ERROR_CHARS - 1] + "…"}
 
 
-def plan_alone_ms(plan: Plan, alone: dict[str, float]) -> float:
-    """What `plan`'s groups saved, each timed alone (ms): the sum over its instances."""
-    return sum(alone.get(g.signature, 0.0) for g in plan.groups)
+def plan_saving_ms(plan: Plan, saving: dict[str, float]) -> float:
+    """What `plan`'s groups save (ms), the sum over its instances of `saving`'s per distinct group (one instance's:
+    alone, or in the program by its profile, `select.group_savings`)."""
+    return sum(saving.get(g.signature, 0.0) for g in plan.groups)
 
 
-def group_plans(plan: Plan, alternative: Plan | None, alone: dict[str, float]) -> list[Plan]:
+def group_plans(plan: Plan, alternative: Plan | None, saving: dict[str, float]) -> list[Plan]:
     """One plan per distinct group of `plan` and of `alternative` (`distinct_groups`), at most MAX_IN_CONTEXT; none
     where `plan` has one distinct group and `alternative` nothing else."""
-    plans = distinct_groups([plan, alternative], alone)
+    plans = distinct_groups([plan, alternative], saving)
     return plans[:MAX_IN_CONTEXT] if len(plans) > 1 else []
 
 
-def distinct_groups(sources: list[Plan | None], alone: dict[str, float]) -> list[Plan]:
+def distinct_groups(sources: list[Plan | None], saving: dict[str, float]) -> list[Plan]:
     """One plan per distinct group of the `sources` (its instances in the first source that has it), the largest
-    savings alone first. A group that shares nodes with one of larger saving (another fusion of the same GEMM) comes
+    `saving` first (per instance: alone, or in the program by its profile). A group that shares nodes with one of larger saving (another fusion of the same GEMM) comes
     after every group that does not: GPT-2's step once spent two of its five tries in context on two fusions of one
     MLP GEMM, and never tried a padded LM-head GEMM that had saved 1.7 ms in context before."""
     groups: dict[str, list] = {}
@@ -225,7 +234,7 @@ def distinct_groups(sources: list[Plan | None], alone: dict[str, float]) -> list
             mine.setdefault(g.signature, []).append(g)
         for sig, gs in mine.items():
             groups.setdefault(sig, gs)
-    order = sorted(groups, key=lambda sig: -alone.get(sig, 0.0) * len(groups[sig]))
+    order = sorted(groups, key=lambda sig: -saving.get(sig, 0.0) * len(groups[sig]))
     taken: set[int] = set()
     apart, overlapping = [], []
     for sig in order:

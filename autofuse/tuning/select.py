@@ -21,6 +21,7 @@ from ..plan import Plan, plan_from_choices
 from ..runner.protocol import XlaRequest
 from .ledger import CandidateState
 from .partition import Candidate, enumerate_candidates, is_fusible
+from .program_costs import ProgramCosts
 
 
 @dataclass(frozen=True)
@@ -199,13 +200,15 @@ class Cover:
 
 
 def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel, measure: str,
-               measured_singles: dict[int, float] | None = None) -> Cover:
+               measured_singles: dict[int, float] | None = None, costs: ProgramCosts | None = None) -> Cover:
     """Exact cheapest cover over fused (best config) and XLA options of every candidate instance.
 
     Nodes left alone cost their modelled XLA time, or `measured_singles` where given. With `measure="model"`
     every candidate's XLA option is priced, by the model where its XLA time was not asked for yet: the baseline
     is then the modelled program whatever the budget reached (with XLA options for the timed candidates only,
     the rest left to unfused nodes, a budget of 8 trials put one program at 0.055 ms and one of 16 at 0.028).
+    With `costs` (a profile of jax.jit's program) every node and XLA option costs its share of XLA's kernels in the
+    program, and a fused instance its time and the shares of the kernels it does not remove (`ProgramCosts`).
     """
     options, xla_only = [], []
     for r in cands:
@@ -213,14 +216,18 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
         if xla_ms is None and measure == "model":
             xla_ms = costmodel.xla_group_time_ms(by_sig[r.signature][0].group, model)
         for c in by_sig[r.signature]:
-            if xla_ms is not None:
-                o = Option(c.nodes, xla_ms, ("xla", c), c.stages)
+            if costs is not None or xla_ms is not None:
+                o = Option(c.nodes, costs.xla_ms(c.nodes) if costs is not None else xla_ms, ("xla", c), c.stages)
                 options.append(o)
                 xla_only.append(o)
             if r.best_ms is not None:
-                options.append(Option(c.nodes, r.best_ms, ("fused", c, r.best_config), c.stages))
-    takeable = {n for group in by_sig.values() for c in group for n in c.nodes}  # nodes some candidate's group holds
-    singles = {**single_node_costs(graph, model, takeable), **library_calls_alone(graph, by_sig, cands), **(measured_singles or {})}
+                fused = costs.fused_ms(c.nodes, r.best_ms) if costs is not None else r.best_ms
+                options.append(Option(c.nodes, fused, ("fused", c, r.best_config), c.stages))
+    if costs is not None:
+        singles = {n.id: costs.node_ms.get(n.id, 0.0) for n in graph.nodes}
+    else:
+        takeable = {n for group in by_sig.values() for c in group for n in c.nodes}  # nodes some candidate's group holds
+        singles = {**single_node_costs(graph, model, takeable), **library_calls_alone(graph, by_sig, cands), **(measured_singles or {})}
 
     def cost(chosen: list[Option]) -> float:
         covered = {i for o in chosen for i in o.nodes}
@@ -234,16 +241,21 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
 
 
 def savings_plan(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState],
-                 model: costmodel.GPUModel = costmodel.H200) -> Plan:
-    """The plan of the largest total saving alone: fused instances that share no node, each worth what its group saved
+                 model: costmodel.GPUModel = costmodel.H200, costs: ProgramCosts | None = None) -> Plan:
+    """The plan of the largest total saving: fused instances that share no node, each worth what its group saved
     against its own XLA time (XLA's time - its best), less what its outputs cost its neighbours
-    (`costmodel.cut_outputs_ms`), nothing else priced. `best_cover` also prices the rest of the
-    program with XLA's options measured alone; this plan does not, so the two differ where those options (of other
-    groupings of the same nodes) mislead the cover, and the validation judges both in the program
-    (`composition.group_plans`)."""
-    cut = {r.signature: costmodel.cut_outputs_ms(by_sig[r.signature][0].group, model) for r in cands if r.best_ms is not None}
-    options = [Option(c.nodes, r.best_ms + cut[r.signature] - r.xla_ms, (c, r.best_config), c.stages) for r in cands
-               if r.best_ms is not None and r.xla_ms is not None and r.best_ms + cut[r.signature] < r.xla_ms for c in by_sig[r.signature]]
+    (`costmodel.cut_outputs_ms`), nothing else priced; with `costs` (a profile of jax.jit's program), what the
+    instance removes of XLA's kernels there less its time (`ProgramCosts.removed_ms`: the profile sees the cut).
+    `best_cover` also prices the rest of the program with XLA's options measured alone; this plan does not, so the
+    two differ where those options (of other groupings of the same nodes) mislead the cover, and the validation
+    judges both in the program (`composition.group_plans`)."""
+    if costs is not None:
+        options = [Option(c.nodes, r.best_ms - costs.removed_ms(c.nodes), (c, r.best_config), c.stages) for r in cands
+                   if r.best_ms is not None for c in by_sig[r.signature] if r.best_ms < costs.removed_ms(c.nodes)]
+    else:
+        cut = {r.signature: costmodel.cut_outputs_ms(by_sig[r.signature][0].group, model) for r in cands if r.best_ms is not None}
+        options = [Option(c.nodes, r.best_ms + cut[r.signature] - r.xla_ms, (c, r.best_config), c.stages) for r in cands
+                   if r.best_ms is not None and r.xla_ms is not None and r.best_ms + cut[r.signature] < r.xla_ms for c in by_sig[r.signature]]
     chosen = select_cover(graph, options, {n.id: 0.0 for n in graph.nodes}) if options else []
     return plan_from_choices(graph, [(o.label[0].group, o.label[0].template, o.label[1], o.label[0].stages) for o in chosen],
                              {"measure": "device", "model": None})
@@ -269,6 +281,15 @@ def alone_savings(cands: Sequence[CandidateState]) -> dict[str, float]:
     return {r.signature: (r.xla_ms - r.best_ms) if r.xla_ms is not None and r.best_ms is not None else 0.0 for r in cands}
 
 
+def group_savings(cands: Sequence[CandidateState], by_sig: dict[str, list[Candidate]], costs: ProgramCosts | None) -> dict[str, float]:
+    """Per distinct group: what one instance saves, in the program by XLA's kernels there where profiled (`costs`:
+    the mean over its instances of what each removes, less its best), else alone (`alone_savings`)."""
+    if costs is None:
+        return alone_savings(cands)
+    return {r.signature: costs.saving_ms([c.nodes for c in by_sig[r.signature]], r.best_ms) if r.best_ms is not None else 0.0
+            for r in cands}
+
+
 RIVAL_SHARE = 0.9  # a rival of a kept group saved at least this share of what the group saved alone (`Savings.rivals`)
 
 
@@ -282,10 +303,11 @@ class Savings:
     by_sig: dict[str, list[Candidate]]
     cands: Sequence[CandidateState]
     model: costmodel.GPUModel = costmodel.H200
+    costs: ProgramCosts | None = None  # a profile of jax.jit's program: savings in the program, not alone
 
     def plan(self, without: frozenset[str] = frozenset()) -> Plan:
-        """The plan of the largest savings alone (`savings_plan`) of the candidates but those signed `without`."""
-        return savings_plan(self.graph, self.by_sig, [r for r in self.cands if r.signature not in without], self.model)
+        """The plan of the largest savings (`savings_plan`) of the candidates but those signed `without`."""
+        return savings_plan(self.graph, self.by_sig, [r for r in self.cands if r.signature not in without], self.model, self.costs)
 
     def rivals(self, plan: Plan, share: float = RIVAL_SHARE) -> Iterator[Plan]:
         """`plan` with one of its groups swapped for a rival, the nearest tie first: another tuned fusion of some of
@@ -301,7 +323,7 @@ class Savings:
         for g in plan.groups:
             nodes.setdefault(g.signature, set()).update(g.nodes)
         count = {sig: sum(1 for g in plan.groups if g.signature == sig) for sig in nodes}
-        alone = alone_savings(self.cands)
+        alone = group_savings(self.cands, self.by_sig, self.costs)
         others = [(r, alone[r.signature] * len(self.by_sig[r.signature]), {n for c in self.by_sig[r.signature] for n in c.nodes})
                   for r in self.cands if r.signature not in nodes and alone[r.signature] > 0]
         swaps = []
@@ -310,6 +332,6 @@ class Savings:
             swaps += [(theirs / own, sig, r) for r, theirs, reach in others if own > 0 and theirs >= share * own and reach & taken]
         for _, sig, r in sorted(swaps, key=lambda s: -s[0]):
             swapped = savings_plan(self.graph, self.by_sig, [c for c in self.cands if c.signature in nodes and c.signature != sig] + [r],
-                                   self.model)
+                                   self.model, self.costs)
             if any(g.signature == r.signature for g in swapped.groups):
                 yield Plan(plan.fingerprint, swapped.groups, dict(plan.provenance))

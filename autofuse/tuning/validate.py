@@ -20,6 +20,7 @@ from ..graph import Graph
 from ..plan import Plan, describe_groups
 from ..runner.protocol import (
     CompareRequest,
+    ProfileRequest,
     TrialRequest,
     ValidateRequest,
     ValidationResult,
@@ -39,7 +40,7 @@ from .composition import (
     failure,
     group_plans,
     measurable_ms,
-    plan_alone_ms,
+    plan_saving_ms,
     probe,
     replace_losers,
     same_groups,
@@ -49,7 +50,8 @@ from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .select import Cover, Savings, alone_savings, best_cover, contested_nodes, lone_contraction_costs, lone_contractions
+from .program_costs import ProgramCosts
+from .select import Cover, Savings, alone_savings, best_cover, contested_nodes, group_savings, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
 MAX_FALLBACKS = 3  # model mode: smaller plans validated after the chosen one (its groups with the largest savings)
@@ -107,28 +109,46 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
         if r.trials:
             say(candidate_line(r))
     t1 = time.perf_counter()
-    singles = None
+    singles, costs = None, None
     if measure == "device":
-        known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
-        contested = contested_nodes(by_sig, cands)  # elsewhere a lone dot costs every cover alike
-        lone = lone_contractions(graph, known, contested)
-        if compile_workers > 1 and len(lone) > 1:
-            compile_batch(runner, [XlaRequest((n,)) for n in lone], compile_workers)
-        singles = lone_contraction_costs(graph, runner, known, contested)
+        phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
+        costs = program_costs(runner, timings)
+        if costs is None:
+            known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
+            contested = contested_nodes(by_sig, cands)  # elsewhere a lone dot costs every cover alike
+            lone = lone_contractions(graph, known, contested)
+            if compile_workers > 1 and len(lone) > 1:
+                compile_batch(runner, [XlaRequest((n,)) for n in lone], compile_workers)
+            singles = lone_contraction_costs(graph, runner, known, contested)
     t2 = time.perf_counter()
-    cover = best_cover(graph, by_sig, cands, model, measure, singles)
-    savings = Savings(graph, by_sig, cands, model) if measure == "device" else None
+    cover = best_cover(graph, by_sig, cands, model, measure, singles, costs)
+    savings = Savings(graph, by_sig, cands, model, costs) if measure == "device" else None
     t3 = time.perf_counter()
     timings.update(check=round(t1 - t0, 3), singles=round(t2 - t1, 3), cover=round(t3 - t2, 3))
     if on_timings is not None:
         on_timings(timings)
     report = validate(graph, cover, runner, measure, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                       timings=timings, on_passed=on_passed, alternative=savings.plan() if savings else None,
-                      max_memory_bytes=max_memory_bytes, savings=savings, helpers=helpers, on_timings=on_timings)
+                      max_memory_bytes=max_memory_bytes, savings=savings, helpers=helpers, on_timings=on_timings,
+                      expected=group_savings(cands, by_sig, costs) if costs is not None else None)
     timings["validate"] = round(time.perf_counter() - t3, 3)
     if on_timings is not None:
         on_timings(timings)
     return report
+
+
+def program_costs(runner: Any, timings: dict) -> ProgramCosts | None:
+    """XLA's kernels in jax.jit's program, profiled on the GPU, as the selection's prices (`ProgramCosts`); None where
+    the profile failed or saw no kernel of a node (the selection then prices groups by their times alone). What it
+    found, or why it failed, goes into the run's selection timings."""
+    res = runner.call(ProfileRequest())
+    costs = ProgramCosts(res.kernels, res.seconds) if res.ok else None
+    if costs is not None and costs.attributed_ms > 0:
+        timings["profile"] = costs.summary()
+        return costs
+    timings["profile"] = {"error": res.error or "no kernel of the program's nodes in the trace", **{k: round(v, 3) for k, v in res.seconds.items()}}
+    log.warning("autofuse: jax.jit's program could not be profiled (%s); groups are priced by their times alone", timings["profile"]["error"])
+    return None
 
 
 def _already_checked(r: CandidateState, measure: str) -> bool:
@@ -152,7 +172,7 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
              alternative: Plan | None = None, max_memory_bytes: int | None = None,
              savings: Savings | None = None, helpers: Helpers | None = None,
-             on_timings: Callable[[dict], None] | None = None) -> TuneReport:
+             on_timings: Callable[[dict], None] | None = None, expected: dict[str, float] | None = None) -> TuneReport:
     """The chosen plan against jax.jit on the whole program, and on the GPU its groups in the program's context.
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
@@ -165,11 +185,13 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     fastest plan so far with one group swapped for a fusion of its nodes that nearly tied it alone (`savings.rivals`,
     `swap_rivals`). The fastest is kept (a later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan
     (`smaller_plans`) that passes. None passes: XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
+    `expected`: per distinct group, what one instance saves in the program by a profile of jax.jit's program
+    (`select.group_savings`), in place of its saving alone wherever the validation ranks groups or plans.
     """
     if measure == "device":
         return _in_context(graph, cover, runner, name, cands, n_trials, t_start, phase, compile_workers=compile_workers,
                            timings=timings, on_passed=on_passed, alternative=alternative, max_memory_bytes=max_memory_bytes,
-                           savings=savings, helpers=helpers, on_timings=on_timings)
+                           savings=savings, helpers=helpers, on_timings=on_timings, expected=expected)
     plan = cover.plan
     validation = ValidationResult(TrialStatus.OK)
     base, tuned = cover.baseline_ms, cover.tuned_ms
@@ -201,7 +223,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
                 phase: Callable[[str], None] | None, *, compile_workers: int, timings: dict | None,
                 on_passed: Callable[[TuneReport], None] | None, alternative: Plan | None,
                 max_memory_bytes: int | None, savings: Savings | None = None, helpers: Helpers | None = None,
-                on_timings: Callable[[dict], None] | None = None) -> TuneReport:
+                on_timings: Callable[[dict], None] | None = None, expected: dict[str, float] | None = None) -> TuneReport:
     """`validate` on the GPU: the chosen plan, its distinct groups each in the program, then the groups that saved
     time in the program together (see `validate`).
 
@@ -215,6 +237,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
     say = phase or (lambda s: None)
     plan = cover.plan if not cover.plan.is_xla or alternative is None or alternative.is_xla else alternative
     alone = alone_savings(cands)
+    saving = alone if expected is None else expected  # what ranks groups and plans: in the program where profiled
     measured: list[Measured] = []
     notes: list[str] = []
     best: Measured | None = None
@@ -270,7 +293,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         else:
             v = judge_here(cand, what, k, n, ahead)
         plans_t.append({**_plan_timing(cand, v, t0), **({"gpu": gpu} if gpu else {})})
-        m = Measured(cand, v, plan_alone_ms(cand, alone), what)
+        m = Measured(cand, v, plan_saving_ms(cand, alone), what, None if expected is None else plan_saving_ms(cand, expected))
         measured.append(m)
         if timings is not None:
             timings.setdefault("composition", []).append(m.record())
@@ -299,18 +322,18 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         return _xla_report(graph, m, plan, [plan.provenance.get("reason", "no fused group is cheaper than XLA")], name, cands,
                            n_trials, t_start)
     if helpers:  # whichever way the chosen plan goes, some of these are judged next (`extend`, `probe`)
-        helpers.submit([p for p in group_plans(plan, alternative, alone) if not same_groups(p, plan)])
+        helpers.submit([p for p in group_plans(plan, alternative, saving) if not same_groups(p, plan)])
     chosen = judge(plan, "the chosen plan", 1, 1, [plan])
-    if chosen.passed and 0 < REALISED_ENOUGH * chosen.alone_ms <= chosen.saving_ms:
-        extend(plan, [p for p in group_plans(plan, alternative, alone) if beside(p, plan)], judge)
+    if chosen.passed and 0 < REALISED_ENOUGH * chosen.predicted_ms <= chosen.saving_ms:
+        extend(plan, [p for p in group_plans(plan, alternative, saving) if beside(p, plan)], judge)
     else:
-        small = probe(plan, chosen, group_plans(plan, alternative, alone), judge, measured, alone)
+        small = probe(plan, chosen, group_plans(plan, alternative, saving), judge, measured, saving)
         if small and timings is not None:  # `show run` says which groups were too small to judge alone
-            timings["not_judged"] = {"floor_ms": round(measurable_ms(chosen), 4),
-                                     "groups": [{"instances": len(p.groups), "alone_ms": round(plan_alone_ms(p, alone), 4)} for p in small]}
+            timings["not_judged"] = {"floor_ms": round(measurable_ms(chosen), 4), **({"profiled": True} if expected is not None else {}),
+                                     "groups": [{"instances": len(p.groups), "alone_ms": round(plan_saving_ms(p, saving), 4)} for p in small]}
             recorded()
         if savings is not None:
-            replace_losers(plan, measured, savings.plan, alone, judge)
+            replace_losers(plan, measured, savings.plan, saving, judge)
             if best is not None:
                 swap_rivals(best, savings.rivals, measured, judge)
     if best is None:
@@ -357,7 +380,8 @@ def _measured_report(graph: Graph, m: Measured, chosen: Plan, notes: list[str], 
                      t_start: float) -> TuneReport:
     """The report of measured plan `m`, with its groups' savings alone and realised in its provenance."""
     kept = _with_reason(chosen, m.plan, notes)
-    kept = replace(kept, provenance={**kept.provenance, "alone_ms": round(m.alone_ms, 4), "realised_ms": round(m.saving_ms, 4)})
+    kept = replace(kept, provenance={**kept.provenance, "alone_ms": round(m.alone_ms, 4), "realised_ms": round(m.saving_ms, 4),
+                                     **({} if m.expected_ms is None else {"expected_ms": round(m.expected_ms, 4)})})
     v = m.validation
     return _report(graph, kept, name, "device", v.baseline.median_ms, v.plan.median_ms, m.noise, cands, v, n_trials, t_start)
 

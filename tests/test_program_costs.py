@@ -1,0 +1,174 @@
+"""XLA's kernels in the program as the selection's prices: the node scopes read back from a compiled module, kernels
+summed by instruction, the prices per node and per group, and the cover they give (issue 32, item 2)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from autofuse import costmodel
+from autofuse.graph import capture
+from autofuse.runner.evaluator import Evaluator
+from autofuse.runner.profile import KernelEvent, instruction_nodes, profile_program, program_kernels, scoped
+from autofuse.runner.protocol import ProfileRequest, XlaKernel
+from autofuse.tables import format_phases
+from autofuse.tuning.job import distinct_candidates
+from autofuse.tuning.program_costs import ProgramCosts
+from autofuse.tuning.select import best_cover, group_savings, savings_plan
+from autofuse.tuning.validate import program_costs
+
+
+def _norm_matmul_gelu(x, w, g):
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    h = ((xf - mean) * jax.lax.rsqrt(((xf - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g).astype(jnp.bfloat16)
+    return jax.nn.gelu(h @ w, approximate=True)
+
+
+def _inputs():
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    return (jax.random.normal(k[0], (64, 32), jnp.bfloat16), jax.random.normal(k[1], (32, 48), jnp.bfloat16),
+            jax.random.normal(k[2], (32,), jnp.float32))
+
+
+def test_each_compiled_instruction_names_the_program_nodes_it_computes():
+    """The program compiled with a name scope per node: every instruction XLA launches says which nodes it computes,
+    through the computations it calls (a fusion's body), and the scoped program computes what the program does."""
+    args = _inputs()
+    g = capture(_norm_matmul_gelu, *args)
+    compiled = jax.jit(scoped(g)).lower(*args).compile()
+    nodes = instruction_nodes(compiled.as_text())
+    seen = set().union(*nodes.values())
+    assert seen <= {n.id for n in g.nodes}
+    for prim in ("dot_general", "tanh", "reduce_sum", "rsqrt"):  # the compute of every kind reaches some instruction
+        assert {n.id for n in g.nodes if n.name == prim} <= seen, prim
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    assert any(dot in ids for ids in nodes.values())
+    assert any(len(ids) > 2 for ids in nodes.values())  # a fusion: several nodes in one launch
+    assert jnp.allclose(compiled(*args)[0].astype(jnp.float32), jax.jit(_norm_matmul_gelu)(*args).astype(jnp.float32))
+
+
+def test_an_instruction_holds_the_nodes_of_the_computations_it_calls_transitively():
+    text = """HloModule m
+
+%add_comp (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b), metadata={op_name="jit(run)/autofuse_n7/reduce_sum"}
+}
+
+%fused_computation (p: f32[8,4]) -> f32[8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %m = f32[8,4]{1,0} multiply(%p, %p), metadata={op_name="jit(run)/autofuse_n5/integer_pow"}
+  %z = f32[] constant(0)
+  ROOT %r = f32[8]{0} reduce(%m, %z), dimensions={1}, to_apply=%add_comp
+}
+
+ENTRY %main (x: f32[8,4]) -> f32[8] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %cp = f32[8,4]{1,0} copy(%x)
+  ROOT %fusion.3 = f32[8]{0} fusion(%cp), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(run)/autofuse_n12/x"}
+}
+"""
+    nodes = instruction_nodes(text)
+    assert nodes["fusion.3"] == frozenset({5, 7, 12})
+    assert nodes["cp"] == frozenset() and nodes["m"] == frozenset({5})
+
+
+def test_kernel_launches_are_summed_per_call_by_the_instruction_that_launched_them():
+    """Two calls traced: a fusion launched once a call, a library GEMM whose instruction the module's text does not
+    name (its event's own scope does), a memset of no instruction; each kernel's time is per call, longest first."""
+    ev = lambda kernel, ns, **stats: KernelEvent(kernel, 0.0, ns, stats)  # noqa: E731
+    events = [ev("loop_add_fusion_3", 2e6, hlo_op="loop_add_fusion.3"), ev("loop_add_fusion_3", 4e6, hlo_op="loop_add_fusion.3"),
+              ev("nvjet_sm90_gemm", 10e6, hlo_op="cublas-lt-matmul.2", name="jit(run)/autofuse_n7/dot_general"),
+              ev("nvjet_sm90_gemm", 10e6, hlo_op="cublas-lt-matmul.2", name="jit(run)/autofuse_n7/dot_general"),
+              ev("Memset 0", 1e6), ev("Memset 0", 1e6)]
+    kernels = program_kernels(events, {"loop_add_fusion.3": frozenset({3, 4})}, calls=2)
+    assert kernels == [XlaKernel("cublas-lt-matmul.2", 10.0, frozenset({7})), XlaKernel("loop_add_fusion.3", 3.0, frozenset({3, 4})),
+                       XlaKernel("Memset 0", 1.0, frozenset())]
+
+
+def test_a_group_is_credited_only_the_kernels_it_removes_whole():
+    """Each kernel's time is shared among its nodes; a group removes the kernels whose nodes all lie in it, and pays
+    its share of a kernel it takes only part of (that kernel still runs beside it)."""
+    costs = ProgramCosts((XlaKernel("gemm", 4.0, frozenset({1, 2})), XlaKernel("norm", 3.0, frozenset({3, 4, 5})),
+                          XlaKernel("slice", 2.0, frozenset({3})), XlaKernel("memset", 1.0, frozenset())))
+    assert costs.node_ms == {1: 2.0, 2: 2.0, 3: 3.0, 4: 1.0, 5: 1.0}
+    assert costs.removed_ms({1, 2, 3}) == 6.0  # the GEMM and the slice; the norm still runs
+    assert costs.xla_ms({1, 2, 3}) == 7.0 and costs.fused_ms({1, 2, 3}, 1.5) == 2.5
+    assert costs.removed_ms({1, 2, 3, 4, 5}) == 9.0 and costs.fused_ms({1, 2, 3, 4, 5}, 1.5) == 1.5
+    assert costs.saving_ms([{1, 2, 3}, {1, 2, 3, 4, 5}], 1.5) == pytest.approx(6.0)
+    assert (costs.total_ms, costs.attributed_ms) == (10.0, 9.0)
+
+
+def _priced(times: dict[str, float]):
+    """The norm -> GEMM -> GELU program's candidates, each with XLA's time alone 1.0 ms and a fused best of
+    `times[kind]` for the kinds named ("whole": the GEMM with its normalised operand and all of GELU, "gelu": a
+    group of GELU's ops that is not all of them), and a profile where XLA runs four kernels: the norm's statistics
+    (0.3 ms), its normalisation (0.2), the GEMM (1.0) and GELU (0.5)."""
+    args = _inputs()
+    g = capture(_norm_matmul_gelu, *args)
+    by_sig, cands = distinct_candidates(g)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    after = {n.id for n in g.nodes if n.id > dot}
+    whole = min((r for r in cands if r.template == "matmul" and set(r.nodes) >= after), key=lambda r: len(r.nodes))
+    prologue = set(whole.nodes) - after - {dot}
+    part = next(r for r in cands if set(r.nodes) < after and len(r.nodes) > 1)
+    costs = ProgramCosts((XlaKernel("stats", 0.3, frozenset(n.id for n in g.nodes if n.id < dot) - prologue),
+                          XlaKernel("normalise", 0.2, frozenset(prologue)), XlaKernel("gemm", 1.0, frozenset({dot})),
+                          XlaKernel("gelu", 0.5, frozenset(after))))
+    for r in cands:
+        r.xla_ms, r.best_ms, r.best_config = 1.0, None, None
+    for r, kind in ((whole, "whole"), (part, "gelu")):
+        if kind in times:
+            r.best_ms, r.best_config = times[kind], {}
+    return g, by_sig, cands, costs, whole, part
+
+
+def test_the_cover_priced_by_the_profile_takes_what_saves_in_the_program():
+    """Alone, a group of some of GELU's ops saved 0.9 ms against XLA's 1.0, and the GEMM with its normalised operand
+    and GELU (1.2 ms) looked to save less; in the program XLA spends 1.7 ms on the latter's nodes and runs GELU's
+    kernel whatever part of it a group takes: the part saves nothing, the whole chain 0.5 ms."""
+    g, by_sig, cands, costs, whole, part = _priced({"whole": 1.2, "gelu": 0.1})
+    assert [set(fg.nodes) for fg in savings_plan(g, by_sig, cands).groups] == [set(part.nodes)]  # priced alone
+    cover = best_cover(g, by_sig, cands, costmodel.H200, "device", costs=costs)
+    assert [set(fg.nodes) for fg in cover.plan.groups] == [set(whole.nodes)]
+    assert cover.baseline_ms == pytest.approx(2.0) and cover.tuned_ms == pytest.approx(1.5)
+    saving = group_savings(cands, by_sig, costs)
+    assert saving[whole.signature] == pytest.approx(0.5) and saving[part.signature] == pytest.approx(-0.1)
+    assert [set(fg.nodes) for fg in savings_plan(g, by_sig, cands, costs=costs).groups] == [set(whole.nodes)]
+
+
+def test_the_cover_priced_by_the_profile_keeps_xla_where_no_group_saves_there():
+    g, by_sig, cands, costs, whole, part = _priced({"whole": 1.8, "gelu": 0.1})
+    assert best_cover(g, by_sig, cands, costmodel.H200, "device", costs=costs).plan.is_xla
+    assert savings_plan(g, by_sig, cands, costs=costs).is_xla
+
+
+def test_without_a_gpu_trace_the_selection_prices_groups_alone_and_says_so():
+    """On the CPU the program is compiled and traced for real but no kernel is seen: the profile is empty, the
+    selection falls back to the times alone, and the run's record (and `show run`) says why."""
+    args = _inputs()
+    g = capture(_norm_matmul_gelu, *args)
+    assert profile_program(g, list(args)) == []
+    ev = Evaluator(g, measure="device")
+    res = ev.handle(ProfileRequest())
+    assert res.ok and res.kernels == () and res.seconds["profile"] > 0
+
+    class Runner:
+        call = staticmethod(ev.handle)
+
+    timings: dict = {}
+    assert program_costs(Runner(), timings) is None
+    assert timings["profile"]["error"] == "no kernel of the program's nodes in the trace"
+    shown = format_phases({"selection": {"check": 0.1, **timings}})
+    assert any("jax.jit's program profiled: failed (no kernel of the program's nodes in the trace)" in line for line in shown)
+    model = Evaluator(g, measure="model").handle(ProfileRequest())
+    assert model.ok and model.kernels == ()
+
+
+def test_show_run_says_what_the_profile_saw():
+    costs = ProgramCosts((XlaKernel("gemm", 4.0, frozenset({1})), XlaKernel("memset", 0.5, frozenset())), {"profile": 3.25})
+    shown = format_phases({"selection": {"check": 0.1, "profile": costs.summary()}})
+    assert any("jax.jit's program profiled: 2 kernels, 4.500 ms a call, 4.000 ms of them computing the program's nodes "
+               "(the prices of the cover), in 3.25 s" in line for line in shown), shown
