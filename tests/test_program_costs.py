@@ -13,9 +13,9 @@ from autofuse.runner.profile import KernelEvent, instruction_nodes, profile_prog
 from autofuse.runner.protocol import ProfileRequest, XlaKernel
 from autofuse.tables import format_phases
 from autofuse.tuning.job import distinct_candidates
-from autofuse.tuning.program_costs import ProgramCosts
+from autofuse.tuning.program_costs import ProgramCosts, take_profile
+from autofuse.tuning.scheduler import contenders, modelled_saving, phase1_order, time_at_stake
 from autofuse.tuning.select import best_cover, group_savings, savings_plan
-from autofuse.tuning.validate import program_costs
 
 
 def _norm_matmul_gelu(x, w, g):
@@ -159,7 +159,7 @@ def test_without_a_gpu_trace_the_selection_prices_groups_alone_and_says_so():
         call = staticmethod(ev.handle)
 
     timings: dict = {}
-    assert program_costs(Runner(), timings) is None
+    assert take_profile(Runner(), timings) is None
     assert timings["profile"]["error"] == "no kernel of the program's nodes in the trace"
     shown = format_phases({"selection": {"check": 0.1, **timings}})
     assert any("jax.jit's program profiled: failed (no kernel of the program's nodes in the trace)" in line for line in shown)
@@ -172,3 +172,25 @@ def test_show_run_says_what_the_profile_saw():
     shown = format_phases({"selection": {"check": 0.1, "profile": costs.summary()}})
     assert any("jax.jit's program profiled: 2 kernels, 4.500 ms a call, 4.000 ms of them computing the program's nodes "
                "(the prices of the cover), in 3.25 s" in line for line in shown), shown
+
+
+def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():
+    """Priced by the profile (`ProgramCosts.price`), a group of some of GELU's ops, which XLA's time alone (1.0 ms)
+    made the largest modelled saving, is a loss (it removes no kernel) and phase 1 visits the whole chain first; the
+    part is no contender, and what more trials of the chain can save is its best's time."""
+    from autofuse.tuning.job import search_spaces
+
+    g, by_sig, cands, costs, whole, part = _priced({})
+    spaces = search_spaces(by_sig, cands, costmodel.H200, ("triton",))
+    assert modelled_saving(part, spaces[part.signature]) > 0  # alone: XLA's 1.0 ms against a modelled default
+    costs.price(cands, by_sig)
+    assert whole.program_xla_ms == pytest.approx(1.7) and part.program_xla_ms == 0.0
+    assert modelled_saving(part, spaces[part.signature]) < 0
+    order = phase1_order(cands, spaces)
+    assert order.index(cands.index(whole)) < order.index(cands.index(part))
+    whole.best_ms, part.best_ms = 1.2, 0.1
+    whole.best_config = part.best_config = {}
+    cover = best_cover(g, by_sig, cands, costmodel.H200, "device", costs=costs)
+    chosen = contenders(g, by_sig, cands, costmodel.H200, cover)
+    assert cands.index(whole) in chosen and cands.index(part) not in chosen
+    assert time_at_stake(whole) == pytest.approx(1.2 * whole.instances)

@@ -32,6 +32,7 @@ from .ledger import MemoryLedger, StoreLedger
 from .loop import TrialLoop
 from .options import Job, JobOptions
 from .output import StatusLine
+from .program_costs import ProgramCosts, take_profile
 from .report import TuneReport
 from .scheduler import Budget, Scheduler, timed_first, trial_total
 from .trial import TrialContext
@@ -152,11 +153,17 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         if pstore is not None:
             for r in todo:
                 pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
+        costs = None
+        if measure == "device":  # the budget rule and the cover weigh fused times against XLA's kernels in the program
+            phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
+            costs = take_profile(runner, {})
+            if costs is not None:
+                costs.price(cands, by_sig)
         marks("xla")
         if budget.out_of_time():
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "
                         "will run; give more time or a trial budget", time_budget_s, len(todo), clock() - t_start)
-        loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed)
+        loop = local_loop(graph, by_sig, cands, spaces, budget, gmodel, measure, runner, pstore, run_id, seed, costs)
         if o.warm_start is not None:
             loop.seeds = o.warm_start(by_sig, cands, spaces)
         loop.ahead = ahead
@@ -179,7 +186,8 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         report = finalize(graph, by_sig, cands, runner, measure, gmodel, loop.ledger, name, n_trials, t_start,
                           say if verbose else (lambda s: None), phase, compile_workers=threads,
                           on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")),
-                          max_memory_bytes=job.max_memory_bytes, on_timings=lambda t: marks("selection", value=t, replace=True))
+                          max_memory_bytes=job.max_memory_bytes, on_timings=lambda t: marks("selection", value=t, replace=True),
+                          costs=costs)
         marks("selected")
         report.wall_s = clock() - t_start
         status = "finished"
@@ -230,9 +238,10 @@ def resumed_line(run_id: int, spent: int, total: int, selected: bool) -> str:
 
 
 def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budget, gmodel: costmodel.GPUModel, measure: str, runner: Any,
-               pstore: Any, run_id: int | None, seed: int) -> TrialLoop:
+               pstore: Any, run_id: int | None, seed: int, costs: ProgramCosts | None = None) -> TrialLoop:
     """The trial loop of a job run by this process alone: its books in the store (a resumed run's trials
-    included; those left running by the dead process are lost), or in memory."""
+    included; those left running by the dead process are lost), or in memory; `costs`: the profile of jax.jit's
+    program its budget rule prices the cover by."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is data here, not a warning
@@ -247,7 +256,7 @@ def local_loop(graph: Any, by_sig: dict, cands: list, spaces: dict, budget: Budg
                     ledger.mark_lost(r, t.optuna_trial_id, "the job running it was interrupted")
     else:
         storage, ledger = optuna.storages.InMemoryStorage(), MemoryLedger(cands)
-    scheduler = Scheduler(graph, by_sig, cands, spaces, budget, gmodel)
+    scheduler = Scheduler(graph, by_sig, cands, spaces, budget, gmodel, costs)
     ctx = TrialContext(ledger, runner, measure, scheduler.total, f"{os.uname().nodename}:{os.getpid()}")
     loop = TrialLoop(cands, spaces, scheduler, ctx, storage, run_id, seed)
     loop.creates_studies = True  # each candidate's study made at its first trial: one process, so once (a resumed run's exist)

@@ -10,11 +10,15 @@ its time is not saved. Each kernel's time is shared evenly among its nodes as th
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
-from ..runner.protocol import XlaKernel
+from ..runner.protocol import ProfileRequest, XlaKernel
+from .ledger import CandidateState
+from .partition import Candidate
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,19 @@ class ProgramCosts:
         that still run beside it."""
         return kernel_ms + self.xla_ms(nodes) - self.removed_ms(nodes)
 
+    def removed_per_instance(self, instances: Sequence[Collection[int]]) -> float:
+        """What fusing one instance of a candidate removes of XLA's kernels (the mean over its instances)."""
+        return sum(self.removed_ms(c) for c in instances) / len(instances) if instances else 0.0
+
     def saving_ms(self, instances: Sequence[Collection[int]], kernel_ms: float) -> float:
         """What fusing a candidate saves in the program, per instance (their mean)."""
-        return sum(self.removed_ms(c) for c in instances) / len(instances) - kernel_ms if instances else 0.0
+        return self.removed_per_instance(instances) - kernel_ms if instances else 0.0
+
+    def price(self, cands: Sequence[CandidateState], by_sig: dict[str, list[Candidate]]) -> None:
+        """Set each candidate's XLA time in the program (`CandidateState.program_xla_ms`), which the budget rule then
+        weighs its fused times against (`scheduler.xla_time_ms`)."""
+        for r in cands:
+            r.program_xla_ms = self.removed_per_instance([c.nodes for c in by_sig[r.signature]])
 
     @property
     def total_ms(self) -> float:
@@ -66,3 +80,18 @@ class ProgramCosts:
         """What the run's selection timings keep of the profile."""
         return {"kernels": len(self.kernels), "total_ms": round(self.total_ms, 4), "attributed_ms": round(self.attributed_ms, 4),
                 **{k: round(v, 3) for k, v in self.seconds.items()}}
+
+
+def take_profile(runner: Any, record: dict) -> ProgramCosts | None:
+    """XLA's kernels in jax.jit's program, profiled on the GPU by the trial process, as prices (`ProgramCosts`); None
+    where the profile failed or saw no kernel of a node (the job then prices groups by their times alone). What it
+    found, or why it failed, goes into `record["profile"]` (the run's selection timings)."""
+    res = runner.call(ProfileRequest())
+    costs = ProgramCosts(res.kernels, res.seconds) if res.ok else None
+    if costs is not None and costs.attributed_ms > 0:
+        record["profile"] = costs.summary()
+        return costs
+    record["profile"] = {"error": res.error or "no kernel of the program's nodes in the trace", **{k: round(v, 3) for k, v in res.seconds.items()}}
+    logging.getLogger("autofuse").warning("autofuse: jax.jit's program could not be profiled (%s); groups are priced by their times alone",
+                                          record["profile"]["error"])
+    return None

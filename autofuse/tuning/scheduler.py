@@ -45,6 +45,7 @@ from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
 from .ledger import CandidateState
 from .partition import Candidate
+from .program_costs import ProgramCosts
 from .select import Cover, best_cover
 from .space import CandidateSpace, config_key
 
@@ -81,8 +82,15 @@ def allocate(weights: Sequence[float], caps: Sequence[int], total: int) -> list[
 
 
 def xla_time_ms(r: CandidateState, space: CandidateSpace) -> float:
-    """XLA's time of a candidate: measured, else the model's estimate (not timed yet, or its timing failed)."""
-    return r.xla_ms if r.xla_ms is not None else space.xla_model_ms
+    """XLA's time of a candidate: in the program where the job profiled it (`program_xla_ms`), else measured alone,
+    else the model's estimate (not timed yet, or its timing failed)."""
+    return xla_measured_ms(r) if xla_measured_ms(r) is not None else space.xla_model_ms
+
+
+def xla_measured_ms(r: CandidateState) -> float | None:
+    """XLA's measured time of a candidate: what one instance removes of XLA's kernels in the program where the job
+    profiled it, else XLA's time of the group alone (None: neither)."""
+    return r.program_xla_ms if r.program_xla_ms is not None else r.xla_ms
 
 
 def trial_total(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace], trials: int) -> int:
@@ -112,7 +120,7 @@ def time_at_stake(r: CandidateState) -> float:
     shares follow it. By XLA's time alone, GPT-2's attention (24 x 2.5 ms in XLA, 0.21 ms at its default) took 33-60
     of 96 trials and none beat its default, while the GEMMs beside it (24 x ~0.2 ms) had 4-7 each; by this, 8-10 and
     5-9 (2 H200s, results/tuning_h200_run26.md)."""
-    times = [t for t in (r.best_ms, r.xla_ms) if t is not None]
+    times = [t for t in (r.best_ms, xla_measured_ms(r)) if t is not None]
     return min(times, default=0.0) * r.instances
 
 
@@ -187,12 +195,16 @@ def backend_untried(r: CandidateState, space: CandidateSpace) -> bool:
 def contenders(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence[CandidateState], model: costmodel.GPUModel,
                cover: Cover | None = None) -> list[int]:
     """Candidates that can change the plan: the fused groups of the cheapest cover so far (`cover`, else solved
-    here), those within 25% of their XLA time (tuning may still make them win), and those whose configs all failed
-    to fit or compile."""
+    here), those within 25% of their XLA time (in the program where profiled: tuning may still make them win), and
+    those whose configs all failed to fit or compile."""
     cover = cover or best_cover(graph, by_sig, cands, model, "device")
     chosen = {fg.signature for fg in cover.plan.groups}
-    return [i for i, r in enumerate(cands) if r.signature in chosen or (r.best_ms is not None and r.xla_ms and r.best_ms < CONTENDER_MARGIN * r.xla_ms)
-            or config_failures_only(r)]
+
+    def near(r: CandidateState) -> bool:
+        xla = xla_measured_ms(r)
+        return r.best_ms is not None and bool(xla) and r.best_ms < CONTENDER_MARGIN * xla
+
+    return [i for i, r in enumerate(cands) if r.signature in chosen or near(r) or config_failures_only(r)]
 
 
 @dataclass
@@ -211,8 +223,9 @@ class Scheduler:
     """Names the candidate of the next trial from what the ledger says so far (see the module docstring)."""
 
     def __init__(self, graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[CandidateState], spaces: dict[str, CandidateSpace],
-                 budget: Budget, model: costmodel.GPUModel):
+                 budget: Budget, model: costmodel.GPUModel, costs: ProgramCosts | None = None):
         self.graph, self.by_sig, self.cands, self.spaces, self.budget, self.model = graph, by_sig, cands, spaces, budget, model
+        self.costs = costs  # a profile of jax.jit's program: the cover so far priced in the program (`best_cover`)
         self.caps = [spaces[c.signature].size for c in cands]
         self.total = trial_total(cands, spaces, budget.trials)
         self.phase1_visits = phase1_visits(len(cands), self.total)
@@ -272,7 +285,7 @@ class Scheduler:
         when a best changed; the progress bar shows its speedup."""
         state = tuple((c.best_ms, c.xla_ms) for c in self.cands)
         if self._cover is None or self._cover[0] != state:
-            self._cover = (state, best_cover(self.graph, self.by_sig, self.cands, self.model, "device"))
+            self._cover = (state, best_cover(self.graph, self.by_sig, self.cands, self.model, "device", costs=self.costs))
         return self._cover[1]
 
     def note(self, i: int, outcome: str) -> None:

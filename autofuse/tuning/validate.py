@@ -20,7 +20,6 @@ from ..graph import Graph
 from ..plan import Plan, describe_groups
 from ..runner.protocol import (
     CompareRequest,
-    ProfileRequest,
     TrialRequest,
     ValidateRequest,
     ValidationResult,
@@ -50,7 +49,7 @@ from .ledger import CandidateState, Ledger
 from .output import candidate_line
 from .partition import Candidate
 from .report import TuneReport
-from .program_costs import ProgramCosts
+from .program_costs import ProgramCosts, take_profile
 from .select import Cover, Savings, alone_savings, best_cover, contested_nodes, group_savings, lone_contraction_costs, lone_contractions
 
 log = logging.getLogger("autofuse")
@@ -84,7 +83,7 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
              say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
              max_memory_bytes: int | None = None, helpers: Helpers | None = None,
-             on_timings: Callable[[dict], None] | None = None) -> TuneReport:
+             on_timings: Callable[[dict], None] | None = None, costs: ProgramCosts | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
     `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
     `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
@@ -93,7 +92,9 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     the first plan that passes on the GPU, before the others are validated (the job stores it at once). `helpers`:
     trial processes on this host's other GPUs that validate the plans judged after the chosen one (`Helpers`).
     `on_timings` hears `timings` as they grow (after the cover, each plan validated, each close call, and whole at
-    the end): the job records them as they come, so that a job killed in its selection keeps what it learned."""
+    the end): the job records them as they come, so that a job killed in its selection keeps what it learned.
+    On the GPU the cover is priced by XLA's kernels in jax.jit's program (`costs`, the job's profile; taken here where
+    the job has none), else by the groups' times alone."""
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
@@ -109,10 +110,13 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
         if r.trials:
             say(candidate_line(r))
     t1 = time.perf_counter()
-    singles, costs = None, None
+    singles = None
     if measure == "device":
-        phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
-        costs = program_costs(runner, timings)
+        if costs is None:
+            phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
+            costs = take_profile(runner, timings)
+        else:
+            timings["profile"] = costs.summary()
         if costs is None:
             known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
             contested = contested_nodes(by_sig, cands)  # elsewhere a lone dot costs every cover alike
@@ -135,20 +139,6 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     if on_timings is not None:
         on_timings(timings)
     return report
-
-
-def program_costs(runner: Any, timings: dict) -> ProgramCosts | None:
-    """XLA's kernels in jax.jit's program, profiled on the GPU, as the selection's prices (`ProgramCosts`); None where
-    the profile failed or saw no kernel of a node (the selection then prices groups by their times alone). What it
-    found, or why it failed, goes into the run's selection timings."""
-    res = runner.call(ProfileRequest())
-    costs = ProgramCosts(res.kernels, res.seconds) if res.ok else None
-    if costs is not None and costs.attributed_ms > 0:
-        timings["profile"] = costs.summary()
-        return costs
-    timings["profile"] = {"error": res.error or "no kernel of the program's nodes in the trace", **{k: round(v, 3) for k, v in res.seconds.items()}}
-    log.warning("autofuse: jax.jit's program could not be profiled (%s); groups are priced by their times alone", timings["profile"]["error"])
-    return None
 
 
 def _already_checked(r: CandidateState, measure: str) -> bool:
