@@ -88,17 +88,31 @@ def test_kernel_launches_are_summed_per_call_by_the_instruction_that_launched_th
                        XlaKernel("Memset 0", 1.0, frozenset())]
 
 
-def test_a_group_is_credited_only_the_kernels_it_removes_whole():
-    """Each kernel's time is shared among its nodes; a group removes the kernels whose nodes all lie in it, and pays
-    its share of a kernel it takes only part of (that kernel still runs beside it)."""
-    costs = ProgramCosts((XlaKernel("gemm", 4.0, frozenset({1, 2})), XlaKernel("norm", 3.0, frozenset({3, 4, 5})),
-                          XlaKernel("slice", 2.0, frozenset({3})), XlaKernel("memset", 1.0, frozenset())))
-    assert costs.node_ms == {1: 2.0, 2: 2.0, 3: 3.0, 4: 1.0, 5: 1.0}
-    assert costs.removed_ms({1, 2, 3}) == 6.0  # the GEMM and the slice; the norm still runs
-    assert costs.xla_ms({1, 2, 3}) == 7.0 and costs.fused_ms({1, 2, 3}, 1.5) == 2.5
-    assert costs.removed_ms({1, 2, 3, 4, 5}) == 9.0 and costs.fused_ms({1, 2, 3, 4, 5}, 1.5) == 1.5
-    assert costs.saving_ms([{1, 2, 3}, {1, 2, 3, 4, 5}], 1.5) == pytest.approx(6.0)
-    assert (costs.total_ms, costs.attributed_ms) == (10.0, 9.0)
+def test_a_group_is_credited_the_kernels_it_holds_and_what_it_saves_of_those_it_cuts():
+    """At GPT-2's MLP shapes, XLA running the GEMM with GELU as one kernel (a Triton GEMM fusion, 1.5 ms) and the
+    norm as another: a group holding every node of a kernel is credited its time; one holding the GEMM alone most
+    of the fusion's (what is left reads and writes [4096, 4096] once, a fraction of the GEMM's roofline); one holding
+    some of GELU's ops next to nothing (what is left still runs the GEMM and now reads what the group wrote); one
+    holding the norm's first half less than nothing."""
+    args = (jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1024,), jnp.float32))
+    g = capture(_norm_matmul_gelu, *args)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    before = frozenset(n.id for n in g.nodes if n.id < dot)
+    after = frozenset(n.id for n in g.nodes if n.id > dot)
+    costs = ProgramCosts((XlaKernel("gemm_fusion", 1.5, after | {dot}), XlaKernel("norm", 0.4, before),
+                          XlaKernel("memset", 0.01, frozenset())), g)
+    assert costs.node_ms[dot] == pytest.approx(1.5 / (len(after) + 1))
+    assert costs.credit_ms(after | {dot}) == pytest.approx(1.5) and costs.credit_ms(before | after | {dot}) == pytest.approx(1.9)
+    assert 0.5 * 1.5 < costs.credit_ms({dot}) < 1.5
+    some = sorted(after)[1:4]
+    assert costs.credit_ms(some) < 0.01 * 1.5
+    (rsqrt,) = [n.id for n in g.nodes if n.name == "rsqrt"]
+    assert costs.credit_ms({n for n in before if n < rsqrt}) < 0  # the norm's first half: the rest reads float32 x - mean
+    assert costs.fused_ms(after | {dot}, 1.2) == pytest.approx(1.2)
+    assert costs.fused_ms(some, 0.1) == pytest.approx(0.1 + costs.xla_ms(some) - costs.credit_ms(some))
+    assert costs.saving_ms([after | {dot}, {dot}], 1.0) == pytest.approx((1.5 + costs.credit_ms({dot})) / 2 - 1.0)
+    assert (costs.total_ms, costs.attributed_ms) == (pytest.approx(1.91), pytest.approx(1.9))
 
 
 def _priced(times: dict[str, float]):
@@ -116,7 +130,7 @@ def _priced(times: dict[str, float]):
     part = next(r for r in cands if set(r.nodes) < after and len(r.nodes) > 1)
     costs = ProgramCosts((XlaKernel("stats", 0.3, frozenset(n.id for n in g.nodes if n.id < dot) - prologue),
                           XlaKernel("normalise", 0.2, frozenset(prologue)), XlaKernel("gemm", 1.0, frozenset({dot})),
-                          XlaKernel("gelu", 0.5, frozenset(after))))
+                          XlaKernel("gelu", 0.5, frozenset(after))), g)
     for r in cands:
         r.xla_ms, r.best_ms, r.best_config = 1.0, None, None
     for r, kind in ((whole, "whole"), (part, "gelu")):
@@ -128,14 +142,15 @@ def _priced(times: dict[str, float]):
 def test_the_cover_priced_by_the_profile_takes_what_saves_in_the_program():
     """Alone, a group of some of GELU's ops saved 0.9 ms against XLA's 1.0, and the GEMM with its normalised operand
     and GELU (1.2 ms) looked to save less; in the program XLA spends 1.7 ms on the latter's nodes and runs GELU's
-    kernel whatever part of it a group takes: the part saves nothing, the whole chain 0.5 ms."""
+    kernel whatever part of it a group takes (now reading what the part writes): the part saves nothing, the whole
+    chain 0.5 ms."""
     g, by_sig, cands, costs, whole, part = _priced({"whole": 1.2, "gelu": 0.1})
     assert [set(fg.nodes) for fg in savings_plan(g, by_sig, cands).groups] == [set(part.nodes)]  # priced alone
     cover = best_cover(g, by_sig, cands, costmodel.H200, "device", costs=costs)
     assert [set(fg.nodes) for fg in cover.plan.groups] == [set(whole.nodes)]
     assert cover.baseline_ms == pytest.approx(2.0) and cover.tuned_ms == pytest.approx(1.5)
     saving = group_savings(cands, by_sig, costs)
-    assert saving[whole.signature] == pytest.approx(0.5) and saving[part.signature] == pytest.approx(-0.1)
+    assert saving[whole.signature] == pytest.approx(0.5) and saving[part.signature] <= -0.1
     assert [set(fg.nodes) for fg in savings_plan(g, by_sig, cands, costs=costs).groups] == [set(whole.nodes)]
 
 
@@ -159,7 +174,7 @@ def test_without_a_gpu_trace_the_selection_prices_groups_alone_and_says_so():
         call = staticmethod(ev.handle)
 
     timings: dict = {}
-    assert take_profile(Runner(), timings) is None
+    assert take_profile(Runner(), timings, g) is None
     assert timings["profile"]["error"] == "no kernel of the program's nodes in the trace"
     shown = format_phases({"selection": {"check": 0.1, **timings}})
     assert any("jax.jit's program profiled: failed (no kernel of the program's nodes in the trace)" in line for line in shown)
@@ -168,7 +183,7 @@ def test_without_a_gpu_trace_the_selection_prices_groups_alone_and_says_so():
 
 
 def test_show_run_says_what_the_profile_saw():
-    costs = ProgramCosts((XlaKernel("gemm", 4.0, frozenset({1})), XlaKernel("memset", 0.5, frozenset())), {"profile": 3.25})
+    costs = ProgramCosts((XlaKernel("gemm", 4.0, frozenset({1})), XlaKernel("memset", 0.5, frozenset())), None, seconds={"profile": 3.25})
     shown = format_phases({"selection": {"check": 0.1, "profile": costs.summary()}})
     assert any("jax.jit's program profiled: 2 kernels, 4.500 ms a call, 4.000 ms of them computing the program's nodes "
                "(the prices of the cover), in 3.25 s" in line for line in shown), shown
@@ -176,7 +191,7 @@ def test_show_run_says_what_the_profile_saw():
 
 def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():
     """Priced by the profile (`ProgramCosts.price`), a group of some of GELU's ops, which XLA's time alone (1.0 ms)
-    made the largest modelled saving, is a loss (it removes no kernel) and phase 1 visits the whole chain first; the
+    made the largest modelled saving, is a loss (it saves nothing of GELU's kernel) and phase 1 visits the whole chain first; the
     part is no contender, and what more trials of the chain can save is its best's time."""
     from autofuse.tuning.job import search_spaces
 
@@ -184,7 +199,7 @@ def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():
     spaces = search_spaces(by_sig, cands, costmodel.H200, ("triton",))
     assert modelled_saving(part, spaces[part.signature]) > 0  # alone: XLA's 1.0 ms against a modelled default
     costs.price(cands, by_sig)
-    assert whole.program_xla_ms == pytest.approx(1.7) and part.program_xla_ms == 0.0
+    assert whole.program_xla_ms == pytest.approx(1.7) and part.program_xla_ms <= 0.0
     assert modelled_saving(part, spaces[part.signature]) < 0
     order = phase1_order(cands, spaces)
     assert order.index(cands.index(whole)) < order.index(cands.index(part))

@@ -52,7 +52,7 @@ class CandidateState:
     candidate_id: int | None = None  # its row in the store
     checked_trials: int | None = None  # a resumed run: its best was checked (model mode) when it had this many trials
     ops: tuple[str, ...] = ()  # its nodes' primitives, in program order (what the job's output names it by)
-    program_xla_ms: float | None = None  # XLA's kernels in the program one instance removes, by a profile (`ProgramCosts.price`)
+    program_xla_ms: float | None = None  # XLA's time in the program one instance saves, by a profile (`ProgramCosts.price`)
 
     @property
     def speedup(self) -> float | None:

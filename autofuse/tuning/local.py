@@ -156,7 +156,7 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         costs = None
         if measure == "device":  # the budget rule and the cover weigh fused times against XLA's kernels in the program
             phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
-            costs = take_profile(runner, {})
+            costs = take_profile(runner, {}, graph, gmodel)
             if costs is not None:
                 costs.price(cands, by_sig)
         marks("xla")

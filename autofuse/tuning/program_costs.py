@@ -1,12 +1,15 @@
 """What XLA spends on a group's nodes in the program, from one profile of jax.jit's program (`runner.profile`): the
-prices the selection compares a fused group with, where the GPU gave a profile.
+prices the budget rule and the selection weigh a fused group against, where the GPU gave a profile.
 
 A group's XLA time alone is not its cost in the program: alone, XLA reads what the program fuses away, fuses
-differently, and writes every output. In the program a fused group removes exactly XLA's kernels whose nodes all lie
-in it; a kernel it takes only some nodes of still runs (XLA's layer norm around a group holding its second half), so
-its time is not saved. Each kernel's time is shared evenly among its nodes as the cost of leaving a node to XLA
-(`node_ms`), and a fused group pays, beyond its own time, the shares of its nodes in kernels it does not remove
-(`fused_ms`): a cover then costs what the program would run, and XLA's own cover costs the profile's total.
+differently, and writes every output. In the program, fusing a group removes XLA's kernels whose nodes all lie in
+it, and changes those it takes some nodes of: what is left of such a kernel still runs, reading what the group now
+writes. Its credit (`credit_ms`) is the kernel's time scaled by how much the model's roofline of what is left
+(its reads, writes and flops as one fusion) falls below that of the whole kernel: taking the heavy part of a kernel
+(a dot, the scores' softmax beside a transpose) earns most of its time, taking some elementwise ops of a
+memory-bound fusion earns nothing, and cutting a layer norm in half (its remainder reading float32 intermediates
+it never wrote before) costs time. Each kernel's time is shared evenly among its nodes as the price of leaving a
+node to XLA (`node_ms`); a fused group's price is its own time and its nodes' shares less its credit (`fused_ms`).
 """
 from __future__ import annotations
 
@@ -16,9 +19,15 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from .. import costmodel
+from ..graph import Graph, Group
 from ..runner.protocol import ProfileRequest, XlaKernel
 from .ledger import CandidateState
 from .partition import Candidate
+
+#: The most a kernel's remainder is charged, as a multiple of the kernel's time, when a group cuts it (its roofline
+#: grows with what it must now read): a bound on the model's word, which never saw the remainder run.
+MAX_REMAINDER = 3.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,8 @@ class ProgramCosts:
     """XLA's kernels of the whole program (one profile), priced per node and per group of nodes."""
 
     kernels: tuple[XlaKernel, ...]
+    graph: Graph = field(repr=False, compare=False)
+    model: costmodel.GPUModel = field(default=costmodel.H200, repr=False, compare=False)
     seconds: dict = field(default_factory=dict, compare=False)  # what taking the profile cost (compile, trace)
 
     @cached_property
@@ -37,34 +48,64 @@ class ProgramCosts:
                 out[n] = out.get(n, 0.0) + k.ms / len(k.nodes)
         return out
 
-    def removed_ms(self, nodes: Collection[int]) -> float:
-        """XLA's time that fusing `nodes` into one kernel removes from the program: its kernels whose nodes all lie
-        among them."""
-        members = set(nodes)
-        return sum(k.ms for k in self.kernels if k.nodes and k.nodes <= members)
+    @cached_property
+    def _by_node(self) -> dict[int, list[int]]:
+        """node -> the kernels (by index) that compute it."""
+        out: dict[int, list[int]] = {}
+        for i, k in enumerate(self.kernels):
+            for n in k.nodes:
+                out.setdefault(n, []).append(i)
+        return out
+
+    def credit_ms(self, nodes: Collection[int]) -> float:
+        """XLA's time that fusing `nodes` into one kernel saves in the program (before that kernel's own time): every
+        kernel they hold all of, and what is saved of each they hold part of (negative where its remainder must read
+        more than the whole did)."""
+        members = frozenset(nodes)
+        touched = sorted({i for n in members for i in self._by_node.get(n, ())})
+        return sum(self._kernel_credit(i, members & self.kernels[i].nodes) for i in touched)
+
+    @cached_property
+    def _credits(self) -> dict[tuple[int, frozenset[int]], float]:
+        """(kernel, the nodes a group takes of it) -> the group's credit for it; (kernel, all its nodes) -> the
+        kernel's roofline (a group taking all of it is credited its time, never looked up here)."""
+        return {}
+
+    def _kernel_credit(self, i: int, taken: frozenset[int]) -> float:
+        k = self.kernels[i]
+        if taken == k.nodes:
+            return k.ms
+        key = (i, taken)
+        if key not in self._credits:
+            if (i, k.nodes) not in self._credits:  # the whole kernel's roofline, once
+                self._credits[(i, k.nodes)] = costmodel.group_time_ms(Group.of(self.graph, sorted(k.nodes)), self.model)
+            whole = self._credits[(i, k.nodes)]
+            rest = costmodel.group_time_ms(Group.of(self.graph, sorted(k.nodes - taken)), self.model)
+            self._credits[key] = k.ms * (1.0 - min(rest / whole, MAX_REMAINDER)) if whole > 0 else 0.0
+        return self._credits[key]
 
     def xla_ms(self, nodes: Collection[int]) -> float:
         """What leaving `nodes` to XLA costs in a cover: their shares of XLA's kernels."""
         return sum(self.node_ms.get(n, 0.0) for n in nodes)
 
     def fused_ms(self, nodes: Collection[int], kernel_ms: float) -> float:
-        """What fusing `nodes` costs in a cover: the kernel's own time, and the shares of its nodes in XLA's kernels
-        that still run beside it."""
-        return kernel_ms + self.xla_ms(nodes) - self.removed_ms(nodes)
+        """What fusing `nodes` costs in a cover: the kernel's own time, and its nodes' shares of XLA's kernels less
+        what fusing them saves there (`credit_ms`)."""
+        return kernel_ms + self.xla_ms(nodes) - self.credit_ms(nodes)
 
-    def removed_per_instance(self, instances: Sequence[Collection[int]]) -> float:
-        """What fusing one instance of a candidate removes of XLA's kernels (the mean over its instances)."""
-        return sum(self.removed_ms(c) for c in instances) / len(instances) if instances else 0.0
+    def credit_per_instance(self, instances: Sequence[Collection[int]]) -> float:
+        """What fusing one instance of a candidate saves of XLA's kernels (the mean over its instances)."""
+        return sum(self.credit_ms(c) for c in instances) / len(instances) if instances else 0.0
 
     def saving_ms(self, instances: Sequence[Collection[int]], kernel_ms: float) -> float:
         """What fusing a candidate saves in the program, per instance (their mean)."""
-        return self.removed_per_instance(instances) - kernel_ms if instances else 0.0
+        return self.credit_per_instance(instances) - kernel_ms if instances else 0.0
 
     def price(self, cands: Sequence[CandidateState], by_sig: dict[str, list[Candidate]]) -> None:
         """Set each candidate's XLA time in the program (`CandidateState.program_xla_ms`), which the budget rule then
         weighs its fused times against (`scheduler.xla_time_ms`)."""
         for r in cands:
-            r.program_xla_ms = self.removed_per_instance([c.nodes for c in by_sig[r.signature]])
+            r.program_xla_ms = self.credit_per_instance([c.nodes for c in by_sig[r.signature]])
 
     @property
     def total_ms(self) -> float:
@@ -82,12 +123,12 @@ class ProgramCosts:
                 **{k: round(v, 3) for k, v in self.seconds.items()}}
 
 
-def take_profile(runner: Any, record: dict) -> ProgramCosts | None:
+def take_profile(runner: Any, record: dict, graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> ProgramCosts | None:
     """XLA's kernels in jax.jit's program, profiled on the GPU by the trial process, as prices (`ProgramCosts`); None
     where the profile failed or saw no kernel of a node (the job then prices groups by their times alone). What it
     found, or why it failed, goes into `record["profile"]` (the run's selection timings)."""
     res = runner.call(ProfileRequest())
-    costs = ProgramCosts(res.kernels, res.seconds) if res.ok else None
+    costs = ProgramCosts(res.kernels, graph, model, res.seconds) if res.ok else None
     if costs is not None and costs.attributed_ms > 0:
         record["profile"] = costs.summary()
         return costs

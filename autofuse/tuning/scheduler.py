@@ -88,7 +88,7 @@ def xla_time_ms(r: CandidateState, space: CandidateSpace) -> float:
 
 
 def xla_measured_ms(r: CandidateState) -> float | None:
-    """XLA's measured time of a candidate: what one instance removes of XLA's kernels in the program where the job
+    """XLA's measured time of a candidate: what fusing one instance saves of XLA's kernels in the program where the job
     profiled it, else XLA's time of the group alone (None: neither)."""
     return r.program_xla_ms if r.program_xla_ms is not None else r.xla_ms
 

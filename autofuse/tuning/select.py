@@ -245,13 +245,13 @@ def savings_plan(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequen
     """The plan of the largest total saving: fused instances that share no node, each worth what its group saved
     against its own XLA time (XLA's time - its best), less what its outputs cost its neighbours
     (`costmodel.cut_outputs_ms`), nothing else priced; with `costs` (a profile of jax.jit's program), what the
-    instance removes of XLA's kernels there less its time (`ProgramCosts.removed_ms`: the profile sees the cut).
+    instance saves of XLA's kernels there less its time (`ProgramCosts.credit_ms`, which charges a kernel it cuts).
     `best_cover` also prices the rest of the program with XLA's options measured alone; this plan does not, so the
     two differ where those options (of other groupings of the same nodes) mislead the cover, and the validation
     judges both in the program (`composition.group_plans`)."""
     if costs is not None:
-        options = [Option(c.nodes, r.best_ms - costs.removed_ms(c.nodes), (c, r.best_config), c.stages) for r in cands
-                   if r.best_ms is not None for c in by_sig[r.signature] if r.best_ms < costs.removed_ms(c.nodes)]
+        options = [Option(c.nodes, r.best_ms - costs.credit_ms(c.nodes), (c, r.best_config), c.stages) for r in cands
+                   if r.best_ms is not None for c in by_sig[r.signature] if r.best_ms < costs.credit_ms(c.nodes)]
     else:
         cut = {r.signature: costmodel.cut_outputs_ms(by_sig[r.signature][0].group, model) for r in cands if r.best_ms is not None}
         options = [Option(c.nodes, r.best_ms + cut[r.signature] - r.xla_ms, (c, r.best_config), c.stages) for r in cands
@@ -283,7 +283,7 @@ def alone_savings(cands: Sequence[CandidateState]) -> dict[str, float]:
 
 def group_savings(cands: Sequence[CandidateState], by_sig: dict[str, list[Candidate]], costs: ProgramCosts | None) -> dict[str, float]:
     """Per distinct group: what one instance saves, in the program by XLA's kernels there where profiled (`costs`:
-    the mean over its instances of what each removes, less its best), else alone (`alone_savings`)."""
+    the mean over its instances of what each saves of XLA's kernels, less its best), else alone (`alone_savings`)."""
     if costs is None:
         return alone_savings(cands)
     return {r.signature: costs.saving_ms([c.nodes for c in by_sig[r.signature]], r.best_ms) if r.best_ms is not None else 0.0

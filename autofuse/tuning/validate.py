@@ -114,7 +114,7 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     if measure == "device":
         if costs is None:
             phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
-            costs = take_profile(runner, timings)
+            costs = take_profile(runner, timings, graph, model)
         else:
             timings["profile"] = costs.summary()
         if costs is None:
