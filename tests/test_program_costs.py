@@ -108,7 +108,12 @@ def test_a_group_is_credited_the_kernels_it_holds_and_what_it_saves_of_those_it_
     some = sorted(after)[1:4]
     assert costs.credit_ms(some) < 0.01 * 1.5
     (rsqrt,) = [n.id for n in g.nodes if n.name == "rsqrt"]
-    assert costs.credit_ms({n for n in before if n < rsqrt}) < 0  # the norm's first half: the rest reads float32 x - mean
+    first_half = {n for n in before if n < rsqrt}
+    assert costs.credit_ms(first_half) < 0  # the norm's first half: the rest reads float32 x - mean
+    # XLA's time of a group alone bounds what it is credited of the kernels it cuts, never of those it holds whole
+    assert costs.credit_ms({dot}, alone_ms=0.2) == pytest.approx(0.2)
+    assert costs.credit_ms(after | {dot}, alone_ms=0.1) == pytest.approx(1.5)
+    assert costs.credit_ms(first_half, alone_ms=5.0) == costs.credit_ms(first_half)
     assert costs.fused_ms(after | {dot}, 1.2) == pytest.approx(1.2)
     assert costs.fused_ms(some, 0.1) == pytest.approx(0.1 + costs.xla_ms(some) - costs.credit_ms(some))
     assert costs.saving_ms([after | {dot}, {dot}], 1.0) == pytest.approx((1.5 + costs.credit_ms({dot})) / 2 - 1.0)

@@ -93,10 +93,13 @@ class TrialLoop:
 
     def time_xla(self, i: int) -> None:
         """XLA's time of candidate i at its first trial (`Ledger.time_xla`), once per driver: a failed timing leaves the
-        candidate without an XLA option, as a failure before the trials would."""
+        candidate without an XLA option, as a failure before the trials would; priced again in the program where the
+        job profiled it."""
         self.xla_tried.add(i)
         r = self.cands[i]
         self.ledger.time_xla(r, lambda: self.ctx.runner.call(XlaRequest(tuple(r.nodes))))
+        if self.scheduler.costs is not None:  # its time alone bounds what the profile credits it (`ProgramCosts.credit_ms`)
+            self.scheduler.costs.price([r], self.scheduler.by_sig)
 
     def show_best(self, force: bool = False) -> None:
         """The job's best plan so far on the bar (its cover's speedup, not one candidate's). A whole model's cover is

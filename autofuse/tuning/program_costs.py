@@ -57,13 +57,20 @@ class ProgramCosts:
                 out.setdefault(n, []).append(i)
         return out
 
-    def credit_ms(self, nodes: Collection[int]) -> float:
+    def credit_ms(self, nodes: Collection[int], alone_ms: float | None = None) -> float:
         """XLA's time that fusing `nodes` into one kernel saves in the program (before that kernel's own time): every
         kernel they hold all of, and what is saved of each they hold part of (negative where its remainder must read
-        more than the whole did)."""
+        more than the whole did). `alone_ms`, XLA's time of the group compiled alone, where measured, bounds the
+        latter: inside a larger kernel XLA spends no more on some nodes than on the same nodes alone, and the model's
+        word on a cut kernel is only a model (a row reduction of GPT-2's step that took part of the cross-entropy's
+        fusion was credited 1.47 ms and saved nothing; alone XLA ran it in 0.076)."""
         members = frozenset(nodes)
         touched = sorted({i for n in members for i in self._by_node.get(n, ())})
-        return sum(self._kernel_credit(i, members & self.kernels[i].nodes) for i in touched)
+        whole = sum(self.kernels[i].ms for i in touched if self.kernels[i].nodes <= members)
+        cut = sum(self._kernel_credit(i, members & self.kernels[i].nodes) for i in touched if not self.kernels[i].nodes <= members)
+        if alone_ms is not None:
+            cut = min(cut, max(alone_ms - whole, 0.0))
+        return whole + cut
 
     @cached_property
     def _credits(self) -> dict[tuple[int, frozenset[int]], float]:
@@ -72,9 +79,8 @@ class ProgramCosts:
         return {}
 
     def _kernel_credit(self, i: int, taken: frozenset[int]) -> float:
+        """What taking `taken` (some of kernel i's nodes) saves of its time, by the model's rooflines."""
         k = self.kernels[i]
-        if taken == k.nodes:
-            return k.ms
         key = (i, taken)
         if key not in self._credits:
             if (i, k.nodes) not in self._credits:  # the whole kernel's roofline, once
@@ -88,24 +94,24 @@ class ProgramCosts:
         """What leaving `nodes` to XLA costs in a cover: their shares of XLA's kernels."""
         return sum(self.node_ms.get(n, 0.0) for n in nodes)
 
-    def fused_ms(self, nodes: Collection[int], kernel_ms: float) -> float:
+    def fused_ms(self, nodes: Collection[int], kernel_ms: float, alone_ms: float | None = None) -> float:
         """What fusing `nodes` costs in a cover: the kernel's own time, and its nodes' shares of XLA's kernels less
         what fusing them saves there (`credit_ms`)."""
-        return kernel_ms + self.xla_ms(nodes) - self.credit_ms(nodes)
+        return kernel_ms + self.xla_ms(nodes) - self.credit_ms(nodes, alone_ms)
 
-    def credit_per_instance(self, instances: Sequence[Collection[int]]) -> float:
+    def credit_per_instance(self, instances: Sequence[Collection[int]], alone_ms: float | None = None) -> float:
         """What fusing one instance of a candidate saves of XLA's kernels (the mean over its instances)."""
-        return sum(self.credit_ms(c) for c in instances) / len(instances) if instances else 0.0
+        return sum(self.credit_ms(c, alone_ms) for c in instances) / len(instances) if instances else 0.0
 
-    def saving_ms(self, instances: Sequence[Collection[int]], kernel_ms: float) -> float:
+    def saving_ms(self, instances: Sequence[Collection[int]], kernel_ms: float, alone_ms: float | None = None) -> float:
         """What fusing a candidate saves in the program, per instance (their mean)."""
-        return self.credit_per_instance(instances) - kernel_ms if instances else 0.0
+        return self.credit_per_instance(instances, alone_ms) - kernel_ms if instances else 0.0
 
     def price(self, cands: Sequence[CandidateState], by_sig: dict[str, list[Candidate]]) -> None:
         """Set each candidate's XLA time in the program (`CandidateState.program_xla_ms`), which the budget rule then
         weighs its fused times against (`scheduler.xla_time_ms`)."""
         for r in cands:
-            r.program_xla_ms = self.credit_per_instance([c.nodes for c in by_sig[r.signature]])
+            r.program_xla_ms = self.credit_per_instance([c.nodes for c in by_sig[r.signature]], r.xla_ms)
 
     @property
     def total_ms(self) -> float:

@@ -221,7 +221,7 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
                 options.append(o)
                 xla_only.append(o)
             if r.best_ms is not None:
-                fused = costs.fused_ms(c.nodes, r.best_ms) if costs is not None else r.best_ms
+                fused = costs.fused_ms(c.nodes, r.best_ms, r.xla_ms) if costs is not None else r.best_ms
                 options.append(Option(c.nodes, fused, ("fused", c, r.best_config), c.stages))
     if costs is not None:
         singles = {n.id: costs.node_ms.get(n.id, 0.0) for n in graph.nodes}
@@ -250,8 +250,8 @@ def savings_plan(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequen
     two differ where those options (of other groupings of the same nodes) mislead the cover, and the validation
     judges both in the program (`composition.group_plans`)."""
     if costs is not None:
-        options = [Option(c.nodes, r.best_ms - costs.credit_ms(c.nodes), (c, r.best_config), c.stages) for r in cands
-                   if r.best_ms is not None for c in by_sig[r.signature] if r.best_ms < costs.credit_ms(c.nodes)]
+        options = [Option(c.nodes, r.best_ms - costs.credit_ms(c.nodes, r.xla_ms), (c, r.best_config), c.stages) for r in cands
+                   if r.best_ms is not None for c in by_sig[r.signature] if r.best_ms < costs.credit_ms(c.nodes, r.xla_ms)]
     else:
         cut = {r.signature: costmodel.cut_outputs_ms(by_sig[r.signature][0].group, model) for r in cands if r.best_ms is not None}
         options = [Option(c.nodes, r.best_ms + cut[r.signature] - r.xla_ms, (c, r.best_config), c.stages) for r in cands
@@ -286,7 +286,7 @@ def group_savings(cands: Sequence[CandidateState], by_sig: dict[str, list[Candid
     the mean over its instances of what each saves of XLA's kernels, less its best), else alone (`alone_savings`)."""
     if costs is None:
         return alone_savings(cands)
-    return {r.signature: costs.saving_ms([c.nodes for c in by_sig[r.signature]], r.best_ms) if r.best_ms is not None else 0.0
+    return {r.signature: costs.saving_ms([c.nodes for c in by_sig[r.signature]], r.best_ms, r.xla_ms) if r.best_ms is not None else 0.0
             for r in cands}
 
 
