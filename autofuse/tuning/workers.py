@@ -74,6 +74,7 @@ from .helpers import HOST_GPUS_ENV, Helpers, host_gpus, lock_gpu, lock_path
 from .ledger import CandidateState, StoreLedger
 from .loop import TrialLoop
 from .options import Job, JobOptions
+from .program_costs import take_profile
 from .report import TuneReport
 from .scheduler import Budget, Scheduler, timed_first
 from .trial import TrialContext
@@ -360,6 +361,10 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             say(f"timed {timed} of the {len(first)} candidates the budget reaches first in XLA ({threads} compiling at once; "
                 f"{len(cands)} in all, the others at their first trial)")
             marks("xla")  # the XLA time of every candidate timed first is known (the first worker to see it)
+            if measure == "device":  # each worker profiles jax.jit's program on its own GPU: its budget rule's prices
+                scheduler.costs = take_profile(runner, {}, graph, gmodel)
+                if scheduler.costs is not None:
+                    scheduler.costs.price(cands, by_sig)
             marks("xla", worker=me)
             if job.get("staged"):  # the studies with their first configs
                 wait_for_phase(pstore, run_id, "setup", ready_timeout_s)
@@ -558,7 +563,7 @@ class _Worker:
                           run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers,
                           on_passed=lambda first: (saver.early(first), marks("first_plan")),
                           max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"), helpers=helpers,
-                          on_timings=lambda t: marks("selection", value=t, replace=True))
+                          on_timings=lambda t: marks("selection", value=t, replace=True), costs=self.loop.scheduler.costs)
         marks("selected")
         saver.final(report)
         marks("saved")
