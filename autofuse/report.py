@@ -261,6 +261,14 @@ def write_report(store: Any, run_id: int, out_dir: str | Path) -> Path:
         for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:10]:
             quoted = msg.replace("`", "'")
             lines.append(f"- {n}× `{quoted}`")
+    profile = ((run.get("phases") or {}).get("selection") or {}).get("profile") or {}
+    if isinstance(profile, dict) and profile.get("longest"):
+        lines += ["", "## jax.jit's longest kernels", "",
+                  f"The job profiled jax.jit's program once ({profile.get('kernels')} kernels, {profile.get('total_ms', 0):.3f} ms a call) "
+                  "and priced each group by the XLA kernels it removes there; the longest of them, with the operations each computes:", ""]
+        lines.append(format_table([k for k in profile["longest"] if isinstance(k, dict)], [
+            Column("XLA instruction", "instruction"), Column("ms a call", "ms", _ms), Column("computes", "ops", lambda v: v or "–")],
+            markdown=True))
     composition = ((run.get("phases") or {}).get("selection") or {}).get("composition") or []
     if composition:
         lines += ["", "## Savings alone and in the program", "",

@@ -112,6 +112,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], *, m
 
 #: A run's phase marks in the order a job reaches them (`autofuse.tuning.job.PhaseMarks`).
 PHASE_ORDER = ("start", "candidates", "setup", "xla", "trials", "first_plan", "selected", "saved")
+PROFILE_SHOWN = 5  # of the profile's longest XLA kernels in a run's record, those `show run` names (the report: all)
 
 
 def format_phases(phases: dict[str, Any] | None) -> list[str]:
@@ -144,6 +145,9 @@ def format_phases(phases: dict[str, Any] | None) -> list[str]:
                          f"{prof.get('kernels')} kernels, {prof.get('total_ms', 0):.3f} ms a call, {prof.get('attributed_ms', 0):.3f} ms of them "
                          "computing the program's nodes (the prices of the cover)")
                          + (f", in {prof['profile']:.2f} s" if isinstance(prof.get("profile"), (int, float)) else ""))
+            longest = [k for k in prof.get("longest") or [] if isinstance(k, dict)][:PROFILE_SHOWN]
+            if longest:
+                lines.append("    its longest: " + "; ".join(f"{k.get('instruction')} {k.get('ms', 0):.3f} ms ({k.get('ops') or '?'})" for k in longest))
         saved = sel.get("composition") or []
         for i, p in enumerate(sel.get("plans") or []):
             inner = ", ".join(f"{k} {p[k]:.2f}" for k in ("compile", "reference", "check", "examples", "time") if isinstance(p.get(k), (int, float)))

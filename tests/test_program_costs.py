@@ -188,10 +188,22 @@ def test_without_a_gpu_trace_the_selection_prices_groups_alone_and_says_so():
 
 
 def test_show_run_says_what_the_profile_saw():
-    costs = ProgramCosts((XlaKernel("gemm", 4.0, frozenset({1})), XlaKernel("memset", 0.5, frozenset())), None, seconds={"profile": 3.25})
-    shown = format_phases({"selection": {"check": 0.1, "profile": costs.summary()}})
-    assert any("jax.jit's program profiled: 2 kernels, 4.500 ms a call, 4.000 ms of them computing the program's nodes "
+    """The run's record keeps the profile's size and its longest kernels with the operations each computes: `show
+    run` names the first few (the report's table of them: test_tune_output)."""
+    args = _inputs()
+    g = capture(_norm_matmul_gelu, *args)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    after = frozenset(n.id for n in g.nodes if n.id > dot)
+    costs = ProgramCosts((XlaKernel("cublas-lt-matmul.2", 4.0, frozenset({dot})), XlaKernel("loop_multiply_fusion.3", 1.25, after),
+                          XlaKernel("Memset 0", 0.5, frozenset())), g, seconds={"profile": 3.25})
+    record = costs.summary()
+    assert [k["instruction"] for k in record["longest"]] == ["cublas-lt-matmul.2", "loop_multiply_fusion.3", "Memset 0"]
+    assert record["longest"][0]["ops"] == "dot_general" and record["longest"][1]["ops"].startswith("mul x")
+    shown = format_phases({"selection": {"check": 0.1, "profile": record}})
+    assert any("jax.jit's program profiled: 3 kernels, 5.750 ms a call, 5.250 ms of them computing the program's nodes "
                "(the prices of the cover), in 3.25 s" in line for line in shown), shown
+    assert any(line.strip().startswith("its longest: cublas-lt-matmul.2 4.000 ms (dot_general); loop_multiply_fusion.3 1.250 ms (mul x")
+               for line in shown), shown
 
 
 def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():

@@ -389,7 +389,7 @@ def test_worker_summary_is_one_line_on_the_run() -> None:
 def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in_the_program(tmp_path: Path) -> None:
     """A job on the GPU records, for every plan it validated on the whole program, what its groups saved timed alone
     and what the plan saved against jax.jit (`composition.Measured.record`), and what a profile of jax.jit's program expected
-    of them there; `autofuse show run` and the report say each."""
+    of them there; `autofuse show run` and the report say each, and the report lists the profile's longest kernels."""
     from autofuse.report import write_report
 
     db = f"sqlite:///{tmp_path}/c.db"
@@ -401,7 +401,9 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
                {"groups": 47, "signatures": ["b", "c"], "alone_ms": 1.854, "realised_ms": None, "noise": 1.0, "status": "wrong_result",
                 "error": "output 3: relative error 0.31 > tolerance 0.02"}]
     sel = dict((store.get_run(run["id"]).get("phases") or {}).get("selection") or {})
-    sel.update(composition=records, plans=[{"groups": 24, "status": "ok", "seconds": 6.1},
+    profile = {"kernels": 290, "total_ms": 25.988, "attributed_ms": 25.988, "profile": 5.57,
+               "longest": [{"instruction": "cublas-lt-matmul.12", "ms": 0.1336, "ops": "dot_general"}]}
+    sel.update(profile=profile, composition=records, plans=[{"groups": 24, "status": "ok", "seconds": 6.1},
                                            {"groups": 47, "status": "wrong_result", "seconds": 3.0, "error": "output 3: relative error 0.31 > tolerance 0.02"}])
     store.mark_phase(run["id"], "selection", value=sel, keep_first=False)
     shown = ok(cli("show", "run", str(run["id"]), "--db", db)).stdout
@@ -410,6 +412,8 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
     assert ("plan 2 (47 groups, wrong_result): 3.00; saved 1.854 ms alone, not timed in the program; "
             "why: output 3: relative error 0.31 > tolerance 0.02") in shown
     text = write_report(store, run["id"], tmp_path / "report").read_text()
+    kernels = text.split("## jax.jit's longest kernels")[1].split("##")[0]
+    assert "290 kernels, 25.988 ms a call" in kernels and "| cublas-lt-matmul.12 | 0.1336 | dot_general |" in kernels
     section = text.split("## Savings alone and in the program")[1].split("##")[0]
     assert "| 1 | one group in context | 24 | 1 | ok | 1.469 | 0.95 | 0.916 | 62% |" in section  # an older run's record says no "what":
     assert "| 2 | – | 47 | 2 | wrong_result | 1.854 | – |" in section  # nor what a profile expected

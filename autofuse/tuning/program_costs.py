@@ -14,6 +14,7 @@ node to XLA (`node_ms`); a fused group's price is its own time and its nodes' sh
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,6 +29,7 @@ from .partition import Candidate
 #: The most a kernel's remainder is charged, as a multiple of the kernel's time, when a group cuts it (its roofline
 #: grows with what it must now read): a bound on the model's word, which never saw the remainder run.
 MAX_REMAINDER = 3.0
+LONGEST_KEPT = 12  # of the profile's kernels, the longest kept in the run's record (`ProgramCosts.summary`)
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,21 @@ class ProgramCosts:
         """The time of the kernels known to compute some node (the rest, memsets, costs every cover alike)."""
         return sum(k.ms for k in self.kernels if k.nodes)
 
-    def summary(self) -> dict:
-        """What the run's selection timings keep of the profile."""
+    def summary(self, top: int = LONGEST_KEPT) -> dict:
+        """What the run's selection timings keep of the profile: its size, and its `top` longest kernels with what
+        they compute (`show run` and the report list them: where jax.jit's time goes, by XLA's own kernels)."""
+        longest = [{"instruction": k.instruction, "ms": round(k.ms, 4), "ops": self.ops_text(k.nodes)} for k in
+                   sorted(self.kernels, key=lambda k: -k.ms)[:top]]
         return {"kernels": len(self.kernels), "total_ms": round(self.total_ms, 4), "attributed_ms": round(self.attributed_ms, 4),
-                **{k: round(v, 3) for k, v in self.seconds.items()}}
+                **{k: round(v, 3) for k, v in self.seconds.items()}, "longest": longest}
+
+    def ops_text(self, nodes: Collection[int], most: int = 4) -> str:
+        """The primitives of `nodes`, the most frequent first: ``dot_general, add x2``."""
+        if self.graph is None:
+            return ""
+        counts = Counter(self.graph.node_index[n].name for n in nodes if n in self.graph.node_index)
+        parts = [f"{name} x{c}" if c > 1 else name for name, c in counts.most_common(most)]
+        return ", ".join(parts) + (", ..." if len(counts) > most else "")
 
 
 def take_profile(runner: Any, record: dict, graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> ProgramCosts | None:
