@@ -153,10 +153,10 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
         if pstore is not None:
             for r in todo:
                 pstore.update_candidate(r.candidate_id, xla_ms=r.xla_ms)
-        costs = None
+        costs, profiled = None, {}
         if measure == "device":  # the budget rule and the cover weigh fused times against XLA's kernels in the program
             phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
-            costs = take_profile(runner, {}, graph, gmodel)
+            costs = take_profile(runner, profiled, graph, gmodel)
             if costs is not None:
                 costs.price(cands, by_sig)
         marks("xla")
@@ -187,7 +187,7 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
                           say if verbose else (lambda s: None), phase, compile_workers=threads,
                           on_passed=None if saver is None else lambda first: (saver.early(first), marks("first_plan")),
                           max_memory_bytes=job.max_memory_bytes, on_timings=lambda t: marks("selection", value=t, replace=True),
-                          costs=costs)
+                          costs=costs, profiled=profiled.get("profile"))
         marks("selected")
         report.wall_s = clock() - t_start
         status = "finished"

@@ -135,8 +135,6 @@ class ProgramCosts:
 
     def ops_text(self, nodes: Collection[int], most: int = 4) -> str:
         """The primitives of `nodes`, the most frequent first: ``dot_general, add x2``."""
-        if self.graph is None:
-            return ""
         counts = Counter(self.graph.node_index[n].name for n in nodes if n in self.graph.node_index)
         parts = [f"{name} x{c}" if c > 1 else name for name, c in counts.most_common(most)]
         return ", ".join(parts) + (", ..." if len(counts) > most else "")

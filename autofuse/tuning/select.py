@@ -207,8 +207,9 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
     every candidate's XLA option is priced, by the model where its XLA time was not asked for yet: the baseline
     is then the modelled program whatever the budget reached (with XLA options for the timed candidates only,
     the rest left to unfused nodes, a budget of 8 trials put one program at 0.055 ms and one of 16 at 0.028).
-    With `costs` (a profile of jax.jit's program) every node and XLA option costs its share of XLA's kernels in the
-    program, and a fused instance its time and the shares of the kernels it does not remove (`ProgramCosts`).
+    With `costs` (a profile of jax.jit's program) every node left to XLA costs its share of XLA's kernels in the
+    program (a group left to XLA is its nodes left alone: no option of its own), and a fused instance its time and
+    its nodes' shares less what fusing them saves there (`ProgramCosts.fused_ms`).
     """
     options, xla_only = [], []
     for r in cands:
@@ -216,8 +217,8 @@ def best_cover(graph: Graph, by_sig: dict[str, list[Candidate]], cands: Sequence
         if xla_ms is None and measure == "model":
             xla_ms = costmodel.xla_group_time_ms(by_sig[r.signature][0].group, model)
         for c in by_sig[r.signature]:
-            if costs is not None or xla_ms is not None:
-                o = Option(c.nodes, costs.xla_ms(c.nodes) if costs is not None else xla_ms, ("xla", c), c.stages)
+            if costs is None and xla_ms is not None:
+                o = Option(c.nodes, xla_ms, ("xla", c), c.stages)
                 options.append(o)
                 xla_only.append(o)
             if r.best_ms is not None:

@@ -83,7 +83,8 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
              say: Callable[[str], None], phase: Callable[[str], None] | None = None, *, compile_workers: int = 1,
              timings: dict | None = None, on_passed: Callable[[TuneReport], None] | None = None,
              max_memory_bytes: int | None = None, helpers: Helpers | None = None,
-             on_timings: Callable[[dict], None] | None = None, costs: ProgramCosts | None = None) -> TuneReport:
+             on_timings: Callable[[dict], None] | None = None, costs: ProgramCosts | None = None,
+             profiled: dict | None = None) -> TuneReport:
     """Every candidate's checked best, the exact cover, and the whole plan validated against jax.jit.
     `phase` hears the selection phase's progress (which candidate is checked, which plan validated, k of n).
     `compile_workers` > 1 compiles on the GPU what is timed next on that many threads at once (the lone dots' XLA
@@ -93,8 +94,8 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     trial processes on this host's other GPUs that validate the plans judged after the chosen one (`Helpers`).
     `on_timings` hears `timings` as they grow (after the cover, each plan validated, each close call, and whole at
     the end): the job records them as they come, so that a job killed in its selection keeps what it learned.
-    On the GPU the cover is priced by XLA's kernels in jax.jit's program (`costs`, the job's profile; taken here where
-    the job has none), else by the groups' times alone."""
+    On the GPU the cover is priced by XLA's kernels in jax.jit's program (`costs`: the job's profile, whose record
+    `profiled` is, or None where it failed; taken here where the job took none), else by the groups' times alone."""
     phase = phase or (lambda s: None)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
@@ -112,11 +113,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     t1 = time.perf_counter()
     singles = None
     if measure == "device":
-        if costs is None:
+        if profiled is None:
             phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
             costs = take_profile(runner, timings, graph, model)
         else:
-            timings["profile"] = costs.summary()
+            timings["profile"] = profiled
         if costs is None:
             known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
             contested = contested_nodes(by_sig, cands)  # elsewhere a lone dot costs every cover alike

@@ -361,8 +361,9 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             say(f"timed {timed} of the {len(first)} candidates the budget reaches first in XLA ({threads} compiling at once; "
                 f"{len(cands)} in all, the others at their first trial)")
             marks("xla")  # the XLA time of every candidate timed first is known (the first worker to see it)
+            profiled: dict = {}
             if measure == "device":  # each worker profiles jax.jit's program on its own GPU: its budget rule's prices
-                scheduler.costs = take_profile(runner, {}, graph, gmodel)
+                scheduler.costs = take_profile(runner, profiled, graph, gmodel)
                 if scheduler.costs is not None:
                     scheduler.costs.price(cands, by_sig)
             marks("xla", worker=me)
@@ -385,7 +386,8 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
                 gpus = host_gpus(_my_gpu()) if measure == "device" and isinstance(runner, ProcessRunner) else []
                 helper_runner = lambda gpu: make_runner(spec, {"measure": measure, "model": o.model}, timeout_s=o.trial_timeout_s, gpu=gpu)  # noqa: E731
                 with Helpers(gpus, helper_runner, threads) as helpers:
-                    w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks, helpers=helpers)
+                    w.select(graph, by_sig, gmodel, run, compile_workers=threads, marks=marks, helpers=helpers,
+                             profiled=profiled.get("profile"))
             say(f"done: measured {plural(w.loop.measured, 'trial')}" + ("; plan saved" if selected else ""))
     except BaseException as e:
         if pstore.get_run(run_id)["selected_by"] == me:  # this worker was selecting: the run ends with it
@@ -550,9 +552,10 @@ class _Worker:
                 self.loop.ledger.mark_lost(self.cands[i], t.optuna_trial_id, "worker died (its trial failed by heartbeat)")
 
     def select(self, graph: Any, by_sig: dict, gmodel: costmodel.GPUModel, run: dict, *, compile_workers: int = 1,
-               marks: PhaseMarks | None = None, helpers: Helpers | None = None) -> None:
+               marks: PhaseMarks | None = None, helpers: Helpers | None = None, profiled: dict | None = None) -> None:
         """Check the bests, choose the cover, validate it and save the plan (the worker that won begin_selection);
-        `helpers` validate plans on this host's other GPUs."""
+        `helpers` validate plans on this host's other GPUs; `profiled`: the record of this worker's profile of the
+        program (its prices are the scheduler's `costs`), None where it took none."""
         marks = marks or PhaseMarks(None, None)
         self.loop.ledger.refresh(self.cands)
         for r in self.cands:
@@ -563,7 +566,8 @@ class _Worker:
                           run["started_at"].timestamp(), lambda s: None, compile_workers=compile_workers,
                           on_passed=lambda first: (saver.early(first), marks("first_plan")),
                           max_memory_bytes=(run.get("job") or {}).get("max_memory_bytes"), helpers=helpers,
-                          on_timings=lambda t: marks("selection", value=t, replace=True), costs=self.loop.scheduler.costs)
+                          on_timings=lambda t: marks("selection", value=t, replace=True), costs=self.loop.scheduler.costs,
+                          profiled=profiled)
         marks("selected")
         saver.final(report)
         marks("saved")
