@@ -113,11 +113,11 @@ def finalize(graph: Graph, by_sig: dict[str, list[Candidate]], cands: list[Candi
     t1 = time.perf_counter()
     singles = None
     if measure == "device":
-        if profiled is None:
+        if costs is None and profiled is None:
             phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
             costs = take_profile(runner, timings, graph, model)
         else:
-            timings["profile"] = profiled
+            timings["profile"] = profiled if profiled is not None else costs.summary()
         if costs is None:
             known = {r.signature: r.xla_ms for r in cands if r.xla_ms is not None}  # dots that are candidates alone: timed already
             contested = contested_nodes(by_sig, cands)  # elsewhere a lone dot costs every cover alike
