@@ -226,3 +226,31 @@ def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():
     chosen = contenders(g, by_sig, cands, costmodel.H200, cover)
     assert cands.index(whole) in chosen and cands.index(part) not in chosen
     assert time_at_stake(whole) == pytest.approx(1.2 * whole.instances)
+
+
+@pytest.mark.slow
+def test_a_device_job_takes_its_profile_once_and_records_why_it_priced_groups_alone(monkeypatch, tmp_path):
+    """A whole job in device mode (forced on the CPU, where it times for real and traces no GPU kernel): the profile is
+    taken once, before the trials, its failure recorded in the run's selection timings and said by `show run`, and
+    the job still chooses, validates and stores its plan, priced by the groups' times alone."""
+    from autofuse.runner.evaluator import Evaluator as Ev
+    from autofuse.store import PlanStore
+    from autofuse.tuning import local
+    from autofuse.tuning.local import tune_here
+    from autofuse.tuning.options import Job, JobOptions
+    from benchmarks.workloads import rms_norm
+    from tests.dist_programs import rms_norm_inputs
+
+    calls = []
+    real = Ev.profile
+    monkeypatch.setattr(Ev, "profile", lambda self: calls.append(1) or real(self))
+    monkeypatch.setattr(local, "resolve_measure", lambda measure, has_gpu: "device")
+    db = f"sqlite:///{tmp_path}/d.db"
+    job = Job.of(trials=2, store=db, quiet=True, backends=("triton",), options=JobOptions(isolate=False))
+    report = tune_here(rms_norm, rms_norm_inputs(), {}, job)
+    assert calls == [1] and report.measure == "device"
+    store = PlanStore(db)
+    (run,) = store.runs()
+    selection = store.get_run(run["id"])["phases"]["selection"]
+    assert selection["profile"]["error"] == "no kernel of the program's nodes in the trace"
+    assert any("jax.jit's program profiled: failed" in line for line in format_phases(store.get_run(run["id"])["phases"]))
