@@ -216,6 +216,7 @@ CANDIDATE_COLUMNS: list[Column] = [
     Column("best_ms", "best_ms", fmt_ms),
     Column("xla_ms", "xla_ms", fmt_ms),
     Column("speedup", "speedup", fmt_x),
+    Column("xla_in_program", "xla_in_program_ms", fmt_ms),
     Column("best_config", "best_config", fmt_short(48)),
 ]
 
@@ -345,7 +346,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     store = _store(args)
     if args.kind == "run":
         run = store.get_run(args.id)
-        cands = store.candidates(args.id)
+        # what one instance of each tuned candidate saves of XLA's kernels in the program, where the job profiled it
+        in_program = ((run.get("phases") or {}).get("selection") or {}).get("in_program_xla_ms") or {}
+        cands = [dict(c, xla_in_program_ms=in_program.get(c["signature"])) for c in store.candidates(args.id)]
         trials = store.trials(args.id)
         counts: dict[str, int] = {}
         for t in trials:

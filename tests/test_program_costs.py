@@ -229,11 +229,16 @@ def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():
 
 
 @pytest.mark.slow
-def test_a_device_job_takes_its_profile_once_and_records_why_it_priced_groups_alone(monkeypatch, tmp_path):
-    """A whole job in device mode (forced on the CPU, where it times for real and traces no GPU kernel): the profile is
-    taken once, before the trials, its failure recorded in the run's selection timings and said by `show run`, and
-    the job still chooses, validates and stores its plan, priced by the groups' times alone."""
+@pytest.mark.parametrize("traced", [False, True], ids=["no-trace", "kernels"])
+def test_a_device_job_takes_its_profile_once_and_prices_by_it(monkeypatch, tmp_path, traced):
+    """A whole job in device mode (forced on the CPU, where it times for real): the profile is taken once, before the
+    trials. Where it saw no kernel (the CPU's trace) its failure is recorded and said by `show run`, and the groups
+    are priced by their times alone; where it saw kernels (here one of XLA's, 1 ms, computing every node), its size,
+    its longest kernels and each tuned candidate's price in the program are recorded. Either way the job chooses,
+    validates and stores its plan."""
     from autofuse.runner.evaluator import Evaluator as Ev
+    from autofuse.runner.protocol import ProfileResult
+    from autofuse.status import TrialStatus
     from autofuse.store import PlanStore
     from autofuse.tuning import local
     from autofuse.tuning.local import tune_here
@@ -242,15 +247,31 @@ def test_a_device_job_takes_its_profile_once_and_records_why_it_priced_groups_al
     from tests.dist_programs import rms_norm_inputs
 
     calls = []
+
+    def profile(self):
+        calls.append(1)
+        if not traced:
+            return real(self)
+        return ProfileResult(TrialStatus.OK, (XlaKernel("fusion.1", 1.0, frozenset(n.id for n in self.graph.nodes)),), seconds={"profile": 0.5})
+
     real = Ev.profile
-    monkeypatch.setattr(Ev, "profile", lambda self: calls.append(1) or real(self))
+    monkeypatch.setattr(Ev, "profile", profile)
     monkeypatch.setattr(local, "resolve_measure", lambda measure, has_gpu: "device")
     db = f"sqlite:///{tmp_path}/d.db"
     job = Job.of(trials=2, store=db, quiet=True, backends=("triton",), options=JobOptions(isolate=False))
     report = tune_here(rms_norm, rms_norm_inputs(), {}, job)
-    assert calls == [1] and report.measure == "device"
+    assert calls == [1] and report.measure == "device" and report.validation.ok
     store = PlanStore(db)
     (run,) = store.runs()
-    selection = store.get_run(run["id"])["phases"]["selection"]
-    assert selection["profile"]["error"] == "no kernel of the program's nodes in the trace"
-    assert any("jax.jit's program profiled: failed" in line for line in format_phases(store.get_run(run["id"])["phases"]))
+    phases = store.get_run(run["id"])["phases"]
+    shown = format_phases(phases)
+    if traced:
+        assert phases["selection"]["profile"]["kernels"] == 1 and phases["selection"]["profile"]["longest"][0]["instruction"] == "fusion.1"
+        prices = phases["selection"]["in_program_xla_ms"]
+        assert prices and all(v <= 1.0 for v in prices.values())
+        assert any(v == 1.0 for v in prices.values())  # a group of every node removes XLA's one kernel whole
+        assert any("jax.jit's program profiled: 1 kernels, 1.000 ms a call" in line for line in shown)
+    else:
+        assert phases["selection"]["profile"]["error"] == "no kernel of the program's nodes in the trace"
+        assert "in_program_xla_ms" not in phases["selection"]
+        assert any("jax.jit's program profiled: failed" in line for line in shown)

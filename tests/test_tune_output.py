@@ -403,7 +403,8 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
     sel = dict((store.get_run(run["id"]).get("phases") or {}).get("selection") or {})
     profile = {"kernels": 290, "total_ms": 25.988, "attributed_ms": 25.988, "profile": 5.57,
                "longest": [{"instruction": "cublas-lt-matmul.12", "ms": 0.1336, "ops": "dot_general"}]}
-    sel.update(profile=profile, composition=records, plans=[{"groups": 24, "status": "ok", "seconds": 6.1},
+    sig = store.candidates(run["id"])[0]["signature"]
+    sel.update(profile=profile, in_program_xla_ms={sig: 0.4321}, composition=records, plans=[{"groups": 24, "status": "ok", "seconds": 6.1},
                                            {"groups": 47, "status": "wrong_result", "seconds": 3.0, "error": "output 3: relative error 0.31 > tolerance 0.02"}])
     store.mark_phase(run["id"], "selection", value=sel, keep_first=False)
     shown = ok(cli("show", "run", str(run["id"]), "--db", db)).stdout
@@ -411,6 +412,8 @@ def test_show_run_and_the_report_say_what_each_validated_plan_saved_alone_and_in
             "0.916 ms in the program (62%; 96% of expected)") in shown
     assert ("plan 2 (47 groups, wrong_result): 3.00; saved 1.854 ms alone, not timed in the program; "
             "why: output 3: relative error 0.31 > tolerance 0.02") in shown
+    table = shown.split("candidates (")[1].splitlines()
+    assert "xla_in_program" in table[1] and any(sig[:11] in row and "0.4321" in row for row in table[2:])  # a profiled job's price
     text = write_report(store, run["id"], tmp_path / "report").read_text()
     kernels = text.split("## jax.jit's longest kernels")[1].split("##")[0]
     assert "290 kernels, 25.988 ms a call" in kernels and "| cublas-lt-matmul.12 | 0.1336 | dot_general |" in kernels
