@@ -187,6 +187,33 @@ def test_without_a_gpu_trace_the_selection_prices_groups_alone_and_says_so():
     assert model.ok and model.kernels == ()
 
 
+def test_the_profiled_program_is_compiled_ahead_with_the_first_batch_and_run_once(monkeypatch):
+    """A `ProfileRequest` among a batch's items compiles the program the profile runs (beside jax.jit's reference, on
+    the batch's threads); the profile then runs that executable, once, and compiles its own where none is left."""
+    from autofuse.runner import evaluator as E
+    from autofuse.runner.protocol import CompileRequest, ProgramRequest
+    from autofuse.tuning.ahead import CompileAhead
+
+    args = _inputs()
+    g = capture(_norm_matmul_gelu, *args)
+    from autofuse.tuning.job import search_spaces
+
+    by_sig, cands = distinct_candidates(g)
+    ahead = CompileAhead(None, cands, search_spaces(by_sig, cands, costmodel.H200, ("triton",)), "device", 4)
+    assert ahead.first_compiles()[-2:] == [ProgramRequest(), ProfileRequest()]
+    compiled = []
+    monkeypatch.setattr(E, "compile_profiled", lambda graph: compiled.append(graph) or jax.jit(scoped(graph)).lower(*args).compile())
+    ran = []
+    real = E.profile_program
+    monkeypatch.setattr(E, "profile_program", lambda graph, inputs, compiled=None: ran.append(compiled) or real(graph, inputs, compiled=compiled))
+    ev = Evaluator(g, measure="device")
+    res = ev.handle(CompileRequest((ProgramRequest(), ProfileRequest()), 2))
+    assert res.ok and res.compiled == 2 and len(compiled) == 1 and "profile" in res.longest
+    assert ev.handle(ProfileRequest()).ok and ran[-1] is not None  # the executable compiled ahead
+    assert ev.handle(ProfileRequest()).ok and ran[-1] is None  # run once: the next compiles its own
+    assert Evaluator(g, measure="model").handle(CompileRequest((ProfileRequest(),), 2)).compiled == 0
+
+
 def test_show_run_says_what_the_profile_saw():
     """The run's record keeps the profile's size and its longest kernels with the operations each computes: `show
     run` names the first few (the report's table of them: test_tune_output)."""

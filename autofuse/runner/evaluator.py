@@ -28,7 +28,7 @@ from .in_program import InProgram, in_program
 from .lowering_pool import LOWER_TIMEOUT_S, LoweringPool
 from .measure import check, check_as_accurate, compile_beside, cone_tolerances, random_inputs, time_fn, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
-from .profile import profile_program
+from .profile import compile_profiled, profile_program
 from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProfileRequest, ProfileResult,
                        ProgramRequest, Request, Result, Timing, TrialRequest, TrialResult, ValidateRequest, ValidationResult,
                        XlaRequest)
@@ -43,7 +43,7 @@ VALIDATION_TIMING_MS = 3000.0
 #: Two validated plans timed against each other (`CompareRequest`): at least this many pairs, about this long.
 COMPARE_PAIRS, COMPARE_TIMING_MS = 16, 12000.0
 HELD_PLANS = 3  # validated plans kept compiled for a comparison (their code only: no buffers are held)
-FIRST = {"program": 0, "plan": 0, "trial": 1}  # the order `compile_ahead` starts its items in, by kind (then XLA's)
+FIRST = {"program": 0, "profile": 0, "plan": 0, "trial": 1}  # the order `compile_ahead` starts its items in, by kind (then XLA's)
 SMALL_THREADS = 2  # threads of a batch for the small programs beside its items (`measure.compile_beside`, a plan's check)
 
 
@@ -83,6 +83,7 @@ class Evaluator:
         self._plans: dict[str, Callable] = {}  # whole plans compiled ahead (`compile_ahead`), taken by their validation
         self._held: dict[str, Callable] = {}  # the last validated plans, compiled, for a comparison (`compare`)
         self._program: Callable | None = None  # the whole program under jax.jit: compiled once per job (perhaps ahead)
+        self._profiled: Callable | None = None  # the same as the profile runs it (`profile.compile_profiled`), compiled ahead
         self._check: ProgramCheck | None = None  # judging plans against it, its spreads measured once per job, not per plan
         self.device = device_label()  # recorded on every result: which device of which worker ran it
         self._pool: LoweringPool | None = None  # helper processes lowering `compile_ahead`'s kernels (`lower_apart`)
@@ -233,6 +234,10 @@ class Evaluator:
         timed: list[Group] = []  # the groups the requests after this batch will time (XLA's and kernels) and check (kernels)
         checked: list[Group] = []
         for it in items:
+            if isinstance(it, ProfileRequest):  # the program its profile will run
+                if self.measure == "device" and self._profiled is None and not any(kind == "profile" for kind, _, _ in todo):
+                    todo.append(("profile", None, lambda: compile_profiled(self.graph)))
+                continue
             if isinstance(it, (ValidateRequest, ProgramRequest)):  # a whole plan, and once the whole program's reference
                 if self._program is None and not any(kind == "program" for kind, _, _ in todo):
                     todo.append(("program", None, self._compile_program))
@@ -292,6 +297,8 @@ class Evaluator:
                 continue
             if kind == "program":
                 self._program = fn
+            elif kind == "profile":
+                self._profiled = fn
             else:
                 {"xla": self._refs, "trial": self._ahead, "plan": self._plans}[kind][key] = fn
         failed = sum(fn is None for _, _, fn in built)
@@ -370,8 +377,9 @@ class Evaluator:
             return ProfileResult(TrialStatus.OK)
         t0 = time.perf_counter()
         self._sets.clear()  # the trials' input sets make room for the program's, as a validation does
+        compiled, self._profiled = self._profiled, None  # compiled ahead (`compile_ahead`), run once
         try:
-            kernels = profile_program(self.graph, self._program_sets([])[0])
+            kernels = profile_program(self.graph, self._program_sets([])[0], compiled=compiled)
         except Exception as e:  # noqa: BLE001 - a profile that cannot be taken leaves the selection to the times alone
             return ProfileResult(TrialStatus.ERROR, error=_short(e), seconds={"profile": time.perf_counter() - t0})
         return ProfileResult(TrialStatus.OK, tuple(kernels), seconds={"profile": time.perf_counter() - t0})

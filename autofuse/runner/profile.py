@@ -134,9 +134,15 @@ def program_kernels(events: Sequence[KernelEvent], nodes: dict[str, frozenset[in
     return sorted(kernels, key=lambda k: -k.ms)
 
 
-def profile_program(graph: Graph, inputs: Sequence[Any], calls: int = PROFILED_CALLS) -> list[XlaKernel]:
-    """XLA's kernels of jax.jit's program on `inputs` (one flat set, the graph's input order): empty without a GPU."""
+def compile_profiled(graph: Graph) -> Any:
+    """jax.jit's program as the profile runs it: its nodes under their scopes, without command buffers on a GPU."""
     structs = [jax.ShapeDtypeStruct(graph.avals[v].shape, graph.avals[v].dtype) for v in graph.inputs]
     options = NO_COMMAND_BUFFERS if jax.default_backend() == "gpu" else {}
-    compiled = jax.jit(scoped(graph)).lower(*structs).compile(compiler_options=options)
+    return jax.jit(scoped(graph)).lower(*structs).compile(compiler_options=options)
+
+
+def profile_program(graph: Graph, inputs: Sequence[Any], calls: int = PROFILED_CALLS, compiled: Any = None) -> list[XlaKernel]:
+    """XLA's kernels of jax.jit's program on `inputs` (one flat set, the graph's input order): empty without a GPU.
+    `compiled`: the program `compile_profiled` made ahead (else compiled here)."""
+    compiled = compiled if compiled is not None else compile_profiled(graph)
     return program_kernels(kernel_events(compiled, inputs, calls), instruction_nodes(compiled.as_text()), calls)

@@ -93,12 +93,13 @@ class CompareRequest:
 @dataclass(frozen=True)
 class ProfileRequest:
     """Trace jax.jit's whole program and return XLA's kernels with the nodes each computes (`profile.py`): what
-    fusing a group removes from the program, which its time alone does not say."""
+    fusing a group removes from the program, which its time alone does not say. As an item of a `CompileRequest`,
+    the program the profile runs compiled ahead (with the XLA timings' first batch: GPT-2's step, 10-12 s)."""
 
 
 Request = Union[XlaRequest, TrialRequest, CompileRequest, ValidateRequest, CompareRequest, ProfileRequest]
-#: What a `CompileRequest` compiles ahead: what later requests time (a `ProgramRequest` only here).
-CompileItem = Union[XlaRequest, TrialRequest, ValidateRequest, ProgramRequest]
+#: What a `CompileRequest` compiles ahead: what later requests time (a `ProgramRequest` and a `ProfileRequest` only here).
+CompileItem = Union[XlaRequest, TrialRequest, ValidateRequest, ProgramRequest, ProfileRequest]
 
 
 @dataclass(frozen=True)

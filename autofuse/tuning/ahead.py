@@ -31,6 +31,7 @@ from typing import Any
 from ..runner.protocol import (
     CompileItem,
     CompileRequest,
+    ProfileRequest,
     ProgramRequest,
     TrialRequest,
     TrialResult,
@@ -182,10 +183,11 @@ class CompileAhead:
         """What the job compiles with its XLA timings' first chunk: `first_batch`, and in device mode jax.jit's whole
         program, the reference every validation is judged against (else compiled beside the chosen plan by the first
         validation, on the first plan's critical path: GPT-2 medium's forward, 4.6 s of 15; every worker of a run
-        compiles it, as any of them may select the plan)."""
+        compiles it, as any of them may select the plan), and the same program as the profile after the timings runs
+        it (`ProfileRequest`: else compiled alone there, GPT-2's step 10-12 s)."""
         if self.workers <= 1 or self.measure != "device":
             return []
-        return self.first_batch() + [ProgramRequest()]
+        return self.first_batch() + [ProgramRequest(), ProfileRequest()]
 
     def first_batch(self) -> list[XlaRequest | TrialRequest]:
         """The batch `before` would send for phase 1's first candidate, marked sent: the job compiles it with its
