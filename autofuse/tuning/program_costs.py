@@ -76,8 +76,12 @@ class ProgramCosts:
 
     @cached_property
     def _credits(self) -> dict[tuple[int, frozenset[int]], float]:
-        """(kernel, the nodes a group takes of it) -> the group's credit for it; (kernel, all its nodes) -> the
-        kernel's roofline (a group taking all of it is credited its time, never looked up here)."""
+        """(kernel, the nodes a group takes of it) -> the group's credit for it (`_kernel_credit`)."""
+        return {}
+
+    @cached_property
+    def _rooflines(self) -> dict[int, float]:
+        """kernel -> the model's roofline of all its nodes as one fusion (made when a group first cuts it)."""
         return {}
 
     def _kernel_credit(self, i: int, taken: frozenset[int]) -> float:
@@ -85,9 +89,9 @@ class ProgramCosts:
         k = self.kernels[i]
         key = (i, taken)
         if key not in self._credits:
-            if (i, k.nodes) not in self._credits:  # the whole kernel's roofline, once
-                self._credits[(i, k.nodes)] = costmodel.group_time_ms(Group.of(self.graph, sorted(k.nodes)), self.model)
-            whole = self._credits[(i, k.nodes)]
+            if i not in self._rooflines:
+                self._rooflines[i] = costmodel.group_time_ms(Group.of(self.graph, sorted(k.nodes)), self.model)
+            whole = self._rooflines[i]
             rest = costmodel.group_time_ms(Group.of(self.graph, sorted(k.nodes - taken)), self.model)
             self._credits[key] = k.ms * (1.0 - min(rest / whole, MAX_REMAINDER)) if whole > 0 else 0.0
         return self._credits[key]
