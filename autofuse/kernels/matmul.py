@@ -225,7 +225,8 @@ class MatmulTemplate(Template[MatmulSpec]):
         """What search_spaces/matmul[.<backend>].toml's constraints read."""
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
-                "seg": spec.seg, "outer_rows": spec.outer_rows, "dual": int(spec.dot2 is not None)}
+                "seg": spec.seg, "outer_rows": spec.outer_rows, "dual": int(spec.dot2 is not None),
+                "unaligned": int(unaligned_rows(spec))}
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.
@@ -258,6 +259,13 @@ class MatmulTemplate(Template[MatmulSpec]):
         itemsize = np.dtype(spec.group.graph.avals[spec.b].dtype).itemsize
         return costmodel.kernel_time_ms(2.0 * spec.K * spec.N * itemsize, 0.0, model) + costmodel.kernel_time_ms(
             spec.batch * spec.M * spec.K * itemsize, 0.0, model)
+
+
+def unaligned_rows(spec: MatmulSpec) -> bool:
+    """An output of the product's [M, N] shape whose rows are not 16-byte multiples (TMA cannot write that array)."""
+    g = spec.group.graph
+    return any(v not in spec.epi.col_sums and g.avals[v].shape[-1:] == (spec.N,) and (spec.N * np.dtype(g.avals[v].dtype).itemsize) % 16
+               for v in spec.group.outputs)
 
 
 def _windows(group: Group, split: Node) -> dict | None:

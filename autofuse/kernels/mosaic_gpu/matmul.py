@@ -47,6 +47,15 @@ A dual GEMM (`MatmulSpec.dot2`: SwiGLU's gate and up projections of one A) runs 
 tile; the epilogue reads the two products. Two float32 accumulators take twice the registers, so a warpgroup's
 tile is at most 128 x 64 (or 64 x 128), and the epilogue runs inline (no epilogue warpgroup, no clusters).
 
+Products whose rows are not 16-byte multiples (N = 50257, GPT-2's vocabulary: no TMA descriptor of the [M, N]
+array exists) are written through the same bytes seen as [M / G, G N] (`interleave` = G, 8 or 64), whose rows are.
+Rows r = G q + j of the product are row q of that view at column j N + c, so a tile of rows that share j is a box of
+the view once A's rows are permuted outside the kernel (class j's rows together); its columns start where j N + c is
+a multiple of 8 elements (16 bytes), so each class's tiles are shifted by (-j N) mod 8 columns, the last one moved
+back to end inside the row (overlapping its neighbour: the same values written twice). What no tile covers, at most
+the first and last 8 columns of a row, XLA computes from the group's own epilogue and writes into the product
+(`RowClasses`). A wider G makes the view's rows multiples of the 128-byte swizzle, so the stores stay swizzled.
+
 Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
 given to `wgmma` as transposed SMEM views for 16-bit types. float32 runs as TF32
 (`wgmma` with tf32 operands, as XLA's default-precision float32 dot on Hopper),
@@ -76,7 +85,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...graph import Group
 from .. import prologue_fold
-from ..matmul import MatmulSpec
+from ..matmul import MatmulSpec, unaligned_rows
 from ..tiling import NoMatch
 from ..tile_eval import add_partials, product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
@@ -103,6 +112,7 @@ DEFAULTS = {
     "epilogue_wg": 0,  # 1: a third warpgroup runs the epilogue of tile t while the compute warpgroups run tile t+1's mainloop
     "cluster": 0,  # 2-CTA clusters sharing an operand by TMA multicast: 0 none, 1 along M (B shared), 2 along N (A shared)
     "pingpong": 0,  # 1: the compute warpgroups take turns at whole [block_m, block_n] tiles (the CTA tile), one's epilogue beside the other's mainloop
+    "interleave": 0,  # G > 0: outputs written through their [M / G, G N] view (rows of unaligned N; `RowClasses`)
 }
 PARAMS = tuple(DEFAULTS)
 #: Registers per thread of the memory, epilogue and (each of two) compute warpgroups with `epilogue_wg` (the SM's
@@ -137,6 +147,7 @@ class Config:
     epilogue_wg: int
     cluster: int
     pingpong: int
+    interleave: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -170,6 +181,25 @@ def _dim(x) -> int:
 
 
 def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
+    """`schedule_config`, with a product whose rows TMA cannot write (`unaligned`) written through its [M / G, G N]
+    view where the shapes allow (`RowClasses`; the widest G first: its view's rows take the 128-byte swizzle)."""
+    cfg = schedule_config(spec, pingpong)
+    try:
+        spec = plain(spec)
+    except Unsupported:
+        return cfg
+    if not unaligned_rows(spec):
+        return cfg
+    for G in (64, 8):
+        try:
+            check_interleave(spec, Config.of({**cfg, "interleave": G}))
+        except Unsupported:
+            continue
+        return {**cfg, "interleave": G}
+    return cfg
+
+
+def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     """A good config without tuning. Up to K = `PINGPONG_MAX_K` the ping-pong schedule, its 128-byte K steps in a
     4-deep ring, its tiles walked in bands 16 wide (and `PINGPONG_WIDE_N` columns wide where N allows): on an H200
     it ran GPT-2's and a UNet's GEMMs with an epilogue
@@ -379,6 +409,7 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
             if first % cfg.epi_tile_n:
                 raise Unsupported(f"a split part at columns {first}..{first + cols} is not a whole number of epi_tile_n={cfg.epi_tile_n} "
                                   "pieces: a piece would straddle two parts")
+    check_interleave(spec, cfg)
     require_smem(smem_bytes(spec, cfg))
 
 
@@ -417,6 +448,110 @@ def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Products with unaligned rows.
+def check_interleave(spec: MatmulSpec, cfg: Config) -> None:
+    """Raise `Unsupported` where the outputs cannot be written through their [M / G, G N] view (`RowClasses`)."""
+    G = cfg.interleave
+    if not G:
+        return
+    g = spec.group.graph
+    if G not in (8, 64):
+        raise Unsupported(f"interleave={G}: 0, 8 or 64 rows per view row")
+    if spec.M % G or (spec.M // G) % (cfg.cta_m * cfg.cluster_m):
+        raise Unsupported(f"interleave={G}: M = {spec.M} is not G x a multiple of the CTA's {cfg.cta_m * cfg.cluster_m} rows")
+    if spec.N < cfg.cta_n + 2 * RowClasses.BORDER:
+        raise Unsupported(f"interleave={G}: N = {spec.N} is narrower than a tile and its border columns")
+    if cfg.cluster == 1:
+        raise Unsupported("interleave: the CTAs of a cluster along M would read B at different columns")
+    if spec.dot2 is not None or spec.seg or spec.windows or spec.epi.col_sums:
+        raise Unsupported("interleave: a dual GEMM, segments, a split product or sums over the rows")
+    if any(spec.epi.span[v] == FULL for v in epi_inputs(spec)):
+        raise Unsupported("interleave: an epilogue input of the product's shape")
+    if any(n.name == "iota" for n in spec.epi_nodes):
+        raise Unsupported("interleave: an iota in the epilogue (the rows are permuted)")
+    if any(np.dtype(g.avals[v].dtype).itemsize < 2 for v in full_outputs(spec)):
+        raise Unsupported("interleave: an output of 1-byte elements")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowClasses:
+    """Where the tiles of a product written through its [M / G, G N] view go (`interleave` = G).
+
+    Row r = G q + j of the product is row q of the view at column j N + c. A's rows are permuted outside the kernel so
+    that class j's M / G rows are rows j M / G.. of the A the kernel reads (`permute`), and a tile (whose rows share j)
+    is one box of the view. TMA writes a box from a 16-byte boundary, i.e. where j N + c is a multiple of 8: class j's
+    tiles start at `first(j)` = (-j N) mod 8 and every `width` columns after it, the last moved back to end inside the
+    row. The columns before first(j) and after the last tile (fewer than `BORDER` at each end) XLA fills in."""
+    G: int
+    M: int
+    N: int
+    width: int  # columns of a CTA tile
+    BORDER = 8  # columns at each end of a row that XLA writes
+
+    @property
+    def rows(self) -> int:
+        """Rows of each class."""
+        return self.M // self.G
+
+    def cls(self, r0):
+        return lax.div(r0, self.rows)
+
+    def first(self, j):
+        return lax.rem(8 - lax.rem(j * self.N, 8), 8)
+
+    def col0(self, r0, n_idx):
+        """The first column of the tile at A row r0 (of the permuted A), the n_idx-th of its row of tiles."""
+        a = self.first(self.cls(r0))
+        return jnp.minimum(a + n_idx * self.width, a + 8 * lax.div(self.N - self.width - a, 8))
+
+    def out_at(self, ref, r0, c0, rows: int, cols: int):
+        """The view's box of the tile piece at (permuted) A row r0, product column c0."""
+        j = self.cls(r0)
+        return ref.at[pl.ds(r0 - j * self.rows, rows), pl.ds(j * self.N + c0, cols)]
+
+    def vec_at(self, ref, r0, c0, cols: int):
+        """A column vector's slice for the tile at (r0, c0), from its `shifted` copies: row d holds the vector d
+        columns to the right, so that the slice starts at a 16-byte boundary."""
+        d = lax.rem(self.cls(r0) * self.N, 8)
+        return ref.at[d, pl.ds(c0 + d, cols)]
+
+    # outside the kernel
+    def permute(self, x, axis: int):
+        """x with its `axis` (the product's M) in class order."""
+        x = jnp.moveaxis(x, axis, 0)
+        x = jnp.reshape(jnp.swapaxes(jnp.reshape(x, (self.rows, self.G) + x.shape[1:]), 0, 1), x.shape)
+        return jnp.moveaxis(x, 0, axis)
+
+    def shifted(self, v):
+        """A column vector [N] as 8 copies [8, N + 8], the d-th shifted right by d columns (`vec_at`)."""
+        width = _pad_to(self.N + 8, v.dtype.itemsize)
+        return jnp.stack([jnp.pad(v, (d, width - self.N - d)) for d in range(8)])
+
+    def fill_borders(self, out, border: Callable):
+        """The product [M, N] from the view, its first and last `BORDER` columns replaced by `border(c0, cols)`."""
+        out = jnp.reshape(out, (self.M, self.N))
+        b = self.BORDER
+        out = lax.dynamic_update_slice(out, border(0, b).astype(out.dtype), (0, 0))
+        return lax.dynamic_update_slice(out, border(self.N - b, b).astype(out.dtype), (0, self.N - b))
+
+
+def _border_columns(spec: MatmulSpec, a, b, vecs: dict, v: int, dtype, c0: int, cols: int):
+    """Output `v`'s columns c0.. c0 + cols by XLA: A [M, K] times those rows of B [N, K], then the group's own
+    epilogue on that [M, cols] tile (`RowClasses`: the columns no tile of the kernel writes)."""
+    g = spec.group.graph
+    acc = lax.dot_general(a, lax.slice_in_dim(b, c0, c0 + cols, axis=0), (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+    tiles = RegisterTiles(spec.epi, spec.M, cols)
+    env = {spec.products[0]: product_tile(acc, spec)}
+    for u, x in vecs.items():
+        sp = spec.epi.span[u]
+        env[u] = _from_kernel(x[0] if sp == NONE else x[c0:c0 + cols] if sp == COLS else x, g.avals[u].dtype)
+    for nd in spec.epi_nodes:
+        tiles.eval_node(nd, env)
+    return tiles.store_value(env, v, dtype)
+
+
+# ---------------------------------------------------------------------------
 # The lowering.
 def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_sms: int | None = None,
           approx_math: bool | None = None) -> Callable:
@@ -445,8 +580,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     dt = np.dtype(g.avals[spec.a].dtype)
     itemsize = dt.itemsize
     f32 = dt == np.dtype(jnp.float32)
-    a_km, b_nk = spec.a_km and not f32, spec.b_nk or f32  # float32 (TF32) wgmma: K-major operands only
     M, N, K = spec.M, spec.N, spec.K
+    rc = RowClasses(cfg.interleave, M, N, cfg.cta_n) if cfg.interleave else None
+    # float32 (TF32) wgmma: K-major operands only; row classes read B's rows from any column (B [K, N] transposed outside)
+    a_km, b_nk = spec.a_km and not f32, spec.b_nk or f32 or rc is not None
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     cta_m, cta_n = cfg.cta_m, cfg.cta_n
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
@@ -476,7 +613,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     op_tf = _tf(swizzle, itemsize)
     in_tf = {v: _tile_tf(_kernel_dtype(g.avals[v].dtype), (M, N), en) for v in ein if espan[v] == FULL}
     in_cols = {v: _pad_to(N, _kernel_dtype(g.avals[v].dtype).itemsize) for v in in_tf}
-    out_tf = [_tile_tf(d, (M, N), en) for d in out_dt]
+    out_shape = (M // rc.G, rc.G * N) if rc else (M, N)  # as the kernel writes the outputs
+    out_tf = [_tile_tf(d, out_shape, en) for d in out_dt]
 
     chain = k_iters % stages == 0  # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps
     cl_m_iters, cl_n_iters = -(-m_iters // cfg.cluster_m), -(-n_iters // cfg.cluster_n)  # cluster tiles
@@ -492,7 +630,15 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         if cfg.cluster:
             cta = lax.axis_index("cluster")
             m_idx, n_idx = (m_idx * 2 + cta, n_idx) if cfg.cluster == 1 else (m_idx, n_idx * 2 + cta)
+        if rc is not None:
+            return m_idx * cta_m, rc.col0(m_idx * cta_m, n_idx)
         return m_idx * cta_m, n_idx * cta_n
+
+    def vec_src(ref, v, r0, c0, rows: int, cols: int):
+        """The slice of vector input `v` for the rows r0.. or columns c0.. of a tile."""
+        if espan[v] == ROWS:
+            return ref.at[pl.ds(r0, rows)]
+        return rc.vec_at(ref, r0, c0, cols) if rc is not None else ref.at[pl.ds(c0, cols)]
 
     def wgmma_step(acc_refs, a_smem, b_smems, wg_rows, wg_cols) -> None:
         """acc += A[wg_rows] @ B[:, wg_cols] from one ring slot (transposed views where stored so), waited for; a
@@ -544,7 +690,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         """TMA one [em, en] piece from SMEM to its array: the one split part whose columns hold it (the last part
         takes what lies past the edge, which TMA drops), else the whole value's."""
         if len(dests) == 1:
-            plgpu.copy_smem_to_gmem(sm, dests[0][0].at[pl.ds(r0, em), pl.ds(c0, en)])
+            ref = dests[0][0]
+            plgpu.copy_smem_to_gmem(sm, rc.out_at(ref, r0, c0, em, en) if rc is not None else ref.at[pl.ds(r0, em), pl.ds(c0, en)])
             return
         for k, (ref, first, cols) in enumerate(dests):
             inside = c0 >= first if k == len(dests) - 1 else (c0 >= first) & (c0 < first + cols)
@@ -618,7 +765,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
 
         def prefetch(self) -> None:
             for v in vec_in:
-                src = self.in_gmem[v].at[pl.ds(self.wg_r0, bm)] if espan[v] == ROWS else self.in_gmem[v].at[pl.ds(self.wg_c0, bn)]
+                src = vec_src(self.in_gmem[v], v, self.wg_r0, self.wg_c0, bm, bn)
                 plgpu.copy_gmem_to_smem(src, self.vec_smem[v].at[self.wg], self.vec_barrier.at[self.wg])
             for i in range(n_tile_slots if tile_in else 0):
                 self.fetch_tiles(i)
@@ -938,8 +1085,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                                                     tile_barrier.at[j % n_tile_slots])
 
                     for v in vec_in:  # issued before the product is ready, so that they overlap the mainloop
-                        src = in_gmem[v].at[pl.ds(r0, cta_m)] if espan[v] == ROWS else in_gmem[v].at[pl.ds(c0, cta_n)]
-                        plgpu.copy_gmem_to_smem(src, vec_smem[v], vec_barrier)
+                        plgpu.copy_gmem_to_smem(vec_src(in_gmem[v], v, r0, c0, cta_m, cta_n), vec_smem[v], vec_barrier)
                     for j in range(n_tile_slots if tile_in else 0):
                         fetch_tiles(j)
                     scalars = {v: _from_kernel(in_gmem[v][0], g.avals[v].dtype) for v in scalar_in}
@@ -964,29 +1110,35 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Arrays as the kernel sees them: 2-D operands, epilogue inputs as [M, N] / [M] / [N] / [1]; padded where TMA needs it.
-    out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
+    if rc is not None:
+        out_type = [jax.ShapeDtypeStruct(out_shape, d) for d in out_dt]
+    else:
+        out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
     out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
 
     def run(*xs):
         env = dict(zip(group.inputs, xs))
-        a = env[spec.a]
-        a = jnp.reshape(a, (K, M) if spec.a_km else (M, K))
-        if spec.a_km and not a_km:
-            a = a.T
-        args = [_pad(a, a_pad)]
+        a0 = jnp.reshape(env[spec.a], (K, M) if spec.a_km else (M, K))
+        a = a0.T if spec.a_km and not a_km else a0
+        args = [_pad(a if rc is None else rc.permute(a, 1 if a_km else 0), a_pad)]
+        bs = []
         for bv in (spec.b, spec.b2)[:1 + dual]:
             b = jnp.reshape(env[bv], (N, K) if spec.b_nk else (K, N))
             if b_nk and not spec.b_nk:
                 b = b.T
+            bs.append(b)
             args.append(_pad(b, b_pad))
+        vecs = {}
         for v in ein:
             x = env[v]
             if np.dtype(x.dtype) == np.dtype(bool):
                 x = x.astype(jnp.int8)
             sp = espan[v]
-            x = jnp.reshape(x, (M, N) if sp == FULL else (M,) if sp == ROWS else (N,) if sp.cols else (1,))
+            x = vecs[v] = jnp.reshape(x, (M, N) if sp == FULL else (M,) if sp == ROWS else (N,) if sp.cols else (1,))
+            if rc is not None and sp in (ROWS, COLS):
+                x = rc.permute(x, 0) if sp == ROWS else rc.shifted(x)
             args.append(_pad(x, (M, in_cols[v])) if sp == FULL else x)
         sms = num_sms if num_sms is not None else _num_sms_default()
         csize = cfg.cluster_m * cfg.cluster_n
@@ -1000,6 +1152,10 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             kernel_name=name)
         res = call(*args)
         res = res if isinstance(res, (list, tuple)) else [res]
+        if rc is not None:
+            def border(v, d):
+                return lambda c0, cols: _border_columns(spec, a0.T if spec.a_km else a0, bs[0], vecs, v, d, c0, cols)
+            res = [rc.fill_borders(r, border(v, d)) for v, d, r in zip(outs, out_dt, res)]
         parts = [(p, cols) for v in outs for p, _, cols in targets(spec, v)]
         done = {p: jnp.reshape(r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
         done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[n_refs:])})
