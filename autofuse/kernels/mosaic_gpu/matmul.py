@@ -54,7 +54,8 @@ the view once A's rows are permuted outside the kernel (class j's rows together)
 a multiple of 8 elements (16 bytes), so each class's tiles are shifted by (-j N) mod 8 columns, the last one moved
 back to end inside the row (overlapping its neighbour: the same values written twice). What no tile covers, at most
 the first and last 8 columns of a row, XLA computes from the group's own epilogue and writes into the product
-(`RowClasses`). A wider G makes the view's rows multiples of the 128-byte swizzle, so the stores stay swizzled.
+(`RowClasses`). B's tiles must start at a multiple of 8 rows, so B is handed over as 8 copies shifted by 0..7 rows
+(XLA writes them each call). A wider G makes the view's rows multiples of the 128-byte swizzle (stores swizzled).
 
 Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
 given to `wgmma` as transposed SMEM views for 16-bit types. float32 runs as TF32
@@ -481,7 +482,10 @@ class RowClasses:
     that class j's M / G rows are rows j M / G.. of the A the kernel reads (`permute`), and a tile (whose rows share j)
     is one box of the view. TMA writes a box from a 16-byte boundary, i.e. where j N + c is a multiple of 8: class j's
     tiles start at `first(j)` = (-j N) mod 8 and every `width` columns after it, the last moved back to end inside the
-    row. The columns before first(j) and after the last tile (fewer than `BORDER` at each end) XLA fills in."""
+    row. The columns before first(j) and after the last tile (fewer than `BORDER` at each end) XLA fills in. Mosaic GPU
+    reads a B tile only from a multiple of 8 rows (from any other its values come out wrong on the GPU, not in interpret
+    mode), so B and the column vectors are handed over as 8 copies, the d-th shifted by d rows (`shifted`), and class j
+    reads the copy shifted by (j N) mod 8: 8 x B written by XLA each call (GPT-2's tied embedding: 0.8 GB)."""
     G: int
     M: int
     N: int
@@ -509,11 +513,21 @@ class RowClasses:
         j = self.cls(r0)
         return ref.at[pl.ds(r0 - j * self.rows, rows), pl.ds(j * self.N + c0, cols)]
 
+    def shift(self, r0):
+        """How far class cls(r0)'s copies of B and of the column vectors are shifted (`shifted`): its tiles' first
+        columns + this are multiples of 8."""
+        return lax.rem(self.cls(r0) * self.N, 8)
+
     def vec_at(self, ref, r0, c0, cols: int):
-        """A column vector's slice for the tile at (r0, c0), from its `shifted` copies: row d holds the vector d
-        columns to the right, so that the slice starts at a 16-byte boundary."""
-        d = lax.rem(self.cls(r0) * self.N, 8)
+        """A column vector's slice for the tile at (r0, c0), from its `shifted` copies, at a 16-byte boundary."""
+        d = self.shift(r0)
         return ref.at[d, pl.ds(c0 + d, cols)]
+
+    def b_at(self, ref, r0, c0, rows: int, ks=slice(None)):
+        """B's rows c0.. (the tile's columns) from its `shifted` copies [8, N + 8, K], at a multiple of 8 rows: Mosaic
+        GPU reads a B tile (8-row swizzle atoms) only from such a row (from any other its values come out wrong)."""
+        d = self.shift(r0)
+        return ref.at[d, pl.ds(c0 + d, rows), ks]
 
     # outside the kernel
     def permute(self, x, axis: int):
@@ -523,9 +537,10 @@ class RowClasses:
         return jnp.moveaxis(x, 0, axis)
 
     def shifted(self, v):
-        """A column vector [N] as 8 copies [8, N + 8], the d-th shifted right by d columns (`vec_at`)."""
-        width = _pad_to(self.N + 8, v.dtype.itemsize)
-        return jnp.stack([jnp.pad(v, (d, width - self.N - d)) for d in range(8)])
+        """A column vector [N] or B [N, K] as 8 copies [8, N + 8 (, K)], the d-th shifted by d (`vec_at`, `b_at`)."""
+        n = -(-(self.N + 8) // 8) * 8 if v.ndim == 2 else _pad_to(self.N + 8, v.dtype.itemsize)
+        v = v[:self.N]
+        return jnp.stack([jnp.pad(v, [(d, n - self.N - d)] + [(0, 0)] * (v.ndim - 1)) for d in range(8)])
 
     def fill_borders(self, out, border: Callable):
         """The product [M, N] from the view, its first and last `BORDER` columns replaced by `border(c0, cols)`."""
@@ -850,7 +865,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                     return acc_refs
 
                 a_view = a_gmem.at[:, pl.ds(cta_r0, cta_m)] if a_km else a_gmem.at[pl.ds(cta_r0, cta_m), :]
-                b_views = [b.at[pl.ds(cta_c0, cta_n), :] if b_nk else b.at[:, pl.ds(cta_c0, cta_n)] for b in b_gmems]
+                b_views = [rc.b_at(b, cta_r0, cta_c0, cta_n) if rc is not None else b.at[pl.ds(cta_c0, cta_n), :] if b_nk
+                           else b.at[:, pl.ds(cta_c0, cta_n)] for b in b_gmems]
                 state = None
                 if chain:  # one pipeline over the CTA's tiles: the producer fetches the next tile's operands during the epilogue
                     first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
@@ -892,7 +908,8 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
                 plgpu.copy_gmem_to_smem(a_gmem.at[ks, pl.ds(r0, cta_m)] if a_km else a_gmem.at[pl.ds(r0, cta_m), ks], a_ring.at[slot], bar,
                                         collective_axes="cluster" if cfg.cluster == 2 else None)
                 for b, ring in zip(b_gmems, b_rings):
-                    plgpu.copy_gmem_to_smem(b.at[pl.ds(c0, cta_n), ks] if b_nk else b.at[ks, pl.ds(c0, cta_n)], ring.at[slot], bar,
+                    src = rc.b_at(b, r0, c0, cta_n, ks) if rc is not None else b.at[pl.ds(c0, cta_n), ks] if b_nk else b.at[ks, pl.ds(c0, cta_n)]
+                    plgpu.copy_gmem_to_smem(src, ring.at[slot], bar,
                                             collective_axes="cluster" if cfg.cluster == 1 else None)
 
             @pl.when(info.local_index == info.num_local_steps - 1)
@@ -1129,7 +1146,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             if b_nk and not spec.b_nk:
                 b = b.T
             bs.append(b)
-            args.append(_pad(b, b_pad))
+            args.append(_pad(b, b_pad) if rc is None else rc.shifted(_pad(b, b_pad)))
         vecs = {}
         for v in ein:
             x = env[v]
