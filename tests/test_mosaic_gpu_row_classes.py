@@ -1,5 +1,5 @@
 """Products whose rows TMA cannot write (N x itemsize not a multiple of 16 bytes: GPT-2's vocabulary of 50257) written
-by the Mosaic GPU `matmul` lowering through their [M / G, G N] view (`interleave`, `RowClasses`), on the CPU: values
+by the Mosaic GPU `matmul` lowering through their [M / 8, 8 N] view (`interleave`, `RowClasses`), on the CPU: values
 in interpret mode against `jax.jit` (the kernel's tiles and XLA's border columns together), the real lowering for
 CUDA, the default's choice of G, and what it declines."""
 from __future__ import annotations
@@ -50,8 +50,9 @@ CASES = [
     pytest.param(lm_head_kn, [(512, 64), (64, 203)], {**SMALL, "pingpong": 1, "interleave": 8}, id="pingpong-g8-B-kn"),
     pytest.param(vectors_tanh, [(1024, 64), (203, 64), (203,), (1024,)], {**SMALL, "interleave": 8}, id="cooperative-g8-vectors"),
     pytest.param(two_outputs, [(1024, 96), (205, 96)], {**SMALL, "epilogue_wg": 1, "interleave": 8}, id="epilogue-wg-g8-two-outputs"),
-    pytest.param(lm_head, [(4096, 64), (201, 64)], {**SMALL, "pingpong": 1, "interleave": 64, "block_n": 128, "epi_tile_n": 64},
-                 id="pingpong-g64-n201"),
+    # N = 4 mod 8: the view's rows would take a swizzle, which the view's 8-column box starts must not use
+    pytest.param(lm_head, [(1024, 64), (204, 64)], {**SMALL, "pingpong": 1, "interleave": 8, "block_n": 128, "epi_tile_n": 64},
+                 id="pingpong-g8-n204"),
     pytest.param(lm_head, [(1024, 64), (201, 64)], {**SMALL, "cluster": 2, "interleave": 8}, id="cluster-n-g8"),
 ]
 
@@ -94,7 +95,7 @@ def test_the_border_columns_are_xlas_and_the_rest_the_kernels(monkeypatch):
     assert not bool(jnp.allclose(out[:, :8], ref[:, :8], atol=0.1)) or not bool(jnp.allclose(out[:, -8:], ref[:, -8:], atol=0.1))
 
 
-@pytest.mark.parametrize("fn,shapes,config", slow_except(CASES, "pingpong-g64-n201"))
+@pytest.mark.parametrize("fn,shapes,config", slow_except(CASES, "pingpong-g8-n204"))
 def test_lowers_for_cuda(fn, shapes, config):
     group, spec = _group(fn, shapes)
     exp = export_for_cuda(mgpu_matmul.lower(group, spec, config), [S(a.shape, a.dtype) for a in group.input_avals()])
@@ -102,7 +103,7 @@ def test_lowers_for_cuda(fn, shapes, config):
     assert [(o.shape, o.dtype) for o in exp.out_avals] == [(a.shape, a.dtype) for a in group.output_avals()]
 
 
-@pytest.mark.parametrize("M,N,want", [(16384, 50257, 64), (1024, 50257, 8), (1000, 50257, 0), (16384, 50304, 0)])
+@pytest.mark.parametrize("M,N,want", [(16384, 50257, 8), (1024, 50257, 8), (1000, 50257, 0), (16384, 50304, 0)])
 def test_the_default_interleaves_only_unaligned_rows_where_the_classes_hold_whole_tiles(M, N, want):
     g = autofuse.capture(lm_head, S((M, 1024), BF16), S((N, 1024), BF16))
     spec = matmul.match(Group.of(g, [n.id for n in g.nodes]))
@@ -117,6 +118,7 @@ def _residual(x, w, r):
 
 @pytest.mark.parametrize("fn,shapes,config,why", [
     (lm_head, [(1024, 64), (201, 64)], {**SMALL, "cluster": 1, "interleave": 8}, "cluster along M"),
+    (lm_head, [(4096, 64), (201, 64)], {**SMALL, "interleave": 64}, "0 or 8 rows"),
     (lm_head, [(1000, 64), (201, 64)], {**SMALL, "interleave": 8}, "not G x a multiple"),
     (lm_head, [(512, 64), (73, 64)], {**SMALL, "interleave": 8}, "narrower than a tile"),
     (_residual, [(512, 64), (201, 64), (512, 201)], {**SMALL, "interleave": 8}, "of the product's shape"),

@@ -48,14 +48,15 @@ tile; the epilogue reads the two products. Two float32 accumulators take twice t
 tile is at most 128 x 64 (or 64 x 128), and the epilogue runs inline (no epilogue warpgroup, no clusters).
 
 Products whose rows are not 16-byte multiples (N = 50257, GPT-2's vocabulary: no TMA descriptor of the [M, N]
-array exists) are written through the same bytes seen as [M / G, G N] (`interleave` = G, 8 or 64), whose rows are.
-Rows r = G q + j of the product are row q of that view at column j N + c, so a tile of rows that share j is a box of
+array exists) are written through the same bytes seen as [M / 8, 8 N] (`interleave` = 8), whose rows are.
+Rows r = 8 q + j of the product are row q of that view at column j N + c, so a tile of rows that share j is a box of
 the view once A's rows are permuted outside the kernel (class j's rows together); its columns start where j N + c is
 a multiple of 8 elements (16 bytes), so each class's tiles are shifted by (-j N) mod 8 columns, the last one moved
 back to end inside the row (overlapping its neighbour: the same values written twice). What no tile covers, at most
 the first and last 8 columns of a row, XLA computes from the group's own epilogue and writes into the product
 (`RowClasses`). B's tiles must start at a multiple of 8 rows, so B is handed over as 8 copies shifted by 0..7 rows
-(XLA writes them each call). A wider G makes the view's rows multiples of the 128-byte swizzle (stores swizzled).
+(XLA writes them each call). The stores go through plain SMEM: a swizzled store from a box start that is not a
+multiple of the swizzle's width came out wrong on an H200 (a [M / 64, 64 N] view, relative error 0.94).
 
 Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
 given to `wgmma` as transposed SMEM views for 16-bit types. float32 runs as TF32
@@ -113,7 +114,7 @@ DEFAULTS = {
     "epilogue_wg": 0,  # 1: a third warpgroup runs the epilogue of tile t while the compute warpgroups run tile t+1's mainloop
     "cluster": 0,  # 2-CTA clusters sharing an operand by TMA multicast: 0 none, 1 along M (B shared), 2 along N (A shared)
     "pingpong": 0,  # 1: the compute warpgroups take turns at whole [block_m, block_n] tiles (the CTA tile), one's epilogue beside the other's mainloop
-    "interleave": 0,  # G > 0: outputs written through their [M / G, G N] view (rows of unaligned N; `RowClasses`)
+    "interleave": 0,  # 8: outputs written through their [M / 8, 8 N] view (rows of unaligned N; `RowClasses`)
 }
 PARAMS = tuple(DEFAULTS)
 #: Registers per thread of the memory, epilogue and (each of two) compute warpgroups with `epilogue_wg` (the SM's
@@ -182,8 +183,8 @@ def _dim(x) -> int:
 
 
 def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
-    """`schedule_config`, with a product whose rows TMA cannot write (`unaligned`) written through its [M / G, G N]
-    view where the shapes allow (`RowClasses`; the widest G first: its view's rows take the 128-byte swizzle)."""
+    """`schedule_config`, with a product whose rows TMA cannot write (`unaligned_rows`) written through its [M / 8, 8 N]
+    view where the shapes allow (`RowClasses`)."""
     cfg = schedule_config(spec, pingpong)
     try:
         spec = plain(spec)
@@ -191,13 +192,11 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
         return cfg
     if not unaligned_rows(spec):
         return cfg
-    for G in (64, 8):
-        try:
-            check_interleave(spec, Config.of({**cfg, "interleave": G}))
-        except Unsupported:
-            continue
-        return {**cfg, "interleave": G}
-    return cfg
+    try:
+        check_interleave(spec, Config.of({**cfg, "interleave": 8}))
+    except Unsupported:
+        return cfg
+    return {**cfg, "interleave": 8}
 
 
 def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
@@ -451,13 +450,14 @@ def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
 # ---------------------------------------------------------------------------
 # Products with unaligned rows.
 def check_interleave(spec: MatmulSpec, cfg: Config) -> None:
-    """Raise `Unsupported` where the outputs cannot be written through their [M / G, G N] view (`RowClasses`)."""
+    """Raise `Unsupported` where the outputs cannot be written through their [M / 8, 8 N] view (`RowClasses`)."""
     G = cfg.interleave
     if not G:
         return
     g = spec.group.graph
-    if G not in (8, 64):
-        raise Unsupported(f"interleave={G}: 0, 8 or 64 rows per view row")
+    if G != 8:
+        raise Unsupported(f"interleave={G}: 0 or 8 rows per view row (a wider view's swizzled stores from 8-column "
+                          "boundaries came out wrong on an H200)")
     if spec.M % G or (spec.M // G) % (cfg.cta_m * cfg.cluster_m):
         raise Unsupported(f"interleave={G}: M = {spec.M} is not G x a multiple of the CTA's {cfg.cta_m * cfg.cluster_m} rows")
     if spec.N < cfg.cta_n + 2 * RowClasses.BORDER:
@@ -629,7 +629,9 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     in_tf = {v: _tile_tf(_kernel_dtype(g.avals[v].dtype), (M, N), en) for v in ein if espan[v] == FULL}
     in_cols = {v: _pad_to(N, _kernel_dtype(g.avals[v].dtype).itemsize) for v in in_tf}
     out_shape = (M // rc.G, rc.G * N) if rc else (M, N)  # as the kernel writes the outputs
-    out_tf = [_tile_tf(d, out_shape, en) for d in out_dt]
+    # through the view, plain SMEM: a swizzled TMA store from a box start that is not a multiple of the swizzle's width
+    # came out wrong on an H200 (`check_interleave`)
+    out_tf = [() if rc else _tile_tf(d, out_shape, en) for d in out_dt]
 
     chain = k_iters % stages == 0  # Pallas chains the tiles' pipelines only when the ring's depth divides the K steps
     cl_m_iters, cl_n_iters = -(-m_iters // cfg.cluster_m), -(-n_iters // cfg.cluster_n)  # cluster tiles
