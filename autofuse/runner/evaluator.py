@@ -59,6 +59,10 @@ def _short(e: BaseException, n: int = 400) -> str:
     return s if len(s) <= n else s[:n] + "..."
 
 
+#: Repeats of the profiled program's timing (`Evaluator.profile`): its level, not a ranking, needs few.
+PROFILE_REPEATS = 5
+
+
 class Evaluator:
     """Answers the requests of `protocol.py` for one program."""
 
@@ -372,17 +376,22 @@ class Evaluator:
 
     def profile(self) -> ProfileResult:
         """XLA's kernels in jax.jit's whole program with the nodes each computes (`profile.profile_program`), on the
-        program's timing inputs; none in model mode or without a GPU's trace."""
+        program's timing inputs, and the program's time as groups are timed (`ProfileResult.timed_ms`); none in model
+        mode or without a GPU's trace."""
         if self.measure == "model":
             return ProfileResult(TrialStatus.OK)
         t0 = time.perf_counter()
         self._sets.clear()  # the trials' input sets make room for the program's, as a validation does
         compiled, self._profiled = self._profiled, None  # compiled ahead (`compile_ahead`), run once
         try:
-            kernels = profile_program(self.graph, self._program_sets([])[0], compiled=compiled)
+            compiled = compiled if compiled is not None else compile_profiled(self.graph)
+            sets = self._program_sets([])
+            kernels = profile_program(self.graph, sets[0], compiled=compiled)
+            # the same program timed as every group is (`_time`): the level the kernels' times are read at
+            timed = time_fn(compiled, sets, repeats=PROFILE_REPEATS, target_ms=self.target_ms).median_ms if kernels else None
         except Exception as e:  # noqa: BLE001 - a profile that cannot be taken leaves the selection to the times alone
             return ProfileResult(TrialStatus.ERROR, error=_short(e), seconds={"profile": time.perf_counter() - t0})
-        return ProfileResult(TrialStatus.OK, tuple(kernels), seconds={"profile": time.perf_counter() - t0})
+        return ProfileResult(TrialStatus.OK, tuple(kernels), seconds={"profile": time.perf_counter() - t0}, timed_ms=timed)
 
     def _compile_program(self) -> Callable:
         """The whole program under jax.jit, compiled for its input shapes."""
