@@ -1,0 +1,107 @@
+"""Where a plan's peak device memory goes, against jax.jit's (issue 32, item 4: peak memory is part of a plan).
+
+    XLA_FLAGS=--xla_dump_to=/tmp/dump python -m benchmarks profile memory --model gpt2 --step grad_step_cudnn \
+        --plan plan.json --dump /tmp/dump --out results/memory_h200.md
+
+Compiles the example model's entry point under jax.jit and under the plan (`plan.executor`, as a validation does),
+prints each one's `memory_analysis()` (arguments, outputs, temporaries, peak), and, from XLA's buffer-assignment
+dumps of the two programs (`--dump`: the directory XLA_FLAGS' `--xla_dump_to` names, set before JAX starts), the
+largest values each holds outside its arguments: what the plan keeps that jax.jit does not.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import importlib
+import os
+import re
+
+import jax
+
+from autofuse.graph import capture, flatten_args
+from autofuse.plan import Plan, executor
+from benchmarks.provenance import command, commit
+
+ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
+VALUE = re.compile(r"^\s+value: <\d+ ([^ @]+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
+
+
+def largest_values(path: str, top: int) -> list[tuple[int, str, str, str]]:
+    """The `top` largest values of a buffer-assignment dump outside parameters and constants (XLA packs a program's
+    temporaries into one allocation at offsets: the values held there, largest first): (bytes, instruction, shape,
+    the allocation's flags)."""
+    out, flags = [], ""
+    with open(path) as fh:
+        for line in fh:
+            m = ALLOC.match(line)
+            if m:
+                flags = m.group(3).strip(" ,:")
+                continue
+            v = VALUE.match(line)
+            if v and "parameter" not in flags and "constant" not in flags:
+                out.append((int(v.group(2)), v.group(1), v.group(4), flags))
+    return sorted(out, key=lambda x: -x[0])[:top]
+
+
+def _dump_of(dump: str, module: str) -> str | None:
+    hits = sorted(glob.glob(os.path.join(dump, f"*{module}*buffer-assignment.txt")), key=os.path.getmtime)
+    return hits[-1] if hits else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--step", default="grad_step_cudnn")
+    ap.add_argument("--plan", default="", help="a plan's JSON file (none: XLA's own plan, a smoke run)")
+    ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs()")
+    ap.add_argument("--dump", default="", help="XLA's dump directory (XLA_FLAGS=--xla_dump_to=DIR, set before JAX starts)")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    mod = importlib.import_module(f"examples.{a.model}")
+    fn, args = getattr(mod, a.step), (mod.small_inputs() if a.small else mod.example_inputs())
+    graph = capture(fn, *args)
+    flat = flatten_args(graph, fn, args, {})
+    if a.plan:
+        with open(a.plan) as fh:
+            plan = Plan.from_json(fh.read())
+    else:
+        plan = Plan(graph.fingerprint)
+    run = executor(graph, plan)
+
+    def reference(*xs):
+        return graph.evaluate(xs)
+
+    def planned(*xs):
+        return run(xs)
+
+    lines = [f"## {a.model}:{a.step}: peak memory of jax.jit and of the plan ({len(plan.groups)} groups)", "",
+             f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}, commit {commit()}, `{command()}`", "",
+             "| program | arguments GiB | outputs GiB | temporaries GiB | peak GiB |", "|---|---|---|---|---|"]
+    dumps = {}
+    for name, f in (("jax.jit", reference), ("the plan", planned)):
+        compiled = jax.jit(f).lower(*flat).compile()
+        m = compiled.memory_analysis()
+        gib = [getattr(m, k, 0) / 2**30 for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                                                   "peak_memory_in_bytes")]
+        lines.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in gib) + " |")
+        if a.dump:
+            dumps[name] = _dump_of(a.dump, "jit_" + f.__name__)
+    for name, path in dumps.items():
+        if path is None:
+            lines += ["", f"({name}: no buffer-assignment dump found in {a.dump})"]
+            continue
+        lines += ["", f"### {name}: the {a.top} largest values outside its arguments ({os.path.basename(path)})", "",
+                  "| MiB | instruction | shape | allocation |", "|---|---|---|---|"]
+        for size, inst, shape, flags in largest_values(path, a.top):
+            lines.append(f"| {size / 2**20:.1f} | {inst} | `{shape}` | {flags or '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if a.out:
+        with open(a.out, "a") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()
