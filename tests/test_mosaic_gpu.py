@@ -249,3 +249,19 @@ def test_the_default_schedule_is_ping_pong_up_to_k_2048_but_for_a_dual_gemm():
 
     _, cand = probe_group(dgrad_gelu_dbias, [S((4096, 1024), BF16), S((4096, 1024), BF16), S((4096, 4096), BF16)])
     assert cand.spec.epi.col_sums and mgpu_matmul.default_config(cand.spec)["pingpong"] == 0
+
+
+def test_an_operand_is_padded_in_its_own_shape_so_that_xla_pads_it_once():
+    """An operand whose minor axis must grow is padded in its own shape, then reshaped: the same pad `aligned_dot` (or
+    another group) makes of the same array, so XLA makes one copy, where a pad of its 2-D reshape was a second one
+    (GPT-2's step held its logits' gradient padded twice: 1.6 GB more at the peak, results/memory_h200.md)."""
+    import re
+
+    from autofuse.kernels.mosaic_gpu.gemm import pad, pad_2d
+
+    x = jax.random.normal(jax.random.key(0), (2, 8, 201), BF16)
+    w = jnp.ones((256, 4), BF16)
+    assert jnp.array_equal(pad_2d(x, (16, 201), (16, 256)), pad(jnp.reshape(x, (16, 201)), (16, 256)))
+    for padding, pads in ((lambda x: pad_2d(x, (16, 201), (16, 256)), 1), (lambda x: pad(jnp.reshape(x, (16, 201)), (16, 256)), 2)):
+        hlo = jax.jit(lambda x: (padding(x) @ w, jnp.pad(x, [(0, 0), (0, 0), (0, 55)]) @ w)).lower(x).compile().as_text()
+        assert len(re.findall(r"= \S+ pad\(", hlo)) == pads

@@ -93,7 +93,7 @@ from ..tile_eval import add_partials, product_tile
 from .gemm import LOW as _LOW, REDUCTION_SCRATCH, SMEM_LIMIT, SMEM_MARGIN, check_operand_tiles
 from .gemm import approximate_math, interpret_params, require_smem
 from .gemm import from_kernel as _from_kernel, kernel_dtype as _kernel_dtype
-from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_to as _pad_to
+from .gemm import num_sms_default as _num_sms_default, operand_layout as _operand_layout, pad as _pad, pad_2d, pad_to as _pad_to
 from .gemm import smem_transforms as _tf, tile_transforms as _tile_tf
 from .tiles import COLS, FULL, NONE, ROWS, Unsupported, RegisterTiles, check_nodes, layout
 
@@ -1140,15 +1140,21 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
     def run(*xs):
         env = dict(zip(group.inputs, xs))
         a0 = jnp.reshape(env[spec.a], (K, M) if spec.a_km else (M, K))
-        a = a0.T if spec.a_km and not a_km else a0
-        args = [_pad(a if rc is None else rc.permute(a, 1 if a_km else 0), a_pad)]
+        if rc is None and spec.a_km == a_km:  # as stored: padded in its own shape where it can be (`pad_2d`)
+            args = [pad_2d(env[spec.a], (a_rows, a_cols), a_pad)]
+        else:
+            a = a0.T if spec.a_km and not a_km else a0
+            args = [_pad(a if rc is None else rc.permute(a, 1 if a_km else 0), a_pad)]
         bs = []
         for bv in (spec.b, spec.b2)[:1 + dual]:
             b = jnp.reshape(env[bv], (N, K) if spec.b_nk else (K, N))
             if b_nk and not spec.b_nk:
                 b = b.T
             bs.append(b)
-            args.append(_pad(b, b_pad) if rc is None else rc.shifted(_pad(b, b_pad)))
+            if rc is None and b_nk == spec.b_nk:
+                args.append(pad_2d(env[bv], (b_rows, b_cols), b_pad))
+            else:
+                args.append(_pad(b, b_pad) if rc is None else rc.shifted(_pad(b, b_pad)))
         vecs = {}
         for v in ein:
             x = env[v]
