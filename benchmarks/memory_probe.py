@@ -44,8 +44,37 @@ def largest_values(path: str, top: int) -> list[tuple[int, str, str, str]]:
     return sorted(out, key=lambda x: -x[0])[:top]
 
 
-def _dump_of(dump: str, module: str) -> str | None:
-    hits = sorted(glob.glob(os.path.join(dump, f"*{module}*buffer-assignment.txt")), key=os.path.getmtime)
+LIVE = re.compile(r"^\s+(\S+?)(\{[^}]*\})?: (\d+) bytes")
+BRANCH = re.compile(r"^\s+[├└]── (.+?) \([\d.]+%, total: ([\d ]+) bytes")
+
+
+def live_at_peak(path: str, top: int) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """From a live-range dump: the `top` largest values live at the program's peak (bytes, instruction), and the
+    peak's bytes by the JAX operation that made them (XLA's stack-trace breakdown, its first level)."""
+    live, ops, section = [], [], None
+    with open(path) as fh:
+        for line in fh:
+            if "Live ranges at" in line and "(peak)" in line:
+                section = "live"
+                continue
+            if "Stack trace breakdown for peak usage" in line:
+                section = "ops"
+                continue
+            if section == "live":
+                m = LIVE.match(line)
+                if m:
+                    live.append((int(m.group(3)), m.group(1)))
+                elif line.strip() and not line.startswith("    "):
+                    section = None
+            elif section == "ops":
+                m = BRANCH.match(line)
+                if m and line.index("──") <= 8:  # the first level only
+                    ops.append((int(m.group(2).replace(" ", "")), m.group(1)))
+    return sorted(live, reverse=True)[:top], sorted(ops, reverse=True)[:top]
+
+
+def _dump_of(dump: str, module: str, kind: str = "buffer-assignment") -> str | None:
+    hits = sorted(glob.glob(os.path.join(dump, f"*{module}*{kind}.txt")), key=os.path.getmtime)
     return hits[-1] if hits else None
 
 
@@ -96,6 +125,11 @@ def main() -> None:
                   "| MiB | instruction | shape | allocation |", "|---|---|---|---|"]
         for size, inst, shape, flags in largest_values(path, a.top):
             lines.append(f"| {size / 2**20:.1f} | {inst} | `{shape}` | {flags or '-'} |")
+        ranges = _dump_of(a.dump, "jit_" + {"jax.jit": "reference", "the plan": "planned"}[name], "live-range")
+        if ranges is not None:
+            live, ops = live_at_peak(ranges, a.top)
+            lines += ["", f"{name}, live at its peak (MiB, value): " + "; ".join(f"{b / 2**20:.1f} {v}" for b, v in live),
+                      "", f"{name}, the peak by the operation that made each value (MiB): " + "; ".join(f"{b / 2**20:.1f} {o}" for b, o in ops)]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if a.out:
