@@ -116,8 +116,9 @@ def main() -> None:
                                                    "peak_memory_in_bytes")]
         lines.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in gib) + " |")
         if a.dump:
-            dumps[name] = _dump_of(a.dump, "jit_" + f.__name__)
-    for name, path in dumps.items():
+            dumps[name] = "jit_" + f.__name__  # the module XLA dumped it as
+    for name, module in dumps.items():
+        path = _dump_of(a.dump, module)
         if path is None:
             lines += ["", f"({name}: no buffer-assignment dump found in {a.dump})"]
             continue
@@ -125,7 +126,7 @@ def main() -> None:
                   "| MiB | instruction | shape | allocation |", "|---|---|---|---|"]
         for size, inst, shape, flags in largest_values(path, a.top):
             lines.append(f"| {size / 2**20:.1f} | {inst} | `{shape}` | {flags or '-'} |")
-        ranges = _dump_of(a.dump, "jit_" + {"jax.jit": "reference", "the plan": "planned"}[name], "live-range")
+        ranges = _dump_of(a.dump, module, "live-range")
         if ranges is not None:
             live, ops = live_at_peak(ranges, a.top)
             lines += ["", f"{name}, live at its peak (MiB, value): " + "; ".join(f"{b / 2**20:.1f} {v}" for b, v in live),

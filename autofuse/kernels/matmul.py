@@ -264,8 +264,8 @@ class MatmulTemplate(Template[MatmulSpec]):
 def unaligned_rows(spec: MatmulSpec) -> bool:
     """An output of the product's [M, N] shape whose rows are not 16-byte multiples (TMA cannot write that array)."""
     g = spec.group.graph
-    return any(v not in spec.epi.col_sums and g.avals[v].shape[-1:] == (spec.N,) and (spec.N * np.dtype(g.avals[v].dtype).itemsize) % 16
-               for v in spec.group.outputs)
+    return any(v not in spec.epi.col_sums and spec.epi.layout_span(v) == Span(True, True)
+               and (spec.N * np.dtype(g.avals[v].dtype).itemsize) % 16 for v in spec.group.outputs)
 
 
 def _windows(group: Group, split: Node) -> dict | None:
