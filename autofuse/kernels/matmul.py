@@ -264,7 +264,8 @@ class MatmulTemplate(Template[MatmulSpec]):
 def unaligned_rows(spec: MatmulSpec) -> bool:
     """An output of the product's [M, N] shape whose rows are not 16-byte multiples (TMA cannot write that array)."""
     g = spec.group.graph
-    return any(v not in spec.epi.col_sums and spec.epi.layout_span(v) == Span(True, True)
+    full = spec.batch * spec.M * spec.N
+    return any(v not in spec.epi.col_sums and g.avals[v].shape[-1:] == (spec.N,) and math.prod(g.avals[v].shape) == full
                and (spec.N * np.dtype(g.avals[v].dtype).itemsize) % 16 for v in spec.group.outputs)
 
 
