@@ -48,6 +48,8 @@ CASES = [
     # 8 classes of 64 rows, 201 columns (N = 1 mod 8: every class shifted), ping-pong
     pytest.param(lm_head, [(512, 64), (201, 64)], {**SMALL, "pingpong": 1, "interleave": 8}, id="pingpong-g8-n201"),
     pytest.param(lm_head_kn, [(512, 64), (64, 203)], {**SMALL, "pingpong": 1, "interleave": 8}, id="pingpong-g8-B-kn"),
+    # N = 2 mod 8: four shifts (copies of B), each read by two classes
+    pytest.param(lm_head, [(512, 64), (202, 64)], {**SMALL, "pingpong": 1, "interleave": 8}, id="pingpong-g8-n202"),
     pytest.param(vectors_tanh, [(1024, 64), (203, 64), (203,), (1024,)], {**SMALL, "interleave": 8}, id="cooperative-g8-vectors"),
     pytest.param(two_outputs, [(1024, 96), (205, 96)], {**SMALL, "epilogue_wg": 1, "interleave": 8}, id="epilogue-wg-g8-two-outputs"),
     # N = 4 mod 8: the view's rows would take a swizzle, which the view's 8-column box starts must not use
@@ -152,3 +154,17 @@ def test_gpt2s_lm_head_with_its_layer_norm_runs_as_a_trial():
     ev = Evaluator(graph, measure="device", interpret=True, n_input_sets=1, repeats=1, target_ms=1.0)
     res = ev.handle(TrialRequest(group.node_ids, "matmul", {"backend": "mosaic_gpu", **cfg}))
     assert res.status is TrialStatus.OK, res.error
+
+
+@pytest.mark.parametrize("N,copies", [(50257, 8), (32002, 4), (204, 2)])
+def test_b_is_copied_once_per_shift_a_class_needs(N, copies):
+    """Class j's tiles read B from a copy shifted by (j N) mod 8 rows: an odd N needs all eight shifts, a vocabulary of
+    32002 (N = 2 mod 8) four, N = 4 mod 8 two; each copy is B shifted by its rows, zeros before and after."""
+    rc = mgpu_matmul.RowClasses(8, 1024, N, 128)
+    assert {(j * N) % 8 for j in range(8)} == set(range(0, 8, rc.step)) and 8 // rc.step == copies
+    b = jnp.arange(N * 2, dtype=F32).reshape(N, 2)
+    shifted = rc.shifted(b)
+    assert shifted.shape[0] == copies and shifted.shape[1] % 8 == 0 and shifted.shape[1] >= N + 8
+    for i in range(copies):
+        d = i * rc.step
+        assert jnp.array_equal(shifted[i, d:d + N], b) and not shifted[i, :d].any() and not shifted[i, d + N:].any()

@@ -54,8 +54,8 @@ the view once A's rows are permuted outside the kernel (class j's rows together)
 a multiple of 8 elements (16 bytes), so each class's tiles are shifted by (-j N) mod 8 columns, the last one moved
 back to end inside the row (overlapping its neighbour: the same values written twice). What no tile covers, at most
 the first and last 8 columns of a row, XLA computes from the group's own epilogue and writes into the product
-(`RowClasses`). B's tiles must start at a multiple of 8 rows, so B is handed over as 8 copies shifted by 0..7 rows
-(XLA writes them each call). The stores go through plain SMEM: a swizzled store from a box start that is not a
+(`RowClasses`). B's tiles must start at a multiple of 8 rows, so B is handed over as copies shifted by the rows each
+class needs (0..7 for an odd N; XLA writes them each call). The stores go through plain SMEM: a swizzled store from a box start that is not a
 multiple of the swizzle's width came out wrong on an H200 (a [M / 64, 64 N] view, relative error 0.94).
 
 Operand layouts: A [M, K] or [K, M], B [K, N] or [N, K] are read as they are and
@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -484,8 +485,9 @@ class RowClasses:
     tiles start at `first(j)` = (-j N) mod 8 and every `width` columns after it, the last moved back to end inside the
     row. The columns before first(j) and after the last tile (fewer than `BORDER` at each end) XLA fills in. Mosaic GPU
     reads a B tile only from a multiple of 8 rows (from any other its values come out wrong on the GPU, not in interpret
-    mode), so B and the column vectors are handed over as 8 copies, the d-th shifted by d rows (`shifted`), and class j
-    reads the copy shifted by (j N) mod 8: 8 x B written by XLA each call (GPT-2's tied embedding: 0.8 GB)."""
+    mode), so B and the column vectors are handed over as copies shifted by d rows for each shift d = (j N) mod 8 some
+    class needs (`shifted`: 8 / gcd(N, 8) of them), and class j reads the copy shifted by its own: up to 8 x B written
+    by XLA each call (GPT-2's tied embedding, N odd: 0.8 GB; a vocabulary of 32002: 4 copies)."""
     G: int
     M: int
     N: int
@@ -513,21 +515,26 @@ class RowClasses:
         j = self.cls(r0)
         return ref.at[pl.ds(r0 - j * self.rows, rows), pl.ds(j * self.N + c0, cols)]
 
+    @property
+    def step(self) -> int:
+        """The shifts the classes need are the multiples of this below 8 (`shifted` makes one copy per shift)."""
+        return math.gcd(self.N, 8)
+
     def shift(self, r0):
-        """How far class cls(r0)'s copies of B and of the column vectors are shifted (`shifted`): its tiles' first
-        columns + this are multiples of 8."""
+        """How far class cls(r0)'s copy of B and of the column vectors is shifted (`shifted`): its tiles' first columns
+        + this are multiples of 8."""
         return lax.rem(self.cls(r0) * self.N, 8)
 
     def vec_at(self, ref, r0, c0, cols: int):
         """A column vector's slice for the tile at (r0, c0), from its `shifted` copies, at a 16-byte boundary."""
         d = self.shift(r0)
-        return ref.at[d, pl.ds(c0 + d, cols)]
+        return ref.at[lax.div(d, self.step), pl.ds(c0 + d, cols)]
 
     def b_at(self, ref, r0, c0, rows: int, ks=slice(None)):
-        """B's rows c0.. (the tile's columns) from its `shifted` copies [8, N + 8, K], at a multiple of 8 rows: Mosaic
+        """B's rows c0.. (the tile's columns) from its `shifted` copies [copies, N + 8, K], at a multiple of 8 rows: Mosaic
         GPU reads a B tile (8-row swizzle atoms) only from such a row (from any other its values come out wrong)."""
         d = self.shift(r0)
-        return ref.at[d, pl.ds(c0 + d, rows), ks]
+        return ref.at[lax.div(d, self.step), pl.ds(c0 + d, rows), ks]
 
     # outside the kernel
     def permute(self, x, axis: int):
@@ -537,10 +544,11 @@ class RowClasses:
         return jnp.moveaxis(x, 0, axis)
 
     def shifted(self, v):
-        """A column vector [N] or B [N, K] as 8 copies [8, N + 8 (, K)], the d-th shifted by d (`vec_at`, `b_at`)."""
+        """A column vector [N] or B [N, K] as copies [8 / step, N + 8 (, K)], the i-th shifted by i x step (`vec_at`,
+        `b_at`)."""
         n = -(-(self.N + 8) // 8) * 8 if v.ndim == 2 else _pad_to(self.N + 8, v.dtype.itemsize)
         v = v[:self.N]
-        return jnp.stack([jnp.pad(v, [(d, n - self.N - d)] + [(0, 0)] * (v.ndim - 1)) for d in range(8)])
+        return jnp.stack([jnp.pad(v, [(d, n - self.N - d)] + [(0, 0)] * (v.ndim - 1)) for d in range(0, 8, self.step)])
 
     def fill_borders(self, out, border: Callable):
         """The product [M, N] from the view, its first and last `BORDER` columns replaced by `border(c0, cols)`."""
