@@ -222,7 +222,7 @@ def test_show_run_says_what_the_profile_saw():
     (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
     after = frozenset(n.id for n in g.nodes if n.id > dot)
     costs = ProgramCosts((XlaKernel("cublas-lt-matmul.2", 4.0, frozenset({dot})), XlaKernel("loop_multiply_fusion.3", 1.25, after),
-                          XlaKernel("Memset 0", 0.5, frozenset())), g, seconds={"profile": 3.25})
+                          XlaKernel("Memset 0", 0.5, frozenset())), g, taken={"profile": 3.25})
     record = costs.summary()
     assert [k["instruction"] for k in record["longest"]] == ["cublas-lt-matmul.2", "loop_multiply_fusion.3", "Memset 0"]
     assert record["longest"][0]["ops"] == "dot_general" and record["longest"][1]["ops"].startswith("mul x")

@@ -39,7 +39,7 @@ class ProgramCosts:
     kernels: tuple[XlaKernel, ...]
     graph: Graph = field(repr=False, compare=False)
     model: costmodel.GPUModel = field(default=costmodel.H200, repr=False, compare=False)
-    seconds: dict = field(default_factory=dict, compare=False)  # what taking the profile cost (compile, trace)
+    taken: dict = field(default_factory=dict, compare=False)  # how it was taken: its seconds, the trace's level and scale
 
     @cached_property
     def node_ms(self) -> dict[int, float]:
@@ -135,7 +135,7 @@ class ProgramCosts:
         longest = [{"instruction": k.instruction, "ms": round(k.ms, 4), "ops": self.ops_text(k.nodes)} for k in
                    sorted(self.kernels, key=lambda k: -k.ms)[:top]]
         return {"kernels": len(self.kernels), "total_ms": round(self.total_ms, 4), "attributed_ms": round(self.attributed_ms, 4),
-                **{k: round(v, 3) for k, v in self.seconds.items()}, "longest": longest}
+                **{k: round(v, 3) for k, v in self.taken.items()}, "longest": longest}
 
     def ops_text(self, nodes: Collection[int], most: int = 4) -> str:
         """The primitives of `nodes`, the most frequent first: ``dot_general, add x2``."""
