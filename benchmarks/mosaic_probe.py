@@ -2,7 +2,9 @@
 `matmul` template (and, for a plain GEMM, JAX's hand-written `hopper_matmul_mgpu`; `groupnorm`: matmul + bias +
 swish + GroupNorm(32), the epilogue reducing over 128-column segments of each product row), the `attention`
 template (and cuDNN's fused attention, `jax.nn.dot_product_attention(implementation="cudnn")`), and the
-`matmul_reduce` template on GPT-2's cross-entropy rows (the logits of a 50257 vocabulary never written).
+`matmul_reduce` template on GPT-2's cross-entropy rows (the logits of a 50257 vocabulary never written), and the
+`row_reduce` template (Triton) on the layer norm's and RMS norm's backward (dx with dγ, dβ summed over the rows; GPT-2's
+with the residual's gradient added), reported in GB/s of the group's inputs and outputs.
 
 Every kernel is checked against jax.jit on the inputs before it is timed; times are medians of many back-to-back
 calls per sync over 3 rotating input sets (`runner.measure.time_fn`), with the spread (min..max of the repeats).
@@ -78,6 +80,29 @@ def lm_head(x, w):  # GPT-2's logits, `x @ wte.T`, with wte read as stored ([N, 
     return jnp.einsum("mk,nk->mn", x, w)
 
 
+def _layer_norm(x, g, b):
+    xf = x.astype(jnp.float32)
+    mu = xf.mean(-1, keepdims=True)
+    var = ((xf - mu) ** 2).mean(-1, keepdims=True)
+    return ((xf - mu) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(x.dtype)
+
+
+def ln_grad(x, g, b, dy):  # a layer norm's backward: dx, dγ, dβ for the cotangent dy
+    return jax.vjp(_layer_norm, x, g, b)[1](dy)
+
+
+def ln_grad_residual(x, g, b, dy, dres):  # GPT-2's: the norm's dx added to the residual stream's gradient
+    dx, dg, db = ln_grad(x, g, b, dy)
+    return dx + dres, dg, db
+
+
+def rms_grad(x, g, dy):  # Llama's RMS norm backward: dx, dγ
+    def rms(x, g):
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * g).astype(x.dtype)
+    return jax.vjp(rms, x, g)[1](dy)
+
+
 def attention(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (q.shape[-1] ** -0.5)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
@@ -125,6 +150,10 @@ WORKLOADS = {
     "dgrad-gelu-16384x1024x4096": (dgrad_gelu, [(16384, 1024), (4096, 1024), (16384, 4096)]),
     "dgrad-gelu-dbias-16384x1024x4096": (dgrad_gelu_dbias, [(16384, 1024), (4096, 1024), (16384, 4096)]),
     "swiglu-8192x2048x8192": (swiglu, [(8192, 2048), (2048, 8192), (2048, 8192)]),  # Llama 3.2 1B, B4 S2048
+    # norms' backward (row_reduce, Triton): GPT-2 medium's at B8 S2048, Llama's RMS norm at B4 S2048 d4096
+    "ln-grad-16384x1024": (ln_grad, [(16384, 1024), (1024,), (1024,), (16384, 1024)]),
+    "ln-grad-residual-16384x1024": (ln_grad_residual, [(16384, 1024), (1024,), (1024,), (16384, 1024), (16384, 1024)]),
+    "rms-grad-8192x4096": (rms_grad, [(8192, 4096), (4096,), (8192, 4096)]),
 }
 INT_ARGS = {"ce-16384x1024x50257": (2,)}  # argument positions that are int32 (targets)
 # Mosaic GPU configs per kind, each over the lowering's default ({}: the default itself); a matmul config that does not
@@ -189,6 +218,10 @@ TRITON_F32 = {"matmul": [{"block_m": 128, "block_n": 128, "block_k": 32, "num_wa
               "attention": [{"block_q": q, "block_k": k, "num_warps": w, "num_stages": st}
                             for q, k, w, st in [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2),
                                                 (64, 64, 4, 1), (128, 64, 8, 1)]]}
+# row_reduce's Triton configs: rows per program (fewer, taller blocks: fewer partials of the column sums), warps
+TRITON_ROWS = [{"block_rows": r, "block_cols": c, "num_warps": w, "num_stages": 1}
+               for r, c, w in [(4, 1024, 8), (1, 1024, 4), (2, 1024, 4), (8, 1024, 8), (16, 1024, 16), (8, 1024, 16),
+                               (32, 512, 16), (1, 4096, 8), (2, 4096, 16), (4, 4096, 16)]]
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},
@@ -204,7 +237,7 @@ def _group(fn, specs):
     """The whole program as one group (a lone dot is no candidate of the tuner, but the matmul template runs it)."""
     graph = autofuse.capture(fn, *specs)
     group = Group.of(graph, [n.id for n in graph.nodes])
-    name = next(n for n in ("attention", "matmul", "matmul_reduce") if TEMPLATES[n].match(group) is not None)
+    name = next(n for n in ("attention", "matmul", "matmul_reduce", "row_reduce") if TEMPLATES[n].match(group) is not None)
     return graph, Candidate(group, name, TEMPLATES[name].match(group))
 
 
@@ -215,7 +248,11 @@ def cudnn_attention(causal: bool):
 
 
 def flops_of(fn, cand: Candidate, shapes) -> float:
-    """The workload's FLOPs: 2MNK a GEMM (twice for a dual one), 4BHL^2D attention (half of it causal)."""
+    """The workload's FLOPs: 2MNK a GEMM (twice for a dual one), 4BHL^2D attention (half of it causal); for a
+    `row_reduce` group, the bytes of its inputs and outputs instead (so its rate reads as TB/s)."""
+    if cand.template == "row_reduce":
+        g = cand.group
+        return float(sum(g.graph.aval(v).size * g.graph.aval(v).dtype.itemsize for v in (*g.inputs, *g.outputs)))
     if cand.template in ("matmul", "matmul_reduce"):
         return 2.0 * cand.spec.M * cand.spec.N * cand.spec.K * (2 if getattr(cand.spec, "dot2", None) is not None else 1)
     B, H, L, D = shapes[0]
@@ -264,11 +301,11 @@ def main(argv=None) -> int:
             tf = flops / (t.median_ms * 1e-3) / 1e12
             rows.append({"workload": name, "kernel": label, "config": config, "status": "ok", "median_ms": t.median_ms, "min_ms": t.min_ms,
                          "max_ms": t.max_ms, "tflops": tf, "max_error": res.max_error})
-            print(f"{name:30} {label:28} {t.median_ms:9.4f} ms ({t.min_ms:.4f}..{t.max_ms:.4f})  {tf:6.1f} TFLOP/s  err {res.max_error:.1e}",
+            print(f"{name:30} {label:28} {t.median_ms:9.4f} ms ({t.min_ms:.4f}..{t.max_ms:.4f})  {tf:6.1f} {'TB/s' if cand.template == 'row_reduce' else 'TFLOP/s'}  err {res.max_error:.1e}",
                   flush=True)
 
         measure("xla", ref)
-        for cfg in ([{}] if a.quick else json.loads(a.configs) if a.configs else MOSAIC[kind]):
+        for cfg in ([] if kind not in MOSAIC else [{}] if a.quick else json.loads(a.configs) if a.configs else MOSAIC[kind]):
             base = tmpl.default_config_of(cand.spec, "mosaic_gpu")
             if cand.template == "matmul" and cfg and "pingpong" not in cfg:  # a variant of the cooperative schedule
                 base = mosaic_matmul.default_config(cand.spec, pingpong=False)
@@ -282,7 +319,8 @@ def main(argv=None) -> int:
             if not cfg and kind in ("matmul", "dual") and len(g.nodes) > 1:  # the same kernel with the exact transcendentals
                 k = mosaic_matmul.lower(g, cand.spec, full, approx_math=False)
                 measure("mosaic {} exact math", jax.jit(lambda *xs, k=k: k(*xs)), full)
-        triton_cfgs = ([] if tmpl.unsupported(cand.spec, "triton") else TRITON_F32[kind] if name in DTYPES
+        triton_cfgs = ([] if tmpl.unsupported(cand.spec, "triton") else TRITON_ROWS[:1 if a.quick else None] if kind == "row_reduce"
+                       else TRITON_F32[kind] if name in DTYPES
                        else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}]))
         for tcfg in triton_cfgs:
             k = tmpl.build(g, tcfg, spec=cand.spec)
@@ -320,7 +358,7 @@ def table(rows: list[dict], argv: list[str] | None) -> list[str]:
     """The probe's rows as a results/ table: per workload and kernel, its time, spread, throughput and error."""
     lines = [header(argv), "", "Medians of back-to-back calls over 3 rotating input sets (min..max of the repeats); every kernel "
              "checked against jax.jit on the inputs first.", "",
-             "| workload | kernel | ms | min..max ms | TFLOP/s | max error | config |", "|---|---|---|---|---|---|---|"]
+             "| workload | kernel | ms | min..max ms | TFLOP/s (row_reduce: TB/s) | max error | config |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['workload']} | {r['kernel']} | {r['status']}: {r['error'][:200].replace('|', '/')} | | | | |")
