@@ -2,6 +2,8 @@
 dβ = Σ dy), written per block of rows as partials and added after the kernel (CPU, interpret mode)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,8 @@ from tests.kernel_checks import assert_plan_matches_jit
 
 ONE_PASS = {"block_rows": 4, "block_cols": 256, "num_warps": 4, "num_stages": 1}  # a row in one column block
 LOOPED = {"block_rows": 8, "block_cols": 64, "num_warps": 4, "num_stages": 1}  # rows longer than a block: column loops
+WALKED = {**ONE_PASS, "row_steps": 8}  # each program walks 8 blocks of rows: 32 rows a partial, the last program past R
+WALKED_ALL = {**ONE_PASS, "row_steps": 32}  # one program walks every row: one partial
 
 
 R, C = (3, 37), 200  # rows not a multiple of a block, columns not a power of two
@@ -39,7 +43,7 @@ def test_the_whole_backward_is_one_row_reduce_candidate(fn, shapes, sums):
     assert len(spec.col_sums) == sums and all(graph.avals[v].shape == (C,) for v in spec.col_sums)
 
 
-@pytest.mark.parametrize("config", [ONE_PASS, LOOPED], ids=["one pass", "column loops"])
+@pytest.mark.parametrize("config", [ONE_PASS, LOOPED, WALKED, WALKED_ALL], ids=["one pass", "column loops", "walked", "walked whole"])
 @pytest.mark.parametrize("fn,shapes,sums", CASES)
 def test_the_kernel_matches_xla(fn, shapes, sums, config):
     _, (c,) = _whole(fn, shapes)
@@ -51,6 +55,42 @@ def test_the_kernel_matches_xla(fn, shapes, sums, config):
             assert ok, why
 
 
+@pytest.mark.parametrize("fn,shapes,sums", CASES[:1])
+def test_programs_that_walk_row_blocks_write_fewer_partials(fn, shapes, sums):
+    """row_steps = k: a k-th of the programs, so a k-th of the partials (the pallas_call's [blocks, C] outputs)."""
+    _, (c,) = _whole(fn, shapes)
+    ins = random_inputs(c.group.input_avals(), 0)
+
+    def partial_rows(config):
+        k = TEMPLATES["row_reduce"].build(c.group, config, interpret=True, spec=c.spec)
+        (call,) = [e for e in jax.make_jaxpr(k)(*ins).eqns if e.primitive.name == "pallas_call"]
+        rows = math.prod(R)  # dx's rows, not a partial's
+        return sorted({v.aval.shape[0] for v in call.outvars if v.aval.shape[1:] == (C,) and v.aval.shape[0] != rows})
+
+    assert partial_rows(ONE_PASS) == [28] and partial_rows(WALKED) == [4] and partial_rows(WALKED_ALL) == [1]
+
+
+def test_walking_row_blocks_is_a_column_sums_config_by_default_at_a_models_size():
+    """GPT-2 medium's layer norm backward (16384 x 1024): the default walks row blocks (about PROGRAMS_WITH_SUMS
+    programs), the model prices the partials it saves, and a config that walks rows longer than one column block, or
+    a group without column sums, is refused before it compiles."""
+    from autofuse.kernels.triton import row_reduce as lowering
+
+    shapes = ((16384, 1024), (1024,), (1024,), (16384, 1024))
+    graph = autofuse.capture(layer_norm_vjp, *[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes])
+    (c,) = [c for c in enumerate_candidates(graph) if c.template == "row_reduce" and len(c.group.node_ids) == len(graph.nodes)]
+    tmpl = TEMPLATES["row_reduce"]
+    default = tmpl.default_config_of(c.spec, "triton")
+    programs = 16384 // (default["block_rows"] * default["row_steps"])
+    assert default["row_steps"] > 1 and lowering.PROGRAMS_WITH_SUMS // 2 < programs <= lowering.PROGRAMS_WITH_SUMS
+    assert tmpl.model_time_ms(c.spec, default) < tmpl.model_time_ms(c.spec, {**default, "row_steps": 1})
+    assert tmpl.unsupported(c.spec, "triton", {**default, "block_cols": 256}) is not None
+    softmax = autofuse.capture(lambda x: jax.nn.softmax(x, axis=-1), jax.ShapeDtypeStruct((4096, 1024), jnp.float32))
+    (s,) = [c for c in enumerate_candidates(softmax) if c.template == "row_reduce" and len(c.group.node_ids) == len(softmax.nodes)]
+    assert tmpl.default_config_of(s.spec, "triton")["row_steps"] == 1
+    assert tmpl.unsupported(s.spec, "triton", {**tmpl.default_config_of(s.spec, "triton"), "row_steps": 2}) is not None
+
+
 @pytest.mark.slow
 def test_a_plan_of_it_matches_jit_in_bfloat16():
     """The plan's gradients (the partials added in float32, then rounded) against jax.jit's, bf16 inputs."""
@@ -58,7 +98,8 @@ def test_a_plan_of_it_matches_jit_in_bfloat16():
     args = [jax.random.normal(jax.random.PRNGKey(i), s, jnp.float32).astype(jnp.bfloat16) for i, s in enumerate(shapes)]
     graph = autofuse.capture(layer_norm_vjp, *args)
     (c,) = [c for c in enumerate_candidates(graph) if c.template == "row_reduce" and len(c.group.node_ids) == len(graph.nodes)]
-    assert_plan_matches_jit(layer_norm_vjp, plan_from_choices(graph, [(c.group, "row_reduce", LOOPED)]), args, 2e-2)
+    for config in (LOOPED, WALKED):
+        assert_plan_matches_jit(layer_norm_vjp, plan_from_choices(graph, [(c.group, "row_reduce", config)]), args, 2e-2)
 
 
 def test_a_sum_over_the_rows_read_inside_the_group_is_refused():

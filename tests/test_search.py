@@ -170,11 +170,15 @@ def test_malformed_space_file_names_file_and_key(tmp_path, bad, key):
 
 def test_constraint_evaluation():
     s = spaces.load_spaces()["row_reduce"]
-    facts = dict(R=16384, C=4096, itemsize=2, n_inputs=1, n_outputs=1, smem_bytes=227 * 1024, n_reductions=2)
-    assert s.violated({"block_rows": 1, "block_cols": 4096, "num_warps": 8, "num_stages": 1}, facts) == []
-    v = s.violated({"block_rows": 64, "block_cols": 4096, "num_warps": 8, "num_stages": 3}, facts)
+    facts = dict(R=16384, C=4096, itemsize=2, n_inputs=1, n_outputs=1, smem_bytes=227 * 1024, n_reductions=2, n_col_sums=0, inner=0)
+    ok = {"block_rows": 1, "block_cols": 4096, "num_warps": 8, "num_stages": 1, "row_steps": 1}
+    assert s.violated(ok, facts) == []
+    v = s.violated({**ok, "block_rows": 64, "num_stages": 3}, facts)
     assert any("16384" in x for x in v) and any("smem_bytes" in x for x in v)
-    assert s.violated({"block_rows": 3, "block_cols": 4096, "num_warps": 8, "num_stages": 1}, facts)
+    assert s.violated({**ok, "block_rows": 3}, facts)
+    assert s.violated({**ok, "row_steps": 4}, facts)  # walking row blocks is for column sums
+    assert s.violated({**ok, "row_steps": 4}, {**facts, "n_col_sums": 2}) == []
+    assert s.violated({**ok, "row_steps": 4, "block_cols": 1024}, {**facts, "n_col_sums": 2})  # rows of 4 column blocks
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from .tiling import TileSpec, analyze, cdiv, facts, tile_time_ms
 class RowReduceTemplate(Template[TileSpec]):
     name = "row_reduce"
     offers_row_sums = True  # a norm's backward with its dγ, dβ
+    defaults = {"row_steps": 1}  # plans stored before programs walked row blocks
 
     def match(self, group: Group) -> TileSpec | None:
         """A tiling of the group around its column reductions, or None."""

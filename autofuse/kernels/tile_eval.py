@@ -58,8 +58,9 @@ def add_partials(spec: TileSpec, v: int, partials: jax.Array) -> jax.Array:
 class TileEval:
     """Evaluates a group's equations on [bm, bn] tiles at rows r0.., columns c0.. of the [R, C] space."""
 
-    def __init__(self, spec: TileSpec, bm: int, bn: int):
+    def __init__(self, spec: TileSpec, bm: int, bn: int, row_steps: int = 1):
         self.spec, self.bm, self.bn = spec, bm, bn
+        self.row_steps = row_steps  # row blocks a program walks (`walk_rows`): the grid covers R in bm x row_steps rows
         self.g = spec.group.graph
 
     # masks / indices -------------------------------------------------------
@@ -76,7 +77,7 @@ class TileEval:
         if inner:
             rows = jax.lax.broadcasted_iota(jnp.int32, (self.bm, 1), 0) < inner if span.rows and self.bm != inner else None
         else:
-            rows = self.row_idx(r0) < self.spec.R if span.rows and self.spec.R % self.bm else None
+            rows = self.row_idx(r0) < self.spec.R if span.rows and self.spec.R % (self.bm * self.row_steps) else None
         cols = self.col_idx(c0) < self.spec.C if span.cols and self.spec.C % self.bn else None
         return edge_mask(self.tile_shape(span), rows, cols)
 

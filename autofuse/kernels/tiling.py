@@ -102,6 +102,8 @@ def facts(spec: TileSpec) -> dict:
         "n_reductions": len(spec.reductions),
         "smem_bytes": H200.smem_bytes,
         "outer_rows": spec.outer_rows,
+        "n_col_sums": len(spec.col_sums),
+        "inner": spec.inner,
     }
 
 
@@ -135,8 +137,9 @@ def tile_time_ms(spec: TileSpec, config: dict, model: GPUModel, *, passes: int =
     bm, bn, warps = int(config["block_rows"]), int(config["block_cols"]), int(config["num_warps"])
     R, C = spec.R, spec.C
     col_blocks = cdiv(C, bn)
-    t_bytes = group_bytes(group, passes) / model.bandwidth_Bps
-    programs = cdiv(R, bm) * (col_blocks if two_d_grid else 1)
+    programs = cdiv(R, bm * int(config.get("row_steps", 1))) * (col_blocks if two_d_grid else 1)
+    partial_bytes = 2 * 4 * programs * C * len(spec.col_sums)  # column sums' float32 partials, written, then added
+    t_bytes = (group_bytes(group, passes) + partial_bytes) / model.bandwidth_Bps
     padded = (cdiv(R, bm) * bm / R) * (col_blocks * bn / C)
     per_thread = bm * bn / (32 * warps)
     penalty = 1.0

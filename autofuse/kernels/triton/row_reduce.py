@@ -14,37 +14,54 @@ from jax.experimental import pallas as pl
 from ... import ops
 from ...graph import Group
 from ..tiling import Span, TileSpec, cdiv, depends_on, needed, next_pow2
-from .tiles import TileBody, group_refs, kernel_name, single_pass, tile_call
+from .tiles import TileBody, group_refs, kernel_name, single_pass, tile_call, walk_rows
 
 
-
-PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages")
+PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages", "row_steps")
 MAX_BLOCK_COLS = 8192
+PROGRAMS_WITH_SUMS = 1024  # a norm's backward: about this many programs (8 a Hopper SM), each walking its row blocks
+
+
+def row_steps_of(config: dict) -> int:
+    """The row blocks each program walks (1 where the config predates `row_steps`)."""
+    return int(config.get("row_steps", 1))
+
+
+def check_config(spec: TileSpec, config: dict) -> None:
+    """A program walks several row blocks only where its column sums are what it saves (`walk_rows`): rows that fit
+    one column block, no inner rows."""
+    if row_steps_of(config) > 1 and (not spec.col_sums or spec.inner or int(config["block_cols"]) < spec.C):
+        raise NotImplementedError("row_steps > 1 needs column sums and rows that fit one column block")
 
 
 def default_config(spec: TileSpec) -> dict:
     bn = min(max(32, next_pow2(spec.C)), MAX_BLOCK_COLS)  # the space's narrowest block (masked past C) for a few columns
     bm = max(1, min(next_pow2(spec.R), 4096 // bn))
     warps = min(4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16, bm * bn // 32)  # a thread per element at least
-    return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1}
+    steps = 1
+    if spec.col_sums and not spec.inner and bn >= spec.C:  # fewer partials of the column sums to write and add
+        steps = min(32, next_pow2(max(1, cdiv(cdiv(spec.R, bm), PROGRAMS_WITH_SUMS))))
+    return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1, "row_steps": steps}
 
 
 def lower(group: Group, spec: TileSpec, config: dict, *, interpret: bool) -> Callable:
     if spec.inner:
         return _lower_inner(group, spec, config, interpret=interpret)
-    bm, bn = int(config["block_rows"]), int(config["block_cols"])
-    body = TileBody(spec, bm, bn)
+    bm, bn, steps = int(config["block_rows"]), int(config["block_cols"]), row_steps_of(config)
+    check_config(spec, config)
+    body = TileBody(spec, bm, bn, steps)
     nchunks = cdiv(spec.C, bn)
 
     def kernel(*refs):
         in_refs, out_refs = group_refs(group, refs)
-        r0 = pl.program_id(0) * bm
-        if nchunks == 1:
-            single_pass(body, in_refs, out_refs, r0, 0)
+        if steps > 1:
+            walk_rows(body, in_refs, out_refs, pl.program_id(0), steps)
+        elif nchunks == 1:
+            single_pass(body, in_refs, out_refs, pl.program_id(0) * bm, 0)
         else:
-            _staged(body, in_refs, out_refs, r0, nchunks)
+            _staged(body, in_refs, out_refs, pl.program_id(0) * bm, nchunks)
 
-    return tile_call(spec, kernel, grid=(cdiv(spec.R, bm),), name=kernel_name("row_reduce", group), interpret=interpret,
+    return tile_call(spec, kernel, grid=(cdiv(spec.R, bm * steps),), name=kernel_name("row_reduce", group), interpret=interpret,
                      num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
 
 

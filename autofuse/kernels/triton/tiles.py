@@ -42,19 +42,25 @@ class TileBody(TileEval):
         x = load_tile(ref.at[index], self.mask(span, r0, c0))
         return self.view(x.astype(ops.compute_dtype(x.dtype)), span)
 
-    def store_col_sum(self, ref, v: int, env: dict, r0, c0) -> None:
-        """A group output that is a sum over every row (`TileSpec.col_sums`): this block of rows' partial, at its
-        row of `ref` ([row blocks, C], float32; with inner rows a block is one outer index), rows past the edge
-        left out."""
+    def col_partial(self, v: int, env: dict, r0, c0) -> jax.Array:
+        """A group output that is a sum over every row (`TileSpec.col_sums`): this tile's partial, [1, bn] float32,
+        rows past the edge left out."""
         nd = self.g.node_index[self.spec.col_sums[v]]
         kind, x = ops.reduction_kind(nd.name), env[nd.inputs[0]]
         x = jnp.broadcast_to(x, (self.bm, self.bn))
         rows = self.mask(Span(True, False), r0, c0)
         if rows is not None:
             x = jnp.where(rows, x, ops.reduction_identity(kind, x.dtype))
-        part = ops.reduce_tile(kind, x, axis=0).astype(jnp.float32)
-        block = r0 // (self.spec.inner or self.bm)
-        plgpu.store(ref.at[pl.ds(block, 1), pl.ds(c0, self.bn)], part, mask=self.mask(Span(False, True), r0, c0))
+        return ops.reduce_tile(kind, x, axis=0).astype(jnp.float32)
+
+    def store_partial(self, ref, part: jax.Array, block, c0) -> None:
+        """A column sum's partial at row `block` of its [blocks, C] float32 array."""
+        plgpu.store(ref.at[pl.ds(block, 1), pl.ds(c0, self.bn)], part, mask=self.mask(Span(False, True), 0, c0))
+
+    def store_col_sum(self, ref, v: int, env: dict, r0, c0) -> None:
+        """This block of rows' partial of a column sum, at its row of `ref` ([row blocks, C], float32; with inner
+        rows a block is one outer index)."""
+        self.store_partial(ref, self.col_partial(v, env, r0, c0), r0 // (self.spec.inner or self.bm), c0)
 
     def store(self, ref, v: int, x, r0, c0):
         if v in self.spec.outer:  # (inner rows) one row per tile, at its outer index
@@ -76,17 +82,44 @@ def group_refs(group: Group, refs: Sequence) -> tuple[dict, dict]:
 
 def single_pass(body: TileBody, in_refs: dict, out_refs: dict, r0, c0) -> None:
     """The whole group on one tile: load every input, evaluate, store every output."""
-    group, spec = body.spec.group, body.spec
-    env = {v: body.load(in_refs[v], v, r0, c0) for v in group.inputs}
-    redmask = body.reduce_mask(r0, c0)
-    for nd in group.nodes:
-        if nd.id not in spec.col_sum_nodes:
-            body.eval_node(nd, env, r0, c0, redmask)
-    for v in group.outputs:
-        if v in spec.col_sums:
+    env = _evaluate(body, in_refs, r0, c0)
+    for v in body.spec.group.outputs:
+        if v in body.spec.col_sums:
             body.store_col_sum(out_refs[v], v, env, r0, c0)
         else:
             body.store(out_refs[v], v, env[v], r0, c0)
+
+
+def walk_rows(body: TileBody, in_refs: dict, out_refs: dict, program, steps: int) -> None:
+    """`single_pass` over `steps` consecutive blocks of rows (program `program`'s), the column sums' partials
+    combined in registers and stored once, at row `program`: `steps` times fewer partials to write and add."""
+    spec = body.spec
+    sums = [v for v in spec.group.outputs if v in spec.col_sums]
+    kinds = [ops.reduction_kind(body.g.node_index[spec.col_sums[v]].name) for v in sums]
+
+    def step(i, acc):
+        r0 = (program * steps + i) * body.bm
+        env = _evaluate(body, in_refs, r0, 0)
+        for v in spec.group.outputs:
+            if v not in spec.col_sums:
+                body.store(out_refs[v], v, env[v], r0, 0)
+        return tuple(ops.combine(k, a, body.col_partial(v, env, r0, 0)) for k, a, v in zip(kinds, acc, sums))
+
+    init = tuple(jnp.full((1, body.bn), ops.reduction_identity(k, jnp.float32), jnp.float32) for k in kinds)
+    acc = jax.lax.fori_loop(0, steps, step, init)
+    for v, a in zip(sums, acc):
+        body.store_partial(out_refs[v], a, program, 0)
+
+
+def _evaluate(body: TileBody, in_refs: dict, r0, c0) -> dict:
+    """The group's values on the tile at (r0, c0): its inputs loaded, its nodes evaluated (column sums left out)."""
+    spec = body.spec
+    env = {v: body.load(in_refs[v], v, r0, c0) for v in spec.group.inputs}
+    redmask = body.reduce_mask(r0, c0)
+    for nd in spec.group.nodes:
+        if nd.id not in spec.col_sum_nodes:
+            body.eval_node(nd, env, r0, c0, redmask)
+    return env
 
 
 def kernel_name(template: str, group: Group) -> str:
