@@ -218,10 +218,13 @@ TRITON_F32 = {"matmul": [{"block_m": 128, "block_n": 128, "block_k": 32, "num_wa
               "attention": [{"block_q": q, "block_k": k, "num_warps": w, "num_stages": st}
                             for q, k, w, st in [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2),
                                                 (64, 64, 4, 1), (128, 64, 8, 1)]]}
-# row_reduce's Triton configs: rows per program (fewer, taller blocks: fewer partials of the column sums), warps
-TRITON_ROWS = [{"block_rows": r, "block_cols": c, "num_warps": w, "num_stages": 1}
-               for r, c, w in [(4, 1024, 8), (1, 1024, 4), (2, 1024, 4), (8, 1024, 8), (16, 1024, 16), (8, 1024, 16),
-                               (32, 512, 16), (1, 4096, 8), (2, 4096, 16), (4, 4096, 16)]]
+# row_reduce's Triton configs: rows per block, warps, and the row blocks a program walks (fewer partials of the
+# column sums); those that do not apply (rows of several column blocks walked) are declined
+TRITON_ROWS = [{"block_rows": r, "block_cols": c, "num_warps": w, "num_stages": 1, "row_steps": k}
+               for r, c, w, k in [(4, 1024, 8, 1), (4, 1024, 8, 2), (4, 1024, 8, 4), (4, 1024, 8, 8), (4, 1024, 8, 16),
+                                  (2, 1024, 4, 1), (2, 1024, 4, 4), (2, 1024, 4, 8), (2, 1024, 4, 16), (8, 1024, 8, 2),
+                                  (8, 1024, 8, 4), (8, 1024, 16, 4), (1, 1024, 4, 16), (1, 4096, 8, 1), (1, 4096, 8, 8),
+                                  (1, 4096, 8, 16), (2, 4096, 16, 4), (2, 4096, 16, 8)]]
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},
@@ -323,6 +326,9 @@ def main(argv=None) -> int:
                        else TRITON_F32[kind] if name in DTYPES
                        else [TRITON[kind]] + ([] if a.quick or kind != "groupnorm" else [{**TRITON[kind], "block_n": 256}]))
         for tcfg in triton_cfgs:
+            if why := tmpl.unsupported(cand.spec, "triton", tcfg):
+                print(f"{name:30} triton {tcfg} declined: {why}", flush=True)
+                continue
             k = tmpl.build(g, tcfg, spec=cand.spec)
             measure(f"triton {json.dumps(tcfg)}", jax.jit(lambda *xs, k=k: k(*xs)), tcfg)
         measure("xla (again)", jax.jit(lambda *xs: g.evaluate(xs)))
