@@ -220,11 +220,12 @@ TRITON_F32 = {"matmul": [{"block_m": 128, "block_n": 128, "block_k": 32, "num_wa
                                                 (64, 64, 4, 1), (128, 64, 8, 1)]]}
 # row_reduce's Triton configs: rows per block, warps, and the row blocks a program walks (fewer partials of the
 # column sums); those that do not apply (rows of several column blocks walked) are declined
-TRITON_ROWS = [{"block_rows": r, "block_cols": c, "num_warps": w, "num_stages": 1, "row_steps": k}
-               for r, c, w, k in [(4, 1024, 8, 1), (4, 1024, 8, 2), (4, 1024, 8, 4), (4, 1024, 8, 8), (4, 1024, 8, 16),
-                                  (2, 1024, 4, 1), (2, 1024, 4, 4), (2, 1024, 4, 8), (2, 1024, 4, 16), (8, 1024, 8, 2),
-                                  (8, 1024, 8, 4), (8, 1024, 16, 4), (1, 1024, 4, 16), (1, 4096, 8, 1), (1, 4096, 8, 8),
-                                  (1, 4096, 8, 16), (2, 4096, 16, 4), (2, 4096, 16, 8)]]
+TRITON_ROWS = [{"block_rows": r, "block_cols": c, "num_warps": w, "num_stages": st, "row_steps": k}
+               for r, c, w, k, st in [(4, 1024, 8, 1, 1), (4, 1024, 8, 4, 1), (4, 1024, 8, 8, 1), (4, 1024, 8, 8, 2),
+                                      (4, 1024, 8, 8, 3), (2, 1024, 4, 16, 1), (2, 1024, 4, 16, 2), (2, 1024, 4, 16, 3),
+                                      (2, 1024, 8, 16, 2), (1, 1024, 4, 32, 2), (8, 1024, 8, 4, 2), (1, 4096, 8, 1, 1),
+                                      (1, 4096, 8, 16, 1), (1, 4096, 8, 16, 2), (1, 4096, 8, 16, 3), (1, 4096, 16, 16, 2),
+                                      (1, 4096, 8, 32, 2), (2, 4096, 16, 8, 2)]]
 TRITON = {"matmul": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "groupnorm": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8},
           "attention": {"block_q": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},

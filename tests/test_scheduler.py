@@ -337,3 +337,22 @@ def test_phase_one_measures_one_candidate_per_region_before_its_variants():
         regions += 1
     assert regions == 3 < len(gains), (regions, len(gains))  # each region once, then the variants
     assert all(set(cands[i].nodes) & placed for i in gains[regions:])
+
+
+def test_verbose_jobs_say_phase_ones_order_with_the_prices_it_weighs(capsys):
+    """`-v`: phase 1's order after XLA's timings, each line the candidate's XLA price, modelled default, cut and
+    saving, and why the budget passes it by (a modelled loss, or past phase 1's visits): the job's own reasons why
+    a group got no trial."""
+    from autofuse.tuning.scheduler import modelled_loss, phase1_lines, phase1_order, phase1_visits
+
+    graph, by_sig, cands, spaces = _setup()
+    lines = phase1_lines(cands, spaces, total=2)
+    order = phase1_order(cands, spaces)
+    assert lines[0].startswith(f"phase 1 order ({phase1_visits(len(cands), 2)} first visit") and len(lines) == 1 + min(40, len(order))
+    for line, i in zip(lines[1:], order):
+        r = cands[i]
+        assert r.signature[:12] in line and f"x{r.instances}" in line
+        assert ("modelled loss" in line) == (2 < len(cands) and modelled_loss(r, spaces[r.signature]))
+    assert any("modelled loss" in ln or "past phase 1" in ln for ln in lines[1:])
+    autofuse.tune(two_parts, *[jnp.zeros(a.shape, a.dtype) for a in ARGS], trials=2, store=False, verbose=True)
+    assert "phase 1 order (" in capsys.readouterr().err

@@ -34,7 +34,7 @@ from .options import Job, JobOptions
 from .output import StatusLine
 from .program_costs import ProgramCosts, take_profile
 from .report import TuneReport
-from .scheduler import Budget, Scheduler, timed_first, trial_total
+from .scheduler import Budget, Scheduler, phase1_lines, timed_first, trial_total
 from .trial import TrialContext
 from .validate import finalize
 
@@ -159,6 +159,9 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
             costs = take_profile(runner, profiled, graph, gmodel)
             if costs is not None:
                 costs.price(cands, by_sig)
+        if verbose and not quiet:
+            for line in phase1_lines(cands, spaces, total):
+                say(line)
         marks("xla")
         if budget.out_of_time():
             log.warning("autofuse: the time budget (%.0f s) ran out while timing %d distinct candidates in XLA (%.0f s): no trials "

@@ -43,6 +43,7 @@ from .. import costmodel
 from ..graph import Graph
 from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
+from ..tables import plural
 from .ledger import CandidateState
 from .partition import Candidate
 from .program_costs import ProgramCosts
@@ -176,6 +177,21 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
             first.append(i)
             placed |= nodes
     return first + variants + order[len(gains):]
+
+
+def phase1_lines(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace], total: int, most: int = 40) -> list[str]:
+    """Phase 1's order as the job sees it after timing XLA (`-v`): each candidate's XLA price (in the program where
+    profiled), its default's modelled time, what its outputs cost its neighbours, its modelled saving over every
+    instance, and whether a budget of `total` trials visits it. Why a group got no trial, in the job's own numbers."""
+    visits = phase1_visits(len(cands), total)
+    lines = [f"phase 1 order ({plural(visits, 'first visit')} of {plural(total, 'trial')}; saving = (xla - default - cut) x instances):"]
+    for k, i in enumerate(phase1_order(cands, spaces)[:most]):
+        r, sp = cands[i], spaces[cands[i].signature]
+        skipped = skipped_in_phase1(r, sp, total, len(cands))
+        note = "modelled loss: no phase-1 visit" if skipped else "" if k < visits else "past phase 1's visits"
+        lines.append(f"  {k + 1:3d} {r.signature[:12]} {r.template:<12} x{r.instances:<3d} xla {xla_time_ms(r, sp):.4f} default "
+                     f"{sp.default_ms():.4f} cut {sp.cut_ms:.4f} ms  saving {modelled_saving(r, sp):+.3f} ms  {note}".rstrip())
+    return lines
 
 
 def config_failures_only(r: CandidateState) -> bool:
