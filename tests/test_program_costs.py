@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import pytest
 
 from autofuse import costmodel
-from autofuse.graph import capture
+from autofuse.graph import Group, capture
 from autofuse.runner.evaluator import Evaluator
 from autofuse.runner.profile import KernelEvent, instruction_nodes, profile_program, program_kernels, scoped
 from autofuse.runner.protocol import ProfileRequest, XlaKernel
 from autofuse.tables import format_phases
-from autofuse.tuning.job import distinct_candidates
+from autofuse.tuning.job import distinct_candidates, search_spaces
+from autofuse.tuning.partition import Candidate
 from autofuse.tuning.program_costs import ProgramCosts, at_timed_level, take_profile
 from autofuse.tuning.scheduler import contenders, modelled_saving, phase1_order, time_at_stake
 from autofuse.tuning.select import best_cover, group_savings, savings_plan
@@ -142,6 +143,33 @@ def _priced(times: dict[str, float]):
         if kind in times:
             r.best_ms, r.best_config = times[kind], {}
     return g, by_sig, cands, costs, whole, part
+
+
+def test_a_candidate_not_timed_alone_is_priced_no_higher_than_the_models_xla_time_of_it():
+    """A group that cuts a large kernel, not timed alone yet, is credited no more than the model's XLA time of it alone
+    (then its own time alone, once measured): not the model's share of the kernel it cuts, which sent phase 1 to
+    fourteen variants of GPT-2's first layer norm priced 1.56 ms each (0.07-0.14 ms alone)."""
+    from autofuse.tuning.scheduler import modelled_alone_ms
+
+    g = capture(_norm_matmul_gelu, jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1024,), jnp.float32))
+    by_sig, cands = distinct_candidates(g)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    fusion = frozenset(n.id for n in g.nodes if n.id >= dot)  # XLA's GEMM with all of GELU, 150 ms (say)
+    costs = ProgramCosts((XlaKernel("gemm_fusion", 150.0, fusion),), g)
+    cut = next(r for r in cands if r.template == "matmul")
+    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    by_sig = {**by_sig, cut.signature: [Candidate(Group.of(g, [dot]), "matmul", None)]}  # its instance: the GEMM alone
+    cut.xla_ms = None
+    costs.price([cut], by_sig)
+    unbounded = cut.program_xla_ms
+    assert unbounded > 50.0  # most of the kernel it cuts, on the model's word alone
+    model_alone = modelled_alone_ms(spaces)[cut.signature]
+    costs.price([cut], by_sig, modelled_alone_ms(spaces))
+    assert cut.program_xla_ms == pytest.approx(costs.credit_ms({dot}, model_alone)) and cut.program_xla_ms <= model_alone < 1.0
+    cut.xla_ms = 0.5  # timed alone: its own time bounds it, whatever the model said
+    costs.price([cut], by_sig, {cut.signature: 1e-6})
+    assert cut.program_xla_ms == pytest.approx(0.5)
 
 
 def test_the_cover_priced_by_the_profile_takes_what_saves_in_the_program():
