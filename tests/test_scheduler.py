@@ -312,8 +312,9 @@ def test_phase_two_shares_follow_what_the_plan_still_spends_not_what_xla_spent()
 
 def test_phase_one_measures_one_candidate_per_region_before_its_variants():
     """Phase 1's order (`phase1_order`): the candidates modelled to save, each region of the program once (pairwise
-    disjoint nodes) before any variant of a region already placed, which follow in the same order; the modelled
-    losses last. A short budget then reaches every part of the program before a second variant of one."""
+    disjoint nodes) before any variant of a region already placed; the variants in rounds, each region's k-th before
+    any region's (k+1)-th; the modelled losses last. A short budget then reaches every part of the program before a
+    second variant of one, and every region's second variant before a third of one."""
     from autofuse.tuning.scheduler import modelled_saving, phase1_order
 
     def prog(x, w, y, z):  # three regions: a GEMM with an epilogue, a softmax, a small elementwise chain
@@ -337,6 +338,12 @@ def test_phase_one_measures_one_candidate_per_region_before_its_variants():
         regions += 1
     assert regions == 3 < len(gains), (regions, len(gains))  # each region once, then the variants
     assert all(set(cands[i].nodes) & placed for i in gains[regions:])
+    firsts, seen, rounds = gains[:regions], {}, []
+    for i in gains[regions:]:
+        region = next(f for f in firsts if set(cands[i].nodes) & set(cands[f].nodes))
+        rounds.append(seen.get(region, 0))
+        seen[region] = rounds[-1] + 1
+    assert rounds == sorted(rounds) and len(set(seen)) > 1 and max(rounds) > 0, rounds  # in rounds across the regions
 
 
 def test_verbose_jobs_say_phase_ones_order_with_the_prices_it_weighs(capsys):

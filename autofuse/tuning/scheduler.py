@@ -151,8 +151,10 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
 
     Among the modelled gains, one candidate per region of the program first: a candidate sharing nodes with one
     placed before it (a variant of the same ops, of which one plan holds one) comes after every candidate that does
-    not, in the same order. SPLADE's training step at 24 trials gave a dozen variants of one vocabulary GEMM their
-    defaults and its attention pair (4 instances of 0.47 ms, 2.6x alone) none.
+    not; then the variants in rounds, each region's k-th variant before any region's (k+1)-th, in the same order
+    within a round. SPLADE's training step at 24 trials gave a dozen variants of one vocabulary GEMM their defaults
+    and its attention pair (4 instances of 0.47 ms, 2.6x alone) none; GPT-2's step at 40 gave six near-copies of its
+    LM head the visits after its regions' firsts (results/norm_backward_h200.md).
 
     Modelled losses come last, the nearest to break-even (XLA's time over the default's) first: tuning may still
     make one of those win, where a group modelled at a tenth of XLA's speed will not. A budget that cannot give
@@ -168,15 +170,17 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
 
     order = sorted(range(len(cands)), key=key)
     gains = [i for i in order if key(i)[0] == 0]
-    first, variants, placed = [], [], set()
+    first: list[int] = []
+    variants: dict[int, list[int]] = {}  # a region's first candidate -> its variants, in order
     for i in gains:
         nodes = set(cands[i].nodes)
-        if nodes & placed:
-            variants.append(i)
-        else:
+        region = next((f for f in first if nodes & set(cands[f].nodes)), None)
+        if region is None:
             first.append(i)
-            placed |= nodes
-    return first + variants + order[len(gains):]
+        else:
+            variants.setdefault(region, []).append(i)
+    rounds = [[v[k] for v in variants.values() if k < len(v)] for k in range(max(map(len, variants.values()), default=0))]
+    return first + [i for r in rounds for i in sorted(r, key=key)] + order[len(gains):]
 
 
 def modelled_alone_ms(spaces: dict[str, CandidateSpace]) -> dict[str, float]:
