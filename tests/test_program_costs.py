@@ -2,6 +2,8 @@
 summed by instruction, the prices per node and per group, and the cover they give (issue 32, item 2)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -149,8 +151,6 @@ def test_a_candidate_not_timed_alone_is_priced_no_higher_than_the_models_xla_tim
     """A group that cuts a large kernel, not timed alone yet, is credited no more than the model's XLA time of it alone
     (then its own time alone, once measured): not the model's share of the kernel it cuts, which sent phase 1 to
     fourteen variants of GPT-2's first layer norm priced 1.56 ms each (0.07-0.14 ms alone)."""
-    from autofuse.tuning.scheduler import modelled_alone_ms
-
     g = capture(_norm_matmul_gelu, jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
                 jax.ShapeDtypeStruct((1024,), jnp.float32))
     by_sig, cands = distinct_candidates(g)
@@ -164,11 +164,11 @@ def test_a_candidate_not_timed_alone_is_priced_no_higher_than_the_models_xla_tim
     costs.price([cut], by_sig)
     unbounded = cut.program_xla_ms
     assert unbounded > 50.0  # most of the kernel it cuts, on the model's word alone
-    model_alone = modelled_alone_ms(spaces)[cut.signature]
-    costs.price([cut], by_sig, modelled_alone_ms(spaces))
+    model_alone = spaces[cut.signature].xla_model_ms
+    costs.price([cut], by_sig, spaces)
     assert cut.program_xla_ms == pytest.approx(costs.credit_ms({dot}, model_alone)) and cut.program_xla_ms <= model_alone < 1.0
     cut.xla_ms = 0.5  # timed alone: its own time bounds it, whatever the model said
-    costs.price([cut], by_sig, {cut.signature: 1e-6})
+    costs.price([cut], by_sig, {cut.signature: replace(spaces[cut.signature], xla_model_ms=1e-6)})
     assert cut.program_xla_ms == pytest.approx(0.5)
 
 

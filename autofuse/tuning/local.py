@@ -34,7 +34,7 @@ from .options import Job, JobOptions
 from .output import StatusLine
 from .program_costs import ProgramCosts, take_profile
 from .report import TuneReport
-from .scheduler import Budget, Scheduler, modelled_alone_ms, phase1_lines, timed_first, trial_total
+from .scheduler import Budget, Scheduler, phase1_lines, timed_first, trial_total
 from .trial import TrialContext
 from .validate import finalize
 
@@ -158,7 +158,7 @@ def tune_here(fn: Callable, args: tuple, kwargs: dict, job: Job) -> TuneReport:
             phase("autofuse: profiling jax.jit's program (what XLA's kernels there cost each group's nodes)")
             costs = take_profile(runner, profiled, graph, gmodel)
             if costs is not None:
-                costs.price(cands, by_sig, modelled_alone_ms(spaces))
+                costs.price(cands, by_sig, spaces)
         if verbose and not quiet:
             for line in phase1_lines(cands, spaces, total):
                 say(line)

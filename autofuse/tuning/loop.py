@@ -10,7 +10,7 @@ from ..spent import add_since
 from .job import create_study, load_study
 from .ledger import CandidateState, Ledger
 from .output import best_postfix, trial_line
-from .scheduler import Scheduler, modelled_alone_ms
+from .scheduler import Scheduler
 from .space import CandidateSpace
 from .trial import TrialContext, run_trial
 
@@ -99,7 +99,7 @@ class TrialLoop:
         r = self.cands[i]
         self.ledger.time_xla(r, lambda: self.ctx.runner.call(XlaRequest(tuple(r.nodes))))
         if self.scheduler.costs is not None:  # its time alone bounds what the profile credits it (`ProgramCosts.credit_ms`)
-            self.scheduler.costs.price([r], self.scheduler.by_sig, modelled_alone_ms(self.scheduler.spaces))
+            self.scheduler.costs.price([r], self.scheduler.by_sig, self.scheduler.spaces)
 
     def show_best(self, force: bool = False) -> None:
         """The job's best plan so far on the bar (its cover's speedup, not one candidate's). A whole model's cover is

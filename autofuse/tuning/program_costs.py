@@ -18,13 +18,16 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import costmodel
 from ..graph import Graph, Group
 from ..runner.protocol import ProfileRequest, XlaKernel
 from .ledger import CandidateState
 from .partition import Candidate
+
+if TYPE_CHECKING:
+    from .space import CandidateSpace
 
 #: The most a kernel's remainder is charged, as a multiple of the kernel's time, when a group cuts it (its roofline
 #: grows with what it must now read): a bound on the model's word, which never saw the remainder run.
@@ -114,14 +117,14 @@ class ProgramCosts:
         return self.credit_per_instance(instances, alone_ms) - kernel_ms if instances else 0.0
 
     def price(self, cands: Sequence[CandidateState], by_sig: dict[str, list[Candidate]],
-              modelled_alone_ms: Mapping[str, float] | None = None) -> None:
+              spaces: Mapping[str, CandidateSpace] | None = None) -> None:
         """Set each candidate's XLA time in the program (`CandidateState.program_xla_ms`), which the budget rule then
         weighs its fused times against (`scheduler.xla_time_ms`). A candidate not timed alone yet is bounded by the
-        model's XLA time of it alone (`modelled_alone_ms`, by signature) until it is: in GPT-2's step, fourteen
-        variants of the first layer norm (0.07-0.14 ms alone) each took a cut of a large XLA kernel, were priced
-        1.56-1.61 ms, and took phase 1's visits one after another, each falling back to a loss once timed."""
+        model's XLA time of it alone (its space's `xla_model_ms`) until it is: in GPT-2's step, fourteen variants of
+        the first layer norm (0.07-0.14 ms alone) each took a cut of a large XLA kernel, were priced 1.56-1.61 ms,
+        and took phase 1's visits one after another, each falling back to a loss once timed."""
         for r in cands:
-            alone = r.xla_ms if r.xla_ms is not None else (modelled_alone_ms or {}).get(r.signature)
+            alone = r.xla_ms if r.xla_ms is not None or spaces is None else spaces[r.signature].xla_model_ms
             r.program_xla_ms = self.credit_per_instance([c.nodes for c in by_sig[r.signature]], alone)
 
     @property

@@ -183,12 +183,6 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     return first + [i for r in rounds for i in sorted(r, key=key)] + order[len(gains):]
 
 
-def modelled_alone_ms(spaces: dict[str, CandidateSpace]) -> dict[str, float]:
-    """The model's XLA time of each candidate alone, by signature: what bounds a profile's price of a candidate not
-    timed alone yet (`ProgramCosts.price`)."""
-    return {sig: sp.xla_model_ms for sig, sp in spaces.items()}
-
-
 def phase1_lines(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace], total: int, most: int = 40) -> list[str]:
     """Phase 1's order as the job sees it after timing XLA (`-v`): each candidate's XLA price (in the program where
     profiled), its default's modelled time, what its outputs cost its neighbours, its modelled saving over every

@@ -76,7 +76,7 @@ from .loop import TrialLoop
 from .options import Job, JobOptions
 from .program_costs import take_profile
 from .report import TuneReport
-from .scheduler import Budget, Scheduler, modelled_alone_ms, timed_first
+from .scheduler import Budget, Scheduler, timed_first
 from .trial import TrialContext
 from .validate import finalize
 
@@ -365,7 +365,7 @@ def run_worker(run_id: int, program: str, url: str | None = None, *, index: int 
             if measure == "device":  # each worker profiles jax.jit's program on its own GPU: its budget rule's prices
                 scheduler.costs = take_profile(runner, profiled, graph, gmodel)
                 if scheduler.costs is not None:
-                    scheduler.costs.price(cands, by_sig, modelled_alone_ms(spaces))
+                    scheduler.costs.price(cands, by_sig, spaces)
             marks("xla", worker=me)
             if job.get("staged"):  # the studies with their first configs
                 wait_for_phase(pstore, run_id, "setup", ready_timeout_s)

@@ -28,10 +28,14 @@ def row_steps_of(config: dict) -> int:
     return int(config.get("row_steps", 1))
 
 
+def walks_rows(spec: TileSpec, block_cols: int) -> bool:
+    """Whether programs may walk several row blocks (`walk_rows`): where column sums are what it saves, on rows that
+    fit one column block, with no inner rows."""
+    return bool(spec.col_sums) and not spec.inner and block_cols >= spec.C
+
+
 def check_config(spec: TileSpec, config: dict) -> None:
-    """A program walks several row blocks only where its column sums are what it saves (`walk_rows`): rows that fit
-    one column block, no inner rows."""
-    if row_steps_of(config) > 1 and (not spec.col_sums or spec.inner or int(config["block_cols"]) < spec.C):
+    if row_steps_of(config) > 1 and not walks_rows(spec, int(config["block_cols"])):
         raise NotImplementedError("row_steps > 1 needs column sums and rows that fit one column block")
 
 
@@ -40,7 +44,7 @@ def default_config(spec: TileSpec) -> dict:
     bm = max(1, min(next_pow2(spec.R), 4096 // bn))
     warps = min(4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16, bm * bn // 32)  # a thread per element at least
     steps = 1
-    if spec.col_sums and not spec.inner and bn >= spec.C:  # fewer partials of the column sums to write and add
+    if walks_rows(spec, bn):  # fewer partials of the column sums to write and add
         steps = min(32, next_pow2(max(1, cdiv(cdiv(spec.R, bm), PROGRAMS_WITH_SUMS))))
     return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1, "row_steps": steps}
 
