@@ -88,6 +88,8 @@ def test_walking_row_blocks_is_a_column_sums_config_by_default_at_a_models_size(
     softmax = autofuse.capture(lambda x: jax.nn.softmax(x, axis=-1), jax.ShapeDtypeStruct((4096, 1024), jnp.float32))
     (s,) = [c for c in enumerate_candidates(softmax) if c.template == "row_reduce" and len(c.group.node_ids) == len(softmax.nodes)]
     assert tmpl.default_config_of(s.spec, "triton")["row_steps"] == 1
+    assert tmpl.space_of(s.group, s.spec, "triton")["params"]["row_steps"] == [1]  # searched only where it can apply
+    assert len(tmpl.space_of(c.group, c.spec, "triton")["params"]["row_steps"]) > 1
     assert tmpl.unsupported(s.spec, "triton", {**tmpl.default_config_of(s.spec, "triton"), "row_steps": 2}) is not None
 
 

@@ -12,6 +12,7 @@ so dy and x̂ are read once for dx and the column sums together.
 from __future__ import annotations
 
 from ..costmodel import H200, GPUModel
+from ..spaces import DEFAULT_BACKEND
 from ..graph import Group
 from ..ops import OpClass, op_class
 from .template import NoMatch, Template
@@ -44,6 +45,16 @@ class RowReduceTemplate(Template[TileSpec]):
             return analyze(group, S, split, column_sums=True)
         except NoMatch:
             return None
+
+    def space_of(self, group: Group, spec: TileSpec | None = None, backend: str = DEFAULT_BACKEND) -> dict:
+        """The space of search_spaces/row_reduce.toml, with `row_steps` searched only where the group has column sums
+        to walk rows for (elsewhere its one value, 1: a space six times the size, five of six configs infeasible,
+        would spend the sampler's proposals and the model's enumeration on nothing)."""
+        sp = super().space_of(group, spec, backend)
+        spec = spec if spec is not None else self.match(group)
+        if not spec.col_sums or spec.inner:
+            sp["params"] = {**sp["params"], "row_steps": [1]}
+        return sp
 
     def facts(self, group: Group, spec: TileSpec) -> dict:
         """What search_spaces/row_reduce.toml's constraints read: the tiling's (`tiling.facts`)."""
