@@ -21,6 +21,8 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
+from .ops import OpClass, op_class
+
 # Primitives whose body is inlined into the graph, with the parameter holding it.
 _INLINE_PARAM = {
     "pjit": "jaxpr",
@@ -391,7 +393,136 @@ def capture(fn: Callable, *args: Any, static_argnums: Sequence[int] = (), static
     b.add_consts(env, closed.jaxpr.constvars, closed.consts)
     in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
     outs = b.walk(closed.jaxpr, in_ids, env)
-    return Graph(b.nodes, b.avals, in_ids, outs, b.consts, in_tree, out_tree_box[-1], static_repr)
+    nodes = recompute_for_late_readers(b.nodes, b.avals, in_ids + list(b.consts), outs)
+    return Graph(nodes, b.avals, in_ids, outs, b.consts, in_tree, out_tree_box[-1], static_repr)
+
+
+# ---------------------------------------------------------------------------
+# Values a gradient program keeps for its backward that its backward can compute again.
+#: Nodes one value's recomputation may take (GELU-tanh's residuals are 3-9 from the value its backward reads anyway).
+MAX_RECOMPUTED = 16
+_CHEAP = (OpClass.ELEMENTWISE, OpClass.BROADCAST)
+_BARRIER = (OpClass.CONTRACTION, OpClass.OPAQUE)
+
+
+def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], available: Sequence[int],
+                               outputs: Sequence[Atom]) -> list[Node]:
+    """The program with the elementwise values its backward reads computed again there, where what they are
+    computed from is kept for the backward anyway (new nodes, new value ids added to `avals`; nodes renumbered).
+
+    `jax.grad` of GELU-tanh keeps g = x @ W + b and three more arrays of g's shape made from it (3g², 1 - tanh²,
+    (1 + tanh) / 2) for its backward, which reads g too. A fused kernel must write every value a reader outside it
+    needs, so the forward's GEMM + GELU group wrote five arrays where XLA's fusions write two and recompute the
+    rest beside the backward's reader (GPT-2 medium's step: 4 x 128 MiB more per layer). Here each such value's
+    elementwise chain is copied for its late readers, so that the forward's group writes g and GELU(g) only and
+    the backward's group (or XLA's fusion) computes the rest from g. A reader is late when at least two GEMMs
+    (or opaque calls) lie on a path into it beyond the value's own (the rest of the network, then the dgrad).
+    A value is recomputed only where each value its chain starts from is itself read late (so is kept for the
+    backward anyway: no new reads), and where no GEMM or opaque node reads the value itself, nor does the
+    program return it (so the forward writes it anyway). Only elementwise and broadcast nodes are copied, at
+    most `MAX_RECOMPUTED` per value; decisions use the graph's structure alone (never sizes), so programs
+    that differ in their sizes keep corresponding node ids. A program without such values is returned unchanged."""
+    producer = {v: n for n in nodes for v in n.outputs}
+    readers: dict[int, list[Node]] = {}
+    for n in nodes:
+        for a in dict.fromkeys(a for a in n.inputs if isinstance(a, int)):
+            readers.setdefault(a, []).append(n)
+    kind = {n.id: op_class(n.name) for n in nodes}
+    level: dict[int, int] = {v: 0 for v in available}  # a value's: the GEMMs and opaque calls on the longest path into it
+    depth: dict[int, int] = {}  # a node's: its inputs' highest level
+    for n in nodes:
+        depth[n.id] = max((level.get(a, 0) for a in n.inputs if isinstance(a, int)), default=0)
+        for v in n.outputs:
+            level[v] = depth[n.id] + (kind[n.id] in _BARRIER)
+    returned = {a for a in outputs if isinstance(a, int)}
+
+    def late(v: int) -> list[Node]:
+        return [r for r in readers.get(v, ()) if depth[r.id] >= level[v] + 2]
+
+    kept: set[int] = {v for v in available if late(v)}  # values the backward reads as stored
+    chains: dict[int, list[int]] = {}  # a recomputed value -> the node ids its copy evaluates
+    for n in nodes:
+        for v in n.outputs:
+            readers_late = late(v)
+            if not readers_late:
+                continue
+            chain = None
+            if (len(n.outputs) == 1 and kind[n.id] in _CHEAP and v not in returned
+                    and all(kind[r.id] in _CHEAP for r in readers.get(v, ()))):
+                chain = _chain(n, producer, kind, kept)
+            if chain is None:
+                kept.add(v)
+            else:
+                chains[v] = chain
+    if not chains:
+        return nodes
+    return _with_copies(nodes, avals, chains, late, returned)
+
+
+def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: set[int]) -> list[int] | None:
+    """The ids of the cheap nodes that compute `n`'s value from kept values (and literals), or None."""
+    chain: set[int] = set()
+    stack = [n]
+    while stack:
+        m = stack.pop()
+        if m.id in chain:
+            continue
+        chain.add(m.id)
+        if len(chain) > MAX_RECOMPUTED:
+            return None
+        for a in m.inputs:
+            if isinstance(a, Lit) or a in kept:
+                continue
+            p = producer.get(a)
+            if p is None or kind[p.id] not in _CHEAP or len(p.outputs) != 1:
+                return None
+            stack.append(p)
+    return sorted(chain)
+
+
+def _with_copies(nodes: list[Node], avals: dict[int, Aval], chains: dict[int, list[int]],
+                 late: Callable[[int], list[Node]], returned: set[int]) -> list[Node]:
+    """`nodes` with each chain copied (once per node) before the first late reader it feeds, the late readers
+    reading the copies, and the originals no one reads any more dropped."""
+    index = {n.id: n for n in nodes}
+    copied = sorted({i for chain in chains.values() for i in chain})
+    chain_nodes = set(copied)
+    copy_of: dict[int, int] = {}  # original value -> its copy's
+    fresh = itertools.count(max(avals) + 1)
+    for i in copied:
+        for v in index[i].outputs:
+            copy_of[v] = next(fresh)
+            avals[copy_of[v]] = avals[v]
+    copies = {i: Node(-1, index[i].primitive, index[i].params,
+                      tuple(copy_of.get(a, a) if isinstance(a, int) else a for a in index[i].inputs),
+                      tuple(copy_of[v] for v in index[i].outputs)) for i in copied}
+    redirected: dict[int, set[int]] = {}  # late reader id -> the values it reads as copies
+    for v in chains:
+        for r in late(v):
+            redirected.setdefault(r.id, set()).add(v)
+    out: list[Node] = []
+    placed: set[int] = set()
+    for n in nodes:
+        if n.id in redirected:
+            need = sorted(i for v in redirected[n.id] for i in chains[v] if i not in placed)
+            for i in dict.fromkeys(need):
+                placed.add(i)
+                out.append(copies[i])
+            n = Node(n.id, n.primitive, n.params, tuple(copy_of[a] if isinstance(a, int) and a in redirected[n.id] else a
+                                                        for a in n.inputs), n.outputs)
+        out.append(n)
+    # the originals only the late readers read: gone
+    count: dict[int, int] = {}
+    for n in out:
+        for a in dict.fromkeys(a for a in n.inputs if isinstance(a, int)):
+            count[a] = count.get(a, 0) + 1
+    dead: set[int] = set()
+    for n in reversed(out):
+        if n.id in chain_nodes and not any(count.get(v, 0) or v in returned for v in n.outputs):
+            dead.add(n.id)
+            for a in dict.fromkeys(a for a in n.inputs if isinstance(a, int)):
+                count[a] -= 1
+    return [Node(k, n.primitive, n.params, n.inputs, n.outputs) for k, n in enumerate(m for m in out if m.id not in dead)]
 
 
 def _leaf_dtype(x: Any) -> np.dtype:

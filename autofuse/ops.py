@@ -29,6 +29,7 @@ _ELEMENTWISE = {
     "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
     "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil", "is_finite", "not", "square",
     "integer_pow", "convert_element_type", "stop_gradient", "reduce_precision", "copy", "copy_p",
+    "one_minus_square",  # tanh's derivative in a gradient program: 1 - x²
     "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
     # binary / n-ary
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "nextafter",
