@@ -417,11 +417,14 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
     elementwise chain is copied for its late readers, so that the forward's group writes g and GELU(g) only and
     the backward's group (or XLA's fusion) computes the rest from g. A reader is late when at least two GEMMs
     (or opaque calls) lie on a path into it beyond the value's own (the rest of the network, then the dgrad).
-    A value is recomputed only where each value its chain starts from is itself read late (so is kept for the
-    backward anyway: no new reads), and where no GEMM or opaque node reads the value itself, nor does the
-    program return it (so the forward writes it anyway). Only elementwise and broadcast nodes are copied, at
-    most `MAX_RECOMPUTED` per value; decisions use the graph's structure alone (never sizes), so programs
-    that differ in their sizes keep corresponding node ids. A program without such values is returned unchanged."""
+    A value is recomputed only where that costs no more reads than it saves: its chain starts from values the
+    backward reads anyway (read late themselves), reductions' results (a row's statistics: small), and values written anyway (program inputs, values read
+    across a GEMM or by one) of fewer bytes an element together than it has (a layer norm's float32 x - mean and
+    (x - mean) * rstd, computed again from its bfloat16 input and the row sums: two float32 arrays
+    neither written nor read again for one bfloat16 array read); and where no GEMM or opaque node reads the value
+    itself, nor does the program return it (so the forward writes it anyway). Only elementwise and broadcast
+    nodes are copied, at most `MAX_RECOMPUTED` per value; decisions use the graph's structure and dtypes alone
+    (never sizes), so programs that differ in their sizes keep corresponding node ids. A program without such values is returned unchanged."""
     producer = {v: n for n in nodes for v in n.outputs}
     readers: dict[int, list[Node]] = {}
     for n in nodes:
@@ -439,7 +442,12 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
     def late(v: int) -> list[Node]:
         return [r for r in readers.get(v, ()) if depth[r.id] >= level[v] + 2]
 
+    def written(v: int) -> bool:  # by any plan: read across a GEMM, or by one (or an opaque node)
+        return v in level and any(depth[r.id] > level[v] or kind[r.id] in _BARRIER for r in readers.get(v, ()))
+
     kept: set[int] = {v for v in available if late(v)}  # values the backward reads as stored
+    kept |= {v for n in nodes if kind[n.id] is OpClass.REDUCTION for v in n.outputs}  # a row's statistics: small
+    written_anyway = {v for v in level if v in available or written(v)}
     chains: dict[int, list[int]] = {}  # a recomputed value -> the node ids its copy evaluates
     for n in nodes:
         for v in n.outputs:
@@ -449,7 +457,7 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
             chain = None
             if (len(n.outputs) == 1 and kind[n.id] in _CHEAP and v not in returned
                     and all(kind[r.id] in _CHEAP for r in readers.get(v, ()))):
-                chain = _chain(n, producer, kind, kept)
+                chain = _chain(n, producer, kind, kept, written_anyway, chains, avals)
             if chain is None:
                 kept.add(v)
             else:
@@ -459,9 +467,12 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
     return _with_copies(nodes, avals, chains, late, returned)
 
 
-def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: set[int]) -> list[int] | None:
-    """The ids of the cheap nodes that compute `n`'s value from kept values (and literals), or None."""
+def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: set[int], written: set[int],
+           copied: dict[int, list[int]], avals: dict[int, Aval]) -> list[int] | None:
+    """The ids of the cheap nodes that compute `n`'s value from kept values, literals and written values of fewer
+    bytes an element together than the value (`copied`: values computed again, so no longer written), or None."""
     chain: set[int] = set()
+    reads: set[int] = set()  # written values read for the copy that the backward did not read
     stack = [n]
     while stack:
         m = stack.pop()
@@ -473,10 +484,15 @@ def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: s
         for a in m.inputs:
             if isinstance(a, Lit) or a in kept:
                 continue
+            if a in written and a not in copied:
+                reads.add(a)
+                continue
             p = producer.get(a)
             if p is None or kind[p.id] not in _CHEAP or len(p.outputs) != 1:
                 return None
             stack.append(p)
+    if sum(avals[a].dtype.itemsize for a in reads) >= avals[n.outputs[0]].dtype.itemsize:
+        return None
     return sorted(chain)
 
 

@@ -132,3 +132,48 @@ def test_decisions_do_not_depend_on_sizes():
     a = autofuse.capture(mlp_grad, *_specs())
     b = autofuse.capture(mlp_grad, *_specs(m=96, k=48, n=256, c=80))
     assert a.structure == b.structure and len(a.nodes) == len(b.nodes)
+
+
+def _ln(x, scale, bias, eps=1e-5):
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
+def block_loss(x, scale, bias, w1, w2, w3):
+    """A pre-norm residual block (bf16, the norm's statistics in float32) under a softmax loss."""
+    z = x + (_ln(x, scale, bias) @ w1) @ w2
+    return jnp.sum(jax.nn.log_softmax((z @ w3).astype(jnp.float32)))
+
+
+block_grad = jax.grad(block_loss, argnums=(0, 1, 2, 3, 4, 5))
+BLOCK = [S((48, 64), BF16), S((64,), jnp.float32), S((64,), jnp.float32), S((64, 96), BF16), S((96, 64), BF16), S((64, 40), BF16)]
+
+
+def _norm_outputs(g) -> list[str]:
+    first_dot = min(n.id for n in g.nodes if n.name == "dot_general")
+    return sorted(str(g.avals[v]) for v in Group.of(g, [n.id for n in g.nodes if n.id < first_dot]).outputs)
+
+
+def test_the_norms_float32_residuals_are_computed_again_from_its_bf16_input(monkeypatch):
+    """x - mean and (x - mean) * rstd (float32) are read by the norm's backward: computed again there from x
+    (bf16, read across the block's GEMMs anyway) and the row sums, the forward norm writes neither."""
+    outs = _norm_outputs(autofuse.capture(block_grad, *BLOCK))
+    assert "float32[48, 64]" not in outs, outs
+    monkeypatch.setattr(graph_mod, "MAX_RECOMPUTED", 0)
+    assert _norm_outputs(autofuse.capture(block_grad, *BLOCK)).count("float32[48, 64]") >= 2
+
+
+def test_the_block_computes_jax_grads_numbers_with_its_norm_fused():
+    g = autofuse.capture(block_grad, *BLOCK)
+    cand = max((c for c in enumerate_candidates(g) if c.template == "row_reduce"), key=lambda c: len(c.nodes))
+    from autofuse.kernels import TEMPLATES
+    plan = plan_from_choices(g, [(cand.group, "row_reduce", TEMPLATES["row_reduce"].default_config(cand.spec))])
+    fused = autofuse.jit(block_grad, plan=plan, on_miss="error")
+    args = _inputs(BLOCK, seed=5)
+    got = jax.tree_util.tree_leaves(fused(*args))
+    assert fused.last_status.startswith("plan:")
+    for a, b in zip(got, jax.tree_util.tree_leaves(jax.jit(block_grad)(*args))):
+        ok, _, why = compare(a, b, 2e-2)
+        assert ok, why
