@@ -19,8 +19,10 @@
    the time the best plan so far spends on the candidate, one instance's times
    the instances: GPT-2's LM head, one group of 3.25 ms, once took 19 of 40
    trials from the QKV projections, 24 groups of 0.23 ms; and what a group
-   already saved is not at stake), never more than a candidate's number of
-   configs (`allocate`).
+   already saved is not at stake), scaled down by each trial since its best by
+   how far it missed (`prospect`: GPT-2's cuDNN step gave its attention pair,
+   24 x 0.87 ms at stake, 9-13 of its 20 phase-2 trials, each 1.6-4.3x slower
+   than its default), never more than a candidate's number of configs (`allocate`).
 A time budget that runs out therefore leaves undone what can matter least.
 The drivers (`local`, `workers`) only run the trial `pick` names.
 
@@ -50,6 +52,7 @@ from .program_costs import ProgramCosts
 from .select import Cover, best_cover
 from .space import CandidateSpace, config_key
 
+FAILED_MISS = 0.5  # phase 2: a candidate's share, per trial since its best that did not run (`prospect`)
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
 PHASE1_SHARE = 0.5  # of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts
@@ -123,6 +126,22 @@ def time_at_stake(r: CandidateState) -> float:
     5-9 (2 H200s, results/tuning_h200_run26.md)."""
     times = [t for t in (r.best_ms, xla_measured_ms(r)) if t is not None]
     return min(times, default=0.0) * r.instances
+
+
+def prospect(r: CandidateState) -> float:
+    """Phase 2's weight of `r`: its time at stake, times best / time for each trial (counted against the budget) it
+    ran after its best config, `FAILED_MISS` for one that did not run: a search whose proposals land far from its best
+    is unlikely to beat it, and the trials are worth more elsewhere; one whose proposals come close keeps its share."""
+    spent = sorted(r.spent(), key=lambda t: t.number)
+    ok = [t for t in spent if t.status is TrialStatus.OK and t.median_ms]
+    weight = time_at_stake(r)
+    if not ok:
+        return weight
+    best = min(ok, key=lambda t: (t.median_ms, t.number))
+    for t in spent:
+        if t.number > best.number:
+            weight *= min(1.0, best.median_ms / t.median_ms) if t.status is TrialStatus.OK and t.median_ms else FAILED_MISS
+    return weight
 
 
 def modelled_saving(r: CandidateState, space: CandidateSpace) -> float:
@@ -283,7 +302,7 @@ class Scheduler:
         if not cont:  # phase 2 has no one left: the candidates phase 1 did not reach
             return next((i for i in order if i in open_ and not counted[i]), None)
         have = [counted[i] for i in cont]
-        weights = [time_at_stake(self.cands[i]) for i in cont]
+        weights = [prospect(self.cands[i]) for i in cont]
         target = allocate(weights, [self.caps[i] for i in cont], sum(have) + self.total - sum(counted))
         behind = max(range(len(cont)), key=lambda k: ((target[k] - have[k]) / max(target[k], 1), weights[k]))
         self.planned = {cont[k]: target[k] - have[k] for k in range(len(cont))}
