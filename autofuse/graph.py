@@ -418,13 +418,14 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
     the backward's group (or XLA's fusion) computes the rest from g. A reader is late when at least two GEMMs
     (or opaque calls) lie on a path into it beyond the value's own (the rest of the network, then the dgrad).
     A value is recomputed only where that costs no more reads than it saves: its chain starts from values the
-    backward reads anyway (read late themselves), reductions' results (a row's statistics: small), and values written anyway (program inputs, values read
-    across a GEMM or by one) of fewer bytes an element together than it has (a layer norm's float32 x - mean and
-    (x - mean) * rstd, computed again from its bfloat16 input and the row sums: two float32 arrays
-    neither written nor read again for one bfloat16 array read); and where no GEMM or opaque node reads the value
-    itself, nor does the program return it (so the forward writes it anyway). Only elementwise and broadcast
-    nodes are copied, at most `MAX_RECOMPUTED` per value; decisions use the graph's structure and dtypes alone
-    (never sizes), so programs that differ in their sizes keep corresponding node ids. A program without such values is returned unchanged."""
+    backward reads anyway (read late themselves), reductions' results (a row's statistics: small), and values
+    written anyway (program inputs, values read across a GEMM or by one) of fewer bytes an element together than
+    it has (a layer norm's float32 x - mean and (x - mean) * rstd, computed again from its bfloat16 input and the
+    row sums: two float32 arrays neither written nor read again for one bfloat16 array read); and where no GEMM or
+    opaque node reads the value itself, nor does the program return it (so the forward writes it anyway). Only
+    elementwise and broadcast nodes are copied, at most `MAX_RECOMPUTED` per value; decisions use the graph's
+    structure and dtypes alone (never sizes), so programs that differ in their sizes keep corresponding node ids.
+    A program without such values is returned unchanged."""
     producer = {v: n for n in nodes for v in n.outputs}
     readers: dict[int, list[Node]] = {}
     for n in nodes:
@@ -451,8 +452,7 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
     chains: dict[int, list[int]] = {}  # a recomputed value -> the node ids its copy evaluates
     for n in nodes:
         for v in n.outputs:
-            readers_late = late(v)
-            if not readers_late:
+            if not late(v):
                 continue
             chain = None
             if (len(n.outputs) == 1 and kind[n.id] in _CHEAP and v not in returned

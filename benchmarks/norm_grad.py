@@ -74,8 +74,8 @@ def residual_norm_residuals(a, b, g, beta):
 def layer_norm_grad_from_input(x, s1, s2, g, dy, dres):
     """The backward from x and the row sums (the step's recomputed group), the residual's gradient added."""
     C = x.shape[-1]
-    xhat = (x.astype(jnp.float32) - s1[:, None] / C) * jax.lax.rsqrt(s2[:, None] / C + 1e-5)
     rstd = jax.lax.rsqrt(s2[:, None] / C + 1e-5)
+    xhat = (x.astype(jnp.float32) - s1[:, None] / C) * rstd
     dxhat = dy.astype(jnp.float32) * g
     dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
     return (dx + dres.astype(jnp.float32)).astype(x.dtype), (dy.astype(jnp.float32) * xhat).sum(0), dy.astype(jnp.float32).sum(0)
