@@ -393,8 +393,7 @@ def capture(fn: Callable, *args: Any, static_argnums: Sequence[int] = (), static
     b.add_consts(env, closed.jaxpr.constvars, closed.consts)
     in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
     outs = b.walk(closed.jaxpr, in_ids, env)
-    nodes = recompute_for_late_readers(b.nodes, b.avals, in_ids + list(b.consts), outs)
-    return Graph(nodes, b.avals, in_ids, outs, b.consts, in_tree, out_tree_box[-1], static_repr)
+    return recompute_for_late_readers(Graph(b.nodes, b.avals, in_ids, outs, b.consts, in_tree, out_tree_box[-1], static_repr))
 
 
 # ---------------------------------------------------------------------------
@@ -405,10 +404,9 @@ _CHEAP = (OpClass.ELEMENTWISE, OpClass.BROADCAST)
 _BARRIER = (OpClass.CONTRACTION, OpClass.OPAQUE)
 
 
-def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], available: Sequence[int],
-                               outputs: Sequence[Atom]) -> list[Node]:
+def recompute_for_late_readers(graph: Graph) -> Graph:
     """The program with the elementwise values its backward reads computed again there, where what they are
-    computed from is kept for the backward anyway (new nodes, new value ids added to `avals`; nodes renumbered).
+    computed from is kept for the backward anyway (new nodes and value ids; nodes renumbered).
 
     `jax.grad` of GELU-tanh keeps g = x @ W + b and three more arrays of g's shape made from it (3g², 1 - tanh²,
     (1 + tanh) / 2) for its backward, which reads g too. A fused kernel must write every value a reader outside it
@@ -426,25 +424,23 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
     elementwise and broadcast nodes are copied, at most `MAX_RECOMPUTED` per value; decisions use the graph's
     structure and dtypes alone (never sizes), so programs that differ in their sizes keep corresponding node ids.
     A program without such values is returned unchanged."""
-    producer = {v: n for n in nodes for v in n.outputs}
-    readers: dict[int, list[Node]] = {}
-    for n in nodes:
-        for a in dict.fromkeys(a for a in n.inputs if isinstance(a, int)):
-            readers.setdefault(a, []).append(n)
+    nodes, producer, index = graph.nodes, graph.producer, graph.node_index
+    readers = {v: [index[i] for i in ids] for v, ids in graph.consumers.items()}
     kind = {n.id: op_class(n.name) for n in nodes}
+    available = [*graph.inputs, *graph.consts]
     level: dict[int, int] = {v: 0 for v in available}  # a value's: the GEMMs and opaque calls on the longest path into it
     depth: dict[int, int] = {}  # a node's: its inputs' highest level
     for n in nodes:
         depth[n.id] = max((level.get(a, 0) for a in n.inputs if isinstance(a, int)), default=0)
         for v in n.outputs:
             level[v] = depth[n.id] + (kind[n.id] in _BARRIER)
-    returned = {a for a in outputs if isinstance(a, int)}
+    returned = graph.output_values
 
     def late(v: int) -> list[Node]:
         return [r for r in readers.get(v, ()) if depth[r.id] >= level[v] + 2]
 
     def written(v: int) -> bool:  # by any plan: read across a GEMM, or by one (or an opaque node)
-        return v in level and any(depth[r.id] > level[v] or kind[r.id] in _BARRIER for r in readers.get(v, ()))
+        return any(depth[r.id] > level[v] or kind[r.id] in _BARRIER for r in readers.get(v, ()))
 
     kept: set[int] = {v for v in available if late(v)}  # values the backward reads as stored
     kept |= {v for n in nodes if kind[n.id] is OpClass.REDUCTION for v in n.outputs}  # a row's statistics: small
@@ -457,18 +453,20 @@ def recompute_for_late_readers(nodes: list[Node], avals: dict[int, Aval], availa
             chain = None
             if (len(n.outputs) == 1 and kind[n.id] in _CHEAP and v not in returned
                     and all(kind[r.id] in _CHEAP for r in readers.get(v, ()))):
-                chain = _chain(n, producer, kind, kept, written_anyway, chains, avals)
+                chain = _chain(n, index, producer, kind, kept, written_anyway, chains, graph.avals)
             if chain is None:
                 kept.add(v)
             else:
                 chains[v] = chain
     if not chains:
-        return nodes
-    return _with_copies(nodes, avals, chains, late, returned)
+        return graph
+    avals = dict(graph.avals)
+    return Graph(_with_copies(graph, avals, chains, late), avals, graph.inputs, graph.outputs, graph.consts,
+                 graph.in_tree, graph.out_tree, graph.static_repr)
 
 
-def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: set[int], written: set[int],
-           copied: dict[int, list[int]], avals: dict[int, Aval]) -> list[int] | None:
+def _chain(n: Node, index: dict[int, Node], producer: dict[int, int], kind: dict[int, OpClass], kept: set[int],
+           written: set[int], copied: dict[int, list[int]], avals: dict[int, Aval]) -> list[int] | None:
     """The ids of the cheap nodes that compute `n`'s value from kept values, literals and written values of fewer
     bytes an element together than the value (`copied`: values computed again, so no longer written), or None."""
     chain: set[int] = set()
@@ -487,7 +485,7 @@ def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: s
             if a in written and a not in copied:
                 reads.add(a)
                 continue
-            p = producer.get(a)
+            p = index.get(producer.get(a, -1))
             if p is None or kind[p.id] not in _CHEAP or len(p.outputs) != 1:
                 return None
             stack.append(p)
@@ -496,11 +494,11 @@ def _chain(n: Node, producer: dict[int, Node], kind: dict[int, OpClass], kept: s
     return sorted(chain)
 
 
-def _with_copies(nodes: list[Node], avals: dict[int, Aval], chains: dict[int, list[int]],
-                 late: Callable[[int], list[Node]], returned: set[int]) -> list[Node]:
-    """`nodes` with each chain copied (once per node) before the first late reader it feeds, the late readers
-    reading the copies, and the originals no one reads any more dropped."""
-    index = {n.id: n for n in nodes}
+def _with_copies(graph: Graph, avals: dict[int, Aval], chains: dict[int, list[int]],
+                 late: Callable[[int], list[Node]]) -> list[Node]:
+    """The graph's nodes with each chain copied (once per node; the copies' values added to `avals`) before the
+    first late reader it feeds, the late readers reading the copies, and the originals no one reads any more dropped."""
+    index = graph.node_index
     copied = sorted({i for chain in chains.values() for i in chain})
     chain_nodes = set(copied)
     copy_of: dict[int, int] = {}  # original value -> its copy's
@@ -518,12 +516,11 @@ def _with_copies(nodes: list[Node], avals: dict[int, Aval], chains: dict[int, li
             redirected.setdefault(r.id, set()).add(v)
     out: list[Node] = []
     placed: set[int] = set()
-    for n in nodes:
+    for n in graph.nodes:
         if n.id in redirected:
-            need = sorted(i for v in redirected[n.id] for i in chains[v] if i not in placed)
-            for i in dict.fromkeys(need):
-                placed.add(i)
-                out.append(copies[i])
+            need = sorted({i for v in redirected[n.id] for i in chains[v]} - placed)
+            placed.update(need)
+            out.extend(copies[i] for i in need)
             n = Node(n.id, n.primitive, n.params, tuple(copy_of[a] if isinstance(a, int) and a in redirected[n.id] else a
                                                         for a in n.inputs), n.outputs)
         out.append(n)
@@ -534,7 +531,7 @@ def _with_copies(nodes: list[Node], avals: dict[int, Aval], chains: dict[int, li
             count[a] = count.get(a, 0) + 1
     dead: set[int] = set()
     for n in reversed(out):
-        if n.id in chain_nodes and not any(count.get(v, 0) or v in returned for v in n.outputs):
+        if n.id in chain_nodes and not any(count.get(v, 0) or v in graph.output_values for v in n.outputs):
             dead.add(n.id)
             for a in dict.fromkeys(a for a in n.inputs if isinstance(a, int)):
                 count[a] -= 1

@@ -40,11 +40,9 @@ def _inputs(specs, seed=0):
 
 
 def _forward_gelu_group(graph) -> Group:
-    """The forward's first GEMM with everything elementwise after it up to the second GEMM's operand."""
-    dots = [n for n in graph.nodes if n.name == "dot_general"]
-    first, second = dots[0], dots[1]
-    return Group.of(graph, [n.id for n in graph.nodes if first.id <= n.id < second.id and n.name != "broadcast_in_dim"]
-                    + [n.id for n in graph.nodes if n.name == "broadcast_in_dim" and n.id < first.id + 3])
+    """The forward's first GEMM with everything after it up to the second GEMM (the bias, GELU)."""
+    first, second = [n.id for n in graph.nodes if n.name == "dot_general"][:2]
+    return Group.of(graph, range(first, second))
 
 
 def test_forward_group_writes_the_pre_activation_and_the_activation_only(monkeypatch):
