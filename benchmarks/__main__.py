@@ -57,6 +57,8 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
         "memory": Part("benchmarks.memory_probe", "a plan's peak device memory against jax.jit's, and their largest temporary buffers"),
         "xla-time": Part("benchmarks.xla_time", "jax.jit's time by kernel: what each XLA fusion computes, the bytes it moves, its bandwidth"),
         "precision": Part("benchmarks.precision_probe", "the precision of XLA's float32 dots under JAX's defaults"),
+        "timing": Part("benchmarks.timing_probe", "small kernels timed by the host's clock (as the tuner times groups) against the "
+                       "device's, on an idle host and a busy one"),
         "lowering": Part("benchmarks.lowering_apart", "GPT-2's kernels lowered by CPU-only helper processes against this GPU "
                          "process's own lowering: the same module, and the seconds each way"),
     }),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from autofuse.graph import Aval
-from autofuse.runner.measure import POOL_SIZE, check, random_inputs, time_pair
+from autofuse.runner import measure
+from autofuse.runner.measure import POOL_SIZE, check, random_inputs, time_kernels, time_pair
 
 
 def _avals(*specs):
@@ -69,6 +70,63 @@ def test_time_pair_shortens_to_its_budget_but_keeps_its_minimum():
     _, _, ratio = time_pair(_slow(40), _slow(20), sets, repeats=5, target_ms=1.0, warmup=1)
     assert ratio.repeats == 5  # without a budget: as asked
     assert 0.3 < ratio.median_ms < 0.7  # (sleeps long enough that a loaded machine's wake-up delay cannot reach 0.7)
+
+
+def test_time_kernels_reads_the_devices_kernels_not_the_hosts_clock(monkeypatch):
+    """On a GPU a group is timed by its kernels' durations in a trace (a call that takes the host 2 ms to dispatch
+    and the device 0.004 ms times 0.004), batch by batch over the calls rotating the input sets; where the lean trace
+    (no host tracer) holds nothing, the default one is tried; where the trace's kernels do not come as many per call
+    (or there is none), or without a GPU, the host's clock is what is left."""
+    from autofuse.runner.profile import KernelEvent
+
+    sets = [[np.ones(3)] for _ in range(3)]
+    calls = {"n": 0}
+
+    def fn(x):  # 2 ms of the host's time a call
+        calls["n"] += 1
+        time.sleep(0.002)
+        return x
+
+    tried, per_call = [], {"kernels": 2, "lean_empty": False}
+
+    def traced(run, options):
+        tried.append(options)
+        before = calls["n"]
+        run()
+        n = calls["n"] - before
+        if options is not None and per_call["lean_empty"]:
+            return []
+        out, t = [], 0.0
+        for i in range(n * 2):  # a 1 us kernel and a 3 us one per call
+            dur = 1000.0 if i % 2 == 0 else 3000.0
+            out.append(KernelEvent("k", t, dur, {}))
+            t += 10_000.0
+        if per_call["kernels"] != 2:
+            out = out[:-1]  # not as many every call
+        return out
+
+    monkeypatch.setattr(measure, "traced_events", traced)
+    monkeypatch.setattr(measure.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(measure, "_TRACE_OPTIONS", [])
+    t = time_kernels(fn, sets, repeats=4, target_ms=20.0, warmup=1)
+    assert t.median_ms == pytest.approx(0.004) and t.min_ms == pytest.approx(0.004) and t.repeats == 4
+    assert t.calls_per_sync >= 3 and tried[0] is not None  # the lean options first, and kept
+    tried.clear()
+    assert time_kernels(fn, sets, repeats=3, target_ms=20.0, warmup=0).median_ms == pytest.approx(0.004)
+    assert len(tried) == 1 and tried[0] is not None
+
+    monkeypatch.setattr(measure, "_TRACE_OPTIONS", [])
+    per_call["lean_empty"] = True
+    tried.clear()
+    assert time_kernels(fn, sets, repeats=3, target_ms=20.0, warmup=0).median_ms == pytest.approx(0.004)
+    assert tried[0] is not None and tried[1] is None and measure._TRACE_OPTIONS == [None]
+
+    per_call["kernels"] = 3
+    host = time_kernels(fn, sets, repeats=3, target_ms=20.0, warmup=0)
+    assert host.median_ms >= 2.0  # the host's clock: at least the sleep
+    monkeypatch.setattr(measure.jax, "default_backend", lambda: "cpu")
+    tried.clear()
+    assert time_kernels(fn, sets, repeats=3, target_ms=20.0, warmup=0).median_ms >= 2.0 and tried == []
 
 
 def test_rounding_spread_is_the_largest_move_over_the_seeds():

@@ -16,7 +16,7 @@ from autofuse.runner.protocol import ProfileRequest, XlaKernel
 from autofuse.tables import format_phases
 from autofuse.tuning.job import distinct_candidates, search_spaces
 from autofuse.tuning.partition import Candidate
-from autofuse.tuning.program_costs import ProgramCosts, at_timed_level, take_profile
+from autofuse.tuning.program_costs import ProgramCosts, take_profile
 from autofuse.tuning.scheduler import contenders, modelled_saving, phase1_order, time_at_stake
 from autofuse.tuning.select import best_cover, group_savings, savings_plan
 
@@ -288,9 +288,9 @@ def test_the_budget_rule_weighs_defaults_against_xla_in_the_program():
 def test_a_device_job_takes_its_profile_once_and_prices_by_it(monkeypatch, tmp_path, traced):
     """A whole job in device mode (forced on the CPU, where it times for real): the profile is taken once, before the
     trials. Where it saw no kernel (the CPU's trace) its failure is recorded and said by `show run`, and the groups
-    are priced by their times alone; where it saw kernels (here one of XLA's, 1 ms, computing every node, in a program
-    timed at 1.5 ms a call: its kernels are read at that level, as the groups are timed), its size,
-    its longest kernels and each tuned candidate's price in the program are recorded. Either way the job chooses,
+    are priced by their times alone; where it saw kernels (here one of XLA's, 1 ms, computing every node: its device
+    time, the level groups are timed at), its size, its longest kernels and each tuned candidate's price in the
+    program are recorded. Either way the job chooses,
     validates and stores its plan."""
     from autofuse.runner.evaluator import Evaluator as Ev
     from autofuse.runner.protocol import ProfileResult
@@ -308,8 +308,7 @@ def test_a_device_job_takes_its_profile_once_and_prices_by_it(monkeypatch, tmp_p
         calls.append(1)
         if not traced:
             return real(self)
-        return ProfileResult(TrialStatus.OK, (XlaKernel("fusion.1", 1.0, frozenset(n.id for n in self.graph.nodes)),), seconds={"profile": 0.5},
-                             timed_ms=1.5)
+        return ProfileResult(TrialStatus.OK, (XlaKernel("fusion.1", 1.0, frozenset(n.id for n in self.graph.nodes)),), seconds={"profile": 0.5})
 
     real = Ev.profile
     monkeypatch.setattr(Ev, "profile", profile)
@@ -325,23 +324,13 @@ def test_a_device_job_takes_its_profile_once_and_prices_by_it(monkeypatch, tmp_p
     if traced:
         assert phases["selection"]["profile"]["kernels"] == 1 and phases["selection"]["profile"]["longest"][0]["instruction"] == "fusion.1"
         prices = phases["selection"]["in_program_xla_ms"]
-        # the trace's 1 ms read at the program's time as groups are timed (1.5 ms): every price scaled by 1.5
-        assert prices and all(v <= 1.5 + 1e-9 for v in prices.values())
-        assert any(abs(v - 1.5) < 1e-9 for v in prices.values())  # a group of every node removes XLA's one kernel whole
-        assert any("jax.jit's program profiled: 1 kernels, 1.500 ms a call" in line and
-                   "traced at 1.000 ms a call, its kernels scaled by 1.500" in line for line in shown), shown
+        # the trace's device time as it is: no price above XLA's one kernel
+        assert prices and all(v <= 1.0 + 1e-9 for v in prices.values())
+        assert any(abs(v - 1.0) < 1e-9 for v in prices.values())  # a group of every node removes XLA's one kernel whole
+        assert any("jax.jit's program profiled: 1 kernels, 1.000 ms a call" in line and "scaled" not in line for line in shown), shown
     else:
         assert phases["selection"]["profile"]["error"] == "no kernel of the program's nodes in the trace"
         assert "in_program_xla_ms" not in phases["selection"]
         assert any("jax.jit's program profiled: failed" in line for line in shown)
 
 
-def test_the_traces_kernels_are_read_at_the_level_groups_are_timed_at():
-    """The trace's few calls run at a higher clock than many calls back to back (a group's timing, the program's): its
-    kernels are scaled to add up to the program's time as groups are timed, so that a group's time alone is weighed
-    against XLA's kernels at one level; without that time (no trace, model mode) they are left as they are."""
-    ks = (XlaKernel("gemm", 3.0, frozenset({1})), XlaKernel("fusion", 1.0, frozenset({2})), XlaKernel("Memset 0", 0.0, frozenset()))
-    scaled, scale = at_timed_level(ks, 4.4)
-    assert scale == pytest.approx(1.1) and [k.ms for k in scaled] == pytest.approx([3.3, 1.1, 0.0])
-    assert [(k.instruction, k.nodes) for k in scaled] == [(k.instruction, k.nodes) for k in ks]
-    assert at_timed_level(ks, None) == (ks, 1.0) and at_timed_level((), 2.0) == ((), 1.0)

@@ -26,7 +26,7 @@ from ..spent import add_parts, add_since
 from ..status import TrialStatus
 from .in_program import InProgram, in_program
 from .lowering_pool import LOWER_TIMEOUT_S, LoweringPool
-from .measure import check, check_as_accurate, compile_beside, cone_tolerances, random_inputs, time_fn, time_pair, widened
+from .measure import check, check_as_accurate, compile_beside, cone_tolerances, random_inputs, time_kernels, time_pair, widened
 from .program_check import MAX_PROGRAM_TOLERANCE, ProgramCheck, check_program_builders
 from .profile import compile_profiled, profile_program
 from .protocol import (CompareRequest, CompileItem, CompileRequest, CompileResult, ComparisonResult, ProfileRequest, ProfileResult,
@@ -58,9 +58,6 @@ def _short(e: BaseException, n: int = 400) -> str:
     s = f"{type(e).__name__}: {e}"
     return s if len(s) <= n else s[:n] + "..."
 
-
-#: Repeats of the profiled program's timing (`Evaluator.profile`): its level, not a ranking, needs few.
-PROFILE_REPEATS = 5
 
 
 class Evaluator:
@@ -310,12 +307,14 @@ class Evaluator:
                              lowered_apart=helpers.lowered - lowered_before if helpers is not None else 0)
 
     def _time(self, fn: Callable, avals: Sequence[Any], fixed: dict[int, int] | None = None) -> Timing:
-        """`fn` timed on the input sets; `fixed`: inputs (by position) held at one value (`Template.timing_inputs`)."""
+        """`fn`'s kernels timed on the device (`time_kernels`: as they run in the program, where no host dispatches
+        them one call at a time) on the input sets; `fixed`: inputs (by position) held at one value
+        (`Template.timing_inputs`)."""
         sets = self._input_sets(avals)
         if fixed:
             sets = [[jnp.full(a.shape, fixed[i], a.dtype) if i in fixed else x for i, (x, a) in enumerate(zip(s, avals))]
                     for s in sets]
-        return time_fn(fn, sets, repeats=self.repeats, target_ms=self.target_ms)
+        return time_kernels(fn, sets, repeats=self.repeats, target_ms=self.target_ms)
 
     def _timed(self, fn: Callable, avals: Sequence[Any], fixed: dict[int, int] | None = None, **extra: Any) -> TrialResult:
         t = self._time(fn, avals, fixed)
@@ -376,8 +375,8 @@ class Evaluator:
 
     def profile(self) -> ProfileResult:
         """XLA's kernels in jax.jit's whole program with the nodes each computes (`profile.profile_program`), on the
-        program's timing inputs, and the program's time as groups are timed (`ProfileResult.timed_ms`); none in model
-        mode or without a GPU's trace."""
+        program's timing inputs: device times, as groups are timed (`measure.time_kernels`); none in model mode or
+        without a GPU's trace."""
         if self.measure == "model":
             return ProfileResult(TrialStatus.OK)
         t0 = time.perf_counter()
@@ -387,11 +386,9 @@ class Evaluator:
             compiled = compiled if compiled is not None else compile_profiled(self.graph)
             sets = self._program_sets([])
             kernels = profile_program(self.graph, sets[0], compiled=compiled)
-            # the same program timed as every group is (`_time`): the level the kernels' times are read at
-            timed = time_fn(compiled, sets, repeats=PROFILE_REPEATS, target_ms=self.target_ms).median_ms if kernels else None
         except Exception as e:  # noqa: BLE001 - a profile that cannot be taken leaves the selection to the times alone
             return ProfileResult(TrialStatus.ERROR, error=_short(e), seconds={"profile": time.perf_counter() - t0})
-        return ProfileResult(TrialStatus.OK, tuple(kernels), seconds={"profile": time.perf_counter() - t0}, timed_ms=timed)
+        return ProfileResult(TrialStatus.OK, tuple(kernels), seconds={"profile": time.perf_counter() - t0})
 
     def _compile_program(self) -> Callable:
         """The whole program under jax.jit, compiled for its input shapes."""

@@ -8,6 +8,7 @@ must match exactly; integer and boolean results must be equal.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..graph import Aval, Group, Lit, Node, bind_node, read_atom
 from ..ops import dot_precision
+from .profile import traced_events
 from .protocol import Timing
 
 # Relative error-norm tolerances: ‖out − ref‖ / ‖ref‖.
@@ -344,25 +346,75 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 1
     dispatch overlaps device work; inputs rotate through `arg_sets` so caches
     do not flatter the result (use ≥ 3 sets larger than L2 together).
     """
-    import time
-
     jax.block_until_ready(fn(*arg_sets[0]))
     t0 = time.perf_counter()
     for args in arg_sets:
         jax.block_until_ready(fn(*args))
     one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
     calls = max(len(arg_sets), min(2000, int(target_ms / max(one, 1e-3))))
-    samples = []
-    for r in range(warmup + repeats):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(calls):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        if r >= warmup:
-            samples.append((time.perf_counter() - t0) / calls * 1e3)
-    s = np.array(samples)
-    return _stats(s, calls)
+    samples = [_batch(fn, arg_sets, calls) for _ in range(warmup + repeats)][warmup:]
+    return _stats(np.array(samples), calls)
+
+
+#: The most calls of one batch a device trace holds (`time_kernels`): its host no longer has to keep ahead of the
+#: device, and a trace of 15 batches of 2000 calls of a tiny kernel takes longer to read than to take.
+MAX_TRACED_CALLS = 200
+_TRACE_OPTIONS: list = []  # the trace options found to keep the GPU's kernels (`time_kernels`), once found
+
+
+def time_kernels(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0, warmup: int = 2) -> Timing:
+    """Median device time of one call: the durations of the kernels it runs, from a profiler trace of `repeats`
+    batches of back-to-back calls rotating `arg_sets`; the host's clock (`time_fn`) without a GPU, or where the
+    trace holds no kernel or not as many every call.
+
+    Why not the host's clock: a kernel shorter than its call's dispatch is timed as the dispatch. On an H200 a
+    layer norm's forward (0.037 ms on the device) timed 0.049 ms by the host's clock on an idle host and 0.123 on
+    one as busy as a tuning job's (XLA's version of it: 0.062, 0.067, 0.144), so a job priced every small group by
+    how busy its host was (results/timing_probe_h200.md). Inside the program no host dispatches a group: its
+    kernels run back to back with the rest."""
+    if jax.default_backend() != "gpu":
+        return time_fn(fn, arg_sets, repeats=repeats, target_ms=target_ms, warmup=warmup)
+    jax.block_until_ready(fn(*arg_sets[0]))
+    t0 = time.perf_counter()
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
+    calls = max(len(arg_sets), min(MAX_TRACED_CALLS, int(target_ms / max(one, 1e-3))))
+    for _ in range(warmup):
+        _batch(fn, arg_sets, calls)
+    events = []
+    try:
+        for options in _TRACE_OPTIONS[:1] or _trace_options():
+            events = traced_events(lambda: [_batch(fn, arg_sets, calls) for _ in range(repeats)], options)
+            if events:
+                _TRACE_OPTIONS[:] = [options]
+                break
+    except Exception:  # noqa: BLE001 - a trace already running (a user's profile of the job): the host's clock
+        events = []
+    total = repeats * calls
+    if not events or len(events) % total:
+        return time_fn(fn, arg_sets, repeats=repeats, target_ms=target_ms, warmup=warmup)
+    ns = np.array([e.duration_ns for e in sorted(events, key=lambda e: e.start_ns)], dtype=np.float64)
+    return _stats(ns.reshape(repeats, -1).sum(axis=1) / calls / 1e6, calls)
+
+
+def _trace_options() -> list[Any]:
+    """The trace's options to try: without the host's and Python's tracers (less of a trace's overhead), then the
+    defaults."""
+    lean = jax.profiler.ProfileOptions()
+    lean.host_tracer_level = 0
+    lean.python_tracer_level = 0
+    return [lean, None]
+
+
+def _batch(fn: Callable, arg_sets: Sequence[Sequence[Any]], calls: int) -> float:
+    """`calls` back-to-back calls rotating `arg_sets`, one sync: ms per call by the host's clock."""
+    t0 = time.perf_counter()
+    out = None
+    for i in range(calls):
+        out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 15, target_ms: float = 25.0,
@@ -375,8 +427,6 @@ def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]],
     `budget_ms`: fewer repeats (no fewer than `min_repeats`) where `repeats` pairs would take longer: a whole
     model's pair (GPT-2 medium: 3 calls of 86 ms and 3 of 30 ms) is long enough that 8 already span seconds.
     """
-    import time
-
     calls, pair_ms = [], 0.0
     for fn in (fn_a, fn_b):
         jax.block_until_ready(fn(*arg_sets[0]))
@@ -389,17 +439,9 @@ def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]],
     if budget_ms is not None:
         repeats = max(min(repeats, min_repeats), min(repeats, int(budget_ms / max(pair_ms, 1e-3)) - warmup))
 
-    def batch(fn: Callable, n: int) -> float:
-        t0 = time.perf_counter()
-        out = None
-        for i in range(n):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / n * 1e3
-
     a, b = [], []
     for r in range(warmup + repeats):
-        ta, tb = batch(fn_a, calls[0]), batch(fn_b, calls[1])
+        ta, tb = _batch(fn_a, arg_sets, calls[0]), _batch(fn_b, arg_sets, calls[1])
         if r >= warmup:
             a.append(ta)
             b.append(tb)

@@ -100,12 +100,23 @@ class KernelEvent:
 def kernel_events(fn: Callable, args: Sequence[Any], calls: int) -> list[KernelEvent]:
     """Every kernel `calls` back-to-back calls of `fn(*args)` launch (empty without a device plane: the CPU)."""
     jax.block_until_ready(fn(*args))  # compiled and warm before the trace
+
+    def run() -> None:
+        for _ in range(calls - 1):
+            fn(*args)
+        jax.block_until_ready(fn(*args))
+
+    return traced_events(run)
+
+
+def traced_events(run: Callable[[], Any], options: Any = None) -> list[KernelEvent]:
+    """Every kernel the device ran while `run()` did (which must wait for its own work), from a profiler trace of
+    it: the GPU's streams only (its "XLA Modules" / "XLA Ops" lines repeat their time); empty without a device
+    plane (the CPU). `options`: the trace's `jax.profiler.ProfileOptions`."""
     out = []
     with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls - 1):
-                fn(*args)
-            jax.block_until_ready(fn(*args))
+        with jax.profiler.trace(d, profiler_options=options):
+            run()
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             return []
@@ -114,9 +125,8 @@ def kernel_events(fn: Callable, args: Sequence[Any], calls: int) -> list[KernelE
             if not plane.name.startswith("/device:GPU"):
                 continue
             for line in plane.lines:
-                if not line.name.startswith("Stream"):  # "XLA Modules" / "XLA Ops" lines repeat the streams' time
-                    continue
-                out.extend(KernelEvent(ev.name, ev.start_ns, ev.duration_ns, dict(ev.stats)) for ev in line.events)
+                if line.name.startswith("Stream"):
+                    out.extend(KernelEvent(ev.name, ev.start_ns, ev.duration_ns, dict(ev.stats)) for ev in line.events)
     return out
 
 

@@ -216,9 +216,6 @@ class ProfileResult:
     kernels: tuple[XlaKernel, ...] = ()
     error: str | None = None
     seconds: dict = field(default_factory=dict)  # compile, trace
-    # the program's time per call as the groups are timed (many calls back to back: the card under its power cap),
-    # where the trace's few calls run at a higher clock; None without a trace
-    timed_ms: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -152,29 +152,15 @@ class ProgramCosts:
         return ", ".join(parts) + (", ..." if len(counts) > most else "")
 
 
-def at_timed_level(kernels: Sequence[XlaKernel], timed_ms: float | None) -> tuple[tuple[XlaKernel, ...], float]:
-    """The trace's kernels scaled so that they add up to the program's time as the groups are timed (`timed_ms`), and
-    the factor. The trace's few calls run at the card's boost clock, a group's timing (and the program's) under its
-    power cap after many calls: on an H200 GPT-2's forward traced at 25.7 ms a call and timed at 28.5-29.3, so its
-    kernels unscaled priced every group ~12% below its own time alone, and the plans kept 120-164% of what the
-    profile expected (results/lm_head_rows_h200.md)."""
-    total = sum(k.ms for k in kernels)
-    if not timed_ms or total <= 0:
-        return tuple(kernels), 1.0
-    scale = timed_ms / total
-    return tuple(XlaKernel(k.instruction, k.ms * scale, k.nodes) for k in kernels), scale
-
-
 def take_profile(runner: Any, record: dict, graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> ProgramCosts | None:
-    """XLA's kernels in jax.jit's program, profiled on the GPU by the trial process, as prices (`ProgramCosts`) at the
-    level groups are timed at (`at_timed_level`); None where the profile failed or saw no kernel of a node (the job
-    then prices groups by their times alone). What it found, or why it failed, goes into `record["profile"]` (the
+    """XLA's kernels in jax.jit's program, profiled on the GPU by the trial process, as prices (`ProgramCosts`): their
+    device times, the level groups are timed at (`runner.measure.time_kernels`); None where the profile failed or
+    saw no kernel of a node (the job then prices groups by their times alone). What it found, or why it failed, goes into `record["profile"]` (the
     run's selection timings)."""
     res = runner.call(ProfileRequest())
     costs = None
     if res.ok:
-        kernels, scale = at_timed_level(res.kernels, res.timed_ms)
-        costs = ProgramCosts(kernels, graph, model, {**res.seconds, "traced_ms": sum(k.ms for k in res.kernels), "scale": scale})
+        costs = ProgramCosts(res.kernels, graph, model, dict(res.seconds))
     if costs is not None and costs.attributed_ms > 0:
         record["profile"] = costs.summary()
         return costs
