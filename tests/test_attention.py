@@ -317,11 +317,11 @@ def test_a_key_lengths_group_is_timed_at_full_length(monkeypatch):
     assert TEMPLATES["attention"].timing_inputs(cand.group, cand.spec) == {lengths: 64}
     timed = []
 
-    def fake_time_fn(fn, sets, **kw):
+    def fake_time_kernels(fn, sets, **kw):
         timed.append(sets)
         return evaluator.Timing(1.0, 1.0, 1.0, 1.0, 1.0)
 
-    monkeypatch.setattr(evaluator, "time_fn", fake_time_fn)
+    monkeypatch.setattr(evaluator, "time_kernels", fake_time_kernels)
     ev = Evaluator(g, measure="device", interpret=True, n_input_sets=2, repeats=1, target_ms=1.0)
     res = ev.handle(TrialRequest(cand.group.node_ids, "attention", {**SMALL, "backend": "triton"}))
     assert res.status is TrialStatus.OK, res.error
