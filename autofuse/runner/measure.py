@@ -370,7 +370,7 @@ def time_kernels(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: in
     Why not the host's clock: a kernel shorter than its call's dispatch is timed as the dispatch. On an H200 a
     layer norm's forward (0.037 ms on the device) timed 0.049 ms by the host's clock on an idle host and 0.123 on
     one as busy as a tuning job's (XLA's version of it: 0.062, 0.067, 0.144), so a job priced every small group by
-    how busy its host was (results/timing_probe_h200.md). Inside the program no host dispatches a group: its
+    how busy its host was (results/device_timing_h200.md). Inside the program no host dispatches a group: its
     kernels run back to back with the rest."""
     if jax.default_backend() != "gpu":
         return time_fn(fn, arg_sets, repeats=repeats, target_ms=target_ms, warmup=warmup)
