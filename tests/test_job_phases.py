@@ -454,3 +454,60 @@ def test_a_repeated_proposal_of_an_explored_space_gives_the_candidate_up_at_once
     assert sched.idle[i] < STUCK_AFTER  # a repeat alone gives nothing up
     sched.note(i, "exhausted")
     assert sched.idle[i] >= STUCK_AFTER  # the rule `pick` leaves a candidate out by
+
+
+def _two_backend_candidate():
+    """A GEMM + tanh's candidates, and its matmul candidate that both Mosaic GPU and Triton can run."""
+    import jax
+    import jax.numpy as jnp
+
+    S = jax.ShapeDtypeStruct
+    graph = autofuse.capture(lambda x, w: jnp.tanh(x @ w), S((256, 128), jnp.bfloat16), S((128, 256), jnp.bfloat16))
+    by_sig, cands = distinct_candidates(graph)
+    spaces = search_spaces(by_sig, cands, costmodel.H200, backends=("mosaic_gpu", "triton"))  # a GPU job's backends
+    r = next(c for c in cands if c.template == "matmul" and list(spaces[c.signature].spaces) == ["mosaic_gpu", "triton"])
+    return graph, by_sig, cands, spaces, r
+
+
+def test_once_the_preferred_backend_ran_the_others_configs_are_not_timed():
+    """After a Mosaic GPU default that ran, a Triton config (its default queued behind, or the sampler's) is pruned on
+    the GPU: never compiled, no budget spent (Triton's default lost after Mosaic's in 116 of 117 candidates of the
+    results' jobs). Before that, or where only Triton ran, or in model mode, every backend is timed; and a space is
+    explored once the settled backend's configs are."""
+    from autofuse.runner.protocol import TrialResult
+    from autofuse.tuning.ledger import MemoryLedger
+    from autofuse.tuning.trial import TrialContext, run_trial
+
+    _, _, cands, spaces, r = _two_backend_candidate()
+    space = spaces[r.signature]
+    mosaic, triton = space.defaults()
+    assert (mosaic["backend"], triton["backend"]) == ("mosaic_gpu", "triton")
+    assert space.settled([]) is None and space.settled([triton]) is None and space.settled([mosaic]) == "mosaic_gpu"
+    assert space.unmeasured_reason(triton, "device", None) is None
+    assert space.unmeasured_reason(triton, "device", "mosaic_gpu")[0] is TrialStatus.PRUNED
+    assert space.unmeasured_reason(triton, "model", "mosaic_gpu") is None and space.unmeasured_reason(mosaic, "device", "mosaic_gpu") is None
+
+    ledger = MemoryLedger(cands)
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="minimize")
+    study.tell(study.ask(), 0.0)  # past the first trial's queueing of the model's best
+    ctx = TrialContext(ledger, runner=None, measure="device", limit=10**6, worker="me:1")  # no runner: a timed trial would fail
+    claim = ledger.claim(r, mosaic, 0, limit=None)
+    assert ledger.finish(r, claim.number, TrialResult(TrialStatus.OK, median_ms=1.0))
+    study.enqueue_trial(space.optuna_params(triton))
+    assert run_trial(study, r, space, ctx) == "unmeasured"
+    assert len(r.spent()) == 1 and r.trials[-1].config == triton and r.trials[-1].status is TrialStatus.PRUNED
+    assert "mosaic_gpu runs this group" in r.trials[-1].error
+
+
+def test_a_settled_space_counts_its_own_backends_configs_alone():
+    """`worth_timing` and `explored` with a settled backend count that backend's configs only: a small space of two
+    backends (two configs and three) is explored, settled on the first, once the first's two were tried."""
+    from autofuse.tuning.space import CandidateSpace, SearchSpace
+
+    free = type("NoConstraints", (), {"violated": lambda self, cfg, facts: []})()
+    space = CandidateSpace({"mosaic_gpu": SearchSpace("matmul", {"a": [1, 2]}, {"a": 1}, {}, free, lambda c: 1.0, "mosaic_gpu"),
+                            "triton": SearchSpace("matmul", {"b": [1, 2, 3]}, {"b": 1}, {}, free, lambda c: 1.0, "triton")})
+    assert space.worth_timing("device") == 5 and space.worth_timing("device", "mosaic_gpu") == 2
+    mine = [{"backend": "mosaic_gpu", "a": 1}, {"backend": "mosaic_gpu", "a": 2}]
+    assert space.explored(mine, "device", "mosaic_gpu") and not space.explored(mine[:1], "device", "mosaic_gpu")
+    assert not space.explored(mine, "device") and not space.explored(mine, "model", "mosaic_gpu")  # unsettled, or the model's ranking

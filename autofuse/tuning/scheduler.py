@@ -7,7 +7,9 @@
    candidate its default: `phase1_order`); a
    candidate whose configs all failed on shared memory or compilation gets
    another config right away, up to `RETRY_CONFIGS`, and one with no working
-   config gets its next backend's default (its study has them enqueued). A
+   config gets its next backend's default (its study has them enqueued; once
+   a config of the preferred backend ran, the others' are pruned on the GPU:
+   `CandidateSpace.settled`). A
    trial budget smaller than the candidates gives phase 1 half of it
    (`PHASE1_SHARE`): the rest goes to phase 2 first, and the candidates phase 1
    did not reach come after (cross-entropy's 38 candidates once took all 24
