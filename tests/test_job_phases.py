@@ -511,3 +511,27 @@ def test_a_settled_space_counts_its_own_backends_configs_alone():
     mine = [{"backend": "mosaic_gpu", "a": 1}, {"backend": "mosaic_gpu", "a": 2}]
     assert space.explored(mine, "device", "mosaic_gpu") and not space.explored(mine[:1], "device", "mosaic_gpu")
     assert not space.explored(mine, "device") and not space.explored(mine, "model", "mosaic_gpu")  # unsettled, or the model's ranking
+
+
+def test_configs_asked_ahead_are_the_settled_backends():
+    """Compiling ahead, a candidate whose Mosaic GPU default ran does not count Triton's default waiting in its study
+    (its trial will prune it) as the next config to compile: it asks its sampler for configs and queues only Mosaic
+    GPU ones worth timing (with the default counted, an H200 job built its phase-2 configs one at a time)."""
+    from optuna.trial import TrialState
+
+    from autofuse.runner.protocol import TrialResult
+    from autofuse.tuning.ahead import CompileAhead
+    from autofuse.tuning.ledger import MemoryLedger
+
+    _, _, cands, spaces, r = _two_backend_candidate()
+    space = spaces[r.signature]
+    mosaic, triton = space.defaults()
+    ledger = MemoryLedger(cands)
+    assert ledger.finish(r, ledger.claim(r, mosaic, 0, limit=None).number, TrialResult(TrialStatus.OK, median_ms=1.0))
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="minimize")
+    study.enqueue_trial(space.optuna_params(triton))
+    ahead = CompileAhead(None, cands, spaces, "device", 4)
+    queued = ahead._queue(cands.index(r), study, 2)
+    assert queued and all(c["backend"] == "mosaic_gpu" and space.unmeasured_reason(c, "device", "mosaic_gpu") is None for c in queued)
+    waiting = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    assert waiting[0] == space.optuna_params(triton) and len(waiting) == 1 + len(queued)  # the default stays, for its trial to prune

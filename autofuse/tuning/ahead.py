@@ -312,14 +312,15 @@ class CompileAhead:
         from optuna.trial import TrialState
 
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
-        worth = space.worth_timing(self.measure, space.settled(r.ok_configs()))
+        settled = space.settled(r.ok_configs())
+        worth = space.worth_timing(self.measure, settled)
         if worth is not None:
             k = min(k, worth - len({config_key(t.config) for t in r.trials}))
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         queue, theirs = [], []  # theirs: queued by another worker of the run, which compiles them
-        for t in waiting:
+        for t in waiting:  # those its trials will prune (another backend's default, once one ran) take no place
             cfg = _waiting_config(space, t.system_attrs.get("fixed_params"))
-            if cfg is not None:
+            if cfg is not None and space.unmeasured_reason(cfg, self.measure, settled) is None:
                 by = t.user_attrs.get(ASKED_BY)
                 mine = self.share <= 1 or by == self.tag or (by is None and unmarked)  # alone: a resumed job's too
                 (queue if mine else theirs).append(cfg)
@@ -335,7 +336,7 @@ class CompileAhead:
             if config_key(cfg) in seen:
                 continue
             seen.add(config_key(cfg))
-            if space.unmeasured_reason(cfg, self.measure, space.settled(r.ok_configs())) is None:  # an infeasible or pruned one would take a slot
+            if space.unmeasured_reason(cfg, self.measure, settled) is None:  # an infeasible or pruned one would take a slot
                 queue.append(cfg)
                 study.enqueue_trial(space.optuna_params(cfg), user_attrs={ASKED_BY: self.tag})
                 if len(queue) >= k:
