@@ -528,10 +528,10 @@ def test_configs_asked_ahead_are_the_settled_backends():
     mosaic, triton = space.defaults()
     ledger = MemoryLedger(cands)
     assert ledger.finish(r, ledger.claim(r, mosaic, 0, limit=None).number, TrialResult(TrialStatus.OK, median_ms=1.0))
-    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="minimize")
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="minimize", study_name="settled")  # the asks' seed
     study.enqueue_trial(space.optuna_params(triton))
     ahead = CompileAhead(None, cands, spaces, "device", 4)
-    queued = ahead._queue(cands.index(r), study, 2)
+    queued = ahead._queue(cands.index(r), study, 4)
     assert queued and all(c["backend"] == "mosaic_gpu" and space.unmeasured_reason(c, "device", "mosaic_gpu") is None for c in queued)
     waiting = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
     assert waiting[0] == space.optuna_params(triton) and len(waiting) == 1 + len(queued)  # the default stays, for its trial to prune

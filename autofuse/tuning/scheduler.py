@@ -10,7 +10,7 @@
    config gets its next backend's default (its study has them enqueued; once
    a config of the preferred backend ran, the others' are pruned on the GPU:
    `CandidateSpace.settled`). A
-   trial budget smaller than the candidates gives phase 1 three quarters of it
+   trial budget smaller than the candidates gives phase 1 half of it
    (`PHASE1_SHARE`): the rest goes to phase 2 first, and the candidates phase 1
    did not reach come after (cross-entropy's 38 candidates once took all 24
    trials, leaving its one kernel that mattered at its default config).
@@ -57,10 +57,12 @@ from .space import CandidateSpace, config_key
 FAILED_MISS = 0.5  # phase 2: a candidate's share, per trial since its best that did not run (`prospect`)
 GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
-#: Of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts. Three quarters: in
-#: results/' tuning logs (to 2026-12-01) a candidate's later configs beat its default (by 2% or more) once in ~280
-#: trials, while about three in four first visits beat XLA (results/device_timing_h200.md).
-PHASE1_SHARE = 0.75
+#: Of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts. Half: although a
+#: candidate's later configs beat its default (by 2% or more) once in ~280 trials of results/' jobs (to 2026-12-01)
+#: and about three in four first visits beat XLA, three quarters gave GPT-2's cuDNN step and forward at 40 trials the
+#: same plans (1.11-1.12x, 1.15-1.16x) in 20-50% longer jobs: the visits past each region's first are its variants
+#: (results/device_timing_h200.md).
+PHASE1_SHARE = 0.5
 CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials
 STUCK_AFTER = 16  # a candidate whose sampler proposed this many done configs in a row gets no more trials
 MAX_RETRY = 2  # a config whose worker died is retried this many times
