@@ -177,7 +177,7 @@ class CompileAhead:
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
         cfgs = space.defaults() if self.share > 1 else [space.default]  # without enumerating the space for the model's best
         return [XlaRequest(tuple(r.nodes))] + [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in cfgs
-                                               if not space.unmeasured_reason(c, self.measure, space.settled(r.ok_configs()))]
+                                               if not space.unmeasured_reason(c, self.measure)]
 
     def first_compiles(self) -> list[CompileItem]:
         """What the job compiles with its XLA timings' first chunk: `first_batch`, and in device mode jax.jit's whole
@@ -279,8 +279,7 @@ class CompileAhead:
             r, space = self.cands[i], self.spaces[self.cands[i].signature]
             fresh = [c for c in self._queue(i, study_of(i), min(-(-n // self.share), MAX_ASKED_AHEAD, MAX_BATCH_AHEAD - len(todo)),
                                             unmarked=k == 0 or self._ours(i))
-                     if (i, config_key(c)) not in self.compiled
-                     and not space.unmeasured_reason(c, self.measure, space.settled(r.ok_configs()))][:MAX_BATCH_AHEAD - len(todo)]
+                     if (i, config_key(c)) not in self.compiled and not space.unmeasured_reason(c, self.measure)][:MAX_BATCH_AHEAD - len(todo)]
             self.compiled.update((i, config_key(c)) for c in fresh)
             todo += [TrialRequest(tuple(r.nodes), r.template, dict(c)) for c in fresh]
         t1 = add_since(spent, "ask_ahead", t0)
@@ -312,15 +311,14 @@ class CompileAhead:
         from optuna.trial import TrialState
 
         r, space = self.cands[i], self.spaces[self.cands[i].signature]
-        settled = space.settled(r.ok_configs())
-        worth = space.worth_timing(self.measure, settled)
+        worth = space.worth_timing(self.measure)
         if worth is not None:
             k = min(k, worth - len({config_key(t.config) for t in r.trials}))
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         queue, theirs = [], []  # theirs: queued by another worker of the run, which compiles them
-        for t in waiting:  # those its trials will prune (another backend's default, once one ran) take no place
+        for t in waiting:
             cfg = _waiting_config(space, t.system_attrs.get("fixed_params"))
-            if cfg is not None and space.unmeasured_reason(cfg, self.measure, settled) is None:
+            if cfg is not None:
                 by = t.user_attrs.get(ASKED_BY)
                 mine = self.share <= 1 or by == self.tag or (by is None and unmarked)  # alone: a resumed job's too
                 (queue if mine else theirs).append(cfg)
@@ -336,7 +334,7 @@ class CompileAhead:
             if config_key(cfg) in seen:
                 continue
             seen.add(config_key(cfg))
-            if space.unmeasured_reason(cfg, self.measure, settled) is None:  # an infeasible or pruned one would take a slot
+            if space.unmeasured_reason(cfg, self.measure) is None:  # an infeasible or pruned one would take a slot
                 queue.append(cfg)
                 study.enqueue_trial(space.optuna_params(cfg), user_attrs={ASKED_BY: self.tag})
                 if len(queue) >= k:

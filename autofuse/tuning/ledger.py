@@ -63,10 +63,6 @@ class CandidateState:
         """Whether any of its configs was built and run (infeasible and pruned ones never are)."""
         return any(t.status.compiled and t.status not in (TrialStatus.RUNNING, TrialStatus.LOST) for t in self.trials)
 
-    def ok_configs(self) -> list[dict]:
-        """The configs of its trials that ran ok."""
-        return [t.config for t in self.trials if t.status is TrialStatus.OK]
-
     def spent(self) -> list[TrialRecord]:
         """Its trials that count against the budget."""
         return [t for t in self.trials if t.status.spends_budget]

@@ -7,9 +7,7 @@
    candidate its default: `phase1_order`); a
    candidate whose configs all failed on shared memory or compilation gets
    another config right away, up to `RETRY_CONFIGS`, and one with no working
-   config gets its next backend's default (its study has them enqueued; once
-   a config of the preferred backend ran, the others' are pruned on the GPU:
-   `CandidateSpace.settled`). A
+   config gets its next backend's default (its study has them enqueued). A
    trial budget smaller than the candidates gives phase 1 half of it
    (`PHASE1_SHARE`): the rest goes to phase 2 first, and the candidates phase 1
    did not reach come after (cross-entropy's 38 candidates once took all 24
@@ -59,8 +57,8 @@ GAIN_STEP = 1.25  # phase 1: modelled savings within this factor count as equal
 RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or compile gets before it is given up
 #: Of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts. Half: although a
 #: candidate's later configs beat its default (by 2% or more) once in ~280 trials of results/' jobs (to 2026-12-01)
-#: and about three in four first visits beat XLA, three quarters gave GPT-2's cuDNN step and forward at 40 trials the
-#: same plans (1.11-1.12x, 1.15-1.16x) in 20-50% longer jobs: the visits past each region's first are its variants
+#: and about three in four first visits beat XLA, three quarters (with other backends' configs pruned once Mosaic
+#: GPU's default ran) gave GPT-2's cuDNN step and forward at 40 trials the same plans (1.11-1.12x, 1.15-1.16x) in 20-50% longer jobs: the visits past each region's first are its variants
 #: (results/device_timing_h200.md).
 PHASE1_SHARE = 0.5
 CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials

@@ -13,7 +13,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .. import costmodel
 from ..kernels import TEMPLATES
@@ -181,20 +181,7 @@ class CandidateSpace:
     def violated(self, config: dict) -> list[str]:
         return self[config].violated(self._params(config))
 
-    def settled(self, ran_ok: Iterable[dict]) -> str | None:
-        """The preferred backend (the space's first) once one of its configs has run (`ran_ok`: the configs that ran
-        ok), else None. Its other backends' configs are then not timed (`unmeasured_reason`): in the tuning logs of
-        results/ (H100 and H200, to 2026-12-01), after a Mosaic GPU default that ran, Triton's default was slower in
-        116 of 117 candidates (the other by 2%) and none of 101 later Triton configs beat it, each a trial of phase 2
-        spent for nothing (results/device_timing_h200.md)."""
-        preferred = next(iter(self.spaces))
-        return preferred if len(self.spaces) > 1 and any(c.get("backend", DEFAULT_BACKEND) == preferred for c in ran_ok) else None
-
-    def unmeasured_reason(self, config: dict, measure: str, settled: str | None = None) -> tuple[TrialStatus, str, int] | None:
-        """As each backend's space says (`SearchSpace.unmeasured_reason`), the model's pruning against the candidate's
-        default whatever its backend; and, on the GPU, a config of another backend than `settled` (`CandidateSpace.settled`)."""
-        if measure == "device" and settled is not None and config.get("backend", DEFAULT_BACKEND) != settled:
-            return TrialStatus.PRUNED, f"{settled} runs this group: its default ran, other backends' configs are not timed", 0
+    def unmeasured_reason(self, config: dict, measure: str) -> tuple[TrialStatus, str, int] | None:
         reason = self[config].unmeasured_reason(self._params(config), measure)
         if reason and reason[0] is TrialStatus.PRUNED:  # pruned against the candidate's default, whatever its backend
             return reason if self.model_ms(config) > PRUNE_FACTOR * self.default_ms() else None
@@ -204,25 +191,25 @@ class CandidateSpace:
         best = [{"backend": b, **c} for b, sp in self.spaces.items() for c in [sp.model_best()] if c is not None]
         return min(best, key=self.model_ms) if best else None
 
-    def explored(self, tried: Sequence[dict], measure: str, settled: str | None = None) -> bool:
-        """Whether every config worth timing (of the `settled` backend alone, where one is) is among `tried` (False
-        where a backend's space is too large to enumerate): TPE proposes configs done already once a small space is
-        explored, and no more trials of it can measure anything new."""
-        n = self.worth_timing(measure, settled)
+    def explored(self, tried: Sequence[dict], measure: str) -> bool:
+        """Whether every config worth timing is among `tried` (False where a backend's space is too large to
+        enumerate): TPE proposes configs done already once a small space is explored, and no more trials of it can
+        measure anything new."""
+        n = self.worth_timing(measure)
         done = {config_key(c) for c in tried if c.get("backend", DEFAULT_BACKEND) in self.spaces and self[c].holds(c)
-                and self.unmeasured_reason(c, measure, settled) is None}
+                and self.unmeasured_reason(c, measure) is None}
         return n is not None and len(done) >= n
 
-    def worth_timing(self, measure: str, settled: str | None = None) -> int | None:
-        """How many configs break no rule and are not pruned (`unmeasured_reason`, `settled` as there; None where a
-        backend's space is too large to enumerate): counted once per measure, settled backend and facts."""
+    def worth_timing(self, measure: str) -> int | None:
+        """How many configs break no rule and are not pruned (None where a backend's space is too large to
+        enumerate): counted once per measure and facts."""
         facts = tuple(sp.facts for sp in self.spaces.values())
-        known = self._worth.get((measure, settled))
+        known = self._worth.get(measure)
         if known is None or any(a is not b for a, b in zip(known[0], facts)):
-            feasible = {b: sp.feasible() for b, sp in self.spaces.items() if not (measure == "device" and settled not in (None, b))}
+            feasible = {b: sp.feasible() for b, sp in self.spaces.items()}
             n = None if any(f is None for f in feasible.values()) else sum(
-                1 for b, f in feasible.items() for c in f if self.unmeasured_reason({"backend": b, **c}, measure, settled) is None)
-            known = self._worth[(measure, settled)] = (facts, n)
+                1 for b, f in feasible.items() for c in f if self.unmeasured_reason({"backend": b, **c}, measure) is None)
+            known = self._worth[measure] = (facts, n)
         return known[1]
 
     def defaults(self) -> list[dict]:

@@ -3,9 +3,8 @@ ledger -> build, check and time it in the trial process -> record -> tell Optuna
 
 The trial runs inside `study.optimize(n_trials=1)`, so Optuna's heartbeats
 (where the storage has them) cover it while it runs. A config that breaks a
-constraint, or that the roofline puts far behind the default on the GPU, or
-(on the GPU) of another backend once the preferred one's config ran
-(`CandidateSpace.settled`), is told to Optuna as infeasible and never compiled; a config the ledger already
+constraint, or that the roofline puts far behind the default on the GPU, is
+told to Optuna as infeasible and never compiled; a config the ledger already
 has is told its known value and spends nothing.
 """
 from __future__ import annotations
@@ -61,7 +60,7 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
         if trial.number == 0:  # the study's first enqueued default: the model's best queued behind the defaults
             enqueue_model_best(study, space)
         trial.set_user_attr("worker", ctx.worker)
-        unmeasured = space.unmeasured_reason(cfg, ctx.measure, space.settled(cand.ok_configs()))
+        unmeasured = space.unmeasured_reason(cfg, ctx.measure)
         t0 = time.perf_counter()
         if unmeasured:
             claim = ctx.ledger.claim(cand, cfg, trial.number, limit=None, status=unmeasured[0], error=unmeasured[1])
@@ -71,7 +70,7 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
         outcome["kind"] = claim.kind
         if claim.kind == "duplicate":  # the sampler proposed a config done (or running) already: nothing spent
             known = claim.known
-            if space.explored([t.config for t in cand.trials if t.status is not TrialStatus.LOST], ctx.measure, space.settled(cand.ok_configs())):
+            if space.explored([t.config for t in cand.trials if t.status is not TrialStatus.LOST], ctx.measure):
                 outcome["kind"] = "exhausted"
             if known.status is TrialStatus.OK or not known.status.compiled:
                 trial.set_constraint("violations", 1.0 if known.status is TrialStatus.INFEASIBLE else 0.0)
