@@ -59,7 +59,6 @@ def _short(e: BaseException, n: int = 400) -> str:
     return s if len(s) <= n else s[:n] + "..."
 
 
-
 class Evaluator:
     """Answers the requests of `protocol.py` for one program."""
 

@@ -346,12 +346,7 @@ def time_fn(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: int = 1
     dispatch overlaps device work; inputs rotate through `arg_sets` so caches
     do not flatter the result (use ≥ 3 sets larger than L2 together).
     """
-    jax.block_until_ready(fn(*arg_sets[0]))
-    t0 = time.perf_counter()
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
-    one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
-    calls = max(len(arg_sets), min(2000, int(target_ms / max(one, 1e-3))))
+    calls = max(len(arg_sets), min(2000, int(target_ms / max(_one_call_ms(fn, arg_sets), 1e-3))))
     samples = [_batch(fn, arg_sets, calls) for _ in range(warmup + repeats)][warmup:]
     return _stats(np.array(samples), calls)
 
@@ -374,12 +369,7 @@ def time_kernels(fn: Callable, arg_sets: Sequence[Sequence[Any]], *, repeats: in
     kernels run back to back with the rest."""
     if jax.default_backend() != "gpu":
         return time_fn(fn, arg_sets, repeats=repeats, target_ms=target_ms, warmup=warmup)
-    jax.block_until_ready(fn(*arg_sets[0]))
-    t0 = time.perf_counter()
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
-    one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
-    calls = max(len(arg_sets), min(MAX_TRACED_CALLS, int(target_ms / max(one, 1e-3))))
+    calls = max(len(arg_sets), min(MAX_TRACED_CALLS, int(target_ms / max(_one_call_ms(fn, arg_sets), 1e-3))))
     for _ in range(warmup):
         _batch(fn, arg_sets, calls)
     events = []
@@ -407,6 +397,16 @@ def _trace_options() -> list[Any]:
     return [lean, None]
 
 
+def _one_call_ms(fn: Callable, arg_sets: Sequence[Sequence[Any]]) -> float:
+    """One call of `fn` on each of `arg_sets`, each waited for, after one untimed (its compile): ms per call, the
+    measure of how many calls a batch holds."""
+    jax.block_until_ready(fn(*arg_sets[0]))
+    t0 = time.perf_counter()
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t0) / len(arg_sets) * 1e3
+
+
 def _batch(fn: Callable, arg_sets: Sequence[Sequence[Any]], calls: int) -> float:
     """`calls` back-to-back calls rotating `arg_sets`, one sync: ms per call by the host's clock."""
     t0 = time.perf_counter()
@@ -429,11 +429,7 @@ def time_pair(fn_a: Callable, fn_b: Callable, arg_sets: Sequence[Sequence[Any]],
     """
     calls, pair_ms = [], 0.0
     for fn in (fn_a, fn_b):
-        jax.block_until_ready(fn(*arg_sets[0]))
-        t0 = time.perf_counter()
-        for args in arg_sets:
-            jax.block_until_ready(fn(*args))
-        one = (time.perf_counter() - t0) / len(arg_sets) * 1e3
+        one = _one_call_ms(fn, arg_sets)
         calls.append(max(len(arg_sets), min(2000, int(target_ms / max(one, 1e-3)))))
         pair_ms += calls[-1] * one
     if budget_ms is not None:
