@@ -58,8 +58,8 @@ RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or com
 #: Of a trial budget smaller than the candidates: what phase 1 may take before phase 2 starts. Half: although a
 #: candidate's later configs beat its default (by 2% or more) once in ~280 trials of results/' jobs (to 2026-12-01)
 #: and about three in four first visits beat XLA, three quarters (with other backends' configs pruned once Mosaic
-#: GPU's default ran) gave GPT-2's cuDNN step and forward at 40 trials the same plans (1.11-1.12x, 1.15-1.16x) in 20-50% longer jobs: the visits past each region's first are its variants
-#: (results/device_timing_h200.md).
+#: GPU's default ran) gave GPT-2's cuDNN step and forward at 40 trials the same plans (1.11-1.12x, 1.15-1.16x) in
+#: 20-50% longer jobs: the visits past each region's first are its variants (results/device_timing_h200.md).
 PHASE1_SHARE = 0.5
 CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials
 STUCK_AFTER = 16  # a candidate whose sampler proposed this many done configs in a row gets no more trials
