@@ -59,6 +59,8 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
         "precision": Part("benchmarks.precision_probe", "the precision of XLA's float32 dots under JAX's defaults"),
         "timing": Part("benchmarks.timing_probe", "small kernels timed by the host's clock (as the tuner times groups) against the "
                        "device's, on an idle host and a busy one"),
+        "group": Part("benchmarks.group_probe", "one candidate group of an example model's program: XLA's version against "
+                      "chosen configs of autofuse's, each checked and timed on the device as a job times it"),
         "lowering": Part("benchmarks.lowering_apart", "GPT-2's kernels lowered by CPU-only helper processes against this GPU "
                          "process's own lowering: the same module, and the seconds each way"),
     }),
