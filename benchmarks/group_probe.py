@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{len(c.group.node_ids):3} ops  " + " ".join(graph.node_index[i].name for i in c.group.node_ids)[:110])
         return
     ev = Evaluator(graph)
-    lines = [header(argv, a.commit), "", f"{a.model}:{a.step} ({"small inputs" if a.small else f"{a.layers} layers captured"}); ms per call on the device "
+    what = "small inputs" if a.small else f"{a.layers} layers captured"
+    lines = [header(argv, a.commit), "", f"{a.model}:{a.step} ({what}); ms per call on the device "
              "(median, min-max of the repeats)", "",
              "| group | template | config | status | ms | min-max | vs XLA |", "|---|---|---|---|---|---|---|"]
     defaults: dict[str, dict] = {}
