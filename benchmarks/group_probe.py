@@ -20,10 +20,12 @@ from collections import Counter
 
 import jax
 
+from autofuse.device import default_backends
 from autofuse.graph import capture
 from autofuse.kernels import TEMPLATES
 from autofuse.runner.evaluator import Evaluator
 from autofuse.tuning.partition import Candidate, enumerate_candidates
+from autofuse.tuning.space import usable_backends
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", action="store_true", help="the model's small inputs (CPU-sized: interpret mode)")
     ap.add_argument("--list", action="store_true", help="list the program's candidates (signature, template, ops) and stop")
     ap.add_argument("--group", action="append", default=[], help="signature prefix of a candidate (repeatable)")
-    ap.add_argument("--backend", default=None, help="the lowering (default: the template's preferred one)")
+    ap.add_argument("--backend", default=None, help="the lowering (default: a tuning job's first on this machine)")
     ap.add_argument("--config", action="append", default=[], help="a config as JSON, over the default (repeatable)")
     ap.add_argument("--grid", action="append", default=[], help="NAME=V1,V2,...: every combination over the default "
                     "(repeatable; with --config, over each of them)")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     for prefix in a.group:
         cand = find(candidates, prefix)
         tmpl = TEMPLATES[cand.template]
-        backend = a.backend or tmpl.preferred_backend
+        backend = a.backend or usable_backends(cand.template, cand.spec, default_backends())[0]  # a job's first
         default = defaults[prefix] = {**tmpl.default_config_of(cand.spec, backend), "backend": backend}
         bases = [{**default, **json.loads(c)} for c in a.config] or [default]
         configs = [c for b in bases for c in (grid(b, a.grid) if a.grid else [b])]
