@@ -83,6 +83,7 @@ def test_walking_row_blocks_is_a_column_sums_config_by_default_at_a_models_size(
     default = tmpl.default_config_of(c.spec, "triton")
     programs = 16384 // (default["block_rows"] * default["row_steps"])
     assert default["row_steps"] > 1 and lowering.PROGRAMS_WITH_SUMS // 2 < programs <= lowering.PROGRAMS_WITH_SUMS
+    assert default["block_rows"] == 1 and default["num_warps"] == 8  # one row a block (results/row_reduce_sums_h200.md)
     assert tmpl.model_time_ms(c.spec, default) < tmpl.model_time_ms(c.spec, {**default, "row_steps": 1})
     assert tmpl.unsupported(c.spec, "triton", {**default, "block_cols": 256}) is not None
     softmax = autofuse.capture(lambda x: jax.nn.softmax(x, axis=-1), jax.ShapeDtypeStruct((4096, 1024), jnp.float32))
