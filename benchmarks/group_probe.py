@@ -55,6 +55,17 @@ def _value(text: str):
         return text
 
 
+def _config(text: str) -> dict:
+    """A `--config` argument: a JSON object (argparse says what is wrong in one line otherwise)."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e.msg})") from None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks profile group", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--list", action="store_true", help="list the program's candidates (signature, template, ops) and stop")
     ap.add_argument("--group", action="append", default=[], help="signature prefix of a candidate (repeatable)")
     ap.add_argument("--backend", default=None, help="the lowering (default: a tuning job's first on this machine)")
-    ap.add_argument("--config", action="append", default=[], help="a config as JSON, over the default (repeatable)")
+    ap.add_argument("--config", action="append", default=[], type=_config, help="a config as a JSON object, over the "
+                    "default (repeatable)")
     ap.add_argument("--grid", action="append", default=[], help="NAME=V1,V2,...: every combination over the default "
                     "(repeatable; with --config, over each of them)")
     ap.add_argument("--out", default="", help="also write the table to this Markdown file")
@@ -78,11 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     graph = capture(getattr(mod, a.step), *args)
     candidates = enumerate_candidates(graph)
     if a.list or not a.group:
-        seen = Counter(c.group.signature for c in candidates)
+        instances = Counter(c.group.signature for c in candidates)
+        listed: set[str] = set()
         for c in candidates:
-            if seen.pop(c.group.signature, None) is not None:
-                print(f"{c.group.signature[:12]}  {c.template:18} x{Counter(d.group.signature for d in candidates)[c.group.signature]:<3} "
-                      f"{len(c.group.node_ids):3} ops  " + " ".join(graph.node_index[i].name for i in c.group.node_ids)[:110])
+            if c.group.signature not in listed:
+                listed.add(c.group.signature)
+                print(f"{c.group.signature[:12]}  {c.template:18} x{instances[c.group.signature]:<3} {len(c.group.node_ids):3} ops  "
+                      + " ".join(graph.node_index[i].name for i in c.group.node_ids)[:110])
         return
     ev = Evaluator(graph)
     what = "small inputs" if a.small else f"{a.layers} layers captured"
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         tmpl = TEMPLATES[cand.template]
         backend = a.backend or usable_backends(cand.template, cand.spec, default_backends())[0]  # a job's first
         default = defaults[prefix] = {**tmpl.default_config_of(cand.spec, backend), "backend": backend}
-        bases = [{**default, **json.loads(c)} for c in a.config] or [default]
+        bases = [{**default, **c} for c in a.config] or [default]
         configs = [c for b in bases for c in (grid(b, a.grid) if a.grid else [b])]
         xla = ev.xla(cand.group.node_ids)
         name = f"{prefix} ({len(cand.group.node_ids)} ops)"

@@ -41,3 +41,11 @@ def test_a_grid_of_configs_is_checked_and_timed_beside_xla(capsys, tmp_path) -> 
 def test_an_unknown_group_is_one_line() -> None:
     with pytest.raises(SystemExit, match="no candidate's signature starts with 'ffffffffffff'"):
         group_probe.main(["--small", "--group", "ffffffffffff"])
+
+
+@pytest.mark.parametrize("bad, said", [("{block_rows: 1}", "not JSON"), ("[1, 2]", "not a JSON object")])
+def test_a_config_that_is_not_a_json_object_is_one_line(bad: str, said: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        group_probe.main(["--small", "--group", "ffffffffffff", "--config", bad])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and said in err[-1] and "Traceback" not in "\n".join(err)
