@@ -123,6 +123,24 @@ def test_a_group_is_credited_the_kernels_it_holds_and_what_it_saves_of_those_it_
     assert (costs.total_ms, costs.attributed_ms) == (pytest.approx(1.91), pytest.approx(1.9))
 
 
+def test_a_gemm_another_kernel_also_names_is_priced_as_the_gemm_kernels_alone():
+    """XLA's cuBLAS GEMM (1.0 ms) and a fusion of GELU after it (0.5 ms) whose metadata names the dot too (an
+    instruction in it carries the dot's scope, as the GELU backward's fusion does in GPT-2's step): the fusion only
+    reads the product, so a group of GELU's ops holds the whole fusion (credited 0.5, not a cut whose remainder the
+    model prices as running the GEMM), and the dot's price is the GEMM kernel's."""
+    args = (jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1024,), jnp.float32))
+    g = capture(_norm_matmul_gelu, *args)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    after = frozenset(n.id for n in g.nodes if n.id > dot)
+    costs = ProgramCosts((XlaKernel("custom-call.11", 1.0, frozenset({dot})), XlaKernel("input_add_reduce_fusion.1", 0.5, after | {dot})), g)
+    assert costs.computed == (frozenset({dot}), after)
+    assert costs.node_ms[dot] == pytest.approx(1.0) and costs.xla_ms(after) == pytest.approx(0.5)
+    assert costs.credit_ms(after) == pytest.approx(0.5) and costs.credit_ms(after | {dot}) == pytest.approx(1.5)
+    alone = ProgramCosts((XlaKernel("input_add_reduce_fusion.1", 0.5, after | {dot}),), g)  # named by one kernel: its own
+    assert alone.computed == (after | {dot},) and alone.credit_ms(after) < 0.5
+
+
 def _priced(times: dict[str, float]):
     """The norm -> GEMM -> GELU program's candidates, each with XLA's time alone 1.0 ms and a fused best of
     `times[kind]` for the kinds named ("whole": the GEMM with its normalised operand and all of GELU, "gelu": a
