@@ -11,7 +11,7 @@ import pytest
 from autofuse import costmodel
 from autofuse.graph import Group, capture
 from autofuse.runner.evaluator import Evaluator
-from autofuse.runner.profile import KernelEvent, instruction_nodes, profile_program, program_kernels, scoped
+from autofuse.runner.profile import KernelEvent, fusion_kinds, instruction_nodes, profile_program, program_kernels, scoped
 from autofuse.runner.protocol import ProfileRequest, XlaKernel
 from autofuse.tables import format_phases
 from autofuse.tuning.job import distinct_candidates, search_spaces
@@ -123,22 +123,42 @@ def test_a_group_is_credited_the_kernels_it_holds_and_what_it_saves_of_those_it_
     assert (costs.total_ms, costs.attributed_ms) == (pytest.approx(1.91), pytest.approx(1.9))
 
 
-def test_a_gemm_another_kernel_also_names_is_priced_as_the_gemm_kernels_alone():
-    """XLA's cuBLAS GEMM (1.0 ms) and a fusion of GELU after it (0.5 ms) whose metadata names the dot too (an
+def test_a_contraction_an_xla_loop_or_reduction_fusion_names_is_read_there_not_computed():
+    """XLA's cuBLAS GEMM (1.0 ms) and an input fusion of GELU after it (0.5 ms) whose metadata names the dot too (an
     instruction in it carries the dot's scope, as the GELU backward's fusion does in GPT-2's step): the fusion only
     reads the product, so a group of GELU's ops holds the whole fusion (credited 0.5, not a cut whose remainder the
-    model prices as running the GEMM), and the dot's price is the GEMM kernel's."""
+    model prices as running the GEMM). A Triton GEMM fusion (kCustom) computes its dot."""
     args = (jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
             jax.ShapeDtypeStruct((1024,), jnp.float32))
     g = capture(_norm_matmul_gelu, *args)
     (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
     after = frozenset(n.id for n in g.nodes if n.id > dot)
-    costs = ProgramCosts((XlaKernel("custom-call.11", 1.0, frozenset({dot})), XlaKernel("input_add_reduce_fusion.1", 0.5, after | {dot})), g)
+    costs = ProgramCosts((XlaKernel("custom-call.11", 1.0, frozenset({dot})),
+                          XlaKernel("input_add_reduce_fusion.1", 0.5, after | {dot}, "kInput")), g)
     assert costs.computed == (frozenset({dot}), after)
     assert costs.node_ms[dot] == pytest.approx(1.0) and costs.xla_ms(after) == pytest.approx(0.5)
     assert costs.credit_ms(after) == pytest.approx(0.5) and costs.credit_ms(after | {dot}) == pytest.approx(1.5)
-    alone = ProgramCosts((XlaKernel("input_add_reduce_fusion.1", 0.5, after | {dot}),), g)  # named by one kernel: its own
-    assert alone.computed == (after | {dot},) and alone.credit_ms(after) < 0.5
+    unknown = ProgramCosts((XlaKernel("custom-call.11", 1.0, frozenset({dot})), XlaKernel("fusion.1", 0.5, after | {dot})), g)
+    assert unknown.computed[1] == after | {dot} and unknown.credit_ms(after) < 0.5  # (as it was priced before)
+    triton = ProgramCosts((XlaKernel("gemm_fusion_dot.3", 1.5, after | {dot}, "kCustom"),), g)
+    assert triton.computed == (after | {dot},) and triton.credit_ms(after) < 0.1 * 1.5
+
+
+def test_fusion_instructions_are_read_with_their_kind():
+    text = """HloModule m
+
+ENTRY %main (x: f32[8,4]) -> f32[8] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %cp = f32[8,4]{1,0} copy(%x)
+  %loop_add_fusion.3 = f32[8,4]{1,0} fusion(%cp), kind=kLoop, calls=%fused_a, metadata={op_name="jit(run)/autofuse_n12/x"}
+  %gemm_fusion_dot.2 = f32[8,8]{1,0} fusion(%cp, %cp), kind=kCustom, calls=%fused_b, backend_config={"kind":"__triton_gemm"}
+  ROOT %input_reduce_fusion = f32[8]{0} fusion(%loop_add_fusion.3), kind=kInput, calls=%fused_c
+}
+"""
+    assert fusion_kinds(text) == {"loop_add_fusion.3": "kLoop", "gemm_fusion_dot.2": "kCustom", "input_reduce_fusion": "kInput"}
+    ev = KernelEvent("loop_add_fusion_3", 0.0, 2e6, {"hlo_op": "loop_add_fusion.3"})
+    assert program_kernels([ev], {"loop_add_fusion.3": frozenset({12})}, 1, fusion_kinds(text)) == [
+        XlaKernel("loop_add_fusion.3", 2.0, frozenset({12}), "kLoop")]
 
 
 def _priced(times: dict[str, float]):

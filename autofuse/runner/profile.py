@@ -33,6 +33,7 @@ _NODE = re.compile(NODE_SCOPE + r"(\d+)\b")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
 _NAME = re.compile(r"%([\w.\-]+)")
+_FUSION_KIND = re.compile(r"\bkind=(k\w+)")
 
 
 def scoped(graph: Graph) -> Callable:
@@ -86,6 +87,17 @@ def instruction_nodes(hlo_text: str) -> dict[str, frozenset[int]]:
     return {name: of_instruction(name) for name in own}
 
 
+def fusion_kinds(hlo_text: str) -> dict[str, str]:
+    """Every fusion instruction of a compiled module's text by name, with its kind (`kind=kLoop`, kInput, kCustom)."""
+    out: dict[str, str] = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        kind = _FUSION_KIND.search(line) if m and " fusion(" in line else None
+        if kind:
+            out[m.group(1)] = kind.group(1)
+    return out
+
+
 @dataclass(frozen=True)
 class KernelEvent:
     """One kernel launch of a traced call: its name, start and duration, and the profiler's stats on it (XLA's
@@ -130,17 +142,18 @@ def traced_events(run: Callable[[], Any], options: Any = None) -> list[KernelEve
     return out
 
 
-def program_kernels(events: Sequence[KernelEvent], nodes: dict[str, frozenset[int]], calls: int) -> list[XlaKernel]:
+def program_kernels(events: Sequence[KernelEvent], nodes: dict[str, frozenset[int]], calls: int,
+                    kinds: dict[str, str] | None = None) -> list[XlaKernel]:
     """The events' device time per call, summed by the instruction that launched them, with that instruction's nodes
-    (and those its event's own scope names: a library call's `name` stat); a kernel of no known instruction (a
-    memset between calls) keeps its own name and no node. Longest first."""
+    (and those its event's own scope names: a library call's `name` stat) and its fusion kind (`fusion_kinds`); a
+    kernel of no known instruction (a memset between calls) keeps its own name and no node. Longest first."""
     total: dict[str, list] = {}
     for ev in events:
         op = str(ev.stats.get("hlo_op") or ev.name)
         entry = total.setdefault(op, [0.0, set(nodes.get(op, ()))])
         entry[0] += ev.duration_ns
         entry[1].update(int(i) for i in _NODE.findall(str(ev.stats.get("name", ""))))
-    kernels = [XlaKernel(op, ns / calls / 1e6, frozenset(ids)) for op, (ns, ids) in total.items()]
+    kernels = [XlaKernel(op, ns / calls / 1e6, frozenset(ids), (kinds or {}).get(op, "")) for op, (ns, ids) in total.items()]
     return sorted(kernels, key=lambda k: -k.ms)
 
 
@@ -155,4 +168,5 @@ def profile_program(graph: Graph, inputs: Sequence[Any], calls: int = PROFILED_C
     """XLA's kernels of jax.jit's program on `inputs` (one flat set, the graph's input order): empty without a GPU.
     `compiled`: the program `compile_profiled` made ahead (else compiled here)."""
     compiled = compiled if compiled is not None else compile_profiled(graph)
-    return program_kernels(kernel_events(compiled, inputs, calls), instruction_nodes(compiled.as_text()), calls)
+    text = compiled.as_text()
+    return program_kernels(kernel_events(compiled, inputs, calls), instruction_nodes(text), calls, fusion_kinds(text))

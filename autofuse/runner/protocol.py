@@ -201,11 +201,14 @@ class ComparisonResult:
 @dataclass(frozen=True)
 class XlaKernel:
     """One of XLA's kernels in the whole program: the HLO instruction that launched it, its device time per call of
-    the program (every launch), and the program's nodes it computes (empty: none known, a memset)."""
+    the program (every launch), the program's nodes its metadata names (empty: none known, a memset), and XLA's kind
+    of fusion where the instruction is one (kLoop, kInput: XLA's own elementwise and reduction emitters; kCustom: a
+    Triton GEMM; "" otherwise)."""
 
     instruction: str
     ms: float
     nodes: frozenset[int]
+    fusion_kind: str = ""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 #: The most a kernel's remainder is charged, as a multiple of the kernel's time, when a group cuts it (its roofline
 #: grows with what it must now read): a bound on the model's word, which never saw the remainder run.
 MAX_REMAINDER = 3.0
+XLA_EMITTED = ("kLoop", "kInput")  # fusion kinds of XLA's own elementwise and reduction emitters: no GEMM runs there
 LONGEST_KEPT = 12  # of the profile's kernels, the longest kept in the run's record (`ProgramCosts.summary`)
 
 
@@ -47,19 +48,15 @@ class ProgramCosts:
 
     @cached_property
     def computed(self) -> tuple[frozenset[int], ...]:
-        """Each kernel's nodes as it computes them (by kernel index): its nodes, except that a contraction several
-        kernels name is computed by the one naming the fewest nodes (its GEMM) and only read by the others. In GPT-2's
-        step the fusion of the MLP's GELU backward names the forward's up-projection too (an instruction in it carries
-        the dot's metadata); priced as computing that GEMM, any group cutting the fusion left a remainder as costly as
-        the whole, and the dgrad + GELU' group was priced 0.218 ms against the 0.298 of the kernels it replaces."""
+        """Each kernel's nodes as it computes them (by kernel index): those its metadata names, less the contractions
+        where it is one of XLA's own loop or reduction fusions (kLoop, kInput), which read a product and never compute
+        one. In GPT-2's step the fusion of the MLP's GELU backward names the forward's up-projection (an instruction
+        in it carries the dot's scope); priced as computing that GEMM, a group cutting the fusion left a remainder
+        almost as costly as the whole, and the dgrad + GELU' group was priced 0.218 ms against the 0.298 of the
+        kernels it replaces."""
         contraction = {n for k in self.kernels for n in k.nodes
                        if n in self.graph.node_index and op_class(self.graph.node_index[n].name) is OpClass.CONTRACTION}
-        fewest: dict[int, int] = {}
-        for i, k in enumerate(self.kernels):
-            for n in k.nodes & contraction:
-                if n not in fewest or len(k.nodes) < len(self.kernels[fewest[n]].nodes):
-                    fewest[n] = i
-        return tuple(frozenset(n for n in k.nodes if n not in contraction or fewest[n] == i) for i, k in enumerate(self.kernels))
+        return tuple(k.nodes - contraction if k.fusion_kind in XLA_EMITTED else k.nodes for k in self.kernels)
 
     @cached_property
     def node_ms(self) -> dict[int, float]:
