@@ -25,6 +25,7 @@ from autofuse.graph import capture
 from autofuse.kernels import TEMPLATES
 from autofuse.runner.evaluator import Evaluator
 from autofuse.tuning.partition import Candidate, enumerate_candidates
+from autofuse.tuning.program_costs import ProgramCosts
 from autofuse.tuning.space import usable_backends
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--list", action="store_true", help="list the program's candidates (signature, template, ops) and stop")
     ap.add_argument("--group", action="append", default=[], help="signature prefix of a candidate (repeatable)")
     ap.add_argument("--backend", default=None, help="the lowering (default: a tuning job's first on this machine)")
+    ap.add_argument("--prices", action="store_true", help="also profile jax.jit's program and say how each group's price "
+                    "in it is made: the XLA kernels that compute its nodes, held whole or cut, and what each is credited")
     ap.add_argument("--config", action="append", default=[], type=_config, help="a config as a JSON object, over the "
                     "default (repeatable)")
     ap.add_argument("--grid", action="append", default=[], help="NAME=V1,V2,...: every combination over the default "
@@ -124,7 +127,26 @@ def main(argv: list[str] | None = None) -> None:
                             else f" | | | {(res.error or '')[:80]} |"))
             print(lines[-1], flush=True)
     lines += [""] + [f"{p}'s default: `{json.dumps(d)}`" for p, d in defaults.items()]
+    if a.prices:
+        lines += [""] + price_lines(ev, graph, [find(candidates, p) for p in a.group])
     emit(lines, a.out)
+
+
+def price_lines(ev: Evaluator, graph, cands: list[Candidate]) -> list[str]:
+    """How each candidate's price in jax.jit's program is made (`ProgramCosts.credit_parts`, its last instance)."""
+    costs = ProgramCosts(ev.profile().kernels, graph)
+    if not costs.kernels:
+        return ["jax.jit's program gave no profile here (no GPU trace): no prices"]
+    lines = [f"Prices in jax.jit's program ({len(costs.kernels)} kernels, {costs.total_ms:.3f} ms a call):", "",
+             "| group | XLA kernel | ms | fusion kind | held | credited | what is left of it |", "|---|---|---|---|---|---|---|"]
+    for c in cands:
+        for k, held, credit in costs.credit_parts(c.group.node_ids):
+            rest = "" if held else costs.ops_text(costs.computed[costs.kernels.index(k)] - set(c.group.node_ids), 6)
+            lines.append(f"| {c.group.signature[:12]} | `{k.instruction}` | {k.ms:.4f} | {k.fusion_kind} | {'whole' if held else 'cut'} "
+                         f"| {credit:.4f} | {rest} |")
+        lines.append(f"| {c.group.signature[:12]} | all | {costs.xla_ms(c.group.node_ids):.4f} (the nodes' shares) | | "
+                     f"| **{costs.credit_ms(c.group.node_ids):.4f}** | |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ def test_a_grid_of_configs_is_checked_and_timed_beside_xla(capsys, tmp_path) -> 
     assert "commit test" in out.read_text().splitlines()[0]
 
 
+def test_prices_without_a_gpu_trace_say_so(capsys) -> None:
+    group = next(r[0] for r in _listed(capsys) if r[1] == "matmul")
+    group_probe.main(["--small", "--group", group, "--prices", "--commit", "test"])
+    assert capsys.readouterr().out.rstrip().endswith("jax.jit's program gave no profile here (no GPU trace): no prices")
+
+
 def test_an_unknown_group_is_one_line() -> None:
     with pytest.raises(SystemExit, match="no candidate's signature starts with 'ffffffffffff'"):
         group_probe.main(["--small", "--group", "ffffffffffff"])

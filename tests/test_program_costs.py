@@ -138,6 +138,7 @@ def test_a_contraction_an_xla_loop_or_reduction_fusion_names_is_read_there_not_c
     assert costs.computed == (frozenset({dot}), after)
     assert costs.node_ms[dot] == pytest.approx(1.0) and costs.xla_ms(after) == pytest.approx(0.5)
     assert costs.credit_ms(after) == pytest.approx(0.5) and costs.credit_ms(after | {dot}) == pytest.approx(1.5)
+    assert costs.credit_parts(after | {dot}) == [(costs.kernels[0], True, 1.0), (costs.kernels[1], True, 0.5)]
     unknown = ProgramCosts((XlaKernel("custom-call.11", 1.0, frozenset({dot})), XlaKernel("fusion.1", 0.5, after | {dot})), g)
     assert unknown.computed[1] == after | {dot} and unknown.credit_ms(after) < 0.5  # (as it was priced before)
     triton = ProgramCosts((XlaKernel("gemm_fusion_dot.3", 1.5, after | {dot}, "kCustom"),), g)

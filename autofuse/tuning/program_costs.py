@@ -82,13 +82,21 @@ class ProgramCosts:
         latter: inside a larger kernel XLA spends no more on some nodes than on the same nodes alone, and the model's
         word on a cut kernel is only a model (a row reduction of GPT-2's step that took part of the cross-entropy's
         fusion was credited 1.47 ms and saved nothing; alone XLA ran it in 0.076)."""
-        members = frozenset(nodes)
-        touched = sorted({i for n in members for i in self._by_node.get(n, ())})
-        whole = sum(self.kernels[i].ms for i in touched if self.computed[i] <= members)
-        cut = sum(self._kernel_credit(i, members & self.computed[i]) for i in touched if not self.computed[i] <= members)
+        parts = self.credit_parts(nodes)
+        whole = sum(credit for _, held, credit in parts if held)
+        cut = sum(credit for _, held, credit in parts if not held)
         if alone_ms is not None:
             cut = min(cut, max(alone_ms - whole, 0.0))
         return whole + cut
+
+    def credit_parts(self, nodes: Collection[int]) -> list[tuple[XlaKernel, bool, float]]:
+        """Each of XLA's kernels that computes some of `nodes`: (the kernel, whether they hold all it computes, what
+        fusing them saves of it: its time where held, else `_kernel_credit`'s share)."""
+        members = frozenset(nodes)
+        touched = sorted({i for n in members for i in self._by_node.get(n, ())})
+        return [(self.kernels[i], self.computed[i] <= members,
+                 self.kernels[i].ms if self.computed[i] <= members else self._kernel_credit(i, members & self.computed[i]))
+                for i in touched]
 
     @cached_property
     def _credits(self) -> dict[tuple[int, frozenset[int]], float]:
