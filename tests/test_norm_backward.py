@@ -84,6 +84,10 @@ def test_walking_row_blocks_is_a_column_sums_config_by_default_at_a_models_size(
     programs = 16384 // (default["block_rows"] * default["row_steps"])
     assert default["row_steps"] > 1 and lowering.PROGRAMS_WITH_SUMS // 2 < programs <= lowering.PROGRAMS_WITH_SUMS
     assert default["block_rows"] == 1 and default["num_warps"] == 8  # one row a block (results/row_reduce_sums_h200.md)
+    narrow = autofuse.capture(layer_norm_vjp, *[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1 << 20, 64), (64,), (64,), (1 << 20, 64))])
+    (n,) = [c for c in enumerate_candidates(narrow) if c.template == "row_reduce" and len(c.group.node_ids) == len(narrow.nodes)]
+    d = tmpl.default_config_of(n.spec, "triton")  # rows of 64: blocks of 1024 elements still (16 rows), 32 steps each
+    assert d["block_rows"] * d["block_cols"] == lowering.WALKED_BLOCK and (1 << 20) // (d["block_rows"] * d["row_steps"]) == 2048
     assert tmpl.model_time_ms(c.spec, default) < tmpl.model_time_ms(c.spec, {**default, "row_steps": 1})
     assert tmpl.unsupported(c.spec, "triton", {**default, "block_cols": 256}) is not None
     softmax = autofuse.capture(lambda x: jax.nn.softmax(x, axis=-1), jax.ShapeDtypeStruct((4096, 1024), jnp.float32))

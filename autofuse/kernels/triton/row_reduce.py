@@ -21,6 +21,7 @@ PARAMS = ("block_rows", "block_cols", "num_warps", "num_stages", "row_steps")
 MAX_BLOCK_COLS = 8192
 PROGRAMS_WITH_SUMS = 512  # a norm's backward: about this many programs (~4 an H200 SM), each walking its row blocks
 # (results/norm_backward_h200.md: GPT-2's layer norm backward 0.078 -> 0.063 ms at 512 programs, 0.067 at 1024)
+WALKED_BLOCK = 1024  # elements of a block that such a program walks (`default_config`)
 
 
 def row_steps_of(config: dict) -> int:
@@ -40,18 +41,21 @@ def check_config(spec: TileSpec, config: dict) -> None:
 
 
 def default_config(spec: TileSpec) -> dict:
-    """Blocks of about 4096 elements; where programs walk row blocks for their column sums, one row a block in 8 warps,
-    walked until about `PROGRAMS_WITH_SUMS` programs remain. Why one row: on an H200 (results/row_reduce_sums_h200.md,
-    device-timed) GPT-2's step's norm backward groups with 1-4 column sums ran 0.060-0.083 ms at 1 row x 32 steps in
-    8 warps against 0.075-0.136 at 4 rows x 8 steps (the same 512 programs; XLA 0.092-0.125), and Llama's RMS norm's
-    (2048 wide) as fast or 8% faster at 1 x 16 than at 2 x 8; 64 steps (256 programs) lost everywhere."""
+    """Blocks of about 4096 elements; where programs walk row blocks for their column sums, blocks of about
+    `WALKED_BLOCK` elements (one row from 1024 columns up) in up to 8 warps, walked until about `PROGRAMS_WITH_SUMS`
+    programs remain. Why: on an H200 (results/row_reduce_sums_h200.md, device-timed) GPT-2's step's norm backward
+    groups with 1-4 column sums (1024 wide) ran 0.060-0.083 ms at 1 row x 32 steps in 8 warps against 0.075-0.136 at 4
+    rows x 8 steps (the same 512 programs; XLA 0.092-0.125), and Llama's RMS norm's (2048 wide) as fast or 8% faster at
+    1 x 16 than at 2 x 8; 64 steps (256 programs) lost everywhere. Narrower rows keep ~1024 elements a block (not
+    measured: one row of 64 would make 64 times the programs and partials)."""
     bn = min(max(32, next_pow2(spec.C)), MAX_BLOCK_COLS)  # the space's narrowest block (masked past C) for a few columns
     bm = max(1, min(next_pow2(spec.R), 4096 // bn))
     warps = min(4 if bm * bn <= 2048 else 8 if bm * bn <= 8192 else 16, bm * bn // 32)  # a thread per element at least
     steps = 1
     if walks_rows(spec, bn):  # fewer partials of the column sums to write and add
-        bm, warps = 1, max(1, min(8, bn // 32))
-        steps = min(32, next_pow2(max(1, cdiv(spec.R, PROGRAMS_WITH_SUMS))))
+        bm = max(1, min(next_pow2(spec.R), WALKED_BLOCK // bn))
+        warps = max(1, min(8, bm * bn // 32))
+        steps = min(32, next_pow2(max(1, cdiv(cdiv(spec.R, bm), PROGRAMS_WITH_SUMS))))
     return {"block_rows": bm, "block_cols": bn, "num_warps": warps, "num_stages": 1, "row_steps": steps}
 
 
