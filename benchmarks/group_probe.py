@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{c.group.signature[:12]}  {c.template:18} x{instances[c.group.signature]:<3} {len(c.group.node_ids):3} ops  "
                       + " ".join(graph.node_index[i].name for i in c.group.node_ids)[:110])
         return
+    chosen = [(p, find(candidates, p)) for p in a.group]  # every prefix resolved before the evaluator starts
     ev = Evaluator(graph)
     what = "small inputs" if a.small else f"{a.layers} layers captured"
     lines = [header(argv, a.commit), "", f"{a.model}:{a.step} ({what}); ms per call on the device "
              "(median, min-max of the repeats)", "",
              "| group | template | config | status | ms | min-max | vs XLA |", "|---|---|---|---|---|---|---|"]
     defaults: dict[str, dict] = {}
-    for prefix in a.group:
-        cand = find(candidates, prefix)
+    for prefix, cand in chosen:
         tmpl = TEMPLATES[cand.template]
         backend = a.backend or usable_backends(cand.template, cand.spec, default_backends())[0]  # a job's first
         default = defaults[prefix] = {**tmpl.default_config_of(cand.spec, backend), "backend": backend}
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             print(lines[-1], flush=True)
     lines += [""] + [f"{p}'s default: `{json.dumps(d)}`" for p, d in defaults.items()]
     if a.prices:
-        lines += [""] + price_lines(ev, graph, [find(candidates, p) for p in a.group])
+        lines += [""] + price_lines(ev, graph, [c for _, c in chosen])
     emit(lines, a.out)
 
 
