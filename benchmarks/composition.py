@@ -141,6 +141,14 @@ def batching(fn, plan: Plan, sets: list, out: str) -> None:
             fh.write(text + "\n")
 
 
+def write_hlo(folder: str, programs: dict, args: list) -> None:
+    """Each program's optimised HLO module as `<name>.hlo` in `folder` (made if missing)."""
+    os.makedirs(folder, exist_ok=True)
+    for name, f in programs.items():
+        with open(os.path.join(folder, f"{name}.hlo"), "w") as out:
+            out.write(f.lower(*args).compile().as_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2")
@@ -157,6 +165,8 @@ def main() -> None:
     ap.add_argument("--batching", action="store_true",
                     help="with --plan: the plan (and its groups on Triton) against jax.jit at 1, 3 and 10 calls per sync, "
                          "after 3 s of load, and the GPU timeline under sustained load")
+    ap.add_argument("--hlo", default="", help="a folder: write jax.jit's and the plan's optimised HLO there (jax_jit.hlo, plan.hlo) "
+                                              "to read what XLA fused around the plan's kernels")
     a = ap.parse_args()
 
     mod = importlib.import_module(f"examples.{a.model}")
@@ -189,6 +199,8 @@ def main() -> None:
         lines.append(f"The job kept XLA's plan: {plan.provenance.get('reason', '')}")
     total_alone = sum(alone.values())
     fused = autofuse.jit(fn, plan=plan)
+    if a.hlo:
+        write_hlo(a.hlo, {"jax_jit": ref, "plan": fused}, sets[0])
     base, got, ratio = time_pair(ref, fused, sets, repeats=12, target_ms=BATCH_MS)
     realised = base.median_ms - got.median_ms
     lines += ["| plan | groups | saving alone (ms) | jax.jit ms | plan ms | realised (ms) | share | ratio spread |", "|---|---|---|---|---|---|---|---|",

@@ -115,6 +115,20 @@ def test_the_composition_profiles_alone_savings_sum_each_groups_instances() -> N
     assert alone_savings(NS(candidates=cands, plan=Plan("fp", groups))) == {"a": 4.0, "b": 0.0, "c": 0.0}
 
 
+def test_the_composition_writes_each_programs_optimised_hlo(tmp_path) -> None:
+    """`profile composition --hlo DIR`: each program's compiled module as `<name>.hlo`, the folder made if missing."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.composition import write_hlo
+
+    x = jnp.ones((8, 16), jnp.float32)
+    write_hlo(str(tmp_path / "hlo"), {"jax_jit": jax.jit(lambda a: jnp.tanh(a) * 2), "plan": jax.jit(lambda a: a.sum(0))}, [x])
+    texts = {p.name: p.read_text() for p in (tmp_path / "hlo").iterdir()}
+    assert set(texts) == {"jax_jit.hlo", "plan.hlo"}
+    assert "tanh" in texts["jax_jit.hlo"] and "reduce" in texts["plan.hlo"] and "tanh" not in texts["plan.hlo"]
+
+
 @pytest.mark.slow  # a benchmark's smoke run, not the quick subset's
 def test_the_concat_sink_probe_checks_and_times_every_config(capsys) -> None:
     """`kernels concat-sink` at the CPU-sized GPT-2: one row per config, each checked against jax.jit."""
