@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gzip
 import importlib
 import os
 import re
@@ -142,10 +143,11 @@ def batching(fn, plan: Plan, sets: list, out: str) -> None:
 
 
 def write_hlo(folder: str, programs: dict, args: list) -> None:
-    """Each program's optimised HLO module as `<name>.hlo` in `folder` (made if missing)."""
+    """Each program's optimised HLO module as `<name>.hlo.gz` in `folder` (made if missing; gzipped: a plan's module
+    carries its Mosaic GPU kernels, tens of MB of text)."""
     os.makedirs(folder, exist_ok=True)
     for name, f in programs.items():
-        with open(os.path.join(folder, f"{name}.hlo"), "w") as out:
+        with gzip.open(os.path.join(folder, f"{name}.hlo.gz"), "wt") as out:
             out.write(f.lower(*args).compile().as_text())
 
 
@@ -165,7 +167,7 @@ def main() -> None:
     ap.add_argument("--batching", action="store_true",
                     help="with --plan: the plan (and its groups on Triton) against jax.jit at 1, 3 and 10 calls per sync, "
                          "after 3 s of load, and the GPU timeline under sustained load")
-    ap.add_argument("--hlo", default="", help="a folder: write jax.jit's and the plan's optimised HLO there (jax_jit.hlo, plan.hlo) "
+    ap.add_argument("--hlo", default="", help="a folder: write jax.jit's and the plan's optimised HLO there (jax_jit.hlo.gz, plan.hlo.gz) "
                                               "to read what XLA fused around the plan's kernels")
     a = ap.parse_args()
 
