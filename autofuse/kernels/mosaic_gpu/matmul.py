@@ -209,7 +209,8 @@ def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     and so did a dgrad with its bias's gradient (0.4005 against 0.3701 ms: the sums' turns at the reduction scratch).
     Otherwise (or with `pingpong` False) the cooperative schedule. On an H100 (bf16, bias+GELU 8192x4096x8192) K steps of 256 bytes in a 2-deep
     ring ran 0.830 ms against 0.882 for hopper_matmul_mgpu's 128-byte steps in a 4-deep ring (the ring's bytes are
-    the same); where the epilogue's buffers leave no room for that, the 4-, 3-, 2-deep 128-byte rings, then
+    the same); where the epilogue's buffers leave no room for that, the 4-, 3-, 2-deep 128-byte rings (before the
+    2-deep one, narrower epilogue pieces for a 3-deep ring: `_deeper_ring`), then
     narrower tiles, then smaller epilogue pieces and shorter tiles (a training step's epilogues with several outputs
     and inputs needed 242-274 KB at the narrowest tile: their first trial was infeasible, their plan of defaults did
     not bind)."""
