@@ -359,12 +359,44 @@ def test_rivals_are_judged_only_where_the_chosen_plan_lost_its_savings_in_the_pr
         def rivals(self, p):
             return [Plan("fp", p.groups[:2] + (FusedGroup((2, 3), "matmul", {}, "rival"),), {})]
 
+        def alone_plan(self):
+            return None
+
     graph = autofuse.capture(rms_norm, *rms_norm_inputs())
     events: list = []
     report = V.validate(graph, Cover(plan, 10.0, 5.0), _ScriptedRunner({4: 10.0 / (10.0 - chosen_saves), 3: 2.0}, events),
                         "device", "p", [], 4, 0.0, savings=Savings())
     assert (("validate", 3) in events) is rivals_judged
     assert len(report.plan.groups) == (3 if rivals_judged else 4)  # the rival, faster beyond noise, is kept where judged
+
+
+def test_a_kept_plan_is_extended_by_a_group_that_only_the_unpriced_plan_holds(monkeypatch):
+    """The chosen plan kept its savings (4.5 of 5 ms): the groups beside it come from the plan of the largest savings
+    alone as well as the priced one. Here only the unpriced plan (`Savings.alone_plan`) holds one more group (two
+    instances); judged in context it saves time, and the chosen plan with it is kept."""
+    from autofuse.plan import FusedGroup
+    from autofuse.tuning import validate as V
+    from autofuse.tuning.select import Cover
+
+    plan = _four_group_plan()
+    monkeypatch.setattr(V, "plan_saving_ms", lambda p, saving: 5.0)
+
+    class Savings:
+        def plan(self, without=frozenset()):
+            return Plan("fp", (), {})
+
+        def alone_plan(self):
+            return Plan("fp", plan.groups[:1] + tuple(FusedGroup((n,), "matmul", {}, "priced-out") for n in (7, 8)), {})
+
+        def rivals(self, p):
+            return []
+
+    graph = autofuse.capture(rms_norm, *rms_norm_inputs())
+    events: list = []
+    report = V.validate(graph, Cover(plan, 10.0, 5.0), _ScriptedRunner({4: 10.0 / 5.5, 2: 1.05, 6: 2.0}, events),
+                        "device", "p", [], 4, 0.0, alternative=Plan("fp", (), {}), savings=Savings())
+    assert [e for e in events if e[0] == "validate"] == [("validate", 4), ("validate", 2), ("validate", 6)]
+    assert sorted(g.signature for g in report.plan.groups) == ["priced-out", "priced-out", "sig0", "sig1", "sig2", "sig3"]
 
 
 def test_the_selection_is_recorded_as_each_plan_is_judged_so_a_killed_job_keeps_it(monkeypatch, tmp_path):

@@ -915,6 +915,34 @@ def test_a_composition_and_an_extension_take_every_group_that_saved_time_in_cont
     assert sorted(g.signature for g in judged[-1].groups) == ["chosen", "noisy"]
 
 
+def test_the_groups_tried_beside_a_kept_plan_come_from_both_plans_of_savings_alone():
+    """`extras_beside`: a plan that kept its savings is extended by the groups it lacks, first those of the plan of
+    the largest savings (priced in the program), then those of the plan unpriced by the profile (where a group the
+    program's prices rule out can be: GPT-2's step's dgrad + GELU' group, priced as a loss, which the validation
+    never judged); an instance the plan holds already is left out but not its group's others; no extra overlaps
+    the plan or an extra before it; at most MAX_EXTRAS."""
+    from autofuse.plan import FusedGroup, Plan
+    from autofuse.tuning.composition import MAX_EXTRAS, extras_beside
+
+    def plan(*groups: tuple[str, tuple[int, ...]]) -> Plan:
+        return Plan("fp", tuple(FusedGroup(nodes, "matmul", {}, sig) for sig, nodes in groups))
+
+    chosen = plan(("a", (1, 2)), ("d", (20,)))
+    priced = plan(("a", (1, 2)), ("b", (3,)), ("b", (4,)), ("c", (5, 6)), ("c2", (7,)))
+    unpriced = plan(("d", (20,)), ("d", (21,)), ("d", (22,)), ("e", (5, 8)), ("f", (2, 9)))
+    extras = extras_beside(chosen, [(priced, {"b": 1.0, "c": 3.0, "c2": 0.1}), (unpriced, {"d": 1.0, "e": 9.0})])
+    got = [[(g.signature, g.nodes) for g in p.groups] for p in extras]
+    assert got[:2] == [[("c", (5, 6))], [("b", (3,)), ("b", (4,))]]  # the priced plan's, its own ranking first
+    assert len(extras) == MAX_EXTRAS == 3 and got[2] == [("c2", (7,))]
+    # the unpriced plan's by its own ranking: the chosen plan's own instance of "d" left out, not the others; "f"
+    # (node 2: the chosen plan's) never
+    more = extras_beside(chosen, [(unpriced, {"d": 1.0, "e": 9.0})])
+    assert [[(g.signature, g.nodes) for g in p.groups] for p in more] == [[("e", (5, 8))], [("d", (21,)), ("d", (22,))]]
+    after = extras_beside(chosen, [(plan(("c", (5, 6))), {"c": 1.0}), (unpriced, {"d": 1.0, "e": 9.0})])
+    assert [p.groups[0].signature for p in after] == ["c", "d"]  # "e" overlaps the extra before it (node 5)
+    assert extras_beside(chosen, [(None, {}), (plan(("f", (2, 9))), {"f": 1.0})]) == []
+
+
 def test_a_near_tie_fusion_of_a_kept_groups_nodes_is_its_rival():
     """`Savings.rivals`: the kept plan with one group swapped for another tuned fusion of some of its nodes that saved
     nearly as much alone (at least RIVAL_SHARE), the nearest tie first; a fusion that saved much less is no rival.

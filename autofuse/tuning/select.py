@@ -310,6 +310,13 @@ class Savings:
         """The plan of the largest savings (`savings_plan`) of the candidates but those signed `without`."""
         return savings_plan(self.graph, self.by_sig, [r for r in self.cands if r.signature not in without], self.model, self.costs)
 
+    def alone_plan(self) -> Plan | None:
+        """The plan of the largest savings alone, unpriced by the profile (None without one: `plan` is that plan).
+        A group whose price in jax.jit's program says it loses can still save there: GPT-2's step's dgrad + GELU' +
+        bias-gradient group cuts the GELU backward's fusion, whose forward half (tanh, computed again) is priced
+        to the group although the plan's own forward group is what makes XLA compute it."""
+        return None if self.costs is None else savings_plan(self.graph, self.by_sig, self.cands, self.model)
+
     def rivals(self, plan: Plan, share: float = RIVAL_SHARE) -> Iterator[Plan]:
         """`plan` with one of its groups swapped for a rival, the nearest tie first: another tuned fusion of some of
         the group's nodes whose instances saved alone at least `share` of what the group's did (each summed over

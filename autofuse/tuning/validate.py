@@ -33,9 +33,9 @@ from .composition import (
     MAX_COMPARISONS,
     REALISED_ENOUGH,
     Measured,
-    beside,
     comparison_record,
     extend,
+    extras_beside,
     failure,
     group_plans,
     measurable_ms,
@@ -171,8 +171,9 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
 
     A plan must be correct within tolerance and, on the GPU, faster than jax.jit beyond noise. On the GPU
     (`_in_context`) the chosen plan is validated first (`on_passed` hears it at once if it passes). If it kept
-    REALISED_ENOUGH of its groups' savings alone, only the groups of `alternative` (the plan of the largest savings
-    alone: `select.savings_plan`) that it lacks are tried beside it (`extend`); else each of its distinct groups
+    REALISED_ENOUGH of its groups' savings alone, only groups it lacks are tried beside it (`extend`, `extras_beside`):
+    those of `alternative` (the plan of the largest savings alone: `select.savings_plan`), then those of the plan
+    of the largest savings alone unpriced by the profile (`Savings.alone_plan`); else each of its distinct groups
     and of `alternative`'s, the largest savings alone first, as a plan of its own, and then the plan of the groups
     that saved time in the program (`probe`); where some of those lost time there, the plan of the largest savings
     alone without them (`savings.plan`) gives the groups to try in their stead (`replace_losers`), and last the
@@ -319,7 +320,8 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         helpers.submit([p for p in group_plans(plan, alternative, saving) if not same_groups(p, plan)])
     chosen = judge(plan, "the chosen plan", 1, 1, [plan])
     if chosen.passed and 0 < REALISED_ENOUGH * chosen.predicted_ms <= chosen.saving_ms:
-        extend(plan, [p for p in group_plans(plan, alternative, saving) if beside(p, plan)], judge)
+        unpriced = savings.alone_plan() if savings is not None else None
+        extend(plan, extras_beside(plan, [(alternative, saving), (unpriced, alone)]), judge)
     else:
         small = probe(plan, chosen, group_plans(plan, alternative, saving), judge, measured, saving)
         if small and timings is not None:  # `show run` says which groups were too small to judge alone
