@@ -194,14 +194,13 @@ def extras_beside(plan: Plan, sources: Iterable[tuple[Plan | None, dict[str, flo
     already is left out, not the group); each source's groups ranked by its own saving per instance times their
     instances, the first source's first; at most MAX_EXTRAS."""
     taken = {n for g in plan.groups for n in g.nodes}
-    held = {(g.signature, g.nodes) for g in plan.groups}
     extras: list[Plan] = []
     for source, saving in sources:
         if source is None:
             continue
         mine: dict[str, list] = {}
         for g in source.groups:
-            if (g.signature, g.nodes) not in held and not taken.intersection(g.nodes):
+            if not taken.intersection(g.nodes):
                 mine.setdefault(g.signature, []).append(g)
         for sig in sorted(mine, key=lambda s: -saving.get(s, 0.0) * len(mine[s])):
             groups = [g for g in mine[sig] if not taken.intersection(g.nodes)]

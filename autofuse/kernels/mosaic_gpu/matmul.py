@@ -251,6 +251,7 @@ def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     while True:
         for bk, steps in rings:
             cfg["block_k"], cfg["max_concurrent_steps"] = bk, steps
+            # (K of two such steps or fewer: no third step to hold)
             if (bk, steps) == (wide, 2) and spec.K > 2 * wide and (deeper := _deeper_ring(spec, cfg)):
                 return deeper
             if smem_bytes(spec, Config.of(cfg)) <= SMEM_LIMIT:
