@@ -284,7 +284,9 @@ def test_an_evaluator_reports_a_validation_out_of_gpu_memory_as_such(monkeypatch
 @pytest.mark.slow
 def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promotion_rule(tmp_path):
     """`PlanSaver`: the early plan is stored (current: the first plan of its key); the same report at the end only
-    finishes the run; a later, faster plan is stored beside it and becomes current by the promotion rule."""
+    finishes the run; a later, faster plan is stored beside it and becomes current by the promotion rule. The final
+    plan is in the store before its run is finished: `autofuse tune --workers` reads the plan of a run it sees
+    finished, and once found none (the run finished by a joining worker an instant before its plan was written)."""
     from autofuse.runner.protocol import ValidationResult
     from autofuse.tuning.job import PlanSaver, RunIds
     from autofuse.tuning.report import TuneReport
@@ -294,6 +296,13 @@ def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promot
     store = PlanStore(url)
     run = store.get_run(rep0.run_id)
     ids = RunIds(run["program_id"], run["device_id"], run["software_id"])
+    finish, at_finish = store.finish_run, {}
+
+    def finishing(run_id, *args, **kwargs):  # the run's plans as a reader sees them the moment it is finished
+        at_finish[run_id] = {p["id"] for p in store.plans() if p["run_id"] == run_id}
+        return finish(run_id, *args, **kwargs)
+
+    store.finish_run = finishing
 
     def report(groups: int, speedup: float) -> TuneReport:
         plan = Plan(rep0.fingerprint, _four_group_plan().groups[:groups], {})
@@ -310,7 +319,7 @@ def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promot
         assert saver.final(final) == final.plan_id
         assert len([p for p in store.plans() if p["run_id"] == run_id]) == stored
         assert current() == [final.plan_id] and final.plan_current
-        assert store.get_run(run_id)["status"] == "finished"
+        assert store.get_run(run_id)["status"] == "finished" and final.plan_id in at_finish[run_id]
 
 
 def test_xla_chunks_shrink_with_the_worker_count_so_the_workers_end_together():

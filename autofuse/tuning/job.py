@@ -364,11 +364,12 @@ class PlanSaver:
         self._add(report)
 
     def final(self, report: TuneReport) -> int:
-        """Finish the run with `report`'s plan (stored now unless `early` stored it); returns the plan's id."""
-        self.pstore.finish_run(self.run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
+        """Finish the run with `report`'s plan (stored now unless `early` stored it, and before the run is marked
+        finished: a launcher waiting on workers reads the plan of a finished run at once); returns the plan's id."""
         report.run_id, report.stored_in = self.run_id, stored_in(self.pstore)
         if report is not self.first:
             self._add(report)
+        self.pstore.finish_run(self.run_id, "finished", baseline_ms=report.baseline_ms, best_ms=report.tuned_ms, speedup=report.speedup)
         if report.measure == "device":
             store_autotune(self.pstore)
         if not report.plan_current:
