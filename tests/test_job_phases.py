@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import optuna
 import pytest
@@ -320,6 +321,33 @@ def test_a_jobs_early_plan_and_its_final_plan_are_stored_once_each_by_the_promot
         assert len([p for p in store.plans() if p["run_id"] == run_id]) == stored
         assert current() == [final.plan_id] and final.plan_current
         assert store.get_run(run_id)["status"] == "finished" and final.plan_id in at_finish[run_id]
+
+
+def test_the_launcher_waits_out_a_moment_with_no_trial_and_no_selection(monkeypatch):
+    """`autofuse tune --workers`: after its own workers exit, a run still running with no trial running and no worker
+    selecting is what a worker of another host shows between its last trial and taking the selection; the launcher
+    waits IDLE_GRACE_S for that before it leaves the run to its user, and reads the run finished when it is."""
+    from autofuse.tuning import workers as W
+
+    monkeypatch.setattr(W, "POLL_S", 0.01)
+    monkeypatch.setattr(W, "IDLE_GRACE_S", 0.2)
+    states = iter([("running", None)] * 3 + [("running", "otherhost:1")] * 3 + [("finished", "otherhost:1")])
+
+    class Store:
+        last = ("running", None)
+
+        def get_run(self, run_id):
+            self.last = next(states, self.last)
+            return {"status": self.last[0], "selected_by": self.last[1]}
+
+        def trials(self, run_id, status):
+            return []
+
+    assert W._wait_for_selection(Store(), 1)["status"] == "finished"
+    states = iter([])  # nobody ever selects: the run comes back running after the grace
+    Store.last = ("running", None)
+    t0 = time.monotonic()
+    assert W._wait_for_selection(Store(), 1)["status"] == "running" and time.monotonic() - t0 >= 0.2
 
 
 def test_xla_chunks_shrink_with_the_worker_count_so_the_workers_end_together():

@@ -82,6 +82,7 @@ from .validate import finalize
 
 MAX_RETRY = 2  # a config whose worker died is retried this many times
 POLL_S = 0.5
+IDLE_GRACE_S = 5.0  # a running run with no trial running and no selection, this long, is left to its user (`_wait_for_selection`)
 
 
 # --------------------------------------------------------------------------- the job, as data
@@ -251,11 +252,19 @@ def start_workers(run_id: int, program: str, url: str, n: int, gpus: Sequence[st
 
 def _wait_for_selection(pstore: Any, run_id: int) -> dict:
     """The run once no worker anywhere is running a trial of it or selecting its plan (after this host's workers exited,
-    workers of other hosts may still be)."""
+    workers of other hosts may still be), for IDLE_GRACE_S on end: a worker of another host that has just finished
+    its last trial takes the selection an instant later."""
+    idle_since = None
     while True:
         run = pstore.get_run(run_id)
-        if run["status"] != "running" or (run["selected_by"] is None and not pstore.trials(run_id, "running")):
+        if run["status"] != "running":
             return run
+        if run["selected_by"] is None and not pstore.trials(run_id, "running"):
+            idle_since = time.monotonic() if idle_since is None else idle_since
+            if time.monotonic() - idle_since >= IDLE_GRACE_S:
+                return run
+        else:
+            idle_since = None
         host, _, pid = (run["selected_by"] or "").rpartition(":")
         if host == socket.gethostname() and not pid_alive(int(pid)):  # the selecting worker of this host died
             pstore.finish_run(run_id, "failed", error=f"worker {run['selected_by']} died while selecting the plan")
