@@ -18,7 +18,8 @@ from autofuse.runner.measure import check, cone_tolerances, random_inputs, time_
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
 
-CONFIGS = ({"accumulate": 0, "contracted": 0}, {"accumulate": 0, "contracted": 1}, {"accumulate": 1, "contracted": 1})
+CONFIGS = ({"accumulate": 0, "contracted": 0, "kept": 1}, {"accumulate": 0, "contracted": 0, "kept": 0},
+           {"accumulate": 0, "contracted": 1, "kept": 0}, {"accumulate": 1, "contracted": 1, "kept": 0})
 
 
 def main(argv=None) -> int:

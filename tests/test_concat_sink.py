@@ -57,23 +57,29 @@ def test_the_gradient_of_a_split_projection_is_a_candidate_with_its_three_reader
     assert cat not in c.group.outputs and len(c.group.outputs) == 3
 
 
-@pytest.mark.parametrize("dtype,accumulate,contracted", slow_except([pytest.param(jnp.float32, 0, 1, id="float32-0-1"),
-                                                                    pytest.param(jnp.bfloat16, 0, 1, id="bfloat16-0-1"),
-                                                                    pytest.param(jnp.bfloat16, 1, 1, id="bfloat16-1-1"),
-                                                                    pytest.param(jnp.bfloat16, 0, 0, id="bfloat16-0-0")], "bfloat16-0-1"))
-def test_the_plan_computes_jax_jits_gradients_without_the_concatenation(dtype, accumulate, contracted):
-    """The weight's gradient (the concatenated axis kept: the parts' products concatenated, [D, 3D], small), the
-    input's (contracted: the parts' dots added, or with `contracted` = 0 the one dot on the concatenation, written
-    for it alone) and the bias's (kept: the parts' sums concatenated)."""
+def _barriers(fn, args) -> int:
+    return sum(e.primitive.name == "optimization_barrier" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+@pytest.mark.parametrize("dtype,accumulate,contracted,kept", slow_except([
+    pytest.param(jnp.float32, 0, 1, 0, id="float32-0-1-0"), pytest.param(jnp.bfloat16, 0, 1, 0, id="bfloat16-0-1-0"),
+    pytest.param(jnp.bfloat16, 1, 1, 0, id="bfloat16-1-1-0"), pytest.param(jnp.bfloat16, 0, 0, 0, id="bfloat16-0-0-0"),
+    pytest.param(jnp.bfloat16, 0, 0, 1, id="bfloat16-0-0-1")], "bfloat16-0-1-0", "bfloat16-0-0-1"))
+def test_the_plan_computes_jax_jits_gradients_without_the_concatenation(dtype, accumulate, contracted, kept):
+    """The weight's gradient (the concatenated axis kept: the parts' products concatenated, [D, 3D], small; with
+    `kept` = 1 the one dot on the concatenation), the input's (contracted: the parts' dots added, or with
+    `contracted` = 0 the one dot on the concatenation) and the bias's (kept: the parts' sums concatenated). A
+    concatenation that dots read is written once for all of them, behind one optimisation barrier."""
     fn = jax.grad(qkv_block, argnums=(0, 1, 2))
     args = _args(dtype)
     graph, (c,) = _candidates(fn, args)
-    config = {"accumulate": accumulate, "contracted": contracted}
+    config = {"accumulate": accumulate, "contracted": contracted, "kept": kept}
     kernel = TEMPLATES[NAME].build(c.group, config, backend="xla_ops", spec=c.spec)
     ins = [jax.random.normal(jax.random.PRNGKey(i), graph.avals[v].shape).astype(graph.avals[v].dtype) for i, v in enumerate(c.group.inputs)]
     made = sorted(_concatenations(kernel, ins))
-    assert made == ([(48,), (48, 16)] if contracted else [(2, 24, 48), (48,), (48, 16)])  # the small results (and dx's operand)
-    assert _parts_concatenated(kernel, ins) == (not contracted)
+    whole = [(2, 24, 48)] if not (contracted and not kept) else []  # dx's or dW's operand, written once
+    assert made == sorted(whole + [(48,)] + ([] if kept else [(48, 16)]))  # the small results
+    assert _parts_concatenated(kernel, ins) == bool(whole) and _barriers(kernel, ins) == len(whole)
     for o, r in zip(jax.jit(kernel)(*ins), c.group.evaluate(ins)):
         assert o.shape == r.shape and o.dtype == r.dtype
         ok, _, why = compare(o, r, 2e-2 if dtype == jnp.bfloat16 else 1e-5)
@@ -156,3 +162,6 @@ def test_the_model_counts_xlas_concatenation_once_per_gemm_and_prefers_the_parts
     assert xla == pytest.approx(2 * cat + readers)
     parts, keep_dx = (TEMPLATES[NAME].model_time_ms(spec, {"accumulate": 0, "contracted": k}) for k in (1, 0))
     assert parts < 0.95 * xla and keep_dx < 0.95 * xla  # both are worth a trial
+    once = TEMPLATES[NAME].model_time_ms(spec, {"accumulate": 0, "contracted": 0, "kept": 1})
+    sums = sum(costmodel.xla_group_time_ms(type(grp).of(graph, [n.id])) for n in grp.nodes if n.name == "reduce_sum")
+    assert once < xla - 0.9 * cat and once > xla - cat - sums  # XLA's GEMMs, one copy fewer (the bias's sum on the parts)

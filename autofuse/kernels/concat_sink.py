@@ -93,7 +93,7 @@ def closure(graph: Graph, concat: Node, fusible) -> tuple[list[int], frozenset[i
 class ConcatSinkTemplate(Template[ConcatSinkSpec]):
     name = "concat_sink"
     backends = ("xla_ops",)
-    defaults = {"contracted": 1}  # plans stored before the parameter was searched
+    defaults = {"contracted": 1, "kept": 0}  # plans stored before the parameters were searched
 
     def match(self, group: Group) -> ConcatSinkSpec | None:
         """A group of one concatenation and all its readers down to sums and dots (`closure`)."""
@@ -134,7 +134,7 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
         results combined: added (a kernel reading each partial and writing the sum: on an H200 the K-split of
         GPT-2's QKV input gradient cost about what its concatenation did; float32 partials where `accumulate` says
         so, written and read back) or concatenated (copied). With `contracted` = 0 a dot contracting the
-        concatenated axis reads the concatenation, written once for such dots."""
+        concatenated axis reads the concatenation, with `kept` = 1 a dot keeping it: written once for all such dots."""
         g = spec.group.graph
         n = len(spec.sizes)
         t = 0.0
@@ -142,14 +142,14 @@ class ConcatSinkTemplate(Template[ConcatSinkSpec]):
         for nd in spec.group.nodes:
             if nd.name not in SINKS:
                 continue
-            if nd.name == "dot_general" and not config.get("contracted", 1) and reduces_the_axis(nd, spec):
+            summed = reduces_the_axis(nd, spec)
+            if nd.name == "dot_general" and not (config.get("contracted", 1) if summed else not config.get("kept", 0)):
                 whole = True
                 t += costmodel.xla_group_time_ms(Group.of(g, [nd.id]), model)
                 continue
             out = g.avals[nd.outputs[0]]
             ins = sum(g.aval(a).nbytes for a in nd.inputs if isinstance(a, int))
             low = all(np.dtype(g.aval(a).dtype).itemsize <= 2 for a in nd.inputs)
-            summed = reduces_the_axis(nd, spec)
             part_bytes = out.nbytes * (4 / out.dtype.itemsize if summed and config.get("accumulate") else 1.0)
             flops = costmodel.node_flops(g, nd.id)
             factor = costmodel.XLA_FACTOR["matmul"] if nd.name == "dot_general" else 1.0

@@ -11,13 +11,13 @@ from jax import lax
 from ...graph import Group, Node, bind_node, read_atom
 from ..concat_sink import SINKS, ConcatSinkSpec, reduces_the_axis
 
-PARAMS = ("accumulate", "contracted")
+PARAMS = ("accumulate", "contracted", "kept")
 
 
 def default_config(spec: ConcatSinkSpec) -> dict:
     """The contracting dots on the concatenation, the rest on the parts: GPT-2 medium's QKV backward on an H200 ran
     0.955x XLA's time so, 0.990x with dx split along K, 1.064x with float32 partials (results/models_cudnn_h200.md)."""
-    return {"accumulate": 0, "contracted": 0}
+    return {"accumulate": 0, "contracted": 0, "kept": 0}
 
 
 def check_config(spec: ConcatSinkSpec, cfg: dict) -> None:
@@ -25,6 +25,8 @@ def check_config(spec: ConcatSinkSpec, cfg: dict) -> None:
         raise NotImplementedError(f"accumulate={cfg['accumulate']} must be 0 (the result's dtype) or 1 (float32)")
     if cfg["contracted"] not in (0, 1):
         raise NotImplementedError(f"contracted={cfg['contracted']} must be 0 (read the concatenation) or 1 (the parts)")
+    if cfg.get("kept", 0) not in (0, 1):
+        raise NotImplementedError(f"kept={cfg['kept']} must be 0 (the parts) or 1 (read the concatenation)")
 
 
 class Parts(list):
@@ -35,11 +37,17 @@ def lower(group: Group, spec: ConcatSinkSpec, config: dict, *, interpret=False) 
     """`interpret` is unused: XLA's operations run wherever XLA does. `accumulate` = 1 adds the partial results of a
     sum over the concatenated axis in float32 (partial dots with float32 products), 0 in the result's own dtype
     (XLA folds each addition into the next GEMM's output). `contracted` = 0 leaves a dot that contracts the
-    concatenated axis reading the concatenation (written once, for those dots only): K-split GEMMs and their
-    additions may cost more than the copy."""
+    concatenated axis reading the concatenation: K-split GEMMs and their additions may cost more than the copy.
+    `kept` = 1 leaves a dot that keeps the axis reading it too: the parts' products are GEMMs of a third the size,
+    which fill a third of the card. The concatenation such dots read is written once for all of them, behind an
+    optimisation barrier: XLA otherwise writes it again for each GEMM (GPT-2's step: two identical copies)."""
     axis, sizes = spec.axis, spec.sizes
     starts = np.cumsum((0,) + sizes[:-1]).tolist()
-    wide, split_k = bool(config["accumulate"]), bool(config.get("contracted", 1))
+    wide, split_k, split_n = bool(config["accumulate"]), bool(config.get("contracted", 1)), not config.get("kept", 0)
+
+    def whole_reader(nd: Node) -> bool:
+        """A dot that reads the concatenation rather than its parts."""
+        return nd.name == "dot_general" and not (split_k if reduces_the_axis(nd, spec) else split_n)
 
     def kernel(*ins):
         env = dict(zip(group.inputs, ins))
@@ -51,10 +59,10 @@ def lower(group: Group, spec: ConcatSinkSpec, config: dict, *, interpret=False) 
             elif any(isinstance(x, Parts) for x in args) and nd.name not in SINKS:  # an elementwise op of the parts
                 (parts,) = [x for x in args if isinstance(x, Parts)]
                 out = Parts(bind_node(nd, [p if isinstance(x, Parts) else x for x in args])[0] for p in parts)
-            elif nd.name == "dot_general" and not split_k and reduces_the_axis(nd, spec):
+            elif whole_reader(nd):
                 v = next(a for a in nd.inputs if isinstance(a, int) and a in spec.pieces)
                 if v not in whole:
-                    whole[v] = jnp.concatenate(env[v], axis=axis)
+                    whole[v] = lax.optimization_barrier(jnp.concatenate(env[v], axis=axis))
                 out = bind_node(nd, [whole[v] if a == v else x for a, x in zip(nd.inputs, args)])[0]
             elif nd.name == "dot_general":
                 out = _dot(nd, args, axis, starts, sizes, wide)
