@@ -387,3 +387,26 @@ def test_verbose_jobs_say_phase_ones_order_with_the_prices_it_weighs(capsys):
     assert any("modelled loss" in ln or "past phase 1" in ln for ln in lines[1:])
     autofuse.tune(two_parts, *[jnp.zeros(a.shape, a.dtype) for a in ARGS], trials=2, store=False, verbose=True)
     assert "phase 1 order (" in capsys.readouterr().err
+
+
+def test_a_lowering_to_xlas_own_operations_is_priced_by_what_the_model_misses_on_xla():
+    """`concat_sink` runs XLA's own operations, so its modelled time is scaled by XLA's measured time of the group
+    over the model's time of XLA's option (`scheduler.default_ms`): the saving phase 1 ranks it by is the model's
+    saving in XLA's measured terms. A Pallas lowering's model is taken as it is."""
+    from autofuse.tuning import scheduler
+    from tests.test_concat_sink import NAME, _args, qkv_block
+
+    graph = autofuse.capture(jax.grad(qkv_block, argnums=(0, 1, 2)), *_args(jnp.bfloat16, D=256, M=512))
+    by_sig, cands = distinct_candidates(graph)
+    backends = ("mosaic_gpu", "triton", "xla_ops")
+    spaces = {r.signature: space for r in cands
+              for space in [CandidateSpace.of(r.template, by_sig[r.signature][0].group, by_sig[r.signature][0].spec, costmodel.H200, backends)]}
+    (r,) = [c for c in cands if c.template == NAME]
+    space = spaces[r.signature]
+    assert space.default["backend"] == "xla_ops"
+    r.program_xla_ms = 0.5 * space.xla_model_ms  # XLA's kernels priced at half what the model says
+    assert scheduler.default_ms(r, space) == pytest.approx(0.5 * space.default_ms())
+    assert scheduler.modelled_saving(r, space) == pytest.approx((0.5 * (space.xla_model_ms - space.default_ms()) - space.cut_ms) * r.instances)
+    other = next(c for c in cands if spaces[c.signature].default["backend"] != "xla_ops")
+    other.program_xla_ms = 0.5 * spaces[other.signature].xla_model_ms
+    assert scheduler.default_ms(other, spaces[other.signature]) == spaces[other.signature].default_ms()
