@@ -370,6 +370,39 @@ def test_phase_one_measures_one_candidate_per_region_before_its_variants():
     assert rounds == sorted(rounds) and len(set(seen)) > 1 and max(rounds) > 0, rounds  # in rounds across the regions
 
 
+def test_a_variant_of_a_region_whose_first_lost_to_xla_is_placed_as_a_first():
+    """Once a region's first is measured slower than XLA (GPT-2's cross-entropy pair, 0.88x), its variants no longer
+    wait behind every other region (its forward logits GEMM padded, 1.40x alone, never got a trial in 40): the
+    best of them is placed by its own modelled saving among the firsts. A first that won keeps its region."""
+    from autofuse.tuning.ledger import TrialRecord
+    from autofuse.tuning.scheduler import modelled_saving, phase1_order
+
+    def prog(x, w, y, z):  # three regions: a GEMM with an epilogue, a softmax, a small elementwise chain
+        h = jnp.tanh((x @ w).astype(jnp.float32)) * 2.0 + 1.0
+        return h.astype(jnp.bfloat16), jax.nn.softmax(y.astype(jnp.float32), axis=-1), jnp.exp(z) * 3.0 + 1.0
+
+    graph = autofuse.capture(prog, S((2048, 1024), jnp.bfloat16), S((1024, 2048), jnp.bfloat16), S((512, 1000), jnp.bfloat16),
+                             S((64, 64), jnp.float32))
+    by_sig, cands = distinct_candidates(graph)
+    time_xla(cands, FakeDevice())
+    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    gains = [i for i in phase1_order(cands, spaces) if modelled_saving(cands[i], spaces[cands[i].signature]) > 0]
+    lead = gains[0]
+    variants = [i for i in gains if i != lead and set(cands[i].nodes) & set(cands[lead].nodes)]
+    assert variants and gains.index(variants[0]) > 1
+
+    def measure(ms: float) -> None:
+        cands[lead].trials = [TrialRecord(0, dict(spaces[cands[lead].signature].default), TrialStatus.OK, ms, ms, ms)]
+        cands[lead].update_best()
+
+    measure(0.5 * cands[lead].xla_ms)  # it won: its variants keep waiting
+    assert phase1_order(cands, spaces).index(variants[0]) == gains.index(variants[0])
+    measure(2.0 * cands[lead].xla_ms)  # it lost
+    order = phase1_order(cands, spaces)
+    firsts = [i for i in order if i != lead][:3]
+    assert variants[0] in firsts and order.index(variants[0]) < gains.index(variants[0])
+
+
 def test_verbose_jobs_say_phase_ones_order_with_the_prices_it_weighs(capsys):
     """`-v`: phase 1's order after XLA's timings, each line the candidate's XLA price, modelled default, cut and
     saving, and why the budget passes it by (a modelled loss, or past phase 1's visits): the job's own reasons why

@@ -182,6 +182,12 @@ def skipped_in_phase1(r: CandidateState, space: CandidateSpace, total: int, n_ca
     return total < n_cands and modelled_loss(r, space)
 
 
+def lost_to_xla(r: CandidateState) -> bool:
+    """Measured, and no config of it has beaten XLA's time so far (none worked, or the best is slower)."""
+    xla = xla_measured_ms(r)
+    return bool(r.spent()) and (r.best_ms is None or (xla is not None and r.best_ms >= xla))
+
+
 def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> list[int]:
     """Phase 1 visits the candidates by the time fusing them may save, most first: (XLA time - the model's time
     of the default config) x instances, in steps of 25% (within a step, the larger group first: it subsumes the
@@ -195,6 +201,10 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     within a round. SPLADE's training step at 24 trials gave a dozen variants of one vocabulary GEMM their defaults
     and its attention pair (4 instances of 0.47 ms, 2.6x alone) none; GPT-2's step at 40 gave six near-copies of its
     LM head the visits after its regions' firsts (results/norm_backward_h200.md).
+
+    A region's first that lost to XLA once measured (`lost_to_xla`) holds no region: a variant of it is placed as a
+    first by its own modelled saving. GPT-2's step at 40 trials never measured its forward logits GEMM padded
+    (`aligned_dot`: 3.07 -> 2.19 ms alone on an H200), a variant of the cross-entropy pair that lost (0.88x).
 
     Modelled losses come last, the nearest to break-even (XLA's time over the default's) first: tuning may still
     make one of those win, where a group modelled at a tenth of XLA's speed will not. A budget that cannot give
@@ -214,7 +224,7 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     variants: dict[int, list[int]] = {}  # a region's first candidate -> its variants, in order
     for i in gains:
         nodes = set(cands[i].nodes)
-        region = next((f for f in first if nodes & set(cands[f].nodes)), None)
+        region = next((f for f in first if nodes & set(cands[f].nodes) and not lost_to_xla(cands[f])), None)
         if region is None:
             first.append(i)
         else:
