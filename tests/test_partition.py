@@ -348,3 +348,26 @@ def test_a_programs_candidates_are_enumerated_once_and_read_back_by_the_next_job
         TEMPLATES.update(saved)
     monkeypatch.setenv(job.ENUMERATION_CACHE, "off")
     assert job.enumeration_file(g.fingerprint) is None and job.distinct_candidates(g) == ({}, []) and len(calls) == 1
+
+
+def test_a_group_ending_in_a_widening_conversion_is_offered_without_it():
+    """A GEMM's epilogue that adds the residual (bf16) and converts the sum to float32 for the next norm writes both,
+    the float32 copy twice the bytes, where XLA fuses the exact conversion into the norm's reductions: the group is
+    also offered without the conversion, its only output the bf16 sum (GPT-2's down-projection + residual, x23)."""
+    def block(r, x, w, b):
+        y = r + (x @ w + b)
+        yf = y.astype(jnp.float32)
+        return y, jnp.mean(yf, axis=-1), jnp.sum(yf * yf, axis=-1)
+
+    graph = autofuse.capture(block, S((256, 128), jnp.bfloat16), S((256, 128), jnp.bfloat16), S((128, 128), jnp.bfloat16),
+                             S((128,), jnp.bfloat16))
+    (conv,) = [n.id for n in graph.nodes if n.name == "convert_element_type" and str(graph.avals[n.outputs[0]].dtype) == "float32"]
+    cands = [c for c in enumerate_candidates(graph) if c.template == "matmul"]
+    readers = set(graph.consumers[graph.node_index[conv].outputs[0]])
+    wide = [c for c in cands if conv in c.group.node_ids and not readers & set(c.group.node_ids)]  # the float32 copy written
+    assert len(wide) == 2, [c.group.node_ids for c in cands]  # with the bias's broadcast and without
+    for c in wide:
+        narrow = set(c.group.node_ids) - {conv}
+        (n,) = [d for d in cands if set(d.group.node_ids) == narrow]
+        assert [str(graph.avals[v].dtype) for v in n.group.outputs] == ["bfloat16"]
+        assert "float32" in [str(graph.avals[v].dtype) for v in c.group.outputs]

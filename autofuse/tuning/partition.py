@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
 from .. import ops
@@ -111,6 +112,14 @@ class _Reach:
         return members | (1 << node) | ((a | self.anc[node]) & (d | self.desc[node]))
 
 
+def widening(graph: Graph, nd: Node) -> bool:
+    """A conversion of a float to a wider float: exact, so XLA may as well make it wherever the value is read."""
+    if nd.name != "convert_element_type" or not isinstance(nd.inputs[0], int):
+        return False
+    src, dst = np.dtype(graph.aval(nd.inputs[0]).dtype), np.dtype(graph.avals[nd.outputs[0]].dtype)
+    return all(jnp.issubdtype(d, jnp.floating) for d in (src, dst)) and dst.itemsize > src.itemsize
+
+
 def _bits(mask: int) -> list[int]:
     """The set bits of `mask`, lowest first. A group's nodes lie close together in a program of thousands: shifted
     down to its lowest member first, the loop works on a small int, not on one as wide as the program (GPT-2
@@ -169,6 +178,20 @@ def enumerate_candidates(graph: Graph, *, max_group_size: int = MAX_GROUP_SIZE, 
                 emit_absorbed(c, mask)
             if TEMPLATES[c.template].offers_row_sums:
                 emit_sibling_sums(c, mask)
+            emit_narrowed(c, mask)
+
+    def emit_narrowed(c: Candidate, mask: int) -> None:
+        # A group that ends in widening a value it makes (a residual sum's bf16 converted to float32 for the next
+        # norm's statistics) writes the wide copy, twice the bytes, where XLA fuses the conversion into its readers:
+        # the group is offered again without such conversions (read by no node of it), the narrow value its output.
+        drop = sum(1 << i for i in _bits(mask) if consumers[i] & mask == 0 and producers[i] & mask
+                   and widening(graph, graph.node_index[i]))
+        if drop and drop != mask:
+            trial = mask & ~drop
+            if trial not in cache:
+                cache[trial] = _candidate(graph, trial, matched)
+            if cache[trial] is not None and cache[trial].template == c.template:
+                emit(cache[trial])
 
     def emit_sibling_sums(c: Candidate, mask: int) -> None:
         # A norm's backward with its sums over the rows: dβ = Σ dy and dγ = Σ dy·x̂ read only values the group
