@@ -30,12 +30,12 @@ def tuned():
     return rep, autofuse.capture(two_parts, *TWO_PARTS_ARGS)
 
 
-@pytest.mark.parametrize("head_to_head", slow_except([0.97, 1.01], "0.97"))
+@pytest.mark.parametrize("head_to_head", slow_except([0.97, 0.995, 1.01], "0.995"))
 def test_a_later_plan_within_noise_is_kept_only_where_it_wins_head_to_head(tuned, head_to_head) -> None:
     """The chosen plan (both groups) keeps 0.3 of the 1.8 ms they saved alone, so each group is judged alone in the
     program: group a's plan is faster than the chosen one, but within the 2% noise of both timings against jax.jit.
-    The two are then timed against each other: a is kept where it won (ratio 0.97, upper quartile below 1), the
-    chosen plan where it did not (1.01)."""
+    The two are then timed against each other: a is kept where it won (median ratio 0.97; 0.995, its upper quartile
+    above 1: faster in more pairs than not), the chosen plan where it did not (1.01)."""
     from autofuse.tuning.job import distinct_candidates
     from autofuse.tuning.select import Cover
     from autofuse.tuning.validate import validate
@@ -85,7 +85,7 @@ def test_the_evaluator_times_two_validated_plans_against_each_other() -> None:
     res = ev.handle(CompareRequest(xla.to_json(), fused.to_json()))
     assert res.ok and res.ratio.repeats >= COMPARE_PAIRS and res.first.median_ms > 0 and res.second.median_ms > 0
     assert res.ratio.q1_ms <= res.ratio.median_ms <= res.ratio.q3_ms
-    assert res.second_faster == (res.ratio.q3_ms < 1.0)
+    assert res.second_faster == (res.ratio.median_ms < 1.0)
     model = Evaluator(graph, measure="model").handle(CompareRequest(xla.to_json(), fused.to_json()))
     assert model.ok and model.ratio is None and not model.second_faster  # nothing to time on the model
 

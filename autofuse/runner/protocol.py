@@ -193,9 +193,11 @@ class ComparisonResult:
 
     @property
     def second_faster(self) -> bool:
-        """The second plan was faster in at least three pairs of four (the ratio's upper quartile below 1): with 16
-        pairs or more, a coin's chance of that is under 4%."""
-        return self.ok and self.ratio is not None and self.ratio.q3_ms < 1.0
+        """The second plan was faster in more pairs than not (the ratio's median below 1). Both plans passed their
+        validation against jax.jit, so a near tie costs nothing either way, while asking for three pairs of four kept
+        the slower plan of most near ties: GPT-2's step kept a plan that had realised 1.2 ms less (ratio 0.990,
+        quartiles 0.977..1.001 over 19 pairs, results/concat_once_h200.md)."""
+        return self.ok and self.ratio is not None and self.ratio.median_ms < 1.0
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,7 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
     def closer_look(best: Measured, m: Measured, k: int, n: int) -> Measured:
         """`m` beat the fastest plan so far, but within the noise of their timings against jax.jit (8 pairs of a 100
         ms step: ±1.4%, where GPT-2's step rejected a plan that saved 0.9 ms more): the two timed against each
-        other, here, over more pairs; `m` is kept where it was faster in three pairs of four."""
+        other, here, over more pairs; `m` is kept where its median ratio is below 1 (`second_faster`)."""
         state["compared"] += 1
         say(f"autofuse: plan {k} of {n} beat the fastest plan so far within noise: timing the two against each other")
         c = runner.call(CompareRequest(best.plan.to_json(), m.plan.to_json()))
