@@ -270,7 +270,24 @@ def cut_outputs_ms(group: Group, model: GPUModel = H200) -> float:
     in the program (results/composition_h100.md)."""
     graph, members = group.graph, set(group.node_ids)
     cut = [v for v in group.outputs if v not in graph.output_values and not _read_past_a_barrier(graph, v, members)]
-    return 1e3 * 2 * sum(graph.avals[v].nbytes for v in cut) / model.bandwidth_Bps
+    return 1e3 * 2 * sum(_bytes_beyond_xlas(graph, v, members) for v in cut) / model.bandwidth_Bps
+
+
+def _bytes_beyond_xlas(graph: Graph, value: int, members: set[int]) -> int:
+    """The bytes of `value` that XLA would not write. A product of a dot XLA writes too (its GEMM's output, or its
+    epilogue's: an elementwise reader fused in), except where every reader outside narrows it (a float32 product
+    converted to bf16: XLA writes the bf16); GPT-2's forward logits GEMM padded (`aligned_dot`), read by a widening
+    conversion to float32 that XLA's GEMM writes, was charged 0.77 ms for the bf16 logits and never tried. Any other
+    value XLA keeps inside its fusion is written only by the group: all its bytes."""
+    aval = graph.avals[value]
+    made_by = graph.node_index[graph.producer[value]]
+    if ops.op_class(made_by.name) is not OpClass.CONTRACTION:
+        return aval.nbytes
+    readers = _through_layouts(graph, [r for r in graph.consumers.get(value, ()) if r not in members])
+    narrowed = [graph.avals[graph.node_index[r].outputs[0]] for r in readers if graph.node_index[r].name == "convert_element_type"]
+    if readers and len(narrowed) == len(readers):
+        return max(0, aval.nbytes - max(a.nbytes for a in narrowed))
+    return 0
 
 
 def _barrier(graph: Graph, node_id: int) -> bool:

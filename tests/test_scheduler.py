@@ -259,6 +259,25 @@ def test_outputs_xla_would_keep_inside_a_fusion_cost_the_group_what_writing_them
     assert space.cut_ms == costmodel.cut_outputs_ms(first_half)
 
 
+def test_a_dots_product_costs_its_neighbours_only_the_bytes_xla_would_not_write():
+    """XLA writes a GEMM's product too (or its epilogue's): a group ending at the dot is charged nothing for it where
+    its readers widen it (GPT-2's logits, bf16, converted to float32 for the cross-entropy: XLA's GEMM writes the
+    float32, 0.77 ms of cut for the padded GEMM before), and the bytes saved where every reader narrows it (a float32
+    product converted to bf16, which XLA's epilogue would write instead)."""
+    def widened(x, w):
+        return jax.nn.logsumexp((x @ w).astype(jnp.float32), axis=-1)
+
+    def narrowed(x, w):
+        p = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return jnp.tanh(p) * p
+
+    x, w = S((1024, 512), jnp.bfloat16), S((512, 2048), jnp.bfloat16)
+    for fn, cut in ((widened, 0.0), (narrowed, 1e3 * 2 * 1024 * 2048 * 2 / costmodel.H200.bandwidth_Bps)):
+        graph = autofuse.capture(fn, x, w)
+        (dot,) = [n.id for n in graph.nodes if n.name == "dot_general"]
+        assert costmodel.cut_outputs_ms(Group.of(graph, [dot])) == pytest.approx(cut), fn.__name__
+
+
 def _tuned_repeated_and_once(runner_of: Callable) -> tuple[CandidateState, CandidateState]:
     """A layer norm run once and a head repeated 8 times (8 x 1.4 ms of XLA time against 3.0 ms), tuned past phase 1
     on the fake clock with `runner_of(clock, repeated)`'s timings: the repeated candidate and the one run once."""
