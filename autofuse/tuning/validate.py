@@ -178,7 +178,8 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
     that saved time in the program (`probe`); where some of those lost time there, the plan of the largest savings
     alone without them (`savings.plan`) gives the groups to try in their stead (`replace_losers`), and last the
     fastest plan so far with one group swapped for a fusion of its nodes that nearly tied it alone (`savings.rivals`,
-    `swap_rivals`). The fastest is kept (a later one only if faster beyond the noise of both). With the model, the chosen plan or the first smaller plan
+    `swap_rivals`). The fastest is kept (a later one where faster beyond the noise of both, or faster within it and
+    in a head-to-head timing of the two: `closer_look`). With the model, the chosen plan or the first smaller plan
     (`smaller_plans`) that passes. None passes: XLA's own plan. On the GPU a plan whose peak device memory is above `max_memory_bytes` fails its validation.
     `expected`: per distinct group, what one instance saves in the program by a profile of jax.jit's program
     (`select.group_savings`), in place of its saving alone wherever the validation ranks groups or plans.
