@@ -284,9 +284,9 @@ def _bytes_beyond_xlas(graph: Graph, value: int, members: set[int]) -> int:
     if ops.op_class(made_by.name) is not OpClass.CONTRACTION:
         return aval.nbytes
     readers = _through_layouts(graph, [r for r in graph.consumers.get(value, ()) if r not in members])
-    narrowed = [graph.avals[graph.node_index[r].outputs[0]] for r in readers if graph.node_index[r].name == "convert_element_type"]
-    if readers and len(narrowed) == len(readers):
-        return max(0, aval.nbytes - max(a.nbytes for a in narrowed))
+    converted = [graph.avals[graph.node_index[r].outputs[0]] for r in readers if graph.node_index[r].name == "convert_element_type"]
+    if readers and len(converted) == len(readers):  # XLA's GEMM writes the widest of them (no saving where they widen)
+        return max(0, aval.nbytes - max(a.nbytes for a in converted))
     return 0
 
 

@@ -33,6 +33,7 @@ class Lowering(Protocol):
     slice of its padded product, which XLA fuses into the product's readers); `check_group(spec)` and `check_config(spec, config)`, which raise
     NotImplementedError for what the lowering cannot run (found without compiling; `config` is `Config.of(dict)`
     where the module defines a `Config`, else the dict). A lowering without them runs whatever its space allows.
+    `XLA_KERNELS = True` where the lowering is XLA's own operations (no Pallas kernel: `Template.xla_kernels`).
     """
 
     PARAMS: tuple[str, ...]
@@ -125,6 +126,11 @@ class Template(ABC, Generic[Spec]):
         if spec is None or self.stage_split(spec) is None:
             raise NoMatch(f"{self.name} does not run this group in stages")
         return self.lowering_module(backend).lower_stages(group, spec, stages, {**self.defaults, **config}, interpret=interpret)
+
+    def xla_kernels(self, backend: str) -> bool:
+        """Whether the backend's lowering of this template runs XLA's own operations (its module's `XLA_KERNELS`):
+        the model then errs on it as it errs on XLA's option of the group (`scheduler.default_ms`)."""
+        return backend in self.backends and bool(getattr(self.lowering_module(backend), "XLA_KERNELS", False))
 
     def lowering(self, backend: str) -> Callable:
         """The backend's `lower(group, spec, config, *, interpret)` for this template, imported on first use (a

@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 from .. import costmodel
 from ..graph import Graph
+from ..kernels import TEMPLATES
 from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
 from ..tables import plural
@@ -149,18 +150,15 @@ def prospect(r: CandidateState) -> float:
     return weight
 
 
-XLA_LOWERING = "xla_ops"  # the backend whose kernels are XLA's own operations
-
-
 def default_ms(r: CandidateState, space: CandidateSpace) -> float:
-    """The model's time of `r`'s default config. A lowering that is XLA's own operations (`xla_ops`) is scaled by
-    XLA's measured time of the group over the model's time of XLA's option: both sides run XLA's kernels, so what the
-    model misses on one it misses on the other. GPT-2's QKV gradient concatenation written once for both GEMMs
-    (`concat_sink`) was modelled 0.379 ms against XLA's 0.4285, while XLA's kernels for it were priced 0.407 in the
-    program: a modelled saving of 0.028 ms an instance where it saves the 0.05 of one copy."""
+    """The model's time of `r`'s default config. A lowering that is XLA's own operations (`Template.xla_kernels`) is
+    scaled by XLA's measured time of the group over the model's time of XLA's option: both sides run XLA's kernels, so
+    what the model misses on one it misses on the other. GPT-2's QKV gradient concatenation written once for both
+    GEMMs (`concat_sink`) was modelled 0.379 ms against XLA's 0.4285, while XLA's kernels for it were priced 0.407 in
+    the program: a modelled saving of 0.028 ms an instance where it saves the 0.05 of one copy."""
     t = space.default_ms()
     xla = xla_measured_ms(r)
-    if space.default.get("backend") == XLA_LOWERING and xla is not None and space.xla_model_ms > 0:
+    if xla is not None and space.xla_model_ms > 0 and TEMPLATES[r.template].xla_kernels(space.default["backend"]):
         return t * xla / space.xla_model_ms
     return t
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from ...graph import Group, bind_node, read_atom
 from ..aligned_dot import AlignedDotSpec, padded_shapes
 
+XLA_KERNELS = True  # XLA's own operations, no Pallas kernel
 PARAMS = ("align",)
 
 

@@ -11,6 +11,7 @@ from jax import lax
 from ...graph import Group, Node, bind_node, read_atom
 from ..concat_sink import SINKS, ConcatSinkSpec, reduces_the_axis
 
+XLA_KERNELS = True  # XLA's own operations, no Pallas kernel
 PARAMS = ("accumulate", "contracted", "kept")
 
 
