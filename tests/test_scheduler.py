@@ -353,14 +353,10 @@ def test_phase_two_gives_less_to_a_candidate_whose_search_keeps_missing():
     assert len(once.spent()) > len(repeated.spent()), (len(once.spent()), len(repeated.spent()))
 
 
-def test_phase_one_measures_one_candidate_per_region_before_its_variants():
-    """Phase 1's order (`phase1_order`): the candidates modelled to save, each region of the program once (pairwise
-    disjoint nodes) before any variant of a region already placed; the variants in rounds, each region's k-th before
-    any region's (k+1)-th; the modelled losses last. A short budget then reaches every part of the program before a
-    second variant of one, and every region's second variant before a third of one."""
-    from autofuse.tuning.scheduler import modelled_saving, phase1_order
-
-    def prog(x, w, y, z):  # three regions: a GEMM with an epilogue, a softmax, a small elementwise chain
+def _three_regions() -> tuple[list[CandidateState], dict[str, CandidateSpace]]:
+    """The candidates of a program of three regions (a GEMM with an epilogue, a softmax, a small elementwise chain),
+    timed in XLA by `FakeDevice`, and their search spaces."""
+    def prog(x, w, y, z):
         h = jnp.tanh((x @ w).astype(jnp.float32)) * 2.0 + 1.0
         return h.astype(jnp.bfloat16), jax.nn.softmax(y.astype(jnp.float32), axis=-1), jnp.exp(z) * 3.0 + 1.0
 
@@ -368,7 +364,17 @@ def test_phase_one_measures_one_candidate_per_region_before_its_variants():
                              S((64, 64), jnp.float32))
     by_sig, cands = distinct_candidates(graph)
     time_xla(cands, FakeDevice())
-    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    return cands, search_spaces(by_sig, cands, costmodel.H200)
+
+
+def test_phase_one_measures_one_candidate_per_region_before_its_variants():
+    """Phase 1's order (`phase1_order`): the candidates modelled to save, each region of the program once (pairwise
+    disjoint nodes) before any variant of a region already placed; the variants in rounds, each region's k-th before
+    any region's (k+1)-th; the modelled losses last. A short budget then reaches every part of the program before a
+    second variant of one, and every region's second variant before a third of one."""
+    from autofuse.tuning.scheduler import modelled_saving, phase1_order
+
+    cands, spaces = _three_regions()
     order = phase1_order(cands, spaces)
     gains = [i for i in order if modelled_saving(cands[i], spaces[cands[i].signature]) > 0]
     assert order[:len(gains)] == gains and sorted(order) == list(range(len(cands)))
@@ -396,15 +402,7 @@ def test_a_variant_of_a_region_whose_first_lost_to_xla_is_placed_as_a_first():
     from autofuse.tuning.ledger import TrialRecord
     from autofuse.tuning.scheduler import modelled_saving, phase1_order
 
-    def prog(x, w, y, z):  # three regions: a GEMM with an epilogue, a softmax, a small elementwise chain
-        h = jnp.tanh((x @ w).astype(jnp.float32)) * 2.0 + 1.0
-        return h.astype(jnp.bfloat16), jax.nn.softmax(y.astype(jnp.float32), axis=-1), jnp.exp(z) * 3.0 + 1.0
-
-    graph = autofuse.capture(prog, S((2048, 1024), jnp.bfloat16), S((1024, 2048), jnp.bfloat16), S((512, 1000), jnp.bfloat16),
-                             S((64, 64), jnp.float32))
-    by_sig, cands = distinct_candidates(graph)
-    time_xla(cands, FakeDevice())
-    spaces = search_spaces(by_sig, cands, costmodel.H200)
+    cands, spaces = _three_regions()
     gains = [i for i in phase1_order(cands, spaces) if modelled_saving(cands[i], spaces[cands[i].signature]) > 0]
     lead = gains[0]
     variants = [i for i in gains if i != lead and set(cands[i].nodes) & set(cands[lead].nodes)]
