@@ -373,3 +373,23 @@ def test_a_device_job_takes_its_profile_once_and_prices_by_it(monkeypatch, tmp_p
         assert any("jax.jit's program profiled: failed" in line for line in shown)
 
 
+
+
+def test_a_library_gemm_named_by_the_transpose_of_its_product_computes_the_dot():
+    """XLA folds a transpose of a GEMM's product into the GEMM's output layout, and the cuBLAS call then carries the
+    transpose's name alone (GPT-2's QKV weight gradient in its step): the kernel computes the dot too, so a group
+    holding the dot is credited most of it. A fusion or a copy named by a transpose computes no dot it reads."""
+    def wgrad(x, dy):
+        return (x.T @ dy).T * 2.0
+
+    args = (jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 3072), jnp.bfloat16))
+    g = capture(wgrad, *args)
+    (dot,) = [n.id for n in g.nodes if n.name == "dot_general"]
+    layout = frozenset(n.id for n in g.nodes if n.name == "transpose" and n.id > dot)
+    assert layout
+    costs = ProgramCosts((XlaKernel("custom-call.70", 1.0, layout),), g)
+    assert costs.computed == (layout | {dot},)
+    assert costs.credit_ms({dot}) > 0.5
+    for other in (XlaKernel("loop_transpose_fusion", 0.2, layout, "kLoop"), XlaKernel("copy.3", 0.2, layout)):
+        moved = ProgramCosts((other,), g)
+        assert moved.computed == (layout,) and moved.credit_ms({dot}) == 0.0

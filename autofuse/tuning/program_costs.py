@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 #: grows with what it must now read): a bound on the model's word, which never saw the remainder run.
 MAX_REMAINDER = 3.0
 XLA_EMITTED = ("kLoop", "kInput")  # fusion kinds of XLA's own elementwise and reduction emitters: no GEMM runs there
+LIBRARY_CALL = "custom-call"  # the HLO instructions that call cuBLAS (and cuDNN): a copy or fusion computes no dot
 LONGEST_KEPT = 12  # of the profile's kernels, the longest kept in the run's record (`ProgramCosts.summary`)
 
 
@@ -55,7 +56,29 @@ class ProgramCosts:
         was credited 0.046 ms of it, 0.057 without (results/row_reduce_sums_h200.md)."""
         contraction = {n for k in self.kernels for n in k.nodes
                        if n in self.graph.node_index and op_class(self.graph.node_index[n].name) is OpClass.CONTRACTION}
-        return tuple(k.nodes - contraction if k.fusion_kind in XLA_EMITTED else k.nodes for k in self.kernels)
+        return tuple(k.nodes - contraction if k.fusion_kind in XLA_EMITTED else k.nodes | self._rearranged(k) for k in self.kernels)
+
+    def _rearranged(self, k: XlaKernel) -> frozenset[int]:
+        """The contractions whose products a library call named only by ops that move data rearranges: XLA writes a GEMM's
+        product transposed by choosing its output layout, and the cuBLAS call then carries the transpose's name. In
+        GPT-2's step the QKV weight's gradient (0.14 ms a layer) was named by its transpose alone, so a group taking
+        its dot was credited none of it and priced at -3.5 ms in the program; it saved 1.36 ms there
+        (results/concat_once_h200.md)."""
+        index = self.graph.node_index
+        if not k.instruction.startswith(LIBRARY_CALL) or not k.nodes or not all(n in index and _moves_data(index[n].name) for n in k.nodes):
+            return frozenset()
+        found, todo, seen = set(), list(k.nodes), set(k.nodes)
+        while todo:
+            for a in index[todo.pop()].inputs:
+                p = self.graph.producer.get(a) if isinstance(a, int) else None
+                if p is None or p in seen:
+                    continue
+                seen.add(p)
+                if op_class(index[p].name) is OpClass.CONTRACTION:
+                    found.add(p)
+                elif _moves_data(index[p].name):
+                    todo.append(p)
+        return frozenset(found)
 
     @cached_property
     def node_ms(self) -> dict[int, float]:
@@ -171,6 +194,11 @@ class ProgramCosts:
         counts = Counter(self.graph.node_index[n].name for n in nodes if n in self.graph.node_index)
         parts = [f"{name} x{c}" if c > 1 else name for name, c in counts.most_common(most)]
         return ", ".join(parts) + (", ..." if len(counts) > most else "")
+
+
+def _moves_data(name: str) -> bool:
+    """A primitive that only rearranges its operand (a transpose, a reshape): what XLA folds into a layout."""
+    return name == "transpose" or op_class(name) is OpClass.LAYOUT
 
 
 def take_profile(runner: Any, record: dict, graph: Graph, model: costmodel.GPUModel = costmodel.H200) -> ProgramCosts | None:
