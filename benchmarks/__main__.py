@@ -55,7 +55,7 @@ SUITES: dict[str, tuple[str, dict[str, Part]]] = {
         "composition": Part("benchmarks.composition", "a plan's savings per group alone against the whole program's, and its kernels"),
         "ncu": Part("benchmarks.ncu_kernel", "one kernel of `kernels mosaic` (Mosaic GPU, Triton or JAX's hopper GEMM), run a few times for ncu to profile"),
         "memory": Part("benchmarks.memory_probe", "a plan's peak device memory against jax.jit's, and their largest temporary buffers"),
-        "xla-time": Part("benchmarks.xla_time", "jax.jit's time by kernel: what each XLA fusion computes, the bytes it moves, its bandwidth"),
+        "xla-time": Part("benchmarks.xla_time", "jax.jit's time by kernel (or a plan's: --plan FILE): what each XLA fusion computes, the bytes it moves, its bandwidth"),
         "precision": Part("benchmarks.precision_probe", "the precision of XLA's float32 dots under JAX's defaults"),
         "timing": Part("benchmarks.timing_probe", "small kernels timed by the host's clock (as the tuner times groups) against the "
                        "device's, on an idle host and a busy one"),

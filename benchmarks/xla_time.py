@@ -2,13 +2,17 @@
 the GEMM boundary is worth building).
 
     python -m benchmarks profile xla-time --model gpt2 --step grad_step_cudnn --top 40 --out results/x.md
+    python -m benchmarks profile xla-time --model gpt2 --step grad_step_cudnn --plan plan.json   # around a plan's kernels
 
 Compiles the example model's entry point with `jax.jit`, traces a few calls (CUPTI, the profiler's "XLA Ops" line:
 device time per HLO instruction) and joins each instruction with the compiled module's text: its kind (cuBLAS or
 Triton GEMM, cuDNN attention, XLA's loop/input fusions, copies), the bytes it reads and writes, the bandwidth that
 implies, and the jaxpr operations it came from (`op_name`). A memory-bound fusion near the card's bandwidth can only
 get faster by not existing (fused into a neighbour); one far below it is a slow kernel. On the CPU (no device trace)
-it lists the instructions by bytes moved, untimed.
+it lists the instructions by bytes moved, untimed. With `--plan` (a plan's JSON: `autofuse show plan N --json`'s
+"plan", or `profile composition --save-plan`) the program read is the plan's (`autofuse.jit`): what XLA runs around
+its kernels, which can differ from what it ran there under jax.jit (GPT-2's layer norms after the plan's residual
+GEMM: three kernels where jax.jit had fused the residual add with the norm's statistics, results/concat_once_h200.md).
 """
 from __future__ import annotations
 
@@ -67,6 +71,8 @@ class Instruction:
             return "attention (cuDNN)"
         if "gemm" in k or "cublas" in k or self.opcode == "dot" or ("triton" in k and f.get("dot")) or f.get("dot"):
             return "GEMM"
+        if self.opcode == "custom-call" and ("mosaic_gpu" in k or "triton" in k):
+            return "Pallas kernel (the plan's)"
         if self.opcode == "kernel":  # a library's kernel the profiler names by itself (cuBLAS, cuDNN)
             for cat, pattern in LIBRARY_KERNELS:
                 if re.search(pattern, self.name, re.IGNORECASE):
@@ -217,6 +223,18 @@ def table(instrs: dict[str, Instruction], times: dict[str, tuple[float, float]],
     return lines
 
 
+def program(fn: Callable, plan_file: str = "") -> tuple[Callable, str]:
+    """`fn` under jax.jit, or under the plan in `plan_file` (`autofuse.jit`, a group it cannot run an error), and
+    whose program that is."""
+    if not plan_file:
+        return jax.jit(fn), "jax.jit's"
+    import autofuse
+    from autofuse.plan import Plan
+
+    with open(plan_file) as f:
+        return autofuse.jit(fn, plan=Plan.from_json(f.read()), on_miss="error"), "the plan's"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2", help="an example model: examples.MODEL")
@@ -225,15 +243,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=40, help="instructions listed")
     ap.add_argument("--bandwidth", type=float, default=4300.0, help="the card's copy bandwidth in GB/s (H100/H200: ~4300 measured)")
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs() (a smoke run)")
+    ap.add_argument("--plan", default="", help="a plan's JSON file: read the plan's program instead of jax.jit's")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     mod = importlib.import_module(f"examples.{a.model}")
     factory = mod.small_inputs if a.small else functools.partial(mod.example_inputs, a.layers) if a.layers else mod.example_inputs
     args = tuple(factory())
-    fn = jax.jit(getattr(mod, a.step))
+    fn, whose = program(getattr(mod, a.step), a.plan)
     instrs = parse_hlo(fn.lower(*args).compile().as_text())
     times = op_times(fn, args, instrs)
-    lines = [f"## jax.jit's time by kernel: {a.model}:{a.step}", "", header(argv), ""]
+    lines = [f"## {whose} time by kernel: {a.model}:{a.step}", "", header(argv), ""]
     lines += table(instrs, times, a.top, a.bandwidth)
     emit(lines, a.out)
 

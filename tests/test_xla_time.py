@@ -51,3 +51,30 @@ def test_the_table_sums_time_by_kind_and_line_and_gives_each_kernels_bandwidth()
     assert f"| {(64 * 16 * 4 + 64 * 4) / 1e-6 / 1e9:.0f} |" in mine  # its bytes in 1 µs, in GB/s
     if jax.default_backend() != "gpu":
         assert op_times(fn, args, instrs) == {}  # traced on the CPU: no device line
+
+
+def test_a_plans_program_is_read_in_place_of_jax_jits(tmp_path) -> None:
+    """`--plan FILE`: the program read is the plan's (GPT-2's training step with its QKV gradient's concatenation
+    written once, behind an optimisation barrier: in its module, not in jax.jit's), its Pallas calls a kind of their
+    own."""
+    import autofuse
+    import examples.gpt2 as gpt2
+    from autofuse.kernels import TEMPLATES
+    from autofuse.plan import plan_from_choices
+    from benchmarks.xla_time import Instruction, main, program
+
+    args = gpt2.small_inputs()
+    graph = autofuse.capture(gpt2.grad_step_cudnn, *args)
+    group = TEMPLATES["concat_sink"].candidate_groups(graph, lambda i: True)[0][0]  # one layer's
+    path = tmp_path / "plan.json"
+    path.write_text(plan_from_choices(graph, [(group, "concat_sink", {"accumulate": 0, "contracted": 0, "kept": 1, "backend": "xla_ops"})]).to_json())
+    texts = {}
+    for plan_file in ("", str(path)):
+        fn, whose = program(gpt2.grad_step_cudnn, plan_file)
+        texts[whose] = fn.lower(*args).as_text()  # (XLA drops the barrier once it has fused around it)
+    assert "optimization_barrier" in texts["the plan's"] and "optimization_barrier" not in texts["jax.jit's"]
+    out = tmp_path / "t.md"
+    main(["--model", "gpt2", "--step", "grad_step_cudnn", "--small", "--plan", str(path), "--top", "5", "--out", str(out)])
+    assert out.read_text().startswith("## the plan's time by kernel: gpt2:grad_step_cudnn")
+    pallas = Instruction("custom-call.1", "custom-call", 0, 0, "mosaic_gpu_v2", "", "")
+    assert pallas.category == "Pallas kernel (the plan's)"
