@@ -420,6 +420,33 @@ def test_a_variant_of_a_region_whose_first_lost_to_xla_is_placed_as_a_first():
     assert variants[0] in firsts and order.index(variants[0]) < gains.index(variants[0])
 
 
+def test_a_group_sharing_only_elementwise_ops_with_a_region_is_a_region_of_its_own():
+    """A residual GEMM and the layer norm after it share the residual add: the GEMM's group is no variant of the
+    norm's (`variant_of`: the norm holds none of its GEMM), so phase 1 reaches it right after the norm's first, before
+    the norm's own variants; a group cut from the GEMM's (its dot in it) stays the GEMM's variant. GPT-2's layer norm
+    forward, as a variant of the residual GEMM, got no visit in 40 trials."""
+    from autofuse.tuning.scheduler import anchor, phase1_order, variant_of
+
+    def block(r, x, w, b, g, beta):
+        y = r + (x @ w + b)
+        yf = y.astype(jnp.float32)
+        c = yf - yf.mean(-1, keepdims=True)
+        return y, (c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5) * g + beta).astype(jnp.bfloat16)
+
+    graph = autofuse.capture(block, S((2048, 1024), jnp.bfloat16), S((2048, 1024), jnp.bfloat16), S((1024, 1024), jnp.bfloat16),
+                             S((1024,), jnp.bfloat16), S((1024,), jnp.float32), S((1024,), jnp.float32))
+    by_sig, cands = distinct_candidates(graph)
+    time_xla(cands, FakeDevice())
+    order = phase1_order(cands, search_spaces(by_sig, cands, costmodel.H200))
+    norms = [i for i in order if cands[i].template == "row_reduce"]
+    gemms = [i for i in order if cands[i].template == "matmul"]
+    norm, gemm = cands[norms[0]], cands[gemms[0]]
+    assert set(norm.nodes) & set(gemm.nodes) and not variant_of(gemm, norm) and not variant_of(norm, gemm)
+    assert anchor(gemm) == {n.id for n in graph.nodes if n.name == "dot_general"}
+    assert order.index(gemms[0]) < order.index(norms[1])  # a first, before the norm's variants
+    assert all(variant_of(cands[i], gemm) for i in gemms[1:])
+
+
 def test_verbose_jobs_say_phase_ones_order_with_the_prices_it_weighs(capsys):
     """`-v`: phase 1's order after XLA's timings, each line the candidate's XLA price, modelled default, cut and
     saving, and why the budget passes it by (a modelled loss, or past phase 1's visits): the job's own reasons why

@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 from .. import costmodel
 from ..graph import Graph
 from ..kernels import TEMPLATES
+from ..ops import OpClass, op_class
 from ..spaces import DEFAULT_BACKEND
 from ..status import TrialStatus
 from ..tables import plural
@@ -180,6 +181,25 @@ def skipped_in_phase1(r: CandidateState, space: CandidateSpace, total: int, n_ca
     return total < n_cands and modelled_loss(r, space)
 
 
+def anchor(r: CandidateState) -> set[int]:
+    """The nodes that carry a candidate's work: its contractions, else its reductions, else all its nodes."""
+    if len(r.ops) == len(r.nodes):
+        for cls in (OpClass.CONTRACTION, OpClass.REDUCTION):
+            found = {n for n, op in zip(r.nodes, r.ops) if op_class(op) is cls}
+            if found:
+                return found
+    return set(r.nodes)
+
+
+def variant_of(r: CandidateState, first: CandidateState) -> bool:
+    """Whether `r` is a variant of `first`'s region: `first` holds some of the nodes that carry `r`'s work (its
+    `anchor`: the same GEMM or reduction with more or less of its epilogue). One that only shares elementwise ops at
+    its edge is another computation: GPT-2's layer norm forward shares only the residual add with the residual GEMM
+    before it, and as that GEMM's variant it got no visit in 40 trials, where its groups ran 1.45-1.50x alone (x47)
+    in the 80-trial job's plan (results/concat_once_h200.md)."""
+    return bool(anchor(r) & set(first.nodes))
+
+
 def lost_to_xla(r: CandidateState) -> bool:
     """Measured, and no config of it has beaten XLA's time so far (none worked, or the best is slower)."""
     xla = xla_measured_ms(r)
@@ -193,9 +213,9 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     groups (a group that merely leaves intermediates in memory has a large XLA time, but saves little). XLA's
     time is the model's estimate for a candidate not timed yet (`xla_time_ms`).
 
-    Among the modelled gains, one candidate per region of the program first: a candidate sharing nodes with one
-    placed before it (a variant of the same ops, of which one plan holds one) comes after every candidate that does
-    not; then the variants in rounds, each region's k-th variant before any region's (k+1)-th, in the same order
+    Among the modelled gains, one candidate per region of the program first: a candidate whose GEMM or reduction one
+    placed before it holds (a variant of the same ops, of which one plan holds one: `variant_of`) comes after every
+    candidate that is not; then the variants in rounds, each region's k-th variant before any region's (k+1)-th, in the same order
     within a round. SPLADE's training step at 24 trials gave a dozen variants of one vocabulary GEMM their defaults
     and its attention pair (4 instances of 0.47 ms, 2.6x alone) none; GPT-2's step at 40 gave six near-copies of its
     LM head the visits after its regions' firsts (results/norm_backward_h200.md).
@@ -221,8 +241,7 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     first: list[int] = []
     variants: dict[int, list[int]] = {}  # a region's first candidate -> its variants, in order
     for i in gains:
-        nodes = set(cands[i].nodes)
-        region = next((f for f in first if nodes & set(cands[f].nodes) and not lost_to_xla(cands[f])), None)
+        region = next((f for f in first if variant_of(cands[i], cands[f]) and not lost_to_xla(cands[f])), None)
         if region is None:
             first.append(i)
         else:
