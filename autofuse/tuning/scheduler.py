@@ -182,22 +182,17 @@ def skipped_in_phase1(r: CandidateState, space: CandidateSpace, total: int, n_ca
 
 
 def anchor(r: CandidateState) -> set[int]:
-    """The nodes that carry a candidate's work: its contractions, else its reductions, else all its nodes."""
+    """The nodes that carry a candidate's work: its contractions, else its reductions, else all its nodes. A candidate
+    is a variant of a region where the region's first holds some of them (the same GEMM or reduction with more or less
+    of its epilogue); one that only shares elementwise ops at its edge is another computation: GPT-2's layer norm
+    forward shares only the residual add with the residual GEMM before it, and as that GEMM's variant it got no visit
+    in 40 trials, where its groups ran 1.45-1.50x alone (x47) in the 80-trial job's plan (results/concat_once_h200.md)."""
     if len(r.ops) == len(r.nodes):
         for cls in (OpClass.CONTRACTION, OpClass.REDUCTION):
             found = {n for n, op in zip(r.nodes, r.ops) if op_class(op) is cls}
             if found:
                 return found
     return set(r.nodes)
-
-
-def variant_of(r: CandidateState, first: CandidateState) -> bool:
-    """Whether `r` is a variant of `first`'s region: `first` holds some of the nodes that carry `r`'s work (its
-    `anchor`: the same GEMM or reduction with more or less of its epilogue). One that only shares elementwise ops at
-    its edge is another computation: GPT-2's layer norm forward shares only the residual add with the residual GEMM
-    before it, and as that GEMM's variant it got no visit in 40 trials, where its groups ran 1.45-1.50x alone (x47)
-    in the 80-trial job's plan (results/concat_once_h200.md)."""
-    return bool(anchor(r) & set(first.nodes))
 
 
 def lost_to_xla(r: CandidateState) -> bool:
@@ -214,7 +209,7 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     time is the model's estimate for a candidate not timed yet (`xla_time_ms`).
 
     Among the modelled gains, one candidate per region of the program first: a candidate whose GEMM or reduction one
-    placed before it holds (a variant of the same ops, of which one plan holds one: `variant_of`) comes after every
+    placed before it holds (a variant of the same ops, of which one plan holds one: `anchor`) comes after every
     candidate that is not; then the variants in rounds, each region's k-th variant before any region's (k+1)-th, in the same order
     within a round. SPLADE's training step at 24 trials gave a dozen variants of one vocabulary GEMM their defaults
     and its attention pair (4 instances of 0.47 ms, 2.6x alone) none; GPT-2's step at 40 gave six near-copies of its
@@ -239,11 +234,15 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     order = sorted(range(len(cands)), key=key)
     gains = [i for i in order if key(i)[0] == 0]
     first: list[int] = []
+    holding: list[tuple[int, set[int]]] = []  # the firsts that hold a region (none that lost to XLA), with their nodes
     variants: dict[int, list[int]] = {}  # a region's first candidate -> its variants, in order
     for i in gains:
-        region = next((f for f in first if variant_of(cands[i], cands[f]) and not lost_to_xla(cands[f])), None)
+        work = anchor(cands[i])
+        region = next((f for f, nodes in holding if work & nodes), None)
         if region is None:
             first.append(i)
+            if not lost_to_xla(cands[i]):
+                holding.append((i, set(cands[i].nodes)))
         else:
             variants.setdefault(region, []).append(i)
     rounds = [[v[k] for v in variants.values() if k < len(v)] for k in range(max(map(len, variants.values()), default=0))]
