@@ -181,10 +181,31 @@ def _ops(c: Counter, n: int = 4) -> str:
     return ", ".join(f"{k}×{v}" if v > 1 else k for k, v in c.most_common(n)) + (", …" if len(c) > n else "")
 
 
+def plan_kernels(instrs: dict[str, Instruction], times: dict[str, tuple[float, float]]) -> dict[str, Instruction]:
+    """The instructions with each of the plan's kernels under the name the profiler gives it: a Pallas call's kernel
+    is traced by its own name (`autofuse_matmul_mgpu_8b626235_mosaic_gpu_kernel`, `autofuse_row_reduce_dd41066a`),
+    not the custom call's (`mpmd_map.336`, one per layer), which carries that name in its op_name. The call's
+    instructions are folded into one row under the kernel's name, with their bytes, kind and source line."""
+    out = dict(instrs)
+    for name in times:
+        if name in instrs or not name.startswith("autofuse_"):
+            continue
+        stem = re.sub(r"_mosaic_gpu_kernel$", "", name)
+        calls = [i for i in instrs.values() if f"/{stem}/" in i.op_name]
+        if not calls:
+            continue
+        for i in calls:
+            out.pop(i.name, None)
+        c = calls[0]
+        out[name] = Instruction(name, c.opcode, c.out_bytes, c.in_bytes, c.kind, c.op_name, c.source, c.fused_ops)
+    return out
+
+
 def table(instrs: dict[str, Instruction], times: dict[str, tuple[float, float]], top: int, bandwidth_gbs: float) -> list[str]:
     """By category, then the `top` instructions (by device time; by bytes where nothing was timed)."""
     timed = bool(times)
     key = (lambda i: -times.get(i.name, (0.0, 0))[0]) if timed else (lambda i: -(i.in_bytes + i.out_bytes))
+    instrs = plan_kernels(instrs, times)
     stray = {k: Instruction(k, "kernel", 0, 0, "library kernel", "", "") for k in times if k not in instrs}
     rows = sorted([*instrs.values(), *stray.values()], key=key)
     lines = []

@@ -78,3 +78,24 @@ def test_a_plans_program_is_read_in_place_of_jax_jits(tmp_path) -> None:
     assert out.read_text().startswith("## the plan's time by kernel: gpt2:grad_step_cudnn")
     pallas = Instruction("custom-call.1", "custom-call", 0, 0, "mosaic_gpu_v2", "", "")
     assert pallas.category == "Pallas kernel (the plan's)"
+
+
+def test_the_plans_kernels_are_joined_with_their_calls_by_the_name_the_profiler_gives_them() -> None:
+    """A Pallas call's kernel is traced by its own name, not by its custom call's (one per layer): the table puts it
+    among the plan's kernels with the call's bytes and line, and lists the calls no more."""
+    from benchmarks.xla_time import Instruction
+
+    def call(n: int, stem: str, target: str) -> Instruction:
+        return Instruction(f"mpmd_map.{n}", "custom-call", 2_000_000, 6_000_000, target,
+                           f"jit(step)/jit(run)/{stem}/mpmd_map", "lower.<locals>.run:1205")
+
+    instrs = {i.name: i for i in (call(1, "autofuse_matmul_mgpu_8b626235", "mosaic_gpu_v2"),
+                                  call(2, "autofuse_matmul_mgpu_8b626235", "mosaic_gpu_v2"),
+                                  call(3, "autofuse_row_reduce_dd41066a", "__gpu$xla.gpu.triton"))}
+    times = {"autofuse_matmul_mgpu_8b626235_mosaic_gpu_kernel": (0.004, 2.0), "autofuse_row_reduce_dd41066a": (0.001, 1.0)}
+    lines = table(instrs, times, top=5, bandwidth_gbs=1000.0)
+    assert any(ln.startswith("| Pallas kernel (the plan's) | 0.005 | 100.0% | 3 |") for ln in lines)
+    gemm = next(ln for ln in lines if ln.startswith("| `autofuse_matmul_mgpu_8b626235_mosaic_gpu_kernel`"))
+    assert "| 6.0 / 2.0 |" in gemm and f"| {8e6 * 2 / 0.004e6:.0f} |" in gemm and "lower.<locals>.run:1205" in gemm
+    assert not any("mpmd_map" in ln.split("|")[1] for ln in lines if ln.startswith("| `"))
+    assert not any(ln.startswith("| other kernel") for ln in lines)
