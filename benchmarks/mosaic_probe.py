@@ -72,6 +72,11 @@ def dgrad_gelu_dbias(dz, w, h):  # the same with the up-projection bias's gradie
     return dy, jnp.sum(dy.astype(jnp.float32), axis=0)
 
 
+def dgrad_dgamma(dz, w, dres, xn):  # Llama's: a dgrad GEMM, the other branch's gradient added, the RMS norm's dγ summed over the rows
+    dx = jnp.einsum("mk,nk->mn", dz, w) + dres
+    return dx, jnp.sum((dx * xn).astype(jnp.float32), axis=0)
+
+
 def swiglu(h, w_gate, w_up):  # Llama's MLP before its down-projection: two GEMMs of one A meeting in the epilogue
     return jax.nn.silu(h @ w_gate) * (h @ w_up)
 
@@ -149,6 +154,7 @@ WORKLOADS = {
     "lm-head-16384x1024x50304": (lm_head, [(16384, 1024), (50304, 1024)]),
     "dgrad-gelu-16384x1024x4096": (dgrad_gelu, [(16384, 1024), (4096, 1024), (16384, 4096)]),
     "dgrad-gelu-dbias-16384x1024x4096": (dgrad_gelu_dbias, [(16384, 1024), (4096, 1024), (16384, 4096)]),
+    "dgrad-dgamma-8192x8192x2048": (dgrad_dgamma, [(8192, 8192), (2048, 8192), (8192, 2048), (8192, 2048)]),
     "swiglu-8192x2048x8192": (swiglu, [(8192, 2048), (2048, 8192), (2048, 8192)]),  # Llama 3.2 1B, B4 S2048
     # norms' backward (row_reduce, Triton): GPT-2 medium's at B8 S2048, Llama's RMS norm at B4 S2048 d4096
     "ln-grad-16384x1024": (ln_grad, [(16384, 1024), (1024,), (1024,), (16384, 1024)]),
