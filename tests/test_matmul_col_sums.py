@@ -85,8 +85,7 @@ def test_dgrad_with_bias_gradient_matches_xla(fn, backend, S, F):
 
 @pytest.mark.parametrize("schedule", slow_except([pytest.param({"epilogue_wg": 0}, id="inline"),
                                                   pytest.param({"epilogue_wg": 1}, id="epilogue-wg"),
-                                                  pytest.param({"pingpong": 1, "max_concurrent_steps": 3}, id="pingpong"),
-                                                  pytest.param({"epilogue_wg": 0, "reduction_scratch": 16}, id="wide-scratch")],
+                                                  pytest.param({"pingpong": 1, "max_concurrent_steps": 3}, id="pingpong")],
                                                  "pingpong"))
 def test_mosaic_gpu_sums_over_rows_in_either_epilogue_race_free_and_lower_for_cuda(schedule):
     """The reduction across a tile's warps goes through Mosaic GPU's one reduction scratch. With the epilogues in the
@@ -159,21 +158,3 @@ def test_the_probes_dgrad_workloads_are_one_matmul_with_and_without_the_sum():
         for o, r in zip(outs, jax.jit(lambda *a: g.evaluate(a))(*ins)):
             assert rel_err(o, r) < 1e-2
 
-
-def test_the_reduction_scratch_is_searched_only_where_the_epilogue_reduces_and_counted_in_shared_memory():
-    """`reduction_scratch` (KiB): the more of it, the fewer warpgroup barriers a piece's column sums wait at; it is
-    SMEM the ring cannot have, so it is counted, and a GEMM that reduces nothing keeps Mosaic GPU's default."""
-    from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
-
-    args = _args()
-    graph, cands = _with_sum(args)
-    summing = min(cands, key=lambda c: len(c.group.nodes))
-    plain = next(c for c in enumerate_candidates(graph) if c.template == "matmul" and not c.spec.epi.col_sums)
-    for c, searched in ((summing, True), (plain, False)):
-        cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "block_m": 64, "block_n": 64, "epi_tile_n": 32}
-        space = CandidateSpace.of("matmul", c.group, c.spec, H200, ("mosaic_gpu",)).spaces["mosaic_gpu"]
-        assert (space.violated({**cfg, "reduction_scratch": 16}) == []) is searched
-        grown = [mgpu_matmul.smem_bytes(c.spec, mgpu_matmul.Config.of({**cfg, "reduction_scratch": r})) for r in (2, 16)]
-        assert grown[1] - grown[0] == (14 * 1024 if searched else 0)
-    none = {**TEMPLATES["matmul"].default_config_of(summing.spec, "mosaic_gpu"), "reduction_scratch": 0}
-    assert "reduction_scratch" in TEMPLATES["matmul"].unsupported(summing.spec, "mosaic_gpu", none)

@@ -116,7 +116,6 @@ DEFAULTS = {
     "cluster": 0,  # 2-CTA clusters sharing an operand by TMA multicast: 0 none, 1 along M (B shared), 2 along N (A shared)
     "pingpong": 0,  # 1: the compute warpgroups take turns at whole [block_m, block_n] tiles (the CTA tile), one's epilogue beside the other's mainloop
     "interleave": 0,  # 8: outputs written through their [M / 8, 8 N] view (rows of unaligned N; `RowClasses`)
-    "reduction_scratch": REDUCTION_SCRATCH // 1024,  # KiB of SMEM for an epilogue's reductions across warps (sums over rows or segments)
 }
 PARAMS = tuple(DEFAULTS)
 #: Registers per thread of the memory, epilogue and (each of two) compute warpgroups with `epilogue_wg` (the SM's
@@ -152,7 +151,6 @@ class Config:
     cluster: int
     pingpong: int
     interleave: int
-    reduction_scratch: int
 
     @staticmethod
     def of(config: dict) -> "Config":
@@ -177,14 +175,6 @@ class Config:
     @property
     def cluster_n(self) -> int:
         return 2 if self.cluster == 2 else 1
-
-
-def reduction_scratch_bytes(cfg: Config) -> int:
-    """The SMEM Mosaic GPU reserves for reductions across warps (`CompilerParams.reduction_scratch_bytes`). Each
-    float32 register of a reduced row goes through 1 KiB of it (4 warps x 32 lanes x 2 values), so 2 KiB (Mosaic
-    GPU's default) reduce two registers per pair of warpgroup barriers: a 64-column piece's column sums take four
-    such rounds, 16 KiB one."""
-    return cfg.reduction_scratch * 1024
 
 
 def _dim(x) -> int:
@@ -398,8 +388,6 @@ def check_config(spec: MatmulSpec, cfg: Config) -> None:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     f32 = itemsize == 4
     check_operand_tiles(itemsize, spec.a_km and not f32, spec.b_nk or f32, bm, bn, bk)
-    if cfg.reduction_scratch < 1:
-        raise Unsupported(f"reduction_scratch={cfg.reduction_scratch}: a reduction across warps needs 1 KiB of scratch per register")
     if cfg.epi_tile_m % 64 or bm % cfg.epi_tile_m:
         raise Unsupported(f"epi_tile_m={cfg.epi_tile_m} must be a multiple of 64 dividing block_m={bm}")
     if bn % cfg.epi_tile_n or cfg.epi_tile_n % 8:
@@ -475,7 +463,7 @@ def smem_bytes(spec: MatmulSpec, cfg: Config, slots: int | None = None) -> int:
         ins += isz * (copies * slots * em * en if sp == FULL else vec if sp in (ROWS, COLS) else 0)
     if cfg.epilogue_wg:  # the product handed from the compute warpgroups to the epilogue's, in the dot's own dtype
         ins += cfg.cta_m * cfg.cta_n * np.dtype(g.avals[spec.dot.outputs[0]].dtype).itemsize
-    scratch = reduction_scratch_bytes(cfg) if spec.seg or spec.epi.col_sums else 0  # Mosaic GPU reserves it in a kernel with reductions
+    scratch = REDUCTION_SCRATCH if spec.seg or spec.epi.col_sums else 0  # Mosaic GPU reserves it in a kernel with reductions
     return ring + outs + ins + scratch + SMEM_MARGIN  # barriers and alignment (the estimate is within ~1.1 KB of what Mosaic GPU counts)
 
 
@@ -1211,8 +1199,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             body_epilogue_wg if cfg.epilogue_wg else body_pingpong if cfg.pingpong else body, out_type=out_type,
             grid=(max(1, min(sms // csize, cl_m_iters * cl_n_iters)),), grid_names=("sm",), **cluster,
             num_threads=4 if cfg.epilogue_wg else 3, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                                 reduction_scratch_bytes=reduction_scratch_bytes(cfg)),
+            compiler_params=plgpu.CompilerParams(approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
             interpret=interp,
             kernel_name=name)
         res = call(*args)

@@ -190,7 +190,9 @@ class RegisterTiles:
         """This tile's partial of a sum over every row (`TileSpec.col_sums`): a float32 [bn] column vector, the
         rows from `rows` on (past the array's edge, where TMA zero-filled the operands but the epilogue need not
         give zero) left out. A reduction across the tile's warps, through Mosaic GPU's reduction scratch: one
-        warpgroup at a time may run it (the scratch is the kernel's, not the warpgroup's)."""
+        warpgroup at a time may run it (the scratch is the kernel's, not the warpgroup's). It costs GPT-2's dgrad GEMM
+        with GELU' about 0.08 ms of 0.28 on an H200, and a larger scratch (6 or 16 KiB against Mosaic GPU's 2: fewer
+        warpgroup barriers per piece) changed nothing (results/sum_scratch_h200.md)."""
         nd = self.g.node_index[self.spec.col_sums[v]]
         kind = ops.reduction_kind(nd.name)
         a = nd.inputs[0]
