@@ -104,7 +104,7 @@ def test_mosaic_gpu_sums_over_rows_in_either_epilogue_race_free_and_lower_for_cu
     graph, cands = _with_sum(args)
     c = min(cands, key=lambda c: len(c.group.nodes))
     assert TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu")["epilogue_wg"] == 0
-    cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "block_m": 64, "block_n": 64, "epi_tile_n": 32, **schedule}
+    cfg = {**TEMPLATES["matmul"].default_config_of(c.spec, "mosaic_gpu"), "block_m": 64, "block_n": 64, "epi_tile_m": 64, "epi_tile_n": 32, **schedule}
     assert TEMPLATES["matmul"].unsupported(c.spec, "mosaic_gpu", cfg) is None
     space = CandidateSpace.of("matmul", c.group, c.spec, H200, ("mosaic_gpu",)).spaces["mosaic_gpu"]
     assert space.violated(cfg) == []
@@ -158,3 +158,19 @@ def test_the_probes_dgrad_workloads_are_one_matmul_with_and_without_the_sum():
         for o, r in zip(outs, jax.jit(lambda *a: g.evaluate(a))(*ins)):
             assert rel_err(o, r) < 1e-2
 
+
+
+def test_a_gemm_summing_over_its_rows_reduces_each_column_piece_once_per_warpgroup_tile():
+    """Each epilogue piece's column sums cross the warpgroup's four warps through Mosaic GPU's reduction scratch, the
+    costly part of the sum: by default a piece is as tall as the warpgroup's tile (128 x 32 at GPT-2's dgrad, not
+    64 x 64), half the reductions in the same SMEM; a GEMM with no sum keeps the square pieces."""
+    from benchmarks.mosaic_probe import _group, arg_specs, dgrad_gelu, dgrad_gelu_dbias
+
+    shapes = [(16384, 1024), (4096, 1024), (16384, 4096)]
+    cfgs = {}
+    for fn in (dgrad_gelu, dgrad_gelu_dbias):
+        _, cand = _group(fn, arg_specs(fn.__name__, shapes, jnp.bfloat16))
+        cfgs[fn] = cfg = TEMPLATES["matmul"].default_config_of(cand.spec, "mosaic_gpu")
+        assert TEMPLATES["matmul"].unsupported(cand.spec, "mosaic_gpu", cfg) is None
+    assert (cfgs[dgrad_gelu_dbias]["epi_tile_m"], cfgs[dgrad_gelu_dbias]["epi_tile_n"]) == (cfgs[dgrad_gelu_dbias]["block_m"], 32) == (128, 32)
+    assert (cfgs[dgrad_gelu]["epi_tile_m"], cfgs[dgrad_gelu]["epi_tile_n"]) == (64, 64)

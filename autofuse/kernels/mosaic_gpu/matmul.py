@@ -207,6 +207,9 @@ def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     (bias + GELU, the QKV split, GELU' of a dgrad, GroupNorm; K = 1024-2048) 2-9% faster than the cooperative default
     and tied a K = 4096 GEMM with a residual (results/gemm_pingpong_h200.md); a dual GEMM's two accumulators lost with it,
     and so did a dgrad with its bias's gradient (0.4005 against 0.3701 ms: the sums' turns at the reduction scratch).
+    An epilogue that sums over the rows takes pieces as tall as the warpgroup's tile (128 x 32 rather than 64 x 64:
+    the same SMEM, half the reductions across warps): GPT-2's dgrad with GELU' and its bias's gradient ran 0.3397
+    against 0.3639 ms on an H200 (results/sum_scratch_h200.md).
     Otherwise (or with `pingpong` False) the cooperative schedule. On an H100 (bf16, bias+GELU 8192x4096x8192) K steps of 256 bytes in a 2-deep
     ring ran 0.830 ms against 0.882 for hopper_matmul_mgpu's 128-byte steps in a 4-deep ring (the ring's bytes are
     the same); where the epilogue's buffers leave no room for that, the 4-, 3-, 2-deep 128-byte rings (before the
@@ -234,6 +237,8 @@ def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     firsts = [first for parts in spec.windows.values() for _, first, _ in parts]
     while any(f % cfg["epi_tile_n"] for f in firsts) and cfg["epi_tile_n"] > 8:  # no piece across two split parts
         cfg["epi_tile_n"] //= 2
+    if spec.epi.col_sums and not spec.seg:  # pieces the height of the warpgroup's tile: one reduction across warps per column piece
+        cfg["epi_tile_m"], cfg["epi_tile_n"] = cfg["block_m"], min(cfg["epi_tile_n"], 64 * 64 // cfg["block_m"])
     if spec.seg:  # one epilogue piece per segment, whole segments per tile
         cfg["block_n"] = max(cfg["block_n"], spec.seg) // spec.seg * spec.seg
         cfg["epi_tile_n"] = spec.seg
