@@ -226,7 +226,7 @@ class MatmulTemplate(Template[MatmulSpec]):
         itemsize = np.dtype(group.graph.avals[spec.a].dtype).itemsize
         return {"M": spec.M, "N": spec.N, "K": spec.K, "itemsize": itemsize, "smem_bytes": H200.smem_bytes,
                 "seg": spec.seg, "outer_rows": spec.outer_rows, "dual": int(spec.dot2 is not None),
-                "unaligned": int(unaligned_rows(spec))}
+                "unaligned": int(unaligned_rows(spec)), "sums": int(bool(spec.epi.col_sums))}
 
     def model_time_ms(self, spec: MatmulSpec, config: dict, model: GPUModel = H200) -> float:
         """Roofline with a tile-efficiency factor: small tiles reuse operands less and issue smaller MMAs.
