@@ -176,6 +176,28 @@ def test_a_gemm_summing_over_its_rows_reduces_each_column_piece_once_per_warpgro
     assert (cfgs[dgrad_gelu]["epi_tile_m"], cfgs[dgrad_gelu]["epi_tile_n"]) == (64, 64)
 
 
+def test_taller_pieces_are_not_bought_with_a_slot_of_the_ring():
+    """With more [M, N] inputs and outputs beside the sums (GPT-2's dgrads with a layer norm's sums, its LM head's
+    backward) the taller pieces' SMEM would cost the operand ring a slot (0.2552 against 0.2181 ms on an H200): the
+    default keeps the pieces that leave the ring 3 deep."""
+    from autofuse.kernels.mosaic_gpu import matmul as mgpu_matmul
+    from benchmarks.mosaic_probe import _group
+
+    def sums_beside_tiles(dz, w, h, x, y):
+        dy = jnp.einsum("mk,nk->mn", dz, w) * h + x
+        return dy, dy * y, jnp.sum(dy.astype(jnp.float32), axis=0), jnp.sum((dy * h).astype(jnp.float32), axis=0)
+
+    M, K, N = 16384, 4096, 1024
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    _, cand = _group(sums_beside_tiles, [bf16(M, K), bf16(N, K), bf16(M, N), bf16(M, N), bf16(M, N)])
+    assert len(cand.spec.epi.col_sums) == 2
+    tall = mgpu_matmul.schedule_config(cand.spec, tall=True)
+    cfg = TEMPLATES["matmul"].default_config_of(cand.spec, "mosaic_gpu")
+    assert (tall["epi_tile_m"], tall["max_concurrent_steps"]) == (128, 2)  # what the taller pieces would cost
+    assert (cfg["epi_tile_m"], cfg["max_concurrent_steps"]) == (64, 3)
+    assert TEMPLATES["matmul"].unsupported(cand.spec, "mosaic_gpu", cfg) is None
+
+
 def test_ping_pong_is_not_searched_for_a_gemm_summing_over_its_rows():
     """It lost every time it was measured with a sum (the warpgroups' turns at the reduction scratch), and one of its
     configs computed a wrong sum on an H200: the space leaves it to GEMMs without one."""

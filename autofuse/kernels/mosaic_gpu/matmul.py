@@ -186,7 +186,7 @@ def _dim(x) -> int:
 def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     """`schedule_config`, with a product whose rows TMA cannot write (`unaligned_rows`) written through its [M / 8, 8 N]
     view where the shapes allow (`RowClasses`)."""
-    cfg = schedule_config(spec, pingpong)
+    cfg = _tallest(spec, pingpong)
     try:
         spec = plain(spec)
     except Unsupported:
@@ -200,16 +200,29 @@ def default_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     return {**cfg, "interleave": 8}
 
 
-def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
+def _tallest(spec: MatmulSpec, pingpong: bool) -> dict:
+    """`schedule_config` with epilogue pieces as tall as the warpgroup's tile where the epilogue sums over the rows
+    and they cost the tile and the ring nothing (half the reductions across warps: GPT-2's dgrad with GELU' and its
+    bias's gradient ran 0.3397 against 0.3639 ms on an H200), else with its own pieces: where the taller pieces' SMEM
+    took a slot of the ring, GPT-2's dgrads with a layer norm's sums ran 0.2552 against 0.2181 ms and its LM head's
+    3.79 against 3.27 (results/sum_scratch_h200.md)."""
+    flat = schedule_config(spec, pingpong)
+    if not (spec.epi.col_sums and not spec.seg):
+        return flat
+    tall = schedule_config(spec, pingpong, tall=True)
+    size = lambda c: (c["block_m"], c["block_n"], c["block_k"] * c["max_concurrent_steps"])  # noqa: E731
+    return tall if all(t >= f for t, f in zip(size(tall), size(flat))) else flat
+
+
+def schedule_config(spec: MatmulSpec, pingpong: bool = True, tall: bool = False) -> dict:
     """A good config without tuning. Up to K = `PINGPONG_MAX_K` the ping-pong schedule, its 128-byte K steps in a
     4-deep ring, its tiles walked in bands 16 wide (and `PINGPONG_WIDE_N` columns wide where N allows): on an H200
     it ran GPT-2's and a UNet's GEMMs with an epilogue
     (bias + GELU, the QKV split, GELU' of a dgrad, GroupNorm; K = 1024-2048) 2-9% faster than the cooperative default
     and tied a K = 4096 GEMM with a residual (results/gemm_pingpong_h200.md); a dual GEMM's two accumulators lost with it,
     and so did a dgrad with its bias's gradient (0.4005 against 0.3701 ms: the sums' turns at the reduction scratch).
-    An epilogue that sums over the rows takes pieces as tall as the warpgroup's tile (128 x 32 rather than 64 x 64:
-    the same SMEM, half the reductions across warps): GPT-2's dgrad with GELU' and its bias's gradient ran 0.3397
-    against 0.3639 ms on an H200 (results/sum_scratch_h200.md).
+    `tall`: an epilogue that sums over the rows takes pieces as tall as the warpgroup's tile (128 x 32 rather than
+    64 x 64: the same SMEM, half the reductions across warps; `_tallest` says when).
     Otherwise (or with `pingpong` False) the cooperative schedule. On an H100 (bf16, bias+GELU 8192x4096x8192) K steps of 256 bytes in a 2-deep
     ring ran 0.830 ms against 0.882 for hopper_matmul_mgpu's 128-byte steps in a 4-deep ring (the ring's bytes are
     the same); where the epilogue's buffers leave no room for that, the 4-, 3-, 2-deep 128-byte rings (before the
@@ -237,7 +250,7 @@ def schedule_config(spec: MatmulSpec, pingpong: bool = True) -> dict:
     firsts = [first for parts in spec.windows.values() for _, first, _ in parts]
     while any(f % cfg["epi_tile_n"] for f in firsts) and cfg["epi_tile_n"] > 8:  # no piece across two split parts
         cfg["epi_tile_n"] //= 2
-    if spec.epi.col_sums and not spec.seg:  # pieces the height of the warpgroup's tile: one reduction across warps per column piece
+    if tall and spec.epi.col_sums and not spec.seg:  # pieces the height of the warpgroup's tile: one reduction across warps per column piece
         cfg["epi_tile_m"], cfg["epi_tile_n"] = cfg["block_m"], min(cfg["epi_tile_n"], 64 * 64 // cfg["block_m"])
     if spec.seg:  # one epilogue piece per segment, whole segments per tile
         cfg["block_n"] = max(cfg["block_n"], spec.seg) // spec.seg * spec.seg
