@@ -420,6 +420,42 @@ def test_a_variant_of_a_region_whose_first_lost_to_xla_is_placed_as_a_first():
     assert variants[0] in firsts and order.index(variants[0]) < gains.index(variants[0])
 
 
+def test_a_region_whose_firsts_lost_twice_keeps_its_other_variants_in_the_rounds():
+    """A lost first gives its region one more first; once that one lost too (`LOST_FIRSTS`), the region's other
+    variants wait behind every other region's first again. GPT-2's cuDNN step gave 8 of phase 1's 20 visits to one
+    dgrad GEMM's variants, one after another as each lost, and its layer norms' backward none."""
+    from autofuse.tuning.ledger import TrialRecord
+    from autofuse.tuning.scheduler import LOST_FIRSTS, modelled_saving, phase1_order
+
+    cands, spaces = _three_regions()
+    gains = [i for i in phase1_order(cands, spaces) if modelled_saving(cands[i], spaces[cands[i].signature]) > 0]
+    lead = gains[0]
+    variants = [i for i in gains if i != lead and set(cands[i].nodes) & set(cands[lead].nodes)]
+    others = [i for i in gains if i != lead and i not in variants]
+    assert LOST_FIRSTS == 2 and len(variants) >= 2 and others
+
+    def lose(i: int) -> None:
+        cands[i].trials = [TrialRecord(0, dict(spaces[cands[i].signature].default), TrialStatus.OK, 2.0 * cands[i].xla_ms,
+                                        2.0 * cands[i].xla_ms, 2.0 * cands[i].xla_ms)]
+        cands[i].update_best()
+
+    lose(lead)
+    order = phase1_order(cands, spaces)
+    second = next(i for i in order if i in variants)
+    assert order.index(second) < order.index(next(i for i in order if i in variants[1:] and i != second))
+    lose(second)
+    order = phase1_order(cands, spaces)
+    other_firsts, seen = [], set()
+    for i in order:
+        if i in others and not set(cands[i].nodes) & seen:
+            other_firsts.append(i)
+        if i in others:
+            seen |= set(cands[i].nodes)
+    assert len(other_firsts) == 2, other_firsts  # the softmax's and the small chain's regions
+    waiting = [i for i in variants if i != second]
+    assert all(order.index(i) > max(map(order.index, other_firsts)) for i in waiting)
+
+
 def test_a_group_sharing_only_elementwise_ops_with_a_region_is_a_region_of_its_own():
     """A residual GEMM and the layer norm after it share the residual add: the GEMM's group is no variant of the
     norm's (the norm holds none of its `anchor`, its GEMM), so phase 1 reaches it right after the norm's first, before

@@ -201,6 +201,25 @@ def lost_to_xla(r: CandidateState) -> bool:
     return bool(r.spent()) and (r.best_ms is None or (xla is not None and r.best_ms >= xla))
 
 
+#: Of one region of the program (`phase1_order`), the candidates measured slower than XLA among its firsts after which
+#: its other variants wait in rounds. Without a limit each variant of a losing region was placed as a first once the
+#: one before it lost: GPT-2's cuDNN step at 40 trials gave 8 of phase 1's 20 visits to variants of one dgrad GEMM
+#: (each lost, 0.81-1.0x in the program), its layer norms' backward (1.67x alone in the job before) none, and came out
+#: 1.13x against 1.19x (results/lost_regions_h200.md).
+LOST_FIRSTS = 2
+
+
+@dataclass
+class _Region:
+    """Nodes of the program that phase 1's firsts so far hold (`phase1_order`): the first of them, the nodes of all,
+    how many were measured slower than XLA, and whether one was not (then the region's other candidates wait)."""
+
+    first: int
+    nodes: set[int]
+    lost: int = 0
+    held: bool = False
+
+
 def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> list[int]:
     """Phase 1 visits the candidates by the time fusing them may save, most first: (XLA time - the model's time
     of the default config) x instances, in steps of 25% (within a step, the larger group first: it subsumes the
@@ -217,7 +236,8 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
 
     A region's first that lost to XLA once measured (`lost_to_xla`) holds no region: a variant of it is placed as a
     first by its own modelled saving. GPT-2's step at 40 trials never measured its forward logits GEMM padded
-    (`aligned_dot`: 3.07 -> 2.19 ms alone on an H200), a variant of the cross-entropy pair that lost (0.88x).
+    (`aligned_dot`: 3.07 -> 2.19 ms alone on an H200), a variant of the cross-entropy pair that lost (0.88x). Once
+    `LOST_FIRSTS` of a region's firsts lost, its other variants wait in the rounds.
 
     Modelled losses come last, the nearest to break-even (XLA's time over the default's) first: tuning may still
     make one of those win, where a group modelled at a tenth of XLA's speed will not. A budget that cannot give
@@ -234,17 +254,23 @@ def phase1_order(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     order = sorted(range(len(cands)), key=key)
     gains = [i for i in order if key(i)[0] == 0]
     first: list[int] = []
-    holding: list[tuple[int, set[int]]] = []  # the firsts that hold a region (none that lost to XLA), with their nodes
+    regions: list[_Region] = []
     variants: dict[int, list[int]] = {}  # a region's first candidate -> its variants, in order
     for i in gains:
         work = anchor(cands[i])
-        region = next((f for f, nodes in holding if work & nodes), None)
+        region = next((g for g in regions if work & g.nodes), None)
         if region is None:
-            first.append(i)
-            if not lost_to_xla(cands[i]):
-                holding.append((i, set(cands[i].nodes)))
+            region = _Region(i, set())
+            regions.append(region)
+        elif region.held or region.lost >= LOST_FIRSTS:
+            variants.setdefault(region.first, []).append(i)
+            continue
+        first.append(i)
+        region.nodes |= set(cands[i].nodes)
+        if lost_to_xla(cands[i]):
+            region.lost += 1
         else:
-            variants.setdefault(region, []).append(i)
+            region.held = True
     rounds = [[v[k] for v in variants.values() if k < len(v)] for k in range(max(map(len, variants.values()), default=0))]
     return first + [i for r in rounds for i in sorted(r, key=key)] + order[len(gains):]
 
