@@ -23,6 +23,8 @@
    how far it missed (`prospect`: GPT-2's cuDNN step gave its attention pair,
    24 x 0.87 ms at stake, 9-13 of its 20 phase-2 trials, each 1.6-4.3x slower
    than its default), never more than a candidate's number of configs (`allocate`).
+   A backend that lost to another on two of a template's candidates and won on
+   none gets no more trials of the template's others (`set_aside_backends`).
 A time budget that runs out therefore leaves undone what can matter least.
 The drivers (`local`, `workers`) only run the trial `pick` names.
 
@@ -63,6 +65,14 @@ RETRY_CONFIGS = 3  # configs a candidate whose every config failed to fit or com
 #: GPU's default ran) gave GPT-2's cuDNN step and forward at 40 trials the same plans (1.11-1.12x, 1.15-1.16x) in
 #: 20-50% longer jobs: the visits past each region's first are its variants (results/device_timing_h200.md).
 PHASE1_SHARE = 0.5
+#: A backend whose best config on a candidate is this much slower than another backend's lost there; one that lost on
+#: `LOST_ON` of a template's candidates and won on none is set aside for the template's other candidates that have a
+#: working config (`set_aside_backends`). Across results/' jobs to 2026-12-01, Triton's lowering lost to Mosaic GPU's
+#: on all 361 matmul, attention, attention-backward and cross-entropy candidates timed in both (1.47x slower at the
+#: median, one within 10%), yet each one's Triton default was its second trial: GPT-2's cuDNN step at 40 trials gave
+#: about 12 of phase 2's 20 trials to configs 1.2-4.4x slower than the candidate's best (results/lost_regions_h200.md).
+LOST_BY = 1.2
+LOST_ON = 2
 CONTENDER_MARGIN = 1.25  # a candidate within this factor of its XLA time may still win with more trials
 STUCK_AFTER = 16  # a candidate whose sampler proposed this many done configs in a row gets no more trials
 MAX_RETRY = 2  # a config whose worker died is retried this many times
@@ -290,6 +300,34 @@ def phase1_lines(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpa
     return lines
 
 
+def set_aside_backends(cands: Sequence[CandidateState], spaces: dict[str, CandidateSpace]) -> None:
+    """Sets each candidate's `CandidateSpace.set_aside`: the backends that lost (by `LOST_BY` or more, against
+    another backend of the same candidate) on `LOST_ON` or more of the job's candidates of its template and won on
+    none, where the candidate has a working config on a backend not set aside (one whose only working lowering is
+    such a backend keeps it: a failure of one lowering says nothing of another's)."""
+    lost: dict[tuple[str, str], int] = {}
+    won: set[tuple[str, str]] = set()
+    for r in cands:
+        best: dict[str, float] = {}
+        for t in r.trials:
+            if t.status is TrialStatus.OK and t.median_ms is not None:
+                b = t.config.get("backend", DEFAULT_BACKEND)
+                best[b] = min(best.get(b, math.inf), t.median_ms)
+        for b, ms in best.items():
+            other = min((v for c, v in best.items() if c != b), default=None)
+            if other is not None and ms >= LOST_BY * other:
+                lost[r.template, b] = lost.get((r.template, b), 0) + 1
+            elif other is not None and ms < other:
+                won.add((r.template, b))
+    out = {k: n for k, n in lost.items() if n >= LOST_ON and k not in won}
+    for r in cands:
+        space = spaces[r.signature]
+        aside = {b: f"{b} lost to another backend by {LOST_BY}x or more on {n} of the job's {r.template} candidates and won on none"
+                 for (tmpl, b), n in out.items() if tmpl == r.template and b in space.spaces}
+        working = {t.config.get("backend", DEFAULT_BACKEND) for t in r.trials if t.status is TrialStatus.OK}
+        space.set_aside = aside if working - set(aside) else {}
+
+
 def config_failures_only(r: CandidateState) -> bool:
     """Every trial so far failed in a way another config may not (shared memory, compile), and fewer than
     RETRY_CONFIGS were tried: the next config (the model's best, then the sampler's) deserves a trial."""
@@ -357,6 +395,7 @@ class Scheduler:
         self.planned = {}
         if self.done():
             return None
+        set_aside_backends(self.cands, self.spaces)
         counted = [len(c.spent()) for c in self.cands]
         open_ = [i for i in range(len(self.cands)) if counted[i] < self.caps[i] and self.idle[i] < STUCK_AFTER]
         for i in open_:  # a dead worker's config first: its retry waits in the study

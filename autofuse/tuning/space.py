@@ -142,6 +142,9 @@ class CandidateSpace:
     spaces: dict[str, SearchSpace]  # by backend, the preferred first
     xla_model_ms: float = 0.0  # the model's time of XLA's option (`Template.xla_model_ms`): phase 1's order until XLA's is measured
     cut_ms: float = 0.0  # what fusing the group costs its neighbours in the program (`costmodel.cut_outputs_ms`)
+    #: Backends whose configs are no longer worth a trial here, with why (`scheduler.set_aside_backends`: they lost to
+    #: another backend on the job's other candidates of the template); their configs are pruned unmeasured.
+    set_aside: dict[str, str] = field(default_factory=dict)
     _worth: dict = field(default_factory=dict, repr=False, compare=False)  # `worth_timing`'s counts, by measure
 
     @staticmethod
@@ -182,6 +185,9 @@ class CandidateSpace:
         return self[config].violated(self._params(config))
 
     def unmeasured_reason(self, config: dict, measure: str) -> tuple[TrialStatus, str, int] | None:
+        why = self.set_aside.get(config.get("backend", DEFAULT_BACKEND))
+        if why and not self.violated(config):
+            return TrialStatus.PRUNED, why, 0
         reason = self[config].unmeasured_reason(self._params(config), measure)
         if reason and reason[0] is TrialStatus.PRUNED:  # pruned against the candidate's default, whatever its backend
             return reason if self.model_ms(config) > PRUNE_FACTOR * self.default_ms() else None
@@ -203,9 +209,9 @@ class CandidateSpace:
     def worth_timing(self, measure: str) -> int | None:
         """How many configs break no rule and are not pruned (None where a backend's space is too large to
         enumerate): counted once per measure and facts."""
-        facts = tuple(sp.facts for sp in self.spaces.values())
+        facts = (*(sp.facts for sp in self.spaces.values()), frozenset(self.set_aside))
         known = self._worth.get(measure)
-        if known is None or any(a is not b for a, b in zip(known[0], facts)):
+        if known is None or any(a is not b and a != b for a, b in zip(known[0], facts)):
             feasible = {b: sp.feasible() for b, sp in self.spaces.items()}
             n = None if any(f is None for f in feasible.values()) else sum(
                 1 for b, f in feasible.items() for c in f if self.unmeasured_reason({"backend": b, **c}, measure) is None)
