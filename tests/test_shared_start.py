@@ -561,10 +561,14 @@ def test_configs_asked_ahead_wait_in_the_study_for_whichever_worker_comes_next(t
         run_trial(study, r, space, ctx)
     rec = Recorder()
     asker = CompileAhead(rec, cands, spaces, "device", 4)
+    r.update_best()
     asker.ask([(0, 8)], lambda i: study)
     waiting = load_study(storage, run_id, r.signature, 2).get_trials(deepcopy=False, states=(TrialState.WAITING,))
     assert len(waiting) >= 2 and all(t.user_attrs == {ahead.ASKED_BY: asker.tag} for t in waiting)
     compiled = [space.optuna_params(q.config) for b in rec.requests for q in b.items]  # those worth timing, in the queue's order
+    tried = [t.config for t in r.trials]
+    near = [space.optuna_params(c) for c in space.neighbours(r.best_config, "device") if c not in tried]
+    assert compiled[:2] == near[:2]  # the best config's neighbours first (`queue_neighbours`), then the sampler's
     assert [t.system_attrs["fixed_params"] for t in waiting if t.system_attrs["fixed_params"] in compiled] == compiled
     other = TrialContext(StoreLedger(pstore, run_id, "b"), _Faster(), "device", 100, "b")
     before = len(r.trials)

@@ -42,7 +42,7 @@ from ..status import TrialStatus
 from .ledger import CandidateState
 from .scheduler import phase1_order, phase1_visits, skipped_in_phase1
 from .select import lone_contractions
-from .space import CandidateSpace, config_key, sampler
+from .space import CandidateSpace, config_key, queue_neighbours, sampler
 
 ENV_VAR = "AUTOFUSE_COMPILE_WORKERS"
 MAX_COMPILE_WORKERS = 16  # beyond this, lowering (which holds the GIL) and memory dominate
@@ -288,8 +288,9 @@ class CompileAhead:
         add_since(spent, "compile_ahead", t1)
 
     def _queue(self, i: int, study: Any, k: int, unmarked: bool = True) -> list[dict]:
-        """The configs candidate i's next trials will take: those waiting in its study, topped up to `k` with new
-        ones of its sampler's, queued in the study behind them (a trial takes waiting configs first, as it takes the
+        """The configs candidate i's next trials will take: those waiting in its study, topped up to `k` with the
+        untried neighbours of its best config (`queue_neighbours`), then with new ones of its sampler's, queued in the
+        study behind them (a trial takes waiting configs first, as it takes the
         defaults). A queued config is an ordinary waiting trial: another worker takes it if this one dies.
 
         With several workers, a config queued by another (`ASKED_BY`) is theirs to compile: each worker keeps its own
@@ -325,6 +326,9 @@ class CompileAhead:
         if k < 1 or len(queue) >= k or self.asked_at.get(i, -1) >= len(r.spent()):
             return queue
         self.asked_at[i] = len(r.spent())
+        queue += queue_neighbours(study, space, r, k - len(queue), self.measure, {config_key(c) for c in queue + theirs}, {ASKED_BY: self.tag})
+        if len(queue) >= k:
+            return queue
         seed = f"{study.study_name}:{len(r.trials)}" + (f":{self.index}" if self.index else "")  # the workers' asks differ
         aside = optuna.create_study(direction="minimize", sampler=sampler(zlib.crc32(seed.encode())))
         aside.add_trials(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))

@@ -5,7 +5,8 @@ The trial runs inside `study.optimize(n_trials=1)`, so Optuna's heartbeats
 (where the storage has them) cover it while it runs. A config that breaks a
 constraint, or that the roofline puts far behind the default on the GPU, is
 told to Optuna as infeasible and never compiled; a config the ledger already
-has is told its known value and spends nothing.
+has is told its known value and spends nothing. A candidate with a working config takes the untried neighbours of its
+best before its sampler's proposals (`space.queue_neighbours`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..spent import add_parts, add_since
 from ..status import TrialStatus
 from .job import enqueue_model_best
 from .ledger import CandidateState, Ledger
-from .space import CandidateSpace
+from .space import CandidateSpace, queue_neighbours
 
 INFEASIBLE_VALUE = 1e9  # what Optuna is told for a config that was never measured
 
@@ -106,7 +107,10 @@ def run_trial(study: Any, cand: CandidateState, space: CandidateSpace, ctx: Tria
         return float(res.median_ms)
 
     from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
 
+    if cand.best_config is not None and not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        queue_neighbours(study, space, cand, 1, ctx.measure)  # compiling ahead queues them where it runs (`ahead._queue`)
     try:
         study.optimize(objective, n_trials=1, catch=(_NoResult,))
     except UpdateFinishedTrialError:  # another worker failed this trial for a late heartbeat; the ledger has its fate
