@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
-from autofuse.runner.program_check import NOISE_FACTOR, NOISE_SPREAD, ProgramCheck, rounding_sensitivity
+from autofuse.runner.measure import check, widened
+from autofuse.runner.program_check import MAX_PROGRAM_TOLERANCE, NOISE_FACTOR, NOISE_SPREAD, ProgramCheck, rounding_sensitivity
 
 
 def key_bias_step(q, k, kb, v):
@@ -112,3 +113,47 @@ def test_the_views_and_comparisons_beside_a_batch_compile_once_and_the_timing_an
     assert len(args) == 2
     # a plan's check: the bf16 input's view is done, its nudge's sign and nudge are not; the float32 one is done
     assert [b() for b in program_check.check_program_builders([x, w], [y], done)] == [2]
+
+
+def drift(x, w):
+    """Sixty small steps added to a bf16 value: each rounds away part of its step, so jax.jit's result drifts from the
+    float32 one (by ~6%) while one rounding step of the inputs moves it by under 1%."""
+    h = x
+    for _ in range(60):
+        h = h + 0.002 * jnp.tanh(h * w)
+    return (h,)
+
+
+def test_a_plan_that_rounds_less_than_jax_jit_passes_and_a_wrong_one_still_fails():
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    args = [jax.random.normal(ks[0], (128, 128)).astype(jnp.bfloat16), jax.random.normal(ks[1], (128,)).astype(jnp.bfloat16)]
+    graph = autofuse.capture(drift, *args)
+    ref = jax.jit(lambda *a: graph.evaluate(a))
+    avals = [graph.avals[v] for v in graph.inputs]
+    assert max(rounding_sensitivity(ref, avals, s)[0] for s in (1, 2, 3)) < 0.02  # jax.jit's spread: under the bf16 bound
+
+    exact = jax.jit(lambda x, w: [drift(x.astype(jnp.float32), w.astype(jnp.float32))[0].astype(x.dtype)])
+    blind = check(exact, ref, avals, (1, 2, 3), [0.02])
+    assert not blind.ok and 0.03 < blind.max_error < MAX_PROGRAM_TOLERANCE  # against jax.jit alone it would be refused
+    for examples in (None, args):
+        verdict = ProgramCheck(graph, ref, (1, 2, 3), examples).judge(exact)
+        assert verdict.ok, verdict.reason
+        assert verdict.max_error > 0.03  # the error reported is the plan's against jax.jit, not against float32
+
+    off = jax.jit(lambda x, w: [(ref(x, w)[0].astype(jnp.float32) * 0.9).astype(x.dtype)])  # 10% off: far from float32 too
+    verdict = ProgramCheck(graph, ref, (1, 2, 3)).judge(off)
+    assert not verdict.ok and "from float32" in verdict.reason
+
+
+def test_the_float32_program_runs_an_opaque_node_at_its_own_dtype():
+    """A loop has no float32 form (its body is traced for bf16 carries): `widened` runs it as it is, around it float32."""
+    def looped(x, w):
+        y = jax.lax.scan(lambda c, _: (jnp.tanh(c * w), None), x, None, length=4)[0]
+        return (y.astype(jnp.float32) * 3 + 0.001,)
+
+    args = [jnp.linspace(-2, 2, 64, dtype=jnp.bfloat16).reshape(8, 8), jnp.full((8,), 1.5, jnp.bfloat16)]
+    graph = autofuse.capture(looped, *args)
+    assert any(n.name == "scan" for n in graph.nodes)
+    (out,) = widened(graph)(*args)
+    assert out.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(out - looped(*args)[0]))) < 1e-6  # the loop in bf16 as jax.jit runs it; the rest exact

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..graph import Aval, Group, Lit, Node, bind_node, read_atom
-from ..ops import dot_precision
+from ..graph import Aval, Graph, Group, Lit, Node, bind_node, read_atom
+from ..ops import OpClass, dot_precision, op_class
 from .profile import traced_events
 from .protocol import Timing
 
@@ -287,52 +287,80 @@ def check(candidate: Callable[..., Sequence[Any]], reference: Callable[..., Sequ
 ACCURACY_SLACK = 1.25  # a kernel failing the dtype bound passes if it is no further from float32 than this times XLA's own
 
 
-def widened(group: Group) -> Callable[..., list]:
-    """The group run by plain JAX with every bfloat16/float16 value (inputs, conversions, dot results) held in
-    float32: the reference both XLA's result and a kernel's are measured against by `check_as_accurate`."""
-    low = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
-    nodes = []
-    for nd in group.nodes:
+_LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def widened(source: Group | Graph) -> Callable[..., list]:
+    """A group (or a whole program) run by plain JAX with every bfloat16/float16 value (inputs, constants,
+    conversions, dot results) held in float32: the reference both XLA's result and a kernel's are measured against by
+    `check_as_accurate`. An opaque node (a cuDNN attention call, a loop) runs at its own dtypes, its results widened:
+    it has no float32 form, and XLA and a plan compute it alike."""
+    def wide(a: Any) -> Any:
+        return Lit(np.asarray(a.value, np.float32), Aval(a.aval.shape, np.dtype(jnp.float32))) \
+            if isinstance(a, Lit) and np.dtype(a.aval.dtype) in _LOW_FLOATS else a
+
+    def up(x: Any) -> Any:
+        return x.astype(jnp.float32) if np.dtype(x.dtype) in _LOW_FLOATS else x
+
+    avals = source.graph.avals if isinstance(source, Group) else source.avals
+    nodes, kept = [], {}
+    for nd in source.nodes:
+        if op_class(nd.name) is OpClass.OPAQUE:
+            kept[nd.id] = [a.aval.dtype if isinstance(a, Lit) else avals[a].dtype for a in nd.inputs]
+            nodes.append(nd)
+            continue
         params = dict(nd.params)
         for key in ("new_dtype", "preferred_element_type"):
-            if params.get(key) is not None and np.dtype(params[key]) in low:
+            if params.get(key) is not None and np.dtype(params[key]) in _LOW_FLOATS:
                 params[key] = np.dtype(jnp.float32)
-        ins = tuple(Lit(np.asarray(a.value, np.float32), Aval(a.aval.shape, np.dtype(jnp.float32)))
-                    if isinstance(a, Lit) and np.dtype(a.aval.dtype) in low else a for a in nd.inputs)
-        nodes.append(Node(nd.id, nd.primitive, params, ins, nd.outputs))
+        nodes.append(Node(nd.id, nd.primitive, params, tuple(wide(a) for a in nd.inputs), nd.outputs))
+    consts = getattr(source, "consts", {})
 
     def run(*xs):
-        env = {v: x.astype(jnp.float32) if np.dtype(x.dtype) in low else x for v, x in zip(group.inputs, xs)}
+        env = {v: up(jnp.asarray(x)) for v, x in consts.items()}
+        env.update((v, up(x)) for v, x in zip(source.inputs, xs))
         for nd in nodes:
-            env.update(zip(nd.outputs, bind_node(nd, [read_atom(env, a) for a in nd.inputs])))
-        return [env[v] for v in group.outputs]
+            ins = [read_atom(env, a) for a in nd.inputs]
+            if nd.id in kept:
+                ins = [x.astype(d) if np.dtype(x.dtype) != np.dtype(d) else x for x, d in zip(ins, kept[nd.id])]
+                env.update(zip(nd.outputs, map(up, bind_node(nd, ins))))
+            else:
+                env.update(zip(nd.outputs, bind_node(nd, ins)))
+        return [read_atom(env, a) for a in source.outputs]
 
     return jax.jit(run)
 
 
 def check_as_accurate(candidate: Callable, reference: Callable, wide: Callable, avals: Sequence[Aval], seeds: Sequence[int],
-                      tolerances: Sequence[float]) -> CheckResult:
-    """The second check of a kernel that failed its dtype bound against XLA (`check`): per output and seed, its
-    distance from the float32 result (`widened`) may be at most ACCURACY_SLACK times XLA's own plus the bound. Where
-    a group amplifies rounding (a bf16 product of random N(0, 1) operands over K = 1024 has logits of ~30, one
-    rounding step apart by 0.125 to 0.5, and a softmax of them moves by ~10% with any one of them), two correct
-    computations differ by more than the dtype's bound; a wrong one is still far from float32."""
+                      tolerances: Sequence[float | None], inputs: Sequence[Any] | None = None) -> CheckResult:
+    """The second check of a kernel (or a whole plan) that failed its bound against XLA (`check`): per output and
+    seed (or on the given `inputs`), its distance from the float32 result (`widened`) may be at most ACCURACY_SLACK
+    times XLA's own plus the bound. Where a computation amplifies rounding (a bf16 product of random N(0, 1) operands
+    over K = 1024 has logits of ~30, one rounding step apart by 0.125 to 0.5, and a softmax of them moves by ~10%
+    with any one of them), two correct computations differ by more than the dtype's bound; a wrong one is still far
+    from float32. A float32 result that cannot be had (out of memory) decides nothing: the check fails."""
     worst = 0.0
-    for seed in seeds:
-        args = random_inputs(avals, seed)
+    for seed in seeds if inputs is None else ("given",):
+        args = random_inputs(avals, seed) if inputs is None else inputs
         try:
             outs = jax.block_until_ready(candidate(*args))
         except Exception as e:
             return CheckResult(False, float("inf"), {}, f"{type(e).__name__}: {e}")
-        for k, (o, r, w) in enumerate(zip(outs, reference(*args), wide(*args))):
+        try:
+            exact = jax.block_until_ready(wide(*args))
+        except Exception as e:  # noqa: BLE001 - e.g. the float32 program does not fit beside the others
+            return CheckResult(False, float("inf"), {}, f"no float32 result to compare with ({type(e).__name__}: {str(e)[:200]})")
+        where = f"seed {seed}" if inputs is None else "given inputs"
+        for k, (o, r, w) in enumerate(zip(outs, reference(*args), exact)):
             if tolerances[k] is None or not (np.issubdtype(np.dtype(w.dtype), np.floating)):
                 continue
             _, mine, why = compare(o, w, 0.0)
             _, xla, _ = compare(r, w, 0.0)
             worst = max(worst, mine)
             if not (mine <= ACCURACY_SLACK * xla + tolerances[k]):
-                return CheckResult(False, worst, {}, f"output {k}, seed {seed}: {mine:.3g} from float32, XLA's result "
+                return CheckResult(False, worst, {}, f"output {k}, {where}: {mine:.3g} from float32, XLA's result "
                                    f"{xla:.3g} ({why or 'a mismatch'})")
+        del exact
     return CheckResult(True, worst, {}, "")
 
 

@@ -8,7 +8,9 @@ rounding. Where jax.jit's spread on random inputs is larger than the dtype's bou
 weights is chaotic), one random sample cannot decide that output: given the caller's own inputs, such outputs are
 judged there instead; at those inputs an output that is rounding noise (a gradient that is zero in exact arithmetic)
 is held to jax.jit's own accuracy there (`example_tolerances`). A check that fails within MAX_PROGRAM_TOLERANCE is made
-once more against the largest move over every seed's nudge (one nudge is one sample of the spread).
+once more against the largest move over every seed's nudge (one nudge is one sample of the spread), and where it fails
+again the plan passes if it is no further from the program computed in float32 than jax.jit is (`check_as_accurate`):
+a plan that rounds less than jax.jit (a GEMM's epilogue on its float32 accumulator) is not a wrong one.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Graph
-from .measure import CheckResult, check, compare, compile_beside, compile_view, cone_tolerances, pool_view, random_inputs, viewed
+from .measure import (CheckResult, check, check_as_accurate, compare, compile_beside, compile_view, cone_tolerances, pool_view, random_inputs,
+                      viewed, widened)
 from .protocol import InputsCheck
 
 MAX_PROGRAM_TOLERANCE = 0.25  # a whole program is never accepted beyond 25% relative error, however sensitive
@@ -88,6 +91,7 @@ class ProgramCheck:
         self._example_sens: list[float] | None = None
         self._example_widened = False
         self._bounds: list[float] | None = None
+        self._wide: Callable | None = None
 
     @property
     def bounds(self) -> list[float]:
@@ -105,7 +109,8 @@ class ProgramCheck:
 
     def judge(self, fused: Callable) -> ProgramVerdict:
         t0 = time.perf_counter()
-        res, self._sens, self._widened = _judged(self._random_check(fused), self.sensitivity(), self._widened, self._widen(None))
+        res, self._sens, self._widened = _judged(self._random_check(fused), self.sensitivity(), self._widened, self._widen(None),
+                                                 self._as_accurate(fused, self._random_tolerances, None))
         secs = {"check": time.perf_counter() - t0}
         examples = None
         if res.ok and self.examples is not None:
@@ -118,10 +123,26 @@ class ProgramCheck:
         """Each output held to `program_tolerances`; with the caller's inputs, an output whose bound would come from
         jax.jit's spread rather than its dtype's is left to them (on random inputs that bound is one sample)."""
         def judge(sens: list[float]) -> CheckResult:
-            tols: list[float | None] = list(program_tolerances(self.bounds, sens))
-            if self.examples is not None:
-                tols = [None if e > b else t for t, e, b in zip(tols, sens, self.bounds, strict=True)]
-            return check(fused, self.ref, self.avals, self.seeds, tols)
+            return check(fused, self.ref, self.avals, self.seeds, self._random_tolerances(sens))
+        return judge
+
+    def _random_tolerances(self, sens: list[float]) -> list[float | None]:
+        tols: list[float | None] = list(program_tolerances(self.bounds, sens))
+        if self.examples is not None:
+            tols = [None if e > b else t for t, e, b in zip(tols, sens, self.bounds, strict=True)]
+        return tols
+
+    def _as_accurate(self, fused: Callable, tolerances: Callable[[list[float]], list[float | None]],
+                     args: Sequence[Any] | None) -> Callable[[list[float]], CheckResult]:
+        """The plan held to jax.jit's own distance from the float32 program (`check_as_accurate`), on random inputs
+        or `args`: the second chance of a plan that failed within MAX_PROGRAM_TOLERANCE. GPT-2 medium's cuDNN training
+        step on an H200 refused its chosen plan of 148 groups at 0.0265 from jax.jit on one gradient (seed 2; jax.jit's
+        own spread there below the 0.02 bound), and one of its groups alone, the MLP's GEMM with GELU in its epilogue
+        (GELU of the float32 accumulator, not of a bf16 rounding of it), at 0.0404: a correct plan that rounds less."""
+        def judge(sens: list[float]) -> CheckResult:
+            if self._wide is None:
+                self._wide = widened(self.graph)
+            return check_as_accurate(fused, self.ref, self._wide, self.avals, self.seeds, tolerances(sens), inputs=args)
         return judge
 
     def _check_examples(self, fused: Callable) -> InputsCheck:
@@ -133,7 +154,8 @@ class ProgramCheck:
         def judge(sens: list[float]) -> CheckResult:
             return check(fused, self.ref, self.avals, tolerances=example_tolerances(self.bounds, sens), inputs=args)
 
-        res, self._example_sens, self._example_widened = _judged(judge, self._example_sens, self._example_widened, self._widen(args))
+        res, self._example_sens, self._example_widened = _judged(judge, self._example_sens, self._example_widened, self._widen(args),
+                                                                 self._as_accurate(fused, lambda s: example_tolerances(self.bounds, s), args))
         sens = self._example_sens
         return InputsCheck(res.ok, res.max_error, example_tolerances(self.bounds, sens), sens, res.reason)
 
@@ -148,13 +170,19 @@ class ProgramCheck:
 
 
 def _judged(judge: Callable[[list[float]], CheckResult], sens: list[float], widened: bool,
-            widen: Callable[[list[float]], list[float]]) -> tuple[CheckResult, list[float], bool]:
+            widen: Callable[[list[float]], list[float]],
+            as_accurate: Callable[[list[float]], CheckResult]) -> tuple[CheckResult, list[float], bool]:
     """`judge(sens)`; where it fails within MAX_PROGRAM_TOLERANCE and `sens` is still one nudge's, judged again with
-    `widen(sens)`. Returns the result, the spread used and whether it is widened."""
+    `widen(sens)`; where that fails within it too, by `as_accurate(sens)` (the plan's result no further from float32
+    than jax.jit's), which keeps the failure's error against jax.jit when it passes. Returns the result, the spread
+    used and whether it is widened."""
     res = judge(sens)
     if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE and not widened:
         sens, widened = widen(sens), True
         res = judge(sens)
+    if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE:
+        again = as_accurate(sens)
+        res = CheckResult(True, res.max_error, res.tolerance) if again.ok else CheckResult(False, res.max_error, res.tolerance, f"{res.reason}; {again.reason}")
     return res, sens, widened
 
 
