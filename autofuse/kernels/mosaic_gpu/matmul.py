@@ -22,7 +22,8 @@ broadcast back over the piece, where the normalisation runs before the piece is 
 
 An epilogue may also sum a value over all the product's rows (`TileSpec.col_sums`: a dgrad GEMM with its bias's
 gradient): each piece's column sums (`RegisterTiles.column_partial`, rows past M left out) go out by TMA as one
-float32 row of a [pieces along M, N] array that XLA adds up. That reduction crosses the warps of a warpgroup through
+float32 row of a [pieces along M, N] array that XLA adds up (spanning every piece the tiles cover: no TMA
+store of a sum goes past its array's edge). That reduction crosses the warps of a warpgroup through
 Mosaic GPU's one reduction scratch; where both compute warpgroups run epilogues they take turns at it (`in_turn`).
 
 Ragged shapes: no masks, and no padding to the tile sizes. TMA loads zero-fill
@@ -1178,7 +1179,11 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
         out_type = [jax.ShapeDtypeStruct(out_shape, d) for d in out_dt]
     else:
         out_type = [jax.ShapeDtypeStruct((M, _pad_to(cols, d.itemsize)), d) for v, d in zip(outs, out_dt) for _, _, cols in targets(spec, v)]
-    out_type += [jax.ShapeDtypeStruct((-(-M // em), _pad_to(N, 4)), jnp.float32) for _ in sums]  # one row of partials per piece
+    # one row of partials per piece, for every piece of every tile the walk visits: a piece wholly past N still stores
+    # its partials (a TMA store to columns past the array's edge put wrong sums in its last columns on an H200 where
+    # N = 1024 met 192-column tiles, right in interpret mode), so the array spans them; read back to M and N only
+    sum_shape = (cl_m_iters * cfg.cluster_m * cta_m // em, cl_n_iters * cfg.cluster_n * cta_n)
+    out_type += [jax.ShapeDtypeStruct(sum_shape, jnp.float32) for _ in sums]
     name = f"autofuse_matmul_mgpu_{group.signature[:8]}"
     interp = interpret_params(interpret)  # True, or an InterpretGPUParams (e.g. with detect_races=True)
 
@@ -1228,7 +1233,7 @@ def lower(group: Group, spec: MatmulSpec, config: dict, *, interpret=False, num_
             res = [rc.fill_borders(r, border(v, d)) for v, d, r in zip(outs, out_dt, res)]
         parts = [(p, cols) for v in outs for p, _, cols in targets(spec, v)]
         done = {p: jnp.reshape(r[:, :cols], g.avals[p].shape) for (p, cols), r in zip(parts, res)}
-        done.update({v: add_partials(spec.epi, v, r[:, :N]) for v, r in zip(sums, res[n_refs:])})
+        done.update({v: add_partials(spec.epi, v, r[:-(-M // em), :N]) for v, r in zip(sums, res[n_refs:])})
         return [done[v] for v in group.outputs]
 
     return run
