@@ -290,8 +290,8 @@ class CompileAhead:
     def _queue(self, i: int, study: Any, k: int, unmarked: bool = True) -> list[dict]:
         """The configs candidate i's next trials will take: those waiting in its study, topped up to `k` with the
         untried neighbours of its best config (`queue_neighbours`), then with new ones of its sampler's, queued in the
-        study behind them (a trial takes waiting configs first, as it takes the
-        defaults). A queued config is an ordinary waiting trial: another worker takes it if this one dies.
+        study behind them (a trial takes waiting configs first, as it takes the defaults). A queued config is an
+        ordinary waiting trial: another worker takes it if this one dies.
 
         With several workers, a config queued by another (`ASKED_BY`) is theirs to compile: each worker keeps its own
         part of the queue and compiles only that, and whichever trial takes a config finds it in the host's caches.
