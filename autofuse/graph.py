@@ -21,7 +21,7 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from .ops import OpClass, op_class
+from .ops import PASS_THROUGH, OpClass, op_class
 
 # Primitives whose body is inlined into the graph, with the parameter holding it.
 _INLINE_PARAM = {
@@ -30,8 +30,7 @@ _INLINE_PARAM = {
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
-    "remat": "jaxpr",
-    "checkpoint": "jaxpr",
+    "remat2": "jaxpr",  # `jax.checkpoint`: its body inlined behind the barrier its lowering puts there (`_remat_inputs`)
 }
 
 
@@ -314,7 +313,28 @@ class _Builder:
             inner = inner.jaxpr
         if eqn.primitive.name == "custom_jvp_call":
             ins = ins[: len(inner.invars)] if len(ins) > len(inner.invars) else ins
+        if eqn.primitive.name == "remat2":
+            ins = self._remat_inputs(ins, eqn.params)
         return self.walk(inner, ins, sub_env)
+
+    def _remat_inputs(self, ins: list[Atom], params: dict) -> list[Atom]:
+        """A `jax.checkpoint` body's inputs as its lowering gives them: in the backward (`differentiated`) those
+        marked `prevent_cse` pass together through one `optimization_barrier`, so that XLA neither merges the
+        forward's recomputation with the forward itself (CSE) nor runs it before the cotangents it waits for arrive,
+        which is what keeps the memory `jax.checkpoint` saves. Inlined without it, the recomputation would be
+        merged away and the residuals kept after all; inlined with it, the backward's GEMMs and their epilogues
+        are the graph's to fuse (kept opaque, they were not)."""
+        cse = params.get("prevent_cse", True)
+        cse = (cse,) * len(ins) if isinstance(cse, bool) else tuple(cse)
+        held = [i for i, (a, c) in enumerate(zip(ins, cse)) if c and not isinstance(a, Lit)]
+        if not params.get("differentiated") or not held:
+            return ins
+        outs = [self.new_value(self.avals[ins[i]]) for i in held]
+        self.nodes.append(Node(len(self.nodes), jax.lax.optimization_barrier_p, {}, tuple(ins[i] for i in held), tuple(outs)))
+        ins = list(ins)
+        for i, v in zip(held, outs):
+            ins[i] = v
+        return ins
 
 
 def _as_reshape(eqn: Any) -> tuple[Any, dict] | None:
@@ -433,7 +453,7 @@ def recompute_for_late_readers(graph: Graph) -> Graph:
     for n in nodes:
         depth[n.id] = max((level.get(a, 0) for a in n.inputs if isinstance(a, int)), default=0)
         for v in n.outputs:
-            level[v] = depth[n.id] + (kind[n.id] in _BARRIER)
+            level[v] = depth[n.id] + (kind[n.id] in _BARRIER and n.name not in PASS_THROUGH)
     returned = graph.output_values
 
     def late(v: int) -> list[Node]:

@@ -43,6 +43,10 @@ _REDUCTION = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 _CONTRACTION = {"dot_general"}
 _SOURCE = {"iota"}
 
+#: Opaque primitives that compute nothing: their outputs are their inputs, held back by XLA (a `jax.checkpoint`
+#: backward's barrier, `graph._Builder._remat_inputs`). They stay XLA's; dtype and depth pass through them.
+PASS_THROUGH = frozenset({"optimization_barrier"})
+
 # Math that needs floating point at least float32 inside a kernel.
 _LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 

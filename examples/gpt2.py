@@ -21,6 +21,7 @@ cuDNN's fused kernels on a GPU (XLA's attention elsewhere). What autofuse gains
 there is what it gains beyond attention. The `_library` twins (`forward_library`,
 `loss_library`, `grad_step_library`) call the same function at its default
 implementation, which in jax 0.11 is JAX's XLA path on every device.
+`grad_step_cudnn_remat` is `grad_step_cudnn` with its blocks under `jax.checkpoint`.
 """
 from __future__ import annotations
 
@@ -130,12 +131,17 @@ def forward_library(params: dict, batch: dict) -> jax.Array:
     return _forward(params, batch, library_causal_attention)
 
 
-def _forward(params: dict, batch: dict, attention) -> jax.Array:
+def _forward(params: dict, batch: dict, attention, checkpoint: bool = False) -> jax.Array:
     tokens = batch["tokens"]
     x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]
-    for blk in params["blocks"]:
+
+    def block(x: jax.Array, blk: dict) -> jax.Array:
         x = x + attention(layer_norm(x, blk["ln1"]), blk["attn"])
-        x = x + mlp(layer_norm(x, blk["ln2"]), blk["mlp"])
+        return x + mlp(layer_norm(x, blk["ln2"]), blk["mlp"])
+    if checkpoint:  # keep the blocks' GEMM results for the backward, compute the rest again there
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    for blk in params["blocks"]:
+        x = block(x, blk)
     x = layer_norm(x, params["ln_f"])
     return x @ params["wte"].T
 
@@ -166,6 +172,15 @@ def grad_step(params: dict, batch: dict) -> dict:
 
 def grad_step_cudnn(params: dict, batch: dict) -> dict:
     return jax.grad(loss_cudnn)(params, batch)
+
+
+def grad_step_cudnn_remat(params: dict, batch: dict) -> dict:
+    """`grad_step_cudnn` with each block under `jax.checkpoint`, saving its GEMMs' results only (the way a careful
+    user fits a training step in memory): the norms, GELU and attention are computed again in the backward."""
+    def loss_remat(params: dict, batch: dict) -> jax.Array:
+        attention = functools.partial(library_causal_attention, implementation=library_attention())
+        return cross_entropy(_forward(params, batch, attention, checkpoint=True), batch["targets"])
+    return jax.grad(loss_remat)(params, batch)
 
 
 def grad_step_library(params: dict, batch: dict) -> dict:

@@ -223,6 +223,60 @@ def test_exact_gelu_is_inlined_but_erf_stays_opaque():
     assert any(ops.op_class(n) is ops.OpClass.OPAQUE for n in names if n.startswith("erf")), names
 
 
+def _mlp_step(remat: bool):
+    """jax.grad of three residual GELU layers, each under `jax.checkpoint` if `remat`."""
+    def layer(x, w1, w2):
+        return x + jax.nn.gelu(x @ w1) @ w2
+
+    def loss(params, x):
+        f = jax.checkpoint(layer) if remat else layer
+        for w1, w2 in params:
+            x = f(x, w1, w2)
+        return jnp.mean(x ** 2)
+    return jax.grad(loss)
+
+
+def test_a_checkpointed_backward_is_inlined_and_keeps_what_checkpoint_saves():
+    # A careful user checkpoints a training step's layers to fit it in memory. The backward's layers were one opaque
+    # `remat2` node each (nothing in them to fuse); inlined bare, XLA merged their recomputation with the forward and
+    # kept every residual (~2.4x the memory here). Inlined behind the barrier `jax.checkpoint`'s lowering uses,
+    # they are the graph's and the memory is what jax.jit's is.
+    d, f, rows = 128, 512, 1024
+    params = [(_rand((d, f), seed=2 * i) * 0.05, _rand((f, d), seed=2 * i + 1) * 0.05) for i in range(3)]
+    x = _rand((rows, d), seed=9)
+    flat = jax.tree_util.tree_leaves((params, x))
+    temp, dots = {}, {}
+    for remat in (False, True):
+        step = _mlp_step(remat)
+        g = capture(step, params, x)
+        names = _names(g)
+        assert "remat2" not in names
+        dots[remat] = names.count("dot_general")
+        assert names.count("optimization_barrier") == (3 if remat else 0)
+        _assert_trees_close(jax.tree_util.tree_unflatten(g.out_tree, g.evaluate(flat)), jax.jit(step)(params, x), rtol=1e-5, atol=1e-5)
+        memory = lambda fn: fn.lower(*flat).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+        temp[remat] = (memory(jax.jit(lambda *a: g.evaluate(a))), memory(jax.jit(lambda *a: jax.tree_util.tree_leaves(step(*jax.tree_util.tree_unflatten(jax.tree_util.tree_structure((params, x)), a))))))
+    assert dots[True] == dots[False] + 3  # each layer's x @ w1 computed again in the backward
+    assert temp[True][0] == temp[True][1] and temp[True][0] < 0.6 * temp[False][0], temp
+
+
+@pytest.mark.slow
+def test_gpt2s_checkpointed_step_has_its_backward_to_fuse():
+    """GPT-2's training step with its blocks under `jax.checkpoint` (`grad_step_cudnn_remat`): the blocks' backward
+    (their attention gradient, the dgrad GEMMs with GELU' in their epilogue) is candidates, as it is without it."""
+    from autofuse.tuning.partition import enumerate_candidates
+    from examples import gpt2
+
+    params, batch = gpt2.small_inputs()
+    g = capture(gpt2.grad_step_cudnn_remat, params, batch)
+    assert _names(g).count("optimization_barrier") == len(params["blocks"])
+    templates = {c.template for c in enumerate_candidates(g)}
+    assert {"attention_vjp", "matmul", "row_reduce"} <= templates, templates
+    flat = jax.tree_util.tree_leaves((params, batch))
+    _assert_trees_close(jax.tree_util.tree_unflatten(g.out_tree, g.evaluate(flat)), jax.jit(gpt2.grad_step_cudnn)(params, batch),
+                        rtol=1e-5, atol=1e-6)
+
+
 def control(x):
     y = jax.lax.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v - 1.0, x)
     c, ys = jax.lax.scan(lambda c, r: (c + r, jnp.sin(c * r)), jnp.zeros(x.shape[1], x.dtype), y)

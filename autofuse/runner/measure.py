@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Aval, Graph, Group, Lit, Node, bind_node, read_atom
-from ..ops import OpClass, dot_precision, op_class
+from ..ops import PASS_THROUGH, OpClass, dot_precision, op_class
 from .profile import traced_events
 from .protocol import Timing
 
@@ -305,7 +305,7 @@ def widened(source: Group | Graph) -> Callable[..., list]:
     avals = source.graph.avals if isinstance(source, Group) else source.avals
     nodes, kept = [], {}
     for nd in source.nodes:
-        if op_class(nd.name) is OpClass.OPAQUE:
+        if op_class(nd.name) is OpClass.OPAQUE and nd.name not in PASS_THROUGH:
             kept[nd.id] = [a.aval.dtype if isinstance(a, Lit) else avals[a].dtype for a in nd.inputs]
             nodes.append(nd)
             continue
