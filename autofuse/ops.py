@@ -47,6 +47,10 @@ _SOURCE = {"iota"}
 #: backward's barrier, `graph._Builder._remat_inputs`). They stay XLA's; dtype and depth pass through them.
 PASS_THROUGH = frozenset({"optimization_barrier"})
 
+#: reduce_precision's (exponent bits, mantissa bits) -> the dtype whose rounding it is (round to nearest even, and
+#: that dtype's range: a float32 tile rounded to bf16 by a conversion there and back is XLA's result bit for bit)
+_ROUNDED_TO = {(8, 7): jnp.bfloat16, (5, 10): jnp.float16, (8, 23): jnp.float32}
+
 # Math that needs floating point at least float32 inside a kernel.
 _LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -110,6 +114,11 @@ def combine(kind: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[kind](a, b)
 
 
+def rounded_dtype(params: dict) -> Any:
+    """The dtype a `reduce_precision` with these parameters rounds to (None: none of bf16, f16, f32)."""
+    return _ROUNDED_TO.get((params["exponent_bits"], params["mantissa_bits"]))
+
+
 def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any], in_dtypes: Sequence[Any] = ()) -> jax.Array:
     """Run an elementwise primitive on tiles held in compute dtypes.
 
@@ -127,8 +136,11 @@ def eval_elementwise(prim: Any, params: dict, out_dtype: Any, ins: Sequence[Any]
         return x.astype(compute_dtype(out_dtype))
     if name in ("stop_gradient", "copy", "copy_p"):
         return ins[0]
-    if name == "reduce_precision":
-        return prim.bind(ins[0], **params)
+    if name == "reduce_precision":  # `jax.checkpoint` rounds each residual to its own dtype: `_insert_reduce_precision`
+        target, x = rounded_dtype(params), ins[0]
+        if target is not None and np.dtype(target).itemsize <= np.dtype(x.dtype).itemsize:
+            return x.astype(target).astype(x.dtype)  # what Triton's and Mosaic GPU's lowerings lack, as conversions
+        return prim.bind(x, **params)
     shapes = [jnp.shape(x) for x in ins]
     common = jnp.broadcast_shapes(*shapes)
     ops = []

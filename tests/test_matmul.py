@@ -45,6 +45,11 @@ def mm_bt_prologue_scale(x, w, s):
     return jnp.einsum("mk,nk->mn", x, w * s)
 
 
+def mm_rounded_bias_gelu(x, w, b):
+    """As a `jax.checkpoint` forward keeps a GEMM's result: rounded to its own dtype (`reduce_precision`)."""
+    return jax.nn.gelu(jax.lax.reduce_precision(x @ w + b, exponent_bits=8, mantissa_bits=7), approximate=True)
+
+
 def mm_silu_two_outputs(x, w):
     h = x @ w
     return h, jax.nn.silu(h)
@@ -56,6 +61,7 @@ CASES = [
     pytest.param(mm_bt_scale_tanh, ((64, 48), (80, 48), ()), BF16, id="Bt-scale-tanh-bf16"),
     pytest.param(mm_at_residual_relu, ((40, 33), (40, 50), (33, 50)), F32, id="At-residual-relu-f32"),
     pytest.param(mm_silu_two_outputs, ((32, 64), (64, 48)), F32, id="two-outputs-f32"),
+    pytest.param(mm_rounded_bias_gelu, ((100, 70), (70, 90), (90,)), BF16, id="rounded-bias-gelu-bf16-odd"),
     pytest.param(bmm_scale, ((3, 40, 24), (3, 24, 50), ()), F32, id="batched-scale-f32-odd"),
     pytest.param(bmm_scale, ((2, 64, 32), (2, 32, 48), ()), BF16, id="batched-scale-bf16"),
     pytest.param(mm_bias_gelu, ((2, 37, 40), (40, 50), (50,)), BF16, id="3d-lhs-bias-gelu-bf16-odd"),
@@ -72,7 +78,7 @@ def _matmul_candidate(graph):
     return max(cands, key=lambda c: len(c.nodes))
 
 
-@pytest.mark.parametrize("fn,shapes,dtype", slow_except(CASES, "two-outputs-f32", "Bt-prologue-scale-bf16"))
+@pytest.mark.parametrize("fn,shapes,dtype", slow_except(CASES, "two-outputs-f32", "Bt-prologue-scale-bf16", "rounded-bias-gelu-bf16-odd"))
 def test_matmul_epilogue_matches_xla(fn, shapes, dtype):
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     g = autofuse.capture(fn, *specs)
@@ -108,8 +114,9 @@ def test_matmul_kernels_pass_the_cuda_lowering_guard(dtype, cfg):
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("fn,shapes", [(bmm_bt_bias_relu, ((3, 100, 70), (3, 90, 70), (90,))),
-                                       (mm_prologue_scale_cast, ((100, 70), (70, 90), (70,))), (mm_bt_prologue_scale, ((64, 40), (80, 40), ()))],
-                         ids=["batched", "prologue-cast", "Bt-prologue"])
+                                       (mm_prologue_scale_cast, ((100, 70), (70, 90), (70,))), (mm_bt_prologue_scale, ((64, 40), (80, 40), ())),
+                                       (mm_rounded_bias_gelu, ((100, 70), (70, 90), (90,)))],
+                         ids=["batched", "prologue-cast", "Bt-prologue", "rounded"])
 def test_batched_and_prologue_kernels_pass_the_cuda_lowering_guard(fn, shapes, dtype):
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     g = autofuse.capture(fn, *specs)

@@ -32,6 +32,11 @@ TOL = {np.dtype(BF16): 2e-2, np.dtype(F16): 4e-3, np.dtype(F32): 2e-5}  # relati
 S = jax.ShapeDtypeStruct
 
 
+def rounded_bias_gelu(x, w, b):
+    """A `jax.checkpoint` forward's GEMM: its result rounded to its own dtype (`reduce_precision`) before GELU."""
+    return jax.nn.gelu(jax.lax.reduce_precision(x @ w + b, exponent_bits=8, mantissa_bits=7), approximate=True)
+
+
 def bias_gelu(x, w, b):
     return jax.nn.gelu(x @ w + b, approximate=True)
 
@@ -94,6 +99,7 @@ CASES = [
     pytest.param(at_bias_gelu, [(K, M), (K, N), (N,)], BF16, {**SMALL, "cluster": 2}, id="cluster-n-At-bias-gelu-bf16-ragged"),
     # ping-pong: the compute warpgroups take turns at whole tiles (one wgmma step in flight, or each step waited for)
     pytest.param(bias_gelu, [(M, K), (K, N), (N,)], BF16, {**SMALL, "pingpong": 1}, id="pingpong-bias-gelu-bf16-ragged"),
+    pytest.param(rounded_bias_gelu, [(M, K), (K, N), (N,)], BF16, {**SMALL, "pingpong": 1}, id="pingpong-rounded-bias-gelu-bf16-ragged"),
     pytest.param(bt_rowscale_residual, [(M, K), (N, K), (M, 1), (M, N)], F16, {**WIDE, "pingpong": 1},
                  id="pingpong-Bt-rowscale-residual-f16-ragged"),
     pytest.param(swish_two_outputs, [(M, K), (K, N)], BF16, {**SMALL, "pingpong": 1, "block_k": 64}, id="pingpong-swish-two-outputs"),
@@ -124,7 +130,7 @@ def _inputs(group, seed=0):
 
 
 @pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bias-gelu-bf16-ragged",
-                                                                    "epilogue-wg-swish-two-outputs-split-n",
+                                                                    "epilogue-wg-swish-two-outputs-split-n", "pingpong-rounded-bias-gelu-bf16-ragged",
                                                                     "pingpong-cluster-m-bias-gelu-bf16-ragged"))  # ping-pong quick in a cluster
 def test_interpret_matches_xla(fn, shapes, dtype, config):
     g, group, spec = _group(fn, shapes, dtype)
@@ -142,7 +148,8 @@ def test_interpret_matches_xla(fn, shapes, dtype, config):
 
 @pytest.mark.parametrize("fn,shapes,dtype,config", slow_except(CASES, "bias-gelu-bf16-ragged", "Bt-rowscale-residual-f16-ragged", "bias-gelu-f32-tf32",
                                                                     "epilogue-wg-bias-gelu-bf16-ragged", "cluster-n-At-bias-gelu-bf16-ragged",
-                                                                    "pingpong-cluster-n-Bt-rowscale-residual-f16-ragged"))
+                                                                    "pingpong-cluster-n-Bt-rowscale-residual-f16-ragged",
+                                                                    "pingpong-rounded-bias-gelu-bf16-ragged"))
 def test_lowers_for_cuda(fn, shapes, dtype, config):
     """The real Mosaic GPU lowering (no GPU): catches wgmma, layout, TMA-tiling and shared-memory errors interpret mode lets through."""
     g, group, spec = _group(fn, shapes, dtype)

@@ -87,7 +87,8 @@ def check_nodes(nodes: list[Node], *, reductions: bool = False) -> None:
             continue  # iota: built from plgpu.broadcasted_iota
         if cls is not OpClass.ELEMENTWISE:
             raise Unsupported(f"{nd.name} in an epilogue ({cls.value}) is not supported by the Mosaic GPU lowering")
-        if nd.name not in _PASS_THROUGH and nd.name not in have:
+        rounding = nd.name == "reduce_precision" and ops.rounded_dtype(nd.params) is not None  # conversions there and back
+        if nd.name not in _PASS_THROUGH and nd.name not in have and not rounding:
             raise Unsupported(f"primitive {nd.name} has no Mosaic GPU lowering in jax {jax.__version__}")
         if nd.name == "convert_element_type" and np.dtype(nd.params["new_dtype"]) == np.dtype(jnp.float64):
             raise Unsupported("float64 in a Mosaic GPU kernel")
