@@ -1,8 +1,9 @@
 """Capture a JAX function into a flat `Graph` and fingerprint it.
 
 All access to `jax.extend.core` lives in this module, so that drift in JAX's
-jaxpr API is fixed in one place. Nested `jit`/`pjit`, `closed_call`, `remat`
-and `custom_jvp_call` (primal) are inlined; control flow (`cond`, `while`,
+jaxpr API is fixed in one place. Nested `jit`/`pjit`, `closed_call`,
+`custom_jvp_call` (primal) and `jax.checkpoint` (`remat2`, its backward behind
+the barrier its lowering uses) are inlined; control flow (`cond`, `while`,
 `scan`) and everything else stays one opaque node.
 """
 from __future__ import annotations
