@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autofuse
@@ -157,3 +158,20 @@ def test_the_float32_program_runs_an_opaque_node_at_its_own_dtype():
     (out,) = widened(graph)(*args)
     assert out.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(out - looped(*args)[0]))) < 1e-6  # the loop in bf16 as jax.jit runs it; the rest exact
+
+
+def test_the_float32_program_runs_a_checkpointed_backward_in_float32():
+    """A `jax.checkpoint` backward's barrier, its residuals' rounding to their dtype and the backward's transposes
+    compute nothing: values pass through them in float32 (kept at bf16 as an opaque node's inputs are, the float32
+    program's backward read bf16-rounded residuals and weights)."""
+    def step(w, x):
+        layer = jax.checkpoint(lambda w, x: jnp.tanh(x @ w) @ w.T)
+        return jax.grad(lambda w: jnp.sum(layer(w, x).astype(jnp.float32) ** 2))(w)
+
+    args = [jax.random.normal(jax.random.key(0), (32, 32), jnp.bfloat16) * 0.2, jax.random.normal(jax.random.key(1), (16, 32), jnp.bfloat16)]
+    graph = autofuse.capture(step, *args)
+    assert any(n.name == "optimization_barrier" for n in graph.nodes)
+    (out,) = widened(graph)(*args)
+    exact = step(*[a.astype(jnp.float32) for a in args])
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(exact), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Aval, Graph, Group, Lit, Node, bind_node, read_atom
-from ..ops import PASS_THROUGH, OpClass, dot_precision, op_class
+from ..ops import PASS_THROUGH, OpClass, dot_precision, op_class, rounded_dtype
 from .profile import traced_events
 from .protocol import Timing
 
@@ -290,11 +290,16 @@ ACCURACY_SLACK = 1.25  # a kernel failing the dtype bound passes if it is no fur
 _LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
+#: Opaque primitives that move values without arithmetic: `widened` runs them on float32 values as they are.
+_MOVES_DATA = PASS_THROUGH | {"transpose", "slice", "concatenate", "pad", "rev", "dynamic_slice", "dynamic_update_slice"}
+
+
 def widened(source: Group | Graph) -> Callable[..., list]:
     """A group (or a whole program) run by plain JAX with every bfloat16/float16 value (inputs, constants,
     conversions, dot results) held in float32: the reference both XLA's result and a kernel's are measured against by
     `check_as_accurate`. An opaque node (a cuDNN attention call, a loop) runs at its own dtypes, its results widened:
-    it has no float32 form, and XLA and a plan compute it alike."""
+    it has no float32 form, and XLA and a plan compute it alike; one that only moves values (a transpose, a
+    `jax.checkpoint` barrier: `_MOVES_DATA`) runs on the float32 values, as does a residual's rounding to its own dtype."""
     def wide(a: Any) -> Any:
         return Lit(np.asarray(a.value, np.float32), Aval(a.aval.shape, np.dtype(jnp.float32))) \
             if isinstance(a, Lit) and np.dtype(a.aval.dtype) in _LOW_FLOATS else a
@@ -305,7 +310,7 @@ def widened(source: Group | Graph) -> Callable[..., list]:
     avals = source.graph.avals if isinstance(source, Group) else source.avals
     nodes, kept = [], {}
     for nd in source.nodes:
-        if op_class(nd.name) is OpClass.OPAQUE and nd.name not in PASS_THROUGH:
+        if op_class(nd.name) is OpClass.OPAQUE and nd.name not in _MOVES_DATA:
             kept[nd.id] = [a.aval.dtype if isinstance(a, Lit) else avals[a].dtype for a in nd.inputs]
             nodes.append(nd)
             continue
@@ -313,6 +318,8 @@ def widened(source: Group | Graph) -> Callable[..., list]:
         for key in ("new_dtype", "preferred_element_type"):
             if params.get(key) is not None and np.dtype(params[key]) in _LOW_FLOATS:
                 params[key] = np.dtype(jnp.float32)
+        if nd.name == "reduce_precision" and rounded_dtype(params) is not None and np.dtype(rounded_dtype(params)) in _LOW_FLOATS:
+            params.update(exponent_bits=8, mantissa_bits=23)  # a residual rounded to its own dtype: float32's now
         nodes.append(Node(nd.id, nd.primitive, params, tuple(wide(a) for a in nd.inputs), nd.outputs))
     consts = getattr(source, "consts", {})
 
