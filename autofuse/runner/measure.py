@@ -318,7 +318,7 @@ def widened(source: Group | Graph) -> Callable[..., list]:
         for key in ("new_dtype", "preferred_element_type"):
             if params.get(key) is not None and np.dtype(params[key]) in _LOW_FLOATS:
                 params[key] = np.dtype(jnp.float32)
-        if nd.name == "reduce_precision" and rounded_dtype(params) is not None and np.dtype(rounded_dtype(params)) in _LOW_FLOATS:
+        if nd.name == "reduce_precision" and (to := rounded_dtype(params)) is not None and np.dtype(to) in _LOW_FLOATS:
             params.update(exponent_bits=8, mantissa_bits=23)  # a residual rounded to its own dtype: float32's now
         nodes.append(Node(nd.id, nd.primitive, params, tuple(wide(a) for a in nd.inputs), nd.outputs))
     consts = getattr(source, "consts", {})
