@@ -22,7 +22,7 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from .ops import PASS_THROUGH, OpClass, op_class
+from .ops import IDENTITY_OPS, OpClass, op_class
 
 # Primitives whose body is inlined into the graph, with the parameter holding it.
 _INLINE_PARAM = {
@@ -454,7 +454,7 @@ def recompute_for_late_readers(graph: Graph) -> Graph:
     for n in nodes:
         depth[n.id] = max((level.get(a, 0) for a in n.inputs if isinstance(a, int)), default=0)
         for v in n.outputs:
-            level[v] = depth[n.id] + (kind[n.id] in _BARRIER and n.name not in PASS_THROUGH)
+            level[v] = depth[n.id] + (kind[n.id] in _BARRIER and n.name not in IDENTITY_OPS)
     returned = graph.output_values
 
     def late(v: int) -> list[Node]:

@@ -45,7 +45,7 @@ _SOURCE = {"iota"}
 
 #: Opaque primitives that compute nothing: their outputs are their inputs, held back by XLA (a `jax.checkpoint`
 #: backward's barrier, `graph._Builder._remat_inputs`). They stay XLA's; dtype and depth pass through them.
-PASS_THROUGH = frozenset({"optimization_barrier"})
+IDENTITY_OPS = frozenset({"optimization_barrier"})
 
 #: reduce_precision's (exponent bits, mantissa bits) -> the dtype whose rounding it is (round to nearest even, and
 #: that dtype's range: a float32 tile rounded to bf16 by a conversion there and back is XLA's result bit for bit)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..graph import Aval, Graph, Group, Lit, Node, bind_node, read_atom
-from ..ops import PASS_THROUGH, OpClass, dot_precision, op_class, rounded_dtype
+from ..ops import IDENTITY_OPS, OpClass, dot_precision, op_class, rounded_dtype
 from .profile import traced_events
 from .protocol import Timing
 
@@ -291,7 +291,7 @@ _LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 #: Opaque primitives that move values without arithmetic: `widened` runs them on float32 values as they are.
-_MOVES_DATA = PASS_THROUGH | {"transpose", "slice", "concatenate", "pad", "rev", "dynamic_slice", "dynamic_update_slice"}
+_MOVES_DATA = IDENTITY_OPS | {"transpose", "slice", "concatenate", "pad", "rev", "dynamic_slice", "dynamic_update_slice"}
 
 
 def widened(source: Group | Graph) -> Callable[..., list]:
