@@ -236,3 +236,7 @@ def test_a_trial_process_killed_from_another_thread_while_a_call_waits_on_it() -
         res = outcome[0]
         assert isinstance(res, RuntimeError) and "failed to start" in str(res) or not res.ok, (delay, res)
         assert runner._proc is None
+    # a call that comes after the kill (its thread scheduled late) starts no process that nobody would stop
+    with pytest.raises(RuntimeError, match="failed to start: its runner was killed"):
+        runner.call(ValidateRequest(_plan(1).to_json()))
+    assert runner._proc is None

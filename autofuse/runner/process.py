@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -150,6 +151,8 @@ class ProcessRunner:
         self._to: Connection | None = None
         self._from: Connection | None = None
         self._ready = False
+        self._killed = False  # by `kill`: for good, no process is started again
+        self._spawning = threading.Lock()
 
     def start(self) -> None:
         """Start the trial process now without waiting for it: it imports jax and captures the program while
@@ -165,7 +168,10 @@ class ProcessRunner:
         env.update(gpumem.trial_process_env(gpumem.client_platform(), state), PYTHONUNBUFFERED="1")
         if self.gpu is not None:  # a validation helper on another GPU of this host (`tuning.helpers`)
             env["CUDA_VISIBLE_DEVICES"] = self.gpu
-        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        with self._spawning:
+            if self._killed:
+                raise RuntimeError("trial process failed to start: its runner was killed")
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
         self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
         self._to.send({"sys_path": list(sys.path), "spec": pickle.dumps(self.spec), "options": self.options})
@@ -218,7 +224,11 @@ class ProcessRunner:
         self._spawn()
 
     def kill(self) -> None:
-        """Stop the trial process now, whatever it is doing (a validation helper the selection no longer needs)."""
+        """Stop the trial process now, whatever it is doing, and for good (a validation helper the selection no longer
+        needs): a call waiting on it, or one that comes later, fails instead of starting another, which nobody would
+        stop (a call between the kill and its own start once did, the process outliving the job)."""
+        with self._spawning:
+            self._killed = True
         self._kill()
 
     def close(self) -> None:
