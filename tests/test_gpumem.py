@@ -105,7 +105,7 @@ def test_the_runner_starts_its_trial_process_with_that_environment(monkeypatch):
     monkeypatch.setattr(gpumem, "STATE", gpumem.AllocatorState(True, {}, False))
     monkeypatch.setattr(gpumem, "gpu_free_fraction", lambda environ=None: 0.5)
     monkeypatch.setattr(process.subprocess, "Popen", lambda *a, **kw: seen.update(kw) or (_ for _ in ()).throw(RuntimeError("stop")))
-    runner = process.ProcessRunner.__new__(process.ProcessRunner)
+    runner = process.ProcessRunner(None, {})
     try:
         runner._spawn()
     except RuntimeError:
