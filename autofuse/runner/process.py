@@ -172,8 +172,8 @@ class ProcessRunner:
             if self._killed:
                 raise RuntimeError("trial process failed to start: its runner was killed")
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
-        self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
+            self._to = Connection(os.dup(self._proc.stdin.fileno()), readable=False)  # before a kill can take them
+            self._from = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
         self._to.send({"sys_path": list(sys.path), "spec": pickle.dumps(self.spec), "options": self.options})
         self._ready = False
 
