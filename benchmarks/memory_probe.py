@@ -7,6 +7,10 @@ Compiles the example model's entry point under jax.jit and under the plan (`plan
 prints each one's `memory_analysis()` (arguments, outputs, temporaries, peak), and, from XLA's buffer-assignment
 dumps of the two programs (`--dump`: the directory XLA_FLAGS' `--xla_dump_to` names, set before JAX starts), the
 largest values each holds outside its arguments: what the plan keeps that jax.jit does not.
+
+`--template NAME` instead of `--plan`: the plan of every group that template finds by itself
+(`Template.candidate_groups`, e.g. `aligned_dot`'s unaligned dots), each at its default config, and then each of
+those groups alone: which of a plan's kinds of group costs the memory, without a tuning job first.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import re
 import jax
 
 from autofuse.graph import capture, flatten_args
-from autofuse.plan import Plan, executor
+from autofuse.kernels import TEMPLATES
+from autofuse.plan import Plan, executor, plan_from_choices
+from autofuse.tuning.partition import is_fusible
 from benchmarks.provenance import command, commit
 
 ALLOC = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
@@ -83,6 +89,8 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--step", default="grad_step_cudnn")
     ap.add_argument("--plan", default="", help="a plan's JSON file (none: XLA's own plan, a smoke run)")
+    ap.add_argument("--template", default="", help="instead of --plan: the groups this template finds by itself, at their "
+                    "default configs, together and each alone")
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs()")
     ap.add_argument("--dump", default="", help="XLA's dump directory (XLA_FLAGS=--xla_dump_to=DIR, set before JAX starts)")
     ap.add_argument("--top", type=int, default=12)
@@ -92,31 +100,24 @@ def main() -> None:
     fn, args = getattr(mod, a.step), (mod.small_inputs() if a.small else mod.example_inputs())
     graph = capture(fn, *args)
     flat = flatten_args(graph, fn, args, {})
-    if a.plan:
-        with open(a.plan) as fh:
-            plan = Plan.from_json(fh.read())
-    else:
-        plan = Plan(graph.fingerprint)
-    run = executor(graph, plan)
-
-    def reference(*xs):
-        return graph.evaluate(xs)
-
-    def planned(*xs):
-        return run(xs)
-
-    lines = [f"## {a.model}:{a.step}: peak memory of jax.jit and of the plan ({len(plan.groups)} groups)", "",
+    plans = template_plans(graph, a.template) if a.template else [("the plan", _plan_file(graph, a.plan))]
+    lines = [f"## {a.model}:{a.step}: peak memory of jax.jit and of " + ", ".join(f"{n} ({len(p.groups)} groups)" for n, p in plans), "",
              f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}, commit {commit()}, `{command()}`", "",
              "| program | arguments GiB | outputs GiB | temporaries GiB | peak GiB |", "|---|---|---|---|---|"]
     dumps = {}
-    for name, f in (("jax.jit", reference), ("the plan", planned)):
+    programs = [("jax.jit", "reference", lambda *xs: graph.evaluate(xs))]
+    for k, (name, plan) in enumerate(plans):
+        programs.append((name, f"planned{k}", _planned(executor(graph, plan))))
+    for name, module, f in programs:
+        f.__name__ = module  # the module XLA dumps it as: jit_<name>
         compiled = jax.jit(f).lower(*flat).compile()
         m = compiled.memory_analysis()
         gib = [getattr(m, k, 0) / 2**30 for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                                                    "peak_memory_in_bytes")]
         lines.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in gib) + " |")
+        print(lines[-1], flush=True)
         if a.dump:
-            dumps[name] = "jit_" + f.__name__  # the module XLA dumped it as
+            dumps[name] = f"jit_{module}."
     for name, module in dumps.items():
         path = _dump_of(a.dump, module)
         if path is None:
@@ -136,6 +137,35 @@ def main() -> None:
     if a.out:
         with open(a.out, "a") as fh:
             fh.write(text)
+
+
+def _plan_file(graph, path: str) -> Plan:
+    if not path:
+        return Plan(graph.fingerprint)  # XLA's own plan: a smoke run
+    with open(path) as fh:
+        return Plan.from_json(fh.read())
+
+
+def _planned(run):
+    def planned(*xs):
+        return run(xs)
+    return planned
+
+
+def template_plans(graph, name: str) -> list[tuple[str, Plan]]:
+    """The plan of every group `name` finds by itself at its default config (the first backend it runs on), then
+    each group alone."""
+    t = TEMPLATES[name]
+    choices = []
+    for group, spec, stages in t.candidate_groups(graph, lambda i: is_fusible(graph, i)):
+        backend = next(b for b in t.backends if t.unsupported(spec, b) is None)
+        choices.append((group, name, {**t.default_config_of(spec, backend), "backend": backend}, stages))
+    out = [(f"all {len(choices)} {name} groups", plan_from_choices(graph, choices))]
+    for c in choices:
+        nd = c[0].nodes[0]
+        shapes = " x ".join(str(tuple(graph.aval(x).shape)) for x in nd.inputs if isinstance(x, int))
+        out.append((f"{name} {nd.name} {shapes} alone", plan_from_choices(graph, [c])))
+    return out
 
 
 if __name__ == "__main__":
