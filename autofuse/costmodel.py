@@ -104,7 +104,8 @@ XLA_UNALIGNED_READ = 2.5
 XLA_UNALIGNED_WRITE = 1.4
 
 
-def _unaligned(aval: Aval) -> bool:
+def unaligned_rows(aval: Aval) -> bool:
+    """Whether an array's rows (its last axis) are not ALIGN_BYTES apart."""
     return len(aval.shape) >= 2 and (aval.shape[-1] * np.dtype(aval.dtype).itemsize) % ALIGN_BYTES != 0
 
 
@@ -115,7 +116,7 @@ def unaligned_dot(graph: Graph, node: Any) -> bool:
     avals = [graph.aval(a) for a in node.inputs] + [graph.avals[v] for v in node.outputs]
     if not all("float" in np.dtype(a.dtype).name for a in avals):  # bfloat16 is not an np.floating
         return False
-    return any(_unaligned(a) for a in avals)
+    return any(unaligned_rows(a) for a in avals)
 
 
 def as_xla_reads(graph: Graph, atom: Any) -> Aval:
@@ -131,9 +132,9 @@ def xla_unaligned_factor(graph: Graph, node: Any) -> float:
     (`XLA_UNALIGNED_WRITE`), or neither (1)."""
     if not unaligned_dot(graph, node):
         return 1.0
-    if any(_unaligned(as_xla_reads(graph, a)) for a in node.inputs):
+    if any(unaligned_rows(as_xla_reads(graph, a)) for a in node.inputs):
         return XLA_UNALIGNED_READ
-    return XLA_UNALIGNED_WRITE if any(_unaligned(graph.avals[v]) for v in node.outputs) else 1.0
+    return XLA_UNALIGNED_WRITE if any(unaligned_rows(graph.avals[v]) for v in node.outputs) else 1.0
 
 
 def _reduced_then_read(group: Group) -> tuple[list[int], list[int]] | None:

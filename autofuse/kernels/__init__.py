@@ -13,14 +13,14 @@ import importlib
 import os
 
 from ..graph import Group
-from . import aligned_dot, attention, attention_vjp, concat_sink, elementwise, matmul, matmul_reduce, matmul_reduce_vjp, reduce_vjp, row_reduce
+from . import aligned_dot, aligned_region, attention, attention_vjp, concat_sink, elementwise, matmul, matmul_reduce, matmul_reduce_vjp, reduce_vjp, row_reduce
 from .template import Template
 
 __all__ = ["TEMPLATES", "Template", "match_template", "preload_lowerings", "register_template"]
 
 TEMPLATES: dict[str, Template] = {t.name: t for t in (attention.TEMPLATE, attention_vjp.TEMPLATE, row_reduce.TEMPLATE, elementwise.TEMPLATE,
                                                       matmul_reduce.TEMPLATE, matmul.TEMPLATE, matmul_reduce_vjp.TEMPLATE,
-                                                      reduce_vjp.TEMPLATE, aligned_dot.TEMPLATE,
+                                                      reduce_vjp.TEMPLATE, aligned_dot.TEMPLATE, aligned_region.TEMPLATE,
                                                       concat_sink.TEMPLATE)}
 
 

@@ -1,0 +1,126 @@
+"""`aligned_region` through XLA: the region's own equations re-bound on arrays padded along their tied axis
+(`aligned_region.AlignedRegionSpec.axes`) to a multiple of `align`; reductions over it read their identity at
+the padding, contractions over it read zeros there, and the region's outputs are sliced back."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ... import ops
+from ...graph import Group, Node, bind_node, read_atom, stage_groups
+from ...ops import OpClass
+from ..aligned_region import AlignedRegionSpec
+
+XLA_KERNELS = True  # XLA's own operations, no Pallas kernel
+PARAMS = ("align",)
+
+
+def default_config(spec: AlignedRegionSpec) -> dict:
+    return {"align": 64}
+
+
+def check_config(spec: AlignedRegionSpec, cfg: dict) -> None:
+    if cfg["align"] <= 0 or cfg["align"] % 8:
+        raise NotImplementedError(f"align={cfg['align']} must be a positive multiple of 8")
+
+
+class _Padded:
+    """Evaluates the region's nodes on padded arrays."""
+
+    def __init__(self, spec: AlignedRegionSpec, align: int):
+        self.spec, self.g = spec, spec.group.graph
+        self.padded = -(-spec.extent // align) * align
+
+    def shape(self, v: int) -> tuple[int, ...]:
+        shape = tuple(self.g.aval(v).shape)
+        axis = self.spec.axes.get(v)
+        return shape if axis is None else shape[:axis] + (self.padded,) + shape[axis + 1:]
+
+    def pad(self, v: int, x: jax.Array) -> jax.Array:
+        """A value from outside the region, padded with zeros along its tied axis."""
+        axis = self.spec.axes.get(v)
+        if axis is None:
+            return x
+        return jnp.pad(x, [(0, self.padded - self.spec.extent if k == axis else 0) for k in range(x.ndim)])
+
+    def unpad(self, v: int, x: jax.Array) -> jax.Array:
+        axis = self.spec.axes.get(v)
+        return x if axis is None else jax.lax.slice_in_dim(x, 0, self.spec.extent, axis=axis)
+
+    def masked(self, v: Any, x: jax.Array, fill: Any) -> jax.Array:
+        """`x` with `fill` at its padding (a value made in the region; one from outside is padded with zeros)."""
+        axis = self.spec.axes.get(v) if isinstance(v, int) else None
+        if axis is None or (fill == 0 and v in self.spec.group.inputs):
+            return x
+        inside = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) < self.spec.extent
+        return jnp.where(inside, x, jnp.asarray(fill, x.dtype))
+
+    def node(self, nd: Node, env: dict) -> None:
+        ins = [read_atom(env, a) for a in nd.inputs]
+        cls = ops.op_class(nd.name)
+        changes: dict[str, Any] = {}
+        if nd.name == "broadcast_in_dim":
+            changes["shape"] = self.shape(nd.outputs[0])
+        elif nd.name == "reshape":
+            changes["new_sizes"] = self.shape(nd.outputs[0])
+        elif cls is OpClass.SOURCE:
+            changes["shape"] = self.shape(nd.outputs[0])
+        elif cls is OpClass.REDUCTION:
+            v = nd.inputs[0]
+            if self.spec.axes.get(v) in set(int(a) for a in nd.params["axes"]):
+                kind = ops.reduction_kind(nd.name)
+                ins[0] = self.masked(v, ins[0], ops.reduction_identity(kind, self.g.aval(v).dtype))
+        elif cls is OpClass.CONTRACTION:
+            (lc, rc), _ = nd.params["dimension_numbers"]
+            for k, (a, contracted) in enumerate(zip(nd.inputs, (lc, rc))):
+                if isinstance(a, int) and self.spec.axes.get(a) in set(map(int, contracted)):
+                    ins[k] = self.masked(a, ins[k], 0)
+        if changes:
+            params = dict(nd.params, **changes)
+            if "sharding" in params:
+                params["sharding"] = None
+            nd = dataclasses.replace(nd, params=params)
+        env.update(zip(nd.outputs, bind_node(nd, ins)))
+
+    def run(self, group: Group, ins, private: dict | None) -> tuple[list, dict]:
+        """The nodes of `group` (the region or one stage of it) on its inputs and what the stage before handed
+        on; returns its outputs and its padded values, for the next stage."""
+        env = dict(private or {})
+        env.update((v, self.pad(v, x)) for v, x in zip(group.inputs, ins))
+        for i in group.node_ids:
+            self.node(self.g.node_index[i], env)
+        return [self.unpad(v, read_atom(env, v)) for v in group.outputs], env
+
+
+def lower(group: Group, spec: AlignedRegionSpec, config: dict, *, interpret=False) -> Callable:
+    """`interpret` is unused: XLA's operations run wherever XLA does."""
+    ev = _Padded(spec, config["align"])
+
+    def kernel(*ins):
+        return ev.run(group, ins, None)[0]
+
+    return kernel
+
+
+def lower_stages(group: Group, spec: AlignedRegionSpec, stages, config: dict, *, interpret=False) -> list[Callable]:
+    """Each stage evaluates its nodes; the first hands the second every padded value it made that the second reads."""
+    ev = _Padded(spec, config["align"])
+    units = stage_groups(group, stages)
+    g = group.graph
+    later_reads = [{a for st in stages[k + 1:] for i in st for a in g.node_index[i].inputs if isinstance(a, int)}
+                   for k in range(len(stages))]
+
+    def stage_fn(k: int) -> Callable:
+        def fn(ins, private):
+            outs, env = ev.run(units[k], ins, private)
+            handed = {v: x for v, x in env.items() if v in later_reads[k] and v not in set(units[k + 1].inputs if k + 1 < len(units) else ())}
+            return outs, handed
+        return fn
+
+    return [stage_fn(k) for k in range(len(units))]
+
+
+

@@ -1,0 +1,120 @@
+"""`aligned_region`: a cross-entropy over an unaligned vocabulary run by XLA with the vocabulary padded through the
+whole region (the logits' dot, the reductions, dlogits, the dots that contract it), so that XLA can write dlogits
+over the logits in place as jax.jit does. The same numbers as jax.jit where the padding would change them (a max
+and a sum over the vocabulary, contractions over it), in one unit and in two stages."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autofuse
+from autofuse.kernels import TEMPLATES
+from autofuse.kernels.aligned_region import padded_axes
+from autofuse.plan import plan_from_choices
+from autofuse.runner.measure import compare
+from autofuse.tuning.partition import enumerate_candidates
+from examples import gpt2
+from tests.quick import slow_except
+
+NAME = "aligned_region"
+
+
+def cross_entropy(h, w, targets):
+    """GPT-2's head: logits against the tied embedding, the mean of logsumexp minus the target's logit (one-hot)."""
+    logits = (h @ w.T).astype(jnp.float32)
+    target = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1]) * logits, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target)
+
+
+def squared(h, w, targets):
+    """The loss squared: the backward's cotangent depends on the forward's value, so the region is not convex."""
+    return cross_entropy(h, w, targets) ** 2
+
+
+def _args(V, negative=False, dtype=jnp.bfloat16):
+    """h and w; with `negative`, every logit is below zero, so a padded zero would win an unmasked max and add
+    exp(0 - max) to an unmasked sum."""
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    h = jax.random.normal(k[0], (2, 48, 32), jnp.float32)
+    w = 0.2 * jax.random.normal(k[1], (V, 32))
+    if negative:
+        h, w = jnp.abs(h), -jnp.abs(w) - 0.1
+    return h.astype(dtype), w.astype(dtype), jax.random.randint(k[2], (2, 48), 0, V)
+
+
+def _regions(fn, args):
+    graph = autofuse.capture(fn, *args)
+    return graph, [c for c in enumerate_candidates(graph) if c.template == NAME]
+
+
+def _check(fn, args, align, tol=1e-2):
+    graph, cands = _regions(fn, args)
+    assert len(cands) == 1
+    plan = plan_from_choices(graph, [(c.group, NAME, {"align": align, "backend": "xla_ops"}, c.stages) for c in cands])
+    fused = autofuse.jit(fn, plan=plan, on_miss="error")
+    outs, refs = fused(*args), jax.jit(fn)(*args)
+    assert fused.last_status.startswith("plan: 1 fused group (aligned_region)"), fused.last_status
+    for o, r in zip(jax.tree.leaves(outs), jax.tree.leaves(refs)):
+        assert o.shape == r.shape
+        ok, _, why = compare(o, r, tol)
+        assert ok, why
+    return cands[0]
+
+
+@pytest.mark.parametrize("align", slow_except([8, 64, 128], "64"))
+def test_the_gradient_of_a_vocabulary_head_runs_padded_with_jax_jits_numbers(align):
+    """One region: the logits' dot, the reductions and dlogits, and both dots that contract dlogits (dh, dw); the
+    logits all below zero, where a padded zero read by the max or the sum would change every gradient."""
+    fn = jax.grad(cross_entropy, argnums=(0, 1))
+    c = _check(fn, _args(203, negative=True), align)
+    dots = [n for n in c.group.nodes if n.name == "dot_general"]
+    assert len(dots) == 3 and c.stages == ()
+    assert c.spec.extent == 203
+
+
+def test_a_region_whose_backward_waits_on_its_forward_runs_in_two_stages():
+    """The squared loss's cotangent is computed from the loss, outside the region: stage 1 (the forward) hands
+    stage 2 its padded values privately."""
+    c = _check(jax.grad(squared, argnums=(0, 1)), _args(203, negative=True), 64)
+    assert len(c.stages) == 2
+    first = {c.group.graph.node_index[i].name for i in c.stages[0]}
+    assert "reduce_max" in first and "dot_general" in first
+
+
+def test_aligned_rows_and_a_forward_alone_make_no_region():
+    assert _regions(jax.grad(cross_entropy, argnums=(0, 1)), _args(256))[1] == []  # 512-byte rows
+    assert _regions(cross_entropy, _args(203))[1] == []  # nothing reads the logits after their reductions
+
+
+@pytest.mark.slow
+def test_gpt2s_training_step_at_an_unaligned_vocabulary():
+    """The example model's step (one block, a vocabulary of 250): the region takes the head's three dots and
+    every gradient is jax.jit's."""
+    cfg = gpt2.Config(vocab=250, d_model=64, n_layers=1, max_seq=32)
+    args = gpt2.make_inputs(cfg, batch=2, seq=32)
+    for step in (gpt2.grad_step_cudnn, gpt2.grad_step_cudnn_remat):
+        c = _check(step, args, 64)
+        assert sum(n.name == "dot_general" for n in c.group.nodes) == 3
+
+
+def test_padded_axes_follow_broadcasts_reshapes_and_contractions_but_not_a_reduced_axis():
+    fn = jax.grad(cross_entropy, argnums=(0, 1))
+    graph, (c,) = _regions(fn, _args(203))
+    g, spec = graph, c.spec
+    assert all(g.aval(v).shape[a] == 203 for v, a in spec.axes.items())
+    for nd in c.group.nodes:
+        if nd.name == "reduce_max":  # the vocabulary reduced: the row maximum carries no padded axis
+            assert nd.inputs[0] in spec.axes and nd.outputs[0] not in spec.axes
+    dot = g.node_index[spec.dot]
+    assert padded_axes(g, [dot.id], (dot.outputs[0], 2)) == {dot.outputs[0]: 2, dot.inputs[1]: 1}
+
+
+def test_the_lowering_exports_for_cuda():
+    """XLA's own operations for a CUDA GPU through `jax.export` (no GPU here): no Pallas kernel."""
+    from autofuse.runner.evaluator import export_for_cuda
+
+    _, (c,) = _regions(jax.grad(cross_entropy, argnums=(0, 1)), _args(203))
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in c.group.input_avals()]
+    text = export_for_cuda(TEMPLATES[NAME].build(c.group, {"align": 64}, backend="xla_ops", spec=c.spec), structs).mlir_module()
+    assert "dot_general" in text and "pad" in text and "mosaic_gpu" not in text
