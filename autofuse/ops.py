@@ -98,7 +98,7 @@ def reduction_identity(kind: str, dtype: Any) -> Any:
     d = np.dtype(dtype)
     if kind == "sum":
         return np.array(0, d)
-    if np.issubdtype(d, np.floating):
+    if jnp.issubdtype(d, jnp.floating):  # bfloat16 too, which numpy does not count as floating
         return np.array(-np.inf if kind == "max" else np.inf, d)
     info = np.iinfo(d)
     return np.array(info.min if kind == "max" else info.max, d)

@@ -10,6 +10,7 @@ import pytest
 
 import autofuse
 from autofuse.kernels import TEMPLATES
+from autofuse.graph import stage_groups
 from autofuse.kernels.aligned_region import padded_axes
 from autofuse.plan import plan_from_choices
 from autofuse.runner.measure import compare
@@ -118,3 +119,19 @@ def test_the_lowering_exports_for_cuda():
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in c.group.input_avals()]
     text = export_for_cuda(TEMPLATES[NAME].build(c.group, {"align": 64}, backend="xla_ops", spec=c.spec), structs).mlir_module()
     assert "dot_general" in text and "pad" in text and "mosaic_gpu" not in text
+
+
+def test_stage_one_hands_on_the_product_and_row_values_only():
+    """A stage's results are materialised: the [rows, vocabulary] values stage 2 reads (the float32 logits, their
+    exponentials) are evaluated again there from the padded product, the one such array handed on (jax.jit too
+    holds only the logits between its forward and backward)."""
+    fn = jax.grad(squared, argnums=(0, 1))
+    args = _args(203)
+    graph, (c,) = _regions(fn, args)
+    first, _ = TEMPLATES[NAME].build_stages(c.group, c.stages, {"align": 64}, backend="xla_ops", spec=c.spec)
+    unit = stage_groups(c.group, c.stages)[0]
+    _, handed = first([jnp.ones(graph.aval(v).shape, graph.aval(v).dtype) for v in unit.inputs], None)
+    wide = {v: x for v, x in handed.items() if 203 in graph.aval(v).shape}
+    assert list(wide) == [graph.node_index[c.spec.dot].outputs[0]]
+    (x,) = wide.values()
+    assert x.dtype == jnp.bfloat16 and x.shape[-1] == 256

@@ -106,21 +106,35 @@ def lower(group: Group, spec: AlignedRegionSpec, config: dict, *, interpret=Fals
 
 
 def lower_stages(group: Group, spec: AlignedRegionSpec, stages, config: dict, *, interpret=False) -> list[Callable]:
-    """Each stage evaluates its nodes; the first hands the second every padded value it made that the second reads."""
+    """Stage 1 hands stage 2 the dot's padded product and the smaller values stage 2 reads; stage 2 evaluates
+    again the padded values it reads that stage 1 made from the product (the float32 logits, their exponentials).
+    A stage's results are materialised (it is a call of its own): handing those on would hold [rows, vocabulary]
+    float32 arrays between the stages, where jax.jit holds only the product."""
     ev = _Padded(spec, config["align"])
-    units = stage_groups(group, stages)
+    first, second = stage_groups(group, stages)
     g = group.graph
-    later_reads = [{a for st in stages[k + 1:] for i in st for a in g.node_index[i].inputs if isinstance(a, int)}
-                   for k in range(len(stages))]
+    product = g.node_index[spec.dot].outputs[0]
+    made1 = {v: i for i in first.node_ids for v in g.node_index[i].outputs}
+    again: set[int] = set()  # stage 1's nodes stage 2 evaluates again
+    stack = [a for i in second.node_ids for a in g.node_index[i].inputs if isinstance(a, int) and a in made1]
+    while stack:
+        v = stack.pop()
+        if v != product and v in spec.axes and made1[v] not in again:
+            again.add(made1[v])
+            stack.extend(a for a in g.node_index[made1[v]].inputs if isinstance(a, int) and a in made1)
+    reads = {a for i in again | set(second.node_ids) for a in g.node_index[i].inputs if isinstance(a, int)}
+    handed = sorted(v for v in reads if v in made1 and (v == product or v not in spec.axes))
+    redo = Group.of(g, sorted(again)) if again else None
 
-    def stage_fn(k: int) -> Callable:
-        def fn(ins, private):
-            outs, env = ev.run(units[k], ins, private)
-            handed = {v: x for v, x in env.items() if v in later_reads[k] and v not in set(units[k + 1].inputs if k + 1 < len(units) else ())}
-            return outs, handed
-        return fn
+    def stage1(ins, private):
+        outs, env = ev.run(first, ins, private)
+        return outs, {v: env[v] for v in handed}
 
-    return [stage_fn(k) for k in range(len(units))]
+    def stage2(ins, private):
+        env = dict(private)
+        if redo is not None:
+            for i in redo.node_ids:
+                ev.node(g.node_index[i], env)
+        return ev.run(second, ins, env)[0], None
 
-
-
+    return [stage1, stage2]
