@@ -33,6 +33,12 @@ class _Padded:
     def __init__(self, spec: AlignedRegionSpec, align: int):
         self.spec, self.g = spec, spec.group.graph
         self.padded = -(-spec.extent // align) * align
+        # values a dot reads, zeroed at their padding where they are made: a contraction over the padded axis must
+        # read zeros there, and one over other axes (dW's over the rows) then reads the same array, one value
+        # for both dots (masked at each dot, XLA wrote dlogits twice: masked and not, 1.5 GiB each at GPT-2's head)
+        g = self.g
+        self.contracted = {a for i in spec.group.node_ids if ops.op_class(g.node_index[i].name) is OpClass.CONTRACTION
+                           for a in g.node_index[i].inputs if isinstance(a, int) and a in spec.axes and a not in spec.group.inputs}
 
     def shape(self, v: int) -> tuple[int, ...]:
         shape = tuple(self.g.aval(v).shape)
@@ -50,10 +56,10 @@ class _Padded:
         axis = self.spec.axes.get(v)
         return x if axis is None else jax.lax.slice_in_dim(x, 0, self.spec.extent, axis=axis)
 
-    def masked(self, v: Any, x: jax.Array, fill: Any) -> jax.Array:
-        """`x` with `fill` at its padding (a value made in the region; one from outside is padded with zeros)."""
-        axis = self.spec.axes.get(v) if isinstance(v, int) else None
-        if axis is None or (fill == 0 and v in self.spec.group.inputs):
+    def masked(self, v: int, x: jax.Array, fill: Any) -> jax.Array:
+        """`x` with `fill` at its padding."""
+        axis = self.spec.axes.get(v)
+        if axis is None:
             return x
         inside = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) < self.spec.extent
         return jnp.where(inside, x, jnp.asarray(fill, x.dtype))
@@ -73,17 +79,13 @@ class _Padded:
             if self.spec.axes.get(v) in set(int(a) for a in nd.params["axes"]):
                 kind = ops.reduction_kind(nd.name)
                 ins[0] = self.masked(v, ins[0], ops.reduction_identity(kind, self.g.aval(v).dtype))
-        elif cls is OpClass.CONTRACTION:
-            (lc, rc), _ = nd.params["dimension_numbers"]
-            for k, (a, contracted) in enumerate(zip(nd.inputs, (lc, rc))):
-                if isinstance(a, int) and self.spec.axes.get(a) in set(map(int, contracted)):
-                    ins[k] = self.masked(a, ins[k], 0)
         if changes:
             params = dict(nd.params, **changes)
             if "sharding" in params:
                 params["sharding"] = None
             nd = dataclasses.replace(nd, params=params)
-        env.update(zip(nd.outputs, bind_node(nd, ins)))
+        for v, x in zip(nd.outputs, bind_node(nd, ins)):
+            env[v] = self.masked(v, x, 0) if v in self.contracted else x
 
     def run(self, group: Group, ins, private: dict | None) -> tuple[list, dict]:
         """The nodes of `group` (the region or one stage of it) on its inputs and what the stage before handed
