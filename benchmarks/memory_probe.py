@@ -161,7 +161,7 @@ def template_plans(graph, name: str) -> list[tuple[str, Plan]]:
         backend = next(b for b in t.backends if t.unsupported(spec, b) is None)
         choices.append((group, name, {**t.default_config_of(spec, backend), "backend": backend}, stages))
     out = [(f"all {len(choices)} {name} groups", plan_from_choices(graph, choices))]
-    for c in choices:
+    for c in choices if len(choices) > 1 else ():
         nd = c[0].nodes[0]
         shapes = " x ".join(str(tuple(graph.aval(x).shape)) for x in nd.inputs if isinstance(x, int))
         out.append((f"{name} {nd.name} {shapes} alone", plan_from_choices(graph, [c])))
