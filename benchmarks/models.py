@@ -81,11 +81,13 @@ def main() -> None:
     ap.add_argument("--budget", default="", help="per-model time budgets in seconds, e.g. gpt2=90,splade=60")
     ap.add_argument("--trials", default="", help="per-model trial budgets (with the time budget, which counts from the job's start), e.g. gpt2=24")
     ap.add_argument("--layers", default="", help="per-model layer counts (default: each example's), e.g. gpt2=6")
-    ap.add_argument("--step", default="forward", choices=("forward", "grad_step", "forward_cudnn", "grad_step_cudnn", "forward_library", "grad_step_library"),
+    ap.add_argument("--step", default="forward", choices=("forward", "grad_step", "forward_cudnn", "grad_step_cudnn", "forward_library", "grad_step_library",
+                                                             "grad_step_cudnn_remat"),
                     help="the program tuned: the forward pass, or grad_step (gradients of the loss for every parameter); "
                          "*_cudnn: the same with jax.nn.dot_product_attention, as careful JAX users write it (cuDNN's "
                          "attention on a GPU, XLA's elsewhere); *_library: that function at its default implementation "
-                         "(JAX's XLA path; gpt2 and llama)")
+                         "(JAX's XLA path; gpt2 and llama); grad_step_cudnn_remat: grad_step_cudnn with each block under "
+                         "jax.checkpoint (gpt2 and llama)")
     ap.add_argument("--real-inputs", action="store_true",
                     help="materialise example_inputs() and hand the arrays to the job (the plan is also checked on the model's own weights)")
     ap.add_argument("--out", default="")

@@ -18,7 +18,9 @@ careful JAX user does: `jax.nn.dot_product_attention(is_causal=True)` on the
 grouped key/value heads as they are (no repeat), cuDNN's fused kernels on a GPU
 (XLA's attention elsewhere). The `_library` twins (`forward_library`,
 `loss_library`, `grad_step_library`) call it at its default implementation,
-which in jax 0.11 is JAX's XLA path on every device.
+which in jax 0.11 is JAX's XLA path on every device. `grad_step_cudnn_remat`
+is `grad_step_cudnn` with each block under `jax.checkpoint` (its GEMMs' results
+kept), as a user fits a training step in memory.
 """
 from __future__ import annotations
 
@@ -135,10 +137,13 @@ def forward_library(params: dict, batch: dict) -> jax.Array:
     return _forward(params, batch, library_attention_gqa)
 
 
-def _forward(params: dict, batch: dict, attend) -> jax.Array:
+def _forward(params: dict, batch: dict, attend, checkpoint: bool = False) -> jax.Array:
     x = batch["x"]
+    step = functools.partial(block, attention=attend)
+    if checkpoint:  # keep the blocks' GEMM results for the backward, compute the rest again there
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     for p in params["blocks"]:
-        x = block(x, p, attend)
+        x = step(x, p)
     return x
 
 
@@ -165,6 +170,16 @@ def grad_step(params: dict, batch: dict) -> dict:
 
 def grad_step_cudnn(params: dict, batch: dict) -> dict:
     return jax.grad(loss_cudnn)(params, batch)
+
+
+def grad_step_cudnn_remat(params: dict, batch: dict) -> dict:
+    """`grad_step_cudnn` with each block under `jax.checkpoint`, saving its GEMMs' results only (the way a careful
+    user fits a training step in memory): the norms, rotary embeddings, SiLU and attention are computed again in
+    the backward."""
+    def loss_remat(params: dict, batch: dict) -> jax.Array:
+        attend = functools.partial(library_attention_gqa, implementation=library_attention())
+        return _regression(_forward(params, batch, attend, checkpoint=True), batch)
+    return jax.grad(loss_remat)(params, batch)
 
 
 def grad_step_library(params: dict, batch: dict) -> dict:

@@ -277,6 +277,24 @@ def test_gpt2s_checkpointed_step_has_its_backward_to_fuse():
                         rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_llamas_checkpointed_step_has_its_backward_to_fuse():
+    """Llama's blocks under `jax.checkpoint` (`grad_step_cudnn_remat`): grouped-query library attention, rotary
+    embeddings and SwiGLU recomputed in the backward, all of it candidates; the gradients are the unchecked step's."""
+    from autofuse.tuning.partition import enumerate_candidates
+    from examples import llama
+
+    params, batch = llama.small_inputs()
+    g = capture(llama.grad_step_cudnn_remat, params, batch)
+    assert "remat2" not in _names(g)
+    assert _names(g).count("optimization_barrier") == len(params["blocks"])
+    templates = {c.template for c in enumerate_candidates(g)}
+    assert {"matmul", "row_reduce"} <= templates, templates
+    flat = jax.tree_util.tree_leaves((params, batch))
+    _assert_trees_close(jax.tree_util.tree_unflatten(g.out_tree, g.evaluate(flat)), jax.jit(llama.grad_step_cudnn)(params, batch),
+                        rtol=1e-5, atol=1e-6)
+
+
 def control(x):
     y = jax.lax.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v - 1.0, x)
     c, ys = jax.lax.scan(lambda c, r: (c + r, jnp.sin(c * r)), jnp.zeros(x.shape[1], x.dtype), y)
