@@ -176,6 +176,30 @@ def test_a_kernel_as_accurate_as_xla_passes_where_rounding_is_amplified():
     assert not check_as_accurate(doubled, xla, wide, avals, (1,), tols).ok
 
 
+def test_a_float32_program_is_judged_against_float64():
+    """A float32 program has no wider float32 form: its reference is float64. A sum that cancels (2^16 terms of
+    x + 6, less 6 · 2^16) is ~4.6e-5 from the exact sum in XLA's own order, over float32's bound of 2e-5: the exact
+    sum rounded to float32 (a kernel that sums more carefully) misses that bound against XLA, yet passes, being no
+    further from float64 than XLA; XLA's sum 1e-3 too large still fails."""
+    import autofuse
+    from autofuse.graph import Group
+    from autofuse.runner.measure import check_as_accurate, widened
+
+    def f(x):
+        return jnp.sum(x + 6.0, axis=-1) - 6.0 * 65536
+
+    graph = autofuse.capture(f, jnp.zeros((8, 65536), jnp.float32))
+    group = Group.of(graph, [n.id for n in graph.nodes])
+    avals, tols = group.input_avals(), [2e-5]
+    xla = jax.jit(lambda *a: group.evaluate(a))
+    wide = widened(group)
+    exact = lambda x: [jnp.asarray((np.sum(np.asarray(x, np.float64) + 6.0, -1) - 6.0 * 65536).astype(np.float32))]  # noqa: E731
+    assert not check(exact, xla, avals, (1, 2), tols).ok
+    assert check_as_accurate(exact, xla, wide, avals, (1, 2), tols).ok
+    biased = jax.jit(lambda x: [o * (1 + 1e-3) for o in xla(x)])
+    assert not check_as_accurate(biased, xla, wide, avals, (1,), tols).ok
+
+
 def test_a_float32_dot_is_checked_at_the_programs_own_precision(monkeypatch):
     """On a GPU XLA runs a float32 dot at default precision as TF32 (H100: 2.9e-4 from float64, 5.7e-7 at HIGHEST):
     a float32 output computed through one is held to TF32's bound (float16's: the same 10-bit mantissa), not to

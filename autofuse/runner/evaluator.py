@@ -352,7 +352,7 @@ class Evaluator:
             tols = cone_tolerances(self.graph, group.node_ids, group.outputs)
             res = check(fn, self._reference(group), avals, self.seeds, tols)
             if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE:  # rounding amplified, or wrong: judged by float32
-                again = check_as_accurate(fn, self._reference(group), jax.jit(view.around(widened(group))), avals, self.seeds, tols)
+                again = check_as_accurate(fn, self._reference(group), view.around(widened(group)), avals, self.seeds, tols)
                 res = again if again.ok else replace(res, reason=f"{res.reason}; {again.reason}")
             max_error = res.max_error
             t = add_since(secs, "check", t)

@@ -295,31 +295,41 @@ _MOVES_DATA = IDENTITY_OPS | {"transpose", "slice", "concatenate", "pad", "rev",
 
 
 def widened(source: Group | Graph) -> Callable[..., list]:
-    """A group (or a whole program) run by plain JAX with every bfloat16/float16 value (inputs, constants,
-    conversions, dot results) held in float32: the reference both XLA's result and a kernel's are measured against by
-    `check_as_accurate`. An opaque node (a cuDNN attention call, a loop) runs at its own dtypes, its results widened:
-    it has no float32 form, and XLA and a plan compute it alike; one that only moves values (a transpose, a
-    `jax.checkpoint` barrier: `_MOVES_DATA`) runs on the float32 values, as does a residual's rounding to its own dtype."""
+    """A group (or a whole program) run by plain JAX with every value one float wider: bfloat16/float16 values
+    (inputs, constants, conversions, dot results) in float32, and in a program with no such value, float32 ones in
+    float64 (its results rounded back to float32). The reference both XLA's result and a kernel's are
+    measured against by `check_as_accurate`: a float32 program held to float32 itself is held to XLA's own order of
+    sums, where a kernel that sums in another order is as right (a flash attention's backward in a checkpointed
+    step: 4.5e-5 from XLA against 2e-5). An opaque node (a cuDNN attention call, a loop) runs at its own dtypes, its
+    results widened: it has no wider form, and XLA and a plan compute it alike; one that only moves values (a
+    transpose, a `jax.checkpoint` barrier: `_MOVES_DATA`) runs on the wide values, as does a residual's rounding to
+    its own dtype."""
+    avals = source.graph.avals if isinstance(source, Group) else source.avals
+    nodes_of = source.nodes
+    floats = {np.dtype(a.dtype) for a in avals.values()} | {np.dtype(a.aval.dtype) for nd in nodes_of for a in nd.inputs if isinstance(a, Lit)}
+    to64 = not (floats & set(_LOW_FLOATS)) and np.dtype(np.float32) in floats
+    wider = {np.dtype(np.float32): np.dtype(np.float64)} if to64 else {d: np.dtype(jnp.float32) for d in _LOW_FLOATS}
+    widest = (11, 52) if to64 else (8, 23)  # reduce_precision's (exponent, mantissa) bits of the wide dtype
+
     def wide(a: Any) -> Any:
-        return Lit(np.asarray(a.value, np.float32), Aval(a.aval.shape, np.dtype(jnp.float32))) \
-            if isinstance(a, Lit) and np.dtype(a.aval.dtype) in _LOW_FLOATS else a
+        return Lit(np.asarray(a.value, wider[np.dtype(a.aval.dtype)]), Aval(a.aval.shape, wider[np.dtype(a.aval.dtype)])) \
+            if isinstance(a, Lit) and np.dtype(a.aval.dtype) in wider else a
 
     def up(x: Any) -> Any:
-        return x.astype(jnp.float32) if np.dtype(x.dtype) in _LOW_FLOATS else x
+        return x.astype(wider[np.dtype(x.dtype)]) if np.dtype(x.dtype) in wider else x
 
-    avals = source.graph.avals if isinstance(source, Group) else source.avals
     nodes, kept = [], {}
-    for nd in source.nodes:
+    for nd in nodes_of:
         if op_class(nd.name) is OpClass.OPAQUE and nd.name not in _MOVES_DATA:
             kept[nd.id] = [a.aval.dtype if isinstance(a, Lit) else avals[a].dtype for a in nd.inputs]
             nodes.append(nd)
             continue
         params = dict(nd.params)
-        for key in ("new_dtype", "preferred_element_type"):
-            if params.get(key) is not None and np.dtype(params[key]) in _LOW_FLOATS:
-                params[key] = np.dtype(jnp.float32)
-        if nd.name == "reduce_precision" and (to := rounded_dtype(params)) is not None and np.dtype(to) in _LOW_FLOATS:
-            params.update(exponent_bits=8, mantissa_bits=23)  # a residual rounded to its own dtype: float32's now
+        for key in ("new_dtype", "preferred_element_type", "dtype"):
+            if params.get(key) is not None and np.dtype(params[key]) in wider:
+                params[key] = wider[np.dtype(params[key])]
+        if nd.name == "reduce_precision" and (to := rounded_dtype(params)) is not None and np.dtype(to) in wider:
+            params.update(exponent_bits=widest[0], mantissa_bits=widest[1])  # a residual rounded to its own dtype: the wide one's now
         nodes.append(Node(nd.id, nd.primitive, params, tuple(wide(a) for a in nd.inputs), nd.outputs))
     consts = getattr(source, "consts", {})
 
@@ -335,7 +345,17 @@ def widened(source: Group | Graph) -> Callable[..., list]:
                 env.update(zip(nd.outputs, bind_node(nd, ins)))
         return [read_atom(env, a) for a in source.outputs]
 
-    return jax.jit(run)
+    if not to64:
+        return jax.jit(run)
+    with jax.enable_x64(True):
+        compiled = jax.jit(run)
+
+    def run64(*xs):
+        """Traced and run under 64-bit types (so called outside any trace); the results rounded back to float32."""
+        with jax.enable_x64(True):
+            return [o.astype(jnp.float32) if np.dtype(o.dtype) == np.float64 else o for o in compiled(*xs)]
+
+    return run64
 
 
 def check_as_accurate(candidate: Callable, reference: Callable, wide: Callable, avals: Sequence[Aval], seeds: Sequence[int],
