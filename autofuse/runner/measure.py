@@ -284,7 +284,7 @@ def check(candidate: Callable[..., Sequence[Any]], reference: Callable[..., Sequ
     return CheckResult(True, worst, tols)
 
 
-ACCURACY_SLACK = 1.25  # a kernel failing the dtype bound passes if it is no further from float32 than this times XLA's own
+ACCURACY_SLACK = 1.25  # a kernel failing the dtype bound passes if it is no further from the wider result (`widened`) than this times XLA's own
 
 
 _LOW_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -361,11 +361,11 @@ def widened(source: Group | Graph) -> Callable[..., list]:
 def check_as_accurate(candidate: Callable, reference: Callable, wide: Callable, avals: Sequence[Aval], seeds: Sequence[int],
                       tolerances: Sequence[float | None], inputs: Sequence[Any] | None = None) -> CheckResult:
     """The second check of a kernel (or a whole plan) that failed its bound against XLA (`check`): per output and
-    seed (or on the given `inputs`), its distance from the float32 result (`widened`) may be at most ACCURACY_SLACK
+    seed (or on the given `inputs`), its distance from the wider result (`widened`) may be at most ACCURACY_SLACK
     times XLA's own plus the bound. Where a computation amplifies rounding (a bf16 product of random N(0, 1) operands
     over K = 1024 has logits of ~30, one rounding step apart by 0.125 to 0.5, and a softmax of them moves by ~10%
     with any one of them), two correct computations differ by more than the dtype's bound; a wrong one is still far
-    from float32. A float32 result that cannot be had (out of memory) decides nothing: the check fails."""
+    from the wider one. A wider result that cannot be had (out of memory) decides nothing: the check fails."""
     worst = 0.0
     for seed in seeds if inputs is None else ("given",):
         args = random_inputs(avals, seed) if inputs is None else inputs
@@ -376,7 +376,7 @@ def check_as_accurate(candidate: Callable, reference: Callable, wide: Callable, 
         try:
             exact = jax.block_until_ready(wide(*args))
         except Exception as e:  # noqa: BLE001 - e.g. the float32 program does not fit beside the others
-            return CheckResult(False, float("inf"), {}, f"no float32 result to compare with ({type(e).__name__}: {str(e)[:200]})")
+            return CheckResult(False, float("inf"), {}, f"no wider result to compare with ({type(e).__name__}: {str(e)[:200]})")
         where = f"seed {seed}" if inputs is None else "given inputs"
         for k, (o, r, w) in enumerate(zip(outs, reference(*args), exact)):
             if tolerances[k] is None or not (np.issubdtype(np.dtype(w.dtype), np.floating)):
@@ -385,7 +385,7 @@ def check_as_accurate(candidate: Callable, reference: Callable, wide: Callable, 
             _, xla, _ = compare(r, w, 0.0)
             worst = max(worst, mine)
             if not (mine <= ACCURACY_SLACK * xla + tolerances[k]):
-                return CheckResult(False, worst, {}, f"output {k}, {where}: {mine:.3g} from float32, XLA's result "
+                return CheckResult(False, worst, {}, f"output {k}, {where}: {mine:.3g} from the program run wider, XLA's result "
                                    f"{xla:.3g} ({why or 'a mismatch'})")
         del exact
     return CheckResult(True, worst, {}, "")
