@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import autofuse
+import autofuse.graph
+import autofuse.plan
 from autofuse.kernels import TEMPLATES
 from autofuse.graph import stage_groups
 from autofuse.kernels.aligned_region import padded_axes
@@ -117,8 +119,11 @@ def test_the_lowering_exports_for_cuda():
 
     _, (c,) = _regions(jax.grad(cross_entropy, argnums=(0, 1)), _args(203))
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in c.group.input_avals()]
-    text = export_for_cuda(TEMPLATES[NAME].build(c.group, {"align": 64}, backend="xla_ops", spec=c.spec), structs).mlir_module()
-    assert "dot_general" in text and "pad" in text and "mosaic_gpu" not in text
+    for chunks in (1, 2):  # at once, and as a scan over chunks of the rows
+        kernel = TEMPLATES[NAME].build(c.group, {"align": 64, "chunks": chunks}, backend="xla_ops", spec=c.spec)
+        text = export_for_cuda(kernel, structs).mlir_module()
+        assert "dot_general" in text and "pad" in text and "mosaic_gpu" not in text
+        assert ("stablehlo.while" in text) == (chunks > 1)
 
 
 def test_stage_one_hands_on_the_product_and_row_values_only():
@@ -161,3 +166,51 @@ def test_both_dots_read_one_dlogits():
     assert len(dots) == 3
     read = [{str(v) for v in e.invars} for e in dots[1:]]
     assert read[0] & read[1], "dh and dW read different arrays"
+
+
+def test_a_region_runs_in_chunks_of_its_rows_with_jax_jits_numbers():
+    """Chunks of the product's leading axis one after another (a scan): each node maps a chunk to a chunk but
+    dW's dot, which sums over the rows (its partials added in float32)."""
+    for fn, args in ((jax.grad(cross_entropy, argnums=(0, 1)), _args(203, negative=True)),
+                     (jax.grad(log_square, argnums=(0, 1)), _args(203)[:2])):
+        graph, (c,) = _regions(fn, args)
+        assert c.spec.rows == 2 and [graph.node_index[i].name for i in c.spec.sinks] == ["dot_general"]
+        plan = plan_from_choices(graph, [(c.group, NAME, {"align": 64, "chunks": 2, "backend": "xla_ops"}, c.stages)])
+        run = autofuse.plan.executor(graph, plan)
+        flat = autofuse.graph.flatten_args(graph, fn, args, {})
+        assert "scan" in str(jax.make_jaxpr(lambda *xs: run(xs))(*flat))
+        for o, r in zip(jax.jit(lambda *xs: run(xs))(*flat), jax.jit(lambda *xs: graph.evaluate(xs))(*flat)):
+            ok, _, why = compare(o, r, 1e-2)
+            assert ok, why
+    assert TEMPLATES[NAME].unsupported(c.spec, "xla_ops", {"align": 64, "chunks": 4}) is not None  # 2 rows: no 4 chunks
+
+
+def test_a_staged_region_does_not_run_in_chunks():
+    """The squared loss's backward waits on the loss of every row: no chunk can finish before the others."""
+    _, (c,) = _regions(jax.grad(squared, argnums=(0, 1)), _args(203))
+    assert c.spec.rows == 0 and TEMPLATES[NAME].unsupported(c.spec, "xla_ops", {"align": 64, "chunks": 2}) is not None
+
+
+def test_in_chunks_no_array_of_the_logits_size_is_held_whole():
+    """GPT-2's step at its vocabulary (8 sequences of 256 tokens, d = 64): XLA's temporaries on this CPU against
+    jax.jit's, whose logits and float32 work over [2048, 50257] dominate them. In 8 chunks a chunk's are held at a
+    time: under half of jax.jit's, and the gradients the same."""
+    cfg = gpt2.Config(vocab=50257, d_model=64, n_layers=1, max_seq=256)
+    args = gpt2.make_inputs(cfg, batch=8, seq=256)
+    fn = gpt2.grad_step_cudnn
+    graph, (c,) = _regions(fn, args)
+    flat = autofuse.graph.flatten_args(graph, fn, args, {})
+    ref = jax.jit(lambda *xs: graph.evaluate(xs))
+
+    def temp(chunks):
+        run = autofuse.plan.executor(graph, plan_from_choices(graph, [(c.group, NAME, {"align": 64, "chunks": chunks, "backend": "xla_ops"})]))
+        f = jax.jit(lambda *xs: run(xs))
+        return f, f.lower(*flat).compile().memory_analysis().temp_size_in_bytes
+
+    chunked, chunked_bytes = temp(8)
+    whole = ref.lower(*flat).compile().memory_analysis().temp_size_in_bytes
+    assert chunked_bytes < 0.5 * whole, (chunked_bytes, whole)
+    assert chunked_bytes < 0.5 * temp(1)[1]
+    for o, r in zip(chunked(*flat), ref(*flat)):
+        ok, _, why = compare(o, r, 1e-2)
+        assert ok, why

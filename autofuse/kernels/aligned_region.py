@@ -19,6 +19,7 @@ through the rest of the network), so it runs in two stages, the first handing th
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class AlignedRegionSpec:
     extent: int  # that axis' size
     axes: dict[int, int]  # value id -> its padded axis (the values carrying the extent; others are not padded)
     stages: tuple[frozenset[int], ...]  # () where the region is convex (one unit), else (the forward, the rest)
+    rows: int = 0  # the product's leading axis, where the region can run in chunks of it (`chunking`); else 0
+    row_axes: dict[int, int] = dataclasses.field(default_factory=dict)  # value id -> its axis tied to those rows
+    sinks: frozenset[int] = frozenset()  # the nodes that sum over the rows (dW's dot): partials added over chunks
 
 
 def _ties(g: Graph, nd) -> list[tuple[Axis, Axis]]:
@@ -129,6 +133,35 @@ def padded_axes(g: Graph, nodes: list[int], start: Axis) -> dict[int, int] | Non
     return out if len(out) > 1 else None
 
 
+#: Sinks whose partial results over chunks of rows add up to the whole: a sum over them, a dot contracting them
+_SUM_SINKS = ("reduce_sum", "dot_general")
+
+
+def chunking(g: Graph, members: frozenset[int], product: int) -> tuple[int, dict[int, int], frozenset[int]] | None:
+    """(rows, each value's axis tied to them, the sinks) where the region can run over chunks of its product's
+    leading axis, one chunk after another: every node maps a chunk to a chunk, or sums over the rows (a sink, whose
+    result only the program reads: its partials are added), or reads no rows at all (done once, before the chunks).
+    Then no [rows, vocabulary] array is held whole (the logits and dlogits of one chunk at a time). None where a
+    node would need other chunks (an iota along the rows, a sum over them read again inside the region)."""
+    rows = g.avals[product].shape[0]
+    axes = padded_axes(g, sorted(members), (product, 0))
+    if rows < 2 or axes is None or any(g.aval(v).shape[a] != rows for v, a in axes.items()):
+        return None
+    inside = {a for i in members for a in g.node_index[i].inputs if isinstance(a, int)}
+    sinks = set()
+    for i in members:
+        nd = g.node_index[i]
+        reads = any(isinstance(a, int) and a in axes for a in nd.inputs)
+        makes = any(v in axes for v in nd.outputs)
+        if op_class(nd.name) is OpClass.SOURCE and makes and nd.params.get("dimension") == axes[nd.outputs[0]]:
+            return None  # an iota along the rows: each chunk would count from zero
+        if reads and not makes:
+            if nd.name not in _SUM_SINKS or any(v in inside for v in nd.outputs):
+                return None
+            sinks.add(i)
+    return rows, axes, frozenset(sinks)
+
+
 def region(g: Graph, dot: int) -> frozenset[int] | None:
     """The region grown from `dot`: `reread.split`'s group with the unaligned dots that read a value it makes."""
     parts = reread.split(g, dot)
@@ -167,7 +200,11 @@ def analyse(g: Graph, dot: int, members: frozenset[int]) -> AlignedRegionSpec | 
         if not (convex(g, set(first)) and convex(g, set(rest))):
             return None
         stages = (frozenset(first), rest)
-    return AlignedRegionSpec(group, dot, int(extent), axes, stages)
+    spec = AlignedRegionSpec(group, dot, int(extent), axes, stages)
+    found = chunking(g, members, nd.outputs[0]) if not stages else None
+    if found is not None and all(found[1].get(v) != a for v, a in axes.items()):
+        spec = dataclasses.replace(spec, rows=found[0], row_axes=found[1], sinks=found[2])
+    return spec
 
 
 def _regions(g: Graph) -> dict[int, AlignedRegionSpec]:
@@ -188,6 +225,7 @@ def _regions(g: Graph) -> dict[int, AlignedRegionSpec]:
 class AlignedRegionTemplate(Template[AlignedRegionSpec]):
     name = "aligned_region"
     backends = ("xla_ops",)
+    defaults = {"chunks": 1}
 
     def match(self, group: Group) -> AlignedRegionSpec | None:
         """The region whose nodes are exactly the group's."""
@@ -205,7 +243,7 @@ class AlignedRegionTemplate(Template[AlignedRegionSpec]):
         return spec.stages or None
 
     def facts(self, group: Group, spec: AlignedRegionSpec) -> dict:
-        return {"extent": spec.extent}
+        return {"extent": spec.extent, "rows": spec.rows}
 
     def model_time_ms(self, spec: AlignedRegionSpec, config: dict, model: GPUModel = H200) -> float:
         """XLA's time of the same work without the unaligned rows' penalty on its dots, at the padded extent."""

@@ -1,6 +1,8 @@
 """`aligned_region` through XLA: the region's own equations re-bound on arrays padded along their tied axis
 (`aligned_region.AlignedRegionSpec.axes`) to a multiple of `align`; reductions over it read their identity at
-the padding, contractions over it read zeros there, and the region's outputs are sliced back."""
+the padding, contractions over it read zeros there, and the region's outputs are sliced back. With `chunks` > 1
+(a region `chunking` allows) the equations run in a `lax.scan` over that many chunks of the product's rows: one
+chunk's logits and dlogits at a time, the sums over the rows (dW) added up in float32."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,24 +17,28 @@ from ...ops import OpClass
 from ..aligned_region import AlignedRegionSpec
 
 XLA_KERNELS = True  # XLA's own operations, no Pallas kernel
-PARAMS = ("align",)
+PARAMS = ("align", "chunks")
 
 
 def default_config(spec: AlignedRegionSpec) -> dict:
-    return {"align": 64}
+    return {"align": 64, "chunks": 1}
 
 
 def check_config(spec: AlignedRegionSpec, cfg: dict) -> None:
     if cfg["align"] <= 0 or cfg["align"] % 8:
         raise NotImplementedError(f"align={cfg['align']} must be a positive multiple of 8")
+    chunks = cfg.get("chunks", 1)
+    if chunks != 1 and not (spec.rows and spec.rows % chunks == 0):
+        raise NotImplementedError(f"chunks={chunks}: the region does not run in chunks of its {spec.rows or 'unsplittable'} rows")
 
 
 class _Padded:
     """Evaluates the region's nodes on padded arrays."""
 
-    def __init__(self, spec: AlignedRegionSpec, align: int):
+    def __init__(self, spec: AlignedRegionSpec, align: int, chunks: int = 1):
         self.spec, self.g = spec, spec.group.graph
         self.padded = -(-spec.extent // align) * align
+        self.chunk = spec.rows // chunks if chunks > 1 else None  # rows per chunk, where the region runs in chunks
         # values a dot reads, zeroed at their padding where they are made: a contraction over the padded axis must
         # read zeros there, and one over other axes (dW's over the rows) then reads the same array, one value
         # for both dots (masked at each dot, XLA wrote dlogits twice: masked and not, 1.5 GiB each at GPT-2's head)
@@ -41,9 +47,13 @@ class _Padded:
                            for a in g.node_index[i].inputs if isinstance(a, int) and a in spec.axes and a not in spec.group.inputs}
 
     def shape(self, v: int) -> tuple[int, ...]:
-        shape = tuple(self.g.aval(v).shape)
-        axis = self.spec.axes.get(v)
-        return shape if axis is None else shape[:axis] + (self.padded,) + shape[axis + 1:]
+        """`v`'s shape as evaluated: padded, and one chunk's rows where the region runs in chunks."""
+        shape = list(self.g.aval(v).shape)
+        if v in self.spec.axes:
+            shape[self.spec.axes[v]] = self.padded
+        if self.chunk and v in self.spec.row_axes:
+            shape[self.spec.row_axes[v]] = self.chunk
+        return tuple(shape)
 
     def pad(self, v: int, x: jax.Array) -> jax.Array:
         """A value from outside the region, padded with zeros along its tied axis."""
@@ -64,10 +74,17 @@ class _Padded:
         inside = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) < self.spec.extent
         return jnp.where(inside, x, jnp.asarray(fill, x.dtype))
 
-    def node(self, nd: Node, env: dict) -> None:
+    def node(self, nd: Node, env: dict, partial: bool = False) -> None:
+        """One equation on `env`'s padded (or chunked) values; `partial`: a sink's sum over one chunk's rows, in
+        float32 (the chunks' partials are added)."""
         ins = [read_atom(env, a) for a in nd.inputs]
         cls = ops.op_class(nd.name)
         changes: dict[str, Any] = {}
+        if partial and jnp.issubdtype(self.g.avals[nd.outputs[0]].dtype, jnp.floating):
+            if cls is OpClass.CONTRACTION:
+                changes["preferred_element_type"] = jnp.dtype(jnp.float32)
+            else:
+                ins[0] = ins[0].astype(jnp.float32)
         if nd.name == "broadcast_in_dim":
             changes["shape"] = self.shape(nd.outputs[0])
         elif nd.name == "reshape":
@@ -99,10 +116,56 @@ class _Padded:
 
 def lower(group: Group, spec: AlignedRegionSpec, config: dict, *, interpret=False) -> Callable:
     """`interpret` is unused: XLA's operations run wherever XLA does."""
-    ev = _Padded(spec, config["align"])
+    chunks = config.get("chunks", 1)
+    ev = _Padded(spec, config["align"], chunks)
+    if chunks == 1:
+        def kernel(*ins):
+            return ev.run(group, ins, None)[0]
+        return kernel
+    return _in_chunks(group, spec, ev, chunks)
+
+
+def _in_chunks(group: Group, spec: AlignedRegionSpec, ev: _Padded, chunks: int) -> Callable:
+    """The region as a scan over `chunks` chunks of its rows: the work that reads no rows first, once; then per
+    chunk the rest, the sinks' partial sums carried."""
+    g, rows = group.graph, spec.row_axes
+    per_chunk = [i for i in group.node_ids if any(v in rows for v in g.node_index[i].outputs)
+                 or any(isinstance(a, int) and a in rows for a in g.node_index[i].inputs)]
+    once = [i for i in group.node_ids if i not in set(per_chunk)]
+    sunk = {v: i for i in spec.sinks for v in g.node_index[i].outputs}
+
+    def split(v: int, x: jax.Array) -> jax.Array:  # [.., rows, ..] -> [chunks, .., rows / chunks, ..]
+        a = rows[v]
+        return jnp.moveaxis(x.reshape(x.shape[:a] + (chunks, ev.chunk) + x.shape[a + 1:]), a, 0)
+
+    def join(v: int, y: jax.Array) -> jax.Array:
+        a = rows[v]
+        y = jnp.moveaxis(y, 0, a)
+        return y.reshape(y.shape[:a] + (chunks * ev.chunk,) + y.shape[a + 2:])
 
     def kernel(*ins):
-        return ev.run(group, ins, None)[0]
+        env, xs = {}, {}
+        for v, x in zip(group.inputs, ins):
+            x = ev.pad(v, x)
+            (xs if v in rows else env)[v] = split(v, x) if v in rows else x
+        for i in once:
+            ev.node(g.node_index[i], env)
+        sums = {v: jnp.zeros(ev.shape(v), jnp.float32 if jnp.issubdtype(g.avals[v].dtype, jnp.floating) else g.avals[v].dtype)
+                for v in sunk}
+
+        def body(sums, xc):
+            e = dict(env)
+            e.update(xc)
+            for i in per_chunk:
+                ev.node(g.node_index[i], e, partial=i in spec.sinks)
+            return {v: sums[v] + e[v] for v in sums}, {v: e[v] for v in group.outputs if v in rows}
+
+        sums, ys = jax.lax.scan(body, sums, xs)
+        outs = []
+        for v in group.outputs:
+            x = join(v, ys[v]) if v in rows else sums[v].astype(g.avals[v].dtype) if v in sunk else read_atom(env, v)
+            outs.append(ev.unpad(v, x))
+        return outs
 
     return kernel
 
