@@ -214,3 +214,34 @@ def test_in_chunks_no_array_of_the_logits_size_is_held_whole():
     for o, r in zip(chunked(*flat), ref(*flat)):
         ok, _, why = compare(o, r, 1e-2)
         assert ok, why
+
+
+def test_a_plan_over_the_memory_cap_is_tried_again_in_chunks():
+    """`tune(max_memory=)`: a plan whose region runs whole is over the cap (the device stood in for: 3 GiB whole,
+    1 GiB in chunks, jax.jit 2 GiB); before any smaller plan it is validated again with its groups' leaner configs,
+    the region in chunks, which is kept."""
+    from autofuse.plan import Plan
+    from autofuse.runner.protocol import Timing, ValidationResult
+    from autofuse.status import TrialStatus
+    from autofuse.tuning.budget import parse_bytes
+    from autofuse.tuning.select import Cover
+    from autofuse.tuning.validate import validate
+
+    fn = jax.grad(cross_entropy, argnums=(0, 1))
+    graph, (c,) = _regions(fn, _args(203))
+    plan = plan_from_choices(graph, [(c.group, NAME, {"align": 64, "chunks": 1, "backend": "xla_ops"})])
+    t = lambda ms: Timing(ms, ms * 0.99, ms * 1.01, ms * 0.995, ms * 1.005)  # noqa: E731
+    seen = []
+
+    class Device:
+        def call(self, req):
+            groups = Plan.from_json(req.plan_json).groups
+            chunks = groups[0].config["chunks"] if groups else 0
+            seen.append(chunks)
+            return ValidationResult(TrialStatus.OK, 0.0, baseline=t(10.0), plan=t(9.0 if groups else 10.0), ratio=t(0.9 if groups else 1.0),
+                                    peak_bytes={0: 2, 1: 3, 2: 1}[chunks] * 2**30, baseline_peak_bytes=2 * 2**30)
+
+    rep = validate(graph, Cover(plan, 1.0, 0.5), Device(), "device", "ce", [], 0, 0.0, max_memory_bytes=parse_bytes("2.5GiB"))
+    assert seen[:2] == [1, 2], seen
+    assert [g.config["chunks"] for g in rep.plan.groups] == [2]
+    assert rep.plan.provenance["peak_bytes"] == 2**30

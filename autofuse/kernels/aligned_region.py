@@ -242,6 +242,11 @@ class AlignedRegionTemplate(Template[AlignedRegionSpec]):
     def stage_split(self, spec: AlignedRegionSpec) -> tuple[frozenset[int], ...] | None:
         return spec.stages or None
 
+    def leaner_config(self, spec: AlignedRegionSpec, config: dict) -> dict | None:
+        """The most chunks of the search space's that split the rows, where the region runs whole."""
+        chunks = next((c for c in (8, 4, 2) if spec.rows and spec.rows % c == 0), 1)
+        return {**config, "chunks": chunks} if config.get("chunks", 1) < chunks else None
+
     def facts(self, group: Group, spec: AlignedRegionSpec) -> dict:
         return {"extent": spec.extent, "rows": spec.rows}
 

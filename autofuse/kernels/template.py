@@ -98,6 +98,11 @@ class Template(ABC, Generic[Spec]):
         unreduced work. None by default."""
         return {}
 
+    def leaner_config(self, spec: Spec, config: dict) -> dict | None:
+        """A config of the same group that holds less device memory, for a plan over a job's memory cap
+        (`tune(max_memory=)`), or None (the default): `aligned_region`'s run in chunks of its rows."""
+        return None
+
     def vjp_rule(self, group: Group, config: dict, *, backend: str = DEFAULT_BACKEND, interpret: bool = False) -> VJPRule | None:
         """The template's own reverse-mode rule for `group` (cheaper residuals, a generated backward kernel), or
         None: the plan then saves the group's inputs and differentiates its sub-jaxpr in XLA

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from .. import costmodel
 from ..graph import Graph
-from ..plan import Plan, describe_groups
+from ..kernels import TEMPLATES
+from ..plan import Plan, bind_plan, describe_groups
 from ..runner.protocol import (
     CompareRequest,
     TrialRequest,
@@ -288,6 +289,11 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
             v = over_memory(v, max_memory_bytes)
         else:
             v = judge_here(cand, what, k, n, ahead)
+        lean = leaner_plan(graph, cand) if v.status is TrialStatus.OVER_MEMORY else None
+        if lean is not None:  # over the cap: its groups' leaner configs before any smaller plan
+            notes.append(f"{what}, {plural(len(cand.groups), 'group')}: {v.error}; again with its groups' leaner configs")
+            cand, what = lean, f"{what}, leaner configs"
+            v = judge_here(cand, what, k, n, [cand])
         plans_t.append({**_plan_timing(cand, v, t0), **({"gpu": gpu} if gpu else {})})
         m = Measured(cand, v, plan_saving_ms(cand, alone), what, None if expected is None else plan_saving_ms(cand, expected))
         measured.append(m)
@@ -341,6 +347,19 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         first.wall_s = time.time() - t_start
         return first
     return _measured_report(graph, best, plan, notes, name, cands, n_trials, t_start)
+
+
+def leaner_plan(graph: Graph, plan: Plan) -> Plan | None:
+    """`plan` with each group whose template has a config holding less memory (`Template.leaner_config`) in that
+    config; None where no group has one."""
+    groups, changed = [], False
+    for group, fg in bind_plan(graph, plan):
+        template = TEMPLATES[fg.template]
+        spec = template.match(group)
+        config = template.leaner_config(spec, fg.config) if spec is not None else None
+        changed |= config is not None
+        groups.append(replace(fg, config=config) if config is not None else fg)
+    return replace(plan, groups=tuple(groups)) if changed else None
 
 
 def over_memory(v: ValidationResult, max_memory_bytes: int | None) -> ValidationResult:
