@@ -65,7 +65,8 @@ def add_tune_parser(sub: argparse._SubParsersAction, parents: list[argparse.Argu
     p.add_argument("--effort", default=None, metavar="LEVEL",
                    help="a named trial budget instead of --trials: quick (16 trials), default (48) or thorough (160)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="cap a plan's peak device memory on the GPU (e.g. 40GiB): a plan above it fails its validation")
+                   help="cap a plan's peak device memory on the GPU (e.g. 40GiB): a plan above it is tried again with its groups' "
+                        "leaner configs (a cross-entropy in chunks), then fails its validation")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="time budget for the whole job, in seconds, counted from its start (which times every distinct candidate in XLA first)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (same seed and budget: same trials in the same order)")
