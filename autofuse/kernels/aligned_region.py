@@ -9,13 +9,16 @@ through a slice, or dlogits padded for the backward's dots, is no longer element
 three padded dots (H200, results/aligned_region_h200.md). Here the padding runs through the region instead: every
 value carrying the vocabulary dimension is computed padded (its padded entries are arbitrary), reductions over it
 read their identity there, the contractions over it read zeros there, and only the region's outputs are sliced
-back. The padded logits and dlogits are then one elementwise chain to XLA again, and the GEMMs run aligned.
+back. The GEMMs run aligned, and dh and dW read one dlogits. (On an H200 XLA still held the padded logits and
+dlogits apart: the region alone restored `aligned_dot`'s peak, not jax.jit's.) Where the region can run over
+chunks of the product's leading axis (`chunking`), one chunk's logits and dlogits are held at a time.
 
 Which axes are padded is found by unifying the axes the region's equations equate (`padded_axes`): the product's
 unaligned free axis and every axis of the same extent an elementwise op, broadcast, reshape, reduction or
-contraction ties to it. The region is `reread.split`'s group of the dot (what reduces the product and reads it
-again) with the unaligned dots that read it; in a training step it is not convex (the backward's cotangent comes
-through the rest of the network), so it runs in two stages, the first handing the second its padded values.
+contraction ties to it. The rows chunked are found the same way from the product's leading axis. The region is
+`reread.split`'s group of the dot (what reduces the product and reads it again) with the unaligned dots that read
+it. Where it is not convex (a backward whose cotangent depends on the forward's result, as a squared loss's does),
+it runs in two stages, the first handing the second its padded product and row values.
 """
 from __future__ import annotations
 
@@ -28,13 +31,9 @@ import numpy as np
 from .. import costmodel
 from ..costmodel import H200, GPUModel, unaligned_dot
 from ..graph import Graph, Group, convex
-from ..ops import OpClass, op_class
+from ..ops import FUSIBLE, OpClass, op_class
 from . import reread
 from .template import Template
-
-#: The ops a region may hold: their equations say which axes they equate (`_ties`), and evaluated on padded
-#: arrays they compute the same numbers at the unpadded positions
-MEMBERS = (OpClass.ELEMENTWISE, OpClass.BROADCAST, OpClass.LAYOUT, OpClass.REDUCTION, OpClass.SOURCE, OpClass.CONTRACTION)
 
 Axis = tuple[int, int]  # (value id, axis)
 
@@ -71,7 +70,7 @@ def _ties(g: Graph, nd) -> list[tuple[Axis, Axis]]:
     elif cls is OpClass.BROADCAST:
         for i, d in enumerate(nd.params["broadcast_dimensions"]):
             tie(ins[0], i, out_v, int(d))
-    elif nd.name == "reshape" or nd.name == "squeeze" or nd.name == "expand_dims":
+    elif cls is OpClass.LAYOUT:
         ishape = tuple(g.aval(ins[0]).shape)
         for i, n in enumerate(ishape):
             for j, m in enumerate(oshape):
@@ -179,7 +178,7 @@ def region(g: Graph, dot: int) -> frozenset[int] | None:
 def analyse(g: Graph, dot: int, members: frozenset[int]) -> AlignedRegionSpec | None:
     """The spec of the region `members` grown from `dot`, or None where it cannot run padded."""
     nd = g.node_index[dot]
-    if any(op_class(g.node_index[i].name) not in MEMBERS for i in members):
+    if any(op_class(g.node_index[i].name) not in FUSIBLE for i in members):  # `_ties` knows what each equates
         return None
     out_shape = tuple(g.avals[nd.outputs[0]].shape)
     if not costmodel.unaligned_rows(g.avals[nd.outputs[0]]):  # the product's last axis is the one padded

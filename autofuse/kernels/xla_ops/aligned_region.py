@@ -33,7 +33,7 @@ def check_config(spec: AlignedRegionSpec, cfg: dict) -> None:
 
 
 class _Padded:
-    """Evaluates the region's nodes on padded arrays."""
+    """Evaluates the region's nodes on padded arrays (of one chunk's rows, where the region runs in chunks)."""
 
     def __init__(self, spec: AlignedRegionSpec, align: int, chunks: int = 1):
         self.spec, self.g = spec, spec.group.graph
