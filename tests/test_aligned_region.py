@@ -245,3 +245,24 @@ def test_a_plan_over_the_memory_cap_is_tried_again_in_chunks():
     assert seen[:2] == [1, 2], seen
     assert [g.config["chunks"] for g in rep.plan.groups] == [2]
     assert rep.plan.provenance["peak_bytes"] == 2**30
+
+
+def test_the_memory_probe_builds_a_templates_own_plans_without_a_tuning_job():
+    """`python -m benchmarks profile memory --template NAME`: the plan of every group the template finds by itself
+    at its default config, then each alone (where there are several); each runs the program as jax.jit does."""
+    from benchmarks.memory_probe import template_plans
+
+    fn = jax.grad(cross_entropy, argnums=(0, 1))
+    args = _args(203)
+    graph = autofuse.capture(fn, *args)
+    flat = autofuse.graph.flatten_args(graph, fn, args, {})
+    dots = template_plans(graph, "aligned_dot")
+    assert [len(p.groups) for _, p in dots] == [3, 1, 1, 1] and dots[0][0] == "all 3 aligned_dot groups"
+    (name, region), = template_plans(graph, NAME)
+    assert [g.template for g in region.groups] == [NAME]
+    want = jax.jit(lambda *xs: graph.evaluate(xs))(*flat)
+    for _, plan in dots + [(name, region)]:
+        run = autofuse.plan.executor(graph, plan)
+        for o, r in zip(jax.jit(lambda *xs: run(xs))(*flat), want):
+            ok, _, why = compare(o, r, 1e-2)
+            assert ok, why

@@ -351,7 +351,7 @@ class Evaluator:
         if check_result:
             tols = cone_tolerances(self.graph, group.node_ids, group.outputs)
             res = check(fn, self._reference(group), avals, self.seeds, tols)
-            if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE:  # rounding amplified, or wrong: judged by float32
+            if not res.ok and res.max_error <= MAX_PROGRAM_TOLERANCE:  # rounding amplified, or wrong: judged by the program run wider
                 again = check_as_accurate(fn, self._reference(group), view.around(widened(group)), avals, self.seeds, tols)
                 res = again if again.ok else replace(res, reason=f"{res.reason}; {again.reason}")
             max_error = res.max_error

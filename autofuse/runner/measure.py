@@ -345,10 +345,9 @@ def widened(source: Group | Graph) -> Callable[..., list]:
                 env.update(zip(nd.outputs, bind_node(nd, ins)))
         return [read_atom(env, a) for a in source.outputs]
 
+    compiled = jax.jit(run)
     if not to64:
-        return jax.jit(run)
-    with jax.enable_x64(True):
-        compiled = jax.jit(run)
+        return compiled
 
     def run64(*xs):
         """Traced and run under 64-bit types (so called outside any trace); the results rounded back to float32."""
