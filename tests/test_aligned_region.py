@@ -85,6 +85,21 @@ def test_a_region_whose_backward_waits_on_its_forward_runs_in_two_stages():
     assert "reduce_max" in first and "dot_general" in first
 
 
+def squared_with_bias(h, w, b, targets):
+    """`squared` with a bias on the logits: stage 2 evaluates the biased logits again and needs the bias, which only
+    stage 1 reads as an input."""
+    logits = (h @ w.T + b).astype(jnp.float32)
+    target = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1]) * logits, axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target) ** 2
+
+
+def test_stage_two_gets_the_inputs_of_what_it_evaluates_again():
+    h, w, t = _args(203)
+    b = (0.1 * jax.random.normal(jax.random.PRNGKey(5), (203,))).astype(jnp.bfloat16)
+    c = _check(jax.grad(squared_with_bias, argnums=(0, 1, 2)), (h, w, b, t), 64)
+    assert len(c.stages) == 2
+
+
 def test_aligned_rows_and_a_forward_alone_make_no_region():
     assert _regions(jax.grad(cross_entropy, argnums=(0, 1)), _args(256))[1] == []  # 512-byte rows
     assert _regions(cross_entropy, _args(203))[1] == []  # nothing reads the logits after their reductions

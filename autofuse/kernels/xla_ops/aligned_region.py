@@ -146,8 +146,10 @@ def _in_chunks(group: Group, spec: AlignedRegionSpec, ev: _Padded, chunks: int) 
     def kernel(*ins):
         env, xs = {}, {}
         for v, x in zip(group.inputs, ins):
-            x = ev.pad(v, x)
-            (xs if v in rows else env)[v] = split(v, x) if v in rows else x
+            if v in rows:
+                xs[v] = split(v, ev.pad(v, x))
+            else:
+                env[v] = ev.pad(v, x)
         for i in once:
             ev.node(g.node_index[i], env)
         sums = {v: jnp.zeros(ev.shape(v), jnp.float32 if jnp.issubdtype(g.avals[v].dtype, jnp.floating) else g.avals[v].dtype)
@@ -188,8 +190,10 @@ def lower_stages(group: Group, spec: AlignedRegionSpec, stages, config: dict, *,
             again.add(made1[v])
             stack.extend(a for a in g.node_index[made1[v]].inputs if isinstance(a, int) and a in made1)
     reads = {a for i in again | set(second.node_ids) for a in g.node_index[i].inputs if isinstance(a, int)}
-    handed = sorted(v for v in reads if v in made1 and (v == product or v not in spec.axes))
-    redo = Group.of(g, sorted(again)) if again else None
+    # what stage 2 cannot make: the product and row values stage 1 made, and the (padded) group inputs of the nodes
+    # it evaluates again that are not its own inputs (a bias added to the logits)
+    handed = sorted(v for v in reads if (v in made1 and (v == product or v not in spec.axes))
+                    or (v in first.inputs and v not in second.inputs))
 
     def stage1(ins, private):
         outs, env = ev.run(first, ins, private)
@@ -197,9 +201,8 @@ def lower_stages(group: Group, spec: AlignedRegionSpec, stages, config: dict, *,
 
     def stage2(ins, private):
         env = dict(private)
-        if redo is not None:
-            for i in redo.node_ids:
-                ev.node(g.node_index[i], env)
+        for i in sorted(again):
+            ev.node(g.node_index[i], env)
         return ev.run(second, ins, env)[0], None
 
     return [stage1, stage2]
