@@ -18,6 +18,7 @@ import argparse
 import datetime
 import glob
 import importlib
+import json
 import os
 import re
 
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--plan", default="", help="a plan's JSON file (none: XLA's own plan, a smoke run)")
     ap.add_argument("--template", default="", help="instead of --plan: the groups this template finds by itself, at their "
                     "default configs, together and each alone")
+    ap.add_argument("--config", action="append", default=[], type=json.loads, help="with --template: a JSON object over "
+                    "each group's default config, e.g. '{\"chunks\": 8}'; repeated, one set of plans each")
     ap.add_argument("--small", action="store_true", help="the CPU-sized small_inputs()")
     ap.add_argument("--dump", default="", help="XLA's dump directory (XLA_FLAGS=--xla_dump_to=DIR, set before JAX starts)")
     ap.add_argument("--top", type=int, default=12)
@@ -100,7 +103,8 @@ def main() -> None:
     fn, args = getattr(mod, a.step), (mod.small_inputs() if a.small else mod.example_inputs())
     graph = capture(fn, *args)
     flat = flatten_args(graph, fn, args, {})
-    plans = template_plans(graph, a.template) if a.template else [("the plan", _plan_file(graph, a.plan))]
+    plans = ([p for over in a.config or [{}] for p in template_plans(graph, a.template, over)] if a.template
+             else [("the plan", _plan_file(graph, a.plan))])
     lines = [f"## {a.model}:{a.step}: peak memory of jax.jit and of " + ", ".join(f"{n} ({len(p.groups)} groups)" for n, p in plans), "",
              f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}, commit {commit()}, `{command()}`", "",
              "| program | arguments GiB | outputs GiB | temporaries GiB | peak GiB |", "|---|---|---|---|---|"]
@@ -152,19 +156,20 @@ def _planned(run):
     return planned
 
 
-def template_plans(graph, name: str) -> list[tuple[str, Plan]]:
-    """The plan of every group `name` finds by itself at its default config (the first backend it runs on), then
-    each group alone."""
-    t = TEMPLATES[name]
+def template_plans(graph, name: str, over: dict | None = None) -> list[tuple[str, Plan]]:
+    """The plan of every group `name` finds by itself at its default config (the first backend it runs on) with
+    `over` laid over it, then each group alone."""
+    t, over = TEMPLATES[name], over or {}
     choices = []
     for group, spec, stages in t.candidate_groups(graph, lambda i: is_fusible(graph, i)):
         backend = next(b for b in t.backends if t.unsupported(spec, b) is None)
-        choices.append((group, name, {**t.default_config_of(spec, backend), "backend": backend}, stages))
-    out = [(f"all {len(choices)} {name} groups", plan_from_choices(graph, choices))]
+        choices.append((group, name, {**t.default_config_of(spec, backend), **over, "backend": backend}, stages))
+    label = f" {json.dumps(over)}" if over else ""
+    out = [(f"all {len(choices)} {name} groups{label}", plan_from_choices(graph, choices))]
     for c in choices if len(choices) > 1 else ():
         nd = c[0].nodes[0]
         shapes = " x ".join(str(tuple(graph.aval(x).shape)) for x in nd.inputs if isinstance(x, int))
-        out.append((f"{name} {nd.name} {shapes} alone", plan_from_choices(graph, [c])))
+        out.append((f"{name} {nd.name} {shapes}{label} alone", plan_from_choices(graph, [c])))
     return out
 
 

@@ -275,8 +275,10 @@ def test_the_memory_probe_builds_a_templates_own_plans_without_a_tuning_job():
     assert [len(p.groups) for _, p in dots] == [3, 1, 1, 1] and dots[0][0] == "all 3 aligned_dot groups"
     (name, region), = template_plans(graph, NAME)
     assert [g.template for g in region.groups] == [NAME]
+    (chunked_name, chunked), = template_plans(graph, NAME, {"chunks": 2})
+    assert [g.config["chunks"] for g in chunked.groups] == [2] and chunked_name.endswith('{"chunks": 2}')
     want = jax.jit(lambda *xs: graph.evaluate(xs))(*flat)
-    for _, plan in dots + [(name, region)]:
+    for _, plan in dots + [(name, region), (chunked_name, chunked)]:
         run = autofuse.plan.executor(graph, plan)
         for o, r in zip(jax.jit(lambda *xs: run(xs))(*flat), want):
             ok, _, why = compare(o, r, 1e-2)
