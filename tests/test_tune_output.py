@@ -78,8 +78,9 @@ def _report(plan_groups: tuple[FusedGroup, ...], measure: str = "device") -> Tun
 
 
 def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_summary() -> None:
-    g = FusedGroup((0, 1, 2), "row_reduce", {"block_rows": 2}, "s-norm")
-    rep = _report((g, FusedGroup((5, 6, 7), "row_reduce", {"block_rows": 2}, "s-norm")))
+    best = {"backend": "triton", "block_rows": 2}
+    g = FusedGroup((0, 1, 2), "row_reduce", best, "s-norm")
+    rep = _report((g, FusedGroup((5, 6, 7), "row_reduce", best, "s-norm")))
     lines = rep.table().splitlines()
     body = lines[3:3 + 3]
     assert body[0].startswith("*  row_reduce: mul·reduce_sum·div") and "2/2" in body[0] and "2.00x" in body[0]
@@ -87,9 +88,19 @@ def test_table_lists_the_plan_first_marked_hides_unmeasured_and_ends_with_the_su
     assert "sub·mul" not in rep.table() and "1 candidate(s) never measured not shown" in rep.table()
     assert "[0, 1, 2]" not in rep.table()  # groups are named by what they compute, not by node indices
     assert "sub·mul" in rep.table(all_candidates=True)
+    assert "plan:" not in rep.table()
     assert lines[-1] == rep.summary()
     assert rep.summary() == ("autofuse: m:f: 2.00x over jax.jit (4 -> 2 ms, noise ±0.4%, max rel error 1.0e-06; measured on NVIDIA H100 80GB "
                              "HBM3) with 2 fused groups (row_reduce×2); 5 trials in 12.5 s; run 3, plan 7 in sqlite:////srv/plans.db")
+
+
+def test_table_shows_the_config_the_plan_runs_where_it_is_not_the_fastest_trials() -> None:
+    """A plan validated again with leaner configs (under --max-memory) runs a group at a config other than its
+    fastest trial's: its row says which config the plan runs, then the fastest, and a note says why."""
+    rep = _report((FusedGroup((0, 1, 2), "row_reduce", {"backend": "triton", "block_rows": 1}, "s-norm"),))
+    row = next(line for line in rep.table().splitlines() if line.startswith("*"))
+    assert row.endswith("plan: triton block_rows=1 (fastest: triton block_rows=2)"), row
+    assert "plan: the config the plan runs where it is not the fastest trial's" in rep.table()
 
 
 def test_summary_puts_a_large_error_beside_jax_jits_own_move() -> None:

@@ -80,9 +80,13 @@ def final_table(report: TuneReport, all_candidates: bool = False) -> str:
     labels = [candidate_label(r.cand) for r in rows]
     twice = {lb for lb in labels if labels.count(lb) > 1}
     labels = [f"{lb} #{r.cand.signature[:6]}" if lb in twice else lb for lb, r in zip(labels, rows)]  # the same ops, other shapes
+    planned = {g.signature: g.config for g in report.plan.groups}
+    other = {r.cand.signature for r in rows if r.chosen and config_text(planned[r.cand.signature]) != config_text(r.cand.best_config)}
     cells = [{"": "*" if r.chosen else "", "group": label, "x": r.cand.instances,
               "trials": f"{sum(t.status.value == 'ok' for t in r.cand.trials)}/{sum(t.status.compiled for t in r.cand.trials)}",
-              "xla ms": r.cand.xla_ms, "best ms": r.cand.best_ms, "speedup": r.cand.speedup, "config": config_text(r.cand.best_config)}
+              "xla ms": r.cand.xla_ms, "best ms": r.cand.best_ms, "speedup": r.cand.speedup,
+              "config": (f"plan: {config_text(planned[r.cand.signature])} (fastest: {config_text(r.cand.best_config)})"
+                         if r.cand.signature in other else config_text(r.cand.best_config))}
              for r, label in zip(rows, labels)]
     columns = [Column(""), Column("group"), Column("x"), Column("trials"), Column("xla ms", fmt=fmt_ms), Column("best ms", fmt=fmt_ms),
                Column("speedup", fmt=fmt_x), Column("config")]
@@ -92,6 +96,8 @@ def final_table(report: TuneReport, all_candidates: bool = False) -> str:
     notes = []
     if report.plan.groups:
         notes.append("* in the plan")
+    if other:
+        notes.append("plan: the config the plan runs where it is not the fastest trial's (a leaner one under --max-memory)")
     if hidden:
         notes.append(f"{hidden} candidate(s) never measured not shown (--all lists them)")
     notes.append("trials: ok/run, infeasible configs not counted")
