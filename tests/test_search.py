@@ -1,6 +1,7 @@
 """The tuning engine on the CPU: real trials (interpret mode, model timing), real worker processes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -494,6 +495,23 @@ def test_on_the_gpu_the_groups_are_judged_in_the_program():
     records = timings["composition"]
     assert len(records) == 5 and records[-1]["realised_ms"] == pytest.approx(1.1) and all(r["alone_ms"] is not None for r in records)
     assert [r["what"] for r in records] == ["the chosen plan"] + ["one group in context"] * 3 + ["the groups that saved time in context"]
+
+    # Under a memory cap, a group judged on its own may be over it where only another group brings the program under
+    # (GPT-2's checkpointed step: the cross-entropy in chunks). Its time in the program still counts toward the
+    # composed plan, which is held to the cap; on its own it is never the plan.
+    class Capped(Device):
+        def call(self, req):
+            v = super().call(req)
+            peak = 1 if self.plans[-1] & {a.signature, c_sig} else 3
+            return dataclasses.replace(v, peak_bytes=peak * 2**30, baseline_peak_bytes=3 * 2**30)
+
+    capped, timings = Capped(), {}
+    out = _validate(graph, Cover(rep.plan, 1.0, 0.5), capped, "device", "two_parts", rep.candidates, 0, 0.0, timings=timings,
+                    alternative=alternative, max_memory_bytes=2 * 2**30)
+    assert capped.plans[4:] == [{c_sig, b.signature}]
+    assert {fg.signature for fg in out.plan.groups} == {c_sig, b.signature} and out.tuned_ms == pytest.approx(8.9)
+    (alone_b,) = [r for r in timings["composition"] if r["signatures"] == [b.signature]]
+    assert alone_b["status"] == "over_memory" and alone_b["realised_ms"] == pytest.approx(0.4)
 
 
 @pytest.mark.slow

@@ -61,8 +61,12 @@ class Measured:
 
     @property
     def saving_ms(self) -> float | None:
+        """jax.jit's time less the plan's; also for a plan over the job's memory cap, which is never the plan itself
+        (`passed`) but whose groups' time counts toward a composed plan that the cap then judges: a group judged on
+        its own may be over the cap where only another group of the plan brings the program under it."""
         v = self.validation
-        return v.baseline.median_ms - v.plan.median_ms if v.ok and v.baseline is not None and v.plan is not None else None
+        timed = v.ok or v.status is TrialStatus.OVER_MEMORY
+        return v.baseline.median_ms - v.plan.median_ms if timed and v.baseline is not None and v.plan is not None else None
 
     @property
     def speedup(self) -> float:

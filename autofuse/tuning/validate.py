@@ -201,7 +201,10 @@ def validate(graph: Graph, cover: Cover, runner: Any, measure: str, name: str, c
         t0 = time.perf_counter()
         v = runner.call(ValidateRequest(cand.to_json()))
         plans_t.append(_plan_timing(cand, v, t0))
-        if not v.ok:
+        if v.status is TrialStatus.OVER_MEMORY and m.saving_ms is not None:
+            notes.append(f"{what}, {plural(len(cand.groups), 'group')}: {v.error}; saved {m.saving_ms:.3f} ms in the program, "
+                         "which counts only toward a plan composed with others")
+        elif not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
             notes.append(f"{plural(len(cand.groups), 'group')}: validation failed: {v.status}: {v.error}")
         elif cover.tuned_ms + given_up < base:
@@ -300,7 +303,10 @@ def _in_context(graph: Graph, cover: Cover, runner: Any, name: str, cands: list[
         if timings is not None:
             timings.setdefault("composition", []).append(m.record())
             recorded()
-        if not v.ok:
+        if v.status is TrialStatus.OVER_MEMORY and m.saving_ms is not None:
+            notes.append(f"{what}, {plural(len(cand.groups), 'group')}: {v.error}; saved {m.saving_ms:.3f} ms in the program, "
+                         "which counts only toward a plan composed with others")
+        elif not v.ok:
             log.warning("autofuse: a plan of %d fused groups failed end-to-end validation (%s)", len(cand.groups), v.error)
             notes.append(f"{what}, {plural(len(cand.groups), 'group')}: validation failed: {v.status}: {v.error}")
         elif m.passed:
