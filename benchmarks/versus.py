@@ -25,6 +25,7 @@ import autofuse
 from autofuse.graph import Aval
 from autofuse.plan import PlanError
 from autofuse.refs import resolve
+from autofuse.runner.evaluator import peak_bytes
 from autofuse.runner.measure import compare, random_inputs, time_pair
 from benchmarks.provenance import header
 from benchmarks.workloads import emit
@@ -66,16 +67,20 @@ def main(argv: list[str] | None = None) -> None:
     def ratio(r) -> str:
         return f"{1 / r.median_ms:.2f}x ({1 / r.q3_ms:.2f}..{1 / r.q1_ms:.2f})"
 
+    def peak(f) -> str:
+        b = peak_bytes(f.lower(*example).compile())
+        return "?" if b is None else f"{b / 2**30:.3g}"
+
     lines = [
         header(), "",
         f"`{a.program}` through autofuse.jit ({fused.last_status}) against jax.jit of it and of `{a.against}`; "
         "each pair timed in alternation, the speedup's median (quartiles); errors on the model's own inputs against "
         f"jax.jit of `{a.program}`.", "",
-        "| program | ms | autofuse.jit ms beside it | autofuse.jit's speedup | max relative error |",
-        "|---|---|---|---|---|",
-        f"| jax.jit `{a.program}` | {t_plain.median_ms:.3f} | {t_fused.median_ms:.3f} | {ratio(vs_plain)} | 0 (the reference) |",
-        f"| jax.jit `{a.against}` | {t_other.median_ms:.3f} | {t_fused2.median_ms:.3f} | {ratio(vs_other)} | {errors['jax.jit (--against)']:.3g} |",
-        f"| autofuse.jit `{a.program}` | | | | {errors['autofuse.jit']:.3g} |",
+        "| program | ms | autofuse.jit ms beside it | autofuse.jit's speedup | max relative error | peak memory GiB |",
+        "|---|---|---|---|---|---|",
+        f"| jax.jit `{a.program}` | {t_plain.median_ms:.3f} | {t_fused.median_ms:.3f} | {ratio(vs_plain)} | 0 (the reference) | {peak(plain)} |",
+        f"| jax.jit `{a.against}` | {t_other.median_ms:.3f} | {t_fused2.median_ms:.3f} | {ratio(vs_other)} | {errors['jax.jit (--against)']:.3g} | {peak(other)} |",
+        f"| autofuse.jit `{a.program}` | | | | {errors['autofuse.jit']:.3g} | {peak(fused)} |",
     ]
     emit(lines, a.out)
 

@@ -247,7 +247,9 @@ def test_versus_serves_the_stored_plan_beside_both_jits_and_names_a_miss(tmp_pat
     assert "through autofuse.jit (plan: " in out
     rows = [line for line in out.splitlines() if line.startswith("| jax.jit `") or line.startswith("| autofuse.jit `")]
     assert len(rows) == 3
-    assert all(float(r.rstrip(" |").rsplit("| ", 1)[1].split()[0]) < 1e-3 for r in rows)  # each output's error
+    cells = [[c.strip() for c in r.strip(" |").split("|")] for r in rows]
+    assert all(float(c[4].split()[0]) < 1e-3 for c in cells)  # each output's error
+    assert all(0 < float(c[5]) < 1 for c in cells)  # each program's peak device memory, GiB
     assert all(re.search(r"\| \d+\.\d\dx \(\d+\.\d\d\.\.\d+\.\d\d\) \|", r) for r in rows[:2])
     with pytest.raises(SystemExit, match="has no plan to serve here"):
         versus.main(["--db", str(tmp_path / "empty.db"), *args])
